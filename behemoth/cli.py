@@ -1,0 +1,189 @@
+"""The `behemoth` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from behemoth.errors import BehemothError
+
+from behemoth.launch import ERROR_PREFIX
+
+
+def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """`section.key  type  default  description` for every config option."""
+    from behemoth.config import Config
+
+    model = model or Config
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += option_table(ann, key + ".")
+            continue
+        default = field.get_default(call_default_factory=True)
+        kind = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+        rows.append(f"  {key:<26} {kind:<14} default {default!s:<10} {field.description or ''}")
+    return rows
+
+
+def train_parser(sub: argparse._SubParsersAction) -> None:
+    from behemoth.models.gpt import PRESETS
+
+    epilog = "\n".join([
+        "options (key=value, as many as you like; `model=NAME` picks a preset):",
+        *option_table(),
+        "",
+        f"model presets: {', '.join(PRESETS)}",
+        "examples:",
+        "  behemoth train                                   # gpt-1m on the Python stdlib, 2 processes on a CPU",
+        "  behemoth train --nproc 4 train.steps=100 data.path=~/notes",
+        "  behemoth train --resume                          # continue the newest run under runs/",
+        "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
+    ])
+    p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train a GPT on N local processes (data parallel), writing metrics, a loss plot and checkpoints.")
+    p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
+    p.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: every GPU, or 2 on a CPU-only machine)")
+    p.add_argument("--resume", nargs="?", const="newest", metavar="PATH",
+                   help="continue a run: a run directory, a checkpoint folder, or nothing for the newest run under runs/")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. train.steps=100 (listed below)")
+
+
+def export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file",
+                       description="Consolidate a checkpoint (any process count) into a safetensors file.")
+    p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--out", metavar="FILE", help="output file (default: model.safetensors next to the checkpoints)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="behemoth", description="Train and serve PyTorch models larger than one device.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train_parser(sub)
+    export_parser(sub)
+    return parser
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def newest_run(root: Path = Path("runs")) -> Path:
+    runs = sorted((p for p in root.glob("*") if (p / "checkpoints" / "latest").exists()), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise BehemothError(f"--resume found no run with a checkpoint under {root}/", "pass the run directory: --resume runs/NAME")
+    return runs[-1]
+
+
+def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
+    """The validated config and, with --resume, the checkpoint to start from."""
+    from behemoth.checkpoint import resolve_checkpoint
+    from behemoth.config import default_run_dir, load_config
+
+    if args.resume is None:
+        cfg = load_config(args.config, args.overrides)
+        cfg.run.dir = cfg.run.dir or default_run_dir()
+        return cfg, None
+    ckpt = resolve_checkpoint(newest_run() if args.resume == "newest" else Path(args.resume))
+    run_dir = ckpt.parent.parent
+    base = args.config or (run_dir / "config.yaml" if (run_dir / "config.yaml").exists() else None)
+    cfg = load_config(base, [f"run.dir={run_dir}", *args.overrides])
+    return cfg, ckpt
+
+
+def check_before_launch(cfg: Any, ckpt: Path | None, nproc: int) -> None:
+    """Everything that can be refused without a worker: plan, batch split, data, checkpoint, run dir."""
+    from behemoth.checkpoint import read_meta, validate_checkpoint
+    from behemoth.data import BatchLayout, prepare_corpus
+
+    dims = cfg.parallel.dims(nproc)
+    BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
+    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
+    if ckpt is not None:
+        validate_checkpoint(ckpt, cfg.model.model_dump(mode="json"))
+        step = read_meta(ckpt)["step"]
+        if step >= cfg.train.steps:
+            raise BehemothError(f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}", f"raise train.steps above {step} to train further")
+    elif (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
+        raise BehemothError(f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir")
+
+
+def worker(cfg_dict: dict[str, Any], ckpt: str | None) -> dict[str, Any]:
+    """Entry point of one launched worker process."""
+    from behemoth.config import Config
+    from behemoth.train import train
+
+    try:
+        return train(Config.model_validate(cfg_dict), resume=Path(ckpt) if ckpt else None)
+    except BehemothError as err:
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
+        raise
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from behemoth.launch import launch, launched_by_torchrun
+    from behemoth.train import train
+
+    cfg, ckpt = resolve_train_config(args)
+    t0 = time.time()
+    if launched_by_torchrun():  # torchrun started us: this process is one worker
+        summary = train(cfg, resume=ckpt)
+        if summary.get("rank") == 0:
+            report(summary, time.time() - t0)
+        return 0
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if nproc < 1:
+        raise BehemothError(f"--nproc {nproc} is not a process count", "use --nproc 1 or more")
+    check_before_launch(cfg, ckpt, nproc)
+    dims = cfg.parallel.dims(nproc)
+    print(f"behemoth: {cfg.model.preset} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) "
+          f"dp={dims.dp}, batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}", flush=True)
+    if nproc == 1:
+        summary = train(cfg, resume=ckpt)
+    else:
+        summary = launch(nproc, worker, cfg.model_dump(mode="json"), str(ckpt) if ckpt else None, timeout_s=cfg.run.timeout_s)[0]
+    report(summary, time.time() - t0)
+    return 0
+
+
+def report(summary: dict[str, Any], seconds: float) -> None:
+    val = summary["val"]
+    curve = f"validation loss {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})" if val else ""
+    print(f"behemoth: done in {seconds:.0f} s; {curve}")
+    print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/ model.safetensors")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from behemoth.checkpoint import export_safetensors, read_meta, resolve_checkpoint
+    from behemoth.models.gpt import GPTConfig, build_gpt
+
+    ckpt = resolve_checkpoint(args.path)
+    model_cfg = GPTConfig.model_validate(read_meta(ckpt).get("config", {}).get("model", {}))
+    out = Path(args.out) if args.out else ckpt.parent.parent / "model.safetensors"
+    export_safetensors(ckpt, out, build_gpt(model_cfg))
+    print(f"behemoth: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {ckpt}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"train": run_train, "export": run_export}[args.command](args)
+    except BehemothError as err:
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("behemoth: interrupted", file=sys.stderr)
+        return 130

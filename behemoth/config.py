@@ -1,0 +1,161 @@
+"""Typed, validated configuration: one section per component, YAML in and out, key=value overrides."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from behemoth.errors import BehemothError
+from behemoth.models.gpt import GPTConfig
+from behemoth.plan import ParallelPlan
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    path: str | None = Field(None, description="text file/folder, .npy or uint16 .bin tokens (default: Python stdlib sources)")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of the corpus held out for validation")
+    cache_dir: str | None = Field(None, description="where tokenized corpora are cached (default ~/.cache/behemoth)")
+
+
+class TrainConfig(Section):
+    steps: int = Field(600, ge=1, description="optimizer steps")
+    global_batch: int = Field(32, ge=1, description="sequences per optimizer step, over all processes")
+    micro_batch: int | None = Field(None, ge=1, description="sequences per process per forward (default: no accumulation)")
+    seq_len: int | None = Field(None, ge=2, description="tokens per sequence (default: model context)")
+    lr: float = Field(2e-3, gt=0, description="peak learning rate")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final LR as a fraction of the peak")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0 disables)")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16 = bf16 autocast (for GPUs)")
+    seed: int = Field(1234, description="seeds initialization, data order and dropout")
+    eval_every: int = Field(50, ge=0, description="validate every N steps (0: only at the end)")
+    eval_batches: int = Field(4, ge=1, description="validation batches of global_batch sequences")
+    log_every: int = Field(10, ge=1, description="write metrics every N steps")
+    peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(200, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+
+
+class RunConfig(Section):
+    dir: str | None = Field(None, description="run directory (default runs/<timestamp>)")
+    progress: bool = Field(True, description="show a progress bar on rank 0")
+    timeout_s: float = Field(300.0, gt=0, description="longest wait on another process before failing")
+
+
+class Config(Section):
+    model: GPTConfig = Field(default_factory=GPTConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelPlan = Field(default_factory=ParallelPlan)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "Config":
+        if self.train.seq_len is not None and self.train.seq_len > self.model.context:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; "
+                "lower train.seq_len or raise model.context"
+            )
+        return self
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.seq_len or self.model.context
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or the defaults), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise BehemothError(f"config file {p} does not exist", "pass an existing YAML file to --config")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise BehemothError(f"config file {p} is not valid YAML ({err.__class__.__name__})", "fix the syntax") from err
+        if not isinstance(raw, dict):
+            raise BehemothError(f"config file {p} holds a {type(raw).__name__}, not a mapping", "write `section: {key: value}`")
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw)
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise BehemothError(describe_validation_error(err, raw)) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set one dotted key in a nested dict; `model=NAME` is short for `model.preset=NAME`."""
+    if "=" not in item:
+        raise BehemothError(f"option {item!r} is not key=value", "write e.g. train.steps=100 (see behemoth train --help)")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if parts == ["model"]:
+        parts = ["model", "preset"]
+    check_key(parts)
+    value = yaml.safe_load(text) if text.strip() else None
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise BehemothError(f"{key}: {part} is not a section", "override a leaf key such as train.steps")
+    node[parts[-1]] = value
+
+
+def check_key(parts: list[str]) -> None:
+    """Refuse an unknown section or field, suggesting the closest real one."""
+    model: type[BaseModel] = Config
+    for depth, part in enumerate(parts):
+        fields = model.model_fields
+        if part not in fields:
+            known = ".".join(parts[:depth])
+            choices = [f"{known}.{f}" if known else f for f in fields]
+            guess = difflib.get_close_matches(".".join(parts[: depth + 1]), choices, n=1)
+            hint = f"did you mean {guess[0]}?" if guess else f"known keys: {', '.join(choices)}"
+            raise BehemothError(f"unknown option {'.'.join(parts)}", hint)
+        annotation = fields[part].annotation
+        if depth < len(parts) - 1:
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                raise BehemothError(f"unknown option {'.'.join(parts)}: {'.'.join(parts[:depth + 1])} is not a section")
+            model = annotation
+
+
+def describe_validation_error(err: ValidationError, raw: dict[str, Any]) -> str:
+    """One line per bad value: `key=value: what is wrong`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown option {loc}")
+        elif loc:
+            lines.append(f"{loc}={e.get('input')!r}: {msg}")
+        else:
+            lines.append(msg)
+    return "; ".join(lines)

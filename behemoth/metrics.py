@@ -1,0 +1,93 @@
+"""What a run measures and leaves behind: throughput, MFU, memory per rank, metrics.jsonl, loss.png."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def measure_peak_tflops(device: torch.device, size: int = 1024, reps: int = 3) -> float:
+    """Float32 matmul throughput of this rank right now, as a stand-in for the device's peak."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    a @ b  # warm up
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    synchronize(device)
+    return 2 * size**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_mb(device: torch.device) -> dict[str, float]:
+    """This process's peak resident memory and, on GPUs, peak allocated device memory."""
+    out = {"rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        out["device_peak_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` on every rank (one small all-gather)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+class MetricsLog:
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: Path, *, truncate_after: int | None = None) -> None:
+        self.path = path
+        if truncate_after is not None and path.exists():  # a resumed run rewrites what came after its checkpoint
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out: Path) -> None:
+    """Train and validation loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(metrics_path.parent.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

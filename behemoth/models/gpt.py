@@ -1,0 +1,160 @@
+"""A GPT decoder (pre-LayerNorm) that knows nothing of parallelism.
+
+It exposes a layered view — `embed`, `blocks`, `head` — that the pipeline partitioner cuts and
+whose linear layers the tensor-parallel plan names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from behemoth.models.init import InitSpec
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # name: shape                                                         ~parameters
+    "gpt-tiny": dict(n_layer=2, n_head=2, d_model=32, context=32, vocab_size=256),   # 30K, tests
+    "gpt-1m": dict(n_layer=4, n_head=4, d_model=128, context=128, vocab_size=256),   # 0.8M
+    "gpt-20m": dict(n_layer=6, n_head=8, d_model=512, context=256, vocab_size=256),  # 19M
+    "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, context=1024, vocab_size=50257, tie_embeddings=True),
+    "gpt2-350m": dict(n_layer=24, n_head=16, d_model=1024, context=1024, vocab_size=50257, tie_embeddings=True),
+    "gpt2-774m": dict(n_layer=36, n_head=20, d_model=1280, context=1024, vocab_size=50257, tie_embeddings=True),
+    "gpt2-1.5b": dict(n_layer=48, n_head=25, d_model=1600, context=1024, vocab_size=50257, tie_embeddings=True),
+}
+
+
+class GPTConfig(BaseModel):
+    """Shape of a GPT. `preset` fills every field the user does not set."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    preset: str = Field("gpt-1m", description=f"one of {', '.join(PRESETS)}")
+    n_layer: int = Field(None, ge=1)  # type: ignore[assignment]
+    n_head: int = Field(None, ge=1)  # type: ignore[assignment]
+    d_model: int = Field(None, ge=1)  # type: ignore[assignment]
+    context: int = Field(None, ge=2, description="longest sequence the model attends over")  # type: ignore[assignment]
+    vocab_size: int = Field(None, ge=2)  # type: ignore[assignment]
+    mlp_ratio: int = Field(4, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    bias: bool = True
+    tie_embeddings: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        preset = data.get("preset") or "gpt-1m"
+        if preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        return {**PRESETS[preset], **{k: v for k, v in data.items() if v is not None}}
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "GPTConfig":
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; pick a d_model that is a multiple of n_head")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def num_params(self) -> int:
+        d, L, V = self.d_model, self.n_layer, self.vocab_size
+        b = int(self.bias)
+        per_block = (3 * d * d + 3 * d * b) + (d * d + d * b) + 2 * (self.mlp_ratio * d * d) + self.mlp_ratio * d * b + d * b + 4 * d
+        head = 0 if self.tie_embeddings else V * d
+        return V * d + self.context * d + L * per_block + 2 * d + head
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
+        n = self.num_params() - self.context * self.d_model
+        return 6 * n + 12 * self.n_layer * self.d_model * seq_len
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)  # output laid out [q | k | v]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # B, H, T, hd
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, `n_layer` blocks, final LayerNorm, language-model head."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.ln_f(h)
+        return F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    def init_spec(self, name: str) -> InitSpec:
+        """GPT-2 initialization: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        if name.endswith(".bias"):
+            return InitSpec("zeros")
+        if ".ln_" in f".{name}" and name.endswith(".weight"):
+            return InitSpec("ones")
+        if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+            return InitSpec("normal", 0.02 / math.sqrt(2 * self.cfg.n_layer))
+        return InitSpec("normal", 0.02)
+
+
+def build_gpt(cfg: GPTConfig) -> GPT:
+    """The model on the meta device: shapes only, no memory. `materialize` gives it values."""
+    with torch.device("meta"):
+        return GPT(cfg)

@@ -1,0 +1,1 @@
+"""One module per parallel dimension, each exposing `apply_<dim>(model, mesh, ...)`."""

@@ -1,0 +1,127 @@
+"""Process topology: named parallel degrees, the process group and the DeviceMesh built from them.
+
+Nothing here is global: `init_runtime` returns a `Runtime` that is passed to whoever needs it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from behemoth.errors import BehemothError
+
+MESH_DIMS = ("pp", "dp", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of pipeline, data, expert and tensor parallelism; their product is the world size."""
+
+    world_size: int
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) < 1]
+        if bad:
+            raise BehemothError(f"parallel degrees must be >= 1, got {', '.join(bad)}", "set each degree to a positive integer")
+        product = self.pp * self.dp * self.ep * self.tp
+        if product != self.world_size:
+            factors = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+            raise BehemothError(
+                f"{factors} = {product}, but the world size is {self.world_size}",
+                f"choose degrees whose product is {self.world_size} or launch {product} processes",
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, n) for n in MESH_DIMS)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """A 4-D DeviceMesh (pp, dp, ep, tp), tensor parallel innermost so its ranks are neighbours."""
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+
+
+@dataclass
+class Runtime:
+    """What one process knows about the job: its rank, device, mesh and degrees."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: DeviceMesh
+    owns_process_group: bool = field(default=False, repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The process group of one mesh dimension (`pp`, `dp`, `ep` or `tp`)."""
+        return self.mesh.get_group(dim)
+
+    def coordinate(self, dim: str) -> int:
+        """This rank's index along one mesh dimension."""
+        return self.mesh.get_local_rank(dim)
+
+    def close(self) -> None:
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def pick_device(local_rank: int) -> torch.device:
+    """CUDA device `local_rank` where GPUs exist, otherwise the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_runtime(*, timeout_s: float = 300.0, **degrees: int) -> Runtime:
+    """Join (or create) the process group and build the mesh.
+
+    Under torchrun or `behemoth train --nproc N` the rendezvous comes from the environment; a plain
+    single process gets a one-rank group on an in-memory store so that every code path is the same.
+    `degrees` gives pp/ep/tp; dp defaults to what is left of the world size.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(local_rank)
+    owns = False
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = resolve_dims(world, **degrees)
+    return Runtime(rank, world, local_rank, device, dims, dims.build_mesh(device.type), owns)
+
+
+def resolve_dims(world_size: int, *, pp: int = 1, ep: int = 1, tp: int = 1, dp: int | None = None) -> ParallelDims:
+    """Fill in the data-parallel degree from the world size when it is not given."""
+    if dp is None:
+        rest = pp * ep * tp
+        if rest < 1 or world_size % rest:
+            raise BehemothError(
+                f"pp={pp} x ep={ep} x tp={tp} = {rest} does not divide the world size {world_size}",
+                f"choose degrees whose product divides {world_size}",
+            )
+        dp = world_size // rest
+    return ParallelDims(world_size=world_size, pp=pp, dp=dp, ep=ep, tp=tp)

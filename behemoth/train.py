@@ -1,0 +1,141 @@
+"""The training loop: data, learning-rate schedule, validation, metrics, checkpoints, progress."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from behemoth import checkpoint as ckpt_io
+from behemoth.config import Config
+from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+from behemoth.engine import Engine, StepResult, lr_at
+from behemoth.errors import BehemothError
+from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
+from behemoth.models.gpt import build_gpt
+from behemoth.topology import Runtime, init_runtime
+
+TRAIN_STREAM, VAL_STREAM = 0, 1
+
+
+class Trainer:
+    """One rank's view of a training run."""
+
+    def __init__(self, cfg: Config, rt: Runtime, *, resume: Path | None = None) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.run_dir = Path(cfg.run.dir or "runs/unnamed")
+        corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+        if corpus.vocab_size > cfg.model.vocab_size:
+            raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
+        self.layout = BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, rt.dims.dp)
+        dp_rank = rt.coordinate("dp")
+        self.engine = Engine(cfg, rt)
+        self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
+        val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
+        self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
+        self.history: list[StepResult] = []
+        self.val_history: list[tuple[int, float]] = []
+        self.start_step = 0
+        self.last_saved = -1
+        if resume is not None:
+            self.start_step = self.load(resume)
+        self.peak_tflops = cfg.train.peak_tflops * rt.world_size if cfg.train.peak_tflops else self.measure_peak()
+
+    def load(self, ckpt: Path) -> int:
+        state = self.engine.state_dict()
+        ckpt_io.load_checkpoint(state, ckpt)
+        meta = ckpt_io.read_meta(ckpt)
+        ckpt_io.restore_rng(ckpt, self.rt.rank, self.rt.world_size, meta["world_size"])
+        self.last_saved = meta["step"]
+        return meta["step"]
+
+    def measure_peak(self) -> float:
+        """Sum over ranks of each rank's measured float32 matmul rate (all ranks measure at once)."""
+        rates = gather_floats([measure_peak_tflops(self.rt.device)], self.rt.device)
+        return sum(r[0] for r in rates)
+
+    def run(self) -> dict[str, Any]:
+        cfg, main = self.cfg, self.rt.is_main
+        log = self.open_log()
+        bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
+                   disable=not (main and cfg.run.progress), dynamic_ncols=True)
+        flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * cfg.train.global_batch * cfg.seq_len
+        if self.start_step == 0:  # the curve starts from the untrained model
+            val0 = self.validate(0)
+            if log:
+                log.write({"step": 0, "val_loss": val0})
+        for step in range(self.start_step, cfg.train.steps):
+            record = self.train_one(step, flops_per_step)
+            done = step + 1
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+                record["val_loss"] = self.validate(done)
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                record["memory_mb"] = gather_floats([memory_mb(self.rt.device)["rss_peak_mb"]], self.rt.device)
+            if log:
+                log.write(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-",
+                            tok_s=f"{record['tokens_per_s']:.0f}")
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+                self.save(done)
+        bar.close()
+        return self.finish(log)
+
+    def train_one(self, step: int, flops_per_step: float) -> dict[str, Any]:
+        lr = lr_at(step, self.cfg.train)
+        batches = self.train_data.micro_batches(step)
+        synchronize(self.rt.device)
+        t0 = time.perf_counter()
+        result = self.engine.train_step(batches, lr)
+        synchronize(self.rt.device)
+        dt = time.perf_counter() - t0
+        self.history.append(result)
+        return {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
+                "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+
+    def validate(self, step: int) -> float:
+        loss = self.engine.evaluate(self.val_batches)
+        self.val_history.append((step, loss))
+        return loss
+
+    def save(self, step: int) -> None:
+        if step == self.last_saved:
+            return
+        meta = {"config": self.cfg.model_dump(mode="json")}
+        ckpt_io.save_checkpoint(self.engine.state_dict(), self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
+        self.last_saved = step
+
+    def open_log(self) -> MetricsLog | None:
+        if not self.rt.is_main:
+            return None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.start_step if self.start_step else None)
+
+    def finish(self, log: MetricsLog | None) -> dict[str, Any]:
+        """Plot, export consolidated weights from the final checkpoint, summarize."""
+        summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir), "rank": self.rt.rank}
+        if log is None:
+            dist.barrier()
+            return summary
+        log.close()
+        plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
+        ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_gpt(self.cfg.model))
+        dist.barrier()
+        return summary
+
+
+def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
+    """Run training in this process (one rank of a job, or a whole single-process job)."""
+    torch.manual_seed(cfg.train.seed)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, dp=cfg.parallel.dp)
+    try:
+        return Trainer(cfg, rt, resume=resume).run()
+    finally:
+        rt.close()

@@ -1,0 +1,51 @@
+"""Configuration: presets, overrides, YAML round trip and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from behemoth.config import load_config
+from behemoth.errors import BehemothError
+from behemoth.topology import ParallelDims, resolve_dims
+
+
+def test_preset_and_overrides():
+    cfg = load_config(None, ["model=gpt-20m", "model.n_layer=3", "train.steps=7", "parallel.bucket_mb=1.5"])
+    assert (cfg.model.n_layer, cfg.model.d_model, cfg.train.steps, cfg.parallel.bucket_mb) == (3, 512, 7, 1.5)
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(None, ["train.lr=0.01", "data.path=/tmp/x"])
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.stpes=5", "unknown option train.stpes; did you mean train.steps?"),
+    ("trian.steps=5", "unknown option trian.steps; did you mean train?"),
+    ("train.steps=abc", "train.steps='abc': Input should be a valid integer"),
+    ("train.steps=0", "train.steps=0: Input should be greater than or equal to 1"),
+    ("model=gpt-9000", "unknown model preset 'gpt-9000'"),
+    ("train.precision=fp8", "train.precision='fp8'"),
+    ("steps", "is not key=value"),
+    ("train.seq_len=4096", "train.seq_len=4096 exceeds model.context=128"),
+])
+def test_bad_options_are_one_clear_line(override, message):
+    with pytest.raises(BehemothError) as err:
+        load_config(None, [override])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_parallel_dims_name_every_factor():
+    with pytest.raises(BehemothError, match=r"pp=2 x dp=2 x ep=1 x tp=2 = 8, but the world size is 4"):
+        ParallelDims(world_size=4, pp=2, dp=2, tp=2)
+    with pytest.raises(BehemothError, match=r"tp=3 = 3 does not divide the world size 4"):
+        resolve_dims(4, tp=3)
+    assert resolve_dims(8, tp=2, pp=2).dp == 2
+
+
+def test_plan_refuses_wrong_world_size():
+    cfg = load_config(None, ["parallel.dp=3"])
+    with pytest.raises(BehemothError, match="dp=3"):
+        cfg.parallel.check_world_size(2)
