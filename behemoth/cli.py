@@ -11,9 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from behemoth.errors import BehemothError
-
-from behemoth.launch import ERROR_PREFIX
+from behemoth.errors import ERROR_PREFIX, BehemothError
 
 
 def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
@@ -64,12 +62,29 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="FILE", help="output file (default: model.safetensors next to the checkpoints)")
 
 
+def delegated_commands() -> dict[str, tuple[str, str]]:
+    """Commands whose own module parses their arguments: name -> (module:function, help)."""
+    return {
+        "schedule": ("behemoth.parallel.pipeline.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="behemoth", description="Train and serve PyTorch models larger than one device.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_parser(sub)
     export_parser(sub)
+    for name, (_, help_text) in delegated_commands().items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def run_delegated(name: str, argv: list[str]) -> int:
+    import importlib
+
+    target, _ = delegated_commands()[name]
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)(argv)
 
 
 def default_nproc() -> int:
@@ -178,6 +193,9 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in delegated_commands():
+        return run_delegated(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return {"train": run_train, "export": run_export}[args.command](args)

@@ -1,5 +1,7 @@
 """The one error type a user sees: a single line naming the value, the constraint and a fix."""
 
+ERROR_PREFIX = "behemoth: error: "  # how every command prints a BehemothError
+
 
 class BehemothError(Exception):
     """A problem with the user's request; printed as one line, never as a traceback."""

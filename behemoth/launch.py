@@ -9,9 +9,7 @@ import socket
 import uuid
 from typing import Any, Callable
 
-from behemoth.errors import BehemothError
-
-ERROR_PREFIX = "behemoth: error: "
+from behemoth.errors import ERROR_PREFIX, BehemothError
 
 
 def free_port() -> int:

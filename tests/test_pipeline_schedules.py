@@ -205,6 +205,8 @@ def test_p2p_latency_and_per_stage_costs():
     hetero = simulate(gpipe(4, 5), Costs(f, b, 0))
     assert close(hetero.step_time, sum(f) + sum(b) + 4 * (max(f) + max(b)))
     assert close(sum(hetero.busy), 5 * (sum(f) + sum(b)))
+    with pytest.raises(ScheduleError, match=r"costs.forward has 3 per-stage values for 4 stages"):
+        simulate(gpipe(4, 5), Costs([1, 2, 3], 1, 1))
 
 
 # ---------------------------------------------------------------- stashed activations

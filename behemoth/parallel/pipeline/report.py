@@ -13,13 +13,11 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from behemoth.errors import BehemothError
+from behemoth.errors import ERROR_PREFIX, BehemothError
 from behemoth.parallel.pipeline.gantt import draw_gantt, format_grid
 from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
 from behemoth.parallel.pipeline.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
 from behemoth.parallel.pipeline.validate import validate
-
-ERROR_PREFIX = "behemoth: error: "
 
 
 @dataclass(frozen=True)

@@ -174,8 +174,12 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
 
 
 def zb_h1(stages: int, microbatches: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023): 1F1B with backward split into BI and W, each W deferred only as far as
-    keeps at most p micro-batches in flight (forward done, W not yet) on any rank, 1F1B's peak."""
+    """ZB-H1 (Qi et al. 2023): 1F1B with backward split into input-gradient (BI) and weight-gradient (W) passes.
+
+    A rank defers its W passes as long as it holds at most p micro-batches in flight (forward done, W
+    not yet: 1F1B's peak, now on every rank), so input gradients travel back faster; in the cool-down
+    each BI is followed by one W, which fills the wait for the next gradient; the rest come last.
+    """
     p, m = stages, microbatches
     check_request("zb-h1", p, m)
     place = lambda s, mb: (s, 0)  # noqa: E731
@@ -200,11 +204,12 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     return _linear_schedule("zb-h1", p, m, order, split=True)
 
 
-def _interleaved_pass(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
-    """(chunk, microbatch) of a rank's k-th forward or backward: groups of p micro-batches sweep the chunks."""
-    in_group = k % (p * v)
-    chunk = in_group // p
-    return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+def _interleaved_pass(kind: Kind, k: int, rank: int, p: int, v: int) -> Action:
+    """Rank's k-th forward or backward, as Megatron-LM orders them: each group of p micro-batches sweeps
+    the chunks in turn, forwards from chunk 0 up, backwards from chunk v-1 down."""
+    chunk = (k % (p * v)) // p
+    chunk = chunk if kind is Kind.FORWARD else v - 1 - chunk
+    return Action(kind, chunk * p + rank, (k // (p * v)) * p + k % p, chunk)
 
 
 def interleaved(stages: int, microbatches: int, chunks: int = 2) -> Schedule:
@@ -215,13 +220,11 @@ def interleaved(stages: int, microbatches: int, chunks: int = 2) -> Schedule:
     total = m * v
     order = []
     for r in range(p):
-        warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
-        fwd = lambda k: Action(Kind.FORWARD, (c := _interleaved_pass(k, p, v, True))[0] * p + r, c[1], c[0])  # noqa: E731
-        bwd = lambda k: Action(Kind.BACKWARD, (c := _interleaved_pass(k, p, v, False))[0] * p + r, c[1], c[0])  # noqa: E731
-        ops = [fwd(k) for k in range(warmup)]
+        warmup = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)  # Megatron's warm-up count
+        ops = [_interleaved_pass(Kind.FORWARD, k, r, p, v) for k in range(warmup)]
         for i in range(total - warmup):
-            ops += [fwd(warmup + i), bwd(i)]
-        ops += [bwd(k) for k in range(total - warmup, total)]
+            ops += [_interleaved_pass(Kind.FORWARD, warmup + i, r, p, v), _interleaved_pass(Kind.BACKWARD, i, r, p, v)]
+        ops += [_interleaved_pass(Kind.BACKWARD, k, r, p, v) for k in range(total - warmup, total)]
         order.append(ops)
     per_rank = with_communication(order, place, p * v)
     for actions in per_rank:

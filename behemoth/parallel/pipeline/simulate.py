@@ -36,11 +36,16 @@ class Costs:
 
     def of(self, action: Action) -> float:
         """Time `action` occupies its rank."""
-        pick = lambda v: v if isinstance(v, (int, float)) else v[action.stage]  # noqa: E731
-        return {Kind.FORWARD: lambda: pick(self.forward), Kind.BACKWARD_INPUT: lambda: pick(self.backward),
-                Kind.BACKWARD_WEIGHT: lambda: pick(self.weight),
-                Kind.BACKWARD: lambda: pick(self.backward) + pick(self.weight),
-                Kind.GRAD_SYNC: lambda: self.grad_sync}.get(action.kind, lambda: 0.0)()
+        pick = lambda v: float(v) if isinstance(v, (int, float)) else float(v[action.stage])  # noqa: E731
+        if action.kind is Kind.FORWARD:
+            return pick(self.forward)
+        if action.kind is Kind.BACKWARD:
+            return pick(self.backward) + pick(self.weight)
+        if action.kind is Kind.BACKWARD_INPUT:
+            return pick(self.backward)
+        if action.kind is Kind.BACKWARD_WEIGHT:
+            return pick(self.weight)
+        return self.grad_sync if action.kind is Kind.GRAD_SYNC else 0.0
 
 
 def unit_slot(action: Action) -> float:
@@ -162,6 +167,11 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     bubble_fraction: idle over total across ranks, 1 - sum(busy) / (p * step_time). For GPipe and
     1F1B with uniform costs this is the published (p-1)/(m+p-1); see `closed_form_bubble`.
     """
+    for field in ("forward", "backward", "weight"):
+        value = getattr(costs, field)
+        if not isinstance(value, (int, float)) and len(value) != schedule.num_stages:
+            raise ScheduleError(f"costs.{field} has {len(value)} per-stage values for {schedule.num_stages} stages",
+                                f"give one number, or one per stage ({schedule.num_stages})")
     timeline = run_timeline(schedule, costs)
     step = max((row[-1].end for row in timeline if row), default=0.0)
     busy = tuple(sum(i.end - i.start for i in row if i.action.kind in COMPUTE) for row in timeline)
@@ -189,12 +199,14 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs = Cos
     """The published bubble fraction (idle / total, as `simulate` reports it) of schedule `name`.
 
     gpipe, 1f1b: (p-1)/(m+p-1) for any uniform tF, tB, tW (each rank idles (p-1)(tF+tB+tW)).
-    interleaved: (p-1)/(v*m+p-1). Megatron-LM's accounting: with a full stage's costs tF, tB (v chunks),
+    interleaved: (p-1)/(v*m+p-1). Megatron-LM's accounting: with tF, tB the forward and full backward of
+        a rank's whole share (v chunks, each costing 1/v of it, as `costs` gives per chunk stage),
         bubble time (p-1)/v * (tF+tB) against ideal time m*(tF+tB); its paper quotes the ratio
         bubble/ideal = (p-1)/(v*m); as a fraction of the step that is (p-1)/(v*m+p-1).
     zb-h1: Qi et al. 2023: bubble time (p-1)(tF+tB-tW) against ideal m(tF+tB+tW), tB the input-gradient
         pass and tW the weight-gradient pass; with tF=tB=tW that is (p-1)/(3m+p-1), a third of 1F1B's
-        bubble time. Exact for m >= p and tW <= tF (checked); for m < p the pipeline never fills.
+        bubble time. Exact for m >= p and tW <= tF (checked); for m < p the pipeline never fills and
+        this construction takes (2m+2p-1) units at tF=tB=tW=1 (not a published form; not marked exact).
     chimera: Li & Hoefler 2021, D = p stages, N = m micro-batches per step (N/2 per pipeline, N a
         multiple of D): (D-2)/(2N+D-2), counting the forward and the full backward of a micro-batch as
         one equal slot each (tF = tB + tW), as the paper's figures do: D-2 idle slots per rank against
