@@ -1,0 +1,118 @@
+"""behemoth data parallelism vs torch DistributedDataParallel, and one behemoth process vs a plain loop.
+
+Same model (built and initialized by behemoth), same batches, same AdamW and clipping on both
+sides; only the gradient synchronization (or the engine around the step) differs. Run:
+
+    python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m]
+
+Prints a markdown table: tokens/s (median step), the ratio behemoth / peer, and each rank's peak
+resident memory (RSS, which includes ~300 MB of torch itself on every rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+MODELS = {
+    "gpt-1m": ["model=gpt-1m", "train.global_batch=32"],
+    "gpt-6m": ["model=gpt-1m", "model.n_layer=6", "model.d_model=256", "model.n_head=8", "model.context=256", "train.global_batch=16"],
+}
+
+
+def make_config(model: str) -> dict[str, Any]:
+    from behemoth.config import load_config
+
+    return load_config(None, MODELS[model] + ["run.progress=false"]).model_dump(mode="json")
+
+
+def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """One rank of one variant: `behemoth` (Engine.train_step), `ddp`, or `plain` (single process)."""
+    import torch
+    import torch.distributed as dist
+
+    from behemoth.config import Config
+    from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+    from behemoth.engine import Engine, lr_at
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime()
+    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+    layout = BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
+    sampler = BatchSampler(corpus.train, cfg.seq_len, layout, rt.rank, cfg.train.seed)
+    step_fn = Engine(cfg, rt).train_step if kind == "behemoth" else peer_step(kind, cfg, rt)
+    times = []
+    for step in range(warmup + steps):
+        batches = sampler.micro_batches(step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step_fn(batches, lr_at(step, cfg.train))
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times[warmup:])
+    return {"tokens_per_s": cfg.train.global_batch * cfg.seq_len / median, "rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def peer_step(kind: str, cfg: Any, rt: Any):
+    """A training step written the way a PyTorch user writes it, with DDP when there are ranks."""
+    import torch
+    import torch.nn.functional as F
+
+    from behemoth.engine import build_optimizer
+    from behemoth.models.gpt import build_gpt
+    from behemoth.models.init import materialize
+
+    model = build_gpt(cfg.model)
+    materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
+    opt = build_optimizer(model, cfg.train)
+    net = torch.nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
+
+    def step(batches, lr):
+        opt.zero_grad(set_to_none=True)
+        for i, (x, y) in enumerate(batches):
+            ctx = net.no_sync() if kind == "ddp" and i < len(batches) - 1 else torch.enable_grad()
+            with ctx:
+                loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) / len(batches)
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+    return step
+
+
+def run(model: str, steps: int, warmup: int) -> list[dict[str, Any]]:
+    from behemoth.ranks import run_ranks
+
+    cfg = make_config(model)
+    rows = []
+    for ours, peer, world, threads in [("behemoth", "ddp", 2, 1), ("behemoth", "plain", 1, 2)]:
+        a = run_ranks(world, bench_rank, ours, cfg, steps, warmup, threads=threads, timeout=1800)
+        b = run_ranks(world, bench_rank, peer, cfg, steps, warmup, threads=threads, timeout=1800)
+        rows.append({"model": model, "procs": world, "peer": "DDP" if peer == "ddp" else "plain PyTorch loop",
+                     "ours": a[0]["tokens_per_s"], "theirs": b[0]["tokens_per_s"],
+                     "mem_ours": max(r["rss_peak_mb"] for r in a), "mem_theirs": max(r["rss_peak_mb"] for r in b)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--models", default="gpt-1m,gpt-6m")
+    args = parser.parse_args(argv)
+    print("| model | processes | peer | behemoth tok/s | peer tok/s | ratio | behemoth peak RSS/rank MB | peer peak RSS/rank MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in args.models.split(","):
+        for r in run(model, args.steps, args.warmup):
+            print(f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
+                  f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
