@@ -177,6 +177,8 @@ def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
         raise BehemothError(f"checkpoint {ckpt} does not hold this model's weights ({str(err).splitlines()[0][:200]})", "export with the run's own config") from None
     meta = read_meta(ckpt)
     tmp = out.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
+    first: dict[int, str] = {}  # a tied weight (an LM head sharing the embedding) is written once, under its first name
+    tensors = {k: v.contiguous() for k, v in state.items() if first.setdefault(v.data_ptr(), k) == k}
+    save_file(tensors, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
     os.replace(tmp, out)
     return out

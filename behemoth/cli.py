@@ -66,6 +66,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
     """Commands whose own module parses their arguments: name -> (module:function, help)."""
     return {
         "schedule": ("behemoth.parallel.pipeline.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
+        "estimate": ("behemoth.memory.report:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
     }
 
 
@@ -120,9 +121,13 @@ def check_before_launch(cfg: Any, ckpt: Path | None, nproc: int) -> None:
     """Everything that can be refused without a worker: plan, batch split, data, checkpoint, run dir."""
     from behemoth.checkpoint import read_meta, validate_checkpoint
     from behemoth.data import BatchLayout, prepare_corpus
+    from behemoth.memory.estimate import check_fits
+    from behemoth.parallel.pipeline.apply import check_pipeline
 
     dims = cfg.parallel.dims(nproc)
-    BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, dims.dp)
+    BatchLayout.resolve(cfg.train.global_batch, cfg.parallel.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, dims.dp), dims.dp)
+    check_pipeline(cfg, dims)
+    check_fits(cfg, dims.dp)  # parallel.memory_gb against the exact model-state estimate
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
@@ -163,8 +168,12 @@ def run_train(args: argparse.Namespace) -> int:
         raise BehemothError(f"--nproc {nproc} is not a process count", "use --nproc 1 or more")
     check_before_launch(cfg, ckpt, nproc)
     dims = cfg.parallel.dims(nproc)
-    print(f"behemoth: {cfg.model.preset} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) "
-          f"dp={dims.dp}, batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}", flush=True)
+    name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
+    from behemoth.parallel.pipeline.apply import describe_pipeline
+
+    degrees = describe_pipeline(cfg, dims) + f"dp={dims.dp}" + (f" x tp={dims.tp}" if dims.tp > 1 else "")
+    print(f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) "
+          f"{degrees}, batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}", flush=True)
     if nproc == 1:
         summary = train(cfg, resume=ckpt)
     else:
@@ -182,12 +191,15 @@ def report(summary: dict[str, Any], seconds: float) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from behemoth.checkpoint import export_safetensors, read_meta, resolve_checkpoint
-    from behemoth.models.gpt import GPTConfig, build_gpt
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.models.hf import HFConfig
 
     ckpt = resolve_checkpoint(args.path)
-    model_cfg = GPTConfig.model_validate(read_meta(ckpt).get("config", {}).get("model", {}))
+    saved = read_meta(ckpt).get("config", {})
+    model_cfg = GPTConfig.model_validate(saved.get("model", {}))
     out = Path(args.out) if args.out else ckpt.parent.parent / "model.safetensors"
-    export_safetensors(ckpt, out, build_gpt(model_cfg))
+    export_safetensors(ckpt, out, build_causal_lm(model_cfg, HFConfig.model_validate(saved.get("hf", {}))).module)
     print(f"behemoth: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {ckpt}")
     return 0
 

@@ -6,6 +6,7 @@ bytes) and the time spent waiting are counted for the profiler and for the ZeRO 
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -51,11 +52,19 @@ class Pending:
     def __init__(self, work: dist.Work | None, op: str, meter: CommMeter | None) -> None:
         self.work, self.op, self.meter = work, op, meter
 
-    def wait(self) -> None:
+    def done(self) -> bool:
+        """True once the operation has completed; never blocks."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done; with `timeout_s`, raise RuntimeError (from c10d) if it takes longer."""
         if self.work is None:
             return
         t0 = time.perf_counter()
-        self.work.wait()
+        if timeout_s is None:
+            self.work.wait()
+        else:
+            self.work.wait(datetime.timedelta(seconds=timeout_s))
         if self.meter is not None:
             self.meter.add_wait(self.op, time.perf_counter() - t0)
         self.work = None
@@ -109,3 +118,28 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> lis
     if current:
         buckets.append(current)
     return buckets
+
+
+def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, tag: int = 0) -> Pending:
+    """Start sending `tensor` to `peer` (a rank of `group`); keep `tensor` unchanged until the send is done."""
+    if meter is not None:
+        meter.record("send", tensor)
+    return Pending(dist.isend(tensor, dist.get_global_rank(group, peer), group=group, tag=tag), "send", meter)
+
+
+def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, tag: int = 0) -> Pending:
+    """Start receiving into `tensor` from `peer` (a rank of `group`); the data is there once `wait` returns."""
+    if meter is not None:
+        meter.record("recv", tensor)
+    return Pending(dist.irecv(tensor, dist.get_global_rank(group, peer), group=group, tag=tag), "recv", meter)
+
+
+def pair_all_reduce(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
+                    tag: int = 0, timeout_s: float | None = None) -> None:
+    """Sum `tensor` in place with its copy on `peer` (one exchange; both ranks get bitwise equal sums)."""
+    theirs = torch.empty_like(tensor)
+    recv = irecv(theirs, peer, group, meter, tag=tag)
+    send = isend(tensor, peer, group, meter, tag=tag)
+    recv.wait(timeout_s)
+    send.wait(timeout_s)
+    tensor.add_(theirs)

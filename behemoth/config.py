@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
+from behemoth.models.hf import HFConfig, shape_from_weights
 from behemoth.plan import ParallelPlan
 
 
@@ -63,6 +64,20 @@ class Config(Section):
     parallel: ParallelPlan = Field(default_factory=ParallelPlan)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    hf: HFConfig = Field(default_factory=HFConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_from_hf_weights(cls, data: Any) -> Any:
+        """With hf.weights, the model's shape is the one its config.json describes."""
+        weights = (data.get("hf") or {}).get("weights") if isinstance(data, dict) else None
+        if not weights:
+            return data
+        arch, model, hf = shape_from_weights(weights)
+        given = data["hf"].get("arch")
+        if given and given != arch:
+            raise BehemothError(f"hf.arch={given} but hf.weights={weights} holds a {arch} model", f"set hf.arch={arch} or drop it")
+        return {**data, "model": {**(data.get("model") or {}), **model}, "hf": {**hf, **data["hf"], "arch": arch}}
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "Config":
@@ -71,6 +86,10 @@ class Config(Section):
                 f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; "
                 "lower train.seq_len or raise model.context"
             )
+        m = self.model
+        self.parallel.check_tensor_parallel(n_head=m.n_head, kv_heads=self.hf.kv_heads if self.hf.arch == "llama" else None, d_model=m.d_model,
+                                            ffn=self.hf.ffn or m.mlp_ratio * m.d_model, seq_len=self.seq_len)
+        self.parallel.check_zero(arch=self.hf.arch)
         return self
 
     @property
@@ -111,12 +130,14 @@ def validate(raw: dict[str, Any]) -> Config:
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Set one dotted key in a nested dict; `model=NAME` is short for `model.preset=NAME`."""
+    """Set one dotted key in a nested dict; `model=NAME` is short for `model.preset=NAME` (`model=hf:ARCH`: hf.arch=ARCH)."""
     if "=" not in item:
         raise BehemothError(f"option {item!r} is not key=value", "write e.g. train.steps=100 (see behemoth train --help)")
     key, text = item.split("=", 1)
     parts = key.strip().split(".")
-    if parts == ["model"]:
+    if parts == ["model"] and text.strip().startswith("hf:"):
+        parts, text = ["hf", "arch"], text.strip()[3:]
+    elif parts == ["model"]:
         parts = ["model", "preset"]
     check_key(parts)
     value = yaml.safe_load(text) if text.strip() else None

@@ -6,7 +6,10 @@ config; the automatic planner will emit the same object.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from behemoth.errors import BehemothError
 from behemoth.topology import ParallelDims, resolve_dims
@@ -18,11 +21,97 @@ class ParallelPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     dp: int | None = Field(None, ge=1, description="data-parallel degree (default: every process)")
-    bucket_mb: float = Field(25.0, gt=0, description="gradient all-reduce bucket size in MiB")
+    bucket_mb: float = Field(25.0, description="gradient bucket size in MiB (all-reduce, or reduce-scatter under ZeRO 1-2)")
+    pp: int = Field(1, ge=1, description="pipeline-parallel degree: ranks in one pipeline")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"] = Field("1f1b", description="pipeline schedule (pp > 1)")
+    microbatches: int | None = Field(None, ge=1, description="micro-batches per step per pipeline (default: set by train.micro_batch)")
+    chunks: int = Field(2, ge=2, description="model chunks per rank for the interleaved schedule")
+    stage_boundaries: list[int] | None = Field(None, description="first block of every stage, then n_layer, e.g. [0,3,8] (default: balanced)")
+    balance: Literal["flops", "time", "layers"] = Field("flops", description="what stages balance when stage_boundaries is unset")
+    recompute: Literal["none", "full", "early"] | list[int] = Field(
+        "none", description="activation recomputation: none, full, early (stage-aware: ranks that stash most), or pipeline ranks")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron-style, innermost mesh dimension)")
+    sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
+    zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")
+    prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")
+    param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="ZeRO 1-3 compute params/grads; bf16 keeps fp32 master + Adam state")
+    memory_gb: float | None = Field(None, gt=0, description="GiB per rank for model states; refuse a plan the estimate says won't fit")
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _check_zero_stage(cls, v: int) -> int:
+        if v not in (0, 1, 2, 3):
+            raise ValueError("ZeRO stages are 0 (replicated), 1 (shard optimizer state), 2 (and gradients) and 3 (and parameters); choose one")
+        return v
+
+    @field_validator("bucket_mb")
+    @classmethod
+    def _check_bucket(cls, v: float) -> float:
+        if not v > 0:
+            raise ValueError("a gradient bucket must hold more than 0 MiB; use e.g. parallel.bucket_mb=25")
+        return v
+
+    @model_validator(mode="after")
+    def _check_zero_combination(self) -> "ParallelPlan":
+        if self.param_dtype != "fp32" and self.zero_stage == 0:
+            raise ValueError(f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO keeps; "
+                             "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)")
+        if self.zero_stage >= 2 and self.pp > 1:  # pipeline + ZeRO: stage 1 only, as in DeepSpeed and Megatron
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} with pp={self.pp}: ZeRO 2-3 reduce-scatter gradients (and 3 gathers "
+                             "parameters) for every micro-batch, m times per step under a pipeline schedule; use parallel.zero_stage=1")
+        if self.zero_stage in (1, 2) and self.tp > 1:  # ZeRO-3 shards the tp-split parameters over dp (2-D mesh)
+            raise ValueError(f"parallel.zero_stage={self.zero_stage} with tp={self.tp} is not supported yet (ZeRO 1-2 take whole "
+                             "parameters only); use parallel.zero_stage=3 or 0 with tensor parallelism")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages: pp, or pp x chunks for the interleaved schedule."""
+        return self.pp * self.schedule_chunks
+
+    @property
+    def schedule_chunks(self) -> int:
+        """Model chunks per rank as the schedule counts them (v): chunks for interleaved, else 1."""
+        return self.chunks if self.pp > 1 and self.schedule == "interleaved" else 1
+
+    def micro_batch(self, global_batch: int, micro_batch: int | None, dp: int) -> int | None:
+        """Sequences per micro-batch: fixed by `microbatches` (per step and data-parallel rank) when set, else train.micro_batch."""
+        if self.microbatches is None:
+            return micro_batch
+        if global_batch % (dp * self.microbatches):
+            raise BehemothError(f"train.global_batch={global_batch} does not split into dp={dp} x parallel.microbatches={self.microbatches}",
+                                f"use a global_batch that is a multiple of {dp * self.microbatches}")
+        size = global_batch // (dp * self.microbatches)
+        if micro_batch is not None and micro_batch != size:
+            raise BehemothError(f"train.micro_batch={micro_batch} contradicts parallel.microbatches={self.microbatches} "
+                                f"(global_batch {global_batch} / dp {dp} / {self.microbatches} = {size} sequences)", "set only one of them")
+        return size
+
+    def degrees(self) -> dict[str, int | None]:
+        """The mesh degrees this plan sets, for init_runtime."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
 
     def dims(self, world_size: int) -> ParallelDims:
         """The mesh degrees this plan asks for on `world_size` processes (validated)."""
-        return resolve_dims(world_size, dp=self.dp)
+        return resolve_dims(world_size, **self.degrees())
+
+    def check_zero(self, *, arch: str | None) -> None:
+        """ZeRO-3 gathers behemoth's GPT block by block; a Hugging Face model (`hf.arch`) is not cut into blocks yet."""
+        if self.zero_stage == 3 and arch is not None:
+            raise BehemothError(f"parallel.zero_stage=3 shards behemoth's GPT block by block; hf.arch={arch} is not supported yet",
+                                "use parallel.zero_stage=1 or 2 with a Hugging Face model")
+
+    def check_tensor_parallel(self, *, n_head: int, kv_heads: int | None, d_model: int, ffn: int, seq_len: int) -> None:
+        """Refuse before launch a model that tp does not split: heads, KV heads, widths; the sequence under SP."""
+        t = self.tp
+        sizes = {"model.n_head": n_head, "hf.kv_heads": kv_heads, "model.d_model": d_model, "the MLP width": ffn}
+        sizes = {k: v for k, v in sizes.items() if v is not None}
+        if self.sequence_parallel:
+            sizes["sequence length (train.seq_len)"] = seq_len
+        bad = [f"{name}={value}" for name, value in sizes.items() if value % t]
+        if bad:
+            raise BehemothError(f"parallel.tp={t} does not divide {', '.join(bad)}",
+                                f"choose a tp that divides each of them (e.g. tp={math.gcd(*sizes.values())} or a divisor of it)")
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse before launch a plan that cannot run on `world_size` processes."""

@@ -17,7 +17,7 @@ from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
 from behemoth.engine import Engine, StepResult, lr_at
 from behemoth.errors import BehemothError
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
-from behemoth.models.gpt import build_gpt
+from behemoth.models.causal_lm import build_causal_lm
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -32,7 +32,8 @@ class Trainer:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-        self.layout = BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, rt.dims.dp)
+        micro_batch = cfg.parallel.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, rt.dims.dp)
+        self.layout = BatchLayout.resolve(cfg.train.global_batch, micro_batch, rt.dims.dp)
         dp_rank = rt.coordinate("dp")
         self.engine = Engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
@@ -49,6 +50,7 @@ class Trainer:
     def load(self, ckpt: Path) -> int:
         state = self.engine.state_dict()
         ckpt_io.load_checkpoint(state, ckpt)
+        self.engine.after_load()
         meta = ckpt_io.read_meta(ckpt)
         ckpt_io.restore_rng(ckpt, self.rt.rank, self.rt.world_size, meta["world_size"])
         self.last_saved = meta["step"]
@@ -75,7 +77,12 @@ class Trainer:
             if cfg.train.eval_every and done % cfg.train.eval_every == 0 or done == cfg.train.steps:
                 record["val_loss"] = self.validate(done)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                record["memory_mb"] = gather_floats([memory_mb(self.rt.device)["rss_peak_mb"]], self.rt.device)
+                record.update(self.memory_per_rank())
+                # parameters + gradients + optimizer state each rank holds (ZeRO shards them), MiB
+                states = sum(v for k, v in self.engine.model_state_bytes().items() if k in ("params", "grads", "optimizer"))
+                record["model_states_mb"] = [r[0] for r in gather_floats([states / 2**20], self.rt.device)]
+                if self.engine.pipeline is not None:  # activations each pipeline rank held at once (measured), MiB
+                    record["stash_mb"] = [r[0] for r in gather_floats([self.engine.pipeline.last_trace.peak_stash_bytes / 2**20], self.rt.device)]
             if log:
                 log.write(record)
             bar.update(1)
@@ -97,6 +104,12 @@ class Trainer:
         self.history.append(result)
         return {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
                 "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+
+    def memory_per_rank(self) -> dict[str, list[float]]:
+        """Peak resident memory of every rank (MiB) and, on GPUs, peak allocated device memory."""
+        mine = memory_mb(self.rt.device)
+        ranks = gather_floats(list(mine.values()), self.rt.device)
+        return {("memory_mb" if k == "rss_peak_mb" else k): [r[i] for r in ranks] for i, k in enumerate(mine)}
 
     def validate(self, step: int) -> float:
         loss = self.engine.evaluate(self.val_batches)
@@ -126,7 +139,7 @@ class Trainer:
         log.close()
         plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
-        ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_gpt(self.cfg.model))
+        ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
         dist.barrier()
         return summary
 
@@ -134,7 +147,7 @@ class Trainer:
 def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
     """Run training in this process (one rank of a job, or a whole single-process job)."""
     torch.manual_seed(cfg.train.seed)
-    rt = init_runtime(timeout_s=cfg.run.timeout_s, dp=cfg.parallel.dp)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     try:
         return Trainer(cfg, rt, resume=resume).run()
     finally:

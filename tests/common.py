@@ -33,7 +33,7 @@ def train_body(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str,
     from behemoth.train import Trainer
 
     cfg = Config.model_validate(cfg_dict)
-    rt = init_runtime(timeout_s=cfg.run.timeout_s, dp=cfg.parallel.dp)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     trainer = Trainer(cfg, rt, resume=Path(resume) if resume else None)
     summary = trainer.run()
     weights = full_weights(trainer) if dist.get_rank() == 0 else None

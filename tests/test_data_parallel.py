@@ -48,3 +48,9 @@ def _train_without_reduce(cfg_dict):
 
     data.DataParallel._launch = lambda self, bucket: None
     return train_body(cfg_dict)
+
+
+def test_bf16_autocast_trains(tmp_path):
+    """bf16 is for GPUs (slow on this CPU): two steps of the tiny model just have to run and stay finite."""
+    got = run_ranks(1, train_body, tiny_config(tmp_path, "train.precision=bf16", "train.steps=2"))[0]
+    assert len(got["losses"]) == 2 and all(5.0 < loss < 6.0 for loss in got["losses"])

@@ -1,0 +1,153 @@
+"""The analytic memory estimator: model-state bytes per rank at each ZeRO stage.
+
+Two numbers per stage. The *formula* is the ZeRO paper's, for Ψ parameters on N ranks with Adam:
+bytes per parameter are (param, grad, optimizer) = (4, 4, 8) in float32 and (2, 2, 12) with bf16
+compute (the 12 are float32 master weights and two moments), so
+
+    stage 0: (p + g + k)Ψ   stage 1: (p + g)Ψ + kΨ/N   stage 2: pΨ + (g + k)Ψ/N   stage 3: (p + g + k)Ψ/N
+
+The *exact* estimate lays the model out as behemoth does (the same buckets and units, each padded
+with at most N - 1 elements so it splits evenly) and adds the short-lived buffers: gradient buckets
+in flight at stage 2; at stage 3 the gathered parameters (the root plus `1 + prefetch` blocks) and
+the unit gradients being reduce-scattered. It is what a rank really holds, to the byte, and the
+tests check the engine's measurement against it. Activations are not part of either.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from behemoth.comm import plan_buckets
+from behemoth.errors import BehemothError
+from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
+from behemoth.parallel.zero.sharded import plan_units
+
+GiB = 2**30
+STAGES = (0, 1, 2, 3)
+BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}  # (param, grad, optimizer incl. master) for Adam
+
+
+def formula_bytes(psi: int, n: int, stage: int, param_dtype: str = "fp32") -> dict[str, float]:
+    """The ZeRO paper's model-state bytes per rank: parameters, gradients, optimizer state."""
+    p, g, k = BYTES_PER_PARAM[param_dtype]
+    return {"params": p * psi / (n if stage >= 3 else 1), "grads": g * psi / (n if stage >= 2 else 1),
+            "optimizer": k * psi / (n if stage >= 1 else 1)}
+
+
+def formula_text(stage: int, param_dtype: str = "fp32") -> str:
+    """The stage's formula as the paper writes it, e.g. `4Ψ + 12Ψ/N`."""
+    p, g, k = BYTES_PER_PARAM[param_dtype]
+    whole, sharded = [(p + g + k, 0), (p + g, k), (p, g + k), (0, p + g + k)][stage]
+    return " + ".join(t for t in (f"{whole}Ψ" if whole else "", f"{sharded}Ψ/N" if sharded else "") if t)
+
+
+def bytes_per_param(n: int, stage: int, param_dtype: str = "fp32") -> float:
+    return sum(formula_bytes(1, n, stage, param_dtype).values())
+
+
+@dataclass
+class StageEstimate:
+    """Bytes one rank holds at one stage: exact (padded layout) and by the formula."""
+
+    stage: int
+    psi: int
+    padding: int                      # elements added so that groups split evenly over the ranks
+    params: int
+    grads: int
+    optimizer: int
+    formula: dict[str, float]
+    groups: int = 0                   # flat groups (buckets or units), each padded by fewer than N elements
+    buffers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.states + sum(self.buffers.values())
+
+
+def real_elements(layout: FlatLayout, rank: int) -> int:
+    """Elements of parameters (not padding) in this rank's shard."""
+    return sum(p.numel for p in layout.pieces(rank))
+
+
+def _layouts(model: Any, stage: int, n: int, bucket_mb: float) -> list[FlatLayout]:
+    """The flat groups behemoth builds: gradient buckets (stages 1-2) or units (stage 3)."""
+    if stage == 3:
+        return [FlatLayout(s.names, s.shapes, n) for s in plan_units(model)]
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    names = {id(p): name for name, p in named}
+    return [FlatLayout([names[id(p)] for p in b], [tuple(p.shape) for p in b], n)
+            for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
+
+
+def _window_max(sizes: list[int], width: int) -> int:
+    return max((sum(sizes[i:i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
+
+
+def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32", bucket_mb: float = 25.0,
+                   prefetch: int = 1, rank: int = 0) -> StageEstimate:
+    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough)."""
+    p, g, k = BYTES_PER_PARAM[param_dtype]
+    psi = sum(t.numel() for t in model.parameters())
+    formula = formula_bytes(psi, n, stage, param_dtype)
+    if stage == 0:
+        return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula)
+    layouts = _layouts(model, stage, n, bucket_mb)
+    padded = sum(lay.padded for lay in layouts)
+    shard = sum(lay.shard_size for lay in layouts)
+    mine = sum(real_elements(lay, rank) for lay in layouts)
+    master = 4 * shard if param_dtype != "fp32" else 0  # a separate float32 copy only with bf16 compute
+    est = StageEstimate(stage, psi, padded - psi, p * (shard if stage == 3 else padded), g * (shard if stage >= 2 else padded),
+                        8 * mine + master, formula, len(layouts))
+    sizes = [lay.padded * p for lay in layouts]
+    if stage == 2:
+        est.buffers["grad_buffers_peak"] = _window_max(sizes, MAX_BUCKETS_IN_FLIGHT + 1)
+    if stage == 3:
+        root, blocks = sizes[0], sizes[1:]
+        est.buffers["gathered_peak"] = root + _window_max(blocks, 1 + prefetch)
+        backward = [*reversed(blocks), root]  # the order in which unit gradients complete
+        est.buffers["grad_buffers_peak"] = _window_max(backward, 2)
+    return est
+
+
+def estimate(cfg: Any, n: int, *, rank: int = 0, stages: tuple[int, ...] = STAGES) -> list[StageEstimate]:
+    """Every stage's exact estimate for a config (the model is built on the meta device: no memory)."""
+    from behemoth.models.causal_lm import build_causal_lm
+
+    model = build_causal_lm(cfg.model, cfg.hf).module
+    plan = cfg.parallel
+    return [stage_estimate(model, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb,
+                           prefetch=plan.prefetch, rank=rank) for s in stages]
+
+
+def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> dict[int, int]:
+    """The most parameters whose model states fit `memory_bytes` per rank at each stage (formula, no buffers)."""
+    return {s: math.floor(memory_bytes / bytes_per_param(n, s, param_dtype if s else "fp32")) for s in STAGES}
+
+
+def check_fits(cfg: Any, dp: int) -> None:
+    """Refuse before launch a plan whose model states (exact estimate, rank 0) exceed parallel.memory_gb."""
+    plan = cfg.parallel
+    if plan.memory_gb is None:
+        return
+    ests = estimate(cfg, dp)
+    need = ests[plan.zero_stage]
+    if need.total <= plan.memory_gb * GiB:
+        return
+    fitting = [e for e in ests if e.total <= plan.memory_gb * GiB]
+    room = plan.memory_gb * GiB - sum(ests[3].buffers.values())  # gathered blocks do not shrink with more ranks
+    ranks = math.ceil(bytes_per_param(1, 3, plan.param_dtype) * need.psi / room) if room > 0 else None
+    fix = (f"use parallel.zero_stage={fitting[0].stage} ({fitting[0].total / GiB:.2f} GiB)" if fitting
+           else f"use parallel.zero_stage=3 on {ranks} or more ranks" if ranks
+           else "use a smaller model or more memory per rank (stage 3's gathered blocks alone do not fit)")
+    raise BehemothError(
+        f"the model ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
+        f"parallel.zero_stage={plan.zero_stage} on dp={dp} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
+        f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}", fix)

@@ -1,0 +1,206 @@
+"""Hugging Face causal LMs (Llama, GPT-2) run unmodified under behemoth's layout-independent init and plans.
+
+The model is built from its transformers config on the meta device (parameters only; buffers such as
+Llama's rotary frequencies are real), so `materialize` draws every parameter from (seed, name) exactly as
+for behemoth's GPT, or the weights of a local `save_pretrained` directory are copied in afterwards.
+Nothing is downloaded. Modules are only replaced by name; the transformers classes are not edited.
+
+Tensor-parallel rules: Llama brings its own `base_model_tp_plan` (HF style names, mapped to behemoth's);
+GPT-2 has none, so behemoth ships one (its fused c_attn is a transposed Conv1D holding [q|k|v]).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
+
+ARCHS = ("llama", "gpt2")
+# transformers' style names -> behemoth's (see parallel/tensor/plan.py)
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab", "colwise_gather_output": "vocab",
+             "sequence_parallel": "sequence_norm", "packed_colwise": "packed_colwise:2", "replicate": "replicate"}
+GPT2_TP_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.0": "sequence_input",
+    "transformer.h.*.ln_1": "sequence_norm",
+    "transformer.h.*.attn.c_attn": "packed_colwise:3",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.ln_2": "sequence_norm",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "transformer.ln_f": "sequence_norm",
+    "lm_head": "vocab",
+}
+LLAMA_EXTRA_PLAN = {  # what Llama's own plan leaves out: embedding, head, norms, the sequence split
+    "model.embed_tokens": "vocab",
+    "model.layers.0": "sequence_input",
+    "model.layers.*.input_layernorm": "sequence_norm",
+    "model.layers.*.post_attention_layernorm": "sequence_norm",
+    "model.norm": "sequence_norm",
+    "lm_head": "vocab",
+}
+
+
+class HFConfig(BaseModel):
+    """A Hugging Face architecture instead of behemoth's GPT; its shape comes from the `model` section or `weights`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    arch: Literal["llama", "gpt2"] | None = Field(None, description="transformers architecture (model=hf:llama or model=hf:gpt2)")
+    weights: str | None = Field(None, description="local save_pretrained directory (config.json + *.safetensors) to start from")
+    kv_heads: int | None = Field(None, ge=1, description="Llama key/value heads (grouped-query attention; default n_head)")
+    ffn: int | None = Field(None, ge=1, description="MLP width (default mlp_ratio x d_model)")
+    rope_theta: float = Field(10000.0, gt=0, description="Llama rotary base")
+
+
+def read_weights_config(weights: str) -> dict[str, Any]:
+    """config.json of a local save_pretrained directory."""
+    path = Path(weights).expanduser() / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise BehemothError(f"hf.weights={weights} has no readable config.json ({err.__class__.__name__})",
+                            "point hf.weights at a directory written by save_pretrained") from None
+
+
+def shape_from_weights(weights: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(arch, model-section fields, hf-section fields) described by a weights directory's config.json."""
+    c = read_weights_config(weights)
+    arch = c.get("model_type")
+    if arch == "llama":
+        model = dict(n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], d_model=c["hidden_size"],
+                     context=c["max_position_embeddings"], vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", False))
+        hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
+        return arch, model, hf
+    if arch == "gpt2":
+        model = dict(n_layer=c["n_layer"], n_head=c["n_head"], d_model=c["n_embd"], context=c["n_positions"],
+                     vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", True))
+        return arch, model, dict(ffn=c.get("n_inner") or 4 * c["n_embd"])
+    raise BehemothError(f"hf.weights={weights} holds a {arch!r} model", f"use one of {', '.join(ARCHS)}")
+
+
+def rope_theta_of(c: dict[str, Any]) -> float:
+    params = c.get("rope_parameters") or {}
+    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def transformers_config(model_cfg: Any, hf: HFConfig) -> Any:
+    """The transformers config for `hf.arch` with behemoth's model shape (dropout as configured, SDPA attention)."""
+    import transformers
+
+    common = dict(vocab_size=model_cfg.vocab_size, tie_word_embeddings=model_cfg.tie_embeddings, attn_implementation="sdpa",
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False)
+    ffn = hf.ffn or model_cfg.mlp_ratio * model_cfg.d_model
+    if hf.arch == "llama":
+        return transformers.LlamaConfig(hidden_size=model_cfg.d_model, intermediate_size=ffn, num_hidden_layers=model_cfg.n_layer,
+                                        num_attention_heads=model_cfg.n_head, num_key_value_heads=hf.kv_heads or model_cfg.n_head,
+                                        max_position_embeddings=model_cfg.context, attention_dropout=model_cfg.dropout,
+                                        rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta}, **common)
+    p = model_cfg.dropout
+    return transformers.GPT2Config(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn,
+                                   n_positions=model_cfg.context, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, **common)
+
+
+def require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise BehemothError("hf.arch needs the transformers package, which is not installed", "pip install 'behemoth[hf]'") from None
+
+
+def build_hf(model_cfg: Any, hf: HFConfig) -> nn.Module:
+    """The transformers model on the meta device: parameters without storage, buffers real (on the CPU)."""
+    require_transformers()
+    import transformers
+
+    config = transformers_config(model_cfg, hf)
+    cls = transformers.LlamaForCausalLM if hf.arch == "llama" else transformers.GPT2LMHeadModel
+    with torch.device("meta"):
+        model = cls(config)
+    rebuild_meta_buffers(model)
+    return model
+
+
+def rebuild_meta_buffers(model: nn.Module) -> None:
+    """Modules whose buffers were computed on meta (rotary frequencies) are built again on the CPU from their config."""
+    for name, module in list(model.named_modules()):
+        if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+            if not hasattr(module, "config") or any(True for _ in module.parameters(recurse=False)):
+                raise BehemothError(f"{name} ({type(module).__name__}) has buffers behemoth cannot rebuild", "report this model")
+            with torch.device("cpu"):
+                fresh = type(module)(config=module.config)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, fresh)
+
+
+def hf_init_spec(model: nn.Module, arch: str):
+    """transformers' own initialization, by parameter name: N(0, 0.02); GPT-2 residual projections 0.02/sqrt(2L)."""
+    std = getattr(model.config, "initializer_range", 0.02)
+    n_layer = model.config.num_hidden_layers
+
+    def spec(name: str) -> InitSpec:
+        if name.endswith(".bias"):
+            return InitSpec("zeros")
+        if "norm" in name or ".ln_" in name:
+            return InitSpec("ones")
+        if arch == "gpt2" and name.endswith("c_proj.weight"):
+            return InitSpec("normal", std / math.sqrt(2 * n_layer))
+        return InitSpec("normal", std)
+    return spec
+
+
+def hf_tp_plan(model: nn.Module, arch: str) -> dict[str, str]:
+    """behemoth's tensor-parallel plan for a transformers model: Llama's own rules, mapped, or GPT-2's from behemoth."""
+    if arch == "gpt2":
+        return dict(GPT2_TP_PLAN)
+    own = getattr(model.config, "base_model_tp_plan", None) or {}
+    unknown = sorted({s for s in own.values() if s not in HF_STYLES})
+    if unknown:
+        raise BehemothError(f"{arch}'s base_model_tp_plan uses styles {unknown} behemoth does not map", f"known: {', '.join(HF_STYLES)}")
+    prefix = model.base_model_prefix
+    return {**{f"{prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **LLAMA_EXTRA_PLAN}
+
+
+def adapt_attention_width(model: nn.Module, arch: str, tp: int) -> None:
+    """GPT-2 splits c_attn's output by its `split_size` attribute (the full width); under TP a rank holds 1/t of it."""
+    if arch != "gpt2" or tp == 1:
+        return
+    for block in model.transformer.h:
+        block.attn.split_size = block.attn.embed_dim // tp
+
+
+def hf_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=idx, use_cache=False).logits
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: str) -> int:
+    """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters."""
+    from safetensors import safe_open
+
+    files = sorted(Path(weights).expanduser().glob("*.safetensors"))
+    if not files:
+        raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
+    params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters()}
+    loaded = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                p = params.get(key)
+                if p is None:
+                    continue
+                full = st.get_tensor(key)
+                p.copy_(getattr(p, TAKE_LOCAL, lambda t: t)(full).to(p.dtype))
+                loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise BehemothError(f"hf.weights={weights} lacks {len(missing)} parameter(s), e.g. {missing[0]}", "save the whole model")
+    return len(loaded)

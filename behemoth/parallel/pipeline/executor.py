@@ -1,0 +1,288 @@
+"""Runs one pipeline rank's action list for a training step, with asynchronous point-to-point transfers.
+
+Message-driven, as in AxoNN: every receive is posted `lookahead` compute passes before the pass
+that consumes it, so the transfer travels while this rank computes, and it is waited for only
+when the RECV action (placed right before the consumer) runs. Sends never block; they are
+reaped as they complete and waited for at the end of the step. Every wait is bounded by
+`timeout_s` and fails with an error naming this rank, the action and the peer.
+
+Tensors move through a mailbox keyed by (payload, stage, micro-batch): a forward deposits its
+output, a backward the gradient of its input; a SEND takes the tensor out, a RECV puts one in,
+and when producer and consumer share a rank the consumer takes it straight from the mailbox.
+
+The last stage divides each micro-batch's summed token loss by the global token count, as
+`Engine.train_step` does, so the summed gradients are those of the single-process run. Each
+action's start and end (time.perf_counter, one clock for all processes of a machine) are
+recorded, so the bubble fraction can be measured and compared with `simulate`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from behemoth.comm import CommMeter, Pending, irecv, isend, pair_all_reduce
+from behemoth.errors import BehemothError
+from behemoth.parallel.pipeline.partition import StageChunk
+from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
+from behemoth.parallel.pipeline.stage import StashMeter, Stashed, backward_full, backward_input, backward_weight
+
+ACT, GRAD = "act", "grad"
+PAYLOAD = {Kind.SEND_ACT: ACT, Kind.RECV_ACT: ACT, Kind.SEND_GRAD: GRAD, Kind.RECV_GRAD: GRAD}
+SYNC_TAG = 1 << 22  # tags of gradient syncs between replicas; activations and gradients use 1 .. SYNC_TAG-1
+EVAL_TAG = 1 << 23  # tags of the forward-only evaluation pass
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PipelineWaitError(BehemothError):
+    """A message or gradient sync that did not complete within run.timeout_s."""
+
+
+def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in float32, as Engine.loss_sum computes it."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When one action ran on this rank (seconds on the machine's monotonic clock)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class StepTrace:
+    """What one rank's step did: per-action times, its share of the loss, its peak stashed activations."""
+
+    rank: int
+    times: list[ActionTime]
+    loss: torch.Tensor
+    peak_stash_bytes: int
+
+    def busy(self) -> float:
+        """Seconds spent in compute passes (F, B, BI, W)."""
+        return sum(t.end - t.start for t in self.times if t.action.kind in COMPUTE)
+
+
+def post_plan(actions: list[Action], lookahead: int) -> dict[int, list[int]]:
+    """Action index -> the RECVs to post just before it: `lookahead` compute passes ahead of their consumer."""
+    compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+    plan: dict[int, list[int]] = {}
+    for j, a in enumerate(actions):
+        if a.kind in RECVS:
+            k = bisect.bisect(compute, j)  # the consumer is compute[k]
+            at = compute[k - lookahead] if k - lookahead >= 0 else 0
+            plan.setdefault(min(at, j), []).append(j)
+    return plan
+
+
+class PipelineExecutor:
+    """One rank's executor: its schedule, its stage chunks, and how to reach the other ranks."""
+
+    def __init__(self, schedule: Schedule, rank: int, chunks: dict[int, StageChunk], *, group: dist.ProcessGroup,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, tokens_per_step: int,
+                 timeout_s: float, on_opt_step: Callable[[], None], sync_params: dict[int, list[nn.Parameter]],
+                 meter: CommMeter | None = None, loss_fn: LossFn = summed_token_loss,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, lookahead: int = 2) -> None:
+        self.schedule, self.rank, self.chunks, self.group = schedule, rank, chunks, group
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.tokens_per_step, self.timeout_s, self.meter = tokens_per_step, timeout_s, meter
+        self.on_opt_step, self.sync_params, self.loss_fn, self.autocast = on_opt_step, sync_params, loss_fn, autocast
+        self.actions = schedule.per_rank[rank]
+        self.posts = post_plan(self.actions, lookahead)
+        self.stash_meter = StashMeter()
+
+    def tag(self, a: Action) -> int:
+        """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
+        payload = 0 if PAYLOAD[a.kind] == ACT else 1
+        return 1 + (payload * self.schedule.num_stages + a.stage) * self.schedule.microbatches + a.microbatch
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepTrace:
+        """Run this rank's actions for one step (forward, backward, transfers, syncs, optimizer step)."""
+        if len(micro_batches) != self.schedule.microbatches:
+            raise BehemothError(f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for "
+                                f"{self.schedule.microbatches}", "build the pipeline for the step's micro-batch count")
+        step = _Step(self, micro_batches)
+        times = []
+        for i, a in enumerate(self.actions):
+            for j in self.posts.get(i, ()):
+                step.post(j)
+            t0 = time.perf_counter()
+            step.run(i, a)
+            times.append(ActionTime(a, t0, time.perf_counter()))
+        step.finish()
+        return StepTrace(self.rank, times, step.loss, step.peak_stash)
+
+    def wait(self, pending: Pending, index: int, a: Action, what: str) -> None:
+        """Wait at most timeout_s; otherwise fail naming this rank, the action and the peer."""
+        try:
+            pending.wait(self.timeout_s)
+        except RuntimeError as err:
+            raise self.wait_error(err, index, a, what) from None
+
+    def wait_error(self, err: RuntimeError, index: int, a: Action, what: str) -> PipelineWaitError:
+        """One line naming this rank, the action (index -1: the evaluation pass), the peer and c10d's reason."""
+        detail = str(err).strip().splitlines()[0][-160:] if str(err).strip() else type(err).__name__
+        me, peer = dist.get_rank(), dist.get_global_rank(self.group, a.peer)
+        where = f"action {index} {a}" if index >= 0 else f"{a} of the evaluation pass"
+        return PipelineWaitError(
+            f"pipeline rank {self.rank} (global rank {me}) waited {what} at {where} "
+            f"with pipeline rank {a.peer} (global rank {peer}) and gave up after run.timeout_s={self.timeout_s:g} s ({detail})",
+            f"see rank {peer}'s log: it failed, hangs, or runs a different schedule; raise run.timeout_s if it is only slow")
+
+    @torch.no_grad()
+    def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[summed token loss, token count] of the batches whose last stage runs here (first replica of every stage)."""
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        owner = [ranks[0] for ranks in self.schedule.stage_ranks]
+        sends, local = [], {}
+        for b, (inputs, targets) in enumerate(batches):
+            for stage in (s for s in range(len(owner)) if owner[s] == self.rank):
+                chunk, tag = self.chunks[stage], EVAL_TAG + b * len(owner) + stage
+                if chunk.is_first:
+                    x = inputs.to(self.device)
+                elif owner[stage - 1] == self.rank:
+                    x = local.pop(stage - 1)
+                else:
+                    x = torch.empty((*inputs.shape, self.hidden_size), dtype=self.dtype, device=self.device)
+                    a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
+                    self.wait(irecv(x, a.peer, self.group, self.meter, tag=tag - 1), -1, a, "for an evaluation activation")
+                with self.autocast():
+                    out = chunk.forward(x)
+                if chunk.is_last:
+                    stats += torch.stack([self.loss_fn(out, targets.to(self.device)).double(),
+                                          torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)])
+                elif owner[stage + 1] == self.rank:
+                    local[stage] = out
+                else:
+                    a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.dtype)
+                    sends.append((isend(out, a.peer, self.group, self.meter, tag=tag), a, out))  # keep `out` alive until sent
+        for pending, a, _ in sends:
+            self.wait(pending, -1, a, "for an evaluation send")
+        return stats
+
+
+class _Step:
+    """The state of one step on one rank: mailbox, posted receives, in-flight sends, stashed activations."""
+
+    def __init__(self, ex: PipelineExecutor, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.ex, self.batches = ex, micro_batches
+        self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.posted: dict[int, tuple[Pending, torch.Tensor]] = {}
+        self.sends: list[tuple[Pending, int, Action, torch.Tensor]] = []
+        self.stash: dict[tuple[int, int], Stashed] = {}
+        self.loss = torch.zeros((), device=ex.device)
+        self.stash_bytes = self.peak_stash = 0
+        self.handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.BACKWARD_INPUT: self.backward_input,
+                         Kind.BACKWARD_WEIGHT: self.backward_weight, Kind.SEND_ACT: self.send, Kind.SEND_GRAD: self.send,
+                         Kind.RECV_ACT: self.recv, Kind.RECV_GRAD: self.recv, Kind.GRAD_SYNC: self.grad_sync,
+                         Kind.OPT_STEP: self.opt_step}
+
+    def run(self, index: int, a: Action) -> None:
+        self.handlers[a.kind](index, a)
+
+    def post(self, index: int) -> None:
+        """Post the receive of action `index` into a fresh buffer."""
+        a, ex = self.ex.actions[index], self.ex
+        buffer = torch.empty((*self.batches[a.microbatch][0].shape, ex.hidden_size), dtype=ex.dtype, device=ex.device)
+        self.posted[index] = (irecv(buffer, a.peer, ex.group, ex.meter, tag=ex.tag(a)), buffer)
+
+    def recv(self, index: int, a: Action) -> None:
+        if index not in self.posted:
+            self.post(index)
+        pending, buffer = self.posted.pop(index)
+        self.ex.wait(pending, index, a, "for its message")
+        self.mailbox[(PAYLOAD[a.kind], a.stage, a.microbatch)] = buffer
+
+    def send(self, index: int, a: Action) -> None:
+        tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
+        self.sends.append((isend(tensor, a.peer, self.ex.group, self.ex.meter, tag=self.ex.tag(a)), index, a, tensor))
+
+    def forward(self, index: int, a: Action) -> None:
+        ex, chunk = self.ex, self.ex.chunks[a.stage]
+        inputs, targets = self.batches[a.microbatch]
+        leaf = None if chunk.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch)).requires_grad_()
+        with ex.stash_meter.measure() as meter:
+            with ex.autocast():
+                out = chunk.forward(inputs.to(ex.device) if leaf is None else leaf)
+            if chunk.is_last:  # the one place the loss is scaled, as in Engine.train_step
+                out = ex.loss_fn(out, targets.to(ex.device)) / ex.tokens_per_step
+        if chunk.is_last:
+            self.loss += out.detach()
+        else:
+            self.mailbox[(ACT, a.stage, a.microbatch)] = out.detach().to(ex.dtype)
+        self.stash[(a.stage, a.microbatch)] = Stashed(leaf, out, meter.bytes)
+        self.stash_bytes += meter.bytes
+        self.peak_stash = max(self.peak_stash, self.stash_bytes)
+        self.reap_sends()
+
+    def output_grad(self, a: Action, s: Stashed) -> torch.Tensor | None:
+        """The gradient of this stage's output (None on the last stage, whose output is the loss), in its dtype."""
+        if self.ex.chunks[a.stage].is_last:
+            return None
+        return self.mailbox.pop((GRAD, a.stage + 1, a.microbatch)).to(s.output.dtype)
+
+    def deposit_input_grad(self, a: Action, grad: torch.Tensor | None) -> None:
+        if not self.ex.chunks[a.stage].is_first:
+            self.mailbox[(GRAD, a.stage, a.microbatch)] = grad
+
+    def release(self, s: Stashed) -> None:
+        self.stash_bytes -= s.nbytes
+        self.reap_sends()
+
+    def backward(self, index: int, a: Action) -> None:
+        s = self.stash.pop((a.stage, a.microbatch))
+        self.deposit_input_grad(a, backward_full(s, self.output_grad(a, s)))
+        self.release(s)
+
+    def backward_input(self, index: int, a: Action) -> None:
+        s = self.stash[(a.stage, a.microbatch)]
+        self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.chunks[a.stage].parameters()))
+
+    def backward_weight(self, index: int, a: Action) -> None:
+        s = self.stash.pop((a.stage, a.microbatch))
+        backward_weight(s, self.ex.chunks[a.stage].parameters())
+        self.release(s)
+
+    def grad_sync(self, index: int, a: Action) -> None:
+        """Sum this stage's gradients with its other replica's (Chimera), one exchange of a flat buffer."""
+        grads = [p.grad for p in self.ex.sync_params.get(a.stage, [])]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        try:
+            pair_all_reduce(flat, a.peer, self.ex.group, self.ex.meter, tag=SYNC_TAG + a.stage, timeout_s=self.ex.timeout_s)
+        except RuntimeError as err:
+            raise self.ex.wait_error(err, index, a, "for the gradient sync") from None
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def opt_step(self, index: int, a: Action) -> None:
+        self.finish()
+        self.ex.on_opt_step()
+
+    def reap_sends(self) -> None:
+        """Drop completed sends so their tensors can be freed."""
+        self.sends = [s for s in self.sends if not s[0].done()]
+
+    def finish(self) -> None:
+        """Wait for every send of the step (bounded)."""
+        for pending, index, a, _ in self.sends:
+            self.ex.wait(pending, index, a, "for its send to complete")
+        self.sends = []
+        if self.posted or self.stash:
+            raise BehemothError(f"pipeline rank {self.ex.rank}: the step ended with {len(self.posted)} unconsumed receives "
+                                f"and {len(self.stash)} stashed micro-batches", "the schedule is incomplete; validate it")

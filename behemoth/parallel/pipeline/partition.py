@@ -1,0 +1,216 @@
+"""Cutting a model's layered view (embedding, blocks, head) into pipeline stages balanced by cost.
+
+A stage is a contiguous run of transformer blocks; stage 0 also holds the embedding and the last
+stage the final norm and language-model head. `stage_boundaries` are fence posts over the blocks,
+[0, b1, ..., n_layer]: stage s holds blocks b[s] .. b[s+1]-1. The balancer is a pure function of
+per-layer costs (estimated FLOPs, measured seconds, or plain layer counts): it minimizes the cost
+of the costliest stage, so a large vocabulary's head leaves the last stage fewer blocks.
+
+The cut keeps the single-process module names: the rank's model is the same module object (GPT,
+or a transformers model through its `LayeredView`) with only its own blocks (`StageBlocks`,
+registered under their original indices), embedding and head, so layout-independent
+initialization, DCP checkpoints and `behemoth export` see the names they expect. With tied
+embeddings the first and the last stage both hold the embedding weight; the executor sums the two
+copies' gradients (Megatron's embedding group) so they stay equal.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from behemoth.errors import BehemothError
+from behemoth.models.gpt import GPT, Block, GPTConfig
+from behemoth.parallel.pipeline.views import VIEWS, LayeredView
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Cost of one micro-batch through each part of the layered view, in any one unit."""
+
+    embed: float
+    blocks: tuple[float, ...]
+    head: float  # final norm, language-model head and loss
+    unit: str
+
+
+def estimate_layer_costs(cfg: GPTConfig, seq_len: int) -> LayerCosts:
+    """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them)."""
+    d, r, v = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size
+    block = 2 * (4 * d * d + 2 * r * d * d) + 4 * seq_len * d  # qkv, proj, mlp; attention scores and values
+    return LayerCosts(embed=2.0 * d, blocks=(float(block),) * cfg.n_layer, head=2.0 * d * v + 5.0 * v, unit="flop/token")
+
+
+def uniform_layer_costs(cfg: GPTConfig) -> LayerCosts:
+    """Every block costs 1, the embedding and head nothing: stages of equal block counts."""
+    return LayerCosts(embed=0.0, blocks=(1.0,) * cfg.n_layer, head=0.0, unit="blocks")
+
+
+def _time_pass(fn, reps: int) -> float:
+    """Median seconds of forward + backward of `fn()` (a scalar), after one warm-up."""
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        fn().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def measure_layer_costs(cfg: GPTConfig, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:
+    """Measured forward + backward seconds of the embedding, one block and the head for one micro-batch.
+
+    All GPT blocks have the same shape, so one is timed and its time used for each.
+    """
+    torch.manual_seed(0)
+    gpt_cfg = cfg.model_copy(update={"n_layer": 1})
+    with torch.device(device):
+        model = GPT(gpt_cfg)
+    idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
+    h = torch.randn(micro_batch, seq_len, cfg.d_model, device=device, requires_grad=True)
+    block: Block = model.blocks[0]
+    embed = _time_pass(lambda: model.embed(idx).sum(), reps)
+    one_block = _time_pass(lambda: block(h).sum(), reps)
+    head = _time_pass(lambda: F.cross_entropy(model.head(h).flatten(0, 1), idx.flatten()), reps)
+    return LayerCosts(embed=embed, blocks=(one_block,) * cfg.n_layer, head=head, unit="s")
+
+
+def balance_stages(costs: LayerCosts, stages: int) -> list[int]:
+    """Fence posts cutting the blocks into `stages` non-empty runs that minimize the costliest stage.
+
+    Stage 0 also pays `costs.embed` and the last stage `costs.head`. Among cuts with the same
+    maximum, the one with the smallest sum of squared stage costs wins (the most even).
+    """
+    n = len(costs.blocks)
+    if not 1 <= stages <= n:
+        raise BehemothError(f"{stages} pipeline stages for {n} blocks: every stage needs at least one block",
+                            f"use at most {n} stages, or a deeper model")
+    prefix = [0.0]
+    for c in costs.blocks:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:
+        return prefix[j] - prefix[i] + (costs.embed if s == 0 else 0.0) + (costs.head if s == stages - 1 else 0.0)
+
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(stages)]  # best[s][j]: (max, sum of squares) for blocks [0, j) in s+1 stages
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = (stage_cost(0, 0, j), stage_cost(0, 0, j) ** 2)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                c = stage_cost(s, i, j)
+                key = (max(best[s - 1][i][0], c), best[s - 1][i][1] + c * c)
+                if key < best[s][j]:
+                    best[s][j], cut[s][j] = key, i
+    bounds = [n]
+    for s in range(stages - 1, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return [0] + bounds[::-1]
+
+
+def check_stage_boundaries(bounds: Sequence[int], n_layer: int, stages: int) -> None:
+    """Refuse boundaries that are not [0, ..., n_layer] in strictly increasing order with one per stage."""
+    fix = f"give {stages + 1} increasing block indices from 0 to {n_layer}, e.g. {even_boundaries(n_layer, stages)}, or leave it unset"
+    if len(bounds) != stages + 1:
+        raise BehemothError(f"parallel.stage_boundaries={list(bounds)} has {len(bounds)} entries for {stages} stages", fix)
+    if bounds[0] != 0 or bounds[-1] != n_layer:
+        raise BehemothError(f"parallel.stage_boundaries={list(bounds)} must start at 0 and end at model.n_layer={n_layer}", fix)
+    if any(b >= a for a, b in zip(bounds[1:], bounds[:-1])):
+        raise BehemothError(f"parallel.stage_boundaries={list(bounds)} is not strictly increasing: every stage needs a block", fix)
+
+
+def even_boundaries(n_layer: int, stages: int) -> list[int]:
+    """Equal block counts, the remainder going to the later stages."""
+    return [s * n_layer // stages for s in range(stages + 1)] if 1 <= stages <= n_layer else [0, n_layer]
+
+
+def stage_costs(costs: LayerCosts, bounds: Sequence[int]) -> list[float]:
+    """The cost of each stage under `bounds` (embedding on the first, head on the last)."""
+    stages = len(bounds) - 1
+    return [sum(costs.blocks[bounds[s]:bounds[s + 1]]) + (costs.embed if s == 0 else 0.0)
+            + (costs.head if s == stages - 1 else 0.0) for s in range(stages)]
+
+
+# ---------------------------------------------------------------- cutting the module tree
+
+
+class StageBlocks(nn.Module):
+    """The blocks one rank holds, registered under their single-process indices (`blocks.5.attn...`)."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index in sorted(blocks):
+            self.add_module(str(index), blocks[index])
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def indices(self) -> list[int]:
+        return [int(k) for k in self._modules]
+
+
+class StageChunk:
+    """One model stage on this rank: a view over the cut model that runs blocks [first, last) and,
+    on the first stage, the embedding, on the last, the head. It owns no modules."""
+
+    def __init__(self, model: nn.Module, stage: int, bounds: Sequence[int], view: LayeredView = VIEWS["gpt"], tied: bool = False) -> None:
+        self.model, self.stage, self.view, self.tied = model, stage, view, tied
+        self.blocks = range(bounds[stage], bounds[stage + 1])
+        self.is_first, self.is_last = stage == 0, stage == len(bounds) - 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids -> hidden states (first stage), hidden -> hidden, or hidden -> logits (last stage)."""
+        view, model = self.view, self.model
+        h = view.embed(model, x) if self.is_first else x
+        if len(self.blocks):
+            blocks, context = model.get_submodule(view.blocks), view.context(model, h)
+            for i in self.blocks:
+                h = view.block(blocks[i], h, context)
+        return view.head(model, h) if self.is_last else h
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The (single-process name, parameter) pairs this stage uses; looked up now, so valid after materialize."""
+        view = self.view
+        prefixes = [f"{view.blocks}.{i}." for i in self.blocks]
+        prefixes += [f"{m}." for m in view.first] if self.is_first else []
+        prefixes += [f"{m}." for m in view.last] + ([f"{view.embedding}."] if self.tied else []) if self.is_last else []
+        return [(n, p) for n, p in self.model.named_parameters() if n.startswith(tuple(prefixes))]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+
+def _drop(model: nn.Module, name: str) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, None)
+
+
+def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView = VIEWS["gpt"],
+              tied: bool = False) -> dict[int, StageChunk]:
+    """Keep only the parts of `model` (on the meta device) that the stages in `held_stages` use; `tied`: the head
+    reads the embedding's weight, so the last stage keeps the embedding module too."""
+    stages = len(bounds) - 1
+    first, last = 0 in held_stages, stages - 1 in held_stages
+    blocks = model.get_submodule(view.blocks)
+    keep = {i: blocks[i] for s in held_stages for i in range(bounds[s], bounds[s + 1])}
+    parent, _, child = view.blocks.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, StageBlocks(keep))
+    for name in view.first if not first else ():
+        if not (name == view.embedding and last and tied):
+            _drop(model, name)
+    for name in view.last if not last else ():
+        _drop(model, name)
+    return {s: StageChunk(model, s, bounds, view, tied) for s in sorted(held_stages)}

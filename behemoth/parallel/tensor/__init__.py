@@ -1,0 +1,13 @@
+"""Megatron-style tensor parallelism with sequence parallelism: layers, plans as data, checkpoint views."""
+
+from behemoth.parallel.tensor.comm import TPComm
+from behemoth.parallel.tensor.layers import (
+    ColumnParallelLinear, RowParallelLinear, ShardLayout, VocabParallelEmbedding, VocabShard, vocab_parallel_cross_entropy,
+)
+from behemoth.models.causal_lm import GPT_TP_PLAN
+from behemoth.parallel.tensor.plan import STYLES, TensorParallel, apply_tensor_parallel
+
+__all__ = [
+    "TPComm", "ColumnParallelLinear", "RowParallelLinear", "ShardLayout", "VocabParallelEmbedding", "VocabShard",
+    "vocab_parallel_cross_entropy", "GPT_TP_PLAN", "STYLES", "TensorParallel", "apply_tensor_parallel",
+]

@@ -1,0 +1,155 @@
+"""The collectives of tensor and sequence parallelism, as autograd functions (Megatron's f and g).
+
+    copy_to_tp         forward: identity        backward: all-reduce       (f: enters a column-parallel region)
+    reduce_from_tp     forward: all-reduce      backward: identity         (g: leaves a row-parallel region)
+    gather_seq         forward: all-gather      backward: reduce-scatter   (f with sequence parallelism)
+    reduce_scatter_seq forward: reduce-scatter  backward: all-gather       (g with sequence parallelism)
+    scatter_seq        forward: keep own chunk  backward: all-gather       (enters the sequence-parallel region)
+
+Activations are [batch, sequence, hidden]; the sequence is dimension 1. c10d gathers along dimension 0,
+so a sequence collective moves the sequence to the front and back. Every collective goes through
+`behemoth.comm`, so its traffic is counted by the run's CommMeter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from behemoth.comm import CommMeter, all_gather, all_reduce, reduce_scatter
+
+SEQ_DIM = 1
+
+
+@dataclass(frozen=True)
+class TPComm:
+    """The tensor-parallel process group, this rank's place in it and the meter its traffic goes to."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    meter: CommMeter | None = None
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None) -> "TPComm":
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), meter)
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Reduce `t` in place over the group (sum unless `op` says otherwise)."""
+        if op == dist.ReduceOp.SUM:
+            all_reduce(t, self.group, self.meter)
+        else:
+            if self.meter is not None:
+                self.meter.record("all_reduce", t)
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(SEQ_DIM, 0).contiguous()
+
+
+def _seq_back(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(0, SEQ_DIM).contiguous()
+
+
+def gather_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """Concatenate every rank's sequence chunk: [B, T/t, ...] -> [B, T, ...]."""
+    local = _seq_first(x)
+    out = local.new_empty((local.shape[0] * tp.size, *local.shape[1:]))
+    all_gather(out, local, tp.group, tp.meter)
+    return _seq_back(out)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """Sum over ranks and keep this rank's sequence chunk: [B, T, ...] -> [B, T/t, ...]."""
+    full = _seq_first(x)
+    out = full.new_empty((full.shape[0] // tp.size, *full.shape[1:]))
+    reduce_scatter(out, full, tp.group, tp.meter)
+    return _seq_back(out)
+
+
+def split_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """This rank's chunk of the sequence (no communication)."""
+    return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+        return tp.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+        ctx.tp = tp
+        return gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_sequence(grad, ctx.tp), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+        ctx.tp = tp
+        return reduce_scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_sequence(grad, ctx.tp), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+        ctx.tp = tp
+        return split_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_sequence(grad, ctx.tp), None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """f: identity forward, all-reduce of the input gradient backward."""
+    return _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """g: all-reduce forward (partial sums become the full sum), identity backward."""
+    return _ReduceFromTP.apply(x, tp)
+
+
+def gather_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """f under sequence parallelism: all-gather the sequence forward, reduce-scatter backward."""
+    return _GatherSeq.apply(x, tp)
+
+
+def reduce_scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """g under sequence parallelism: reduce-scatter the sequence forward, all-gather backward."""
+    return _ReduceScatterSeq.apply(x, tp)
+
+
+def scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """Enter the sequence-parallel region: keep this rank's chunk forward, all-gather backward."""
+    return _ScatterSeq.apply(x, tp)

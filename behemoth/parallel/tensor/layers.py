@@ -1,0 +1,224 @@
+"""Megatron-style parallel layers: column- and row-parallel linear, vocabulary-parallel embedding and
+cross-entropy. Each holds this rank's part of a parameter of the single-process model.
+
+A `ShardLayout` says which part: pieces along one dimension of the full tensor. A fused [q|k|v] weight
+is split per segment, so each rank keeps whole heads of q, k and v (three pieces); a vocabulary that
+t does not divide is padded to t x ceil(V / t) rows, the padding rows are zero, never looked up, and
+their logits are masked out of the softmax, so the loss is the single-process loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME, mark_partial
+from behemoth.parallel.tensor.comm import TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+
+TP_LAYOUT = "_behemoth_tp_layout"          # ShardLayout of a tensor-parallel parameter
+TP_PARTIAL_GRAD = "_behemoth_tp_partial_grad"  # replicated parameter whose gradient is a partial sum over tp
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """This rank's part of a full tensor: `pieces` (full start, local start, length) along `dim`."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    local_size: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def split(cls, name: str, full_shape: tuple[int, ...], dim: int, tp: TPComm, parts: int = 1) -> "ShardLayout":
+        """Each of `parts` equal fused segments split evenly over the ranks."""
+        n = full_shape[dim]
+        if n % parts or (n // parts) % tp.size:
+            raise BehemothError(f"{name}: dimension {dim} of size {n} ({parts} fused part(s)) does not split over tp={tp.size}",
+                                f"choose a tp that divides {n // parts}")
+        seg, chunk = n // parts, n // parts // tp.size
+        pieces = tuple((p * seg + tp.rank * chunk, p * chunk, chunk) for p in range(parts))
+        return cls(tuple(full_shape), dim, parts * chunk, pieces)
+
+    @classmethod
+    def padded(cls, full_shape: tuple[int, ...], dim: int, tp: TPComm) -> "ShardLayout":
+        """Rows [r*c, (r+1)*c) with c = ceil(n / t); rows past n are padding."""
+        n = full_shape[dim]
+        chunk = math.ceil(n / tp.size)
+        start = min(n, tp.rank * chunk)
+        length = min(n, start + chunk) - start
+        return cls(tuple(full_shape), dim, chunk, ((start, 0, length),) if length else ())
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.local_size
+        return tuple(shape)
+
+    def take_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full tensor (padding rows zero)."""
+        out = full.new_zeros(self.local_shape)
+        for start, local, length in self.pieces:
+            out.narrow(self.dim, local, length).copy_(full.narrow(self.dim, start, length))
+        return out
+
+
+def shard_parameter(param: nn.Parameter, full_name: str, layout: ShardLayout) -> nn.Parameter:
+    """A parameter holding `layout`'s part of `param`; on the meta device `materialize` fills it later."""
+    full_name = getattr(param, FULL_NAME, full_name)
+    if param.is_meta:
+        new = nn.Parameter(torch.empty(layout.local_shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+        mark_partial(new, full_name, layout.full_shape, layout.take_local)
+    else:
+        new = nn.Parameter(layout.take_local(param.detach()), requires_grad=param.requires_grad)
+    setattr(new, FULL_NAME, full_name)
+    setattr(new, TP_LAYOUT, layout)
+    return new
+
+
+def enter_tp_region(x: torch.Tensor, tp: TPComm, sequence_parallel: bool) -> torch.Tensor:
+    """Make `x` the input of column-parallel layers: f, or the all-gather of the sequence under SP."""
+    return gather_seq(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """x W^T + b for an nn.Linear weight [out, in]; x W + b for a Conv1D weight [in, out]."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    y = torch.matmul(x, weight)
+    return y if bias is None else y + bias
+
+
+def weight_orientation(module: nn.Module, name: str) -> bool:
+    """False for nn.Linear ([out, in]), True for GPT-2's Conv1D ([in, out])."""
+    if isinstance(module, nn.Linear):
+        return False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return True
+    raise BehemothError(f"{name} is a {type(module).__name__}; column/row-parallel styles apply to nn.Linear or Conv1D",
+                        "map this module to another style in the tensor-parallel plan")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X A_r + b_r: this rank's output features; the output stays split over tp.
+
+    X must already be in the tensor-parallel region (`enter_tp_region`, done once by the norm before the
+    layer, so q, k and v share one all-reduce / all-gather instead of three).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, transposed: bool, tp: TPComm, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, parts: int = 1, padded: bool = False) -> "ColumnParallelLinear":
+        transposed = weight_orientation(module, name)
+        dim = 1 if transposed else 0
+        w = module.weight
+        layout = ShardLayout.padded(tuple(w.shape), dim, tp) if padded else ShardLayout.split(f"{name}.weight", tuple(w.shape), dim, tp, parts)
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            bias_layout = ShardLayout(tuple(bias.shape), 0, layout.local_size, layout.pieces)
+            bias = shard_parameter(bias, f"{name}.bias", bias_layout)
+        return cls(shard_parameter(w, f"{name}.weight", layout), bias, transposed=transposed, tp=tp, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return local_linear(x, self.weight, self.bias, self.transposed)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_r X_r A_r + b: input features split over tp, the partial products summed (or reduce-scattered under SP)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, transposed: bool, tp: TPComm, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool) -> "RowParallelLinear":
+        transposed = weight_orientation(module, name)
+        w = module.weight
+        layout = ShardLayout.split(f"{name}.weight", tuple(w.shape), 0 if transposed else 1, tp)
+        bias = getattr(module, "bias", None)
+        if bias is not None and sequence_parallel:  # added to this rank's sequence chunk: its gradient is partial
+            setattr(bias, TP_PARTIAL_GRAD, True)
+        return cls(shard_parameter(w, f"{name}.weight", layout), bias, transposed=transposed, tp=tp, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = local_linear(x, self.weight, None, self.transposed)
+        y = reduce_scatter_seq(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows this rank holds: [start, start + real) of the full vocabulary, `padded` rows in all."""
+
+    start: int
+    real: int
+    padded: int
+
+    @classmethod
+    def of(cls, layout: ShardLayout) -> "VocabShard":
+        start, _, real = layout.pieces[0] if layout.pieces else (layout.full_shape[layout.dim], 0, 0)
+        return cls(start, real, layout.local_size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the tokens in its vocabulary rows; the partial embeddings are summed over tp."""
+
+    def __init__(self, weight: nn.Parameter, vocab: VocabShard, tp: TPComm) -> None:
+        super().__init__()
+        self.weight, self.vocab, self.tp = weight, vocab, tp
+
+    @classmethod
+    def from_module(cls, module: nn.Embedding, name: str, tp: TPComm) -> "VocabParallelEmbedding":
+        if not isinstance(module, nn.Embedding):
+            raise BehemothError(f"{name} is a {type(module).__name__}, not an nn.Embedding", "use the vocab style on embeddings and LM heads")
+        layout = ShardLayout.padded(tuple(module.weight.shape), 0, tp)
+        return cls(shard_parameter(module.weight, f"{name}.weight", layout), VocabShard.of(layout), tp)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.vocab.start) & (ids < self.vocab.start + self.vocab.real)
+        out = F.embedding(torch.where(mine, ids - self.vocab.start, 0), self.weight)
+        return reduce_from_tp(out.masked_fill(~mine.unsqueeze(-1), 0.0), self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Token losses from vocabulary-split logits: two small all-reduces per token, never the full logits."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard, tp: TPComm) -> torch.Tensor:
+        real = logits[:, : vocab.real].float()  # the padding columns are masked out here
+        peak = real.amax(dim=1) if vocab.real else real.new_full((real.shape[0],), -math.inf)
+        tp.all_reduce(peak, dist.ReduceOp.MAX)
+        exp = torch.exp(real - peak.unsqueeze(1))
+        mine = (targets >= vocab.start) & (targets < vocab.start + vocab.real)
+        local_target = torch.where(mine, targets - vocab.start, 0)
+        picked = (real.gather(1, local_target.unsqueeze(1)).squeeze(1) - peak) if vocab.real else torch.zeros_like(peak)
+        sums = torch.stack([exp.sum(dim=1), picked.masked_fill(~mine, 0.0)])
+        tp.all_reduce(sums)
+        exp.div_(sums[0].unsqueeze(1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, local_target, mine)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return torch.log(sums[0]) - sums[1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local_target, mine = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows[mine], local_target[mine]] -= 1.0
+        out = softmax.new_zeros(ctx.shape)
+        out[:, : softmax.shape[1]] = softmax * grad.unsqueeze(1)
+        return out.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab: VocabShard, tp: TPComm) -> torch.Tensor:
+    """Per-token cross-entropy of logits whose last dimension is this rank's vocabulary shard."""
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), vocab, tp)

@@ -1,0 +1,178 @@
+"""A tensor-parallel plan is data: module-name pattern -> style. `apply_tensor_parallel` carries it out on a
+model that knows nothing of parallelism, replacing modules by name so parameter names do not change.
+
+Styles:
+    colwise            nn.Linear / Conv1D split along its outputs (Megatron column-parallel)
+    packed_colwise:K   the same for K fused equal parts (GPT's [q|k|v]): each part split separately, whole heads
+    rowwise            split along its inputs; the partial outputs are all-reduced (reduce-scattered under SP)
+    vocab              nn.Embedding or LM-head nn.Linear split along the vocabulary (padded when t does not divide it)
+    sequence_norm      a norm whose output feeds column-parallel layers: its output enters the tensor-parallel
+                       region (f, once for q, k and v); under SP it runs on this rank's sequence chunk, all-gathers
+                       its output, and its parameters' gradients are summed over tp
+    sequence_input     the first block: under SP its input is split along the sequence (no-op otherwise)
+    replicate          left as is
+
+`*` in a pattern matches one name component (`blocks.*.attn.qkv`). Column-parallel layers (colwise,
+packed_colwise, a vocab head) expect their input from a `sequence_norm`: the plan states where the
+tensor-parallel region starts, as in Megatron, where f sits between the LayerNorm and the linear layer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME
+from behemoth.parallel.tensor.checkpoint import sharded_view
+from behemoth.parallel.tensor.comm import TPComm, scatter_seq
+from behemoth.parallel.tensor.grads import clip_grad_norm, grad_slices, sharded_over, sum_partial_grads
+from behemoth.parallel.tensor.layers import (
+    TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
+    enter_tp_region, vocab_parallel_cross_entropy,
+)
+
+STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "replicate")
+
+
+def pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
+
+
+def match_plan(plan: dict[str, str], names: list[str]) -> dict[str, str]:
+    """Module name -> style for every module a pattern names (the first matching pattern wins)."""
+    compiled = [(pattern_regex(p), style) for p, style in plan.items()]
+    for _, style in compiled:
+        if style.split(":")[0] not in STYLES:
+            raise BehemothError(f"tensor-parallel style {style!r} is unknown", f"use one of {', '.join(STYLES)}")
+    found = {}
+    for name in names:
+        style = next((s for rx, s in compiled if rx.match(name)), None)
+        if style is not None:
+            found[name] = style
+    return found
+
+
+class TensorParallel:
+    """What applying a plan leaves behind: the head's vocabulary split, the SP gradient sum, the norm, checkpoint views."""
+
+    def __init__(self, model: nn.Module, tp: TPComm, sequence_parallel: bool, vocab: VocabShard | None) -> None:
+        self.tp, self.sequence_parallel, self.vocab = tp, sequence_parallel, vocab
+        named = list(model.named_parameters(remove_duplicate=False))
+        # split parameters' layouts by every name they are registered under (a tied head too), and the
+        # single-process names of replicated parameters whose gradients SP leaves partial
+        self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
+        self.partial = {getattr(p, FULL_NAME, n) for n, p in named if getattr(p, TP_PARTIAL_GRAD, False)}
+
+    def finish_grads(self, model: nn.Module, sync: Any) -> None:
+        """After the data-parallel reduction: sum the SP-partial gradients over tp (one all-reduce)."""
+        if self.partial:
+            sum_partial_grads(grad_slices(model, sync), self.partial, self.tp)
+
+    def clip_grad_norm(self, model: nn.Module, sync: Any, max_norm: float) -> float:
+        """Global gradient norm of the single-process model, from split, replicated and ZeRO-sharded gradients; clip."""
+        return clip_grad_norm(grad_slices(model, sync), set(self.layouts), self.tp, max_norm, sharded_over(sync))
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""
+        if self.vocab is None or logits.shape[-1] != self.vocab.padded:  # the head was not split
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp).sum()
+
+    def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Engine state (`{"model": {name: t}, "optim": {name: {key: t}}}`) with split tensors as full-shape views.
+
+        A tensor may be this rank's whole tp part, or ZeRO's chunks of it: either becomes chunks of the full tensor.
+        """
+        def wrap(name: str, value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: wrap(name, v) for k, v in value.items()}
+            return sharded_view(value, self.layouts.get(name))
+
+        return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part
+                for section, part in state.items()}
+
+
+def apply_tensor_parallel(model: nn.Module, tp: TPComm, plan: dict[str, str], *, sequence_parallel: bool = False) -> TensorParallel:
+    """Replace the modules `plan` names with their tensor-parallel versions (on the meta device or not)."""
+    styles = match_plan(plan, [n for n, _ in model.named_modules() if n])
+    check_plan(model, styles, sequence_parallel)
+    replaced: dict[int, nn.Parameter] = {}  # id(original weight) -> its split version, so tied weights stay tied
+    vocab = None
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        kind, _, arg = style.partition(":")
+        new = build_parallel(module, name, kind, int(arg or 1), tp, sequence_parallel, replaced)
+        if new is not None:
+            set_submodule(model, name, new)
+            if kind == "vocab":
+                vocab = new.vocab if isinstance(new, VocabParallelEmbedding) else VocabShard.of(getattr(new.weight, TP_LAYOUT))
+    return TensorParallel(model, tp, sequence_parallel, vocab)
+
+
+def build_parallel(module: nn.Module, name: str, kind: str, parts: int, tp: TPComm, sp: bool, replaced: dict[int, nn.Parameter]) -> nn.Module | None:
+    """The parallel replacement of one module, or None where the style only adds hooks."""
+    original = getattr(module, "weight", None)
+    if kind in ("colwise", "packed_colwise"):
+        new: nn.Module = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, parts=parts)
+    elif kind == "rowwise":
+        new = RowParallelLinear.from_module(module, name, tp, sequence_parallel=sp)
+    elif kind == "vocab" and isinstance(module, nn.Embedding):
+        new = VocabParallelEmbedding.from_module(module, name, tp)
+    elif kind == "vocab":
+        new = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, padded=True)
+    elif kind == "sequence_norm":
+        add_sequence_norm(module, tp, sp)
+        return None
+    elif kind == "sequence_input":
+        if sp:
+            module.register_forward_pre_hook(sequence_input_hook(tp), with_kwargs=True)
+        return None
+    else:
+        return None
+    if original is not None and id(original) in replaced:
+        new.weight = replaced[id(original)]
+    elif original is not None:
+        replaced[id(original)] = new.weight
+    return new
+
+
+def add_sequence_norm(module: nn.Module, tp: TPComm, sequence_parallel: bool) -> None:
+    """The norm's output enters the tensor-parallel region; under SP its parameters' gradients are partial."""
+    if sequence_parallel:
+        for p in module.parameters(recurse=False):
+            setattr(p, TP_PARTIAL_GRAD, True)
+    module.register_forward_hook(lambda _m, _args, out: enter_tp_region(out, tp, sequence_parallel))
+
+
+def sequence_input_hook(tp: TPComm) -> Callable[..., Any]:
+    """A forward pre-hook that splits the block's hidden states (first argument) along the sequence."""
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (scatter_seq(args[0], tp), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": scatter_seq(kwargs["hidden_states"], tp)}
+    return hook
+
+
+def check_plan(model: nn.Module, styles: dict[str, str], sequence_parallel: bool) -> None:
+    """Refuse plans that would silently train wrong: column layers with no region entry, SP norms left out."""
+    kinds = {s.split(":")[0] for s in styles.values()}
+    if kinds & {"colwise", "packed_colwise", "rowwise"} and "sequence_norm" not in kinds:
+        raise BehemothError("the tensor-parallel plan splits linear layers but names no sequence_norm where their region starts",
+                            "map the norm before each column-parallel layer to sequence_norm")
+    if not sequence_parallel:
+        return
+    missing = [n for n, m in model.named_modules() if "norm" in type(m).__name__.lower() and styles.get(n) != "sequence_norm"]
+    if missing:
+        raise BehemothError(f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
+                            "add them to the tensor-parallel plan or set parallel.sequence_parallel=false")
+    if "sequence_input" not in styles.values():
+        raise BehemothError("sequence parallelism needs a sequence_input entry (the first block) in the plan", "add one")
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

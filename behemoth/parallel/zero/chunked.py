@@ -1,0 +1,69 @@
+"""A tensor of which this rank holds a flat range, as DCP-readable and -writable N-D chunks.
+
+ZeRO shards a parameter (or its Adam moments) by a contiguous range of its flattened elements,
+which is generally not a DTensor `Shard(dim)` block. `ChunkedTensor` describes such a range as the
+few N-D boxes DCP understands (`layout.flat_range_boxes`), each a view of the rank's own storage,
+so `dcp.save` writes straight from the shard and `dcp.load` writes straight into it, and a
+checkpoint keyed by single-process names reshards to any other layout, stage or process count.
+It implements DCP's checkpointable protocol (the three dunder methods DTensor also implements);
+it is a description for checkpointing only and supports no other tensor operation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from behemoth.parallel.zero.layout import flat_range_boxes
+
+
+class ChunkedTensor(torch.Tensor):
+    """A global tensor's shape and dtype, plus this rank's chunks of it (views into its shard)."""
+
+    _chunks: list[tuple[torch.Size, torch.Tensor]]
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r._chunks = [(torch.Size(offsets), t) for offsets, t in chunks]
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(f"ChunkedTensor only describes checkpoint chunks; {func} is not supported")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, t.shape), properties=props, size=self.shape))
+                for offsets, t in self._chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets, t.shape) for offsets, t in self._chunks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, t in self._chunks:
+            if offsets == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {tuple(index.offset or ())}")
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"ChunkedTensor(shape={tuple(self.shape)}, chunks={[(tuple(o), tuple(t.shape)) for o, t in self._chunks]})"
+
+
+def chunked(flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]) -> ChunkedTensor:
+    """Elements [start, stop) of a tensor of `shape`, held in the 1-D `flat`, as a ChunkedTensor."""
+    if flat.numel() != stop - start:
+        raise ValueError(f"flat piece has {flat.numel()} elements for range [{start}, {stop})")
+    chunks, pos = [], 0
+    for offsets, sizes in flat_range_boxes(start, stop, shape):
+        n = math.prod(sizes)
+        chunks.append((offsets, flat[pos:pos + n].view(sizes)))
+        pos += n
+    return ChunkedTensor(shape, chunks, dtype=flat.dtype, device=flat.device)

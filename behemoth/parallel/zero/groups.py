@@ -1,0 +1,143 @@
+"""Flat parameter groups for ZeRO stages 1 and 2: full replicated parameters, sharded optimizer work.
+
+Every group (a bucket of about `bucket_mb`, filled in backward order) keeps its parameters as views
+into one flat buffer, so the all-gather after the optimizer step writes all of them at once. Its
+gradients are reduce-scattered: rank r receives the sum of elements [r * S, (r + 1) * S), the shard
+whose master weights and Adam moments it alone keeps.
+
+- stage 1: gradients are views into a persistent full-size flat buffer (as in data parallelism);
+  on the last micro-batch each bucket is reduce-scattered in place as soon as backward fills it.
+- stage 2: no full-size gradient is kept. Each parameter's gradient is copied into its bucket as
+  backward produces it and dropped; a full bucket is reduce-scattered, added into the persistent
+  gradient shard and freed. This runs on every micro-batch, so a full gradient never exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from behemoth.comm import CommMeter, Pending, all_gather, reduce_scatter
+from behemoth.parallel.zero.layout import FlatLayout
+
+
+class BufferMeter:
+    """Bytes of short-lived buffers whose storage is really still alive, and their peak.
+
+    Memory only grows when a buffer is allocated, so the peak is taken at each `add`, over every
+    buffer whose storage has not been freed yet (a weak reference to the storage itself, so a
+    forgotten view or a saved tensor that keeps a buffer alive is counted).
+    """
+
+    def __init__(self) -> None:
+        self.live: list[tuple[StorageWeakRef, int]] = []
+        self.peak = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        self.live.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, self.sample())
+
+    def sample(self) -> int:
+        """Bytes alive now (forgets freed buffers)."""
+        self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
+        return sum(n for _, n in self.live)
+
+
+class FlatGroup:
+    """Parameters laid out in one padded flat buffer; this rank's shard of their master weights and gradients."""
+
+    master: torch.Tensor      # float32 master weights of this rank's shard (may alias the compute parameters)
+    grad_shard: torch.Tensor  # summed gradient of this rank's shard, in the compute dtype
+
+    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], group: dist.ProcessGroup, *,
+                 compute_dtype: torch.dtype, meter: CommMeter | None) -> None:
+        self.group, self.meter, self.compute_dtype = group, meter, compute_dtype
+        self.rank = dist.get_rank(group)
+        self.layout = FlatLayout(names, shapes, dist.get_world_size(group))
+        self.lo, self.hi = self.layout.shard_range(self.rank)
+
+    def publish(self) -> Pending | None:
+        """After the optimizer step: make the compute parameters equal the master weights."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        self.grad_shard.zero_()
+
+    def new_micro_batch(self) -> None:
+        """Forget per-micro-batch bookkeeping (stage 3 keeps none)."""
+
+
+class ReplicatedGroup(FlatGroup):
+    """A bucket of full parameters (ZeRO-1/2) whose gradients are reduce-scattered to shard owners."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup, *, stage: int,
+                 compute_dtype: torch.dtype, meter: CommMeter | None, buffers: BufferMeter) -> None:
+        super().__init__(names, [tuple(p.shape) for p in params], group, compute_dtype=compute_dtype, meter=meter)
+        self.params, self.stage, self.buffers = params, stage, buffers
+        device = params[0].device
+        flat32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
+            flat32[offset:offset + n].copy_(p.detach().reshape(-1))
+        self.separate_master = compute_dtype != torch.float32  # with float32 compute the shard of `full` is the master
+        self.full = flat32.to(compute_dtype) if self.separate_master else flat32
+        self.master = flat32[self.lo:self.hi].clone() if self.separate_master else self.full[self.lo:self.hi]
+        del flat32
+        for p, view in zip(params, self.views(self.full)):
+            p.data = view
+        self.grad_full: torch.Tensor | None = None
+        if stage == 1:
+            self.grad_full = torch.zeros(self.layout.padded, dtype=compute_dtype, device=device)
+            for p, view in zip(params, self.views(self.grad_full)):
+                p.grad = view
+            self.grad_shard = self.grad_full[self.lo:self.hi]
+        else:
+            self.grad_shard = torch.zeros(self.layout.shard_size, dtype=compute_dtype, device=device)
+        self.ready = 0          # gradients produced in this backward
+        self.sent = False       # reduce-scatter issued in this micro-batch
+        self.pending: Pending | None = None
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's shaped view into a flat buffer of this group's layout."""
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+
+    def take_grad(self, p: nn.Parameter, index: int) -> None:
+        """Stage 2: move a freshly produced gradient into the bucket (allocated on first use) and drop it."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.grad_shard.device)
+            self.buffers.add(self.grad_full)
+        offset, n = self.layout.offsets[index], self.layout.numels[index]
+        self.grad_full[offset:offset + n].copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def reduce_scatter_grads(self) -> None:
+        """Start summing the bucket over ranks; this rank's shard lands in place, in its own slice."""
+        if self.sent:
+            return
+        self.sent = True
+        if self.grad_full is None:  # stage 2 bucket that received no gradient: contribute zeros
+            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.grad_shard.device)
+            self.buffers.add(self.grad_full)
+        self.pending = reduce_scatter(self.grad_full[self.lo:self.hi], self.grad_full, self.group, self.meter, async_op=True)
+
+    def wait(self) -> None:
+        """Finish the reduce-scatter; at stage 2 add the shard into the persistent one and free the bucket."""
+        if self.pending is not None:
+            self.pending.wait()
+            if self.stage == 2:
+                self.grad_shard.add_(self.grad_full[self.lo:self.hi])
+                self.grad_full = None
+                self.buffers.sample()
+        self.pending = None
+
+    def new_micro_batch(self) -> None:
+        self.ready, self.sent = 0, False
+
+    def zero_grad(self) -> None:
+        (self.grad_full if self.stage == 1 else self.grad_shard).zero_()  # at stage 1 the shard is a view of the full buffer
+
+    def publish(self) -> Pending | None:
+        if self.separate_master:
+            self.full[self.lo:self.hi].copy_(self.master)
+        return all_gather(self.full, self.full[self.lo:self.hi], self.group, self.meter, async_op=True)

@@ -1,0 +1,88 @@
+"""The sharded optimizer: AdamW over this rank's pieces of every parameter, float32 master weights.
+
+Each rank steps only the elements of its shards, so its Adam moments (and, with bf16 compute, its
+float32 master weights) cover Ψ/N elements. A piece is a 1-D view into the group's master shard,
+so torch's AdamW updates the master in place; the groups then publish the new values to the
+compute parameters (a copy to bf16 and/or an all-gather). Weight decay follows the single-process
+rule (matrices and embeddings only), decided on the full parameter's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from behemoth.comm import Pending
+from behemoth.parallel.zero.chunked import ChunkedTensor, chunked
+from behemoth.parallel.zero.groups import FlatGroup
+from behemoth.parallel.zero.layout import Piece
+
+
+class ShardedAdamW:
+    """AdamW on this rank's shard pieces; `param_groups` and `step()` behave like torch's optimizer."""
+
+    def __init__(self, groups: list[FlatGroup], *, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+        self.groups = groups
+        self.entries: list[tuple[FlatGroup, Piece, nn.Parameter]] = []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for g in groups:
+            for piece in g.layout.pieces(g.rank):
+                p = nn.Parameter(g.master[piece.shard_offset:piece.shard_offset + piece.numel])  # aliases the master
+                (decay if len(g.layout.shapes[piece.index]) >= 2 else no_decay).append(p)
+                self.entries.append((g, piece, p))
+        param_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        param_groups = [pg for pg in param_groups if pg["params"]]
+        self.inner = torch.optim.AdamW(param_groups, lr=lr, betas=betas, foreach=True) if param_groups else None
+        self.param_groups: list[dict] = self.inner.param_groups if self.inner else []
+        for _, _, p in self.entries:  # created now so that checkpoints can be loaded into them
+            self.inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    @property
+    def state(self) -> dict:
+        return self.inner.state if self.inner else {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the master shards from the gradient shards, then publish them to the compute parameters."""
+        if self.inner is not None:
+            grads = {id(g): g.grad_shard if g.grad_shard.dtype == torch.float32 else g.grad_shard.float() for g in self.groups}
+            for g, piece, p in self.entries:
+                p.grad = grads[id(g)][piece.shard_offset:piece.shard_offset + piece.numel]
+            self.inner.step()
+            for _, _, p in self.entries:
+                p.grad = None
+        self.publish()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Compute parameters := master weights, on every rank (all-gathers overlap each other)."""
+        pending = [g.publish() for g in self.groups]
+        for work in pending:
+            if isinstance(work, Pending):
+                work.wait()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state: Adam moments, plus float32 master weights when they are a separate copy."""
+        moments = sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values() if t.dim() > 0)
+        masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master.dtype != g.compute_dtype)
+        return moments + masters
+
+    def state_dict(self) -> tuple[dict[str, ChunkedTensor], dict[str, dict[str, torch.Tensor]]]:
+        """Master weights and Adam state keyed by single-process names, as this rank's chunks (for DCP)."""
+        model: dict[str, ChunkedTensor] = {}
+        optim: dict[str, dict[str, torch.Tensor]] = {}
+        held = {(id(g), piece.index): (piece, p) for g, piece, p in self.entries}
+        any_step = next(iter(self.state.values()))["step"] if self.state else torch.tensor(0.0)
+        for g in self.groups:
+            empty = g.master[:0]
+            for i, (name, shape) in enumerate(zip(g.layout.names, g.layout.shapes)):
+                piece, p = held.get((id(g), i), (None, None))
+                if piece is None:
+                    zero = chunked(empty, 0, 0, shape)
+                    model[name], optim[name] = zero, {"step": any_step, "exp_avg": zero, "exp_avg_sq": zero}
+                    continue
+                state = self.state[p]
+                model[name] = chunked(p.data, piece.start, piece.stop, shape)
+                optim[name] = {"step": state["step"], **{k: chunked(state[k], piece.start, piece.stop, shape) for k in ("exp_avg", "exp_avg_sq")}}
+        return model, optim

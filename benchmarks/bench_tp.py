@@ -1,0 +1,285 @@
+"""behemoth tensor (and sequence) parallelism vs PyTorch DTensor `parallelize_module`, same plan, same model.
+
+Both sides train behemoth's GPT on 2 processes (tp=2, float32) with the same initial weights, batches,
+AdamW and clipping. The peer is the torchtitan recipe: ColwiseParallel / RowwiseParallel on the same
+layers, SequenceParallel norms with PrepareModuleInput before attention and MLP (with SP), a
+vocabulary-parallel embedding and LM head, and `loss_parallel` for the cross-entropy. DTensor splits
+a weight into contiguous rows, so the peer's fused qkv rows are stored permuted ([q_r|k_r|v_r] per
+rank): both sides then compute the same function, and the first losses are printed to show it. Run:
+
+    python benchmarks/bench_tp.py [--steps 20] [--warmup 3] [--rounds 3] [--model gpt-6m]
+
+Each variant runs `--rounds` times, alternating behemoth and DTensor, and the best round of each is
+reported. Prints a markdown table: tokens/s (median step), the ratio behemoth / DTensor, the CPU time a rank
+spends per step (process time, which time-slicing by other programs does not inflate), and per rank the
+model-state memory (parameters + gradients + Adam state, bytes counted) and the activation memory
+(bytes autograd saves for backward in one forward, parameters excluded, each storage counted once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+MODELS = {
+    "gpt-1m": ["model=gpt-1m", "train.global_batch=16"],
+    "gpt-6m": ["model=gpt-1m", "model.n_layer=6", "model.d_model=256", "model.n_head=8", "model.context=256", "train.global_batch=8"],
+}
+
+
+def make_config(model: str, sp: bool) -> dict[str, Any]:
+    from behemoth.config import load_config
+
+    extra = ["parallel.tp=2", f"parallel.sequence_parallel={str(sp).lower()}", "run.progress=false"]
+    return load_config(None, MODELS[model] + extra).model_dump(mode="json")
+
+
+def saved_activation_bytes(forward_loss, params: list) -> tuple[Any, int]:
+    """Run `forward_loss()`; bytes of the distinct storages autograd saves for backward, parameters excluded."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    skip = {local(p).untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = local(t).untyped_storage()
+        if s.data_ptr() not in skip and s.device.type != "meta":
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward_loss()
+    return loss, sum(seen.values())
+
+
+def state_bytes(params: list, optimizer: Any) -> int:
+    """Parameters + gradients + optimizer state this rank holds (local parts of DTensors)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t._local_tensor if isinstance(t, DTensor) else t  # noqa: E731
+    size = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
+    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
+    return total + sum(size(t) for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+
+
+def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """One rank of `behemoth` (Engine.train_step) or `dtensor` (parallelize_module)."""
+    import torch.distributed as dist
+
+    from behemoth.config import Config
+    from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+    from behemoth.engine import lr_at
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(**cfg.parallel.degrees())
+    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+    sampler = BatchSampler(corpus.train, cfg.seq_len, BatchLayout.resolve(cfg.train.global_batch, None, 1), 0, cfg.train.seed)
+    runner = BehemothRunner(cfg, rt) if kind == "behemoth" else DTensorRunner(cfg, rt)
+    times, cpu, losses, act = [], [], [], 0
+    for step in range(warmup + steps):
+        batches = sampler.micro_batches(step)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss, measured = runner.step(batches, lr_at(step, cfg.train), measure=step == 0)  # step 0 (warmup) counts bytes
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        losses.append(loss)
+        act = measured or act
+    median = statistics.median(times[max(1, warmup):])
+    return {"tokens_per_s": cfg.train.global_batch * cfg.seq_len / median, "losses": losses[:3],
+            "cpu_s": statistics.median(cpu[max(1, warmup):]),
+            "activation_mb": act / 2**20, "state_mb": runner.state_bytes() / 2**20}
+
+
+class BehemothRunner:
+    """behemoth's engine; activation bytes measured on the step's forward."""
+
+    def __init__(self, cfg: Any, rt: Any) -> None:
+        from behemoth.engine import Engine
+
+        self.engine = Engine(cfg, rt)
+
+    def step(self, batches: list, lr: float, measure: bool) -> tuple[float, int]:
+        if not measure:
+            return self.engine.train_step(batches, lr).loss, 0
+        params = list(self.engine.model.parameters())
+        original, measured = self.engine.loss_sum, {}
+
+        def loss_sum(x, y):
+            loss, measured["bytes"] = saved_activation_bytes(lambda: original(x, y), params)
+            return loss
+        self.engine.loss_sum = loss_sum
+        result = self.engine.train_step(batches, lr)
+        self.engine.loss_sum = original
+        return result.loss, measured["bytes"]
+
+    def state_bytes(self) -> int:
+        return sum(self.engine.model_state_bytes().values())
+
+
+class DTensorRunner:
+    """behemoth's GPT (same init) under torch's parallelize_module and loss_parallel, written as torchtitan does."""
+
+    def __init__(self, cfg: Any, rt: Any) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from behemoth.models.gpt import build_gpt
+        from behemoth.models.init import materialize
+
+        self.cfg, self.tp_group = cfg, rt.group("tp")
+        model = build_gpt(cfg.model)
+        materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
+        permute_qkv_rows(model, rt.dims.tp)
+        self.model = parallelize_module(model, rt.mesh["tp"], dtensor_plan(model, cfg.parallel.sequence_parallel))
+        self.optimizer = split_optimizer(self.model, cfg.train)
+
+    def step(self, batches: list, lr: float, measure: bool) -> tuple[float, int]:
+        import torch.nn.functional as F
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        params = list(self.model.parameters())
+        self.optimizer.zero_grad(set_to_none=True)
+        total, act = 0.0, 0
+        tokens = self.cfg.train.global_batch * self.cfg.seq_len
+        for x, y in batches:
+            with loss_parallel():
+                forward = lambda: F.cross_entropy(self.model(x).flatten(0, 1), y.flatten(), reduction="sum") / tokens  # noqa: E731
+                loss, act = saved_activation_bytes(forward, params) if measure else (forward(), 0)
+                loss.backward()
+            total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        clip_mixed(params, self.cfg.train.grad_clip, self.tp_group)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
+        return total, act
+
+    def state_bytes(self) -> int:
+        return state_bytes(list(self.model.parameters()), self.optimizer)
+
+
+def split_optimizer(model: Any, train: Any) -> Any:
+    """behemoth's AdamW groups, each split into DTensor and plain parameters (foreach cannot mix them)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups = []
+    for decay in (True, False):
+        for dtensor in (True, False):
+            ps = [p for p in model.parameters() if (p.dim() >= 2) == decay and isinstance(p, DTensor) == dtensor]
+            if ps:
+                groups.append({"params": ps, "weight_decay": train.weight_decay if decay else 0.0})
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=True)
+
+
+def clip_mixed(params: list, max_norm: float, group: Any) -> float:
+    """Global norm over split DTensors (shard norms summed over tp) and replicated tensors (once), one all-reduce.
+
+    torch's clip_grad_norm_ refuses the mix of DTensor and plain parameters that parallelize_module leaves.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p.grad._local_tensor for p in params if isinstance(p, DTensor) and p.grad is not None and any(pl.is_shard() for pl in p.placements)]
+    whole = [(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None
+             and not (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))]
+    sq = torch.stack([torch.stack(torch._foreach_norm(sharded)).square().sum(), torch.stack(torch._foreach_norm(whole)).square().sum() / dist.get_world_size(group)])
+    total = sq.sum()
+    dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    torch._foreach_mul_(sharded + whole, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return float(norm)
+
+
+def permute_qkv_rows(model: Any, tp: int) -> None:
+    """[q|k|v] rows -> [q_0|k_0|v_0|q_1|k_1|v_1...]: DTensor's contiguous Shard(0) then gives each rank whole heads."""
+    import torch
+
+    with torch.no_grad():
+        for block in model.blocks:
+            for p in (block.attn.qkv.weight, block.attn.qkv.bias):
+                if p is None:
+                    continue
+                parts = [part.chunk(tp) for part in p.chunk(3)]
+                p.copy_(torch.cat([parts[j][r] for r in range(tp) for j in range(3)]))
+
+
+def dtensor_plan(model: Any, sp: bool) -> dict[str, Any]:
+    """behemoth's GPT plan in torch's styles (torchtitan's recipe for sequence parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    seq = Shard(1) if sp else Replicate()
+    plan: dict[str, Any] = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sp:
+        plan["blocks.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True)
+        plan["ln_f"] = SequenceParallel()
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        plan.update({f"{b}.attn.qkv": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+                     f"{b}.mlp.fc": ColwiseParallel(), f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq)})
+        if sp:
+            plan.update({f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel(),
+                         f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                         f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+    return plan
+
+
+def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]]:
+    """Each variant `rounds` times, alternating behemoth and DTensor; the best round of each is kept
+    (on a shared machine, interference only ever slows a run down)."""
+    from behemoth.ranks import run_ranks
+
+    rows = []
+    for sp in (False, True):
+        cfg = make_config(model, sp)
+        best: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(rounds):
+            for kind in ("behemoth", "dtensor"):
+                res = run_ranks(2, bench_rank, kind, cfg, steps, warmup, timeout=3600)
+                if kind not in best or res[0]["tokens_per_s"] > best[kind][0]["tokens_per_s"]:
+                    best[kind] = res
+        rows.append({"model": model, "sp": sp, "ours": best["behemoth"], "peer": best["dtensor"]})
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print("| model | tp | SP | behemoth tok/s | DTensor tok/s | ratio | CPU s/step/rank behemoth / DTensor "
+          "| activations MB/rank behemoth / DTensor | model states MB/rank behemoth / DTensor | first losses (behemoth / DTensor) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        a, b = r["ours"][0], r["peer"][0]
+        act = lambda res: max(x["activation_mb"] for x in res)  # noqa: E731
+        st = lambda res: max(x["state_mb"] for x in res)  # noqa: E731
+        losses = f"{a['losses'][0]:.4f}, {a['losses'][2]:.4f} / {b['losses'][0]:.4f}, {b['losses'][2]:.4f}"
+        cpu = lambda res: max(x["cpu_s"] for x in res)  # noqa: E731
+        print(f"| {r['model']} | 2 | {'yes' if r['sp'] else 'no'} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} "
+              f"| {a['tokens_per_s'] / b['tokens_per_s']:.3f} | {cpu(r['ours']):.3f} / {cpu(r['peer']):.3f} "
+              f"| {act(r['ours']):.1f} / {act(r['peer']):.1f} | {st(r['ours']):.1f} / {st(r['peer']):.1f} | {losses} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; the best is reported")
+    parser.add_argument("--model", default="gpt-6m", choices=sorted(MODELS))
+    args = parser.parse_args(argv)
+    print_table(run(args.model, args.steps, args.warmup, args.rounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

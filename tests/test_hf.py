@@ -1,0 +1,114 @@
+"""Unmodified Hugging Face Llama and GPT-2 under tensor and sequence parallelism: the single-process curve,
+weights loaded from a local save_pretrained directory, and `behemoth train model=hf:...` from the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.common import CACHE, assert_close_runs, tiny_config, train_body
+from tests.dist import run_ranks
+
+pytest.importorskip("transformers")
+
+LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]        # grouped-query attention, 2 KV heads
+GPT2 = ["model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"]    # tied head, vocabulary t does not divide
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory):
+    return run_ranks(1, train_body, tiny_config(tmp_path_factory.mktemp("llama"), *LLAMA))[0]
+
+
+@pytest.mark.parametrize("sp", ["false", "true"])
+def test_llama_tp2_matches_single_process(llama_reference, tmp_path, sp):
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *LLAMA, "parallel.tp=2", f"parallel.sequence_parallel={sp}"))
+    assert_close_runs(llama_reference, got[0])
+    assert "model.layers.0.self_attn.k_proj.weight" in got[0]["weights"]
+
+
+def test_gpt2_tp2_matches_single_process(tmp_path):
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *GPT2))[0]
+    got = run_ranks(2, train_body, tiny_config(tmp_path / "tp", *GPT2, "parallel.tp=2", "parallel.sequence_parallel=true"))[0]
+    assert ref["weights"]["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: [in, 3 x out]
+    assert_close_runs(ref, got)
+
+
+def _save_pretrained(arch: str, folder: str) -> None:
+    """A tiny transformers model with random weights, written as safetensors (no download)."""
+    from behemoth.config import load_config
+    from behemoth.models.hf import transformers_config
+    import transformers
+
+    cfg = load_config(None, ["model=gpt-tiny", *(LLAMA if arch == "llama" else GPT2)])
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    torch.manual_seed(7)
+    model = cls(transformers_config(cfg.model, cfg.hf))
+    with torch.no_grad():
+        for p in model.parameters():  # not the init behemoth would draw: loading must be what sets them
+            p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_weights_from_save_pretrained_directory(tmp_path, arch):
+    """hf.weights: the shape comes from config.json; each rank's split holds the saved values, and the
+    tp=2 loss of a batch equals the loss of the model transformers itself loads from that directory."""
+    folder = str(tmp_path / "weights")
+    _save_pretrained(arch, folder)
+    cfg = tiny_config(tmp_path / "run", f"hf.weights={folder}", "parallel.tp=2")
+    assert cfg["hf"]["arch"] == arch and cfg["model"]["n_layer"] == 2
+    (ours, theirs), other_rank = run_ranks(2, _loss_of_loaded, cfg, folder)
+    assert other_rank == (ours, theirs)
+    assert abs(ours - theirs) <= 1e-5 * theirs, f"tp=2 loss {ours} vs transformers' {theirs}"
+
+
+def _loss_of_loaded(cfg_dict, folder):
+    from pathlib import Path
+
+    import torch.nn.functional as F
+    import transformers
+    from safetensors.torch import load_file
+
+    from behemoth.config import Config
+    from behemoth.engine import Engine
+    from behemoth.models.init import FULL_NAME, TAKE_LOCAL
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    engine = Engine(cfg, init_runtime(**cfg.parallel.degrees()))
+    saved = load_file(next(Path(folder).glob("*.safetensors")))
+    for name, p in engine.model.named_parameters():
+        full = saved[getattr(p, FULL_NAME, name)]
+        assert torch.equal(p.detach(), getattr(p, TAKE_LOCAL, lambda t: t)(full)), name
+    torch.manual_seed(0)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    y = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    with torch.no_grad():
+        ours = float(engine.loss_sum(x, y))
+        plain = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
+        theirs = float(F.cross_entropy(plain(input_ids=x).logits.flatten(0, 1), y.flatten(), reduction="sum"))
+    return ours, theirs
+
+
+def test_cli_trains_hf_llama_with_tensor_parallel(tmp_path):
+    """`behemoth train model=hf:llama --nproc 2 parallel.tp=2`: trains, checkpoints, exports HF-named weights."""
+    from safetensors.torch import load_file
+    import transformers
+
+    from tests.test_cli import behemoth
+
+    run = tmp_path / "run"
+    args = ["train", "--nproc", "2", *LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=4",
+            "train.global_batch=4", "train.seq_len=32", "train.eval_every=4", "train.eval_batches=1", "train.peak_tflops=1",
+            "run.progress=false", f"data.cache_dir={CACHE}", f"run.dir={run}"]
+    out = behemoth(*args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "validation loss" in out.stdout
+    weights = load_file(str(run / "model.safetensors"))
+    from behemoth.config import load_config
+    from behemoth.models.hf import transformers_config
+
+    cfg = load_config(run / "config.yaml")
+    model = transformers.LlamaForCausalLM(transformers_config(cfg.model, cfg.hf))
+    model.load_state_dict(weights, strict=True)  # the export is a plain Llama state dict

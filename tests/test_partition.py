@@ -1,0 +1,142 @@
+"""Partitioning and the executor's pure parts: cost-balanced stage boundaries (checked against brute force),
+hand-written boundaries validated, the cut keeps single-process names and composes back to the whole model,
+receives posted ahead of their consumer in an order any backend can match, and the measured-bubble
+arithmetic agrees with the simulator on its own timelines."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+from behemoth.errors import BehemothError
+from behemoth.models.gpt import GPTConfig, build_gpt
+from behemoth.models.init import materialize
+from behemoth.parallel.pipeline import SCHEDULES, Costs, build_schedule, simulate
+from behemoth.parallel.pipeline.executor import post_plan
+from behemoth.parallel.pipeline.measure import TimedAction, measured_bubble, measured_costs, replayed_bubble
+from behemoth.parallel.pipeline.partition import (
+    LayerCosts, balance_stages, check_stage_boundaries, cut_model, estimate_layer_costs, even_boundaries,
+    measure_layer_costs, stage_costs,
+)
+from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
+from behemoth.parallel.recompute import recompute_ranks
+
+
+def brute_force_max(costs: LayerCosts, stages: int) -> float:
+    n = len(costs.blocks)
+    return min(max(stage_costs(costs, [0, *cuts, n])) for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
+def test_uniform_blocks_split_evenly():
+    costs = LayerCosts(0.0, (1.0,) * 8, 0.0, "blocks")
+    assert balance_stages(costs, 4) == [0, 2, 4, 6, 8]
+    assert balance_stages(costs, 1) == [0, 8]
+    assert balance_stages(costs, 8) == list(range(9))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balance_is_optimal(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 9)
+    stages = rng.randint(1, n)
+    costs = LayerCosts(rng.uniform(0, 3), tuple(rng.uniform(0.1, 2) for _ in range(n)), rng.uniform(0, 5), "s")
+    bounds = balance_stages(costs, stages)
+    check_stage_boundaries(bounds, n, stages)
+    assert max(stage_costs(costs, bounds)) == pytest.approx(brute_force_max(costs, stages), rel=1e-12)
+
+
+def test_large_vocabulary_head_leaves_the_last_stage_fewer_blocks():
+    """GPT-2 124M: the head (768 x 50257) costs ~4.6 blocks of FLOPs, so counting layers would overload the last stage."""
+    cfg = GPTConfig(preset="gpt2-124m")
+    costs = estimate_layer_costs(cfg, 1024)
+    assert 4 < costs.head / costs.blocks[0] < 5
+    bounds = balance_stages(costs, 4)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sizes[-1] < sizes[0] and sum(sizes) == 12, sizes
+    assert max(stage_costs(costs, bounds)) < 0.75 * max(stage_costs(costs, even_boundaries(12, 4)))
+
+
+def test_measured_costs_are_positive():
+    costs = measure_layer_costs(GPTConfig(preset="gpt-tiny"), 32, 2, torch.device("cpu"), reps=1)
+    assert costs.embed > 0 and costs.head > 0 and len(costs.blocks) == 2 and costs.blocks[0] > 0 and costs.unit == "s"
+
+
+@pytest.mark.parametrize("bounds,message", [
+    ([0, 4], "has 2 entries for 2 stages"),
+    ([1, 2, 4], "must start at 0 and end at model.n_layer=4"),
+    ([0, 2, 5], "must start at 0 and end at model.n_layer=4"),
+    ([0, 1, 2, 4], "has 4 entries"),
+    ([0, 0, 4], "is not strictly increasing"),
+])
+def test_bad_boundaries_are_refused(bounds, message):
+    with pytest.raises(BehemothError, match=message):
+        check_stage_boundaries(bounds, 4, 2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cut_stages_keep_names_and_compose_to_the_whole_model(tied):
+    """Each stage holds only its parts under single-process names; chaining the stages reproduces model(x)."""
+    cfg = GPTConfig(preset="gpt-tiny", n_layer=4, tie_embeddings=tied)
+    whole = build_gpt(cfg)
+    materialize(whole, seed=1, device=torch.device("cpu"), init_spec=whole.init_spec)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    bounds, h, names = [0, 1, 3, 4], x, []
+    for stage in range(3):
+        part = copy.deepcopy(whole)
+        chunk = cut_model(part, [stage], bounds, tied=tied)[stage]
+        h = chunk.forward(h)
+        names.append({n for n, _ in part.named_parameters()})
+        assert {n for n, _ in chunk.named_parameters()} == names[-1]
+    torch.testing.assert_close(h, whole(x), rtol=0, atol=0)
+    assert names[1] == {n for n, _ in whole.named_parameters() if n.startswith(("blocks.1.", "blocks.2."))}
+    assert ("wte.weight" in names[2]) is tied and ("lm_head.weight" in names[2]) is not tied
+    assert "wpe.weight" in names[0] and "wpe.weight" not in names[2]
+    assert set().union(*names) == {n for n, _ in whole.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_receives_are_posted_early_in_the_senders_order(name):
+    """Every RECV is posted before it runs, `lookahead` passes before its consumer; each pair of ranks sends and
+    receives in the same order, so a backend that matches messages in order (NCCL) needs no tags."""
+    schedule = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+    for rank, actions in enumerate(schedule.per_rank):
+        plan = post_plan(actions, 2)
+        posted_at = {j: i for i, js in plan.items() for j in js}
+        compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+        for j, a in enumerate(actions):
+            if a.kind in RECVS:
+                consumer = next(i for i in compute if i > j)
+                ahead = [i for i in compute if posted_at[j] <= i < consumer]
+                assert posted_at[j] <= j and (len(ahead) == 2 or posted_at[j] == 0), (rank, j, a)
+        assert sorted(posted_at) == list(posted_at), "receives are posted in schedule order"
+    for src, dst in itertools.permutations(range(4), 2):
+        sends = [(SENDS[a.kind], a.stage, a.microbatch) for a in schedule.per_rank[src] if a.kind in SENDS and a.peer == dst]
+        recvs = [(a.kind, a.stage, a.microbatch) for a in schedule.per_rank[dst] if a.kind in RECVS and a.peer == src]
+        assert sends == recvs
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_measured_bubble_arithmetic_matches_the_simulator(name):
+    """Fed the simulator's own timeline as if measured, the measured bubble and per-stage costs come back exactly."""
+    schedule = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+    costs = Costs(forward=[1.0, 1.5, 1.0, 2.0] * (2 if name == "interleaved" else 1), backward=2.0,
+                  weight=1.0 if schedule.split_backward else 0.0, grad_sync=0.5 if name == "chimera" else 0.0)
+    sim = simulate(schedule, costs)
+    timelines = [[TimedAction(i.action.kind, i.action.stage, i.action.microbatch, i.start, i.end) for i in row] for row in sim.timeline]
+    assert measured_bubble(timelines) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    again = simulate(schedule, measured_costs([timelines], schedule))
+    assert again.bubble_fraction == pytest.approx(sim.bubble_fraction, abs=1e-12)
+    assert replayed_bubble(timelines, schedule) == pytest.approx(sim.bubble_fraction, abs=1e-12)
+
+
+def test_recompute_policies():
+    assert recompute_ranks("early", (4, 3, 2, 1)) == {0, 1}  # 1F1B at p=4
+    assert recompute_ranks("early", (8, 8)) == {0, 1}  # GPipe: every rank holds every micro-batch
+    assert recompute_ranks("none", (4, 3, 2, 1)) == set() and recompute_ranks("full", (2, 1)) == {0, 1}
+    assert recompute_ranks([2], (4, 3, 2, 1)) == {2}
+    with pytest.raises(BehemothError, match=r"parallel.recompute=\[4\] names pipeline ranks \[4\]"):
+        recompute_ranks([4], (4, 3, 2, 1))

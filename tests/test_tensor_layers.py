@@ -1,0 +1,172 @@
+"""Each tensor-parallel layer against its plain PyTorch reference: outputs and gradients, t = 2 and 4.
+
+Every rank builds the same full layer and input (same seed), hands its part to the parallel layer and
+checks its outputs and gradients against the matching part of the plain layer's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist import run_ranks
+
+B, T, D, F_ = 2, 8, 8, 16
+
+
+class Conv1D(nn.Module):
+    """GPT-2's transposed linear layer (weight [in, out]), as transformers defines it."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.weight, self.bias = nf, nn.Parameter(torch.randn(nx, nf)), nn.Parameter(torch.randn(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def _check_column(tp, sp: bool, transposed: bool, parts: int) -> None:
+    from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, enter_tp_region
+    from behemoth.parallel.tensor.comm import split_sequence
+
+    torch.manual_seed(0)
+    full = Conv1D(parts * F_, D) if transposed else nn.Linear(D, parts * F_)
+    x = torch.randn(B, T, D, requires_grad=True)
+    probe = torch.randn(B, T, parts * F_)
+    (full(x) * probe).sum().backward()
+    col = ColumnParallelLinear.from_module(full, "fc", tp, sequence_parallel=sp, parts=parts)
+    layout = getattr(col.weight, TP_LAYOUT)
+    mine = split_sequence(x.detach(), tp) if sp else x.detach()
+    mine.requires_grad_(True)
+    y = col(enter_tp_region(mine, tp, sp))
+    out_layout = type(layout)((B, T, parts * F_), 2, layout.local_size, layout.pieces)
+    _close(y, out_layout.take_local(full(x).detach()), "column output")
+    (y * out_layout.take_local(probe)).sum().backward()
+    _close(mine.grad, split_sequence(x.grad, tp) if sp else x.grad, "column input grad")
+    _close(col.weight.grad, layout.take_local(full.weight.grad), "column weight grad")
+    bias_layout = type(layout)((parts * F_,), 0, layout.local_size, layout.pieces)
+    _close(col.bias.grad, bias_layout.take_local(full.bias.grad), "column bias grad")
+
+
+def _check_row(tp, sp: bool, transposed: bool) -> None:
+    from behemoth.parallel.tensor.comm import split_sequence
+    from behemoth.parallel.tensor.layers import TP_LAYOUT, RowParallelLinear
+
+    torch.manual_seed(1)
+    full = Conv1D(D, F_) if transposed else nn.Linear(F_, D)
+    x = torch.randn(B, T, F_, requires_grad=True)
+    probe = torch.randn(B, T, D)
+    y_full = full(x)
+    (y_full * probe).sum().backward()
+    row = RowParallelLinear.from_module(full, "proj", tp, sequence_parallel=sp)
+    row.bias = nn.Parameter(full.bias.detach().clone())
+    layout = getattr(row.weight, TP_LAYOUT)
+    in_layout = type(layout)((B, T, F_), 2, layout.local_size, layout.pieces)
+    mine = in_layout.take_local(x.detach()).requires_grad_(True)
+    y = row(mine)
+    want = split_sequence(y_full.detach(), tp) if sp else y_full.detach()
+    _close(y, want, "row output")
+    (y * (split_sequence(probe, tp) if sp else probe)).sum().backward()
+    _close(mine.grad, in_layout.take_local(x.grad), "row input grad")
+    _close(row.weight.grad, layout.take_local(full.weight.grad), "row weight grad")
+    if sp:  # the bias saw only this rank's sequence chunk: its gradient is partial until summed over tp
+        tp.all_reduce(row.bias.grad)
+    _close(row.bias.grad, full.bias.grad, "row bias grad")
+
+
+def _check_vocab_embedding(tp, vocab: int) -> None:
+    from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabParallelEmbedding
+
+    torch.manual_seed(2)
+    full = nn.Embedding(vocab, D)
+    ids = torch.randint(0, vocab, (B, T))
+    ids[0, :2] = torch.tensor([0, vocab - 1])
+    probe = torch.randn(B, T, D)
+    (full(ids) * probe).sum().backward()
+    emb = VocabParallelEmbedding.from_module(full, "wte", tp)
+    layout = getattr(emb.weight, TP_LAYOUT)
+    out = emb(ids)
+    _close(out, full(ids).detach(), "embedding output")
+    (out * probe).sum().backward()
+    _close(emb.weight.grad, layout.take_local(full.weight.grad), "embedding weight grad")
+    assert emb.weight.shape[0] * tp.size >= vocab and not emb.weight.grad[emb.vocab.real:].any()
+
+
+def _check_vocab_cross_entropy(tp, vocab: int) -> None:
+    import torch.nn.functional as F
+
+    from behemoth.parallel.tensor.layers import ShardLayout, VocabShard, vocab_parallel_cross_entropy
+
+    torch.manual_seed(3)
+    logits = torch.randn(B, T, vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (B, T))
+    targets[0, :2] = torch.tensor([0, vocab - 1])
+    weights = torch.rand(B * T)
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    (ref * weights).sum().backward()
+    layout = ShardLayout.padded((B, T, vocab), 2, tp)
+    local = layout.take_local(logits.detach()).requires_grad_(True)
+    local.data[..., VocabShard.of(layout).real:] = 123.0  # padding logits must not count
+    loss = vocab_parallel_cross_entropy(local, targets, VocabShard.of(layout), tp)
+    _close(loss, ref.detach(), "cross-entropy")
+    (loss * weights).sum().backward()
+    real = VocabShard.of(layout).real
+    _close(local.grad[..., :real], layout.take_local(logits.grad)[..., :real], "cross-entropy logits grad")
+    assert not local.grad[..., real:].any()
+
+
+def _all_layers(vocab: int) -> str:
+    import torch.distributed as dist
+
+    from behemoth.parallel.tensor.comm import TPComm
+
+    tp = TPComm.of(dist.group.WORLD)
+    for sp in (False, True):
+        for transposed in (False, True):
+            _check_column(tp, sp, transposed, parts=1)
+            _check_row(tp, sp, transposed)
+        _check_column(tp, sp, transposed=False, parts=3)  # fused [q|k|v]
+    _check_vocab_embedding(tp, vocab)
+    _check_vocab_embedding(tp, 256)
+    _check_vocab_cross_entropy(tp, vocab)
+    _check_vocab_cross_entropy(tp, 256)
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_match_plain_pytorch(world):
+    assert run_ranks(world, _all_layers, 257) == ["ok"] * world
+
+
+def test_shard_layouts():
+    from behemoth.parallel.tensor.comm import TPComm
+    from behemoth.parallel.tensor.layers import ShardLayout
+
+    tp = lambda r: TPComm(None, 2, r)  # noqa: E731
+    qkv = [ShardLayout.split("qkv", (12, 4), 0, tp(r), parts=3) for r in range(2)]
+    assert qkv[1].pieces == ((2, 0, 2), (6, 2, 2), (10, 4, 2)) and qkv[1].local_shape == (6, 4)
+    vocab = [ShardLayout.padded((257, 4), 0, tp(r)) for r in range(2)]
+    assert [v.pieces for v in vocab] == [((0, 0, 129),), ((129, 0, 128),)] and vocab[1].local_shape == (129, 4)
+    full = torch.arange(257 * 4.0).view(257, 4)
+    assert torch.equal(vocab[1].take_local(full)[:128], full[129:]) and not vocab[1].take_local(full)[128].any()
+
+
+def test_gpt_plan_splits_and_marks_the_right_parameters():
+    """On the meta model (no processes): what tp=2 + SP splits, and which replicated gradients it sums over tp."""
+    from behemoth.models.causal_lm import GPT_TP_PLAN
+    from behemoth.models.gpt import GPTConfig, build_gpt
+    from behemoth.parallel.tensor import TPComm, apply_tensor_parallel
+
+    model = build_gpt(GPTConfig(preset="gpt-tiny", n_layer=1))
+    tp = apply_tensor_parallel(model, TPComm(None, 2, 1), GPT_TP_PLAN, sequence_parallel=True)
+    assert set(tp.layouts) == {"wte.weight", "lm_head.weight"} | {f"blocks.0.{m}.{p}" for m in ("attn.qkv", "mlp.fc") for p in ("weight", "bias")} \
+        | {"blocks.0.attn.proj.weight", "blocks.0.mlp.proj.weight"}
+    assert tp.partial == {f"{m}.{p}" for m in ("blocks.0.ln_1", "blocks.0.ln_2", "ln_f") for p in ("weight", "bias")} \
+        | {"blocks.0.attn.proj.bias", "blocks.0.mlp.proj.bias"}
+    assert model.blocks[0].attn.qkv.weight.shape == (48, 32) and model.blocks[0].mlp.proj.weight.shape == (32, 64)
+    assert "wpe.weight" not in tp.layouts and "wpe.weight" not in tp.partial  # full sequence on every rank before the split
