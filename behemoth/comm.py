@@ -84,7 +84,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     """Sum `input` (world x shard) over `group`; this rank's shard lands in `output`."""
     if meter is not None:
         meter.record("reduce_scatter", input)
-    pending = Pending(dist.reduce_scatter_tensor(output, input, group=group, async_op=True), "reduce_scatter", meter)
+    pending = Pending(dist.reduce_scatter_single(output, input, group=group, async_op=True), "reduce_scatter", meter)
     if not async_op:
         pending.wait()
     return pending
@@ -94,7 +94,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """Concatenate every rank's `input` into `output` (world x shard)."""
     if meter is not None:
         meter.record("all_gather", output)
-    pending = Pending(dist.all_gather_into_tensor(output, input, group=group, async_op=True), "all_gather", meter)
+    pending = Pending(dist.all_gather_single(output, input, group=group, async_op=True), "all_gather", meter)
     if not async_op:
         pending.wait()
     return pending

@@ -14,6 +14,8 @@ whose master weights and Adam moments it alone keeps.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,7 +47,7 @@ class BufferMeter:
         return sum(n for _, n in self.live)
 
 
-class FlatGroup:
+class FlatGroup(abc.ABC):
     """Parameters laid out in one padded flat buffer; this rank's shard of their master weights and gradients."""
 
     master: torch.Tensor      # float32 master weights of this rank's shard (may alias the compute parameters)
@@ -58,9 +60,9 @@ class FlatGroup:
         self.layout = FlatLayout(names, shapes, dist.get_world_size(group))
         self.lo, self.hi = self.layout.shard_range(self.rank)
 
+    @abc.abstractmethod
     def publish(self) -> Pending | None:
         """After the optimizer step: make the compute parameters equal the master weights."""
-        raise NotImplementedError
 
     def zero_grad(self) -> None:
         self.grad_shard.zero_()

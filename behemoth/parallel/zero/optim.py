@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from behemoth.comm import Pending
-from behemoth.parallel.zero.chunked import ChunkedTensor, chunked
+from behemoth.parallel.chunked import ChunkedTensor, chunked
 from behemoth.parallel.zero.groups import FlatGroup
 from behemoth.parallel.zero.layout import Piece
 

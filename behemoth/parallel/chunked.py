@@ -1,6 +1,8 @@
-"""A tensor of which this rank holds a flat range, as DCP-readable and -writable N-D chunks.
+"""A tensor of which this rank holds some chunks, as DCP-readable and -writable N-D boxes.
 
-ZeRO shards a parameter (or its Adam moments) by a contiguous range of its flattened elements,
+Used wherever a rank's part of a parameter is not a DTensor `Shard(dim)` block: tensor parallelism's
+fused [q|k|v] pieces and padded vocabularies (behemoth.parallel.tensor.checkpoint), and ZeRO's flat
+ranges. ZeRO shards a parameter (or its Adam moments) by a contiguous range of its flattened elements,
 which is generally not a DTensor `Shard(dim)` block. `ChunkedTensor` describes such a range as the
 few N-D boxes DCP understands (`layout.flat_range_boxes`), each a view of the rank's own storage,
 so `dcp.save` writes straight from the shard and `dcp.load` writes straight into it, and a
@@ -36,7 +38,7 @@ class ChunkedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
-        raise NotImplementedError(f"ChunkedTensor only describes checkpoint chunks; {func} is not supported")
+        raise TypeError(f"ChunkedTensor only describes checkpoint chunks; {func} is not supported")
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         props = TensorProperties(dtype=self.dtype)
