@@ -120,26 +120,45 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> lis
     return buckets
 
 
-def isend(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, tag: int = 0) -> Pending:
-    """Start sending `tensor` to `peer` (a rank of `group`); keep `tensor` unchanged until the send is done."""
-    if meter is not None:
-        meter.record("send", tensor)
-    return Pending(dist.isend(tensor, dist.get_global_rank(group, peer), group=group, tag=tag), "send", meter)
+@dataclass(frozen=True)
+class P2P:
+    """One transfer of a batched group: send `tensor` to `peer`, or receive into it from `peer` (a rank of the group)."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
 
 
-def irecv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, tag: int = 0) -> Pending:
-    """Start receiving into `tensor` from `peer` (a rank of `group`); the data is there once `wait` returns."""
-    if meter is not None:
-        meter.record("recv", tensor)
-    return Pending(dist.irecv(tensor, dist.get_global_rank(group, peer), group=group, tag=tag), "recv", meter)
+def batch_p2p(ops: list[P2P], group: dist.ProcessGroup, meter: CommMeter | None = None) -> list[Pending]:
+    """Issue `ops` together as one `dist.batch_isend_irecv`; one Pending per op, in order.
+
+    On NCCL the group is one ncclGroupStart/End on the group's communicator: its transfers run on one
+    stream after every earlier group, and the group completes as one work, so each op's Pending waits
+    for all of them. gloo runs each op on its own (tags match messages there; NCCL matches by order).
+    Keep every tensor unchanged (a send) or unread (a receive) until its Pending is done.
+    """
+    if not ops:
+        return []
+    p2p = []
+    for op in ops:
+        if meter is not None:
+            meter.record("send" if op.send else "recv", op.tensor)
+        p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=group, tag=op.tag, group_peer=op.peer))
+    works = dist.batch_isend_irecv(p2p)
+    if len(works) != len(ops):  # coalesced into one work for the whole group (NCCL)
+        works = [works[0]] * len(ops)
+    return [Pending(work, "send" if op.send else "recv", meter) for work, op in zip(works, ops)]
 
 
 def pair_all_reduce(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
                     tag: int = 0, timeout_s: float | None = None) -> None:
-    """Sum `tensor` in place with its copy on `peer` (one exchange; both ranks get bitwise equal sums)."""
+    """Sum `tensor` in place with its copy on `peer` (one exchange; both ranks get bitwise equal sums).
+
+    The send and the receive form one batched group, so NCCL's rendezvous cannot deadlock it (a lone
+    receive queued before a lone send on both ranks would).
+    """
     theirs = torch.empty_like(tensor)
-    recv = irecv(theirs, peer, group, meter, tag=tag)
-    send = isend(tensor, peer, group, meter, tag=tag)
-    recv.wait(timeout_s)
-    send.wait(timeout_s)
+    for pending in batch_p2p([P2P(True, tensor, peer, tag), P2P(False, theirs, peer, tag)], group, meter):
+        pending.wait(timeout_s)
     tensor.add_(theirs)

@@ -13,10 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
 from behemoth.models.hf import HFConfig, shape_from_weights
-from behemoth.plan import ParallelPlan
+from behemoth.plan import AtomicAssignment, ParallelPlan
 
 
-class Section(BaseModel):
+class Section(AtomicAssignment):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -70,14 +70,16 @@ class Config(Section):
     @classmethod
     def _shape_from_hf_weights(cls, data: Any) -> Any:
         """With hf.weights, the model's shape is the one its config.json describes."""
-        weights = (data.get("hf") or {}).get("weights") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return data
+        given = _as_dict(data.get("hf"))  # a section may be given as an instance
+        weights = given.get("weights")
         if not weights:
             return data
         arch, model, hf = shape_from_weights(weights)
-        given = data["hf"].get("arch")
-        if given and given != arch:
-            raise BehemothError(f"hf.arch={given} but hf.weights={weights} holds a {arch} model", f"set hf.arch={arch} or drop it")
-        return {**data, "model": {**(data.get("model") or {}), **model}, "hf": {**hf, **data["hf"], "arch": arch}}
+        if given.get("arch") and given["arch"] != arch:
+            raise BehemothError(f"hf.arch={given['arch']} but hf.weights={weights} holds a {arch} model", f"set hf.arch={arch} or drop it")
+        return {**data, "model": {**_as_dict(data.get("model")), **model}, "hf": {**hf, **given, "arch": arch}}
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "Config":
@@ -89,8 +91,17 @@ class Config(Section):
         m = self.model
         self.parallel.check_tensor_parallel(n_head=m.n_head, kv_heads=self.hf.kv_heads if self.hf.arch == "llama" else None, d_model=m.d_model,
                                             ffn=self.hf.ffn or m.mlp_ratio * m.d_model, seq_len=self.seq_len)
-        self.parallel.check_zero(arch=self.hf.arch)
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assigning a section validates the whole config again, as if it had been written with that section
+        (pydantic's own validate_assignment would hand the model validators instances, and keep a refused value)."""
+        if name not in type(self).model_fields:
+            return super().__setattr__(name, value)
+        data = {k: _as_dict(getattr(self, k)) for k in type(self).model_fields}
+        fresh = type(self).model_validate({**data, name: _as_dict(value) if isinstance(value, BaseModel) else value})
+        self.__dict__.update(fresh.__dict__)
+        self.__pydantic_fields_set__.add(name)
 
     @property
     def seq_len(self) -> int:
@@ -98,6 +109,13 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _as_dict(section: Any) -> dict[str, Any]:
+    """A config section given as a dict, a validated instance (the fields it was given) or nothing, as a dict."""
+    if isinstance(section, BaseModel):
+        return section.model_dump(exclude_unset=True)
+    return dict(section or {})
 
 
 def default_run_dir() -> str:

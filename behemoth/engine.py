@@ -71,10 +71,13 @@ class Engine:
         # weight, marked so that materialize draws the full (seed, name) tensor and keeps that part.
         self.tp = self.apply_tensor_parallel()
         # Recomputation wraps block forwards in place (names unchanged); under a pipeline, per stage.
-        blocks = self.model.get_submodule(view_of(cfg.hf.arch).blocks)  # GPT's blocks, Llama's or GPT-2's layers
+        view = view_of(cfg.hf.arch)  # where GPT, Llama or GPT-2 keep their embedding, blocks and head
+        blocks = self.model.get_submodule(view.blocks)
         apply_recompute(blocks, self.pipeline.recomputes if self.pipeline else cfg.parallel.recompute == "full")
-        # ZeRO-3 cuts every parameter to this rank's shard, still on meta, so materialize draws only that.
-        zero_units = shard_parameters(self.model, rt.group("dp")) if cfg.parallel.zero_stage == 3 else None
+        # ZeRO-3 cuts every parameter to this rank's shard, still on meta, so materialize draws only that;
+        # its units (gathered together) are the embedding, each block and the head of the same layered view.
+        zero_units = (shard_parameters(self.model, rt.group("dp"), layers=view, tie_embeddings=cfg.model.tie_embeddings)
+                      if cfg.parallel.zero_stage == 3 else None)
         ties = find_ties(self.model)
         materialize(self.model, seed=cfg.train.seed, device=rt.device, init_spec=self.lm.init_spec)
         self.lm.after_materialize(ties, rt.device)  # tied weights, buffers, weights from hf.weights

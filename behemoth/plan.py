@@ -15,7 +15,20 @@ from behemoth.errors import BehemothError
 from behemoth.topology import ParallelDims, resolve_dims
 
 
-class ParallelPlan(BaseModel):
+class AtomicAssignment(BaseModel):
+    """Assigning a field that the model's own checks then refuse leaves the old value (pydantic keeps the new one)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        old = self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except Exception:
+            if name in self.__dict__:
+                self.__dict__[name] = old
+            raise
+
+
+class ParallelPlan(AtomicAssignment):
     """How one training job is laid out over processes."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -59,9 +72,6 @@ class ParallelPlan(BaseModel):
         if self.zero_stage >= 2 and self.pp > 1:  # pipeline + ZeRO: stage 1 only, as in DeepSpeed and Megatron
             raise ValueError(f"parallel.zero_stage={self.zero_stage} with pp={self.pp}: ZeRO 2-3 reduce-scatter gradients (and 3 gathers "
                              "parameters) for every micro-batch, m times per step under a pipeline schedule; use parallel.zero_stage=1")
-        if self.zero_stage in (1, 2) and self.tp > 1:  # ZeRO-3 shards the tp-split parameters over dp (2-D mesh)
-            raise ValueError(f"parallel.zero_stage={self.zero_stage} with tp={self.tp} is not supported yet (ZeRO 1-2 take whole "
-                             "parameters only); use parallel.zero_stage=3 or 0 with tensor parallelism")
         return self
 
     @property
@@ -94,12 +104,6 @@ class ParallelPlan(BaseModel):
     def dims(self, world_size: int) -> ParallelDims:
         """The mesh degrees this plan asks for on `world_size` processes (validated)."""
         return resolve_dims(world_size, **self.degrees())
-
-    def check_zero(self, *, arch: str | None) -> None:
-        """ZeRO-3 gathers behemoth's GPT block by block; a Hugging Face model (`hf.arch`) is not cut into blocks yet."""
-        if self.zero_stage == 3 and arch is not None:
-            raise BehemothError(f"parallel.zero_stage=3 shards behemoth's GPT block by block; hf.arch={arch} is not supported yet",
-                                "use parallel.zero_stage=1 or 2 with a Hugging Face model")
 
     def check_tensor_parallel(self, *, n_head: int, kv_heads: int | None, d_model: int, ffn: int, seq_len: int) -> None:
         """Refuse before launch a model that tp does not split: heads, KV heads, widths; the sequence under SP."""

@@ -13,7 +13,9 @@ Each variant runs `--rounds` times, alternating behemoth and DTensor, and the be
 reported. Prints a markdown table: tokens/s (median step), the ratio behemoth / DTensor, the CPU time a rank
 spends per step (process time, which time-slicing by other programs does not inflate), and per rank the
 model-state memory (parameters + gradients + Adam state, bytes counted) and the activation memory
-(bytes autograd saves for backward in one forward, parameters excluded, each storage counted once).
+(bytes autograd saves for backward in one forward, parameters excluded, each storage counted once), next to
+the closed form of `behemoth/parallel/tensor/activations.py` (Korthikanti et al.'s accounting for this GPT)
+and its value without parallelism.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ MODELS = {
     "gpt-1m": ["model=gpt-1m", "train.global_batch=16"],
     "gpt-6m": ["model=gpt-1m", "model.n_layer=6", "model.d_model=256", "model.n_head=8", "model.context=256", "train.global_batch=8"],
 }
+
+
+def predicted_activation_mb(cfg_dict: dict[str, Any], t: int, sp: bool) -> float:
+    """MiB the closed form says one rank saves in the step's forward (one micro-batch of the global batch)."""
+    from behemoth.config import Config
+    from behemoth.parallel.tensor.activations import gpt_activation_bytes
+
+    cfg = Config.model_validate(cfg_dict)
+    return gpt_activation_bytes(cfg.model, b=cfg.train.global_batch, s=cfg.seq_len, t=t, sp=sp) / 2**20
 
 
 def make_config(model: str, sp: bool) -> dict[str, Any]:
@@ -251,14 +262,16 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
                 res = run_ranks(2, bench_rank, kind, cfg, steps, warmup, timeout=3600)
                 if kind not in best or res[0]["tokens_per_s"] > best[kind][0]["tokens_per_s"]:
                     best[kind] = res
-        rows.append({"model": model, "sp": sp, "ours": best["behemoth"], "peer": best["dtensor"]})
+        rows.append({"model": model, "sp": sp, "ours": best["behemoth"], "peer": best["dtensor"],
+                     "formula_mb": predicted_activation_mb(cfg, 2, sp), "t1_mb": predicted_activation_mb(cfg, 1, False)})
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| model | tp | SP | behemoth tok/s | DTensor tok/s | ratio | CPU s/step/rank behemoth / DTensor "
-          "| activations MB/rank behemoth / DTensor | model states MB/rank behemoth / DTensor | first losses (behemoth / DTensor) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| activations MiB/rank behemoth / DTensor | formula (t=1) | model states MiB/rank behemoth / DTensor "
+          "| first losses (behemoth / DTensor) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, b = r["ours"][0], r["peer"][0]
         act = lambda res: max(x["activation_mb"] for x in res)  # noqa: E731
@@ -267,7 +280,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         cpu = lambda res: max(x["cpu_s"] for x in res)  # noqa: E731
         print(f"| {r['model']} | 2 | {'yes' if r['sp'] else 'no'} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} "
               f"| {a['tokens_per_s'] / b['tokens_per_s']:.3f} | {cpu(r['ours']):.3f} / {cpu(r['peer']):.3f} "
-              f"| {act(r['ours']):.1f} / {act(r['peer']):.1f} | {st(r['ours']):.1f} / {st(r['peer']):.1f} | {losses} |", flush=True)
+              f"| {act(r['ours']):.1f} / {act(r['peer']):.1f} | {r['formula_mb']:.1f} ({r['t1_mb']:.1f}) "
+              f"| {st(r['ours']):.1f} / {st(r['peer']):.1f} | {losses} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

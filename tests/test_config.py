@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from behemoth.config import load_config
+from behemoth.config import Config, load_config
 from behemoth.errors import BehemothError
+from behemoth.models.gpt import GPTConfig
+from behemoth.models.hf import HFConfig
+from behemoth.plan import ParallelPlan
 from behemoth.topology import ParallelDims, resolve_dims
 
 
@@ -49,3 +54,27 @@ def test_plan_refuses_wrong_world_size():
     cfg = load_config(None, ["parallel.dp=3"])
     with pytest.raises(BehemothError, match="dp=3"):
         cfg.parallel.check_world_size(2)
+
+
+def test_assigning_a_section_validates_it_again(tmp_path):
+    """`cfg.parallel = ParallelPlan(...)` validates the whole config again (its checks once crashed on section instances);
+    a refused assignment leaves the old value; sections may also be given as instances when a config is built."""
+    assert Config(model=GPTConfig(preset="gpt-tiny"), hf=HFConfig(arch="gpt2")).hf.arch == "gpt2"
+    cfg = load_config(None, ["model=hf:gpt2", "model.n_head=4"])
+    cfg.parallel = ParallelPlan(tp=2, zero_stage=3)
+    cfg.model = GPTConfig(preset="gpt-tiny", n_head=4)
+    assert (cfg.parallel.tp, cfg.parallel.zero_stage, cfg.model.n_head, cfg.hf.arch) == (2, 3, 4, "gpt2")
+    with pytest.raises(BehemothError, match="parallel.tp=3 does not divide model.n_head=4"):
+        cfg.parallel = ParallelPlan(tp=3)
+    assert cfg.parallel.tp == 2, "a refused assignment keeps the old section"
+    plan = ParallelPlan(pp=2)
+    with pytest.raises(ValueError, match="parallel.zero_stage=2 with pp=2"):
+        plan.zero_stage = 2
+    assert plan.zero_stage == 0
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 2,
+                                                     "hidden_size": 16, "max_position_embeddings": 64, "vocab_size": 100,
+                                                     "intermediate_size": 48, "num_key_value_heads": 2}))
+    cfg.hf = HFConfig(weights=str(weights))  # the model takes the shape the weights' config.json describes
+    assert (cfg.hf.arch, cfg.hf.kv_heads, cfg.hf.ffn, cfg.model.n_layer, cfg.model.d_model) == ("llama", 2, 48, 3, 16)

@@ -27,11 +27,34 @@ def test_llama_tp2_matches_single_process(llama_reference, tmp_path, sp):
     assert "model.layers.0.self_attn.k_proj.weight" in got[0]["weights"]
 
 
-def test_gpt2_tp2_matches_single_process(tmp_path):
-    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *GPT2))[0]
-    got = run_ranks(2, train_body, tiny_config(tmp_path / "tp", *GPT2, "parallel.tp=2", "parallel.sequence_parallel=true"))[0]
-    assert ref["weights"]["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: [in, 3 x out]
-    assert_close_runs(ref, got)
+@pytest.fixture(scope="module")
+def gpt2_reference(tmp_path_factory):
+    return run_ranks(1, train_body, tiny_config(tmp_path_factory.mktemp("gpt2"), *GPT2))[0]
+
+
+def test_gpt2_tp2_matches_single_process(gpt2_reference, tmp_path):
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *GPT2, "parallel.tp=2", "parallel.sequence_parallel=true"))[0]
+    assert gpt2_reference["weights"]["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: [in, 3 x out]
+    assert_close_runs(gpt2_reference, got)
+
+
+def test_llama_dp2_tp2_zero3_matches_single_process(llama_reference, tmp_path):
+    """Unmodified Llama on the 2-D mesh: tp=2 inside, ZeRO-3 over dp=2 with SP (4 processes). Its units are the
+    embedding, each decoder layer and the head, so a rank never gathers more than half of its tp part at once."""
+    from tests.test_tensor_parallel import _train_reporting_states
+
+    got = run_ranks(4, _train_reporting_states, tiny_config(tmp_path, *LLAMA, "parallel.tp=2", "parallel.zero_stage=3",
+                                                             "parallel.sequence_parallel=true"))
+    assert_close_runs(llama_reference, got[0])
+    full = sum(t.numel() * 4 for t in llama_reference["weights"].values())  # float32 bytes of the single-process model
+    assert all(r["states"]["gathered_peak"] < 0.3 * full and r["states"]["params"] < 0.27 * full for r in got), [r["states"] for r in got]
+
+
+def test_gpt2_zero3_matches_single_process(gpt2_reference, tmp_path):
+    """GPT-2 at ZeRO-3 on 2 processes: the tied head gathers the embedding unit again, and the gradients of
+    its two uses are summed into one reduce-scatter."""
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *GPT2, "parallel.zero_stage=3"))[0]
+    assert_close_runs(gpt2_reference, got)
 
 
 def _save_pretrained(arch: str, folder: str) -> None:
@@ -50,17 +73,17 @@ def _save_pretrained(arch: str, folder: str) -> None:
     model.save_pretrained(folder)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_weights_from_save_pretrained_directory(tmp_path, arch):
-    """hf.weights: the shape comes from config.json; each rank's split holds the saved values, and the
-    tp=2 loss of a batch equals the loss of the model transformers itself loads from that directory."""
+@pytest.mark.parametrize("arch,plan", [("llama", "parallel.tp=2"), ("gpt2", "parallel.tp=2"), ("gpt2", "parallel.zero_stage=3")])
+def test_weights_from_save_pretrained_directory(tmp_path, arch, plan):
+    """hf.weights: the shape comes from config.json; each rank's split (or ZeRO-3 shard) holds the saved values, and
+    the loss of a batch on 2 processes equals the loss of the model transformers itself loads from that directory."""
     folder = str(tmp_path / "weights")
     _save_pretrained(arch, folder)
-    cfg = tiny_config(tmp_path / "run", f"hf.weights={folder}", "parallel.tp=2")
+    cfg = tiny_config(tmp_path / "run", f"hf.weights={folder}", plan)
     assert cfg["hf"]["arch"] == arch and cfg["model"]["n_layer"] == 2
     (ours, theirs), other_rank = run_ranks(2, _loss_of_loaded, cfg, folder)
     assert other_rank == (ours, theirs)
-    assert abs(ours - theirs) <= 1e-5 * theirs, f"tp=2 loss {ours} vs transformers' {theirs}"
+    assert abs(ours - theirs) <= 1e-5 * theirs, f"{plan}: loss {ours} vs transformers' {theirs}"
 
 
 def _loss_of_loaded(cfg_dict, folder):
@@ -81,6 +104,11 @@ def _loss_of_loaded(cfg_dict, folder):
     for name, p in engine.model.named_parameters():
         full = saved[getattr(p, FULL_NAME, name)]
         assert torch.equal(p.detach(), getattr(p, TAKE_LOCAL, lambda t: t)(full)), name
+    if cfg.parallel.zero_stage == 3:  # parameters live in flat shards: compare this rank's checkpoint chunks instead
+        chunks = [(name, offsets, t) for name, v in engine.state_dict()["model"].items() if name in saved for offsets, t in v._chunks]
+        assert sum(t.numel() for _, _, t in chunks) > 0
+        for name, offsets, t in chunks:
+            assert torch.equal(t, saved[name][tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))]), name
     torch.manual_seed(0)
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     y = torch.randint(0, cfg.model.vocab_size, (2, 16))

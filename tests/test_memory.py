@@ -1,8 +1,10 @@
 """Memory and traffic per rank: what a real build holds equals the ZeRO formulas (within 2% plus the
 documented padding) and behemoth's exact estimate to the byte; one step moves 2Ψ elements per rank at
-stages 0-2 and 3Ψ at stage 3; impossible requests are refused before launch."""
+stages 0-2 and 3Ψ less the embedding at stage 3; impossible requests are refused before launch."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -16,31 +18,37 @@ from tests.common import tiny_config
 from tests.dist import run_ranks
 
 LAYOUT = ("model.n_layer=4", "parallel.bucket_mb=0.05")  # 4 blocks (so stage 3 frees some) and several buckets
+TIED = ("model.tie_embeddings=true", "model.vocab_size=4096")  # the embedding outweighs a block, and the head reads it
 
 
-def _measure_all(cfg_fp32, cfg_bf16):
-    """Every rank builds stages 0-3 in float32 and 1-3 in bf16, one step each."""
-    return measure_worker(cfg_fp32, list(STAGES)) + measure_worker(cfg_bf16, [1, 2, 3])
+def _measure_all(cfg_fp32, cfg_bf16, cfg_tied):
+    """Every rank builds stages 0-3 in float32, 1-3 in bf16, and 3 with a large tied embedding, one step each."""
+    runs = [(cfg_fp32, list(STAGES)), (cfg_bf16, [1, 2, 3]), (cfg_tied, [3])]
+    return [(cfg, got) for cfg, stages in runs for got in measure_worker(cfg, stages)]
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def measured(request, tmp_path_factory):
     world, run_dir = request.param, tmp_path_factory.mktemp("mem")
-    cfgs = [tiny_config(run_dir, *LAYOUT), tiny_config(run_dir, *LAYOUT, "parallel.zero_stage=1", "parallel.param_dtype=bf16")]
+    cfgs = [tiny_config(run_dir, *LAYOUT), tiny_config(run_dir, *LAYOUT, "parallel.zero_stage=1", "parallel.param_dtype=bf16"),
+            tiny_config(run_dir, *LAYOUT, *TIED)]
     return world, cfgs[0], run_ranks(world, _measure_all, *cfgs)
 
 
-def _expected(cfg, world, stage, dtype, rank):
-    model = build_gpt(load_config(None, [f"model.n_layer={cfg['model']['n_layer']}", "model=gpt-tiny"]).model)
-    return stage_estimate(model, stage, world, param_dtype=dtype, bucket_mb=cfg["parallel"]["bucket_mb"], prefetch=1, rank=rank)
+def _expected(cfg, world, stage, rank):
+    model_cfg = load_config(None, ["model=gpt-tiny", *(f"model.{k}={cfg['model'][k]}" for k in ("n_layer", "vocab_size", "tie_embeddings"))]).model
+    dtype = cfg["parallel"]["param_dtype"] if stage else "fp32"
+    return stage_estimate(build_gpt(model_cfg), stage, world, param_dtype=dtype, bucket_mb=cfg["parallel"]["bucket_mb"], prefetch=1, rank=rank,
+                          tie_embeddings=model_cfg.tie_embeddings)
 
 
 def test_measured_bytes_equal_the_formula(measured):
-    world, cfg, ranks = measured
+    world, _, ranks = measured
     for rank, results in enumerate(ranks):
-        for i, got in enumerate(results):
-            stage, dtype = got["stage"], "fp32" if i < 4 else "bf16"
-            exact = _expected(cfg, world, stage, dtype, rank)
+        for cfg, got in results:
+            stage = got["stage"]
+            dtype = cfg["parallel"]["param_dtype"] if stage else "fp32"
+            exact = _expected(cfg, world, stage, rank)
             for part, bytes_per in zip(("params", "grads", "optimizer"), (2, 2, 12) if dtype == "bf16" else (4, 4, 8)):
                 formula = formula_bytes(exact.psi, world, stage, dtype)[part]
                 # padding: each of the G groups gets < N elements, and a rank's share of a group differs from 1/N by < N elements
@@ -52,30 +60,39 @@ def test_measured_bytes_equal_the_formula(measured):
 
 
 def test_stage3_frees_gathered_parameters(measured):
-    """At stage 3 a rank never holds all parameters at once: the root plus two blocks (current and prefetched)."""
+    """At stage 3 a rank never holds all parameters at once: the embedding or the head, and two blocks at most (current
+    and prefetched). With a large tied embedding (most of the model) it holds the embedding and one block, and
+    its gradient (from the head, kept to be summed with the lookup's) plus the lookup's and one block's."""
     world, cfg, ranks = measured
-    stage3 = ranks[0][3]["bytes"]
-    assert stage3["gathered_peak"] < 0.75 * 4 * _expected(cfg, world, 3, "fp32", 0).psi
+    stage3, tied = ranks[0][3][1]["bytes"], ranks[0][-1][1]["bytes"]
+    assert stage3["gathered_peak"] < 0.75 * 4 * _expected(cfg, world, 3, 0).psi
+    embedding, block = 4 * (4096 + 32) * 32, 4 * 12 * 32 * 32 + 4 * 13 * 32  # float32 bytes (vocabulary + positions) x width; a block
+    assert tied["gathered_peak"] <= embedding + block + 4 * 64 + 4 * 2 * world  # + the final norm, + padding
+    assert tied["grad_buffers_peak"] <= 2 * embedding + block + 4 * 4 * world
 
 
 def test_communication_volume(measured):
-    """Elements each rank moved in one step (one micro-batch), counted as in the ZeRO paper:
-    an all-reduce counts twice its size, a reduce-scatter or all-gather the full tensor's size."""
-    world, cfg, ranks = measured
+    """Elements each rank moved in one step (one micro-batch), counted as in the ZeRO paper: an all-reduce counts
+    twice its size, a reduce-scatter or all-gather the full tensor's size. 2Ψ at stages 0-2; at stage 3 3Ψ less the
+    embedding (a lookup's backward needs no weights, so it is not gathered again), plus it twice when the head is tied."""
+    world, _, ranks = measured
     for rank, results in enumerate(ranks):
-        for got in results:
-            exact = _expected(cfg, world, got["stage"], "fp32", rank)
+        for cfg, got in results:
+            exact = _expected(cfg, world, got["stage"], rank)
             psi_padded = exact.psi + exact.padding
             ops = {op: s["elements"] for op, s in got["comm"].items()}
+            embedding = 32 * (cfg["model"]["vocab_size"] + 32)
+            embedding += -embedding % world  # padded to split evenly
             if got["stage"] == 0:
                 assert ops == {"all_reduce": exact.psi}, ops                       # 2Ψ
             elif got["stage"] < 3:
                 assert ops == {"reduce_scatter": psi_padded, "all_gather": psi_padded, "all_reduce": 1}, ops   # 2Ψ (+ the norm)
             else:
-                assert ops == {"all_gather": 2 * psi_padded, "reduce_scatter": psi_padded, "all_reduce": 1}, ops  # 3Ψ (+ the norm)
+                again = embedding if cfg["model"]["tie_embeddings"] else -embedding
+                assert ops == {"all_gather": 2 * psi_padded + again, "reduce_scatter": psi_padded, "all_reduce": 1}, ops  # (+ the norm)
             assert exact.padding < world * max(1, exact.groups)
             norm = 2 if got["stage"] else 0  # the one-scalar all-reduce of the gradient norm's square
-            assert comm_volume(got["comm"]) == (3 if got["stage"] == 3 else 2) * psi_padded + norm
+            assert comm_volume(got["comm"]) == exact.traffic + norm
 
 
 def test_formulas_match_the_zero_paper():
@@ -103,13 +120,15 @@ def test_model_that_does_not_fit_is_refused_before_launch(tmp_path, capsys):
         check_fits(cfg, 2)
     from behemoth.cli import main
 
-    code = main(["train", "--nproc", "2", "model=gpt2-124m", "parallel.memory_gb=0.5", f"run.dir={tmp_path / 'run'}"])
+    code = main(["train", "--nproc", "2", "model=gpt2-124m", "parallel.memory_gb=0.75", f"run.dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "more than parallel.memory_gb=0.5; use parallel.zero_stage=3 on 15 or more ranks" in err, err
-    at_stage3 = load_config(None, ["model=gpt2-124m", "parallel.memory_gb=0.5", "parallel.zero_stage=3"])
-    check_fits(at_stage3, 15)  # the suggestion holds, and is the smallest that does
-    with pytest.raises(BehemothError, match="at parallel.zero_stage=3 on dp=14"):
-        check_fits(at_stage3, 14)
+    fix = re.search(r"more than parallel.memory_gb=0.75; use parallel.zero_stage=3 on (\d+) or more ranks$", err.strip())
+    assert code == 2 and err.count("\n") == 1 and fix, err
+    ranks = int(fix.group(1))
+    at_stage3 = load_config(None, ["model=gpt2-124m", "parallel.memory_gb=0.75", "parallel.zero_stage=3"])
+    check_fits(at_stage3, ranks)  # the suggestion holds, and is the smallest that does
+    with pytest.raises(BehemothError, match=f"at parallel.zero_stage=3 on dp={ranks - 1}"):
+        check_fits(at_stage3, ranks - 1)
 
 
 def test_estimate_command_prints_formula_and_fit(capsys):

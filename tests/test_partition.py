@@ -1,6 +1,6 @@
 """Partitioning and the executor's pure parts: cost-balanced stage boundaries (checked against brute force),
 hand-written boundaries validated, the cut keeps single-process names and composes back to the whole model,
-receives posted ahead of their consumer in an order any backend can match, and the measured-bubble
+transfers batched into groups in an order any backend can match, and the measured-bubble
 arithmetic agrees with the simulator on its own timelines."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig, build_gpt
 from behemoth.models.init import materialize
 from behemoth.parallel.pipeline import SCHEDULES, Costs, build_schedule, simulate
-from behemoth.parallel.pipeline.executor import post_plan
 from behemoth.parallel.pipeline.measure import TimedAction, measured_bubble, measured_costs, replayed_bubble
+from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import (
     LayerCosts, balance_stages, check_stage_boundaries, cut_model, estimate_layer_costs, even_boundaries,
     measure_layer_costs, stage_costs,
@@ -99,23 +99,34 @@ def test_cut_stages_keep_names_and_compose_to_the_whole_model(tied):
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_receives_are_posted_early_in_the_senders_order(name):
-    """Every RECV is posted before it runs, `lookahead` passes before its consumer; each pair of ranks sends and
-    receives in the same order, so a backend that matches messages in order (NCCL) needs no tags."""
+def test_transfers_are_grouped_once_in_message_order(name):
+    """Every SEND goes out in the group right after its producer; every RECV is posted before its consumer, and more
+    than RECV_LOOKAHEAD passes ahead only where its message already exists in the reference timeline; each pair of
+    ranks issues the messages it exchanges in the same order, so a backend that matches by order (NCCL) needs no tags."""
     schedule = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+    timeline = reference_timeline(schedule)
+    sent = {message_key(i.action): i.start for row in timeline for i in row if i.action.kind in SENDS}
+    issued: dict[int, list] = {}
     for rank, actions in enumerate(schedule.per_rank):
-        plan = post_plan(actions, 2)
-        posted_at = {j: i for i, js in plan.items() for j in js}
         compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
-        for j, a in enumerate(actions):
-            if a.kind in RECVS:
-                consumer = next(i for i in compute if i > j)
-                ahead = [i for i in compute if posted_at[j] <= i < consumer]
-                assert posted_at[j] <= j and (len(ahead) == 2 or posted_at[j] == 0), (rank, j, a)
-        assert sorted(posted_at) == list(posted_at), "receives are posted in schedule order"
+        ends = [i.end for i in timeline[rank] if i.action.kind in COMPUTE]
+        groups = p2p_groups(schedule, rank)
+        order = [j for g in groups for j in g.ops]
+        assert sorted(order) == [j for j, a in enumerate(actions) if a.kind in SENDS or a.kind in RECVS], "each transfer once"
+        assert [g.at for g in groups] == sorted(g.at for g in groups)
+        for g in groups:
+            before = sum(c < g.at for c in compute)  # passes run before the group is issued
+            for j in g.ops:
+                consumer = sum(c < j for c in compute)
+                if actions[j].kind in SENDS:
+                    assert before == consumer and g.at <= j, (rank, j, actions[j])  # right after its producer
+                else:
+                    exists = sum(e <= sent[message_key(actions[j])] for e in ends)
+                    assert g.at <= j and before <= exists and (consumer - before <= RECV_LOOKAHEAD or before == exists), (rank, j)
+        issued[rank] = [actions[j] for j in order]
     for src, dst in itertools.permutations(range(4), 2):
-        sends = [(SENDS[a.kind], a.stage, a.microbatch) for a in schedule.per_rank[src] if a.kind in SENDS and a.peer == dst]
-        recvs = [(a.kind, a.stage, a.microbatch) for a in schedule.per_rank[dst] if a.kind in RECVS and a.peer == src]
+        sends = [message_key(a) for a in issued[src] if a.kind in SENDS and a.peer == dst]
+        recvs = [message_key(a) for a in issued[dst] if a.kind in RECVS and a.peer == src]
         assert sends == recvs
 
 

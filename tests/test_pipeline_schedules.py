@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -10,10 +11,13 @@ import pytest
 from behemoth.errors import BehemothError
 from behemoth.parallel.pipeline import (
     SCHEDULES, Action, Costs, Kind, Schedule, ScheduleError, build_schedule, chimera, closed_form_bubble, gpipe,
-    interleaved, one_f_one_b, simulate, validate, zb_h1,
+    interleaved, one_f_one_b, run_timeline, simulate, validate, zb_h1,
 )
 from behemoth.parallel.pipeline.gantt import format_grid
+from behemoth.parallel.pipeline.p2p_groups import P2PGroup, message_key, p2p_groups
+from behemoth.parallel.pipeline.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.report import compare, schedule_main
+from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
 
 
 def close(a: float, b: float) -> bool:
@@ -123,6 +127,124 @@ def test_validator_catches_wrong_peer_missing_sync_and_late_optimizer_step():
     s.per_rank[1].insert(0, s.per_rank[1].pop())
     with pytest.raises(ScheduleError, match=r"rank 1, action 0 OPT_STEP: the optimizer step must be the rank's last action"):
         validate(s)
+
+
+# ---------------------------------------------------------------- NCCL's rendezvous semantics
+
+
+def early_posting(schedule: Schedule, rank: int) -> list[P2PGroup]:
+    """The executor as first committed: each receive a lone irecv posted two passes before its consumer, each send a
+    lone isend right after its producer (unbatched, NCCL runs them on the two ranks' own communicator)."""
+    actions = schedule.per_rank[rank]
+    compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+    groups = []
+    for j, a in enumerate(actions):
+        if a.kind in RECVS or a.kind in SENDS:
+            k = bisect.bisect(compute, j)
+            at = min(compute[k - 2] if k >= 2 else 0, j) if a.kind in RECVS else j
+            groups.append(P2PGroup(at, (j,), stream=a.peer))
+    return sorted(groups, key=lambda g: g.at)
+
+
+def megatron_pairs(schedule: Schedule, rank: int) -> list[P2PGroup]:
+    """Megatron's pairing: all transfers between two passes in one group (the sends of the pass before, the
+    receives of the pass after), without looking at the other ranks."""
+    actions = schedule.per_rank[rank]
+    compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+    slots: dict[int, list[int]] = {}
+    for j, a in enumerate(actions):
+        if a.kind in RECVS or a.kind in SENDS:
+            slots.setdefault(bisect.bisect(compute, j), []).append(j)
+    return [P2PGroup(compute[slot - 1] + 1 if slot else 0, tuple(sorted(js, key=lambda j: (actions[j].kind in RECVS, message_key(actions[j])))))
+            for slot, js in sorted(slots.items())]
+
+
+def test_nccl_model_catches_the_early_posting_deadlock():
+    """With buffered sends (gloo; the validator's timeline) early lone receives run; under NCCL's rendezvous each
+    rank's stream is stuck at a receive whose sender is stuck behind its own receive. The executor's groups finish."""
+    s = one_f_one_b(2, 4)
+    run_timeline(s)
+    with pytest.raises(ScheduleError, match=r"^schedule 1f1b deadlocks under NCCL's rendezvous p2p.*: rank 0 waits at action 4 "
+                       r"RECV_GRAD\(stage=1, mb=0, from rank 1\): its stream is stuck at RECV_GRAD\(stage=1, mb=0, from rank 1\), "
+                       r"which rank 1 has not issued yet; rank 1 waits at action 0 RECV_ACT\(stage=0, mb=0, from rank 0\): its "
+                       r"stream is stuck at RECV_ACT\(stage=0, mb=0, from rank 0\), whose match on rank 0 is queued behind "
+                       r"RECV_GRAD\(stage=1, mb=0, from rank 1\)"):
+        check_rendezvous(s, early_posting)
+    check_rendezvous(s)
+    for name in SCHEDULES:  # every schedule, the steady state included (m = 2p)
+        s = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+        with pytest.raises(ScheduleError, match="deadlocks under NCCL's rendezvous p2p"):
+            check_rendezvous(s, early_posting)
+        check_rendezvous(s)
+
+
+def test_pairing_by_gaps_alone_deadlocks_interleaved():
+    """Megatron's send-with-receive pairing suffices for 1F1B but not at interleaving's chunk boundaries, where both
+    ranks of a pair send a gradient before receiving the other's: why the groups follow the schedule's timeline."""
+    check_rendezvous(one_f_one_b(4, 8), megatron_pairs)
+    with pytest.raises(ScheduleError, match=r"interleaved deadlocks .* rank 0 waits at action \d+ RECV_GRAD\(stage=3, mb=1, "
+                                            r"from rank 1\): its stream is stuck at SEND_GRAD\(stage=2, mb=0, to rank 1\)"):
+        check_rendezvous(interleaved(2, 4, 2), megatron_pairs)
+    check_rendezvous(interleaved(2, 4, 2))
+
+
+def test_nccl_model_catches_out_of_order_matching_swapped_syncs_and_early_sends():
+    """NCCL pairs the k-th send of a pair with the k-th receive, whatever the tag: issued out of order, the wrong
+    tensor would arrive. Chimera's syncs are exchange groups on the same stream: swapped on one rank, NCCL would pair
+    one stage's gradients with the other's."""
+    def swapped_receives(schedule: Schedule, rank: int) -> list[P2PGroup]:
+        groups = p2p_groups(schedule, rank)
+        return [groups[1], groups[0], *groups[2:]] if rank == 1 else groups
+
+    with pytest.raises(ScheduleError, match=r"gpipe mismatches under NCCL's in-order matching: rank 0's send #0 to rank 1 is "
+                                            r"SEND_ACT\(stage=0, mb=0, to rank 1\) but rank 1's receive #0 from rank 0 is "
+                                            r"RECV_ACT\(stage=0, mb=1, from rank 0\)"):
+        check_rendezvous(gpipe(2, 4), swapped_receives)
+    s = editable(chimera(4, 4))
+    s.per_rank[0][-3], s.per_rank[0][-2] = s.per_rank[0][-2], s.per_rank[0][-3]
+    with pytest.raises(ScheduleError, match=r"rank 3's send #0 to rank 0 is send of GRAD_SYNC\(stage=0, with rank 0\) but rank 0's "
+                                            r"receive #0 from rank 3 is receive of GRAD_SYNC\(stage=3, with rank 3\)"):
+        check_rendezvous(s, megatron_pairs)  # (the default groups need the buffered timeline, which already hangs)
+
+    def send_too_early(schedule: Schedule, rank: int) -> list[P2PGroup]:
+        groups = p2p_groups(schedule, rank)
+        return [dataclasses.replace(groups[0], at=0), *groups[1:]] if rank == 0 else groups
+
+    with pytest.raises(ScheduleError, match=r"rank 0's action 1 SEND_ACT\(stage=0, mb=0, to rank 1\), grouped before action 0, "
+                                            r"is issued before the pass that produces it"):
+        check_rendezvous(one_f_one_b(2, 2), send_too_early)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_is_nccl_safe_at_any_lookahead(name):
+    """The proof in p2p_groups does not depend on how far ahead receives may be hoisted: checked from 0 to 8 passes."""
+    for p, m, v in [(2, 2, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 12, 4), (6, 12, 2), (8, 16, 2)]:
+        try:
+            s = build_schedule(name, p, m, v if name == "interleaved" else 1)
+        except ScheduleError:
+            continue
+        for lookahead in (0, 1, 2, 8):
+            check_rendezvous(s, lambda s, rank: p2p_groups(s, rank, lookahead))
+
+
+def test_evaluation_order_is_nccl_safe():
+    """forward_only: for each batch, every rank runs its stages (the first replicas) in stage order, a lone receive
+    before and a lone send after each. Batched on the group's one stream, that (batch, stage) order cannot hang."""
+    def lone(schedule: Schedule, rank: int) -> list[P2PGroup]:
+        return [P2PGroup(j, (j,)) for j, a in enumerate(schedule.per_rank[rank]) if a.kind in SENDS or a.kind in RECVS]
+
+    for name in SCHEDULES:
+        s = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
+        owner = [ranks[0] for ranks in s.stage_ranks]
+        per_rank: list[list[Action]] = [[] for _ in range(s.ranks)]
+        for b in range(3):
+            for stage, rank in enumerate(owner):
+                if stage > 0 and owner[stage - 1] != rank:
+                    per_rank[rank].append(Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1]))
+                per_rank[rank].append(Action(Kind.FORWARD, stage, b))
+                if stage < len(owner) - 1 and owner[stage + 1] != rank:
+                    per_rank[rank].append(Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]))
+        check_rendezvous(dataclasses.replace(s, per_rank=[actions + [Action(Kind.OPT_STEP)] for actions in per_rank]), lone)
 
 
 # ---------------------------------------------------------------- the simulator reproduces the closed forms

@@ -167,6 +167,128 @@ def test_gpt_plan_splits_and_marks_the_right_parameters():
     assert set(tp.layouts) == {"wte.weight", "lm_head.weight"} | {f"blocks.0.{m}.{p}" for m in ("attn.qkv", "mlp.fc") for p in ("weight", "bias")} \
         | {"blocks.0.attn.proj.weight", "blocks.0.mlp.proj.weight"}
     assert tp.partial == {f"{m}.{p}" for m in ("blocks.0.ln_1", "blocks.0.ln_2", "ln_f") for p in ("weight", "bias")} \
-        | {"blocks.0.attn.proj.bias", "blocks.0.mlp.proj.bias"}
+        | {"blocks.0.attn.proj.bias", "blocks.0.mlp.proj.bias", "wpe.weight"}
     assert model.blocks[0].attn.qkv.weight.shape == (48, 32) and model.blocks[0].mlp.proj.weight.shape == (32, 64)
-    assert "wpe.weight" not in tp.layouts and "wpe.weight" not in tp.partial  # full sequence on every rank before the split
+    # the embedding's partial sums are reduce-scattered by block 0; wpe is added by tp rank 0 only, so its gradient is partial
+    assert not model.wte.reduce_output and "wpe.weight" not in tp.layouts
+
+
+def _shared_regather(tp) -> dict[str, int]:
+    """Three column layers (Llama's q, k, v) read one all-gathered norm output: gradients as plain PyTorch, and
+    backward all-gathers the saved shard once for all three; a zero-bubble split does it in the weight pass only."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from behemoth.comm import CommMeter
+    from behemoth.parallel.tensor.comm import TPComm, split_sequence
+    from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, enter_tp_region
+
+    torch.manual_seed(4)
+    fulls = [nn.Linear(D, F_) for _ in range(3)]
+    x = torch.randn(B, T, D, requires_grad=True)
+    probes = [torch.randn(B, T, F_) for _ in fulls]
+    sum((f(x) * p).sum() for f, p in zip(fulls, probes)).backward()
+    metered = TPComm(tp.group, tp.size, tp.rank, CommMeter())
+    cols = [ColumnParallelLinear.from_module(f, f"proj{i}", metered, sequence_parallel=True) for i, f in enumerate(fulls)]
+    params = [p for c in cols for p in c.parameters()]
+    layout = getattr(cols[0].weight, TP_LAYOUT)
+    out_layout = type(layout)((B, T, F_), 2, layout.local_size, layout.pieces)
+    gathers = {}
+    for split in (False, True):
+        mine = split_sequence(x.detach(), tp).requires_grad_(True)
+        region = enter_tp_region(mine * 1.0, metered, True)
+        loss = sum((c(region) * out_layout.take_local(p)).sum() for c, p in zip(cols, probes))
+        del region
+        metered.meter.reset()
+        if split:
+            _, groups = stage_backward_input([loss], None, [mine], iter(params))
+            gathers["input pass"] = metered.meter.ops["all_gather"].calls
+            stage_backward_weight(iter(params), groups)
+            gathers["weight pass"] = metered.meter.ops["all_gather"].calls - gathers["input pass"]
+        else:
+            loss.backward()
+            gathers["full backward"] = metered.meter.ops["all_gather"].calls
+        _close(mine.grad, split_sequence(x.grad, tp), "shared input grad")
+        for c, f in zip(cols, fulls):
+            _close(c.weight.grad, layout.take_local(f.weight.grad), "shared weight grad")
+            c.weight.grad = c.bias.grad = None
+    return gathers
+
+
+def _shared_regather_body() -> dict[str, int]:
+    import torch.distributed as dist
+
+    from behemoth.parallel.tensor.comm import TPComm
+
+    return _shared_regather(TPComm.of(dist.group.WORLD))
+
+
+def test_column_layers_share_one_backward_all_gather():
+    got = run_ranks(2, _shared_regather_body)
+    assert got[0] == {"full backward": 1, "input pass": 0, "weight pass": 1}, got
+
+
+ACT = dict(b=2, s=32, h=64, a=4)  # micro-batch, sequence, hidden, heads of the activation-accounting GPT (2 blocks)
+
+
+def _saved_activation_bytes(shard_saving: bool) -> dict[str, dict[str, float]]:
+    """Per-block and whole-model bytes autograd saves in one forward + loss at t=1, t=2 and t=2 with SP."""
+    import torch.distributed as dist
+
+    from behemoth.models.causal_lm import GPT_TP_PLAN
+    from behemoth.models.gpt import GPTConfig, build_gpt
+    from behemoth.models.init import materialize
+    from behemoth.parallel.tensor import TPComm, apply_tensor_parallel, layers
+    from behemoth.parallel.tensor.activations import SavedBytesMeter
+
+    if not shard_saving:  # the column layers save the all-gathered input, as before
+        layers.ColumnParallelLinear.forward = lambda self, x: layers.local_linear(x, self.weight, self.bias, self.transposed)
+    b, s, h, a = ACT["b"], ACT["s"], ACT["h"], ACT["a"]
+    out = {}
+    for name, t, sp in (("t1", 1, False), ("t2", 2, False), ("t2+sp", 2, True)):
+        model = build_gpt(GPTConfig(preset="gpt-tiny", n_layer=2, n_head=a, d_model=h, context=s, vocab_size=256))
+        tp = apply_tensor_parallel(model, TPComm.of(dist.group.WORLD), GPT_TP_PLAN, sequence_parallel=sp) if t > 1 else None
+        materialize(model, seed=0, device=torch.device("cpu"), init_spec=model.init_spec)
+        tokens = torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(0))
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        meter = SavedBytesMeter({f"blocks.{i}": blk for i, blk in enumerate(model.blocks)}, list(model.parameters()))
+        with meter.measure():
+            logits = model(x)
+            loss = tp.cross_entropy_sum(logits, y) if tp else torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+        loss.backward()
+        out[name] = {"blocks": [meter.by_region[f"blocks.{i}"] for i in range(2)], "total": meter.total}
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_bytes():
+    return run_ranks(2, _saved_activation_bytes, True)[0]
+
+
+def test_sequence_parallel_divides_block_activations_by_t(saved_bytes):
+    """Bytes one GPT block saves for backward (b=2, s=32, h=64, a=4, float32), measured by counting distinct saved
+    storages, against the closed form of `activations.py`: 4 (16 sbh + 4 bs + a bs) with no parallelism,
+    4 (4 sbh + 4 bs + (12 sbh + a bs) / t) with TP, and the first divided by t with TP + SP (Korthikanti et al.'s
+    sbh (34 + 5as/h), sbh (10 + 24/t + 5as/(ht)), sbh/t (34 + 5as/h) for Megatron's fp16 layer with dropout and
+    unfused attention):
+
+        t=1 264192 B   t=2 165376 B (0.626 of t=1; Megatron's 0.647 without the s^2 terms)   t=2+SP 132096 B (0.5)
+
+    Saving the all-gathered norm output instead of its shard (the behaviour before) measures 148480 B at t=2+SP
+    (0.56), which the exact comparison rejects (test below). The whole model (embedding, head and loss included)
+    matches `gpt_activation_bytes` too."""
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.parallel.tensor.activations import gpt_activation_bytes, gpt_block_activation_bytes
+
+    cfg = GPTConfig(preset="gpt-tiny", n_layer=2, n_head=ACT["a"], d_model=ACT["h"], context=ACT["s"], vocab_size=256)
+    for name, t, sp, want in (("t1", 1, False, 264192), ("t2", 2, False, 165376), ("t2+sp", 2, True, 132096)):
+        assert gpt_block_activation_bytes(**ACT, t=t, sp=sp) == want
+        assert saved_bytes[name]["blocks"] == [want, want], (name, saved_bytes[name])
+        assert saved_bytes[name]["total"] == gpt_activation_bytes(cfg, b=ACT["b"], s=ACT["s"], t=t, sp=sp), name
+    assert saved_bytes["t2+sp"]["blocks"][0] * 2 == saved_bytes["t1"]["blocks"][0]
+
+
+def test_saving_the_gathered_input_would_be_caught():
+    got = run_ranks(2, _saved_activation_bytes, False)[0]
+    assert got["t2+sp"]["blocks"][0] == 148480
+    with pytest.raises(AssertionError):
+        test_sequence_parallel_divides_block_activations_by_t(got)

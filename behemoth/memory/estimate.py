@@ -8,9 +8,10 @@ compute (the 12 are float32 master weights and two moments), so
 
 The *exact* estimate lays the model out as behemoth does (the same buckets and units, each padded
 with at most N - 1 elements so it splits evenly) and adds the short-lived buffers: gradient buckets
-in flight at stage 2; at stage 3 the gathered parameters (the root plus `1 + prefetch` blocks) and
-the unit gradients being reduce-scattered. It is what a rank really holds, to the byte, and the
-tests check the engine's measurement against it. Activations are not part of either.
+in flight at stage 2; at stage 3 the gathered parameters (the embedding, `1 + prefetch` blocks or the
+head at a time) and the unit gradients being reduce-scattered. It is what a rank really holds, to the
+byte, and the tests check the engine's measurement against it; so is the traffic of a step. Activations
+are not part of either.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from behemoth.comm import plan_buckets
 from behemoth.errors import BehemothError
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
-from behemoth.parallel.zero.sharded import plan_units
+from behemoth.parallel.zero.units import LayerNames, UnitSpec, plan_units
 
 GiB = 2**30
 STAGES = (0, 1, 2, 3)
@@ -61,6 +62,7 @@ class StageEstimate:
     formula: dict[str, float]
     groups: int = 0                   # flat groups (buckets or units), each padded by fewer than N elements
     buffers: dict[str, int] = field(default_factory=dict)
+    traffic: int = 0                  # elements all-gathered + reduce-scattered (all-reduced twice) in a step of one micro-batch
 
     @property
     def states(self) -> int:
@@ -76,10 +78,8 @@ def real_elements(layout: FlatLayout, rank: int) -> int:
     return sum(p.numel for p in layout.pieces(rank))
 
 
-def _layouts(model: Any, stage: int, n: int, bucket_mb: float) -> list[FlatLayout]:
-    """The flat groups behemoth builds: gradient buckets (stages 1-2) or units (stage 3)."""
-    if stage == 3:
-        return [FlatLayout(s.names, s.shapes, n) for s in plan_units(model)]
+def _buckets(model: Any, n: int, bucket_mb: float) -> list[FlatLayout]:
+    """The gradient buckets behemoth builds at stages 1-2."""
     named = list(model.named_parameters())
     params = [p for _, p in named]
     names = {id(p): name for name, p in named}
@@ -87,44 +87,93 @@ def _layouts(model: Any, stage: int, n: int, bucket_mb: float) -> list[FlatLayou
             for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
 
 
+def _default_layers() -> LayerNames:
+    from behemoth.parallel.pipeline.views import view_of
+
+    return view_of(None)
+
+
 def _window_max(sizes: list[int], width: int) -> int:
     return max((sum(sizes[i:i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
 
 
 def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32", bucket_mb: float = 25.0,
-                   prefetch: int = 1, rank: int = 0) -> StageEstimate:
-    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough)."""
+                   prefetch: int = 1, rank: int = 0, layers: LayerNames | None = None, tie_embeddings: bool = False) -> StageEstimate:
+    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default)."""
     p, g, k = BYTES_PER_PARAM[param_dtype]
     psi = sum(t.numel() for t in model.parameters())
     formula = formula_bytes(psi, n, stage, param_dtype)
     if stage == 0:
-        return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula)
-    layouts = _layouts(model, stage, n, bucket_mb)
+        return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula, traffic=2 * psi)
+    units = plan_units(model, layers=layers or _default_layers(), tie_embeddings=tie_embeddings) if stage == 3 else []
+    layouts = [FlatLayout(u.names, u.shapes, n) for u in units] if stage == 3 else _buckets(model, n, bucket_mb)
     padded = sum(lay.padded for lay in layouts)
     shard = sum(lay.shard_size for lay in layouts)
     mine = sum(real_elements(lay, rank) for lay in layouts)
     master = 4 * shard if param_dtype != "fp32" else 0  # a separate float32 copy only with bf16 compute
     est = StageEstimate(stage, psi, padded - psi, p * (shard if stage == 3 else padded), g * (shard if stage >= 2 else padded),
                         8 * mine + master, formula, len(layouts))
-    sizes = [lay.padded * p for lay in layouts]
     if stage == 2:
-        est.buffers["grad_buffers_peak"] = _window_max(sizes, MAX_BUCKETS_IN_FLIGHT + 1)
+        est.buffers["grad_buffers_peak"] = _window_max([lay.padded * p for lay in layouts], MAX_BUCKETS_IN_FLIGHT + 1)
     if stage == 3:
-        root, blocks = sizes[0], sizes[1:]
-        est.buffers["gathered_peak"] = root + _window_max(blocks, 1 + prefetch)
-        backward = [*reversed(blocks), root]  # the order in which unit gradients complete
-        est.buffers["grad_buffers_peak"] = _window_max(backward, 2)
+        sizes = UnitSizes.of(units, layouts)
+        est.buffers.update(stage3_buffers(sizes, prefetch, p))
+        est.traffic = sizes.gathered() + padded
+    else:
+        est.traffic = 2 * padded
     return est
+
+
+@dataclass
+class UnitSizes:
+    """Padded elements of stage 3's units by role; `tied`: the units a tied head gathers again (the embedding)."""
+
+    root: int
+    embedding: list[int]
+    blocks: list[int]
+    head: list[int]
+    tied: int
+
+    @classmethod
+    def of(cls, units: list[UnitSpec], layouts: list[FlatLayout]) -> "UnitSizes":
+        size = {id(u): lay.padded for u, lay in zip(units, layouts)}
+        role = {r: [size[id(u)] for u in units if u.role == r] for r in ("root", "embedding", "block", "head")}
+        tied = sum(size[id(r)] for u in units if u.role == "head" for r in u.reads)
+        return cls(sum(role["root"]), role["embedding"], role["block"], role["head"], tied)
+
+    def gathered(self) -> int:
+        """Elements all-gathered per forward and backward: every unit in forward, all but the embedding in backward
+        (a lookup needs no weights), and a tied embedding once more in each."""
+        return 2 * (self.root + sum(self.blocks) + sum(self.head) + self.tied) + sum(self.embedding)
+
+
+def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str, int]:
+    """Peaks of stage 3's gathered parameters and of unit gradients in flight (sharded.py's order of events).
+
+    Forward enters the root and embedding, then each block, then the head (with the embedding again when the head
+    is tied to it); each entry prefetches the next `prefetch` units, and the embedding is dropped when the first block
+    starts. Backward gathers the head and blocks again one or two at a time, so forward holds the peak. Unit gradients
+    complete head first, embedding last, two alive at once (one reduce-scatter in flight); a tied embedding's first
+    gradient (from the head) is kept until the second arrives, to be summed and reduce-scattered once.
+    """
+    head = [sum(sizes.head) + sizes.tied] if sizes.head or sizes.tied else []
+    gathered = sizes.root + _window_max(sizes.embedding + sizes.blocks + head, 1 + prefetch)
+    completion = sizes.head + sizes.blocks[::-1] + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
+    kept_until = len(sizes.head) + len(sizes.blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
+    grads = max((sum(completion[max(0, i - 1):i + 1]) + (sizes.tied if i <= kept_until else 0) for i in range(len(completion))), default=0)
+    return {"gathered_peak": gathered * bytes_per, "grad_buffers_peak": grads * bytes_per}
 
 
 def estimate(cfg: Any, n: int, *, rank: int = 0, stages: tuple[int, ...] = STAGES) -> list[StageEstimate]:
     """Every stage's exact estimate for a config (the model is built on the meta device: no memory)."""
     from behemoth.models.causal_lm import build_causal_lm
 
+    from behemoth.parallel.pipeline.views import view_of
+
     model = build_causal_lm(cfg.model, cfg.hf).module
     plan = cfg.parallel
-    return [stage_estimate(model, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb,
-                           prefetch=plan.prefetch, rank=rank) for s in stages]
+    return [stage_estimate(model, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
+                           rank=rank, layers=view_of(cfg.hf.arch), tie_embeddings=cfg.model.tie_embeddings) for s in stages]
 
 
 def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> dict[int, int]:

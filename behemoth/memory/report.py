@@ -115,7 +115,7 @@ def state_table(cfg: Any, dp: int, ests: list[StageEstimate], measured: dict[int
     lines = [f"behemoth estimate: {cfg.model.preset}, Ψ = {psi:,} parameters, N = dp = {dp}, Adam, stages 1-3 {dtype} "
              f"(bytes per parameter: {p} param + {g} grad + {k} optimizer; stage 0 is float32)",
              f"model states per rank, MiB (rank 0; exact = behemoth's layout, padded by at most N-1 elements per group: {pad} here); "
-             "traffic = elements a rank moves in one step of one micro-batch (all-reduce counted twice its size)",
+             "traffic = elements a rank moves in one step of one micro-batch (all-reduce counted twice its size; formula: exact)",
              f"{'stage':<6}{'formula':<13}{'params':>9}{'grads':>9}{'optim':>9} | {'formula':>9}{'exact':>9}{'measured':>10} | "
              f"{'traffic per step':<18}{'measured':>14} | buffers exact / measured"]
     for e in ests:
@@ -123,7 +123,7 @@ def state_table(cfg: Any, dp: int, ests: list[StageEstimate], measured: dict[int
         got = f"{(m['params'] + m['grads'] + m['optimizer']) / MiB:>10.2f}" if m else f"{'-':>10}"
         buffers = ", ".join(f"{name} {size / MiB:.2f} / {m[name] / MiB:.2f}" if m and name in m else f"{name} {size / MiB:.2f}"
                             for name, size in e.buffers.items()) or "-"
-        traffic = f"{3 if e.stage == 3 else 2}Ψ = {(3 if e.stage == 3 else 2) * e.psi:,}"
+        traffic = f"{3 if e.stage == 3 else 2}Ψ: {e.traffic:,}"  # exact: padding, and at stage 3 the embedding gathered once
         moved = f"{m['comm_volume']:>14,}" if m else f"{'-':>14}"
         lines.append(f"{e.stage:<6}{formula_text(e.stage, dtype if e.stage else 'fp32'):<13}{e.params / MiB:>9.2f}{e.grads / MiB:>9.2f}"
                      f"{e.optimizer / MiB:>9.2f} | {sum(e.formula.values()) / MiB:>9.2f}{e.states / MiB:>9.2f}{got} | {traffic:<18}{moved} | {buffers}")

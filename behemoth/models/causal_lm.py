@@ -19,6 +19,7 @@ from behemoth.models.init import InitSpec
 # behemoth's GPT (models/gpt.py). The tied head (tie_embeddings) reads wte.weight, which `vocab` already splits.
 GPT_TP_PLAN: dict[str, str] = {
     "wte": "vocab",
+    "wpe": "position_embedding",
     "blocks.0": "sequence_input",
     "blocks.*.ln_1": "sequence_norm",
     "blocks.*.attn.qkv": "packed_colwise:3",

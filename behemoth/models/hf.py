@@ -29,6 +29,7 @@ HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "v
              "sequence_parallel": "sequence_norm", "packed_colwise": "packed_colwise:2", "replicate": "replicate"}
 GPT2_TP_PLAN = {
     "transformer.wte": "vocab",
+    "transformer.wpe": "position_embedding",
     "transformer.h.0": "sequence_input",
     "transformer.h.*.ln_1": "sequence_norm",
     "transformer.h.*.attn.c_attn": "packed_colwise:3",

@@ -75,9 +75,6 @@ def check_pipeline(cfg: Config, dims: ParallelDims) -> None:
     if plan.balance == "time" and cfg.hf.arch and plan.stage_boundaries is None:
         raise BehemothError(f"parallel.balance=time times behemoth's GPT layers, not hf.arch={cfg.hf.arch}'s",
                             "use parallel.balance=flops or layers, or set parallel.stage_boundaries")
-    if plan.sequence_parallel and plan.tp > 1:
-        raise BehemothError(f"parallel.sequence_parallel=true with parallel.pp={plan.pp} is not supported yet: stages after the "
-                            "first would exchange sequence-split activations", "set parallel.sequence_parallel=false (tensor parallelism stays)")
     try:
         check_request(plan.schedule, plan.pp, pipeline_microbatches(cfg, dims.dp), plan.schedule_chunks)
     except ScheduleError as err:
@@ -132,6 +129,9 @@ class PipelineParallel:
         self.schedule: Schedule = build_schedule(plan.schedule, plan.pp, pipeline_microbatches(cfg, rt.dims.dp), plan.schedule_chunks)
         self.bounds = resolve_stage_boundaries(cfg, rt)
         self.chunks = cut_model(model, self.schedule.chunk_stages[self.rank], self.bounds, self.view, cfg.model.tie_embeddings)
+        self.seq_split = plan.tp if plan.sequence_parallel else 1  # SP: stages exchange [B, T/tp, d], each tp rank its chunk
+        for chunk in self.chunks.values():
+            chunk.seq_split = self.seq_split
         self.recomputes = self.rank in recompute_ranks(plan.recompute, peak_stash(self.schedule))
         self.executor: PipelineExecutor | None = None
         self.last_trace: StepTrace | None = None
@@ -145,7 +145,8 @@ class PipelineParallel:
             self.schedule, self.rank, self.chunks, group=self.group, hidden_size=self.cfg.model.d_model,
             dtype=named[0][1].dtype, device=self.rt.device, tokens_per_step=engine.tokens_per_step,
             timeout_s=self.cfg.run.timeout_s, on_opt_step=self._optimizer_step, sync_params=self._replica_sync_params(),
-            meter=engine.meter, autocast=engine.autocast, loss_fn=engine.tp.cross_entropy_sum if engine.tp else summed_token_loss)
+            meter=engine.meter, autocast=engine.autocast, loss_fn=engine.tp.cross_entropy_sum if engine.tp else summed_token_loss,
+            seq_split=self.seq_split)
         self.executor.stash_meter.exclude([p for _, p in named])
 
     def _replica_sync_params(self) -> dict[int, list[torch.nn.Parameter]]:

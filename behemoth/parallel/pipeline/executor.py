@@ -1,14 +1,24 @@
 """Runs one pipeline rank's action list for a training step, with asynchronous point-to-point transfers.
 
-Message-driven, as in AxoNN: every receive is posted `lookahead` compute passes before the pass
-that consumes it, so the transfer travels while this rank computes, and it is waited for only
-when the RECV action (placed right before the consumer) runs. Sends never block; they are
-reaped as they complete and waited for at the end of the step. Every wait is bounded by
-`timeout_s` and fails with an error naming this rank, the action and the peer.
+Communication is issued in groups, each one `dist.batch_isend_irecv` (`comm.batch_p2p`), as
+`p2p_groups` lays them out: a send goes out in the group right after the pass that produces it; a
+receive is posted in the group of the slot where its message exists in the schedule's reference
+timeline, or up to `lookahead` passes earlier where that keeps the rank's transfers in message
+order, so it travels while this rank computes (message-driven, as in AxoNN). A receive is waited
+for only when its RECV action (right before the consumer) runs; sends never block the host, are
+reaped as they complete and waited for at the end of the step. Why groups: on NCCL, a rank's
+batched transfers run in issue order on one stream and a send completes only when its receive is
+posted, so receives posted one at a time ahead of sends deadlock (1F1B's steady state does);
+`validate` proves every schedule's groups deadlock-free and matched in order under those rules
+(`rendezvous.py`). Tested on gloo (which runs a group's ops one by one, matched by tag) and by that
+model, not on GPUs. Chimera's gradient sync and the tied-embedding sum exchange in one group too
+(`pair_all_reduce`), and the evaluation pass issues each transfer as a group of one, in (batch,
+stage) order on every rank. Every wait is bounded by `timeout_s` and fails with an error naming
+this rank, the action and the peer.
 
 Tensors move through a mailbox keyed by (payload, stage, micro-batch): a forward deposits its
-output, a backward the gradient of its input; a SEND takes the tensor out, a RECV puts one in,
-and when producer and consumer share a rank the consumer takes it straight from the mailbox.
+output, a backward the gradient of its input; a send's group takes the tensor out, a RECV puts one
+in, and when producer and consumer share a rank the consumer takes it straight from the mailbox.
 
 The last stage divides each micro-batch's summed token loss by the global token count, as
 `Engine.train_step` does, so the summed gradients are those of the single-process run. Each
@@ -18,7 +28,6 @@ recorded, so the bubble fraction can be measured and compared with `simulate`.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import time
 from collections.abc import Callable
@@ -29,9 +38,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from behemoth.comm import CommMeter, Pending, irecv, isend, pair_all_reduce
+from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce
 from behemoth.errors import BehemothError
+from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import StageChunk
+from behemoth.parallel.pipeline.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
 from behemoth.parallel.pipeline.stage import StashMeter, Stashed, backward_full, backward_input, backward_weight
 
@@ -75,18 +86,6 @@ class StepTrace:
         return sum(t.end - t.start for t in self.times if t.action.kind in COMPUTE)
 
 
-def post_plan(actions: list[Action], lookahead: int) -> dict[int, list[int]]:
-    """Action index -> the RECVs to post just before it: `lookahead` compute passes ahead of their consumer."""
-    compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
-    plan: dict[int, list[int]] = {}
-    for j, a in enumerate(actions):
-        if a.kind in RECVS:
-            k = bisect.bisect(compute, j)  # the consumer is compute[k]
-            at = compute[k - lookahead] if k - lookahead >= 0 else 0
-            plan.setdefault(min(at, j), []).append(j)
-    return plan
-
-
 class PipelineExecutor:
     """One rank's executor: its schedule, its stage chunks, and how to reach the other ranks."""
 
@@ -94,14 +93,25 @@ class PipelineExecutor:
                  hidden_size: int, dtype: torch.dtype, device: torch.device, tokens_per_step: int,
                  timeout_s: float, on_opt_step: Callable[[], None], sync_params: dict[int, list[nn.Parameter]],
                  meter: CommMeter | None = None, loss_fn: LossFn = summed_token_loss,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, lookahead: int = 2) -> None:
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, lookahead: int = RECV_LOOKAHEAD,
+                 seq_split: int = 1) -> None:
         self.schedule, self.rank, self.chunks, self.group = schedule, rank, chunks, group
+        self.seq_split = seq_split  # sequence parallelism: stages exchange [B, T / seq_split, hidden] activations
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.tokens_per_step, self.timeout_s, self.meter = tokens_per_step, timeout_s, meter
         self.on_opt_step, self.sync_params, self.loss_fn, self.autocast = on_opt_step, sync_params, loss_fn, autocast
         self.actions = schedule.per_rank[rank]
-        self.posts = post_plan(self.actions, lookahead)
+        timeline = reference_timeline(schedule)
+        plan = lambda s, r: p2p_groups(s, r, lookahead, timeline)  # noqa: E731
+        check_rendezvous(schedule, plan)  # milliseconds; refuses groups NCCL could hang on
+        self.groups: dict[int, list[P2PGroup]] = {}  # action index -> the p2p groups issued just before it
+        for g in plan(schedule, rank):
+            self.groups.setdefault(g.at, []).append(g)
         self.stash_meter = StashMeter()
+
+    def activation_shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
+        """The shape of an activation (or its gradient) between stages for a micro-batch of token ids [B, T]."""
+        return (inputs.shape[0], inputs.shape[1] // self.seq_split, self.hidden_size)
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
@@ -116,8 +126,8 @@ class PipelineExecutor:
         step = _Step(self, micro_batches)
         times = []
         for i, a in enumerate(self.actions):
-            for j in self.posts.get(i, ()):
-                step.post(j)
+            for g in self.groups.get(i, ()):
+                step.issue(g)
             t0 = time.perf_counter()
             step.run(i, a)
             times.append(ActionTime(a, t0, time.perf_counter()))
@@ -155,9 +165,9 @@ class PipelineExecutor:
                 elif owner[stage - 1] == self.rank:
                     x = local.pop(stage - 1)
                 else:
-                    x = torch.empty((*inputs.shape, self.hidden_size), dtype=self.dtype, device=self.device)
+                    x = torch.empty(self.activation_shape(inputs), dtype=self.dtype, device=self.device)
                     a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
-                    self.wait(irecv(x, a.peer, self.group, self.meter, tag=tag - 1), -1, a, "for an evaluation activation")
+                    self.wait(batch_p2p([P2P(False, x, a.peer, tag - 1)], self.group, self.meter)[0], -1, a, "for an evaluation activation")
                 with self.autocast():
                     out = chunk.forward(x)
                 if chunk.is_last:
@@ -167,7 +177,7 @@ class PipelineExecutor:
                     local[stage] = out
                 else:
                     a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.dtype)
-                    sends.append((isend(out, a.peer, self.group, self.meter, tag=tag), a, out))  # keep `out` alive until sent
+                    sends.append((batch_p2p([P2P(True, out, a.peer, tag)], self.group, self.meter)[0], a, out))  # keep `out` alive until sent
         for pending, a, _ in sends:
             self.wait(pending, -1, a, "for an evaluation send")
         return stats
@@ -192,22 +202,29 @@ class _Step:
     def run(self, index: int, a: Action) -> None:
         self.handlers[a.kind](index, a)
 
-    def post(self, index: int) -> None:
-        """Post the receive of action `index` into a fresh buffer."""
-        a, ex = self.ex.actions[index], self.ex
-        buffer = torch.empty((*self.batches[a.microbatch][0].shape, ex.hidden_size), dtype=ex.dtype, device=ex.device)
-        self.posted[index] = (irecv(buffer, a.peer, ex.group, ex.meter, tag=ex.tag(a)), buffer)
+    def issue(self, group: P2PGroup) -> None:
+        """Issue one p2p group: its sends take their tensors from the mailbox, its receives get fresh buffers."""
+        ex, ops = self.ex, []
+        for j in group.ops:
+            a = ex.actions[j]
+            if a.kind in RECVS:
+                tensor = torch.empty(ex.activation_shape(self.batches[a.microbatch][0]), dtype=ex.dtype, device=ex.device)
+            else:
+                tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
+            ops.append(P2P(a.kind not in RECVS, tensor, a.peer, ex.tag(a)))
+        for j, op, pending in zip(group.ops, ops, batch_p2p(ops, ex.group, ex.meter)):
+            if op.send:
+                self.sends.append((pending, j, ex.actions[j], op.tensor))
+            else:
+                self.posted[j] = (pending, op.tensor)
 
     def recv(self, index: int, a: Action) -> None:
-        if index not in self.posted:
-            self.post(index)
-        pending, buffer = self.posted.pop(index)
+        pending, buffer = self.posted.pop(index)  # issued with its group, at or before this action
         self.ex.wait(pending, index, a, "for its message")
         self.mailbox[(PAYLOAD[a.kind], a.stage, a.microbatch)] = buffer
 
     def send(self, index: int, a: Action) -> None:
-        tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
-        self.sends.append((isend(tensor, a.peer, self.ex.group, self.ex.meter, tag=self.ex.tag(a)), index, a, tensor))
+        """Nothing left to do: the send went out with its group, right after the pass that produced it."""
 
     def forward(self, index: int, a: Action) -> None:
         ex, chunk = self.ex, self.ex.chunks[a.stage]

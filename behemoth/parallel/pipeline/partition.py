@@ -170,13 +170,15 @@ class StageChunk:
         self.model, self.stage, self.view, self.tied = model, stage, view, tied
         self.blocks = range(bounds[stage], bounds[stage + 1])
         self.is_first, self.is_last = stage == 0, stage == len(bounds) - 2
+        self.seq_split = 1  # sequence parallelism: a later stage's input is 1/seq_split of the sequence
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> hidden states (first stage), hidden -> hidden, or hidden -> logits (last stage)."""
         view, model = self.view, self.model
         h = view.embed(model, x) if self.is_first else x
         if len(self.blocks):
-            blocks, context = model.get_submodule(view.blocks), view.context(model, h)
+            whole = h if self.is_first else full_sequence_like(h, self.seq_split)  # the first stage splits in block 0
+            blocks, context = model.get_submodule(view.blocks), view.context(model, whole)
             for i in self.blocks:
                 h = view.block(blocks[i], h, context)
         return view.head(model, h) if self.is_last else h
@@ -191,6 +193,14 @@ class StageChunk:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
+
+
+def full_sequence_like(h: torch.Tensor, seq_split: int) -> torch.Tensor:
+    """Hidden states of the full sequence's shape (a view, no memory) for a stage whose input is a sequence-parallel
+    chunk: positions, causal masks and rotary embeddings are built for the whole sequence, as on the first stage."""
+    if seq_split == 1:
+        return h
+    return h.detach()[:, :1].expand(h.shape[0], h.shape[1] * seq_split, *h.shape[2:])
 
 
 def _drop(model: nn.Module, name: str) -> None:

@@ -6,7 +6,9 @@ backward (or input-gradient and weight-gradient passes) exactly once; on each ra
 comes after what it consumes (its forward, its received or locally produced input or gradient);
 every send is matched by exactly one receive of the same (payload, stage, microbatch) on its peer
 and vice versa; Chimera's gradient syncs pair the two replicas of each stage after their last
-backward; the optimizer step is each rank's last action; and the simulated execution terminates.
+backward; the optimizer step is each rank's last action; the simulated execution terminates with
+buffered sends; and the transfers, batched as the executor issues them (`p2p_groups`), complete
+and pair the right tensors under NCCL's rendezvous, in-order semantics (`rendezvous.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter, defaultdict
 from behemoth.parallel.pipeline.schedules import (
     BACKWARDS, COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
 )
+from behemoth.parallel.pipeline.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.simulate import run_timeline
 
 
@@ -179,3 +182,4 @@ def validate(schedule: Schedule) -> None:
     _check_matching(schedule)
     _check_syncs(schedule)
     run_timeline(schedule)  # terminates, or raises naming every stuck rank and its action
+    check_rendezvous(schedule)  # and so do the executor's batched transfers under NCCL's rules

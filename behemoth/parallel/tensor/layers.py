@@ -5,6 +5,10 @@ A `ShardLayout` says which part: pieces along one dimension of the full tensor. 
 is split per segment, so each rank keeps whole heads of q, k and v (three pieces); a vocabulary that
 t does not divide is padded to t x ceil(V / t) rows, the padding rows are zero, never looked up, and
 their logits are masked out of the softmax, so the loss is the single-process loss.
+
+Under sequence parallelism a column layer keeps only the sequence shard of its all-gathered input and
+gathers it again in backward for its weight gradient (one gather per norm, shared by q, k and v), as
+Megatron-LM does, so everything a block saves divides by t (see activations.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, mark_partial
-from behemoth.parallel.tensor.comm import TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from behemoth.parallel.tensor.comm import TPComm, copy_to_tp, gather_seq, gather_sequence, reduce_from_tp, reduce_scatter_seq
 
 TP_LAYOUT = "_behemoth_tp_layout"          # ShardLayout of a tensor-parallel parameter
 TP_PARTIAL_GRAD = "_behemoth_tp_partial_grad"  # replicated parameter whose gradient is a partial sum over tp
+SEQ_SOURCE = "_behemoth_seq_source"  # on an all-gathered activation (SP): (its sequence shard, the shared RegatherCache)
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,90 @@ def shard_parameter(param: nn.Parameter, full_name: str, layout: ShardLayout) ->
 
 
 def enter_tp_region(x: torch.Tensor, tp: TPComm, sequence_parallel: bool) -> torch.Tensor:
-    """Make `x` the input of column-parallel layers: f, or the all-gather of the sequence under SP."""
-    return gather_seq(x, tp) if sequence_parallel else copy_to_tp(x, tp)
+    """Make `x` the input of column-parallel layers: f, or the all-gather of the sequence under SP.
+
+    Under SP the gathered tensor remembers the shard it came from, so the column layers that read it save
+    the shard (1/t of it) for their weight gradient and gather it again in backward, as Megatron-LM does.
+    """
+    if not sequence_parallel:
+        return copy_to_tp(x, tp)
+    full = gather_seq(x, tp)
+    if torch.is_grad_enabled():
+        setattr(full, SEQ_SOURCE, (x, RegatherCache(tp)))
+    return full
+
+
+class RegatherCache:
+    """The backward all-gather of one saved sequence shard, shared by every column layer that read it (q, k, v:
+    one gather, not three). It holds no tensor until backward and drops the gathered one after its last reader."""
+
+    def __init__(self, tp: TPComm) -> None:
+        self.tp, self.readers, self.full = tp, 0, None
+
+    def take(self, shard: torch.Tensor) -> torch.Tensor:
+        if self.full is None:
+            self.full = gather_sequence(shard, self.tp)
+        full = self.full
+        self.readers -= 1
+        if self.readers <= 0:
+            self.full = None
+        return full
+
+
+class _InputPath(torch.autograd.Function):
+    """x W^T with the weight out of the graph (passed in a tuple): backward gives the input gradient only.
+
+    The weight is saved as an intermediate, so saved-tensor hooks (ZeRO-3's re-gather) see the parameter itself."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_and_orientation: tuple[torch.Tensor, bool]) -> torch.Tensor:
+        weight, ctx.transposed = weight_and_orientation
+        ctx.save_for_backward(weight)
+        ctx.x_dtype = x.dtype
+        return local_linear(x, weight, None, ctx.transposed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        weight = weight.to(grad.dtype)
+        return torch.matmul(grad, weight.t() if ctx.transposed else weight).to(ctx.x_dtype), None
+
+
+class _WeightPath(torch.autograd.Function):
+    """Forward: the bias broadcast to the output (zeros without one). Backward: the weight and bias gradients,
+    from the saved sequence shard gathered again. A node of its own off the input path, so a zero-bubble
+    schedule's input-gradient pass skips it and its weight-gradient pass runs only it."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, bias: torch.Tensor | None, shard: torch.Tensor, cache: RegatherCache,
+                shape: torch.Size, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(shard)
+        ctx.cache, ctx.transposed, ctx.dtypes = cache, transposed, (weight.dtype, None if bias is None else bias.dtype)
+        return (weight.new_zeros((), dtype=dtype) if bias is None else bias.to(dtype)).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (shard,) = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            x = ctx.cache.take(shard).to(g.dtype)
+            x = x.reshape(-1, x.shape[-1])
+            grad_w = (x.t() @ g if ctx.transposed else g.t() @ x).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grad_b = g.sum(0).to(ctx.dtypes[1])
+        return grad_w, grad_b, None, None, None, None, None
+
+
+def linear_saving_shard(x: torch.Tensor, shard: torch.Tensor, cache: RegatherCache, weight: torch.Tensor,
+                        bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """x W + b for an all-gathered `x` that autograd does not keep: only its sequence `shard` is saved."""
+    y = _InputPath.apply(x, (weight, transposed))
+    if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return y if bias is None else y + bias
+    if weight.requires_grad:
+        cache.readers += 1
+    return y + _WeightPath.apply(weight, bias, shard.detach(), cache, y.shape, y.dtype, transposed)
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -108,7 +195,8 @@ class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r + b_r: this rank's output features; the output stays split over tp.
 
     X must already be in the tensor-parallel region (`enter_tp_region`, done once by the norm before the
-    layer, so q, k and v share one all-reduce / all-gather instead of three).
+    layer, so q, k and v share one all-reduce / all-gather instead of three). Under SP the layer keeps only
+    X's sequence shard for backward (`linear_saving_shard`), so the saved activations divide by t.
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, *, transposed: bool, tp: TPComm, sequence_parallel: bool) -> None:
@@ -129,7 +217,10 @@ class ColumnParallelLinear(nn.Module):
         return cls(shard_parameter(w, f"{name}.weight", layout), bias, transposed=transposed, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return local_linear(x, self.weight, self.bias, self.transposed)
+        source = getattr(x, SEQ_SOURCE, None) if self.sequence_parallel and torch.is_grad_enabled() else None
+        if source is None:
+            return local_linear(x, self.weight, self.bias, self.transposed)
+        return linear_saving_shard(x, *source, self.weight, self.bias, self.transposed)
 
 
 class RowParallelLinear(nn.Module):
@@ -171,11 +262,13 @@ class VocabShard:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank looks up the tokens in its vocabulary rows; the partial embeddings are summed over tp."""
+    """Each rank looks up the tokens in its vocabulary rows; the partial embeddings are summed over tp (or, with
+    `reduce_output` off under SP, left partial for the first block to reduce-scatter)."""
 
     def __init__(self, weight: nn.Parameter, vocab: VocabShard, tp: TPComm) -> None:
         super().__init__()
         self.weight, self.vocab, self.tp = weight, vocab, tp
+        self.reduce_output = True
 
     @classmethod
     def from_module(cls, module: nn.Embedding, name: str, tp: TPComm) -> "VocabParallelEmbedding":
@@ -187,7 +280,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.vocab.start) & (ids < self.vocab.start + self.vocab.real)
         out = F.embedding(torch.where(mine, ids - self.vocab.start, 0), self.weight)
-        return reduce_from_tp(out.masked_fill(~mine.unsqueeze(-1), 0.0), self.tp)
+        out = out.masked_fill(~mine.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp) if self.reduce_output else out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

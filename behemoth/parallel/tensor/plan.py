@@ -10,6 +10,11 @@ Styles:
                        region (f, once for q, k and v); under SP it runs on this rank's sequence chunk, all-gathers
                        its output, and its parameters' gradients are summed over tp
     sequence_input     the first block: under SP its input is split along the sequence (no-op otherwise)
+    position_embedding a learned position embedding added to the vocab embedding's output. Under SP, when every
+                       other embedding is styled so, the vocab embedding's partial sums are not all-reduced: the
+                       first block reduce-scatters them (Megatron's reduce-scattered embedding), only tp rank 0 adds
+                       the position embedding, and its gradient is summed over tp. Whatever runs between the
+                       embeddings and the first block must be linear (sums, dropout with the same seed on every rank)
     replicate          left as is
 
 `*` in a pattern matches one name component (`blocks.*.attn.qkv`). Column-parallel layers (colwise,
@@ -20,6 +25,7 @@ tensor-parallel region starts, as in Megatron, where f sits between the LayerNor
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,14 +34,14 @@ from torch import nn
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.checkpoint import sharded_view
-from behemoth.parallel.tensor.comm import TPComm, scatter_seq
+from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
 from behemoth.parallel.tensor.grads import clip_grad_norm, grad_slices, sharded_over, sum_partial_grads
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
     enter_tp_region, vocab_parallel_cross_entropy,
 )
 
-STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "replicate")
+STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "position_embedding", "replicate")
 
 
 def pattern_regex(pattern: str) -> re.Pattern:
@@ -99,13 +105,13 @@ class TensorParallel:
 def apply_tensor_parallel(model: nn.Module, tp: TPComm, plan: dict[str, str], *, sequence_parallel: bool = False) -> TensorParallel:
     """Replace the modules `plan` names with their tensor-parallel versions (on the meta device or not)."""
     styles = match_plan(plan, [n for n, _ in model.named_modules() if n])
-    check_plan(model, styles, sequence_parallel)
-    replaced: dict[int, nn.Parameter] = {}  # id(original weight) -> its split version, so tied weights stay tied
+    check_plan(model, plan, styles, sequence_parallel)
+    build = Build(tp, sequence_parallel, sequence_parallel and embedding_reduce_scatters(model, styles))
     vocab = None
     for name, style in styles.items():
         module = model.get_submodule(name)
         kind, _, arg = style.partition(":")
-        new = build_parallel(module, name, kind, int(arg or 1), tp, sequence_parallel, replaced)
+        new = build_parallel(module, name, kind, int(arg or 1), build)
         if new is not None:
             set_submodule(model, name, new)
             if kind == "vocab":
@@ -113,15 +119,33 @@ def apply_tensor_parallel(model: nn.Module, tp: TPComm, plan: dict[str, str], *,
     return TensorParallel(model, tp, sequence_parallel, vocab)
 
 
-def build_parallel(module: nn.Module, name: str, kind: str, parts: int, tp: TPComm, sp: bool, replaced: dict[int, nn.Parameter]) -> nn.Module | None:
+@dataclass
+class Build:
+    """What every module's replacement needs: the group, SP, whether the embedding is reduce-scattered, tied weights."""
+
+    tp: TPComm
+    sp: bool
+    scatter_embedding: bool  # SP: the vocab embedding's partial sums are reduce-scattered by the first block
+    replaced: dict[int, nn.Parameter] = field(default_factory=dict)  # id(original weight) -> its split version
+
+
+def embedding_reduce_scatters(model: nn.Module, styles: dict[str, str]) -> bool:
+    """Whether the vocab embedding's output may stay partial until the first block: every other embedding is a
+    position_embedding (which then only tp rank 0 adds); otherwise it is all-reduced, then split."""
+    kinds = [styles.get(n) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    return "vocab" in kinds and all(k in ("vocab", "position_embedding") for k in kinds)
+
+
+def build_parallel(module: nn.Module, name: str, kind: str, parts: int, build: Build) -> nn.Module | None:
     """The parallel replacement of one module, or None where the style only adds hooks."""
-    original = getattr(module, "weight", None)
+    original, tp, sp, replaced = getattr(module, "weight", None), build.tp, build.sp, build.replaced
     if kind in ("colwise", "packed_colwise"):
         new: nn.Module = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, parts=parts)
     elif kind == "rowwise":
         new = RowParallelLinear.from_module(module, name, tp, sequence_parallel=sp)
     elif kind == "vocab" and isinstance(module, nn.Embedding):
         new = VocabParallelEmbedding.from_module(module, name, tp)
+        new.reduce_output = not build.scatter_embedding
     elif kind == "vocab":
         new = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, padded=True)
     elif kind == "sequence_norm":
@@ -129,7 +153,11 @@ def build_parallel(module: nn.Module, name: str, kind: str, parts: int, tp: TPCo
         return None
     elif kind == "sequence_input":
         if sp:
-            module.register_forward_pre_hook(sequence_input_hook(tp), with_kwargs=True)
+            module.register_forward_pre_hook(sequence_input_hook(tp, build.scatter_embedding), with_kwargs=True)
+        return None
+    elif kind == "position_embedding":
+        if build.scatter_embedding:
+            add_position_embedding(module, tp)
         return None
     else:
         return None
@@ -148,17 +176,31 @@ def add_sequence_norm(module: nn.Module, tp: TPComm, sequence_parallel: bool) ->
     module.register_forward_hook(lambda _m, _args, out: enter_tp_region(out, tp, sequence_parallel))
 
 
-def sequence_input_hook(tp: TPComm) -> Callable[..., Any]:
-    """A forward pre-hook that splits the block's hidden states (first argument) along the sequence."""
+def add_position_embedding(module: nn.Module, tp: TPComm) -> None:
+    """Only tp rank 0 adds the position embedding to the partial sums the first block reduce-scatters."""
+    for p in module.parameters(recurse=False):
+        setattr(p, TP_PARTIAL_GRAD, True)
+    if tp.rank != 0:
+        module.register_forward_hook(lambda _m, _args, out: out * 0.0)
+
+
+def sequence_input_hook(tp: TPComm, reduce: bool) -> Callable[..., Any]:
+    """A forward pre-hook that splits the block's hidden states (first argument) along the sequence; with `reduce`
+    they are partial sums over tp (a reduce-scattered embedding), summed as they are split."""
+    enter = reduce_scatter_seq if reduce else scatter_seq
+
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            return (scatter_seq(args[0], tp), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": scatter_seq(kwargs["hidden_states"], tp)}
+            return (enter(args[0], tp), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"], tp)}
     return hook
 
 
-def check_plan(model: nn.Module, styles: dict[str, str], sequence_parallel: bool) -> None:
-    """Refuse plans that would silently train wrong: column layers with no region entry, SP norms left out."""
+def check_plan(model: nn.Module, plan: dict[str, str], styles: dict[str, str], sequence_parallel: bool) -> None:
+    """Refuse plans that would silently train wrong: column layers with no region entry, SP norms left out.
+
+    `styles` are the plan's matches in `model`, which may be one pipeline stage: a later stage holds no block 0,
+    so its `sequence_input` entry matches nothing (its input arrives already split along the sequence)."""
     kinds = {s.split(":")[0] for s in styles.values()}
     if kinds & {"colwise", "packed_colwise", "rowwise"} and "sequence_norm" not in kinds:
         raise BehemothError("the tensor-parallel plan splits linear layers but names no sequence_norm where their region starts",
@@ -169,7 +211,7 @@ def check_plan(model: nn.Module, styles: dict[str, str], sequence_parallel: bool
     if missing:
         raise BehemothError(f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
                             "add them to the tensor-parallel plan or set parallel.sequence_parallel=false")
-    if "sequence_input" not in styles.values():
+    if "sequence_input" not in plan.values():
         raise BehemothError("sequence parallelism needs a sequence_input entry (the first block) in the plan", "add one")
 
 

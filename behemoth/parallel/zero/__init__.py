@@ -1,11 +1,12 @@
 """ZeRO (Rajbhandari et al. 2020): shard optimizer state (stage 1), gradients (2) and parameters (3).
 
-    units = shard_parameters(model, dp_group)    # stage 3 only, on the meta model, before materialize
+    units = shard_parameters(model, dp_group, layers=view)   # stage 3 only, on the meta model, before materialize
     materialize(model, ...)
     zero = apply_zero(model, dp_group, plan=..., units=units, ...)   # then as the engine's sync + optimizer
 
-layout.py (flat layouts, pure), groups.py (stages 1-2), sharded.py (stage 3), optim.py (the sharded
-AdamW), chunked.py (DCP chunks keyed by single-process names), runtime.py (`Zero`).
+layout.py (flat layouts, pure), groups.py (stages 1-2), units.py (stage 3's units: embedding, blocks, head),
+sharded.py (stage 3's gather/free/prefetch), optim.py (the sharded AdamW), ../chunked.py (DCP chunks keyed by
+single-process names), runtime.py (`Zero`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from torch import nn
 
 from behemoth.comm import CommMeter
 from behemoth.parallel.zero.runtime import Zero, comm_volume, held_bytes
-from behemoth.parallel.zero.sharded import UnitSpec, shard_parameters
+from behemoth.parallel.zero.units import LayerNames, UnitSpec, shard_parameters
 
-__all__ = ["Zero", "apply_zero", "comm_volume", "held_bytes", "shard_parameters", "UnitSpec"]
+__all__ = ["LayerNames", "Zero", "apply_zero", "comm_volume", "held_bytes", "shard_parameters", "UnitSpec"]
 
 
 def apply_zero(model: nn.Module, dp_group: dist.ProcessGroup, *, stage: int, bucket_mb: float, prefetch: int, param_dtype: str,

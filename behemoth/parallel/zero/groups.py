@@ -15,6 +15,7 @@ whose master weights and Adam moments it alone keeps.
 from __future__ import annotations
 
 import abc
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,19 +31,33 @@ class BufferMeter:
 
     Memory only grows when a buffer is allocated, so the peak is taken at each `add`, over every
     buffer whose storage has not been freed yet (a weak reference to the storage itself, so a
-    forgotten view or a saved tensor that keeps a buffer alive is counted).
+    forgotten view or a saved tensor that keeps a buffer alive is counted). A buffer its owner has
+    `drop`ped may still be held for a moment by the communication thread of a collective that has
+    just finished with it (gloo releases its tensors after `wait` returns); the meter gives such
+    buffers up to `SETTLE_S` to go before it counts them, so the peak is behemoth's, not a race.
     """
+
+    SETTLE_S = 0.05
 
     def __init__(self) -> None:
         self.live: list[tuple[StorageWeakRef, int]] = []
+        self.dropped: list[StorageWeakRef] = []
         self.peak = 0
 
     def add(self, t: torch.Tensor) -> None:
         self.live.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
         self.peak = max(self.peak, self.sample())
 
+    def drop(self, t: torch.Tensor) -> None:
+        """The owner lets go of `t` (the caller's own references go right after)."""
+        self.dropped.append(StorageWeakRef(t.untyped_storage()))
+
     def sample(self) -> int:
         """Bytes alive now (forgets freed buffers)."""
+        deadline = time.perf_counter() + self.SETTLE_S
+        while any(not ref.expired() for ref in self.dropped) and time.perf_counter() < deadline:
+            time.sleep(0)  # let the collective's thread run
+        self.dropped = []
         self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
         return sum(n for _, n in self.live)
 
@@ -129,8 +144,8 @@ class ReplicatedGroup(FlatGroup):
             self.pending.wait()
             if self.stage == 2:
                 self.grad_shard.add_(self.grad_full[self.lo:self.hi])
+                self.buffers.drop(self.grad_full)
                 self.grad_full = None
-                self.buffers.sample()
         self.pending = None
 
     def new_micro_batch(self) -> None:

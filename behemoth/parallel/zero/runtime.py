@@ -18,7 +18,8 @@ from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup, ReplicatedGroup
 from behemoth.parallel.zero.optim import ShardedAdamW
-from behemoth.parallel.zero.sharded import Stage3, UnitSpec
+from behemoth.parallel.zero.sharded import Stage3
+from behemoth.parallel.zero.units import UnitSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_BUCKETS_IN_FLIGHT = 2  # stage 2: full-size gradient buckets alive at once while reduce-scatters travel
@@ -71,13 +72,20 @@ class Zero:
         self.optimizer = ShardedAdamW(self.groups, lr=lr, betas=betas, weight_decay=weight_decay)
 
     def _replicated_groups(self, bucket_bytes: int) -> list[FlatGroup]:
-        """Buckets of about `bucket_bytes`, in backward order, each with a hook per parameter."""
+        """Buckets of about `bucket_bytes`, in backward order, each with a hook per parameter.
+
+        A tensor-parallel parameter is this tp rank's local tensor: flat-sharding it over dp is sharding
+        that local tensor, and its layout is the same on every tp rank, so buckets line up across tp.
+        """
+        from behemoth.parallel.tensor.layers import TP_LAYOUT  # not at the top: tensor/ imports zero/ (through chunked.py)
+
         named = list(self.model.named_parameters())
         frozen = [n for n, p in named if not p.requires_grad]
-        if frozen or any(hasattr(p, FULL_NAME) for _, p in named):
-            raise BehemothError(f"ZeRO stage {self.stage} needs every parameter trainable and whole (got {(frozen or ['a partial one'])[0]})",
-                                "use parallel.zero_stage=0 for frozen or tensor-parallel parameters")
-        names = {id(p): n for n, p in named}
+        undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT)]
+        if frozen or undescribed:
+            raise BehemothError(f"ZeRO stage {self.stage} needs every parameter trainable and whole or tensor-parallel "
+                                f"(got {(frozen or undescribed)[0]})", "use parallel.zero_stage=0 for frozen parameters")
+        names = {id(p): getattr(p, FULL_NAME, n) for n, p in named}
         groups = []
         for bucket in plan_buckets(reversed([p for _, p in named]), bucket_bytes):
             g = ReplicatedGroup(bucket, [names[id(p)] for p in bucket], self.group, stage=self.stage,

@@ -1,12 +1,15 @@
 """ZeRO stage 3: each rank stores only its shard of every parameter; units are gathered on demand.
 
-A *unit* is a transformer block, or the root (embeddings, final norm and head: every parameter not
-in a block). Its parameters live in one padded flat layout of which each rank keeps a 1/N shard.
+A *unit* (units.py) is the embedding, a transformer block, the head, or the root (anything else). Its
+parameters live in one padded flat layout of which each rank keeps a 1/N shard.
 
-- forward: a unit's forward pre-hook waits for its all-gather (issued ahead as a prefetch, or now),
-  installs its parameters as views of the gathered buffer, and issues the all-gather of the next
-  `prefetch` units so that communication runs while this unit computes. The post-hook removes the
-  views and drops the buffer. The gather is the forward of an autograd Function (`GatherParams`)
+- forward: a unit is *entered* when its part of the forward starts: the model's pre-hook enters the
+  root and the embedding, the first block's pre-hook leaves the embedding, each block's hooks enter and
+  leave it, the last block's post-hook enters the head (and, for a tied head, the embedding again) and
+  the model's post-hook leaves what is left. Entering waits for the unit's all-gather (issued ahead as a
+  prefetch, or now), installs its parameters as views of the gathered buffer and issues the all-gathers
+  of the next `prefetch` units so that communication runs while this unit computes; leaving removes
+  the views and drops the buffer. The gather is the forward of an autograd Function (`GatherParams`)
   whose backward reduce-scatters the unit's gradient.
 - saved tensors: autograd would keep every gathered weight alive until backward. A saved-tensor
   hook replaces any view of a gathered buffer by (unit, size, stride, offset); unpacking it in
@@ -15,11 +18,11 @@ in a block). Its parameters live in one padded flat layout of which each rank ke
 - backward: once a unit's gradient is complete, `GatherParams.backward` starts its reduce-scatter
   (in place, asynchronously, overlapped with the next unit's backward), frees the gathered buffer,
   and the summed shard is added to the persistent gradient shard when the reduce-scatter is done.
+  A unit entered twice (the tied embedding) sums the gradients of its uses and reduce-scatters once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,84 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import CommMeter, Pending, all_gather, reduce_scatter
-from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL, mark_partial
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup
-from behemoth.parallel.zero.layout import FlatLayout
-
-Location = tuple[nn.Module, str]
-
-
-@dataclass
-class UnitSpec:
-    """A unit's module and its parameters: single-process name, shape and every place it is registered."""
-
-    module: nn.Module
-    names: list[str] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    locations: list[list[Location]] = field(default_factory=list)
-
-
-def unit_modules(model: nn.Module) -> list[nn.Module]:
-    """The root, then every transformer block (`model.blocks`), in forward order."""
-    return [model, *getattr(model, "blocks", [])]
-
-
-def plan_units(model: nn.Module) -> list[UnitSpec]:
-    """Assign every parameter to the innermost unit that contains it (blocks first, the rest to the root)."""
-    roots = unit_modules(model)
-    owner_of = {id(m): i for i, m in enumerate(roots)}
-    specs = [UnitSpec(m) for m in roots]
-    seen: dict[int, tuple[int, int]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        unit = _owning_unit(model, mod_name, owner_of)
-        for attr, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                u, i = seen[id(p)]
-                if u != unit:
-                    raise ValueError(f"parameter {specs[u].names[i]} is shared between two ZeRO-3 units")
-                specs[u].locations[i].append((module, attr))
-                continue
-            spec = specs[unit]
-            seen[id(p)] = (unit, len(spec.names))
-            spec.names.append(getattr(p, FULL_NAME, f"{mod_name}.{attr}" if mod_name else attr))
-            spec.shapes.append(tuple(p.shape))
-            spec.locations.append([(module, attr)])
-    return [s for s in specs if s.names]
-
-
-def _owning_unit(model: nn.Module, mod_name: str, owner_of: dict[int, int]) -> int:
-    """Index of the innermost unit module on the path to `mod_name`."""
-    unit, module = 0, model
-    for part in mod_name.split(".") if mod_name else []:
-        module = getattr(module, part)
-        unit = owner_of.get(id(module), unit)
-    return unit
-
-
-def shard_parameters(model: nn.Module, group: dist.ProcessGroup) -> list[UnitSpec]:
-    """Before materialize: replace each meta parameter by this rank's 1-D piece of it, marked partial.
-
-    `materialize` then draws each full parameter from (seed, name) and keeps only the piece, so a
-    rank never stores more than its shard.
-    """
-    specs = plan_units(model)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    for spec in specs:
-        layout = FlatLayout(spec.names, spec.shapes, world)
-        pieces = {p.index: p for p in layout.pieces(rank)}
-        for i, locations in enumerate(spec.locations):
-            old = getattr(*locations[0])
-            piece = pieces.get(i)
-            if piece is None:  # nothing of this parameter on this rank: nothing to draw
-                new = nn.Parameter(torch.empty(0), requires_grad=old.requires_grad)
-            else:
-                new = nn.Parameter(torch.empty(piece.numel, device="meta"), requires_grad=old.requires_grad)
-                inner = getattr(old, TAKE_LOCAL, lambda t: t)
-                mark_partial(new, getattr(old, FULL_NAME, spec.names[i]), getattr(old, FULL_SHAPE, spec.shapes[i]),
-                             lambda full, inner=inner, a=piece.start, b=piece.stop: inner(full).reshape(-1)[a:b])
-            for module, attr in locations:
-                setattr(module, attr, new)
-    return specs
+from behemoth.parallel.zero.units import UnitSpec
 
 
 class SavedView:
@@ -152,6 +79,9 @@ class ShardedUnit(FlatGroup):
         self.buffer: torch.Tensor | None = None
         self.pending: Pending | None = None
         self.installed = False
+        self.reads: list[ShardedUnit] = []     # units this one's forward also needs (Stage3 links them)
+        self.uses = 0                           # entries in this forward whose gradient has not come back yet
+        self.grad_sum: torch.Tensor | None = None  # gradients of the uses that came back, while others are pending
 
     def start_gather(self) -> None:
         """Issue the all-gather of this unit's parameters (no-op if gathered or in flight)."""
@@ -193,16 +123,27 @@ class ShardedUnit(FlatGroup):
             self.pending = None
         if self.buffer is not None:
             self.stage3.live.pop(id(self.buffer), None)
+            self.stage3.gathered_bytes.drop(self.buffer)
             self.buffer = None
-        self.stage3.gathered_bytes.sample()
 
     def reduce_scatter_grads(self, grad_full: torch.Tensor) -> None:
-        """Start summing the unit's gradient over ranks (this rank's shard lands in place) and free the parameters."""
+        """A use's gradient is complete: free the parameters; once every use's gradient is in, start summing
+        their sum over ranks (this rank's shard lands in place)."""
         grad = grad_full.to(self.compute_dtype).contiguous()
         self.stage3.grad_bytes.add(grad)
-        pending = reduce_scatter(grad[self.lo:self.hi], grad, self.group, self.meter, async_op=True)
+        if self.grad_sum is not None:
+            grad, self.grad_sum = self.grad_sum.add_(grad), None
+        self.uses -= 1
         self.uninstall()  # views installed by a recomputation in backward
         self.release()
+        if self.uses > 0:  # a tied weight: its other use's gradient is still to come
+            self.grad_sum = grad
+            return
+        self.start_reduce_scatter(grad)
+
+    def start_reduce_scatter(self, grad: torch.Tensor) -> None:
+        """Sum the full gradient over ranks, asynchronously; at most one other unit's stays in flight."""
+        pending = reduce_scatter(grad[self.lo:self.hi], grad, self.group, self.meter, async_op=True)
         self.stage3.in_flight.append((pending, self, grad))
         self.stage3.drain(keep=1)
 
@@ -222,38 +163,75 @@ class Stage3:
         self.live: dict[int, ShardedUnit] = {}
         self.in_flight: list[tuple[Pending, ShardedUnit, torch.Tensor]] = []
         self.units = [ShardedUnit(s, group, self, compute_dtype=compute_dtype, meter=meter) for s in specs]
-        self.forward_order = list(self.units)
-        self.backward_order = [self.units[0], *reversed(self.units[1:])]
-        self._finished: list[ShardedUnit] = []
-        self._saved_hooks: Any = None
+        of_spec = {id(u.spec): u for u in self.units}
         for unit in self.units:
-            is_root = unit.spec.module is model
-            unit.spec.module.register_forward_pre_hook(self._pre_forward(unit, is_root))
-            unit.spec.module.register_forward_hook(self._post_forward(unit, is_root), always_call=True)
+            unit.reads = [of_spec[id(r)] for r in unit.spec.reads]
+        role = {r: [u for u in self.units if u.spec.role == r] for r in ("root", "embedding", "block", "head")}
+        blocks, head = role["block"], role["head"]
+        # forward: root and embedding at the model's start, the head after the last block (at the start without blocks)
+        self.at_start = role["root"] + role["embedding"] + ([] if blocks else head)
+        self.forward_order = role["root"] + role["embedding"] + blocks + head
+        # backward: the embedding's lookup needs no weights; a tied head reads them again
+        self.backward_order = [r for h in head for r in h.reads] + head + blocks[::-1]
+        self.entered: list[ShardedUnit] = []
+        self._saved_hooks: Any = None
+        model.register_forward_pre_hook(self._model_start)
+        model.register_forward_hook(self._model_end, always_call=True)
+        for i, unit in enumerate(blocks):
+            unit.spec.module.register_forward_pre_hook(self._block_start(unit, role["embedding"] if i == 0 else []))
+            unit.spec.module.register_forward_hook(self._block_end(unit, head if i == len(blocks) - 1 else []), always_call=True)
+        for unit in self.units:
             owners = {id(m): m for locations in unit.spec.locations for m, _ in locations}
             for owner in owners.values():
                 owner.register_forward_pre_hook(self._ensure_installed(unit))
 
-    def _pre_forward(self, unit: ShardedUnit, is_root: bool) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            if is_root:
-                self._finished = []
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-                self._saved_hooks.__enter__()
-            full = GatherParams.apply(unit.anchor, unit)
-            unit.install(full)
+    def enter(self, unit: ShardedUnit, prefetch: bool = True) -> None:
+        """Install the unit's gathered parameters for its part of the forward (a use whose gradient will come back)."""
+        if unit in self.entered:
+            return
+        full = GatherParams.apply(unit.anchor, unit)
+        if torch.is_grad_enabled():
+            unit.uses += 1
+        unit.install(full)
+        self.entered.append(unit)
+        if prefetch:
             self.prefetch_after(unit, self.forward_order)
+        for other in unit.reads:
+            self.enter(other, prefetch=False)
+
+    def leave(self, units: list[ShardedUnit]) -> None:
+        """Remove the units' parameters and drop their gathered buffers."""
+        for unit in units:
+            if unit in self.entered:
+                self.entered.remove(unit)
+                unit.uninstall()
+                unit.release()
+
+    def _model_start(self, module: nn.Module, args: Any) -> None:
+        for unit in self.units:
+            unit.uses, unit.grad_sum = 0, None
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._saved_hooks.__enter__()
+        for unit in self.at_start:
+            self.enter(unit)
+
+    def _model_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.leave(list(self.entered))
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    def _block_start(self, unit: ShardedUnit, done: list[ShardedUnit]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.leave(done)  # the first block: the embedding's part of the forward is over
+            self.enter(unit)
         return hook
 
-    def _post_forward(self, unit: ShardedUnit, is_root: bool) -> Callable[..., None]:
+    def _block_end(self, unit: ShardedUnit, then: list[ShardedUnit]) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            unit.uninstall()
-            unit.release()
-            self._finished.append(unit)
-            if is_root:
-                self._saved_hooks.__exit__(None, None, None)
-                self._saved_hooks = None
-                self.backward_order = list(reversed(self._finished))
+            self.leave([unit])
+            for nxt in then:  # the last block: the head's part of the forward begins
+                self.enter(nxt)
         return hook
 
     def _ensure_installed(self, unit: ShardedUnit) -> Callable[..., None]:
@@ -266,10 +244,13 @@ class Stage3:
         return hook
 
     def prefetch_after(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
-        """Issue the all-gathers of the next `prefetch` units in `order`."""
+        """Issue the all-gathers of the next `prefetch` units in `order` (with the units they read)."""
+        if unit not in order:
+            return
         i = order.index(unit)
         for nxt in order[i + 1:i + 1 + self.prefetch]:
-            nxt.start_gather()
+            for u in (nxt, *nxt.reads):
+                u.start_gather()
 
     def pack(self, t: torch.Tensor) -> Any:
         base = t._base if t._base is not None else t
@@ -293,10 +274,14 @@ class Stage3:
             pending, unit, grad = self.in_flight.pop(0)
             pending.wait()
             unit.grad_shard.add_(grad[unit.lo:unit.hi])
-        self.grad_bytes.sample()
+            self.grad_bytes.drop(grad)
 
     def finish(self) -> None:
         """End of backward: every reduce-scatter done, every gathered buffer dropped."""
+        for unit in self.units:
+            if unit.grad_sum is not None:  # another use's gradient never came back (its output did not reach the loss)
+                grad, unit.grad_sum = unit.grad_sum, None
+                unit.start_reduce_scatter(grad)
         self.drain()
         for unit in self.units:
             unit.release()

@@ -1,0 +1,134 @@
+"""ZeRO-3 units: which parameters are all-gathered together, and for which part of forward and backward.
+
+A unit is one flat layout (layout.py) of which each rank keeps a 1/N shard. The model is cut where the
+pipeline cuts it (`LayerNames`, i.e. pipeline/views.py's layered view of behemoth's GPT or a Hugging Face
+model: embedding modules, the ModuleList of blocks, head modules):
+
+- the embedding unit (token and position embeddings): gathered for the embedding's forward only; a
+  lookup's backward needs no weights (its gradient is a scatter-add), so it is not gathered again;
+- one unit per block: gathered for the block's forward and again for its backward;
+- the head unit (final norm, LM head): gathered for the head's forward and backward;
+- a root unit for any parameter outside those, gathered for the whole forward.
+
+A tied LM head reads the embedding's weight. That weight stays in the embedding unit (one shard, one
+master, one gradient), which the head gathers again for its forward and backward (`reads`); the
+gradients of the two uses are summed before the unit's one reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL, mark_partial
+from behemoth.parallel.zero.layout import FlatLayout
+
+Location = tuple[nn.Module, str]
+Role = Literal["root", "embedding", "block", "head"]
+
+
+class LayerNames(Protocol):
+    """Where a model keeps its parts, by module name (pipeline/views.py's `LayeredView` is one)."""
+
+    first: tuple[str, ...]  # embedding modules
+    blocks: str             # the ModuleList of blocks
+    last: tuple[str, ...]   # head modules (final norm, LM head)
+
+
+@dataclass(eq=False)
+class UnitSpec:
+    """A unit's role, its block module (block units), its parameters (single-process name, shape, every place it is
+    registered) and the other units whose parameters its forward also reads (a tied head reads the embedding)."""
+
+    role: Role
+    module: nn.Module | None = None
+    names: list[str] = field(default_factory=list)
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    locations: list[list[Location]] = field(default_factory=list)
+    reads: list["UnitSpec"] = field(default_factory=list)
+
+
+def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
+    """The modules `names` name (a name that resolves to nothing, such as GPT's absent tied lm_head, is skipped)."""
+    out = []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(module, nn.Module):
+            out.append(module)
+    return out
+
+
+def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = False) -> list[UnitSpec]:
+    """Assign every parameter to the innermost unit that contains it: root, embedding, blocks (forward order), head."""
+    blocks = list(model.get_submodule(layers.blocks))
+    specs = [UnitSpec("root"), UnitSpec("embedding"), *(UnitSpec("block", b) for b in blocks), UnitSpec("head")]
+    anchor = {id(model): 0}
+    anchor.update({id(m): 1 for m in _submodules(model, layers.first)})
+    anchor.update({id(b): 2 + i for i, b in enumerate(blocks)})
+    anchor.update({id(m): len(specs) - 1 for m in _submodules(model, layers.last)})
+    seen: dict[int, tuple[int, int]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        unit = _owning_unit(model, mod_name, anchor)
+        for attr, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # registered again: a tied weight
+                u, i = seen[id(p)]
+                if u != unit:
+                    if (specs[u].role, specs[unit].role) != ("embedding", "head"):
+                        raise ValueError(f"parameter {specs[u].names[i]} is shared between two ZeRO-3 units ({specs[u].role}, {specs[unit].role})")
+                    specs[unit].reads.append(specs[u])
+                specs[u].locations[i].append((module, attr))
+                continue
+            spec = specs[unit]
+            seen[id(p)] = (unit, len(spec.names))
+            spec.names.append(getattr(p, FULL_NAME, f"{mod_name}.{attr}" if mod_name else attr))
+            spec.shapes.append(tuple(p.shape))
+            spec.locations.append([(module, attr)])
+    if tie_embeddings:  # behemoth's GPT reads wte.weight in its head without registering it there
+        specs[-1].reads.append(specs[1])
+    kept = [s for s in specs if s.names]
+    for s in kept:
+        s.reads = [r for r in {id(r): r for r in s.reads}.values() if r.names]
+    return kept
+
+
+def _owning_unit(model: nn.Module, mod_name: str, anchor: dict[int, int]) -> int:
+    """Index of the innermost unit module on the path to `mod_name`."""
+    unit, module = 0, model
+    for part in mod_name.split(".") if mod_name else []:
+        module = getattr(module, part)
+        unit = anchor.get(id(module), unit)
+    return unit
+
+
+def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False) -> list[UnitSpec]:
+    """Before materialize: replace each meta parameter by this rank's 1-D piece of it, marked partial.
+
+    `materialize` then draws each full parameter from (seed, name) and keeps only the piece, so a rank never
+    stores more than its shard; weights loaded from a file (hf.weights) go through the same `take_local`.
+    """
+    specs = plan_units(model, layers=layers, tie_embeddings=tie_embeddings)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    for spec in specs:
+        layout = FlatLayout(spec.names, spec.shapes, world)
+        pieces = {p.index: p for p in layout.pieces(rank)}
+        for i, locations in enumerate(spec.locations):
+            old = getattr(*locations[0])
+            name, shape = getattr(old, FULL_NAME, spec.names[i]), getattr(old, FULL_SHAPE, spec.shapes[i])
+            piece = pieces.get(i)
+            if piece is None:  # nothing of this parameter on this rank: nothing to draw or load
+                new = nn.Parameter(torch.empty(0), requires_grad=old.requires_grad)
+                mark_partial(new, name, shape, lambda full: full.reshape(-1)[:0])
+            else:
+                new = nn.Parameter(torch.empty(piece.numel, device="meta"), requires_grad=old.requires_grad)
+                inner = getattr(old, TAKE_LOCAL, lambda t: t)
+                mark_partial(new, name, shape, lambda full, inner=inner, a=piece.start, b=piece.stop: inner(full).reshape(-1)[a:b])
+            for module, attr in locations:
+                setattr(module, attr, new)
+    return specs
