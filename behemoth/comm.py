@@ -71,7 +71,9 @@ class Pending:
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
-    """Sum `tensor` in place over `group`."""
+    """Sum `tensor` in place over `group` (a group of one has nothing to add)."""
+    if dist.get_world_size(group) == 1:
+        return Pending(None, "all_reduce", meter)
     if meter is not None:
         meter.record("all_reduce", tensor)
     pending = Pending(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", meter)

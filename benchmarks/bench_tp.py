@@ -164,7 +164,7 @@ class DTensorRunner:
                 forward = lambda: F.cross_entropy(self.model(x).flatten(0, 1), y.flatten(), reduction="sum") / tokens  # noqa: E731
                 loss, act = saved_activation_bytes(forward, params) if measure else (forward(), 0)
                 loss.backward()
-            total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+            total += float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach())
         clip_mixed(params, self.cfg.train.grad_clip, self.tp_group)
         for g in self.optimizer.param_groups:
             g["lr"] = lr

@@ -215,6 +215,11 @@ def test_nccl_model_catches_out_of_order_matching_swapped_syncs_and_early_sends(
         check_rendezvous(one_f_one_b(2, 2), send_too_early)
 
 
+def transfers(schedule: Schedule) -> int:
+    """Sends in the schedule, counting each pairwise gradient exchange (Chimera's GRAD_SYNC) once per rank."""
+    return sum(a.kind in SENDS or a.kind is Kind.GRAD_SYNC for actions in schedule.per_rank for a in actions)
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_is_nccl_safe_at_any_lookahead(name):
     """The proof in p2p_groups does not depend on how far ahead receives may be hoisted: checked from 0 to 8 passes."""
@@ -224,7 +229,7 @@ def test_every_schedule_is_nccl_safe_at_any_lookahead(name):
         except ScheduleError:
             continue
         for lookahead in (0, 1, 2, 8):
-            check_rendezvous(s, lambda s, rank: p2p_groups(s, rank, lookahead))
+            assert check_rendezvous(s, lambda s, rank: p2p_groups(s, rank, lookahead)) == transfers(s) > 0
 
 
 def test_evaluation_order_is_nccl_safe():
@@ -244,7 +249,8 @@ def test_evaluation_order_is_nccl_safe():
                 per_rank[rank].append(Action(Kind.FORWARD, stage, b))
                 if stage < len(owner) - 1 and owner[stage + 1] != rank:
                     per_rank[rank].append(Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]))
-        check_rendezvous(dataclasses.replace(s, per_rank=[actions + [Action(Kind.OPT_STEP)] for actions in per_rank]), lone)
+        forward_only = dataclasses.replace(s, per_rank=[actions + [Action(Kind.OPT_STEP)] for actions in per_rank])
+        assert check_rendezvous(forward_only, lone) == 3 * sum(x != y for x, y in zip(owner, owner[1:]))  # 3 batches x stage boundaries
 
 
 # ---------------------------------------------------------------- the simulator reproduces the closed forms

@@ -41,7 +41,7 @@ class DataParallel:
         self.params = [p for p in params if p.requires_grad]
         self.buckets = [GradBucket(b) for b in plan_buckets(reversed(self.params), bucket_bytes)]
         self.sync = True
-        for bucket in self.buckets:
+        for bucket in self.buckets if self.world > 1 else []:  # one replica: nothing to reduce, no hooks
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._ready_hook(bucket))
 

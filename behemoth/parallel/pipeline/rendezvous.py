@@ -178,13 +178,14 @@ class _Rendezvous:
                 self.unfinished[finished.rank] -= 1
         return moved
 
-    def run(self) -> None:
+    def run(self) -> int:
         while sum([self._advance(r) for r in range(self.s.ranks)]) + self._complete():
             pass
         stuck = [r for r in range(self.s.ranks) if self.pc[r] < len(self.programs[r])]
         if stuck:
             raise ScheduleError(f"schedule {self.s.name} deadlocks under NCCL's rendezvous p2p, its transfers grouped as issued: "
                                 + "; ".join(self._why(r) for r in stuck), "post the receives in another order (p2p_groups)")
+        return sum(op.send and op.done for op in self.ops)
 
     def _why(self, rank: int) -> str:
         """`rank 0 waits at action 5 RECV_GRAD(...): its stream is stuck at X, whose match on rank 1 is queued behind Y`."""
@@ -204,9 +205,11 @@ class _Rendezvous:
         return where
 
 
-def check_rendezvous(schedule: Schedule, plan: GroupPlan | None = None) -> None:
-    """Prove `schedule`'s transfers, grouped by `plan` (the executor's), complete and correctly matched under NCCL's rules."""
+def check_rendezvous(schedule: Schedule, plan: GroupPlan | None = None) -> int:
+    """Prove `schedule`'s transfers, grouped by `plan` (the executor's), complete and correctly matched under NCCL's rules.
+
+    Returns how many transfers completed (every send, paired with its receive); raises `ScheduleError` otherwise."""
     if plan is None:
         timeline = reference_timeline(schedule)
         plan = lambda s, rank: p2p_groups(s, rank, timeline=timeline)  # noqa: E731
-    _Rendezvous(schedule, plan).run()
+    return _Rendezvous(schedule, plan).run()
