@@ -44,10 +44,15 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train                                   # gpt-1m on the Python stdlib, 2 processes on a CPU",
         "  behemoth train --nproc 4 train.steps=100 data.path=~/notes",
         "  behemoth train --resume                          # continue the newest run under runs/",
+        "  behemoth train --nproc 4 parallel.zero_stage=3 model=gpt-20m          # ZeRO-3: parameters sharded over 4",
+        "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
+        "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
+        "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train a GPT on N local processes (data parallel), writing metrics, a loss plot and checkpoints.")
+                       description="Train a GPT (or a transformers Llama / GPT-2) on N local processes with data, ZeRO, tensor and "
+                                   "pipeline parallelism, writing metrics, a loss plot and checkpoints.")
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
     p.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: every GPU, or 2 on a CPU-only machine)")
     p.add_argument("--resume", nargs="?", const="newest", metavar="PATH",
