@@ -93,7 +93,8 @@ class Engine:
             return apply_data_parallel(self.model, group, bucket_mb=plan.bucket_mb, meter=self.meter), build_optimizer(self.model, train)
         zero = apply_zero(self.model, group, stage=plan.zero_stage, bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
                           param_dtype=plan.param_dtype, lr=train.lr, betas=(train.beta1, train.beta2),
-                          weight_decay=train.weight_decay, units=zero_units, meter=self.meter)
+                          weight_decay=train.weight_decay, units=zero_units, meter=self.meter,
+                          chunks=self.pipeline.stage_parameters() if self.pipeline is not None else None)
         return zero, zero.optimizer
 
     def apply_tensor_parallel(self) -> TensorParallel | None:

@@ -69,9 +69,12 @@ class ParallelPlan(AtomicAssignment):
         if self.param_dtype != "fp32" and self.zero_stage == 0:
             raise ValueError(f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO keeps; "
                              "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)")
-        if self.zero_stage >= 2 and self.pp > 1:  # pipeline + ZeRO: stage 1 only, as in DeepSpeed and Megatron
-            raise ValueError(f"parallel.zero_stage={self.zero_stage} with pp={self.pp}: ZeRO 2-3 reduce-scatter gradients (and 3 gathers "
-                             "parameters) for every micro-batch, m times per step under a pipeline schedule; use parallel.zero_stage=1")
+        if self.zero_stage == 3 and self.pp > 1:
+            raise ValueError(f"parallel.zero_stage=3 with pp={self.pp}: ZeRO-3 would gather every stage's parameters again for "
+                             "each of the schedule's passes; use parallel.zero_stage=1 or 2 with a pipeline")
+        if self.zero_stage == 2 and self.pp > 1 and self.schedule == "chimera":
+            raise ValueError("parallel.zero_stage=2 with parallel.schedule=chimera: Chimera sums each stage's full gradient "
+                             "between its two replicas, which ZeRO-2 does not keep; use parallel.zero_stage=1")
         return self
 
     @property

@@ -68,8 +68,8 @@ def test_assigning_a_section_validates_it_again(tmp_path):
         cfg.parallel = ParallelPlan(tp=3)
     assert cfg.parallel.tp == 2, "a refused assignment keeps the old section"
     plan = ParallelPlan(pp=2)
-    with pytest.raises(ValueError, match="parallel.zero_stage=2 with pp=2"):
-        plan.zero_stage = 2
+    with pytest.raises(ValueError, match="parallel.zero_stage=3 with pp=2"):
+        plan.zero_stage = 3
     assert plan.zero_stage == 0
     weights = tmp_path / "weights"
     weights.mkdir()

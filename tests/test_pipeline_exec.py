@@ -1,6 +1,6 @@
 """The pipeline executor equals the single-process run for every schedule, at p=2 and p=4: per-step loss,
 validation loss and final weights (float32, 12 steps). Also: tied embeddings, pp x dp, stage-aware
-recomputation and its measured memory, pp x dp x tp on 8 processes, ZeRO-1 across pipelines, Hugging Face
+recomputation and its measured memory, pp x dp x tp on 8 processes, ZeRO-1 and ZeRO-2 across pipelines, Hugging Face
 models, resume under another layout, a broken executor caught by the
 tolerance, a bounded wait that names rank, action and peer, and plans refused before launch."""
 
@@ -37,7 +37,8 @@ def train_and_report(cfg_dict: dict, resume: str | None = None) -> dict:
     return {"losses": summary["losses"], "val": summary["val"], "start": trainer.start_step,
             "weights": full_weights(trainer) if dist.get_rank() == 0 else None,
             "stages": sorted(pipe.chunks), "stash": pipe.last_trace.peak_stash_bytes, "recomputes": pipe.recomputes,
-            "params": sorted(n for n, _ in trainer.engine.model.named_parameters())}
+            "params": sorted(n for n, _ in trainer.engine.model.named_parameters()),
+            "grads_full": sum(p.grad is not None for p in trainer.engine.model.parameters())}
 
 
 def assert_equivalent(ref: dict, got: list[dict]) -> None:
@@ -92,12 +93,15 @@ def test_pipeline_times_data_parallel(reference, tmp_path):
     assert [r["stages"] for r in got] == [[0], [0], [1], [1]], "the pipeline dimension is outermost in the mesh"
 
 
-def test_three_dimensional_pp_dp_tp_on_eight_processes(tied_reference, tmp_path):
-    """pp=2 x dp=2 x tp=2 with ZeRO-1 across dp: tensor parallelism inside each stage, optimizer state sharded over
-    the data-parallel pipelines; the tied, vocabulary-split embedding is summed between the first and last stage.
-    (Stage 0 across pipelines: test_pipeline_times_data_parallel; ZeRO-1 x tp without a pipeline: test_tensor_parallel.)"""
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_three_dimensional_pp_dp_tp_on_eight_processes(zero_stage, tied_reference, tmp_path):
+    """pp=2 x dp=2 x tp=2 with ZeRO-1 or ZeRO-2 across dp: tensor parallelism inside each stage, optimizer state (and
+    gradients) sharded over the data-parallel pipelines; the tied, vocabulary-split embedding is summed between the
+    first and last stage. (Stage 0 across pipelines: test_pipeline_times_data_parallel; ZeRO x tp without a
+    pipeline: test_tensor_parallel.)"""
     got = run_ranks(8, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
-                                                          "parallel.tp=2", "parallel.zero_stage=1", "parallel.microbatches=2"))
+                                                          "parallel.tp=2", f"parallel.zero_stage={zero_stage}",
+                                                          "parallel.microbatches=2"))
     assert_equivalent(tied_reference, got)
     assert [r["stages"] for r in got] == [[0]] * 4 + [[1]] * 4
 
@@ -109,6 +113,20 @@ def test_zero_stage_1_across_data_parallel_pipelines(schedule, tied_reference, t
     got = run_ranks(4, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
                                                           "parallel.zero_stage=1", "parallel.microbatches=2", f"parallel.schedule={schedule}"))
     assert_equivalent(tied_reference, got)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_zero_stage_2_across_data_parallel_pipelines(schedule, tied_reference, tmp_path):
+    """pp=2 x dp=2 with ZeRO-2: each stage's gradients are reduce-scattered after every backward pass (after the
+    weight-gradient pass under ZB-H1, which writes .grad without hooks), no full gradient is kept between
+    micro-batches, and the tied embedding, in a bucket of its own, is summed over stages first. Interleaved: two
+    stages per rank, each with its own buckets. 4 micro-batches per pipeline, so reductions really accumulate."""
+    got = run_ranks(4, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
+                                                          "parallel.zero_stage=2", f"parallel.schedule={schedule}",
+                                                          "parallel.bucket_mb=0.05"))
+    assert_equivalent(tied_reference, got)
+    assert [r["stages"] for r in got] == ([[0, 2]] * 2 + [[1, 3]] * 2 if schedule == "interleaved" else [[0]] * 2 + [[1]] * 2)
+    assert all(r["grads_full"] == 0 for r in got), "ZeRO-2 kept a full gradient after the step"
 
 
 @pytest.mark.parametrize("arch,options,schedule", [
@@ -222,7 +240,9 @@ def _step_with_a_lost_send(cfg_dict: dict) -> str:
      "parallel.stage_boundaries=[0, 2, 2] is not strictly increasing"),
     (["--nproc", "2", "parallel.pp=2", "parallel.microbatches=4", "train.micro_batch=1"],
      "train.micro_batch=1 contradicts parallel.microbatches=4"),
-    (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=2"], "parallel.zero_stage=2 with pp=2: ZeRO 2-3 reduce-scatter gradients"),
+    (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=3"], "parallel.zero_stage=3 with pp=2: ZeRO-3 would gather"),
+    (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=2", "parallel.schedule=chimera"],
+     "parallel.zero_stage=2 with parallel.schedule=chimera"),
 ])
 def test_impossible_pipeline_refused_before_launch(argv, message, capsys, tmp_path):
     tiny = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "run.progress=false", f"data.cache_dir={CACHE}"]

@@ -137,6 +137,12 @@ class PipelineParallel:
         self.last_trace: StepTrace | None = None
         self._lr, self._grad_norm = 0.0, 0.0
 
+    def stage_parameters(self) -> dict[int, list[nn.Parameter]]:
+        """Stage -> the parameters its passes use, which ZeRO buckets per stage (see `Zero`). The tied embedding
+        shared with another rank is left out: ZeRO reduces it at the optimizer step, after the two stages summed it."""
+        tied = self.model.get_submodule(self.view.embedding).weight if self._tied_peer() is not None else None
+        return {stage: [p for p in chunk.parameters() if p is not tied] for stage, chunk in self.chunks.items()}
+
     def attach(self, engine: Engine) -> None:
         """Wire the executor to the materialized parameters, the gradient sync and the optimizer."""
         self.engine = engine
@@ -146,7 +152,7 @@ class PipelineParallel:
             dtype=named[0][1].dtype, device=self.rt.device, tokens_per_step=engine.tokens_per_step,
             timeout_s=self.cfg.run.timeout_s, on_opt_step=self._optimizer_step, sync_params=self._replica_sync_params(),
             meter=engine.meter, autocast=engine.autocast, loss_fn=engine.tp.cross_entropy_sum if engine.tp else summed_token_loss,
-            seq_split=self.seq_split)
+            seq_split=self.seq_split, on_grads=getattr(engine.sync, "reduce_chunk", None))
         self.executor.stash_meter.exclude([p for _, p in named])
 
     def _replica_sync_params(self) -> dict[int, list[torch.nn.Parameter]]:
@@ -171,7 +177,7 @@ class PipelineParallel:
         return last if self.rank == first else first
 
     def _optimizer_step(self) -> None:
-        """OPT_STEP: sum tied embedding copies, finish the data-parallel (or ZeRO-1) reduction, clip over the pipeline, step."""
+        """OPT_STEP: sum tied embedding copies, finish the data-parallel (or ZeRO) reduction, clip over the pipeline, step."""
         engine = self.engine
         peer = self._tied_peer()
         if peer is not None:  # on the local sums, before the dp reduction (sums commute; ZeRO keeps only shards after it)

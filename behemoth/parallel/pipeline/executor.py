@@ -94,12 +94,13 @@ class PipelineExecutor:
                  timeout_s: float, on_opt_step: Callable[[], None], sync_params: dict[int, list[nn.Parameter]],
                  meter: CommMeter | None = None, loss_fn: LossFn = summed_token_loss,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, lookahead: int = RECV_LOOKAHEAD,
-                 seq_split: int = 1) -> None:
+                 seq_split: int = 1, on_grads: Callable[[int], None] | None = None) -> None:
         self.schedule, self.rank, self.chunks, self.group = schedule, rank, chunks, group
         self.seq_split = seq_split  # sequence parallelism: stages exchange [B, T / seq_split, hidden] activations
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.tokens_per_step, self.timeout_s, self.meter = tokens_per_step, timeout_s, meter
         self.on_opt_step, self.sync_params, self.loss_fn, self.autocast = on_opt_step, sync_params, loss_fn, autocast
+        self.on_grads = on_grads  # called with a stage once a pass has written its weight gradients (ZeRO-2 reduces them)
         self.actions = schedule.per_rank[rank]
         timeline = reference_timeline(schedule)
         plan = lambda s, r: p2p_groups(s, r, lookahead, timeline)  # noqa: E731
@@ -262,6 +263,7 @@ class _Step:
         s = self.stash.pop((a.stage, a.microbatch))
         self.deposit_input_grad(a, backward_full(s, self.output_grad(a, s)))
         self.release(s)
+        self.grads_done(a)
 
     def backward_input(self, index: int, a: Action) -> None:
         s = self.stash[(a.stage, a.microbatch)]
@@ -271,6 +273,11 @@ class _Step:
         s = self.stash.pop((a.stage, a.microbatch))
         backward_weight(s, self.ex.chunks[a.stage].parameters())
         self.release(s)
+        self.grads_done(a)
+
+    def grads_done(self, a: Action) -> None:
+        if self.ex.on_grads is not None:
+            self.ex.on_grads(a.stage)
 
     def grad_sync(self, index: int, a: Action) -> None:
         """Sum this stage's gradients with its other replica's (Chimera), one exchange of a flat buffer."""

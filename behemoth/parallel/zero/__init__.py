@@ -23,9 +23,10 @@ __all__ = ["LayerNames", "Zero", "apply_zero", "comm_volume", "held_bytes", "sha
 
 def apply_zero(model: nn.Module, dp_group: dist.ProcessGroup, *, stage: int, bucket_mb: float, prefetch: int, param_dtype: str,
                lr: float, betas: tuple[float, float], weight_decay: float, units: list[UnitSpec] | None = None,
-               meter: CommMeter | None = None) -> Zero:
-    """Shard `model`'s optimizer state (and gradients, and parameters) over `dp_group` at ZeRO `stage` (1-3)."""
+               chunks: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None) -> Zero:
+    """Shard `model`'s optimizer state (and gradients, and parameters) over `dp_group` at ZeRO `stage` (1-3).
+    `chunks`: under a pipeline, the parameters of each stage this rank holds (stages 1-2; see `Zero`)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"apply_zero takes stage 1, 2 or 3, got {stage}")
     return Zero(model, dp_group, stage=stage, bucket_mb=bucket_mb, prefetch=prefetch, param_dtype=param_dtype,
-                lr=lr, betas=betas, weight_decay=weight_decay, units=units, meter=meter)
+                lr=lr, betas=betas, weight_decay=weight_decay, units=units, chunks=chunks, meter=meter)

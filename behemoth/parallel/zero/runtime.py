@@ -3,10 +3,19 @@
 `Zero` owns the flat groups (buckets at stages 1-2, units at stage 3), the gradient hooks, the
 sharded optimizer and the checkpoint view. The loss is already divided by the global token count
 (engine.train_step), so every collective sums.
+
+Under a pipeline (`chunks`: the parameters of each stage this rank holds) there are no gradient
+hooks: buckets never span two stages, and the executor calls `reduce_chunk(stage)` after each
+backward (or weight-gradient) pass of that stage, so at stage 2 the stage's buckets are
+reduce-scattered once per micro-batch, as without a pipeline; a weight-gradient pass of a
+zero-bubble schedule writes `.grad` without the hooks firing, which is why the executor says when.
+A parameter two stages share (a tied embedding, summed between the first and last stage before the
+data-parallel reduction) or that no stage lists sits in a bucket of its own, reduced at `finish`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterable
 
 import torch
@@ -54,8 +63,13 @@ class Zero:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, stage: int, bucket_mb: float, prefetch: int,
                  param_dtype: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                 units: list[UnitSpec] | None = None, meter: CommMeter | None = None) -> None:
+                 units: list[UnitSpec] | None = None, chunks: dict[int, list[nn.Parameter]] | None = None,
+                 meter: CommMeter | None = None) -> None:
         self.model, self.group, self.stage, self.meter = model, group, stage, meter
+        if chunks is not None and stage == 3:
+            raise ValueError("ZeRO stage 3 gathers parameters per block, not per pipeline stage; use stage 1 or 2 with a pipeline")
+        self.chunk_groups: dict[int, list[ReplicatedGroup]] = {}  # pipeline stage -> its buckets (reduced by reduce_chunk)
+        self.deferred: list[ReplicatedGroup] = []                  # buckets reduced once, at finish
         self.compute_dtype = DTYPES[param_dtype]
         self.sync = True
         self.aliases = tied_names(model)
@@ -68,11 +82,12 @@ class Zero:
             self.groups: list[FlatGroup] = list(self.stage3.units)
         else:
             self.stage3 = None
-            self.groups = self._replicated_groups(int(bucket_mb * 2**20))
+            self.groups = self._replicated_groups(int(bucket_mb * 2**20), chunks)
         self.optimizer = ShardedAdamW(self.groups, lr=lr, betas=betas, weight_decay=weight_decay)
 
-    def _replicated_groups(self, bucket_bytes: int) -> list[FlatGroup]:
-        """Buckets of about `bucket_bytes`, in backward order, each with a hook per parameter.
+    def _replicated_groups(self, bucket_bytes: int, chunks: dict[int, list[nn.Parameter]] | None) -> list[FlatGroup]:
+        """Buckets of about `bucket_bytes`, in backward order, each with a hook per parameter (per pipeline stage
+        without hooks, when `chunks` is given).
 
         A tensor-parallel parameter is this tp rank's local tensor: flat-sharding it over dp is sharding
         that local tensor, and its layout is the same on every tp rank, so buckets line up across tp.
@@ -86,14 +101,26 @@ class Zero:
             raise BehemothError(f"ZeRO stage {self.stage} needs every parameter trainable and whole or tensor-parallel "
                                 f"(got {(frozen or undescribed)[0]})", "use parallel.zero_stage=0 for frozen parameters")
         names = {id(p): getattr(p, FULL_NAME, n) for n, p in named}
-        groups = []
-        for bucket in plan_buckets(reversed([p for _, p in named]), bucket_bytes):
-            g = ReplicatedGroup(bucket, [names[id(p)] for p in bucket], self.group, stage=self.stage,
-                                compute_dtype=self.compute_dtype, meter=self.meter, buffers=self.buffers)
-            for i, p in enumerate(bucket):
-                p.register_post_accumulate_grad_hook(self._grad_ready(g, i))
-            groups.append(g)
-        return groups
+
+        def group(bucket: list[nn.Parameter]) -> ReplicatedGroup:
+            return ReplicatedGroup(bucket, [names[id(p)] for p in bucket], self.group, stage=self.stage,
+                                   compute_dtype=self.compute_dtype, meter=self.meter, buffers=self.buffers)
+
+        params = [p for _, p in named]
+        if chunks is None:
+            groups = []
+            for bucket in plan_buckets(reversed(params), bucket_bytes):
+                g = group(bucket)
+                for i, p in enumerate(bucket):
+                    p.register_post_accumulate_grad_hook(self._grad_ready(g, i))
+                groups.append(g)
+            return groups
+        uses = Counter(id(p) for stage_params in chunks.values() for p in {id(q): q for q in stage_params}.values())
+        for stage, stage_params in sorted(chunks.items()):
+            own = [p for p in params if uses[id(p)] == 1 and any(p is q for q in stage_params)]
+            self.chunk_groups[stage] = [group(bucket) for bucket in plan_buckets(reversed(own), bucket_bytes)]
+        self.deferred = [group([p]) for p in params if uses[id(p)] != 1]
+        return [g for stage in sorted(self.chunk_groups) for g in self.chunk_groups[stage]] + self.deferred
 
     def _grad_ready(self, g: ReplicatedGroup, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -107,6 +134,20 @@ class Zero:
             if g.ready == len(g.params):
                 self._launch(g)
         return hook
+
+    def reduce_chunk(self, stage: int) -> None:
+        """Under a pipeline: a backward or weight-gradient pass of `stage` has produced its gradients for one
+        micro-batch. Stage 2 moves them into the stage's buckets and starts their reduce-scatters; stage 1 waits
+        for `finish` (its gradients accumulate in place)."""
+        if self.stage != 2:
+            return
+        for g in self.chunk_groups[stage]:
+            g.wait()  # the previous micro-batch's reduce-scatter of this bucket
+            for i, p in enumerate(g.params):
+                if p.grad is not None:
+                    g.take_grad(p, i)
+            g.new_micro_batch()
+            self._launch(g)
 
     def _launch(self, g: ReplicatedGroup) -> None:
         g.reduce_scatter_grads()
@@ -134,6 +175,11 @@ class Zero:
         if self.stage3 is not None:
             self.stage3.finish()
             return
+        if self.stage == 2:
+            for g in self.deferred:  # full gradients kept until now (a tied embedding, already summed over stages)
+                for i, p in enumerate(g.params):
+                    if p.grad is not None:
+                        g.take_grad(p, i)
         for g in self.groups:
             g.reduce_scatter_grads()
         for g in self.groups:
