@@ -51,10 +51,14 @@ class MetricsLog:
 
     def __init__(self, path: Path, *, truncate_after: int | None = None) -> None:
         self.path = path
+        self.kept: list[dict[str, Any]] = []  # records of the run being resumed, up to its checkpoint
         if truncate_after is not None and path.exists():  # a resumed run rewrites what came after its checkpoint
-            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= truncate_after]
-            path.write_text("".join(line + "\n" for line in kept))
+            self.kept = [r for r in read_metrics(path) if r.get("step", 0) <= truncate_after]
+            path.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
         self.file = open(path, "a")
+
+    def has_val(self, step: int) -> bool:
+        return any(r.get("step") == step and "val_loss" in r for r in self.kept)
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")

@@ -67,10 +67,10 @@ class Trainer:
         bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
                    disable=not (main and cfg.run.progress), dynamic_ncols=True)
         flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * cfg.train.global_batch * cfg.seq_len
-        if self.start_step == 0:  # the curve starts from the untrained model
-            val0 = self.validate(0)
-            if log:
-                log.write({"step": 0, "val_loss": val0})
+        # the curve starts from the untrained model, or a resumed one from the restored model (a check of the restore)
+        val0 = self.validate(self.start_step)
+        if log and not log.has_val(self.start_step):
+            log.write({"step": self.start_step, "val_loss": val0})
         for step in range(self.start_step, cfg.train.steps):
             record = self.train_one(step, flops_per_step)
             done = step + 1

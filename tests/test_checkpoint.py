@@ -9,6 +9,7 @@ import pytest
 
 from behemoth.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.errors import BehemothError
+from behemoth.metrics import read_metrics
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 
@@ -35,6 +36,10 @@ def test_resume_continues_the_curve(uninterrupted, tmp_path, world):
     resumed = run_ranks(world, train_body, tiny_config(copy, "checkpoint.every=6", "checkpoint.keep=3"), str(copy / CKPT6))[0]
     assert resumed["start"] == 6 and len(resumed["losses"]) == 6
     assert_close_runs(_tail(full, 6), resumed)
+    (step, restored), original = resumed["val"][0], dict(full["val"])[6]  # the restored model is validated first
+    assert step == 6 and abs(restored - original) <= 1e-5 * original, (restored, original)
+    rows = [r for r in read_metrics(copy / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in rows] == [0, 6, 12], "the resumed log keeps one validation record per step"
 
 
 def test_checkpoint_meta_and_files(uninterrupted):
