@@ -104,14 +104,30 @@ def init_runtime(*, timeout_s: float = 300.0, **degrees: int) -> Runtime:
     owns = False
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout)
+        if "MASTER_ADDR" in os.environ:  # with a CUDA device_id, NCCL creates its communicator now, not at first use
+            dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = resolve_dims(world, **degrees)
-    return Runtime(rank, world, local_rank, device, dims, dims.build_mesh(device.type), owns)
+    mesh = dims.build_mesh(device.type)
+    warm_up_groups(mesh, device)
+    return Runtime(rank, world, local_rank, device, dims, mesh, owns)
+
+
+def warm_up_groups(mesh: DeviceMesh, device: torch.device) -> None:
+    """One tiny all-reduce in every mesh dimension's group, on every rank, before any other traffic.
+
+    NCCL creates a group's communicator at its first operation, and a `batch_isend_irecv` that is a
+    group's first operation must include every rank of the group (torch's documented rule); the
+    pipeline's first transfers involve only neighbours. Creating all communicators here, in the same
+    order on every rank, also makes a broken rendezvous fail at start rather than mid-step.
+    """
+    for dim in mesh.mesh_dim_names or ():
+        if mesh.size(mesh.mesh_dim_names.index(dim)) > 1:
+            dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group(dim))
 
 
 def resolve_dims(world_size: int, *, pp: int = 1, ep: int = 1, tp: int = 1, dp: int | None = None) -> ParallelDims:
