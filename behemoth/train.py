@@ -66,7 +66,8 @@ class Trainer:
         log = self.open_log()
         bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
                    disable=not (main and cfg.run.progress), dynamic_ncols=True)
-        flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * cfg.train.global_batch * cfg.seq_len
+        flops_per_token = self.engine.lm.flops_per_token(cfg.model.n_layer, cfg.model.d_model, cfg.seq_len)
+        flops_per_step = flops_per_token * cfg.train.global_batch * cfg.seq_len
         # the curve starts from the untrained model, or a resumed one from the restored model (a check of the restore)
         val0 = self.validate(self.start_step)
         if log and not log.has_val(self.start_step):

@@ -140,3 +140,24 @@ def test_cli_trains_hf_llama_with_tensor_parallel(tmp_path):
     cfg = load_config(run / "config.yaml")
     model = transformers.LlamaForCausalLM(transformers_config(cfg.model, cfg.hf))
     model.load_state_dict(weights, strict=True)  # the export is a plain Llama state dict
+
+
+@pytest.mark.parametrize("options", [LLAMA, GPT2])
+def test_mfu_counts_the_model_that_is_built(options):
+    """6N for MFU counts the transformers model's real matrices (Llama: grouped K/V and three MLP matrices; GPT-2:
+    the tied head once, its position table not at all), not the GPT formula for the same width and depth."""
+    from behemoth.config import load_config
+    from behemoth.models.causal_lm import build_causal_lm
+
+    cfg = load_config(None, ["model=gpt-tiny", *options])
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    m, d, L = cfg.model, cfg.model.d_model, cfg.model.n_layer
+    if cfg.hf.arch == "llama":
+        kv, ffn = cfg.hf.kv_heads * m.head_dim, cfg.hf.ffn
+        per_block = d * d * 2 + 2 * d * kv + 3 * d * ffn + 2 * d  # q, o; k, v; gate, up, down; two RMSNorm weights
+        expected = 2 * m.vocab_size * d + L * per_block + d       # embedding and untied head, final norm
+    else:
+        gpt = cfg.model.model_copy(update={"bias": True})
+        expected = gpt.num_params() - m.context * d                # GPT-2 has behemoth GPT's shape (biases, tied head)
+    assert lm.matmul_params == expected
+    assert lm.flops_per_token(L, d, 32) == 6 * expected + 12 * L * d * 32

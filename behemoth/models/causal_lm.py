@@ -44,6 +44,11 @@ class CausalLM:
     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     arch: str = "gpt"
     weights: str | None = None
+    matmul_params: int = 0  # parameters a token's forward multiplies by (all but position tables), counted before any cut
+
+    def flops_per_token(self, n_layer: int, d_model: int, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
+        return 6 * self.matmul_params + 12 * n_layer * d_model * seq_len
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
@@ -72,11 +77,13 @@ def build_causal_lm(model_cfg: Any, hf: Any = None) -> CausalLM:
     """behemoth's GPT, or the transformers model `hf.arch` names, on the meta device."""
     if hf is None or hf.arch is None:
         gpt = build_gpt(model_cfg)
-        return CausalLM(gpt, gpt.init_spec, dict(GPT_TP_PLAN))
+        return CausalLM(gpt, gpt.init_spec, dict(GPT_TP_PLAN), matmul_params=model_cfg.num_params() - model_cfg.context * model_cfg.d_model)
     from behemoth.models.hf import build_hf, hf_init_spec, hf_logits, hf_tp_plan
 
     model = build_hf(model_cfg, hf)
-    return CausalLM(model, hf_init_spec(model, hf.arch), hf_tp_plan(model, hf.arch), hf_logits, hf.arch, hf.weights)
+    positions = model.get_submodule("transformer.wpe").weight.numel() if hf.arch == "gpt2" else 0  # Llama: rotary, no table
+    return CausalLM(model, hf_init_spec(model, hf.arch), hf_tp_plan(model, hf.arch), hf_logits, hf.arch, hf.weights,
+                    matmul_params=sum(p.numel() for p in model.parameters()) - positions)
 
 
 def find_ties(model: nn.Module) -> list[Tie]:

@@ -71,11 +71,6 @@ class GPTConfig(BaseModel):
         head = 0 if self.tie_embeddings else V * d
         return V * d + self.context * d + L * per_block + 2 * d + head
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
-        n = self.num_params() - self.context * self.d_model
-        return 6 * n + 12 * self.n_layer * self.d_model * seq_len
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
