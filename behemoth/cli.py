@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from behemoth.errors import ERROR_PREFIX, BehemothError
+from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
 
 
 def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
@@ -215,10 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_delegated(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return {"train": run_train, "export": run_export}[args.command](args)
-    except BehemothError as err:
-        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
-        return 2
+        return exit_code({"train": run_train, "export": run_export}[args.command], args)
     except KeyboardInterrupt:
         print("behemoth: interrupted", file=sys.stderr)
         return 130

@@ -32,7 +32,6 @@ def make_config(model: str) -> dict[str, Any]:
 
 def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
     """One rank of one variant: `behemoth` (Engine.train_step), `ddp`, or `plain` (single process)."""
-    import torch
     import torch.distributed as dist
 
     from behemoth.config import Config

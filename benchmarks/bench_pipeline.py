@@ -165,7 +165,6 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
     import logging
 
     import deepspeed
-    import torch
     from deepspeed.pipe import PipelineModule
 
     from behemoth.engine import build_optimizer

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any
 
-from behemoth.errors import ERROR_PREFIX, BehemothError
+from behemoth.errors import exit_code
 from behemoth.memory.estimate import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 from behemoth.parallel.zero import comm_volume
 
@@ -30,12 +29,7 @@ def estimate_parser() -> argparse.ArgumentParser:
 
 def estimate_main(argv: list[str] | None = None) -> int:
     """Entry point of `behemoth estimate`; returns the exit code (2 for a refused request)."""
-    args = estimate_parser().parse_args(argv)
-    try:
-        return run_estimate(args)
-    except BehemothError as err:
-        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
-        return 2
+    return exit_code(run_estimate, estimate_parser().parse_args(argv))
 
 
 def run_estimate(args: argparse.Namespace) -> int:

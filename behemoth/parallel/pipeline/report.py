@@ -10,10 +10,9 @@ Runnable on its own: python -m behemoth.parallel.pipeline.report --stages 4 --mi
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 
-from behemoth.errors import ERROR_PREFIX, BehemothError
+from behemoth.errors import BehemothError, exit_code
 from behemoth.parallel.pipeline.gantt import draw_gantt, format_grid
 from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
 from behemoth.parallel.pipeline.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
@@ -122,12 +121,7 @@ def run_schedule_report(args: argparse.Namespace) -> int:
 
 def schedule_main(argv: list[str] | None = None) -> int:
     """Entry point of `behemoth schedule`; returns the exit code (2 for a refused request)."""
-    args = schedule_parser().parse_args(argv)
-    try:
-        return run_schedule_report(args)
-    except BehemothError as err:
-        print(f"{ERROR_PREFIX}{err}", file=sys.stderr)
-        return 2
+    return exit_code(run_schedule_report, schedule_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ so a sequence collective moves the sequence to the front and back. Every collect
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,9 @@ def reduce_scatter_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     return _seq_back(out)
 
 
+SeqOp = Callable[[torch.Tensor, TPComm], torch.Tensor]
+
+
 def split_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """This rank's chunk of the sequence (no communication)."""
     return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
@@ -97,37 +101,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-        ctx.tp = tp
-        return gather_sequence(x, tp)
+class _SequenceConjugate(torch.autograd.Function):
+    """A sequence-parallel boundary: `forward_op` on the activation, its conjugate `backward_op` on the gradient
+    (all-gather <-> reduce-scatter; keeping this rank's chunk <-> all-gather)."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_sequence(grad, ctx.tp), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-        ctx.tp = tp
-        return reduce_scatter_sequence(x, tp)
+    def forward(ctx, x: torch.Tensor, tp: TPComm, forward_op: SeqOp, backward_op: SeqOp) -> torch.Tensor:
+        ctx.tp, ctx.backward_op = tp, backward_op
+        return forward_op(x, tp)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return gather_sequence(grad, ctx.tp), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-        ctx.tp = tp
-        return split_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_sequence(grad, ctx.tp), None
+        return ctx.backward_op(grad, ctx.tp), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
@@ -142,14 +127,14 @@ def reduce_from_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
 
 def gather_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """f under sequence parallelism: all-gather the sequence forward, reduce-scatter backward."""
-    return _GatherSeq.apply(x, tp)
+    return _SequenceConjugate.apply(x, tp, gather_sequence, reduce_scatter_sequence)
 
 
 def reduce_scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """g under sequence parallelism: reduce-scatter the sequence forward, all-gather backward."""
-    return _ReduceScatterSeq.apply(x, tp)
+    return _SequenceConjugate.apply(x, tp, reduce_scatter_sequence, gather_sequence)
 
 
 def scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's chunk forward, all-gather backward."""
-    return _ScatterSeq.apply(x, tp)
+    return _SequenceConjugate.apply(x, tp, split_sequence, gather_sequence)
