@@ -75,3 +75,36 @@ def test_tied_head(model, stage, tmp_path):
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *model, "train.steps=4"))[0]
     got = run_ranks(2, train_body, tiny_config(tmp_path / "zero", *model, "train.steps=4", f"parallel.zero_stage={stage}"))[0]
     assert_close_runs(ref, got)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameter_unused_in_one_micro_batch_keeps_its_gradients(stage):
+    """A bucket whose parameter gets no gradient in micro-batch 1 is not sent then; the gradients its other
+    parameters got in micro-batch 1 must still count when micro-batch 2 completes it (summed, not overwritten)."""
+    norms = run_ranks(2, _unused_parameter_body, stage)
+    # a: sum over ranks r and micro-batches i of (r + 1)(i + 1) = 9 per element; b: micro-batch 2 only, 10 (r + 1) -> 30
+    expected = (4 * 9.0**2 + 4 * 30.0**2) ** 0.5
+    assert all(abs(n - expected) <= 1e-5 * expected for n in norms), (norms, expected)
+
+
+def _unused_parameter_body(stage):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from behemoth.parallel.zero import apply_zero
+
+    model = nn.Module()
+    model.a, model.b = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    zero = apply_zero(model, dist.group.WORLD, stage=stage, bucket_mb=25, prefetch=1, param_dtype="fp32", lr=1e-3,
+                      betas=(0.9, 0.95), weight_decay=0.0)
+    rank = dist.get_rank()
+    zero.zero_grad()
+    for i in range(2):
+        zero.set_sync(i == 1)
+        loss = (model.a * (rank + 1) * (i + 1)).sum()
+        if i == 1:
+            loss = loss + (model.b * 10 * (rank + 1)).sum()
+        loss.backward()
+    zero.finish()
+    return zero.clip_grad_norm(0.0)

@@ -120,12 +120,13 @@ class ReplicatedGroup(FlatGroup):
         return [flat[o:o + n].view(s) for o, n, s in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
 
     def take_grad(self, p: nn.Parameter, index: int) -> None:
-        """Stage 2: move a freshly produced gradient into the bucket (allocated on first use) and drop it."""
+        """Stage 2: add a freshly produced gradient into the bucket (allocated, zeroed, on first use) and drop it.
+        Added, not copied: a bucket that some parameter left incomplete in an earlier micro-batch is still unsent."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.grad_shard.device)
             self.buffers.add(self.grad_full)
         offset, n = self.layout.offsets[index], self.layout.numels[index]
-        self.grad_full[offset:offset + n].copy_(p.grad.reshape(-1))
+        self.grad_full[offset:offset + n].add_(p.grad.reshape(-1))
         p.grad = None
 
     def reduce_scatter_grads(self) -> None:
