@@ -22,7 +22,7 @@ from behemoth.models.init import materialize
 from behemoth.parallel.data import DataParallel, apply_data_parallel
 from behemoth.parallel.pipeline.apply import apply_pipeline
 from behemoth.parallel.pipeline.views import view_of
-from behemoth.parallel.recompute import apply_recompute
+from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.tensor import TensorParallel, TPComm, apply_tensor_parallel
 from behemoth.parallel.zero import UnitSpec, Zero, apply_zero, shard_parameters
 from behemoth.topology import Runtime
@@ -73,7 +73,7 @@ class Engine:
         # Recomputation wraps block forwards in place (names unchanged); under a pipeline, per stage.
         view = view_of(cfg.hf.arch)  # where GPT, Llama or GPT-2 keep their embedding, blocks and head
         blocks = self.model.get_submodule(view.blocks)
-        apply_recompute(blocks, self.pipeline.recomputes if self.pipeline else cfg.parallel.recompute == "full")
+        apply_recompute(blocks, self.pipeline.recomputes if self.pipeline else 0 in recompute_ranks(cfg.parallel.recompute, [1]))
         # ZeRO-3 cuts every parameter to this rank's shard, still on meta, so materialize draws only that;
         # its units (gathered together) are the embedding, each block and the head of the same layered view.
         zero_units = (shard_parameters(self.model, rt.group("dp"), layers=view, tie_embeddings=cfg.model.tie_embeddings)

@@ -151,3 +151,25 @@ def test_recompute_policies():
     assert recompute_ranks([2], (4, 3, 2, 1)) == {2}
     with pytest.raises(BehemothError, match=r"parallel.recompute=\[4\] names pipeline ranks \[4\]"):
         recompute_ranks([4], (4, 3, 2, 1))
+
+
+def _recomputed_blocks(policy):
+    from behemoth.config import load_config
+    from behemoth.engine import Engine
+    from behemoth.topology import init_runtime
+
+    cfg = load_config(None, ["model=gpt-tiny", f"parallel.recompute={policy}"])
+    engine = Engine(cfg, init_runtime(**cfg.parallel.degrees()))
+    return [getattr(b, "_behemoth_recompute", False) for b in engine.model.blocks]
+
+
+def _every_policy():
+    return {p: _recomputed_blocks(p) for p in ("full", "[0]", "none", "early")}
+
+
+def test_recompute_policy_without_a_pipeline():
+    """Without a pipeline the one rank is rank 0: `full` and `[0]` recompute every block, `none` and `early` none."""
+    from tests.dist import run_ranks
+
+    got = run_ranks(1, _every_policy)[0]
+    assert {p: set(flags) for p, flags in got.items()} == {"full": {True}, "[0]": {True}, "none": {False}, "early": {False}}
