@@ -77,9 +77,10 @@ class Config(Section):
         if not weights:
             return data
         arch, model, hf = shape_from_weights(weights)
-        if given.get("arch") and given["arch"] != arch:
-            raise BehemothError(f"hf.arch={given['arch']} but hf.weights={weights} holds a {arch} model", f"set hf.arch={arch} or drop it")
-        return {**data, "model": {**_as_dict(data.get("model")), **model}, "hf": {**hf, **given, "arch": arch}}
+        for key, value in {"arch": arch, **hf}.items():  # the weights' shape wins over model.*; an hf.* that disagrees is refused
+            if given.get(key) is not None and given[key] != value:
+                raise BehemothError(f"hf.{key}={given[key]} but hf.weights={weights} has {key}={value}", f"set hf.{key}={value} or drop it")
+        return {**data, "model": {**_as_dict(data.get("model")), **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "Config":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -78,3 +79,9 @@ def test_assigning_a_section_validates_it_again(tmp_path):
                                                      "intermediate_size": 48, "num_key_value_heads": 2}))
     cfg.hf = HFConfig(weights=str(weights))  # the model takes the shape the weights' config.json describes
     assert (cfg.hf.arch, cfg.hf.kv_heads, cfg.hf.ffn, cfg.model.n_layer, cfg.model.d_model) == ("llama", 2, 48, 3, 16)
+    assert load_config(None, [f"hf.weights={weights}", "hf.ffn=48", "hf.arch=llama"]).hf.ffn == 48  # agreeing is fine
+    for option, message in [("hf.ffn=64", f"hf.ffn=64 but hf.weights={weights} has ffn=48"),
+                            ("hf.kv_heads=1", f"hf.kv_heads=1 but hf.weights={weights} has kv_heads=2"),
+                            ("hf.arch=gpt2", f"hf.arch=gpt2 but hf.weights={weights} has arch=llama")]:
+        with pytest.raises(BehemothError, match=re.escape(message)):
+            load_config(None, [f"hf.weights={weights}", option])
