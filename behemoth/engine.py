@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from behemoth.comm import CommMeter, all_reduce
 from behemoth.config import Config, TrainConfig
-from behemoth.models.causal_lm import build_causal_lm, find_ties
+from behemoth.models.causal_lm import build_causal_lm, find_ties, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.parallel.data import DataParallel, apply_data_parallel
 from behemoth.parallel.pipeline.apply import apply_pipeline
@@ -70,6 +69,8 @@ class Engine:
         # Tensor/sequence parallel next, still on meta: split layers keep only this rank's part of each
         # weight, marked so that materialize draws the full (seed, name) tensor and keeps that part.
         self.tp = self.apply_tensor_parallel()
+        # the summed token loss; vocabulary-parallel when the head is split (each rank holds 1/t of the logits)
+        self.loss_fn = self.tp.cross_entropy_sum if self.tp is not None else summed_token_loss
         # Recomputation wraps block forwards in place (names unchanged); under a pipeline, per stage.
         view = view_of(cfg.hf.arch)  # where GPT, Llama or GPT-2 keep their embedding, blocks and head
         blocks = self.model.get_submodule(view.blocks)
@@ -114,10 +115,7 @@ class Engine:
         """Summed token cross-entropy of one micro-batch, in float32."""
         with self.autocast():
             logits = self.lm.logits(inputs.to(self.rt.device))
-        targets = targets.to(self.rt.device)
-        if self.tp is not None:  # vocabulary-parallel: each rank holds 1/t of the logits
-            return self.tp.cross_entropy_sum(logits, targets)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        return self.loss_fn(logits, targets.to(self.rt.device))
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
         """Forward/backward every micro-batch, reduce gradients, clip, and step the optimizer."""

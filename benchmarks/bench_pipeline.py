@@ -126,7 +126,7 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     from behemoth.models.gpt import build_gpt
     from behemoth.models.init import materialize
     from behemoth.parallel.pipeline.apply import resolve_stage_boundaries
-    from behemoth.parallel.pipeline.executor import summed_token_loss
+    from behemoth.models.causal_lm import summed_token_loss
     from behemoth.parallel.pipeline.partition import cut_model
     from behemoth.topology import init_runtime
 
@@ -170,7 +170,7 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
     from behemoth.engine import build_optimizer
     from behemoth.models.gpt import build_gpt
     from behemoth.models.init import materialize
-    from behemoth.parallel.pipeline.executor import summed_token_loss
+    from behemoth.models.causal_lm import summed_token_loss
     from behemoth.topology import init_runtime
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

@@ -34,6 +34,11 @@ GPT_TP_PLAN: dict[str, str] = {
 Tie = list[tuple[str, str]]  # (module name, attribute) slots that share one parameter
 
 
+def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in float32: the loss every layout computes (divided by the global token count later)."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
 @dataclass
 class CausalLM:
     """A model on the meta device and what the engine needs to build and run it."""

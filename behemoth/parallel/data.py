@@ -55,7 +55,7 @@ class DataParallel:
         return hook
 
     def _launch(self, bucket: GradBucket) -> None:
-        if self.world > 1 and bucket.pending is None:
+        if bucket.pending is None:  # (a group of one: comm.all_reduce returns at once)
             bucket.pending = all_reduce(bucket.buffer, self.group, self.meter, async_op=True)
 
     def set_sync(self, enabled: bool) -> None:

@@ -25,7 +25,7 @@ from behemoth.comm import all_reduce, pair_all_reduce
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from torch import nn
-from behemoth.parallel.pipeline.executor import SYNC_TAG, PipelineExecutor, StepTrace, summed_token_loss
+from behemoth.parallel.pipeline.executor import SYNC_TAG, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.partition import (
     balance_stages, check_stage_boundaries, cut_model, estimate_layer_costs, measure_layer_costs, uniform_layer_costs,
 )
@@ -151,7 +151,7 @@ class PipelineParallel:
             self.schedule, self.rank, self.chunks, group=self.group, hidden_size=self.cfg.model.d_model,
             dtype=named[0][1].dtype, device=self.rt.device, tokens_per_step=engine.tokens_per_step,
             timeout_s=self.cfg.run.timeout_s, on_opt_step=self._optimizer_step, sync_params=self._replica_sync_params(),
-            meter=engine.meter, autocast=engine.autocast, loss_fn=engine.tp.cross_entropy_sum if engine.tp else summed_token_loss,
+            meter=engine.meter, autocast=engine.autocast, loss_fn=engine.loss_fn,
             seq_split=self.seq_split, on_grads=getattr(engine.sync, "reduce_chunk", None))
         self.executor.stash_meter.exclude([p for _, p in named])
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import summed_token_loss
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import StageChunk
 from behemoth.parallel.pipeline.rendezvous import check_rendezvous
@@ -56,11 +56,6 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class PipelineWaitError(BehemothError):
     """A message or gradient sync that did not complete within run.timeout_s."""
-
-
-def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in float32, as Engine.loss_sum computes it."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.checkpoint import sharded_view
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
@@ -85,7 +86,7 @@ class TensorParallel:
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:  # the head was not split
-            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+            return summed_token_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp).sum()
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
