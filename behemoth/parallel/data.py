@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import CommMeter, Pending, all_reduce, plan_buckets
+from behemoth.parallel.clip import clip_grad_norm
 
 
 class GradBucket:
@@ -77,13 +78,7 @@ class DataParallel:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm (gradients are replicated, so the local norm is global); clip if > 0."""
-        grads = [b.buffer for b in self.buckets]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else torch.zeros(())
-        if max_norm > 0:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(scale)
-        return float(norm)
+        return clip_grad_norm([("", b.buffer) for b in self.buckets], max_norm)
 
     def grad_bytes(self) -> int:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)

@@ -25,6 +25,7 @@ from behemoth.comm import all_reduce, pair_all_reduce
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from torch import nn
+from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.pipeline.executor import SYNC_TAG, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.partition import (
     balance_stages, check_stage_boundaries, cut_model, estimate_layer_costs, measure_layer_costs, uniform_layer_costs,
@@ -190,25 +191,14 @@ class PipelineParallel:
             group["lr"] = self._lr
         engine.optimizer.step()
 
-    @torch.no_grad()
     def _clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm of the single-process model: each parameter counted on one pipeline rank, split
-        (tensor-parallel) parameters by every shard, replicated ones once, ZeRO shards summed; clip if > 0."""
-        engine = self.engine
-        slices = grad_slices(engine.model, engine.sync)
-        split = set(engine.tp.layouts) if engine.tp is not None else set()
-        tp_size = self.rt.dims.tp
-        total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
-        for name, g in slices:
-            if self.schedule.stage_ranks[_canonical_stage(name, self.bounds, self.view)][0] == self.rank:
-                total += torch.linalg.vector_norm(g, dtype=torch.float32).square() / (1 if name in split else tp_size)
-        for group in filter(None, (sharded_over(engine.sync), self.rt.group("tp") if tp_size > 1 else None, self.group)):
-            all_reduce(total, group, engine.meter)
-        norm = total.sqrt()
-        grads = [g for _, g in slices]
-        if max_norm > 0 and grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype))
-        return float(norm)
+        """Global gradient norm of the single-process model: each parameter counted on one pipeline rank (a tied
+        weight on its first stage), split parameters by every shard, replicated ones once, ZeRO shards summed."""
+        engine, tp_size = self.engine, self.rt.dims.tp
+        owner = lambda name: self.schedule.stage_ranks[_canonical_stage(name, self.bounds, self.view)][0] == self.rank  # noqa: E731
+        return clip_grad_norm(grad_slices(engine.model, engine.sync), max_norm, meter=engine.meter, counted=owner,
+                              groups=[sharded_over(engine.sync), self.rt.group("tp") if tp_size > 1 else None, self.group],
+                              split=set(engine.tp.layouts) if engine.tp is not None else set(), tp_size=tp_size, device=self.rt.device)
 
     def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> tuple[float, float]:
         """One optimizer step through the schedule; (loss over the global batch, gradient norm)."""

@@ -7,7 +7,7 @@ Two things TP adds after the data-parallel (or ZeRO) reduction, before clipping:
   gradients in one all-reduce, once per step (sums over dp and over tp commute, and accumulation
   over micro-batches is a sum too);
 - the global gradient norm counts each split parameter's shards on every tp rank and each
-  replicated parameter once (its square weighted 1/t on each of the t ranks).
+  replicated parameter once (its square weighted 1/t on each of the t ranks; `parallel/clip.py`).
 
 Gradients live in `param.grad` under plain data parallelism, or as this rank's slices of flat
 ZeRO shards (`sync.groups[i].grad_shard`, cut by `layout.pieces`); `grad_slices` reads either, by
@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import all_reduce
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.comm import TPComm
 
@@ -53,21 +52,3 @@ def sum_partial_grads(slices: list[tuple[str, torch.Tensor]], partial: set[str],
     tp.all_reduce(flat)
     torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
     return flat.numel()
-
-
-@torch.no_grad()
-def clip_grad_norm(slices: list[tuple[str, torch.Tensor]], split: set[str], tp: TPComm, max_norm: float,
-                   shard_group: dist.ProcessGroup | None = None) -> float:
-    """Global gradient norm (split parameters: every shard; replicated: once); scale the gradients if it exceeds `max_norm` > 0."""
-    grads = [g for _, g in slices]
-    squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
-    for name, g in slices:
-        squares[0 if name in split else 1] += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-    total = squares[0] + squares[1] / tp.size
-    if shard_group is not None:
-        all_reduce(total, shard_group, tp.meter)
-    tp.all_reduce(total)
-    norm = total.sqrt()
-    if max_norm > 0 and grads:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].dtype))
-    return float(norm)

@@ -36,7 +36,8 @@ from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.checkpoint import sharded_view
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
-from behemoth.parallel.tensor.grads import clip_grad_norm, grad_slices, sharded_over, sum_partial_grads
+from behemoth.parallel.clip import clip_grad_norm
+from behemoth.parallel.tensor.grads import grad_slices, sharded_over, sum_partial_grads
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
     enter_tp_region, vocab_parallel_cross_entropy,
@@ -81,7 +82,8 @@ class TensorParallel:
 
     def clip_grad_norm(self, model: nn.Module, sync: Any, max_norm: float) -> float:
         """Global gradient norm of the single-process model, from split, replicated and ZeRO-sharded gradients; clip."""
-        return clip_grad_norm(grad_slices(model, sync), set(self.layouts), self.tp, max_norm, sharded_over(sync))
+        return clip_grad_norm(grad_slices(model, sync), max_norm, groups=[sharded_over(sync), self.tp.group], meter=self.tp.meter,
+                              split=set(self.layouts), tp_size=self.tp.size)
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import CommMeter, all_reduce, plan_buckets
+from behemoth.comm import CommMeter, plan_buckets
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
+from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup, ReplicatedGroup
 from behemoth.parallel.zero.optim import ShardedAdamW
 from behemoth.parallel.zero.sharded import Stage3
@@ -191,19 +192,9 @@ class Zero:
         for g in self.groups:
             g.zero_grad()
 
-    @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global gradient norm from every rank's shard (one scalar all-reduce); clip if max_norm > 0."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.groups[0].grad_shard.device)
-        for g in self.groups:
-            squares += torch.linalg.vector_norm(g.grad_shard, dtype=torch.float32) ** 2
-        all_reduce(squares, self.group, self.meter)
-        norm = squares.sqrt()
-        if max_norm > 0:
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in self.groups:
-                g.grad_shard.mul_(scale.to(g.grad_shard.dtype))
-        return float(norm)
+        return clip_grad_norm([("", g.grad_shard) for g in self.groups], max_norm, groups=[self.group], meter=self.meter)
 
     def grad_bytes(self) -> int:
         return held_bytes(g.grad_full if self.stage == 1 else g.grad_shard for g in self.groups)
