@@ -173,3 +173,13 @@ def test_recompute_policy_without_a_pipeline():
 
     got = run_ranks(1, _every_policy)[0]
     assert {p: set(flags) for p, flags in got.items()} == {"full": {True}, "[0]": {True}, "none": {False}, "early": {False}}
+
+
+def test_flop_estimate_follows_the_block_shape():
+    """A Llama block (grouped K/V, three MLP matrices of its own width) is costed as built, not as a GPT block."""
+    cfg = GPTConfig(preset="gpt-tiny", n_head=4)
+    d, T = cfg.d_model, 32
+    gpt = estimate_layer_costs(cfg, T).blocks[0]
+    assert gpt == 2 * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + 4 * T * d
+    llama = estimate_layer_costs(cfg, T, kv_heads=2, ffn=3 * d, gated=True).blocks[0]
+    assert llama == 2 * (2 * d * d + 2 * d * (d // 2) + 3 * d * 3 * d) + 4 * T * d

@@ -93,7 +93,9 @@ def resolve_stage_boundaries(cfg: Config, rt: Runtime | None = None) -> list[int
     if plan.balance == "layers":
         costs = uniform_layer_costs(model)
     elif plan.balance == "flops" or rt is None:
-        costs = estimate_layer_costs(model, cfg.seq_len)
+        hf = cfg.hf
+        costs = estimate_layer_costs(model, cfg.seq_len, ffn=hf.ffn, gated=hf.arch == "llama",
+                                     kv_heads=hf.kv_heads if hf.arch == "llama" else None)
     else:
         dp = rt.dims.dp
         size = plan.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, dp) or cfg.train.global_batch // dp

@@ -40,10 +40,17 @@ class LayerCosts:
     unit: str
 
 
-def estimate_layer_costs(cfg: GPTConfig, seq_len: int) -> LayerCosts:
-    """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them)."""
-    d, r, v = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size
-    block = 2 * (4 * d * d + 2 * r * d * d) + 4 * seq_len * d  # qkv, proj, mlp; attention scores and values
+def estimate_layer_costs(cfg: GPTConfig, seq_len: int, *, kv_heads: int | None = None, ffn: int | None = None,
+                         gated: bool = False) -> LayerCosts:
+    """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them).
+
+    Defaults describe behemoth's GPT; a Llama passes its key/value heads (grouped-query attention), MLP width and
+    `gated` (SwiGLU: three MLP matrices), a GPT-2 its MLP width."""
+    d, v = cfg.d_model, cfg.vocab_size
+    kv = (kv_heads or cfg.n_head) * cfg.head_dim
+    width = ffn or cfg.mlp_ratio * d
+    matrices = 2 * d * d + 2 * d * kv + (3 if gated else 2) * d * width  # q, proj; k, v; MLP
+    block = 2 * matrices + 4 * seq_len * d  # attention scores and values
     return LayerCosts(embed=2.0 * d, blocks=(float(block),) * cfg.n_layer, head=2.0 * d * v + 5.0 * v, unit="flop/token")
 
 
