@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
 
@@ -177,8 +178,8 @@ def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
         raise BehemothError(f"checkpoint {ckpt} does not hold this model's weights ({str(err).splitlines()[0][:200]})", "export with the run's own config") from None
     meta = read_meta(ckpt)
     tmp = out.with_suffix(".tmp")
-    first: dict[int, str] = {}  # a tied weight (an LM head sharing the embedding) is written once, under its first name
-    tensors = {k: v.contiguous() for k, v in state.items() if first.setdefault(v.data_ptr(), k) == k}
+    again = {name for others in tied_names(model).values() for name in others}  # a tied weight is written once, first name
+    tensors = {k: v.contiguous() for k, v in state.items() if k not in again}
     save_file(tensors, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
     os.replace(tmp, out)
     return out

@@ -104,3 +104,12 @@ def test_checkpoint_of_another_model_is_refused(uninterrupted):
 def test_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(BehemothError, match="no checkpoint found"):
         resolve_checkpoint(tmp_path)
+
+
+def test_tied_weight_is_exported_once(tmp_path):
+    """An LM head tied to the embedding is one tensor: written once, under the embedding's name."""
+    from safetensors.torch import load_file
+
+    run_ranks(1, train_body, tiny_config(tmp_path, "model.tie_embeddings=true", "train.steps=2"))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert "wte.weight" in weights and "lm_head.weight" not in weights

@@ -91,6 +91,11 @@ def build_causal_lm(model_cfg: Any, hf: Any = None) -> CausalLM:
                     matmul_params=sum(p.numel() for p in model.parameters()) - positions)
 
 
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """First name -> the other names of every parameter registered in several places (a tied LM head)."""
+    return {".".join(filter(None, group[0])): [".".join(filter(None, slot)) for slot in group[1:]] for group in find_ties(model)}
+
+
 def find_ties(model: nn.Module) -> list[Tie]:
     """Every group of parameter slots that hold the same Parameter object (e.g. a tied LM head)."""
     slots: dict[int, Tie] = {}

@@ -24,6 +24,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, plan_buckets
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup, ReplicatedGroup
@@ -49,14 +50,6 @@ def comm_volume(ops: dict[str, dict[str, float]]) -> int:
     all-gather counts the size of the full (unsharded) tensor, an all-reduce twice its size (it is both)."""
     count = {op: int(ops.get(op, {}).get("elements", 0)) for op in ("all_reduce", "reduce_scatter", "all_gather")}
     return 2 * count["all_reduce"] + count["reduce_scatter"] + count["all_gather"]
-
-
-def tied_names(model: nn.Module) -> dict[str, list[str]]:
-    """First name -> the other names of every parameter registered in several places (a tied LM head)."""
-    by_param: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_param.setdefault(id(p), []).append(name)
-    return {names[0]: names[1:] for names in by_param.values() if len(names) > 1}
 
 
 class Zero:
