@@ -138,8 +138,7 @@ def rebuild_meta_buffers(model: nn.Module) -> None:
                 raise BehemothError(f"{name} ({type(module).__name__}) has buffers behemoth cannot rebuild", "report this model")
             with torch.device("cpu"):
                 fresh = type(module)(config=module.config)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, fresh)
+            model.set_submodule(name, fresh)
 
 
 def hf_init_spec(model: nn.Module, arch: str):

@@ -223,8 +223,7 @@ def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int
     first, last = 0 in held_stages, stages - 1 in held_stages
     blocks = model.get_submodule(view.blocks)
     keep = {i: blocks[i] for s in held_stages for i in range(bounds[s], bounds[s + 1])}
-    parent, _, child = view.blocks.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, StageBlocks(keep))
+    model.set_submodule(view.blocks, StageBlocks(keep))
     for name in view.first if not first else ():
         if not (name == view.embedding and last and tied):
             _drop(model, name)

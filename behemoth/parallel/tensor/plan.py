@@ -116,7 +116,7 @@ def apply_tensor_parallel(model: nn.Module, tp: TPComm, plan: dict[str, str], *,
         kind, _, arg = style.partition(":")
         new = build_parallel(module, name, kind, int(arg or 1), build)
         if new is not None:
-            set_submodule(model, name, new)
+            model.set_submodule(name, new)
             if kind == "vocab":
                 vocab = new.vocab if isinstance(new, VocabParallelEmbedding) else VocabShard.of(getattr(new.weight, TP_LAYOUT))
     return TensorParallel(model, tp, sequence_parallel, vocab)
@@ -216,8 +216,3 @@ def check_plan(model: nn.Module, plan: dict[str, str], styles: dict[str, str], s
                             "add them to the tensor-parallel plan or set parallel.sequence_parallel=false")
     if "sequence_input" not in plan.values():
         raise BehemothError("sequence parallelism needs a sequence_input entry (the first block) in the plan", "add one")
-
-
-def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
