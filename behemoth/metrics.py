@@ -51,14 +51,15 @@ class MetricsLog:
 
     def __init__(self, path: Path, *, truncate_after: int | None = None) -> None:
         self.path = path
-        self.kept: list[dict[str, Any]] = []  # records of the run being resumed, up to its checkpoint
+        self.validated: set[int] = set()  # steps of the run being resumed that have a validation loss
         if truncate_after is not None and path.exists():  # a resumed run rewrites what came after its checkpoint
-            self.kept = [r for r in read_metrics(path) if r.get("step", 0) <= truncate_after]
-            path.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            kept = [r for r in read_metrics(path) if r.get("step", 0) <= truncate_after]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.validated = {r.get("step", 0) for r in kept if "val_loss" in r}
         self.file = open(path, "a")
 
     def has_val(self, step: int) -> bool:
-        return any(r.get("step") == step and "val_loss" in r for r in self.kept)
+        return step in self.validated
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")

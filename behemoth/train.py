@@ -79,11 +79,6 @@ class Trainer:
                 record["val_loss"] = self.validate(done)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 record.update(self.memory_per_rank())
-                # parameters + gradients + optimizer state each rank holds (ZeRO shards them), MiB
-                states = sum(v for k, v in self.engine.model_state_bytes().items() if k in ("params", "grads", "optimizer"))
-                record["model_states_mb"] = [r[0] for r in gather_floats([states / 2**20], self.rt.device)]
-                if self.engine.pipeline is not None:  # activations each pipeline rank held at once (measured), MiB
-                    record["stash_mb"] = [r[0] for r in gather_floats([self.engine.pipeline.last_trace.peak_stash_bytes / 2**20], self.rt.device)]
             if log:
                 log.write(record)
             bar.update(1)
@@ -107,10 +102,15 @@ class Trainer:
                 "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
 
     def memory_per_rank(self) -> dict[str, list[float]]:
-        """Peak resident memory of every rank (MiB) and, on GPUs, peak allocated device memory."""
-        mine = memory_mb(self.rt.device)
+        """Every rank's memory, MiB, in one all-gather: peak resident (`memory_mb`), on GPUs peak allocated, the model
+        states it holds (parameters + gradients + optimizer state; ZeRO shards them) and, under a pipeline, the
+        activations it held at once (measured)."""
+        mine = {("memory_mb" if k == "rss_peak_mb" else k): v for k, v in memory_mb(self.rt.device).items()}
+        mine["model_states_mb"] = sum(v for k, v in self.engine.model_state_bytes().items() if k in ("params", "grads", "optimizer")) / 2**20
+        if self.engine.pipeline is not None:
+            mine["stash_mb"] = self.engine.pipeline.last_trace.peak_stash_bytes / 2**20
         ranks = gather_floats(list(mine.values()), self.rt.device)
-        return {("memory_mb" if k == "rss_peak_mb" else k): [r[i] for r in ranks] for i, k in enumerate(mine)}
+        return {k: [r[i] for r in ranks] for i, k in enumerate(mine)}
 
     def validate(self, step: int) -> float:
         loss = self.engine.evaluate(self.val_batches)
