@@ -10,7 +10,7 @@ import datetime
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -70,13 +70,14 @@ class Pending:
         self.work = None
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
-    """Sum `tensor` in place over `group` (a group of one has nothing to add)."""
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """Reduce `tensor` in place over `group`, summing unless `op` says otherwise (a group of one has nothing to add)."""
     if dist.get_world_size(group) == 1:
         return Pending(None, "all_reduce", meter)
     if meter is not None:
         meter.record("all_reduce", tensor)
-    pending = Pending(dist.all_reduce(tensor, group=group, async_op=True), "all_reduce", meter)
+    pending = Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), "all_reduce", meter)
     if not async_op:
         pending.wait()
     return pending
@@ -100,6 +101,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     if not async_op:
         pending.wait()
     return pending
+
+
+@torch.no_grad()
+def reduce_flat(tensors: list[torch.Tensor], reduce: Callable[[torch.Tensor], object]) -> int:
+    """Reduce several tensors with one collective: concatenate them, `reduce` the flat copy in place, copy back.
+    Returns the element count (0, and no collective, for an empty list)."""
+    if not tensors:
+        return 0
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    reduce(flat)
+    torch._foreach_copy_(tensors, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+    return flat.numel()
 
 
 def plan_buckets(params: Iterable[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce
+from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, p2p_groups, reference_timeline
@@ -276,18 +276,12 @@ class _Step:
 
     def grad_sync(self, index: int, a: Action) -> None:
         """Sum this stage's gradients with its other replica's (Chimera), one exchange of a flat buffer."""
-        grads = [p.grad for p in self.ex.sync_params.get(a.stage, [])]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        ex = self.ex
         try:
-            pair_all_reduce(flat, a.peer, self.ex.group, self.ex.meter, tag=SYNC_TAG + a.stage, timeout_s=self.ex.timeout_s)
+            reduce_flat([p.grad for p in ex.sync_params.get(a.stage, [])],
+                        lambda flat: pair_all_reduce(flat, a.peer, ex.group, ex.meter, tag=SYNC_TAG + a.stage, timeout_s=ex.timeout_s))
         except RuntimeError as err:
-            raise self.ex.wait_error(err, index, a, "for the gradient sync") from None
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+            raise ex.wait_error(err, index, a, "for the gradient sync") from None
 
     def opt_step(self, index: int, a: Action) -> None:
         self.finish()

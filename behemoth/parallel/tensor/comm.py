@@ -39,12 +39,7 @@ class TPComm:
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce `t` in place over the group (sum unless `op` says otherwise)."""
-        if op == dist.ReduceOp.SUM:
-            all_reduce(t, self.group, self.meter)
-        else:
-            if self.meter is not None:
-                self.meter.record("all_reduce", t)
-            dist.all_reduce(t, op=op, group=self.group)
+        all_reduce(t, self.group, self.meter, op=op)
         return t
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from behemoth.comm import reduce_flat
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.comm import TPComm
 
@@ -45,10 +46,4 @@ def sharded_over(sync: Any) -> dist.ProcessGroup | None:
 @torch.no_grad()
 def sum_partial_grads(slices: list[tuple[str, torch.Tensor]], partial: set[str], tp: TPComm) -> int:
     """All-reduce over tp, as one flat buffer, the gradients named in `partial`; returns the element count."""
-    grads = [g for name, g in slices if name in partial]
-    if not grads:
-        return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tp.all_reduce(flat)
-    torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
-    return flat.numel()
+    return reduce_flat([g for name, g in slices if name in partial], tp.all_reduce)
