@@ -13,7 +13,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from behemoth.checkpoint import resolve_checkpoint
 from behemoth.models.gpt import build_gpt
-from behemoth.parallel.zero.layout import FlatLayout, flat_range_boxes
+from behemoth.parallel.chunked import flat_range_boxes
+from behemoth.parallel.zero.layout import FlatLayout
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 

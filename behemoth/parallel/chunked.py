@@ -4,7 +4,7 @@ Used wherever a rank's part of a parameter is not a DTensor `Shard(dim)` block: 
 fused [q|k|v] pieces and padded vocabularies (behemoth.parallel.tensor.checkpoint), and ZeRO's flat
 ranges. ZeRO shards a parameter (or its Adam moments) by a contiguous range of its flattened elements,
 which is generally not a DTensor `Shard(dim)` block. `ChunkedTensor` describes such a range as the
-few N-D boxes DCP understands (`layout.flat_range_boxes`), each a view of the rank's own storage,
+few N-D boxes DCP understands (`flat_range_boxes`), each a view of the rank's own storage,
 so `dcp.save` writes straight from the shard and `dcp.load` writes straight into it, and a
 checkpoint keyed by single-process names reshards to any other layout, stage or process count.
 It implements DCP's checkpointable protocol (the three dunder methods DTensor also implements);
@@ -20,7 +20,37 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from behemoth.parallel.zero.layout import flat_range_boxes
+
+def flat_range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements [start, stop) of a row-major tensor of `shape` as N-D boxes (offsets, sizes), in order.
+
+    A flat range is at most a partial leading row, whole rows and a partial trailing row, each of
+    which recurses one dimension down; DCP stores and reshards such boxes.
+    """
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    row0, col0 = divmod(start, inner)
+    row1, col1 = divmod(stop, inner)
+    rest = tuple(shape[1:])
+
+    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(a, b, rest)]
+
+    if row0 == row1:
+        return in_row(row0, col0, col1)
+    boxes = []
+    if col0:
+        boxes += in_row(row0, col0, inner)
+        row0 += 1
+    if row1 > row0:
+        boxes.append(((row0, *[0] * len(rest)), (row1 - row0, *rest)))
+    if col1:
+        boxes += in_row(row1, 0, col1)
+    return boxes
+
 
 
 class ChunkedTensor(torch.Tensor):

@@ -62,34 +62,3 @@ class FlatLayout:
     def split_sizes(self) -> list[int]:
         """Sizes that cut the padded buffer into each parameter and the trailing padding."""
         return self.numels + [self.padding]
-
-
-def flat_range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Elements [start, stop) of a row-major tensor of `shape` as N-D boxes (offsets, sizes), in order.
-
-    A flat range is at most a partial leading row, whole rows and a partial trailing row, each of
-    which recurses one dimension down; DCP stores and reshards such boxes.
-    """
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    row0, col0 = divmod(start, inner)
-    row1, col1 = divmod(stop, inner)
-    rest = tuple(shape[1:])
-
-    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((row, *o), (1, *s)) for o, s in flat_range_boxes(a, b, rest)]
-
-    if row0 == row1:
-        return in_row(row0, col0, col1)
-    boxes = []
-    if col0:
-        boxes += in_row(row0, col0, inner)
-        row0 += 1
-    if row1 > row0:
-        boxes.append(((row0, *[0] * len(rest)), (row1 - row0, *rest)))
-    if col1:
-        boxes += in_row(row1, 0, col1)
-    return boxes

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from behemoth.comm import Pending
-from behemoth.parallel import chunked as dcp_chunks  # the module, not its names: chunked.py imports zero/layout.py
+from behemoth.parallel.chunked import ChunkedTensor, chunked
 from behemoth.parallel.zero.groups import FlatGroup
 from behemoth.parallel.zero.layout import Piece
 
@@ -68,9 +68,9 @@ class ShardedAdamW:
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master.dtype != g.compute_dtype)
         return moments + masters
 
-    def state_dict(self) -> tuple[dict[str, dcp_chunks.ChunkedTensor], dict[str, dict[str, torch.Tensor]]]:
+    def state_dict(self) -> tuple[dict[str, ChunkedTensor], dict[str, dict[str, torch.Tensor]]]:
         """Master weights and Adam state keyed by single-process names, as this rank's chunks (for DCP)."""
-        model: dict[str, dcp_chunks.ChunkedTensor] = {}
+        model: dict[str, ChunkedTensor] = {}
         optim: dict[str, dict[str, torch.Tensor]] = {}
         held = {(id(g), piece.index): (piece, p) for g, piece, p in self.entries}
         any_step = next(iter(self.state.values()))["step"] if self.state else torch.tensor(0.0)
@@ -79,10 +79,10 @@ class ShardedAdamW:
             for i, (name, shape) in enumerate(zip(g.layout.names, g.layout.shapes)):
                 piece, p = held.get((id(g), i), (None, None))
                 if piece is None:
-                    zero = dcp_chunks.chunked(empty, 0, 0, shape)
+                    zero = chunked(empty, 0, 0, shape)
                     model[name], optim[name] = zero, {"step": any_step, "exp_avg": zero, "exp_avg_sq": zero}
                     continue
                 state = self.state[p]
-                model[name] = dcp_chunks.chunked(p.data, piece.start, piece.stop, shape)
-                optim[name] = {"step": state["step"], **{k: dcp_chunks.chunked(state[k], piece.start, piece.stop, shape) for k in ("exp_avg", "exp_avg_sq")}}
+                model[name] = chunked(p.data, piece.start, piece.stop, shape)
+                optim[name] = {"step": state["step"], **{k: chunked(state[k], piece.start, piece.stop, shape) for k in ("exp_avg", "exp_avg_sq")}}
         return model, optim

@@ -27,6 +27,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.clip import clip_grad_norm
+from behemoth.parallel.tensor.layers import TP_LAYOUT
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup, ReplicatedGroup
 from behemoth.parallel.zero.optim import ShardedAdamW
 from behemoth.parallel.zero.sharded import Stage3
@@ -86,8 +87,6 @@ class Zero:
         A tensor-parallel parameter is this tp rank's local tensor: flat-sharding it over dp is sharding
         that local tensor, and its layout is the same on every tp rank, so buckets line up across tp.
         """
-        from behemoth.parallel.tensor.layers import TP_LAYOUT  # not at the top: tensor/ imports zero/ (through chunked.py)
-
         named = list(self.model.named_parameters())
         frozen = [n for n, p in named if not p.requires_grad]
         undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT)]
