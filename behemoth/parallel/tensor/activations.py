@@ -36,16 +36,13 @@ from torch import nn
 
 from behemoth.models.gpt import GPTConfig
 
-ELEMENT_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
-
 def gpt_block_activation_bytes(*, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, mlp_ratio: int = 4,
                                dtype: torch.dtype = torch.float32) -> float:
     """Bytes one rank saves for backward in one behemoth GPT block (dropout 0, fused attention), per the module docstring."""
     split = (3 + 1 + 2 * mlp_ratio) * s * b * h + a * b * s  # qkv output, attention output (= proj input), MLP; log-sum-exp
     whole = 4 * s * b * h + 4 * b * s  # LayerNorm inputs, qkv and fc inputs; LayerNorm statistics
     elements = (split + whole) / t if sp else split / t + whole
-    return elements * ELEMENT_BYTES[dtype]
+    return elements * dtype.itemsize
 
 
 def gpt_activation_bytes(cfg: GPTConfig, *, b: int, s: int, t: int = 1, sp: bool = False) -> float:
@@ -60,13 +57,6 @@ def gpt_activation_bytes(cfg: GPTConfig, *, b: int, s: int, t: int = 1, sp: bool
     head = 4 * (s * b * h + 2 * b * s) / seq + 4 * s * b * h / (1 if cfg.tie_embeddings else seq)
     loss = 4 * b * s * cfg.vocab_size + 8 * b * s + 4 if t == 1 else 4 * b * s * math.ceil(cfg.vocab_size / t) + 9 * b * s
     return blocks + embed + head + loss
-
-
-def megatron_layer_activation_bytes(*, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
-    """Korthikanti et al.'s per-layer bytes (16-bit activations, dropout masks, unfused attention)."""
-    if sp:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
 class SavedBytesMeter:
