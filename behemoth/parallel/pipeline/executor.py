@@ -40,7 +40,7 @@ from torch import nn
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
-from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, p2p_groups, reference_timeline
+from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import StageChunk
 from behemoth.parallel.pipeline.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
@@ -111,8 +111,8 @@ class PipelineExecutor:
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
-        payload = 0 if PAYLOAD[a.kind] == ACT else 1
-        return 1 + (payload * self.schedule.num_stages + a.stage) * self.schedule.microbatches + a.microbatch
+        payload, stage, microbatch = message_key(a)
+        return 1 + (payload * self.schedule.num_stages + stage) * self.schedule.microbatches + microbatch
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepTrace:
         """Run this rank's actions for one step (forward, backward, transfers, syncs, optimizer step)."""
