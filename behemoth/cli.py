@@ -124,12 +124,12 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
 def check_before_launch(cfg: Any, ckpt: Path | None, nproc: int) -> None:
     """Everything that can be refused without a worker: plan, batch split, data, checkpoint, run dir."""
     from behemoth.checkpoint import read_meta, validate_checkpoint
-    from behemoth.data import BatchLayout, prepare_corpus
+    from behemoth.data import prepare_corpus
     from behemoth.memory.estimate import check_fits
     from behemoth.parallel.pipeline.apply import check_pipeline
 
     dims = cfg.parallel.dims(nproc)
-    BatchLayout.resolve(cfg.train.global_batch, cfg.parallel.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, dims.dp), dims.dp)
+    cfg.batch_layout(dims.dp)  # refuses a batch that does not split
     check_pipeline(cfg, dims)
     check_fits(cfg, dims.dp)  # parallel.memory_gb against the exact model-state estimate
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)

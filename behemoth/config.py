@@ -10,6 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
 from behemoth.models.hf import HFConfig, shape_from_weights
@@ -107,6 +108,11 @@ class Config(Section):
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.context
+
+    def batch_layout(self, dp: int) -> BatchLayout:
+        """How a step's global batch splits over `dp` ranks and micro-batches (parallel.microbatches or train.micro_batch)."""
+        train = self.train
+        return BatchLayout.resolve(train.global_batch, self.parallel.micro_batch(train.global_batch, train.micro_batch, dp), dp)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from behemoth import checkpoint as ckpt_io
 from behemoth.config import Config
-from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import Engine, StepResult, lr_at
 from behemoth.errors import BehemothError
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
@@ -32,8 +32,7 @@ class Trainer:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-        micro_batch = cfg.parallel.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, rt.dims.dp)
-        self.layout = BatchLayout.resolve(cfg.train.global_batch, micro_batch, rt.dims.dp)
+        self.layout = cfg.batch_layout(rt.dims.dp)
         dp_rank = rt.coordinate("dp")
         self.engine = Engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)

@@ -38,11 +38,10 @@ def make_config(world: int, schedule: str) -> Any:
 
 
 def data(cfg: Any):
-    from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+    from behemoth.data import BatchSampler, prepare_corpus
 
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-    size = cfg.parallel.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, 1)
-    return BatchSampler(corpus.train, cfg.seq_len, BatchLayout.resolve(cfg.train.global_batch, size, 1), 0, cfg.train.seed)
+    return BatchSampler(corpus.train, cfg.seq_len, cfg.batch_layout(1), 0, cfg.train.seed)
 
 
 def timed_steps(step_fn, sampler, steps: int, warmup: int, after_step=None) -> tuple[list[float], float]:

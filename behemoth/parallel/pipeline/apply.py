@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from behemoth.comm import all_reduce, pair_all_reduce
-from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from torch import nn
 from behemoth.parallel.clip import clip_grad_norm
@@ -46,9 +45,7 @@ TIED_TAG = SYNC_TAG - 1  # the tied-embedding exchange between the first and las
 
 def pipeline_microbatches(cfg: Config, dp: int) -> int:
     """Micro-batches per step on each data-parallel rank (the pipeline's m)."""
-    train = cfg.train
-    size = cfg.parallel.micro_batch(train.global_batch, train.micro_batch, dp)
-    return BatchLayout.resolve(train.global_batch, size, dp).accum
+    return cfg.batch_layout(dp).accum
 
 
 def _as_plan_keys(message: str) -> str:
@@ -97,8 +94,7 @@ def resolve_stage_boundaries(cfg: Config, rt: Runtime | None = None) -> list[int
         costs = estimate_layer_costs(model, cfg.seq_len, ffn=hf.ffn, gated=hf.arch == "llama",
                                      kv_heads=hf.kv_heads if hf.arch == "llama" else None)
     else:
-        dp = rt.dims.dp
-        size = plan.micro_batch(cfg.train.global_batch, cfg.train.micro_batch, dp) or cfg.train.global_batch // dp
+        size = cfg.batch_layout(rt.dims.dp).micro_batch
         box: list[Any] = [measure_layer_costs(model, cfg.seq_len, size, rt.device) if rt.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # every rank must cut at the same places
         costs = box[0]
