@@ -276,7 +276,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         a, b = r["ours"][0], r["peer"][0]
         act = lambda res: max(x["activation_mb"] for x in res)  # noqa: E731
         st = lambda res: max(x["state_mb"] for x in res)  # noqa: E731
-        losses = f"{a['losses'][0]:.4f}, {a['losses'][2]:.4f} / {b['losses'][0]:.4f}, {b['losses'][2]:.4f}"
+        pair = lambda res: ", ".join(f"{x:.4f}" for x in res["losses"][:3:2])  # noqa: E731  (first and third step)
+        losses = f"{pair(a)} / {pair(b)}"
         cpu = lambda res: max(x["cpu_s"] for x in res)  # noqa: E731
         print(f"| {r['model']} | 2 | {'yes' if r['sp'] else 'no'} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} "
               f"| {a['tokens_per_s'] / b['tokens_per_s']:.3f} | {cpu(r['ours']):.3f} / {cpu(r['peer']):.3f} "
