@@ -16,7 +16,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, all_reduce
 from behemoth.config import Config, TrainConfig
-from behemoth.models.causal_lm import build_causal_lm, find_ties, summed_token_loss
+from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.parallel.data import DataParallel, apply_data_parallel
 from behemoth.parallel.pipeline.apply import apply_pipeline
@@ -79,9 +79,8 @@ class Engine:
         # its units (gathered together) are the embedding, each block and the head of the same layered view.
         zero_units = (shard_parameters(self.model, rt.group("dp"), layers=view, tie_embeddings=cfg.model.tie_embeddings)
                       if cfg.parallel.zero_stage == 3 else None)
-        ties = find_ties(self.model)
         materialize(self.model, seed=cfg.train.seed, device=rt.device, init_spec=self.lm.init_spec)
-        self.lm.after_materialize(ties, rt.device)  # tied weights, buffers, weights from hf.weights
+        self.lm.after_materialize(rt.device)  # buffers, weights from hf.weights
         self.sync, self.optimizer = self.apply_data_parallel(zero_units)
         self.tokens_per_step = cfg.train.global_batch * cfg.seq_len
         if self.pipeline is not None:

@@ -161,3 +161,19 @@ def test_mfu_counts_the_model_that_is_built(options):
         expected = gpt.num_params() - m.context * d                # GPT-2 has behemoth GPT's shape (biases, tied head)
     assert lm.matmul_params == expected
     assert lm.flops_per_token(L, d, 32) == 6 * expected + 12 * L * d * 32
+
+
+def test_tied_weight_stays_one_parameter():
+    """GPT-2's head shares the embedding's Parameter: after materialize it is still one parameter, drawn once,
+    under the embedding's name."""
+    from behemoth.config import load_config
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.init import draw_full, materialize
+
+    cfg = load_config(None, ["model=gpt-tiny", *GPT2])
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    model = lm.module
+    materialize(model, seed=3, device=torch.device("cpu"), init_spec=lm.init_spec)
+    wte = model.transformer.wte.weight
+    assert model.lm_head.weight is wte and not wte.is_meta
+    assert torch.equal(wte, draw_full(lm.init_spec("transformer.wte.weight"), tuple(wte.shape), 3, "transformer.wte.weight"))

@@ -65,9 +65,8 @@ class CausalLM:
 
             adapt_attention_width(self.module, self.arch, tp)
 
-    def after_materialize(self, ties: list[Tie], device: torch.device) -> None:
-        """Re-tie shared parameters (materialize gives each slot its own), move buffers, load weights."""
-        restore_ties(self.module, ties)
+    def after_materialize(self, device: torch.device) -> None:
+        """Move buffers to the device and load weights from hf.weights (materialize gave the parameters values)."""
         for owner in self.module.modules():
             for name, buf in owner.named_buffers(recurse=False):
                 if buf is not None and buf.device != device:
@@ -104,10 +103,3 @@ def find_ties(model: nn.Module) -> list[Tie]:
             slots.setdefault(id(p), []).append((mname, pname))
     return [group for group in slots.values() if len(group) > 1]
 
-
-def restore_ties(model: nn.Module, ties: list[Tie]) -> None:
-    for group in ties:
-        (mname, pname), rest = group[0], group[1:]
-        shared = getattr(model.get_submodule(mname), pname)
-        for other, attr in rest:
-            setattr(model.get_submodule(other), attr, shared)

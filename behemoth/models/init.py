@@ -64,9 +64,14 @@ def mark_partial(param: nn.Parameter, full_name: str, full_shape: tuple[int, ...
 
 @torch.no_grad()
 def materialize(module: nn.Module, *, seed: int, device: torch.device, init_spec: Callable[[str], InitSpec]) -> None:
-    """Give every meta parameter its values; parameters already materialized are left alone."""
+    """Give every meta parameter its values; parameters already materialized are left alone. A parameter held in
+    several places (a tied LM head) is drawn once, under its first name, and stays one parameter."""
+    done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(meta parameter) -> (it, kept alive; its replacement)
     for owner_name, owner in module.named_modules():
         for pname, param in list(owner.named_parameters(recurse=False)):
+            if id(param) in done:
+                setattr(owner, pname, done[id(param)][1])
+                continue
             if not param.is_meta:
                 continue
             name = getattr(param, FULL_NAME, f"{owner_name}.{pname}" if owner_name else pname)
@@ -78,6 +83,7 @@ def materialize(module: nn.Module, *, seed: int, device: torch.device, init_spec
             new = nn.Parameter(local.to(device=device, dtype=param.dtype).contiguous(), requires_grad=param.requires_grad)
             new.__dict__.update({k: v for k, v in param.__dict__.items() if k.startswith("_behemoth")})
             setattr(owner, pname, new)
+            done[id(param)] = (param, new)
         for bname, buf in list(owner.named_buffers(recurse=False)):
             if buf is not None and buf.is_meta:
                 raise RuntimeError(f"buffer {owner_name}.{bname} is on the meta device; models must not need meta buffers")
