@@ -29,6 +29,12 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "context", "vocab_size", "mlp_ratio", "bias", "tie_embeddings")  # what weights depend on
+
+
+def shape_value(key: str, value: Any) -> Any:
+    """A model field as the weights see it: `bias` unset is the family's default (biases), as an older config's true."""
+    return True if key == "bias" and value is None else value
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -39,24 +45,25 @@ def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def save_checkpoint(state: dict[str, Any], run_dir: str | Path, step: int, meta: dict[str, Any], *, keep: int) -> Path:
-    """Write `state` (a DCP state dict) as checkpoint `step`; collective over the default group."""
+def save_checkpoint(state: dict[str, Any], run_dir: str | Path, step: int, meta: dict[str, Any], *, keep: int,
+                    group: dist.ProcessGroup) -> Path:
+    """Write `state` (a DCP state dict) as checkpoint `step`; collective over `group`, every rank of the job."""
     root = checkpoint_root(run_dir)
     final = root / step_name(step)
     partial = final.with_name(final.name + ".partial")
-    rank = dist.get_rank()
+    rank = dist.get_rank(group)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         (partial / "rng").mkdir(parents=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=str(partial))
+    dist.barrier(group=group)
+    dcp.save(state, checkpoint_id=str(partial), process_group=group)
     torch.save(rng_state(), partial / "rng" / f"rank_{rank}.pt")
-    dist.barrier()
+    dist.barrier(group=group)
     if rank == 0:
-        write_json(partial / "meta.json", {**meta, "step": step, "world_size": dist.get_world_size()})
+        write_json(partial / "meta.json", {**meta, "step": step, "world_size": dist.get_world_size(group)})
         publish(partial, final)
         prune(root, keep)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
 
 
@@ -149,16 +156,17 @@ def validate_checkpoint(ckpt: Path, model_config: dict[str, Any]) -> dict[str, A
     meta = read_meta(ckpt)
     verify_files(ckpt)
     saved = meta.get("config", {}).get("model", {})
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in model_config.items() if k != "preset" and saved.get(k) != v]
+    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in model_config.items()
+             if k in SHAPE_FIELDS and shape_value(k, saved.get(k)) != shape_value(k, v)]
     if diffs:
         raise BehemothError(f"checkpoint {ckpt} was saved from a different model ({'; '.join(diffs)})", "resume with the checkpoint's model settings")
     return meta
 
 
-def load_checkpoint(state: dict[str, Any], ckpt: Path) -> None:
-    """Fill `state` in place from checkpoint `ckpt`; collective over the default group."""
+def load_checkpoint(state: dict[str, Any], ckpt: Path, group: dist.ProcessGroup) -> None:
+    """Fill `state` in place from checkpoint `ckpt`; collective over `group`, every rank of the job."""
     try:
-        dcp.load(state, checkpoint_id=str(ckpt))
+        dcp.load(state, checkpoint_id=str(ckpt), process_group=group)
     except Exception as err:  # surface DCP's failure as one line naming the checkpoint
         first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
         raise BehemothError(f"checkpoint {ckpt} could not be loaded: {first[:300]}", "check that it matches this model, or resume from an earlier checkpoint") from None

@@ -1,16 +1,15 @@
 """Thin helpers over c10d: bucket planning, async collectives, and a meter that counts traffic.
 
 Every collective behemoth issues goes through here so that the volume each rank sends (elements,
-bytes) and the time spent waiting are counted for the profiler and for the ZeRO volume checks.
+bytes) is counted for the profiler and for the ZeRO volume checks.
 """
 
 from __future__ import annotations
 
 import datetime
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,6 @@ class OpStats:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
-    wait_s: float = 0.0
 
 
 @dataclass
@@ -36,9 +34,6 @@ class CommMeter:
         s.elements += tensor.numel()
         s.bytes += tensor.numel() * tensor.element_size()
 
-    def add_wait(self, op: str, seconds: float) -> None:
-        self.ops[op].wait_s += seconds
-
     def reset(self) -> None:
         self.ops.clear()
 
@@ -47,10 +42,10 @@ class CommMeter:
 
 
 class Pending:
-    """An in-flight collective; `wait` blocks until it is done and books the wait time."""
+    """An in-flight collective or transfer; `wait` blocks until it is done."""
 
-    def __init__(self, work: dist.Work | None, op: str, meter: CommMeter | None) -> None:
-        self.work, self.op, self.meter = work, op, meter
+    def __init__(self, work: dist.Work | None) -> None:
+        self.work = work
 
     def done(self) -> bool:
         """True once the operation has completed; never blocks."""
@@ -60,13 +55,10 @@ class Pending:
         """Block until done; with `timeout_s`, raise RuntimeError (from c10d) if it takes longer."""
         if self.work is None:
             return
-        t0 = time.perf_counter()
         if timeout_s is None:
             self.work.wait()
         else:
             self.work.wait(datetime.timedelta(seconds=timeout_s))
-        if self.meter is not None:
-            self.meter.add_wait(self.op, time.perf_counter() - t0)
         self.work = None
 
 
@@ -74,10 +66,10 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter 
                op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
     """Reduce `tensor` in place over `group`, summing unless `op` says otherwise (a group of one has nothing to add)."""
     if dist.get_world_size(group) == 1:
-        return Pending(None, "all_reduce", meter)
+        return Pending(None)
     if meter is not None:
         meter.record("all_reduce", tensor)
-    pending = Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True), "all_reduce", meter)
+    pending = Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
     if not async_op:
         pending.wait()
     return pending
@@ -87,7 +79,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proces
     """Sum `input` (world x shard) over `group`; this rank's shard lands in `output`."""
     if meter is not None:
         meter.record("reduce_scatter", input)
-    pending = Pending(dist.reduce_scatter_single(output, input, group=group, async_op=True), "reduce_scatter", meter)
+    pending = Pending(dist.reduce_scatter_single(output, input, group=group, async_op=True))
     if not async_op:
         pending.wait()
     return pending
@@ -97,10 +89,24 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """Concatenate every rank's `input` into `output` (world x shard)."""
     if meter is not None:
         meter.record("all_gather", output)
-    pending = Pending(dist.all_gather_single(output, input, group=group, async_op=True), "all_gather", meter)
+    pending = Pending(dist.all_gather_single(output, input, group=group, async_op=True))
     if not async_op:
         pending.wait()
     return pending
+
+
+def broadcast_object(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:
+    """`make()` run on the group's first rank only, its (picklable) result returned on every rank of the group."""
+    box = [make() if is_source else None]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def gather_object(value: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's (picklable) `value`, in the group's rank order, on every rank of the group."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 @torch.no_grad()
@@ -163,7 +169,7 @@ def batch_p2p(ops: list[P2P], group: dist.ProcessGroup, meter: CommMeter | None 
     works = dist.batch_isend_irecv(p2p)
     if len(works) != len(ops):  # coalesced into one work for the whole group (NCCL)
         works = [works[0]] * len(ops)
-    return [Pending(work, "send" if op.send else "recv", meter) for work, op in zip(works, ops)]
+    return [Pending(work) for work in works]
 
 
 def pair_all_reduce(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *,

@@ -14,11 +14,13 @@ from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
 from behemoth.models.hf import HFConfig, shape_from_weights
-from behemoth.plan import AtomicAssignment, ParallelPlan
+from behemoth.plan import ParallelPlan
 
 
-class Section(AtomicAssignment):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class Section(BaseModel):
+    """A config section: a validated value (change one with `Config.replace`, which validates the whole config again)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(Section):
@@ -70,7 +72,8 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _shape_from_hf_weights(cls, data: Any) -> Any:
-        """With hf.weights, the model's shape is the one its config.json describes."""
+        """With hf.weights, the model's shape is the one its config.json describes; a shape option that disagrees with
+        it is refused (the weights would not fit), as is an hf.* option that does."""
         if not isinstance(data, dict):
             return data
         given = _as_dict(data.get("hf"))  # a section may be given as an instance
@@ -78,10 +81,13 @@ class Config(Section):
         if not weights:
             return data
         arch, model, hf = shape_from_weights(weights)
-        for key, value in {"arch": arch, **hf}.items():  # the weights' shape wins over model.*; an hf.* that disagrees is refused
-            if given.get(key) is not None and given[key] != value:
-                raise BehemothError(f"hf.{key}={given[key]} but hf.weights={weights} has {key}={value}", f"set hf.{key}={value} or drop it")
-        return {**data, "model": {**_as_dict(data.get("model")), **model}, "hf": {**given, **hf, "arch": arch}}
+        model_given = _as_dict(data.get("model"))
+        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given)):
+            for key, value in theirs.items():
+                if ours.get(key) is not None and ours[key] != value:
+                    raise BehemothError(f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}",
+                                        f"set {section}.{key}={value} or drop it")
+        return {**data, "model": {**model_given, **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "Config":
@@ -90,20 +96,16 @@ class Config(Section):
                 f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; "
                 "lower train.seq_len or raise model.context"
             )
-        m = self.model
-        self.parallel.check_tensor_parallel(n_head=m.n_head, kv_heads=self.hf.kv_heads if self.hf.arch == "llama" else None, d_model=m.d_model,
-                                            ffn=self.hf.ffn or m.mlp_ratio * m.d_model, seq_len=self.seq_len)
         return self
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Assigning a section validates the whole config again, as if it had been written with that section
-        (pydantic's own validate_assignment would hand the model validators instances, and keep a refused value)."""
-        if name not in type(self).model_fields:
-            return super().__setattr__(name, value)
+    def replace(self, **sections: Any) -> "Config":
+        """A copy with the given sections (instances or dicts of the fields to set) replaced, validated as a whole."""
         data = {k: _as_dict(getattr(self, k)) for k in type(self).model_fields}
-        fresh = type(self).model_validate({**data, name: _as_dict(value) if isinstance(value, BaseModel) else value})
-        self.__dict__.update(fresh.__dict__)
-        self.__pydantic_fields_set__.add(name)
+        for name, value in sections.items():
+            if name not in data:
+                raise BehemothError(f"unknown config section {name}", f"known: {', '.join(data)}")
+            data[name] = _as_dict(value) if isinstance(value, BaseModel) else {**data[name], **value}
+        return validate(data)
 
     @property
     def seq_len(self) -> int:

@@ -1,7 +1,13 @@
-"""Builds a model under a plan and runs one training step.
+"""The training step, for every layout: the one owner of what happens between two optimizer steps.
 
-The engine only decides the order in which the parallel transforms are applied and holds what
-they return; the algorithms live in `parallel/` and `memory/`.
+    model = parallelize(build_causal_lm(...), plan, runtime, ...)   # parallel/parallelize.py: no optimizer
+    engine = Engine(model, cfg.train, tokens_per_step)              # the optimizers, on top of the model's syncs
+    engine.train_step(micro_batches, lr)
+
+A step: forward and backward of every micro-batch (through the pipeline executor when there is one,
+which stops after its passes), then, once, here: finish the gradients (pipeline copies, data-parallel
+or ZeRO reductions, sequence-parallel partial sums), clip by the global norm, step the optimizers, and
+reduce the loss. `micro_loss` is the one place the loss is scaled.
 """
 
 from __future__ import annotations
@@ -12,19 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from behemoth.comm import CommMeter, all_reduce
 from behemoth.config import Config, TrainConfig
-from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
-from behemoth.models.init import materialize
-from behemoth.parallel.data import DataParallel, apply_data_parallel
-from behemoth.parallel.pipeline.apply import apply_pipeline
-from behemoth.parallel.pipeline.views import view_of
-from behemoth.parallel.recompute import apply_recompute, recompute_ranks
-from behemoth.parallel.tensor import TensorParallel, TPComm, apply_tensor_parallel
-from behemoth.parallel.zero import UnitSpec, Zero, apply_zero, shard_parameters
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.parallel.clip import clip_grad_norm
+from behemoth.parallel.parallelize import ParallelModel, parallelize
+from behemoth.parallel.sync import AdamWSettings
 from behemoth.topology import Runtime
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -43,164 +45,101 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not biases or norms)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=True)
+def adamw_settings(train: TrainConfig) -> AdamWSettings:
+    """AdamW as configured; weight decay applies to matrices and embeddings only (not biases or norms)."""
+    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay)
 
 
 class Engine:
-    """One rank's model, gradient synchronization and optimizer under the configured plan."""
+    """Trains a parallel model: its optimizers, and the step every layout shares."""
 
-    def __init__(self, cfg: Config, rt: Runtime) -> None:
-        self.cfg, self.rt = cfg, rt
-        self.meter = CommMeter()
-        self.lm = build_causal_lm(cfg.model, cfg.hf)  # behemoth's GPT or a transformers model, on meta
-        self.model = self.lm.module
-        # Order of application (DESIGN.md): transforms that change which parameters a rank holds
-        # (pipeline cut, tensor/expert sharding) come first, on the meta device, so nothing is
-        # allocated for parameters this rank will not keep. Materialization then draws each kept
-        # parameter from (seed, name). Data parallelism comes last because it only attaches to the
-        # real gradients of the real parameters.
-        # Pipeline cut first: it decides which blocks, embedding and head this rank holds at all.
-        self.pipeline = apply_pipeline(self.model, cfg, rt) if rt.dims.pp > 1 else None
-        # Tensor/sequence parallel next, still on meta: split layers keep only this rank's part of each
-        # weight, marked so that materialize draws the full (seed, name) tensor and keeps that part.
-        self.tp = self.apply_tensor_parallel()
-        # the summed token loss; vocabulary-parallel when the head is split (each rank holds 1/t of the logits)
-        self.loss_fn = self.tp.cross_entropy_sum if self.tp is not None else summed_token_loss
-        # Recomputation wraps block forwards in place (names unchanged); under a pipeline, per stage.
-        view = view_of(cfg.hf.arch)  # where GPT, Llama or GPT-2 keep their embedding, blocks and head
-        blocks = self.model.get_submodule(view.blocks)
-        apply_recompute(blocks, self.pipeline.recomputes if self.pipeline else 0 in recompute_ranks(cfg.parallel.recompute, [1]))
-        # ZeRO-3 cuts every parameter to this rank's shard, still on meta, so materialize draws only that;
-        # its units (gathered together) are the embedding, each block and the head of the same layered view.
-        zero_units = (shard_parameters(self.model, rt.group("dp"), layers=view, tie_embeddings=cfg.model.tie_embeddings)
-                      if cfg.parallel.zero_stage == 3 else None)
-        materialize(self.model, seed=cfg.train.seed, device=rt.device, init_spec=self.lm.init_spec)
-        self.lm.after_materialize(rt.device)  # buffers, weights from hf.weights
-        self.sync, self.optimizer = self.apply_data_parallel(zero_units)
-        self.tokens_per_step = cfg.train.global_batch * cfg.seq_len
-        if self.pipeline is not None:
-            self.pipeline.attach(self)
+    def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
+        self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
+        self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
 
-    def apply_data_parallel(self, zero_units: list[UnitSpec] | None) -> tuple[DataParallel | Zero, Any]:
-        """Replicated data parallelism (zero_stage 0) or ZeRO 1-3: the gradient sync and the optimizer that steps what this rank owns."""
-        plan, train, group = self.cfg.parallel, self.cfg.train, self.rt.group("dp")
-        if plan.zero_stage == 0:
-            return apply_data_parallel(self.model, group, bucket_mb=plan.bucket_mb, meter=self.meter), build_optimizer(self.model, train)
-        zero = apply_zero(self.model, group, stage=plan.zero_stage, bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
-                          param_dtype=plan.param_dtype, lr=train.lr, betas=(train.beta1, train.beta2),
-                          weight_decay=train.weight_decay, units=zero_units, meter=self.meter,
-                          chunks=self.pipeline.stage_parameters() if self.pipeline is not None else None)
-        return zero, zero.optimizer
-
-    def apply_tensor_parallel(self) -> TensorParallel | None:
-        """Split the meta model over the tp group by its plan (tp = 1: nothing to do)."""
-        if self.rt.dims.tp == 1:
-            return None
-        tp = apply_tensor_parallel(self.model, TPComm.of(self.rt.group("tp"), self.meter), self.lm.tp_plan,
-                                   sequence_parallel=self.cfg.parallel.sequence_parallel)
-        self.lm.after_tensor_parallel(self.rt.dims.tp)
-        return tp
+    @property
+    def device(self) -> torch.device:
+        return self.model.rt.device
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        enabled = self.cfg.train.precision == "bf16"
-        return torch.autocast(self.rt.device.type, dtype=torch.bfloat16, enabled=enabled)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.train.precision == "bf16")
 
-    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy of one micro-batch, in float32."""
-        with self.autocast():
-            logits = self.lm.logits(inputs.to(self.rt.device))
-        return self.loss_fn(logits, targets.to(self.rt.device))
+    def micro_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The one place the loss is scaled: a micro-batch's summed token loss over the global batch's token count, so
+        the gradients summed over ranks and micro-batches are the global mean's gradient."""
+        return self.model.loss_sum(logits, targets) / self.tokens_per_step
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepResult:
-        """Forward/backward every micro-batch, reduce gradients, clip, and step the optimizer."""
-        if self.pipeline is not None:  # the schedule's executor runs the micro-batches and the optimizer step
-            return StepResult(*self.pipeline.train_step(micro_batches, lr))
-        self.model.train()
-        self.sync.zero_grad()
-        total = torch.zeros((), device=self.rt.device)
+    def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
+        """Every micro-batch's forward and backward; this rank's share of the scaled loss."""
+        model = self.model
+        if model.pipeline is not None:
+            for sync in model.syncs:  # the data-parallel sums run once, in finish_grads
+                sync.begin_micro_batch(last=False)
+            return model.pipeline.run(micro_batches, self.micro_loss, self.autocast)
+        total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
-            self.sync.set_sync(i == len(micro_batches) - 1)
-            # The one place the loss is scaled: divide by the global batch's token count, so the
-            # summed gradients over ranks and micro-batches are the global mean's gradient.
-            loss = self.loss_sum(inputs, targets) / self.tokens_per_step
+            for sync in model.syncs:
+                sync.begin_micro_batch(last=i == len(micro_batches) - 1)
+            with self.autocast():
+                logits = model.logits(inputs)
+            loss = self.micro_loss(logits, targets.to(self.device))
             loss.backward()
             total += loss.detach()
-        self.sync.finish()
-        if self.tp is not None:  # gradients that sequence parallelism left partial are summed over tp
-            self.tp.finish_grads(self.model, self.sync)
-        grad_norm = self.clip_grad_norm()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        all_reduce(total, self.rt.group("dp"))
-        return StepResult(loss=float(total), grad_norm=grad_norm)
+        return total
 
-    def clip_grad_norm(self) -> float:
-        """Global gradient norm, clipped; under TP split parameters count every shard, replicated ones once."""
-        if self.tp is None:
-            return self.sync.clip_grad_norm(self.cfg.train.grad_clip)
-        return self.tp.clip_grad_norm(self.model, self.sync, self.cfg.train.grad_clip)
+    def train_step(self, micro_batches: Batch, lr: float) -> StepResult:
+        """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss."""
+        model = self.model
+        model.module.train()
+        for sync in model.syncs:
+            sync.zero_grad()
+        loss = self.forward_backward(micro_batches)
+        model.finish_grads()
+        terms, group = model.grad_norm_terms()
+        grad_norm = clip_grad_norm(terms, self.train.grad_clip, group=group, meter=model.meter, device=self.device)
+        for optimizer in self.optimizers:
+            optimizer.set_lr(lr)
+            optimizer.step()
+        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean token loss over this rank's share of the validation batches, averaged over ranks."""
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(batches)
-        self.model.eval()
-        stats = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-        for inputs, targets in batches:
-            stats[0] += self.loss_sum(inputs, targets).double()
-            stats[1] += targets.numel()
-        all_reduce(stats, self.rt.group("dp"))
+    def evaluate(self, batches: Batch) -> float:
+        """Mean token loss over the batches (each rank its share), summed over every rank that saw a part of them."""
+        model = self.model
+        model.module.eval()
+        if model.pipeline is not None:
+            stats = model.pipeline.forward_only(batches, model.loss_sum, self.autocast)
+        else:
+            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for inputs, targets in batches:
+                with self.autocast():
+                    logits = model.logits(inputs)
+                stats[0] += model.loss_sum(logits, targets.to(self.device)).double()
+                stats[1] += targets.numel()
+        model.reduce_over_batch(stats)
         return float(stats[0] / stats[1])
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (under ZeRO: distinct storages, plus buffer peaks)."""
-        if isinstance(self.sync, Zero):
-            return self.sync.state_bytes()
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-        return {"params": params, "grads": self.sync.grad_bytes(), "optimizer": optim}
+        """Bytes this rank holds for parameters, gradients and optimizer state (distinct storages), plus buffer peaks."""
+        return {**self.model.state_bytes(), "optimizer": sum(o.state_bytes() for o in self.optimizers)}
 
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_dict(self) -> dict[str, dict[str, Any]]:
         """Model and optimizer tensors keyed by single-process parameter names, for DCP."""
-        if isinstance(self.sync, Zero):  # this rank's chunks of the master weights and Adam state
-            state = self.sync.state_dict()
-        else:
-            ensure_optimizer_state(self.optimizer)
-            names = {p: n for n, p in self.model.named_parameters()}
-            optim = {names[p]: dict(state) for p, state in self.optimizer.state.items()}
-            state = {"model": self.model.state_dict(), "optim": optim}
-        # Split tensors as full-shape views, so DCP reshards to any tp degree and export consolidates.
-        return self.tp.checkpoint_views(state) if self.tp is not None else state
+        optim = {name: state for o in self.optimizers for name, state in o.state_dict().items()}
+        return self.model.checkpoint_views({"model": self.model.model_state(), "optim": optim})
 
     def after_load(self) -> None:
-        """A checkpoint was loaded into `state_dict()`: ZeRO rebuilds the compute parameters from the master shards."""
-        if isinstance(self.sync, Zero):
-            self.sync.after_load()
+        """A checkpoint was loaded into `state_dict()`'s tensors: make the compute parameters agree (ZeRO's masters)."""
+        for sync, optimizer in zip(self.model.syncs, self.optimizers):
+            sync.after_load(optimizer)
 
 
-@torch.no_grad()
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (a step with zero gradients and lr 0) so DCP can load into them."""
-    if optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved = [(p.grad, p.grad is not None and p.grad.clone()) for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    for p, (grad, values) in zip(params, saved):
-        p.grad = grad
-        if grad is not None:
-            grad.copy_(values)
+def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
+    """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
+    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.dp),
+                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s)
+
+
+def build_engine(cfg: Config, rt: Runtime) -> Engine:
+    """The configured model under its plan, with its optimizers: ready to train."""
+    return Engine(build_model(cfg, rt), cfg.train, cfg.train.global_batch * cfg.seq_len)

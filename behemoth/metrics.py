@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 
 def measure_peak_tflops(device: torch.device, size: int = 1024, reps: int = 3) -> float:
-    """Float32 matmul throughput of this rank right now, as a stand-in for the device's peak."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+    """Float32 matmul throughput of this rank right now, as a stand-in for the device's peak (its operands come from a
+    generator of their own: the run's RNG is not touched)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=g)
+    b = torch.randn(size, size, device=device, generator=g)
     a @ b  # warm up
     synchronize(device)
     t0 = time.perf_counter()
@@ -38,11 +40,11 @@ def memory_mb(device: torch.device) -> dict[str, float]:
     return out
 
 
-def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's `values` on every rank (one small all-gather)."""
+def gather_floats(values: list[float], device: torch.device, group: dist.ProcessGroup) -> list[list[float]]:
+    """Every rank's `values` on every rank of `group` (one small all-gather)."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
 
 

@@ -1,7 +1,9 @@
 """ParallelPlan: the contract between the planner and the executor.
 
 A plan is a plain, serializable value. A user can write one by hand in the `parallel:` section of a
-config; the automatic planner will emit the same object.
+config; the automatic planner will emit the same object. Each field is checked on its own here; whether
+a plan can run a given model on a given world (degrees, divisibility, combinations, memory) is the
+question `planner/feasibility.problems` answers, with every reason at once.
 """
 
 from __future__ import annotations
@@ -9,29 +11,16 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from behemoth.errors import BehemothError
+from behemoth.errors import BehemothError, Problem, collect
 from behemoth.topology import ParallelDims, resolve_dims
 
 
-class AtomicAssignment(BaseModel):
-    """Assigning a field that the model's own checks then refuse leaves the old value (pydantic keeps the new one)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        old = self.__dict__.get(name)
-        try:
-            super().__setattr__(name, value)
-        except Exception:
-            if name in self.__dict__:
-                self.__dict__[name] = old
-            raise
-
-
-class ParallelPlan(AtomicAssignment):
+class ParallelPlan(BaseModel):
     """How one training job is laid out over processes."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     dp: int | None = Field(None, ge=1, description="data-parallel degree (default: every process)")
     bucket_mb: float = Field(25.0, description="gradient bucket size in MiB (all-reduce, or reduce-scatter under ZeRO 1-2)")
@@ -64,19 +53,6 @@ class ParallelPlan(AtomicAssignment):
             raise ValueError("a gradient bucket must hold more than 0 MiB; use e.g. parallel.bucket_mb=25")
         return v
 
-    @model_validator(mode="after")
-    def _check_zero_combination(self) -> "ParallelPlan":
-        if self.param_dtype != "fp32" and self.zero_stage == 0:
-            raise ValueError(f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO keeps; "
-                             "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)")
-        if self.zero_stage == 3 and self.pp > 1:
-            raise ValueError(f"parallel.zero_stage=3 with pp={self.pp}: ZeRO-3 would gather every stage's parameters again for "
-                             "each of the schedule's passes; use parallel.zero_stage=1 or 2 with a pipeline")
-        if self.zero_stage == 2 and self.pp > 1 and self.schedule == "chimera":
-            raise ValueError("parallel.zero_stage=2 with parallel.schedule=chimera: Chimera sums each stage's full gradient "
-                             "between its two replicas, which ZeRO-2 does not keep; use parallel.zero_stage=1")
-        return self
-
     @property
     def num_stages(self) -> int:
         """Model stages: pp, or pp x chunks for the interleaved schedule."""
@@ -108,20 +84,34 @@ class ParallelPlan(AtomicAssignment):
         """The mesh degrees this plan asks for on `world_size` processes (validated)."""
         return resolve_dims(world_size, **self.degrees())
 
-    def check_tensor_parallel(self, *, n_head: int, kv_heads: int | None, d_model: int, ffn: int, seq_len: int) -> None:
-        """Refuse before launch a model that tp does not split: heads, KV heads, widths; the sequence under SP."""
+    def dims_problems(self, world_size: int) -> list[Problem]:
+        """Why this plan's degrees do not fit `world_size` processes (empty when they do)."""
+        if world_size < 1:
+            return [Problem.of("--nproc", f"--nproc {world_size} is not a process count", "use --nproc 1 or more")]
+        return collect("parallel", self.dims, world_size)
+
+    def combination_problems(self) -> list[Problem]:
+        """Settings that cannot go together, whatever the model and world."""
+        out = []
+        if self.param_dtype != "fp32" and self.zero_stage == 0:
+            out.append(Problem.of("parallel.param_dtype", f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO "
+                                  "keeps", "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)"))
+        if self.zero_stage == 3 and self.pp > 1:
+            out.append(Problem.of("parallel.zero_stage", f"parallel.zero_stage=3 with pp={self.pp}: ZeRO-3 would gather every stage's "
+                                  "parameters again for each of the schedule's passes", "use parallel.zero_stage=1 or 2 with a pipeline"))
+        if self.zero_stage == 2 and self.pp > 1 and self.schedule == "chimera":
+            out.append(Problem.of("parallel.zero_stage", "parallel.zero_stage=2 with parallel.schedule=chimera: Chimera sums each stage's "
+                                  "full gradient between its two replicas, which ZeRO-2 does not keep", "use parallel.zero_stage=1"))
+        return out
+
+    def tensor_parallel_problems(self, sizes: dict[str, int], seq_len: int) -> list[Problem]:
+        """Sizes (by the option that sets them) that tp does not split: heads, KV heads, widths; the sequence under SP."""
         t = self.tp
-        sizes = {"model.n_head": n_head, "hf.kv_heads": kv_heads, "model.d_model": d_model, "the MLP width": ffn}
-        sizes = {k: v for k, v in sizes.items() if v is not None}
+        sizes = dict(sizes)
         if self.sequence_parallel:
             sizes["sequence length (train.seq_len)"] = seq_len
         bad = [f"{name}={value}" for name, value in sizes.items() if value % t]
-        if bad:
-            raise BehemothError(f"parallel.tp={t} does not divide {', '.join(bad)}",
-                                f"choose a tp that divides each of them (e.g. tp={math.gcd(*sizes.values())} or a divisor of it)")
-
-    def check_world_size(self, world_size: int) -> None:
-        """Refuse before launch a plan that cannot run on `world_size` processes."""
-        if world_size < 1:
-            raise BehemothError(f"--nproc {world_size} is not a process count", "use --nproc 1 or more")
-        self.dims(world_size)
+        if not bad:
+            return []
+        return [Problem.of("parallel.tp", f"parallel.tp={t} does not divide {', '.join(bad)}",
+                           f"choose a tp that divides each of them (e.g. tp={math.gcd(*sizes.values())} or a divisor of it)")]

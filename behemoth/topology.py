@@ -1,6 +1,9 @@
 """Process topology: named parallel degrees, the process group and the DeviceMesh built from them.
 
-Nothing here is global: `init_runtime` returns a `Runtime` that is passed to whoever needs it.
+Nothing here is global: `init_runtime` returns a `Runtime` that is passed to whoever needs it, and
+every collective of a job runs on the runtime's groups (its mesh dimensions, or `world_group`: all of
+its ranks), never on the default group. So several models can train side by side in one world, each
+on its own sub-mesh (`init_runtime(models=2)`: two independent jobs on the two halves of the world).
 """
 
 from __future__ import annotations
@@ -51,19 +54,24 @@ class ParallelDims:
 
 @dataclass
 class Runtime:
-    """What one process knows about the job: its rank, device, mesh and degrees."""
+    """What one process knows about its job: its rank in it, device, mesh, degrees and the group of all its ranks."""
 
-    rank: int
-    world_size: int
+    rank: int           # rank within this job (0 .. world_size-1)
+    world_size: int     # processes of this job
     local_rank: int
     device: torch.device
     dims: ParallelDims
     mesh: DeviceMesh
+    world_group: dist.ProcessGroup = field(repr=False)
     owns_process_group: bool = field(default=False, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def global_rank(self, job_rank: int) -> int:
+        """The default group's rank of this job's rank `job_rank` (for messages and DCP's coordinator)."""
+        return dist.get_global_rank(self.world_group, job_rank)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The process group of one mesh dimension (`pp`, `dp`, `ep` or `tp`)."""
@@ -90,31 +98,44 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_runtime(*, timeout_s: float = 300.0, **degrees: int) -> Runtime:
-    """Join (or create) the process group and build the mesh.
+def init_runtime(*, timeout_s: float = 300.0, models: int = 1, **degrees: int) -> Runtime:
+    """Join (or create) the process group and build this rank's mesh.
 
     Under torchrun or `behemoth train --nproc N` the rendezvous comes from the environment; a plain
     single process gets a one-rank group on an in-memory store so that every code path is the same.
-    `degrees` gives pp/ep/tp; dp defaults to what is left of the world size.
+    `degrees` gives pp/ep/tp; dp defaults to what is left of each job's share of the world.
+    `models` > 1 splits the world into that many equal, independent jobs (consecutive ranks); each rank
+    gets the runtime of its own job.
     """
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(local_rank)
-    owns = False
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" in os.environ:  # with a CUDA device_id, NCCL creates its communicator now, not at first use
-            dist.init_process_group(backend_for(device), rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device.type == "cuda" else None)
-        else:
-            dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        owns = True
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = resolve_dims(world, **degrees)
-    mesh = dims.build_mesh(device.type)
+    device = pick_device(int(os.environ.get("LOCAL_RANK", 0)))
+    owns = join_process_group(device, timeout_s)
+    world = dist.get_world_size()
+    if models < 1 or world % models:
+        raise BehemothError(f"{models} models do not split a world of {world} processes", f"use a number of models that divides {world}")
+    dims = resolve_dims(world // models, **degrees)
+    if models == 1:
+        mesh, group = dims.build_mesh(device.type), dist.group.WORLD
+    else:
+        full = init_device_mesh(device.type, (models, *dims.shape), mesh_dim_names=("model", *MESH_DIMS))
+        mesh = full[MESH_DIMS]
+        groups = [dist.new_group(ranks) for ranks in full.mesh.reshape(models, -1).tolist()]  # every rank creates every group
+        group = groups[dist.get_rank() // dims.world_size]
+        dist.all_reduce(torch.zeros(1, device=device), group=group)  # its communicator, as warm_up_groups does for the mesh
     warm_up_groups(mesh, device)
-    return Runtime(rank, world, local_rank, device, dims, mesh, owns)
+    return Runtime(dist.get_rank(group), dims.world_size, int(os.environ.get("LOCAL_RANK", 0)), device, dims, mesh, group, owns)
+
+
+def join_process_group(device: torch.device, timeout_s: float) -> bool:
+    """Initialize the default process group unless it exists; True if this call created it."""
+    if dist.is_initialized():
+        return False
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:  # with a CUDA device_id, NCCL creates its communicator now, not at first use
+        dist.init_process_group(backend_for(device), rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+    else:
+        dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True
 
 
 def warm_up_groups(mesh: DeviceMesh, device: torch.device) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -14,10 +15,11 @@ from tqdm import tqdm
 from behemoth import checkpoint as ckpt_io
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
-from behemoth.engine import Engine, StepResult, lr_at
+from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.planner.feasibility import refuse
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -34,7 +36,7 @@ class Trainer:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
         self.layout = cfg.batch_layout(rt.dims.dp)
         dp_rank = rt.coordinate("dp")
-        self.engine = Engine(cfg, rt)
+        self.engine = build_engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
         val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
         self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
@@ -48,7 +50,7 @@ class Trainer:
 
     def load(self, ckpt: Path) -> int:
         state = self.engine.state_dict()
-        ckpt_io.load_checkpoint(state, ckpt)
+        ckpt_io.load_checkpoint(state, ckpt, self.rt.world_group)
         self.engine.after_load()
         meta = ckpt_io.read_meta(ckpt)
         ckpt_io.restore_rng(ckpt, self.rt.rank, self.rt.world_size, meta["world_size"])
@@ -57,7 +59,7 @@ class Trainer:
 
     def measure_peak(self) -> float:
         """Sum over ranks of each rank's measured float32 matmul rate (all ranks measure at once)."""
-        rates = gather_floats([measure_peak_tflops(self.rt.device)], self.rt.device)
+        rates = gather_floats([measure_peak_tflops(self.rt.device)], self.rt.device, self.rt.world_group)
         return sum(r[0] for r in rates)
 
     def run(self) -> dict[str, Any]:
@@ -65,7 +67,7 @@ class Trainer:
         log = self.open_log()
         bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
                    disable=not (main and cfg.run.progress), dynamic_ncols=True)
-        flops_per_token = self.engine.lm.flops_per_token(cfg.model.n_layer, cfg.model.d_model, cfg.seq_len)
+        flops_per_token = self.engine.model.lm.flops_per_token(cfg.seq_len)
         flops_per_step = flops_per_token * cfg.train.global_batch * cfg.seq_len
         # the curve starts from the untrained model, or a resumed one from the restored model (a check of the restore)
         val0 = self.validate(self.start_step)
@@ -106,9 +108,10 @@ class Trainer:
         activations it held at once (measured)."""
         mine = {("memory_mb" if k == "rss_peak_mb" else k): v for k, v in memory_mb(self.rt.device).items()}
         mine["model_states_mb"] = sum(v for k, v in self.engine.model_state_bytes().items() if k in ("params", "grads", "optimizer")) / 2**20
-        if self.engine.pipeline is not None:
-            mine["stash_mb"] = self.engine.pipeline.last_trace.peak_stash_bytes / 2**20
-        ranks = gather_floats(list(mine.values()), self.rt.device)
+        pipeline = self.engine.model.pipeline
+        if pipeline is not None:
+            mine["stash_mb"] = pipeline.last_trace.peak_stash_bytes / 2**20
+        ranks = gather_floats(list(mine.values()), self.rt.device, self.rt.world_group)
         return {k: [r[i] for r in ranks] for i, k in enumerate(mine)}
 
     def validate(self, step: int) -> float:
@@ -120,7 +123,7 @@ class Trainer:
         if step == self.last_saved:
             return
         meta = {"config": self.cfg.model_dump(mode="json")}
-        ckpt_io.save_checkpoint(self.engine.state_dict(), self.run_dir, step, meta, keep=self.cfg.checkpoint.keep)
+        ckpt_io.save_checkpoint(self.engine.state_dict(), self.run_dir, step, meta, keep=self.cfg.checkpoint.keep, group=self.rt.world_group)
         self.last_saved = step
 
     def open_log(self) -> MetricsLog | None:
@@ -134,19 +137,21 @@ class Trainer:
         """Plot, export consolidated weights from the final checkpoint, summarize."""
         summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir), "rank": self.rt.rank}
         if log is None:
-            dist.barrier()
+            dist.barrier(group=self.rt.world_group)
             return summary
         log.close()
         plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
         ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
-        dist.barrier()
+        dist.barrier(group=self.rt.world_group)
         return summary
 
 
 def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
-    """Run training in this process (one rank of a job, or a whole single-process job)."""
-    torch.manual_seed(cfg.train.seed)
+    """Run training in this process (one rank of a job, or a whole single-process job). A plan that cannot run on this
+    world is refused here too, so a job started by torchrun gets the checks `behemoth train` runs before launch."""
+    refuse(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    torch.manual_seed(cfg.train.seed)  # the run's seed for dropout; nothing else reseeds the process-wide RNG
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     try:
         return Trainer(cfg, rt, resume=resume).run()

@@ -36,7 +36,7 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
 
     from behemoth.config import Config
     from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
-    from behemoth.engine import Engine, lr_at
+    from behemoth.engine import build_engine, lr_at
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
@@ -44,7 +44,7 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
     layout = BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
     sampler = BatchSampler(corpus.train, cfg.seq_len, layout, rt.rank, cfg.train.seed)
-    step_fn = Engine(cfg, rt).train_step if kind == "behemoth" else peer_step(kind, cfg, rt)
+    step_fn = build_engine(cfg, rt).train_step if kind == "behemoth" else peer_step(kind, cfg, rt)
     times = []
     for step in range(warmup + steps):
         batches = sampler.micro_batches(step)

@@ -84,15 +84,15 @@ def p2p_latency(group, hidden_shape: tuple[int, ...], reps: int = 20) -> float:
 
 def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, Any]:
     """behemoth's Engine on `world` pipeline ranks: throughput, measured and simulated bubble, stash."""
-    from behemoth.engine import Engine
+    from behemoth.engine import build_engine
     from behemoth.parallel.pipeline import closed_form_bubble, simulate
-    from behemoth.parallel.pipeline.measure import gather_timelines, measured_bubble, measured_costs, replayed_bubble
+    from behemoth.parallel.pipeline.analysis.measure import gather_timelines, measured_bubble, measured_costs, replayed_bubble
     from behemoth.topology import init_runtime
 
     cfg = make_config(world, schedule)
     rt = init_runtime(**cfg.parallel.degrees())
-    engine, sampler = Engine(cfg, rt), data(cfg)
-    pipe = engine.pipeline
+    engine, sampler = build_engine(cfg, rt), data(cfg)
+    pipe = engine.model.pipeline
     latency = p2p_latency(pipe.group, (cfg.train.global_batch // cfg.parallel.microbatches, cfg.seq_len, cfg.model.d_model))
     timelines: list = []
     times, cpu = timed_steps(engine.train_step, sampler, steps, warmup, lambda: timelines.append(gather_timelines(pipe.last_trace, pipe.group)))
@@ -102,6 +102,14 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
             "bubble": measured_bubble(best), "simulated": simulated.bubble_fraction, "replayed": replayed_bubble(best, s, latency),
             "closed_form": closed_form_bubble(schedule, s.ranks, s.microbatches, s.chunks).bubble_fraction,
             "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20, "p2p_ms": latency * 1e3, "m": s.microbatches}
+
+
+def plain_adamw(model: torch.nn.Module, train: Any) -> torch.optim.AdamW:
+    """The peers' optimizer, as a PyTorch user writes it: AdamW, weight decay on matrices and embeddings only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=True)
 
 
 def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
@@ -121,19 +129,18 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from behemoth.engine import build_optimizer
-    from behemoth.models.gpt import build_gpt
+    from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.init import materialize
-    from behemoth.parallel.pipeline.apply import resolve_stage_boundaries
-    from behemoth.models.causal_lm import summed_token_loss
+    from behemoth.parallel.parallelize import resolve_stage_boundaries
     from behemoth.parallel.pipeline.partition import cut_model
     from behemoth.topology import init_runtime
 
     cfg = make_config(world, schedule)
     rt = init_runtime(**cfg.parallel.degrees())
     rank, group, tokens = rt.coordinate("pp"), rt.group("pp"), cfg.train.global_batch * cfg.seq_len
-    model = build_gpt(cfg.model)
-    chunk = cut_model(model, [rank], resolve_stage_boundaries(cfg))[rank]
+    lm = build_causal_lm(cfg.model)
+    model = lm.module
+    part = cut_model(model, [rank], resolve_stage_boundaries(cfg.parallel, lm, cfg.seq_len, 0), lm.layers)[rank]
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
 
     class StageModule(torch.nn.Module):
@@ -142,12 +149,12 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
             self.model = model
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return chunk.forward(x)
+            return part.forward(x)
 
     stage = PipelineStage(StageModule(), rank, world, rt.device, group=group)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     pipe = kind(stage, n_microbatches=cfg.parallel.microbatches, loss_fn=lambda out, y: summed_token_loss(out, y) / tokens, scale_grads=False)
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = plain_adamw(model, cfg.train)
 
     def step(batches, lr):
         optimizer.zero_grad(set_to_none=False)
@@ -166,7 +173,6 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from behemoth.engine import build_optimizer
     from behemoth.models.gpt import build_gpt
     from behemoth.models.init import materialize
     from behemoth.models.causal_lm import summed_token_loss
@@ -184,7 +190,7 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
                          loss_fn=lambda out, y: summed_token_loss(out, y) / tokens * m)  # DeepSpeed divides by m itself
     ds_config = {"train_micro_batch_size_per_gpu": cfg.train.global_batch // m, "gradient_accumulation_steps": m,
                  "gradient_clipping": cfg.train.grad_clip, "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    engine, *_ = deepspeed.initialize(model=net, optimizer=build_optimizer(net, cfg.train), config=ds_config)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=plain_adamw(net, cfg.train), config=ds_config)
 
     def step(batches, lr):
         engine.train_batch(data_iter=iter(batches))

@@ -35,7 +35,7 @@ MODELS = {
 def predicted_activation_mb(cfg_dict: dict[str, Any], t: int, sp: bool) -> float:
     """MiB the closed form says one rank saves in the step's forward (one micro-batch of the global batch)."""
     from behemoth.config import Config
-    from behemoth.parallel.tensor.activations import gpt_activation_bytes
+    from behemoth.models.activations import gpt_activation_bytes
 
     cfg = Config.model_validate(cfg_dict)
     return gpt_activation_bytes(cfg.model, b=cfg.train.global_batch, s=cfg.seq_len, t=t, sp=sp) / 2**20
@@ -113,22 +113,24 @@ class BehemothRunner:
     """behemoth's engine; activation bytes measured on the step's forward."""
 
     def __init__(self, cfg: Any, rt: Any) -> None:
-        from behemoth.engine import Engine
+        from behemoth.engine import build_engine
 
-        self.engine = Engine(cfg, rt)
+        self.engine = build_engine(cfg, rt)
 
     def step(self, batches: list, lr: float, measure: bool) -> tuple[float, int]:
+        """One training step; when measuring, the bytes autograd saves in its forward and loss (one micro-batch: each
+        backward runs inside the measured call too, but saves nothing)."""
         if not measure:
             return self.engine.train_step(batches, lr).loss, 0
-        params = list(self.engine.model.parameters())
-        original, measured = self.engine.loss_sum, {}
+        params = list(self.engine.model.module.parameters())
+        original, measured = self.engine.forward_backward, {}
 
-        def loss_sum(x, y):
-            loss, measured["bytes"] = saved_activation_bytes(lambda: original(x, y), params)
+        def forward_backward(micro_batches):
+            loss, measured["bytes"] = saved_activation_bytes(lambda: original(micro_batches), params)
             return loss
-        self.engine.loss_sum = loss_sum
+        self.engine.forward_backward = forward_backward
         result = self.engine.train_step(batches, lr)
-        self.engine.loss_sum = original
+        self.engine.forward_backward = original
         return result.loss, measured["bytes"]
 
     def state_bytes(self) -> int:

@@ -89,12 +89,12 @@ def behemoth_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
     import torch.distributed as dist
 
     from behemoth.config import load_config
-    from behemoth.engine import Engine
+    from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 
     cfg = load_config(None, [f"model={args['preset']}", f"train.global_batch={args['batch']}", f"train.seq_len={args['seq']}",
                              f"train.seed={args['seed']}", f"parallel.zero_stage={stage}"])
-    engine = Engine(cfg, init_runtime(timeout_s=600))
+    engine = build_engine(cfg, init_runtime(timeout_s=600))
     batch = [local_batch(args, dist.get_rank(), dist.get_world_size(), cfg.model.vocab_size)]
 
     def step() -> float:

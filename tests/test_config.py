@@ -52,36 +52,43 @@ def test_parallel_dims_name_every_factor():
 
 
 def test_plan_refuses_wrong_world_size():
+    from behemoth.planner.feasibility import problems
+
     cfg = load_config(None, ["parallel.dp=3"])
-    with pytest.raises(BehemothError, match="dp=3"):
-        cfg.parallel.check_world_size(2)
+    found = problems(cfg, 2)
+    assert len(found) == 1 and "dp=3" in found[0].message and found[0].option == "parallel"
 
 
-def test_assigning_a_section_validates_it_again(tmp_path):
-    """`cfg.parallel = ParallelPlan(...)` validates the whole config again (its checks once crashed on section instances);
-    a refused assignment leaves the old value; sections may also be given as instances when a config is built."""
+def test_replacing_a_section_validates_it_again(tmp_path):
+    """`cfg.replace(parallel=ParallelPlan(...))` validates the whole config again; a refused replacement leaves the
+    config as it was (configs are values: sections cannot be assigned); sections may be given as instances; a plan that
+    cannot run this model is a problem of the plan, reported by `problems`, not a config error."""
+    from behemoth.planner.feasibility import problems
+
     assert Config(model=GPTConfig(preset="gpt-tiny"), hf=HFConfig(arch="gpt2")).hf.arch == "gpt2"
     cfg = load_config(None, ["model=hf:gpt2", "model.n_head=4"])
-    cfg.parallel = ParallelPlan(tp=2, zero_stage=3)
-    cfg.model = GPTConfig(preset="gpt-tiny", n_head=4)
+    cfg = cfg.replace(parallel=ParallelPlan(tp=2, zero_stage=3), model=GPTConfig(preset="gpt-tiny", n_head=4))
     assert (cfg.parallel.tp, cfg.parallel.zero_stage, cfg.model.n_head, cfg.hf.arch) == (2, 3, 4, "gpt2")
-    with pytest.raises(BehemothError, match="parallel.tp=3 does not divide model.n_head=4"):
+    with pytest.raises(Exception):
         cfg.parallel = ParallelPlan(tp=3)
     assert cfg.parallel.tp == 2, "a refused assignment keeps the old section"
-    plan = ParallelPlan(pp=2)
-    with pytest.raises(ValueError, match="parallel.zero_stage=3 with pp=2"):
-        plan.zero_stage = 3
-    assert plan.zero_stage == 0
+    assert "parallel.tp=3 does not divide model.n_head=4" in str(problems(cfg.replace(parallel={"tp": 3}), 3)[0])
+    with pytest.raises(BehemothError, match="train.seq_len=64 exceeds model.context=32"):
+        cfg.replace(train={"seq_len": 64})
+    assert cfg.train.seq_len is None, "a refused replacement leaves the config as it was"
+    found = problems(load_config(None, ["parallel.pp=2", "parallel.zero_stage=3", "model.n_layer=4"]), 2)
+    assert [p.message for p in found if "parallel.zero_stage=3 with pp=2" in p.message], found
     weights = tmp_path / "weights"
     weights.mkdir()
     (weights / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 2,
                                                      "hidden_size": 16, "max_position_embeddings": 64, "vocab_size": 100,
                                                      "intermediate_size": 48, "num_key_value_heads": 2}))
-    cfg.hf = HFConfig(weights=str(weights))  # the model takes the shape the weights' config.json describes
+    cfg = Config(hf=HFConfig(weights=str(weights)))  # the model takes the shape the weights' config.json describes
     assert (cfg.hf.arch, cfg.hf.kv_heads, cfg.hf.ffn, cfg.model.n_layer, cfg.model.d_model) == ("llama", 2, 48, 3, 16)
     assert load_config(None, [f"hf.weights={weights}", "hf.ffn=48", "hf.arch=llama"]).hf.ffn == 48  # agreeing is fine
     for option, message in [("hf.ffn=64", f"hf.ffn=64 but hf.weights={weights} has ffn=48"),
                             ("hf.kv_heads=1", f"hf.kv_heads=1 but hf.weights={weights} has kv_heads=2"),
-                            ("hf.arch=gpt2", f"hf.arch=gpt2 but hf.weights={weights} has arch=llama")]:
+                            ("hf.arch=gpt2", f"hf.arch=gpt2 but hf.weights={weights} has arch=llama"),
+                            ("model.n_layer=4", f"model.n_layer=4 but hf.weights={weights} has n_layer=3")]:
         with pytest.raises(BehemothError, match=re.escape(message)):
             load_config(None, [f"hf.weights={weights}", option])

@@ -94,18 +94,19 @@ def _loss_of_loaded(cfg_dict, folder):
     from safetensors.torch import load_file
 
     from behemoth.config import Config
-    from behemoth.engine import Engine
+    from behemoth.engine import build_model
     from behemoth.models.init import FULL_NAME, TAKE_LOCAL
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
-    engine = Engine(cfg, init_runtime(**cfg.parallel.degrees()))
+    model = build_model(cfg, init_runtime(**cfg.parallel.degrees()))
+    model.module.eval()  # dropout off, as in the model transformers loads
     saved = load_file(next(Path(folder).glob("*.safetensors")))
-    for name, p in engine.model.named_parameters():
+    for name, p in model.module.named_parameters():
         full = saved[getattr(p, FULL_NAME, name)]
         assert torch.equal(p.detach(), getattr(p, TAKE_LOCAL, lambda t: t)(full)), name
     if cfg.parallel.zero_stage == 3:  # parameters live in flat shards: compare this rank's checkpoint chunks instead
-        chunks = [(name, offsets, t) for name, v in engine.state_dict()["model"].items() if name in saved for offsets, t in v._chunks]
+        chunks = [(name, offsets, t) for name, v in model.model_state().items() if name in saved for offsets, t in v._chunks]
         assert sum(t.numel() for _, _, t in chunks) > 0
         for name, offsets, t in chunks:
             assert torch.equal(t, saved[name][tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))]), name
@@ -113,7 +114,7 @@ def _loss_of_loaded(cfg_dict, folder):
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     y = torch.randint(0, cfg.model.vocab_size, (2, 16))
     with torch.no_grad():
-        ours = float(engine.loss_sum(x, y))
+        ours = float(model.loss_sum(model.logits(x), y))
         plain = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
         theirs = float(F.cross_entropy(plain(input_ids=x).logits.flatten(0, 1), y.flatten(), reduction="sum"))
     return ours, theirs
@@ -160,7 +161,7 @@ def test_mfu_counts_the_model_that_is_built(options):
         gpt = cfg.model.model_copy(update={"bias": True})
         expected = gpt.num_params() - m.context * d                # GPT-2 has behemoth GPT's shape (biases, tied head)
     assert lm.matmul_params == expected
-    assert lm.flops_per_token(L, d, 32) == 6 * expected + 12 * L * d * 32
+    assert lm.flops_per_token(32) == 6 * expected + 12 * L * d * 32
 
 
 def test_tied_weight_stays_one_parameter():
@@ -177,3 +178,87 @@ def test_tied_weight_stays_one_parameter():
     wte = model.transformer.wte.weight
     assert model.lm_head.weight is wte and not wte.is_meta
     assert torch.equal(wte, draw_full(lm.init_spec("transformer.wte.weight"), tuple(wte.shape), 3, "transformer.wte.weight"))
+
+
+UNUSUAL = {  # a value other than transformers' default for every config.json field behemoth reads or passes through
+    "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=48, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                  attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                  attention_dropout=0.1, initializer_range=0.05,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=32, n_head=4, n_inner=48, vocab_size=256, n_positions=64,
+                 activation_function="gelu", layer_norm_epsilon=1e-3, scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True,
+                 reorder_and_upcast_attn=True, tie_word_embeddings=False, resid_pdrop=0.05, embd_pdrop=0.05, attn_pdrop=0.05,
+                 initializer_range=0.05),
+}
+
+
+def _save_unusual(arch: str, folder: str) -> None:
+    """A save_pretrained folder whose config.json sets non-default values everywhere, with random weights."""
+    import transformers
+
+    fields = {k: v for k, v in UNUSUAL[arch].items() if k != "model_type"}
+    config = (transformers.LlamaConfig if arch == "llama" else transformers.GPT2Config)(**fields, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(3)
+    model = (transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_model_is_built_from_its_own_config_json(tmp_path, arch):
+    """Every field of config.json is honoured: the logits behemoth's model gives equal those of transformers'
+    from_pretrained of the same folder (norm epsilon, biases, activation, RoPE scaling, explicit head width, untied head,
+    attention scaling...); and the same model under tp=2 gives transformers' loss."""
+    folder = str(tmp_path / "weights")
+    _save_unusual(arch, folder)
+    ours, theirs = run_ranks(1, _logits_of_loaded, tiny_config(tmp_path / "one", f"hf.weights={folder}"), folder)[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    (loss, expected), _ = run_ranks(2, _loss_of_loaded, tiny_config(tmp_path / "tp", f"hf.weights={folder}", "parallel.tp=2"), folder)
+    assert abs(loss - expected) <= 1e-5 * expected, (loss, expected)
+
+
+def _logits_of_loaded(cfg_dict, folder):
+    import transformers
+
+    from behemoth.config import Config
+    from behemoth.engine import build_model
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    model = build_model(cfg, init_runtime())
+    model.module.eval()
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return model.logits(x), plain(input_ids=x).logits
+
+
+def test_config_json_fields_behemoth_cannot_honour_are_refused(tmp_path, capsys):
+    """An unknown field, a cross-attention model or a non-causal head is refused before launch, one line each; an option
+    that overrides a config.json field is named at launch."""
+    import json
+
+    from behemoth.cli import launch_line, main
+    from behemoth.config import load_config
+
+    folder = tmp_path / "weights"
+    _save_unusual("gpt2", str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "add_cross_attention": True, "flash_mode": "fast",
+                                                    "architectures": ["GPT2ForSequenceClassification"]}))
+    tiny = ["train.seq_len=32", "run.progress=false", f"data.cache_dir={CACHE}", f"run.dir={tmp_path}/run"]
+    capsys.readouterr()
+    assert main(["train", "--nproc", "1", f"hf.weights={folder}", *tiny]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("behemoth: error: hf.weights=") for line in err), err
+    assert "flash_mode='fast' is not a gpt2 setting" in err[0] and "GPT2ForSequenceClassification, not a causal" in err[1]
+    assert "add_cross_attention=true" in err[2]
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = load_config(None, [f"hf.weights={folder}", "model.dropout=0.0", *tiny])
+    line = launch_line(cfg, 1)
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        assert f"{key} 0.05 -> 0.0" in line, line

@@ -10,8 +10,9 @@ import pytest
 
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
-from behemoth.memory.estimate import STAGES, check_fits, formula_bytes, formula_text, stage_estimate
-from behemoth.memory.report import estimate_main, measure_worker
+from behemoth.cli.estimate import estimate_main, measure_worker
+from behemoth.planner.feasibility import problems
+from behemoth.planner.memory import STAGES, fit_problems, formula_bytes, formula_text, stage_estimate
 from behemoth.models.gpt import build_gpt
 from behemoth.parallel.zero import comm_volume
 from tests.common import tiny_config
@@ -106,18 +107,22 @@ def test_formulas_match_the_zero_paper():
 @pytest.mark.parametrize("option, message", [
     ("parallel.zero_stage=4", r"parallel.zero_stage=4: ZeRO stages are 0 .* choose one"),
     ("parallel.bucket_mb=0", r"parallel.bucket_mb=0: a gradient bucket must hold more than 0 MiB; use e.g. parallel.bucket_mb=25"),
-    ("parallel.param_dtype=bf16", r"param_dtype=bf16 needs float32 master weights.*set parallel.zero_stage=1, 2 or 3"),
 ])
 def test_impossible_plans_are_refused(option, message, tmp_path):
     with pytest.raises(BehemothError, match=message):
         load_config(None, [option])
 
 
+def test_a_setting_that_needs_zero_is_a_problem_of_the_plan():
+    found = problems(load_config(None, ["parallel.param_dtype=bf16"]), 2)
+    assert len(found) == 1 and re.search(r"param_dtype=bf16 needs float32 master weights.*set parallel.zero_stage=1, 2 or 3", found[0].message)
+
+
 def test_model_that_does_not_fit_is_refused_before_launch(tmp_path, capsys):
     cfg = load_config(None, ["model=gpt2-124m", "parallel.memory_gb=1.5"])
-    with pytest.raises(BehemothError, match=r"\(124.4M parameters\) needs 1.85 GiB per rank for model states at parallel.zero_stage=0 on dp=2 "
-                                            r".* more than parallel.memory_gb=1.5; use parallel.zero_stage=1 \(1.39 GiB\)$"):
-        check_fits(cfg, 2)
+    [found] = fit_problems(cfg, 2)
+    assert re.search(r"\(124.4M parameters\) needs 1.85 GiB per rank for model states at parallel.zero_stage=0 on dp=2 "
+                     r".* more than parallel.memory_gb=1.5; use parallel.zero_stage=1 \(1.39 GiB\)$", found.message), found
     from behemoth.cli import main
 
     code = main(["train", "--nproc", "2", "model=gpt2-124m", "parallel.memory_gb=0.75", f"run.dir={tmp_path / 'run'}"])
@@ -126,9 +131,9 @@ def test_model_that_does_not_fit_is_refused_before_launch(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and fix, err
     ranks = int(fix.group(1))
     at_stage3 = load_config(None, ["model=gpt2-124m", "parallel.memory_gb=0.75", "parallel.zero_stage=3"])
-    check_fits(at_stage3, ranks)  # the suggestion holds, and is the smallest that does
-    with pytest.raises(BehemothError, match=f"at parallel.zero_stage=3 on dp={ranks - 1}"):
-        check_fits(at_stage3, ranks - 1)
+    assert fit_problems(at_stage3, ranks) == []  # the suggestion holds, and is the smallest that does
+    [found] = fit_problems(at_stage3, ranks - 1)
+    assert f"at parallel.zero_stage=3 on dp={ranks - 1}" in found.message
 
 
 def test_estimate_command_prints_formula_and_fit(capsys):

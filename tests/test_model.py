@@ -70,12 +70,12 @@ def test_engine_step_equals_plain_pytorch(tmp_path):
 def _engine_vs_plain(cfg_dict):
     from behemoth.config import Config
     from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
-    from behemoth.engine import Engine, lr_at
+    from behemoth.engine import build_engine, lr_at
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
     rt = init_runtime()
-    engine = Engine(cfg, rt)
+    engine = build_engine(cfg, rt)
     corpus = prepare_corpus(None, cfg.data.val_fraction, cfg.data.cache_dir)
     sampler = BatchSampler(corpus.train, cfg.seq_len, BatchLayout.resolve(8, 4, 1), 0, cfg.train.seed)
     model = build_gpt(cfg.model)
@@ -100,4 +100,4 @@ def _engine_vs_plain(cfg_dict):
         opt.step()
         plain.append(total)
     weights = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}
-    return {"losses": ours, "weights": weights(engine.model)}, {"losses": plain, "weights": weights(model)}
+    return {"losses": ours, "weights": weights(engine.model.module)}, {"losses": plain, "weights": weights(model)}

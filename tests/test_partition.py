@@ -16,12 +16,12 @@ from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig, build_gpt
 from behemoth.models.init import materialize
 from behemoth.parallel.pipeline import SCHEDULES, Costs, build_schedule, simulate
-from behemoth.parallel.pipeline.measure import TimedAction, measured_bubble, measured_costs, replayed_bubble
+from behemoth.parallel.pipeline.analysis.measure import TimedAction, measured_bubble, measured_costs, replayed_bubble
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, message_key, p2p_groups, reference_timeline
-from behemoth.parallel.pipeline.partition import (
-    LayerCosts, balance_stages, check_stage_boundaries, cut_model, estimate_layer_costs, even_boundaries,
-    measure_layer_costs, stage_costs,
-)
+from behemoth.models.causal_lm import measure_layer_costs
+from behemoth.models.layered import view_of
+from behemoth.models.shape import LayerCosts, ModelShape, layer_flops
+from behemoth.parallel.pipeline.partition import balance_stages, check_stage_boundaries, cut_model, even_boundaries, stage_costs
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
 from behemoth.parallel.recompute import recompute_ranks
 
@@ -52,7 +52,7 @@ def test_balance_is_optimal(seed):
 def test_large_vocabulary_head_leaves_the_last_stage_fewer_blocks():
     """GPT-2 124M: the head (768 x 50257) costs ~4.6 blocks of FLOPs, so counting layers would overload the last stage."""
     cfg = GPTConfig(preset="gpt2-124m")
-    costs = estimate_layer_costs(cfg, 1024)
+    costs = layer_flops(cfg.shape(), 1024)
     assert 4 < costs.head / costs.blocks[0] < 5
     bounds = balance_stages(costs, 4)
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -61,7 +61,7 @@ def test_large_vocabulary_head_leaves_the_last_stage_fewer_blocks():
 
 
 def test_measured_costs_are_positive():
-    costs = measure_layer_costs(GPTConfig(preset="gpt-tiny"), 32, 2, torch.device("cpu"), reps=1)
+    costs = measure_layer_costs(GPTConfig(preset="gpt-tiny"), None, 32, 2, torch.device("cpu"), reps=1)
     assert costs.embed > 0 and costs.head > 0 and len(costs.blocks) == 2 and costs.blocks[0] > 0 and costs.unit == "s"
 
 
@@ -87,7 +87,7 @@ def test_cut_stages_keep_names_and_compose_to_the_whole_model(tied):
     bounds, h, names = [0, 1, 3, 4], x, []
     for stage in range(3):
         part = copy.deepcopy(whole)
-        chunk = cut_model(part, [stage], bounds, tied=tied)[stage]
+        chunk = cut_model(part, [stage], bounds, view_of("gpt"), tied=tied)[stage]
         h = chunk.forward(h)
         names.append({n for n, _ in part.named_parameters()})
         assert {n for n, _ in chunk.named_parameters()} == names[-1]
@@ -155,12 +155,12 @@ def test_recompute_policies():
 
 def _recomputed_blocks(policy):
     from behemoth.config import load_config
-    from behemoth.engine import Engine
+    from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 
     cfg = load_config(None, ["model=gpt-tiny", f"parallel.recompute={policy}"])
-    engine = Engine(cfg, init_runtime(**cfg.parallel.degrees()))
-    return [getattr(b, "_behemoth_recompute", False) for b in engine.model.blocks]
+    engine = build_engine(cfg, init_runtime(**cfg.parallel.degrees()))
+    return [getattr(b, "_behemoth_recompute", False) for b in engine.model.module.blocks]
 
 
 def _every_policy():
@@ -179,7 +179,7 @@ def test_flop_estimate_follows_the_block_shape():
     """A Llama block (grouped K/V, three MLP matrices of its own width) is costed as built, not as a GPT block."""
     cfg = GPTConfig(preset="gpt-tiny", n_head=4)
     d, T = cfg.d_model, 32
-    gpt = estimate_layer_costs(cfg, T).blocks[0]
+    gpt = layer_flops(cfg.shape(), T).blocks[0]
     assert gpt == 2 * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + 4 * T * d
-    llama = estimate_layer_costs(cfg, T, kv_heads=2, ffn=3 * d, gated=True).blocks[0]
+    llama = layer_flops(ModelShape("llama", cfg.n_layer, d, cfg.n_head, 2, cfg.head_dim, 3 * d, cfg.vocab_size, cfg.context, False, True), T).blocks[0]
     assert llama == 2 * (2 * d * d + 2 * d * (d // 2) + 3 * d * 3 * d) + 4 * T * d

@@ -13,10 +13,10 @@ from behemoth.parallel.pipeline import (
     SCHEDULES, Action, Costs, Kind, Schedule, ScheduleError, build_schedule, chimera, closed_form_bubble, gpipe,
     interleaved, one_f_one_b, run_timeline, simulate, validate, zb_h1,
 )
-from behemoth.parallel.pipeline.gantt import format_grid
+from behemoth.parallel.pipeline.analysis.gantt import format_grid
 from behemoth.parallel.pipeline.p2p_groups import P2PGroup, message_key, p2p_groups
-from behemoth.parallel.pipeline.rendezvous import check_rendezvous
-from behemoth.parallel.pipeline.report import compare, schedule_main
+from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
+from behemoth.parallel.pipeline.analysis.report import compare, schedule_main
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
 
 

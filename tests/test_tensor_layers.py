@@ -39,7 +39,7 @@ def _check_column(tp, sp: bool, transposed: bool, parts: int) -> None:
     x = torch.randn(B, T, D, requires_grad=True)
     probe = torch.randn(B, T, parts * F_)
     (full(x) * probe).sum().backward()
-    col = ColumnParallelLinear.from_module(full, "fc", tp, sequence_parallel=sp, parts=parts)
+    col = ColumnParallelLinear.from_module(full, "fc", tp, sequence_parallel=sp, transposed=transposed, parts=parts)
     layout = getattr(col.weight, TP_LAYOUT)
     mine = split_sequence(x.detach(), tp) if sp else x.detach()
     mine.requires_grad_(True)
@@ -63,7 +63,7 @@ def _check_row(tp, sp: bool, transposed: bool) -> None:
     probe = torch.randn(B, T, D)
     y_full = full(x)
     (y_full * probe).sum().backward()
-    row = RowParallelLinear.from_module(full, "proj", tp, sequence_parallel=sp)
+    row = RowParallelLinear.from_module(full, "proj", tp, sequence_parallel=sp, transposed=transposed)
     row.bias = nn.Parameter(full.bias.detach().clone())
     layout = getattr(row.weight, TP_LAYOUT)
     in_layout = type(layout)((B, T, F_), 2, layout.local_size, layout.pieces)
@@ -158,12 +158,13 @@ def test_shard_layouts():
 
 def test_gpt_plan_splits_and_marks_the_right_parameters():
     """On the meta model (no processes): what tp=2 + SP splits, and which replicated gradients it sums over tp."""
-    from behemoth.models.causal_lm import GPT_TP_PLAN
-    from behemoth.models.gpt import GPTConfig, build_gpt
-    from behemoth.parallel.tensor import TPComm, apply_tensor_parallel
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel
 
-    model = build_gpt(GPTConfig(preset="gpt-tiny", n_layer=1))
-    tp = apply_tensor_parallel(model, TPComm(None, 2, 1), GPT_TP_PLAN, sequence_parallel=True)
+    lm = build_causal_lm(GPTConfig(preset="gpt-tiny", n_layer=1))
+    model = lm.module
+    tp = apply_tensor_parallel(model, TPComm(None, 2, 1), TensorPolicy(lm.tp_plan, sequence_parallel=True, norms=lm.norms))
     assert set(tp.layouts) == {"wte.weight", "lm_head.weight"} | {f"blocks.0.{m}.{p}" for m in ("attn.qkv", "mlp.fc") for p in ("weight", "bias")} \
         | {"blocks.0.attn.proj.weight", "blocks.0.mlp.proj.weight"}
     assert tp.partial == {f"{m}.{p}" for m in ("blocks.0.ln_1", "blocks.0.ln_2", "ln_f") for p in ("weight", "bias")} \
@@ -234,10 +235,10 @@ def _saved_activation_bytes(shard_saving: bool) -> dict[str, dict[str, float]]:
     """Per-block and whole-model bytes autograd saves in one forward + loss at t=1, t=2 and t=2 with SP."""
     import torch.distributed as dist
 
-    from behemoth.models.causal_lm import GPT_TP_PLAN
-    from behemoth.models.gpt import GPTConfig, build_gpt
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.gpt import GPTConfig
     from behemoth.models.init import materialize
-    from behemoth.parallel.tensor import TPComm, apply_tensor_parallel, layers
+    from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel, layers
     from behemoth.parallel.tensor.activations import SavedBytesMeter
 
     if not shard_saving:  # the column layers save the all-gathered input, as before
@@ -245,8 +246,10 @@ def _saved_activation_bytes(shard_saving: bool) -> dict[str, dict[str, float]]:
     b, s, h, a = ACT["b"], ACT["s"], ACT["h"], ACT["a"]
     out = {}
     for name, t, sp in (("t1", 1, False), ("t2", 2, False), ("t2+sp", 2, True)):
-        model = build_gpt(GPTConfig(preset="gpt-tiny", n_layer=2, n_head=a, d_model=h, context=s, vocab_size=256))
-        tp = apply_tensor_parallel(model, TPComm.of(dist.group.WORLD), GPT_TP_PLAN, sequence_parallel=sp) if t > 1 else None
+        lm = build_causal_lm(GPTConfig(preset="gpt-tiny", n_layer=2, n_head=a, d_model=h, context=s, vocab_size=256))
+        model = lm.module
+        policy = TensorPolicy(lm.tp_plan, sequence_parallel=sp, norms=lm.norms)
+        tp = apply_tensor_parallel(model, TPComm.of(dist.group.WORLD), policy) if t > 1 else None
         materialize(model, seed=0, device=torch.device("cpu"), init_spec=model.init_spec)
         tokens = torch.randint(0, 256, (b, s + 1), generator=torch.Generator().manual_seed(0))
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -277,7 +280,7 @@ def test_sequence_parallel_divides_block_activations_by_t(saved_bytes):
     (0.56), which the exact comparison rejects (test below). The whole model (embedding, head and loss included)
     matches `gpt_activation_bytes` too."""
     from behemoth.models.gpt import GPTConfig
-    from behemoth.parallel.tensor.activations import gpt_activation_bytes, gpt_block_activation_bytes
+    from behemoth.models.activations import gpt_activation_bytes, gpt_block_activation_bytes
 
     cfg = GPTConfig(preset="gpt-tiny", n_layer=2, n_head=ACT["a"], d_model=ACT["h"], context=ACT["s"], vocab_size=256)
     for name, t, sp, want in (("t1", 1, False, 264192), ("t2", 2, False, 165376), ("t2+sp", 2, True, 132096)):

@@ -46,7 +46,7 @@ def _train_without_reduce_scatter(cfg_dict):
     from behemoth.comm import Pending
     from behemoth.parallel.zero import sharded
 
-    sharded.reduce_scatter = lambda output, input, group, meter=None, async_op=False: Pending(None, "reduce_scatter", meter)
+    sharded.reduce_scatter = lambda output, input, group, meter=None, async_op=False: Pending(None)
     return train_body(cfg_dict)
 
 
@@ -92,19 +92,19 @@ def _unused_parameter_body(stage):
     import torch.distributed as dist
     from torch import nn
 
-    from behemoth.parallel.zero import apply_zero
+    from behemoth.parallel.clip import clip_grad_norm
+    from behemoth.parallel.zero import ZeroPolicy, apply_zero
 
     model = nn.Module()
     model.a, model.b = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
-    zero = apply_zero(model, dist.group.WORLD, stage=stage, bucket_mb=25, prefetch=1, param_dtype="fp32", lr=1e-3,
-                      betas=(0.9, 0.95), weight_decay=0.0)
+    zero = apply_zero(model, dist.group.WORLD, ZeroPolicy(stage=stage))
     rank = dist.get_rank()
     zero.zero_grad()
     for i in range(2):
-        zero.set_sync(i == 1)
+        zero.begin_micro_batch(last=i == 1)
         loss = (model.a * (rank + 1) * (i + 1)).sum()
         if i == 1:
             loss = loss + (model.b * 10 * (rank + 1)).sum()
         loss.backward()
     zero.finish()
-    return zero.clip_grad_norm(0.0)
+    return clip_grad_norm([(g, 1.0) for _, g in zero.grad_slices()], 0.0, group=dist.group.WORLD)

@@ -1,35 +1,24 @@
-"""One view of every causal language model behemoth trains: behemoth's GPT or a Hugging Face model.
+"""One interface to every causal language model behemoth trains: behemoth's GPT or a Hugging Face model.
 
-The engine needs the same few things from each: the module (on the meta device), how its parameters
-are initialized by name, its tensor-parallel plan (data: module-name pattern -> style), how to get
-logits from token ids, and what to do once its parameters have storage (tied weights, loaded weights).
+The parallel layers, the engine and the planner ask a `CausalLM` what they need — its layered view
+(embedding, blocks, head, and how to run a stage of them), its tensor-parallel plan, which linear
+layers hold a transposed weight, which modules are norms, its shape (`ModelShape`), its FLOPs and
+its KV-cache shape — and never look at the model's classes themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from behemoth.models.gpt import build_gpt
-from behemoth.models.init import InitSpec
-
-# behemoth's GPT (models/gpt.py). The tied head (tie_embeddings) reads wte.weight, which `vocab` already splits.
-GPT_TP_PLAN: dict[str, str] = {
-    "wte": "vocab",
-    "wpe": "position_embedding",
-    "blocks.0": "sequence_input",
-    "blocks.*.ln_1": "sequence_norm",
-    "blocks.*.attn.qkv": "packed_colwise:3",
-    "blocks.*.attn.proj": "rowwise",
-    "blocks.*.ln_2": "sequence_norm",
-    "blocks.*.mlp.fc": "colwise",
-    "blocks.*.mlp.proj": "rowwise",
-    "ln_f": "sequence_norm",
-    "lm_head": "vocab",
-}
+from behemoth.models.gpt import GPT_TP_PLAN, build_gpt
+from behemoth.models.init import InitSpec, materialize
+from behemoth.models.layered import LayeredView, view_of
+from behemoth.models.shape import LayerCosts, ModelShape, median_pass_seconds
 
 Tie = list[tuple[str, str]]  # (module name, attribute) slots that share one parameter
 
@@ -41,29 +30,40 @@ def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
 @dataclass
 class CausalLM:
-    """A model on the meta device and what the engine needs to build and run it."""
+    """A model on the meta device and what the parallel layers need to know about it."""
 
     module: nn.Module
+    shape: ModelShape
+    layers: LayeredView
     init_spec: Callable[[str], InitSpec]
     tp_plan: dict[str, str]
+    transposed: frozenset[str] = frozenset()  # linear modules whose weight is [in, out] (GPT-2's Conv1D)
+    norms: frozenset[str] = frozenset()       # every normalization module (sequence parallelism must style each)
     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
-    arch: str = "gpt"
     weights: str | None = None
     matmul_params: int = 0  # parameters a token's forward multiplies by (all but position tables), counted before any cut
+    on_tensor_parallel: Callable[[nn.Module, int], None] | None = field(default=None, repr=False)
+    time_layers: Callable[[int, int, torch.device], LayerCosts] | None = field(default=None, repr=False)  # (seq_len, micro_batch, device)
 
-    def flops_per_token(self, n_layer: int, d_model: int, seq_len: int) -> float:
+    @property
+    def arch(self) -> str:
+        return self.shape.arch
+
+    def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
-        return 6 * self.matmul_params + 12 * n_layer * d_model * seq_len
+        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.d_model * seq_len
+
+    def kv_cache_shape(self, batch: int, seq_len: int, tp: int = 1) -> tuple[int, ...]:
+        """Keys and values one rank caches per layer: [2, batch, kv_heads / tp, seq_len, head_dim]."""
+        return (2, batch, self.shape.kv_heads // tp, seq_len, self.shape.head_dim)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
 
     def after_tensor_parallel(self, tp: int) -> None:
         """Per-instance widths a model reads in forward (GPT-2's split_size) follow the tp split."""
-        if self.arch == "gpt2":
-            from behemoth.models.hf import adapt_attention_width
-
-            adapt_attention_width(self.module, self.arch, tp)
+        if self.on_tensor_parallel is not None and tp > 1:
+            self.on_tensor_parallel(self.module, tp)
 
     def after_materialize(self, device: torch.device) -> None:
         """Move buffers to the device and load weights from hf.weights (materialize gave the parameters values)."""
@@ -79,15 +79,70 @@ class CausalLM:
 
 def build_causal_lm(model_cfg: Any, hf: Any = None) -> CausalLM:
     """behemoth's GPT, or the transformers model `hf.arch` names, on the meta device."""
+    lm = _build(model_cfg, hf)
+    lm.time_layers = functools.partial(measure_layer_costs, model_cfg, hf)
+    return lm
+
+
+def _build(model_cfg: Any, hf: Any) -> CausalLM:
     if hf is None or hf.arch is None:
         gpt = build_gpt(model_cfg)
-        return CausalLM(gpt, gpt.init_spec, dict(GPT_TP_PLAN), matmul_params=model_cfg.num_params() - model_cfg.context * model_cfg.d_model)
-    from behemoth.models.hf import build_hf, hf_init_spec, hf_logits, hf_tp_plan
+        norms = frozenset(n for n, m in gpt.named_modules() if isinstance(m, nn.LayerNorm))
+        return CausalLM(gpt, model_cfg.shape(), view_of("gpt"), gpt.init_spec, dict(GPT_TP_PLAN), norms=norms,
+                        matmul_params=model_cfg.num_params() - model_cfg.context * model_cfg.d_model)
+    from behemoth.models import hf as hf_models
 
-    model = build_hf(model_cfg, hf)
+    hf_models.require_transformers()
+    config = hf_models.transformers_config(model_cfg, hf)
+    model = hf_models.build_hf(config, hf.arch)
     positions = model.get_submodule("transformer.wpe").weight.numel() if hf.arch == "gpt2" else 0  # Llama: rotary, no table
-    return CausalLM(model, hf_init_spec(model, hf.arch), hf_tp_plan(model, hf.arch), hf_logits, hf.arch, hf.weights,
-                    matmul_params=sum(p.numel() for p in model.parameters()) - positions)
+    return CausalLM(model, hf_models.hf_shape(config, hf.arch), view_of(hf.arch), hf_models.hf_init_spec(model, hf.arch),
+                    hf_models.hf_tp_plan(model, hf.arch), transposed=hf_models.transposed_linears(model),
+                    norms=hf_models.norm_modules(model), logits_fn=hf_models.hf_logits, weights=hf.weights,
+                    matmul_params=sum(p.numel() for p in model.parameters()) - positions,
+                    on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None)
+
+
+def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
+    """The shape of the model a config describes, without building it."""
+    if hf is None or hf.arch is None:
+        return model_cfg.shape()
+    from behemoth.models import hf as hf_models
+
+    hf_models.require_transformers()
+    return hf_models.hf_shape(hf_models.transformers_config(model_cfg, hf), hf.arch)
+
+
+def model_problems(model_cfg: Any, hf: Any = None) -> list[str]:
+    """Why the model a config describes cannot be built as asked (empty for behemoth's GPT, which takes any shape)."""
+    if hf is None or hf.arch is None:
+        return []
+    from behemoth.models import hf as hf_models
+
+    return hf_models.model_problems(model_cfg, hf)
+
+
+def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:
+    """Measured forward + backward seconds of the embedding, one block and the head for one micro-batch.
+
+    All blocks have the same shape, so a one-block copy of the model is built and timed, its block's time used for each.
+    Its random weights and inputs come from their own generators: the process-wide RNG is not touched.
+    """
+    lm = _build(model_cfg.model_copy(update={"n_layer": 1}), hf)
+    lm.weights = None  # the weights do not change the time
+    materialize(lm.module, seed=0, device=device, init_spec=lm.init_spec)
+    lm.after_materialize(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    vocab, d = lm.shape.vocab_size, lm.shape.d_model
+    idx = torch.randint(0, vocab, (micro_batch, seq_len), device=device, generator=g)
+    h = torch.randn(micro_batch, seq_len, d, device=device, generator=g, requires_grad=True)
+    view, model = lm.layers, lm.module
+    block = model.get_submodule(view.blocks)[0]
+    context = view.context(model, h)
+    embed = median_pass_seconds(lambda: view.embed(model, idx).sum(), reps)
+    one_block = median_pass_seconds(lambda: view.block(block, h, context).sum(), reps)
+    head = median_pass_seconds(lambda: summed_token_loss(view.head(model, h), idx), reps)
+    return LayerCosts(embed=embed, blocks=(one_block,) * model_cfg.n_layer, head=head, unit="s")
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
@@ -102,4 +157,3 @@ def find_ties(model: nn.Module) -> list[Tie]:
         for pname, p in module.named_parameters(recurse=False):
             slots.setdefault(id(p), []).append((mname, pname))
     return [group for group in slots.values() if len(group) > 1]
-

@@ -1,7 +1,8 @@
 """A GPT decoder (pre-LayerNorm) that knows nothing of parallelism.
 
-It exposes a layered view — `embed`, `blocks`, `head` — that the pipeline partitioner cuts and
-whose linear layers the tensor-parallel plan names.
+It exposes a layered view — `embed`, `blocks`, `head` — that the pipeline partitioner cuts, a
+tensor-parallel plan that names its linear layers, and the closed form of the activations one of its
+blocks saves for backward.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from behemoth.models.init import InitSpec
+from behemoth.models.shape import ModelShape
 
 PRESETS: dict[str, dict[str, Any]] = {
     # name: shape                                                         ~parameters
@@ -31,7 +33,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 class GPTConfig(BaseModel):
     """Shape of a GPT. `preset` fills every field the user does not set."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     preset: str = Field("gpt-1m", description=f"one of {', '.join(PRESETS)}")
     n_layer: int = Field(None, ge=1)  # type: ignore[assignment]
@@ -40,8 +42,8 @@ class GPTConfig(BaseModel):
     context: int = Field(None, ge=2, description="longest sequence the model attends over")  # type: ignore[assignment]
     vocab_size: int = Field(None, ge=2)  # type: ignore[assignment]
     mlp_ratio: int = Field(4, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    bias: bool = True
+    dropout: float | None = Field(None, ge=0, lt=1, description="default: the model's own (0 for GPT; a Hugging Face config.json's)")
+    bias: bool | None = Field(None, description="biases in linear layers and norms (default: the family's own)")
     tie_embeddings: bool = False
 
     @model_validator(mode="before")
@@ -64,9 +66,22 @@ class GPTConfig(BaseModel):
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def has_bias(self) -> bool:
+        """behemoth's GPT has biases unless `bias` is false."""
+        return self.bias is not False
+
+    @property
+    def dropout_p(self) -> float:
+        return self.dropout or 0.0
+
+    def shape(self) -> ModelShape:
+        return ModelShape("gpt", self.n_layer, self.d_model, self.n_head, self.n_head, self.head_dim, self.mlp_ratio * self.d_model,
+                          self.vocab_size, self.context, self.tie_embeddings, gated=False)
+
     def num_params(self) -> int:
         d, L, V = self.d_model, self.n_layer, self.vocab_size
-        b = int(self.bias)
+        b = int(self.has_bias)
         per_block = (3 * d * d + 3 * d * b) + (d * d + d * b) + 2 * (self.mlp_ratio * d * d) + self.mlp_ratio * d * b + d * b + 4 * d
         head = 0 if self.tie_embeddings else V * d
         return V * d + self.context * d + L * per_block + 2 * d + head
@@ -76,9 +91,9 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)  # output laid out [q | k | v]
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout_p
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.has_bias)  # output laid out [q | k | v]
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.has_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -90,8 +105,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.has_bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.has_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -100,11 +115,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.mlp = MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln_1(x)))
@@ -119,9 +134,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = nn.Dropout(cfg.dropout_p)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -147,6 +162,23 @@ class GPT(nn.Module):
         if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
             return InitSpec("normal", 0.02 / math.sqrt(2 * self.cfg.n_layer))
         return InitSpec("normal", 0.02)
+
+
+# behemoth's GPT as a tensor-parallel plan (parallel/tensor/plan.py). The tied head (tie_embeddings) reads
+# wte.weight, which `vocab` already splits.
+GPT_TP_PLAN: dict[str, str] = {
+    "wte": "vocab",
+    "wpe": "position_embedding",
+    "blocks.0": "sequence_input",
+    "blocks.*.ln_1": "sequence_norm",
+    "blocks.*.attn.qkv": "packed_colwise:3",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.ln_2": "sequence_norm",
+    "blocks.*.mlp.fc": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+    "ln_f": "sequence_norm",
+    "lm_head": "vocab",
+}
 
 
 def build_gpt(cfg: GPTConfig) -> GPT:

@@ -1,9 +1,15 @@
 """Hugging Face causal LMs (Llama, GPT-2) run unmodified under behemoth's layout-independent init and plans.
 
-The model is built from its transformers config on the meta device (parameters only; buffers such as
+The model is built on the meta device from its transformers config (parameters only; buffers such as
 Llama's rotary frequencies are real), so `materialize` draws every parameter from (seed, name) exactly as
 for behemoth's GPT, or the weights of a local `save_pretrained` directory are copied in afterwards.
 Nothing is downloaded. Modules are only replaced by name; the transformers classes are not edited.
+
+With `hf.weights`, the folder's config.json *is* the model: every field goes to transformers as written
+(norm epsilon, biases, activation, RoPE settings, dropout, tied head, ...), so the model is the one
+`from_pretrained` builds. Options the user sets override their fields and are listed at launch
+(`config_overrides`); a field behemoth cannot honour is refused before launch (`config_problems`).
+Without weights, the config is made from the `model` and `hf` sections.
 
 Tensor-parallel rules: Llama brings its own `base_model_tp_plan` (HF style names, mapped to behemoth's);
 GPT-2 has none, so behemoth ships one (its fused c_attn is a transposed Conv1D holding [q|k|v]).
@@ -22,6 +28,7 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
+from behemoth.models.shape import ModelShape
 
 ARCHS = ("llama", "gpt2")
 # transformers' style names -> behemoth's (see parallel/tensor/plan.py)
@@ -48,12 +55,18 @@ LLAMA_EXTRA_PLAN = {  # what Llama's own plan leaves out: embedding, head, norms
     "model.norm": "sequence_norm",
     "lm_head": "vocab",
 }
+# config.json keys that say nothing about the model's computation (bookkeeping, generation, outputs)
+NOT_MODEL = {"_name_or_path", "architectures", "transformers_version", "model_type", "dtype", "torch_dtype", "use_cache",
+             "bos_token_id", "eos_token_id", "pad_token_id", "output_attentions", "output_hidden_states", "return_dict",
+             "id2label", "label2id", "problem_type", "task_specific_params", "attn_implementation"}
+DROPOUT_KEYS = {"llama": ("attention_dropout",), "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "gpt2": ()}
 
 
 class HFConfig(BaseModel):
     """A Hugging Face architecture instead of behemoth's GPT; its shape comes from the `model` section or `weights`."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     arch: Literal["llama", "gpt2"] | None = Field(None, description="transformers architecture (model=hf:llama or model=hf:gpt2)")
     weights: str | None = Field(None, description="local save_pretrained directory (config.json + *.safetensors) to start from")
@@ -63,29 +76,47 @@ class HFConfig(BaseModel):
 
 
 def read_weights_config(weights: str) -> dict[str, Any]:
-    """config.json of a local save_pretrained directory."""
+    """config.json of a local save_pretrained directory, as a mapping."""
     path = Path(weights).expanduser() / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise BehemothError(f"hf.weights={weights} has no readable config.json ({err.__class__.__name__})",
                             "point hf.weights at a directory written by save_pretrained") from None
+    if not isinstance(config, dict):
+        raise BehemothError(f"hf.weights={weights}: config.json holds a {type(config).__name__}, not a mapping",
+                            "point hf.weights at a directory written by save_pretrained")
+    return config
+
+
+def config_class(arch: str) -> type:
+    import transformers
+
+    return transformers.LlamaConfig if arch == "llama" else transformers.GPT2Config
+
+
+def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model-section fields, hf-section fields) that a config.json's shape sets; a missing key names itself."""
+    try:
+        if arch == "llama":
+            model = dict(n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], d_model=c["hidden_size"],
+                         context=c["max_position_embeddings"], vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", False))
+            hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
+            return model, hf
+        model = dict(n_layer=c["n_layer"], n_head=c["n_head"], d_model=c["n_embd"], context=c["n_positions"],
+                     vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", True))
+        return model, dict(ffn=c.get("n_inner") or 4 * c["n_embd"])
+    except KeyError as err:
+        raise BehemothError(f"a {arch} config.json without {err.args[0]!r}", "save the model's config with save_pretrained") from None
 
 
 def shape_from_weights(weights: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(arch, model-section fields, hf-section fields) described by a weights directory's config.json."""
     c = read_weights_config(weights)
     arch = c.get("model_type")
-    if arch == "llama":
-        model = dict(n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], d_model=c["hidden_size"],
-                     context=c["max_position_embeddings"], vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", False))
-        hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
-        return arch, model, hf
-    if arch == "gpt2":
-        model = dict(n_layer=c["n_layer"], n_head=c["n_head"], d_model=c["n_embd"], context=c["n_positions"],
-                     vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", True))
-        return arch, model, dict(ffn=c.get("n_inner") or 4 * c["n_embd"])
-    raise BehemothError(f"hf.weights={weights} holds a {arch!r} model", f"use one of {', '.join(ARCHS)}")
+    if arch not in ARCHS:
+        raise BehemothError(f"hf.weights={weights} holds a {arch!r} model", f"use one of {', '.join(ARCHS)}")
+    return (arch, *shape_fields(arch, c))
 
 
 def rope_theta_of(c: dict[str, Any]) -> float:
@@ -93,21 +124,86 @@ def rope_theta_of(c: dict[str, Any]) -> float:
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
-def transformers_config(model_cfg: Any, hf: HFConfig) -> Any:
-    """The transformers config for `hf.arch` with behemoth's model shape (dropout as configured, SDPA attention)."""
-    import transformers
+def config_problems(weights: str) -> list[str]:
+    """Why a weights folder's config.json cannot be trained as written (empty: every field is honoured)."""
+    c = read_weights_config(weights)
+    arch = c.get("model_type")
+    if arch not in ARCHS:
+        return [f"hf.weights={weights} holds a {arch!r} model; use one of {', '.join(ARCHS)}"]
+    known = set(config_class(arch)().to_dict()) | NOT_MODEL
+    out = [f"hf.weights={weights}: config.json field {k}={c[k]!r} is not a {arch} setting transformers knows; "
+           "remove it or use the transformers version that wrote it" for k in sorted(set(c) - known)]
+    heads = [a for a in c.get("architectures") or [] if not a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if heads:
+        out.append(f"hf.weights={weights} is a {heads[0]}, not a causal language model; behemoth trains next-token prediction")
+    for key in ("is_encoder_decoder", "add_cross_attention"):
+        if c.get(key):
+            out.append(f"hf.weights={weights}: config.json sets {key}=true, which behemoth's decoder-only training cannot honour")
+    if c.get("quantization_config"):
+        out.append(f"hf.weights={weights} holds quantized weights (quantization_config); export them in floating point first")
+    return out
 
-    common = dict(vocab_size=model_cfg.vocab_size, tie_word_embeddings=model_cfg.tie_embeddings, attn_implementation="sdpa",
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None, use_cache=False)
+
+def base_config(model_cfg: Any, hf: HFConfig) -> dict[str, Any]:
+    """The transformers config as a dict: the weights' config.json, or one made from behemoth's model section."""
+    if hf.weights:
+        return read_weights_config(hf.weights)
+    common = dict(vocab_size=model_cfg.vocab_size, tie_word_embeddings=model_cfg.tie_embeddings,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, **dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout_p))
+    if model_cfg.bias is not None:
+        common.update(dict.fromkeys(BIAS_KEYS[hf.arch], model_cfg.bias))
     ffn = hf.ffn or model_cfg.mlp_ratio * model_cfg.d_model
     if hf.arch == "llama":
-        return transformers.LlamaConfig(hidden_size=model_cfg.d_model, intermediate_size=ffn, num_hidden_layers=model_cfg.n_layer,
-                                        num_attention_heads=model_cfg.n_head, num_key_value_heads=hf.kv_heads or model_cfg.n_head,
-                                        max_position_embeddings=model_cfg.context, attention_dropout=model_cfg.dropout,
-                                        rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta}, **common)
-    p = model_cfg.dropout
-    return transformers.GPT2Config(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn,
-                                   n_positions=model_cfg.context, resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, **common)
+        return dict(hidden_size=model_cfg.d_model, intermediate_size=ffn, num_hidden_layers=model_cfg.n_layer,
+                    num_attention_heads=model_cfg.n_head, num_key_value_heads=hf.kv_heads or model_cfg.n_head,
+                    max_position_embeddings=model_cfg.context, rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta},
+                    **common)
+    return dict(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn,
+                n_positions=model_cfg.context, **common)
+
+
+def config_overrides(model_cfg: Any, hf: HFConfig) -> dict[str, tuple[Any, Any]]:
+    """With hf.weights: config.json key -> (its value, the value behemoth runs with) for every field an option changes
+    (model.dropout, model.bias; model.n_layer only for the one-block copy that times a layer)."""
+    if not hf.weights:
+        return {}
+    base = base_config(model_cfg, hf)
+    wanted: dict[str, Any] = {"num_hidden_layers" if hf.arch == "llama" else "n_layer": model_cfg.n_layer}
+    if model_cfg.dropout is not None:
+        wanted.update(dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout))
+    if model_cfg.bias is not None:
+        wanted.update(dict.fromkeys(BIAS_KEYS[hf.arch], model_cfg.bias))
+    defaults = config_class(hf.arch)().to_dict()
+    return {k: (base.get(k, defaults.get(k)), v) for k, v in wanted.items() if base.get(k, defaults.get(k)) != v}
+
+
+def model_problems(model_cfg: Any, hf: HFConfig) -> list[str]:
+    """Why this Hugging Face model cannot be built as asked: an option its family has no field for, or a config.json
+    field behemoth cannot honour."""
+    out = []
+    if hf.arch == "gpt2" and model_cfg.bias is False:
+        out.append("model.bias=false: GPT-2 always has biases; leave model.bias unset or use model=hf:llama")
+    if hf.arch == "gpt2" and hf.kv_heads not in (None, model_cfg.n_head):
+        out.append(f"hf.kv_heads={hf.kv_heads}: GPT-2 has no grouped-query attention; leave hf.kv_heads unset")
+    return out + (config_problems(hf.weights) if hf.weights else [])
+
+
+def transformers_config(model_cfg: Any, hf: HFConfig) -> Any:
+    """The transformers config behemoth builds `hf.arch` from (SDPA attention, no KV cache while training)."""
+    fields = {**base_config(model_cfg, hf), **{k: new for k, (_, new) in config_overrides(model_cfg, hf).items()}}
+    fields = {k: v for k, v in fields.items() if k not in ("attn_implementation", "use_cache", "model_type")}
+    return config_class(hf.arch)(**fields, attn_implementation="sdpa", use_cache=False)
+
+
+def hf_shape(config: Any, arch: str) -> ModelShape:
+    """The shape of a transformers config, in behemoth's terms."""
+    if arch == "llama":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return ModelShape("llama", config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads or heads, head_dim,
+                          config.intermediate_size, config.vocab_size, config.max_position_embeddings, bool(config.tie_word_embeddings), gated=True)
+    return ModelShape("gpt2", config.n_layer, config.n_embd, config.n_head, config.n_head, config.n_embd // config.n_head,
+                      config.n_inner or 4 * config.n_embd, config.vocab_size, config.n_positions, bool(config.tie_word_embeddings), gated=False)
 
 
 def require_transformers() -> None:
@@ -117,13 +213,11 @@ def require_transformers() -> None:
         raise BehemothError("hf.arch needs the transformers package, which is not installed", "pip install 'behemoth[hf]'") from None
 
 
-def build_hf(model_cfg: Any, hf: HFConfig) -> nn.Module:
+def build_hf(config: Any, arch: str) -> nn.Module:
     """The transformers model on the meta device: parameters without storage, buffers real (on the CPU)."""
-    require_transformers()
     import transformers
 
-    config = transformers_config(model_cfg, hf)
-    cls = transformers.LlamaForCausalLM if hf.arch == "llama" else transformers.GPT2LMHeadModel
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
     with torch.device("meta"):
         model = cls(config)
     rebuild_meta_buffers(model)
@@ -169,10 +263,20 @@ def hf_tp_plan(model: nn.Module, arch: str) -> dict[str, str]:
     return {**{f"{prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **LLAMA_EXTRA_PLAN}
 
 
-def adapt_attention_width(model: nn.Module, arch: str, tp: int) -> None:
+def transposed_linears(model: nn.Module) -> frozenset[str]:
+    """Modules that hold a linear weight as [in, out] (GPT-2's Conv1D) instead of nn.Linear's [out, in]."""
+    from transformers.pytorch_utils import Conv1D
+
+    return frozenset(n for n, m in model.named_modules() if isinstance(m, Conv1D))
+
+
+def norm_modules(model: nn.Module) -> frozenset[str]:
+    """Every normalization module: LayerNorm, or the RMSNorm class of a transformers family."""
+    return frozenset(n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm"))
+
+
+def adapt_attention_width(model: nn.Module, tp: int) -> None:
     """GPT-2 splits c_attn's output by its `split_size` attribute (the full width); under TP a rank holds 1/t of it."""
-    if arch != "gpt2" or tp == 1:
-        return
     for block in model.transformer.h:
         block.attn.split_size = block.attn.embed_dim // tp
 

@@ -4,18 +4,29 @@ Every parameter's `.grad` is a view into a flat bucket buffer, so autograd accum
 into the buffer and the all-reduce needs no copy. A post-accumulate-grad hook counts ready
 gradients; when a bucket is complete its all-reduce is launched asynchronously and the rest of
 backward runs while it travels. On gradient-accumulation micro-steps nothing is sent.
-
-The loss is already divided by the global token count (see `engine.py`), so the all-reduce sums.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import CommMeter, Pending, all_reduce, plan_buckets
-from behemoth.parallel.clip import clip_grad_norm
+from behemoth.models.causal_lm import tied_names
+from behemoth.models.init import FULL_NAME
+from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, adamw_with_state
+
+
+@dataclass(frozen=True)
+class DataParallelPolicy:
+    """Replicated data parallelism: the size of a gradient bucket (one all-reduce each)."""
+
+    bucket_mb: float = 25.0
 
 
 class GradBucket:
@@ -33,20 +44,43 @@ class GradBucket:
         self.pending: Pending | None = None
 
 
-class DataParallel:
+class ReplicatedAdamW(Optimizer):
+    """torch's AdamW over whole parameters, with its state named by single-process parameter names."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], settings: AdamWSettings) -> None:
+        self.names = {p: name for name, p in named}
+        params = list(self.names)
+        self.inner = adamw_with_state([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], settings)
+        self.param_groups = self.inner.param_groups if self.inner else []
+
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {self.names[p]: dict(state) for p, state in self.inner.state.items()} if self.inner else {}
+
+    def state_bytes(self) -> int:
+        states = self.inner.state.values() if self.inner else []
+        return sum(t.numel() * t.element_size() for s in states for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+
+
+class DataParallel(GradSync):
     """Keeps data-parallel replicas' gradients equal: the sum over ranks, overlapped with backward."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, *, bucket_bytes: int, meter: CommMeter | None = None) -> None:
-        self.group, self.meter = group, meter
-        self.world = dist.get_world_size(group)
-        self.params = [p for p in params if p.requires_grad]
-        self.buckets = [GradBucket(b) for b in plan_buckets(reversed(self.params), bucket_bytes)]
+    sharded = False
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, *, bucket_bytes: int,
+                 aliases: dict[str, list[str]] | None = None, meter: CommMeter | None = None) -> None:
+        self.group, self.meter, self.aliases = group, meter, aliases or {}
+        self.named = [(getattr(p, FULL_NAME, n), p) for n, p in named if p.requires_grad]
+        self.buckets = [GradBucket(b) for b in plan_buckets(reversed([p for _, p in self.named]), bucket_bytes)]
         self.sync = True
-        for bucket in self.buckets if self.world > 1 else []:  # one replica: nothing to reduce, no hooks
+        for bucket in self.buckets if dist.get_world_size(group) > 1 else []:  # one replica: nothing to reduce, no hooks
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._ready_hook(bucket))
 
-    def _ready_hook(self, bucket: GradBucket):
+    def _ready_hook(self, bucket: GradBucket) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             if not self.sync:
                 return
@@ -59,9 +93,9 @@ class DataParallel:
         if bucket.pending is None:  # (a group of one: comm.all_reduce returns at once)
             bucket.pending = all_reduce(bucket.buffer, self.group, self.meter, async_op=True)
 
-    def set_sync(self, enabled: bool) -> None:
-        """Communicate during the next backward (the last micro-step) or not (accumulation)."""
-        self.sync = enabled
+    def begin_micro_batch(self, last: bool) -> None:
+        """Communicate during the next backward (the last micro-batch) or not (accumulation)."""
+        self.sync = last
 
     def finish(self) -> None:
         """Wait for every bucket; buckets with unused parameters are reduced here, in a fixed order."""
@@ -76,14 +110,26 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm (gradients are replicated, so the local norm is global); clip if > 0."""
-        return clip_grad_norm([("", b.buffer) for b in self.buckets], max_norm)
+    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.grad) for name, p in self.named if p.grad is not None]
 
-    def grad_bytes(self) -> int:
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+    def build_optimizer(self, settings: AdamWSettings) -> ReplicatedAdamW:
+        return ReplicatedAdamW(self.named, settings)
+
+    def model_state(self) -> dict[str, Any]:
+        state = {name: p.detach() for name, p in self.named}
+        for name, others in self.aliases.items():  # a tied weight under each of its names, as in module.state_dict()
+            if name in state:
+                state.update(dict.fromkeys(others, state[name]))
+        return state
+
+    def state_bytes(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for _, p in self.named)
+        return {"params": params, "grads": sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)}
 
 
-def apply_data_parallel(model: nn.Module, dp_group: dist.ProcessGroup, *, bucket_mb: float, meter: CommMeter | None = None) -> DataParallel:
-    """Attach bucketed, overlapped gradient all-reduce to `model`'s parameters."""
-    return DataParallel(list(model.parameters()), dp_group, bucket_bytes=int(bucket_mb * 2**20), meter=meter)
+def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, policy: DataParallelPolicy, *,
+                        select: Callable[[str], bool] | None = None, meter: CommMeter | None = None) -> DataParallel:
+    """Attach bucketed, overlapped gradient all-reduce over `group` to `model`'s parameters (those `select` accepts)."""
+    named = [(n, p) for n, p in model.named_parameters() if select is None or select(n)]
+    return DataParallel(named, group, bucket_bytes=int(policy.bucket_mb * 2**20), aliases=tied_names(model), meter=meter)

@@ -11,18 +11,20 @@ batched transfers run in issue order on one stream and a send completes only whe
 posted, so receives posted one at a time ahead of sends deadlock (1F1B's steady state does);
 `validate` proves every schedule's groups deadlock-free and matched in order under those rules
 (`rendezvous.py`). Tested on gloo (which runs a group's ops one by one, matched by tag) and by that
-model, not on GPUs. Chimera's gradient sync and the tied-embedding sum exchange in one group too
-(`pair_all_reduce`), and the evaluation pass issues each transfer as a group of one, in (batch,
-stage) order on every rank. Every wait is bounded by `timeout_s` and fails with an error naming
-this rank, the action and the peer.
+model, not on GPUs. Chimera's gradient sync exchanges in one group too (`pair_all_reduce`), and
+the evaluation pass issues each transfer as a group of one, in (batch, stage) order on every rank.
+Every wait is bounded by `timeout_s` and fails with an error naming this rank, the action and the peer.
+
+The executor runs passes and transfers and stops at OPT_STEP: finishing the gradients, clipping,
+the optimizer step and the loss reduction are the engine's, for every layout.
 
 Tensors move through a mailbox keyed by (payload, stage, micro-batch): a forward deposits its
 output, a backward the gradient of its input; a send's group takes the tensor out, a RECV puts one
 in, and when producer and consumer share a rank the consumer takes it straight from the mailbox.
 
-The last stage divides each micro-batch's summed token loss by the global token count, as
-`Engine.train_step` does, so the summed gradients are those of the single-process run. Each
-action's start and end (time.perf_counter, one clock for all processes of a machine) are
+The last stage turns its output into the loss with the function the engine hands to `run` (the
+engine's one scaling of the loss), so the summed gradients are those of the single-process run.
+Each action's start and end (time.perf_counter, one clock for all processes of a machine) are
 recorded, so the bubble fraction can be measured and compared with `simulate`.
 """
 
@@ -39,10 +41,9 @@ from torch import nn
 
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import summed_token_loss
+from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
-from behemoth.parallel.pipeline.partition import StageChunk
-from behemoth.parallel.pipeline.rendezvous import check_rendezvous
+from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
 from behemoth.parallel.pipeline.stage import StashMeter, Stashed, backward_full, backward_input, backward_weight
 
@@ -52,6 +53,32 @@ SYNC_TAG = 1 << 22  # tags of gradient syncs between replicas; activations and g
 EVAL_TAG = 1 << 23  # tags of the forward-only evaluation pass
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass(frozen=True)
+class PipeComm:
+    """How a pipeline rank reaches the others: the pp group, the longest wait, the traffic meter, how early receives go out."""
+
+    group: dist.ProcessGroup
+    timeout_s: float
+    meter: CommMeter | None = None
+    lookahead: int = RECV_LOOKAHEAD
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What stages exchange: [batch, sequence / seq_split, hidden] tensors of `dtype` on `device` (seq_split: SP's tp)."""
+
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    seq_split: int = 1
+
+    def shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
+        """The shape of an activation (or its gradient) between stages for a micro-batch of token ids [B, T]."""
+        return (inputs.shape[0], inputs.shape[1] // self.seq_split, self.hidden_size)
 
 
 class PipelineWaitError(BehemothError):
@@ -82,44 +109,37 @@ class StepTrace:
 
 
 class PipelineExecutor:
-    """One rank's executor: its schedule, its stage chunks, and how to reach the other ranks."""
+    """One rank's executor: its schedule, its pipeline stages, and how to reach the other ranks.
 
-    def __init__(self, schedule: Schedule, rank: int, chunks: dict[int, StageChunk], *, group: dist.ProcessGroup,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, tokens_per_step: int,
-                 timeout_s: float, on_opt_step: Callable[[], None], sync_params: dict[int, list[nn.Parameter]],
-                 meter: CommMeter | None = None, loss_fn: LossFn = summed_token_loss,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, lookahead: int = RECV_LOOKAHEAD,
-                 seq_split: int = 1, on_grads: Callable[[int], None] | None = None) -> None:
-        self.schedule, self.rank, self.chunks, self.group = schedule, rank, chunks, group
-        self.seq_split = seq_split  # sequence parallelism: stages exchange [B, T / seq_split, hidden] activations
-        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
-        self.tokens_per_step, self.timeout_s, self.meter = tokens_per_step, timeout_s, meter
-        self.on_opt_step, self.sync_params, self.loss_fn, self.autocast = on_opt_step, sync_params, loss_fn, autocast
-        self.on_grads = on_grads  # called with a stage once a pass has written its weight gradients (ZeRO-2 reduces them)
+    `replica_params`: per stage, the parameters Chimera's GRAD_SYNC sums with the stage's other replica;
+    `on_grads(stage)`: called once a pass has written a stage's weight gradients (ZeRO-2 reduces them)."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, PipelineStage], comm: PipeComm, activations: Activations, *,
+                 replica_params: dict[int, list[nn.Parameter]] | None = None, on_grads: Callable[[int], None] | None = None) -> None:
+        self.schedule, self.rank, self.stages, self.comm, self.activations = schedule, rank, stages, comm, activations
+        self.replica_params, self.on_grads = replica_params or {}, on_grads
+        self.device = activations.device
         self.actions = schedule.per_rank[rank]
         timeline = reference_timeline(schedule)
-        plan = lambda s, r: p2p_groups(s, r, lookahead, timeline)  # noqa: E731
+        plan = lambda s, r: p2p_groups(s, r, comm.lookahead, timeline)  # noqa: E731
         check_rendezvous(schedule, plan)  # milliseconds; refuses groups NCCL could hang on
         self.groups: dict[int, list[P2PGroup]] = {}  # action index -> the p2p groups issued just before it
         for g in plan(schedule, rank):
             self.groups.setdefault(g.at, []).append(g)
         self.stash_meter = StashMeter()
 
-    def activation_shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
-        """The shape of an activation (or its gradient) between stages for a micro-batch of token ids [B, T]."""
-        return (inputs.shape[0], inputs.shape[1] // self.seq_split, self.hidden_size)
-
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
         payload, stage, microbatch = message_key(a)
         return 1 + (payload * self.schedule.num_stages + stage) * self.schedule.microbatches + microbatch
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepTrace:
-        """Run this rank's actions for one step (forward, backward, transfers, syncs, optimizer step)."""
+    def run(self, micro_batches: Batch, loss: LossFn, autocast: Autocast = contextlib.nullcontext) -> StepTrace:
+        """Run this rank's actions for one step: passes, transfers and replica syncs, up to the optimizer step.
+        `loss(output, targets)` is a last stage's loss of one micro-batch, as the engine scales it."""
         if len(micro_batches) != self.schedule.microbatches:
             raise BehemothError(f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for "
                                 f"{self.schedule.microbatches}", "build the pipeline for the step's micro-batch count")
-        step = _Step(self, micro_batches)
+        step = _Step(self, micro_batches, loss, autocast)
         times = []
         for i, a in enumerate(self.actions):
             for g in self.groups.get(i, ()):
@@ -133,47 +153,51 @@ class PipelineExecutor:
     def wait(self, pending: Pending, index: int, a: Action, what: str) -> None:
         """Wait at most timeout_s; otherwise fail naming this rank, the action and the peer."""
         try:
-            pending.wait(self.timeout_s)
+            pending.wait(self.comm.timeout_s)
         except RuntimeError as err:
             raise self.wait_error(err, index, a, what) from None
 
     def wait_error(self, err: RuntimeError, index: int, a: Action, what: str) -> PipelineWaitError:
         """One line naming this rank, the action (index -1: the evaluation pass), the peer and c10d's reason."""
         detail = str(err).strip().splitlines()[0][-160:] if str(err).strip() else type(err).__name__
-        me, peer = dist.get_rank(), dist.get_global_rank(self.group, a.peer)
+        me, peer = dist.get_rank(), dist.get_global_rank(self.comm.group, a.peer)
         where = f"action {index} {a}" if index >= 0 else f"{a} of the evaluation pass"
         return PipelineWaitError(
             f"pipeline rank {self.rank} (global rank {me}) waited {what} at {where} "
-            f"with pipeline rank {a.peer} (global rank {peer}) and gave up after run.timeout_s={self.timeout_s:g} s ({detail})",
+            f"with pipeline rank {a.peer} (global rank {peer}) and gave up after run.timeout_s={self.comm.timeout_s:g} s ({detail})",
             f"see rank {peer}'s log: it failed, hangs, or runs a different schedule; raise run.timeout_s if it is only slow")
 
+    def send_recv(self, op: P2P) -> Pending:
+        """One transfer as a batched group of its own."""
+        return batch_p2p([op], self.comm.group, self.comm.meter)[0]
+
     @torch.no_grad()
-    def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
         """[summed token loss, token count] of the batches whose last stage runs here (first replica of every stage)."""
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         owner = [ranks[0] for ranks in self.schedule.stage_ranks]
         sends, local = [], {}
         for b, (inputs, targets) in enumerate(batches):
             for stage in (s for s in range(len(owner)) if owner[s] == self.rank):
-                chunk, tag = self.chunks[stage], EVAL_TAG + b * len(owner) + stage
-                if chunk.is_first:
+                part, tag = self.stages[stage], EVAL_TAG + b * len(owner) + stage
+                if part.is_first:
                     x = inputs.to(self.device)
                 elif owner[stage - 1] == self.rank:
                     x = local.pop(stage - 1)
                 else:
-                    x = torch.empty(self.activation_shape(inputs), dtype=self.dtype, device=self.device)
+                    x = torch.empty(self.activations.shape(inputs), dtype=self.activations.dtype, device=self.device)
                     a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
-                    self.wait(batch_p2p([P2P(False, x, a.peer, tag - 1)], self.group, self.meter)[0], -1, a, "for an evaluation activation")
-                with self.autocast():
-                    out = chunk.forward(x)
-                if chunk.is_last:
-                    stats += torch.stack([self.loss_fn(out, targets.to(self.device)).double(),
+                    self.wait(self.send_recv(P2P(False, x, a.peer, tag - 1)), -1, a, "for an evaluation activation")
+                with autocast():
+                    out = part.forward(x)
+                if part.is_last:
+                    stats += torch.stack([loss_sum(out, targets.to(self.device)).double(),
                                           torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)])
                 elif owner[stage + 1] == self.rank:
                     local[stage] = out
                 else:
-                    a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.dtype)
-                    sends.append((batch_p2p([P2P(True, out, a.peer, tag)], self.group, self.meter)[0], a, out))  # keep `out` alive until sent
+                    a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.activations.dtype)
+                    sends.append((self.send_recv(P2P(True, out, a.peer, tag)), a, out))  # keep `out` alive until sent
         for pending, a, _ in sends:
             self.wait(pending, -1, a, "for an evaluation send")
         return stats
@@ -182,8 +206,8 @@ class PipelineExecutor:
 class _Step:
     """The state of one step on one rank: mailbox, posted receives, in-flight sends, stashed activations."""
 
-    def __init__(self, ex: PipelineExecutor, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.ex, self.batches = ex, micro_batches
+    def __init__(self, ex: PipelineExecutor, micro_batches: Batch, loss: LossFn, autocast: Autocast) -> None:
+        self.ex, self.batches, self.loss_of, self.autocast = ex, micro_batches, loss, autocast
         self.mailbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self.posted: dict[int, tuple[Pending, torch.Tensor]] = {}
         self.sends: list[tuple[Pending, int, Action, torch.Tensor]] = []
@@ -204,11 +228,11 @@ class _Step:
         for j in group.ops:
             a = ex.actions[j]
             if a.kind in RECVS:
-                tensor = torch.empty(ex.activation_shape(self.batches[a.microbatch][0]), dtype=ex.dtype, device=ex.device)
+                tensor = torch.empty(ex.activations.shape(self.batches[a.microbatch][0]), dtype=ex.activations.dtype, device=ex.device)
             else:
                 tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
             ops.append(P2P(a.kind not in RECVS, tensor, a.peer, ex.tag(a)))
-        for j, op, pending in zip(group.ops, ops, batch_p2p(ops, ex.group, ex.meter)):
+        for j, op, pending in zip(group.ops, ops, batch_p2p(ops, ex.comm.group, ex.comm.meter)):
             if op.send:
                 self.sends.append((pending, j, ex.actions[j], op.tensor))
             else:
@@ -223,18 +247,18 @@ class _Step:
         """Nothing left to do: the send went out with its group, right after the pass that produced it."""
 
     def forward(self, index: int, a: Action) -> None:
-        ex, chunk = self.ex, self.ex.chunks[a.stage]
+        ex, part = self.ex, self.ex.stages[a.stage]
         inputs, targets = self.batches[a.microbatch]
-        leaf = None if chunk.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch)).requires_grad_()
+        leaf = None if part.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch)).requires_grad_()
         with ex.stash_meter.measure() as meter:
-            with ex.autocast():
-                out = chunk.forward(inputs.to(ex.device) if leaf is None else leaf)
-            if chunk.is_last:  # the one place the loss is scaled, as in Engine.train_step
-                out = ex.loss_fn(out, targets.to(ex.device)) / ex.tokens_per_step
-        if chunk.is_last:
+            with self.autocast():
+                out = part.forward(inputs.to(ex.device) if leaf is None else leaf)
+            if part.is_last:
+                out = self.loss_of(out, targets.to(ex.device))
+        if part.is_last:
             self.loss += out.detach()
         else:
-            self.mailbox[(ACT, a.stage, a.microbatch)] = out.detach().to(ex.dtype)
+            self.mailbox[(ACT, a.stage, a.microbatch)] = out.detach().to(ex.activations.dtype)
         self.stash[(a.stage, a.microbatch)] = Stashed(leaf, out, meter.bytes)
         self.stash_bytes += meter.bytes
         self.peak_stash = max(self.peak_stash, self.stash_bytes)
@@ -242,12 +266,12 @@ class _Step:
 
     def output_grad(self, a: Action, s: Stashed) -> torch.Tensor | None:
         """The gradient of this stage's output (None on the last stage, whose output is the loss), in its dtype."""
-        if self.ex.chunks[a.stage].is_last:
+        if self.ex.stages[a.stage].is_last:
             return None
         return self.mailbox.pop((GRAD, a.stage + 1, a.microbatch)).to(s.output.dtype)
 
     def deposit_input_grad(self, a: Action, grad: torch.Tensor | None) -> None:
-        if not self.ex.chunks[a.stage].is_first:
+        if not self.ex.stages[a.stage].is_first:
             self.mailbox[(GRAD, a.stage, a.microbatch)] = grad
 
     def release(self, s: Stashed) -> None:
@@ -262,11 +286,11 @@ class _Step:
 
     def backward_input(self, index: int, a: Action) -> None:
         s = self.stash[(a.stage, a.microbatch)]
-        self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.chunks[a.stage].parameters()))
+        self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.stages[a.stage].parameters()))
 
     def backward_weight(self, index: int, a: Action) -> None:
         s = self.stash.pop((a.stage, a.microbatch))
-        backward_weight(s, self.ex.chunks[a.stage].parameters())
+        backward_weight(s, self.ex.stages[a.stage].parameters())
         self.release(s)
         self.grads_done(a)
 
@@ -276,16 +300,16 @@ class _Step:
 
     def grad_sync(self, index: int, a: Action) -> None:
         """Sum this stage's gradients with its other replica's (Chimera), one exchange of a flat buffer."""
-        ex = self.ex
+        ex, comm = self.ex, self.ex.comm
         try:
-            reduce_flat([p.grad for p in ex.sync_params.get(a.stage, [])],
-                        lambda flat: pair_all_reduce(flat, a.peer, ex.group, ex.meter, tag=SYNC_TAG + a.stage, timeout_s=ex.timeout_s))
+            reduce_flat([p.grad for p in ex.replica_params.get(a.stage, [])],
+                        lambda flat: pair_all_reduce(flat, a.peer, comm.group, comm.meter, tag=SYNC_TAG + a.stage, timeout_s=comm.timeout_s))
         except RuntimeError as err:
             raise ex.wait_error(err, index, a, "for the gradient sync") from None
 
     def opt_step(self, index: int, a: Action) -> None:
+        """The end of the passes: every send completes; the engine takes over for the optimizer step."""
         self.finish()
-        self.ex.on_opt_step()
 
     def reap_sends(self) -> None:
         """Drop completed sends so their tensors can be freed."""

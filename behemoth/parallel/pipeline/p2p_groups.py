@@ -43,7 +43,7 @@ import bisect
 from dataclasses import dataclass
 
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS, Action, Kind, Schedule
-from behemoth.parallel.pipeline.simulate import Costs, Interval, run_timeline
+from behemoth.parallel.pipeline.analysis.simulate import Costs, Interval, run_timeline
 
 RECV_LOOKAHEAD = 4  # a receive may be posted up to this many passes before its consumer (one buffer each, held early)
 REFERENCE_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = BI = W = 1, a full backward B = 2

@@ -6,85 +6,24 @@ stage the final norm and language-model head. `stage_boundaries` are fence posts
 per-layer costs (estimated FLOPs, measured seconds, or plain layer counts): it minimizes the cost
 of the costliest stage, so a large vocabulary's head leaves the last stage fewer blocks.
 
-The cut keeps the single-process module names: the rank's model is the same module object (GPT,
-or a transformers model through its `LayeredView`) with only its own blocks (`StageBlocks`,
+The cut keeps the single-process module names: the rank's model is the same module object, run
+through its model's `LayeredView` (models/layered.py), with only its own blocks (`StageBlocks`,
 registered under their original indices), embedding and head, so layout-independent
 initialization, DCP checkpoints and `behemoth export` see the names they expect. With tied
-embeddings the first and the last stage both hold the embedding weight; the executor sums the two
-copies' gradients (Megatron's embedding group) so they stay equal.
+embeddings the first and the last stage both hold the embedding weight; the pipeline sums the two
+copies' gradients before the data-parallel reduction (Megatron's embedding group) so they stay equal.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.models.gpt import GPT, Block, GPTConfig
-from behemoth.parallel.pipeline.views import VIEWS, LayeredView
-
-
-@dataclass(frozen=True)
-class LayerCosts:
-    """Cost of one micro-batch through each part of the layered view, in any one unit."""
-
-    embed: float
-    blocks: tuple[float, ...]
-    head: float  # final norm, language-model head and loss
-    unit: str
-
-
-def estimate_layer_costs(cfg: GPTConfig, seq_len: int, *, kv_heads: int | None = None, ffn: int | None = None,
-                         gated: bool = False) -> LayerCosts:
-    """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them).
-
-    Defaults describe behemoth's GPT; a Llama passes its key/value heads (grouped-query attention), MLP width and
-    `gated` (SwiGLU: three MLP matrices), a GPT-2 its MLP width."""
-    d, v = cfg.d_model, cfg.vocab_size
-    kv = (kv_heads or cfg.n_head) * cfg.head_dim
-    width = ffn or cfg.mlp_ratio * d
-    matrices = 2 * d * d + 2 * d * kv + (3 if gated else 2) * d * width  # q, proj; k, v; MLP
-    block = 2 * matrices + 4 * seq_len * d  # attention scores and values
-    return LayerCosts(embed=2.0 * d, blocks=(float(block),) * cfg.n_layer, head=2.0 * d * v + 5.0 * v, unit="flop/token")
-
-
-def uniform_layer_costs(cfg: GPTConfig) -> LayerCosts:
-    """Every block costs 1, the embedding and head nothing: stages of equal block counts."""
-    return LayerCosts(embed=0.0, blocks=(1.0,) * cfg.n_layer, head=0.0, unit="blocks")
-
-
-def _time_pass(fn, reps: int) -> float:
-    """Median seconds of forward + backward of `fn()` (a scalar), after one warm-up."""
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        fn().backward()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
-def measure_layer_costs(cfg: GPTConfig, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:
-    """Measured forward + backward seconds of the embedding, one block and the head for one micro-batch.
-
-    All GPT blocks have the same shape, so one is timed and its time used for each.
-    """
-    torch.manual_seed(0)
-    gpt_cfg = cfg.model_copy(update={"n_layer": 1})
-    with torch.device(device):
-        model = GPT(gpt_cfg)
-    idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
-    h = torch.randn(micro_batch, seq_len, cfg.d_model, device=device, requires_grad=True)
-    block: Block = model.blocks[0]
-    embed = _time_pass(lambda: model.embed(idx).sum(), reps)
-    one_block = _time_pass(lambda: block(h).sum(), reps)
-    head = _time_pass(lambda: F.cross_entropy(model.head(h).flatten(0, 1), idx.flatten()), reps)
-    return LayerCosts(embed=embed, blocks=(one_block,) * cfg.n_layer, head=head, unit="s")
+from behemoth.models.layered import LayeredView
+from behemoth.models.shape import LayerCosts
 
 
 def balance_stages(costs: LayerCosts, stages: int) -> list[int]:
@@ -165,15 +104,12 @@ class StageBlocks(nn.Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def indices(self) -> list[int]:
-        return [int(k) for k in self._modules]
 
-
-class StageChunk:
-    """One model stage on this rank: a view over the cut model that runs blocks [first, last) and,
+class PipelineStage:
+    """One pipeline stage on this rank: a view over the cut model that runs blocks [first, last) and,
     on the first stage, the embedding, on the last, the head. It owns no modules."""
 
-    def __init__(self, model: nn.Module, stage: int, bounds: Sequence[int], view: LayeredView = VIEWS["gpt"], tied: bool = False) -> None:
+    def __init__(self, model: nn.Module, stage: int, bounds: Sequence[int], view: LayeredView, tied: bool = False) -> None:
         self.model, self.stage, self.view, self.tied = model, stage, view, tied
         self.blocks = range(bounds[stage], bounds[stage + 1])
         self.is_first, self.is_last = stage == 0, stage == len(bounds) - 2
@@ -204,7 +140,7 @@ class StageChunk:
 
 def full_sequence_like(h: torch.Tensor, seq_split: int) -> torch.Tensor:
     """Hidden states of the full sequence's shape (a view, no memory) for a stage whose input is a sequence-parallel
-    chunk: positions, causal masks and rotary embeddings are built for the whole sequence, as on the first stage."""
+    shard: positions, causal masks and rotary embeddings are built for the whole sequence, as on the first stage."""
     if seq_split == 1:
         return h
     return h.detach()[:, :1].expand(h.shape[0], h.shape[1] * seq_split, *h.shape[2:])
@@ -215,8 +151,8 @@ def _drop(model: nn.Module, name: str) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, None)
 
 
-def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView = VIEWS["gpt"],
-              tied: bool = False) -> dict[int, StageChunk]:
+def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView,
+              tied: bool = False) -> dict[int, PipelineStage]:
     """Keep only the parts of `model` (on the meta device) that the stages in `held_stages` use; `tied`: the head
     reads the embedding's weight, so the last stage keeps the embedding module too."""
     stages = len(bounds) - 1
@@ -229,4 +165,4 @@ def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int
             _drop(model, name)
     for name in view.last if not last else ():
         _drop(model, name)
-    return {s: StageChunk(model, s, bounds, view, tied) for s in sorted(held_stages)}
+    return {s: PipelineStage(model, s, bounds, view, tied) for s in sorted(held_stages)}

@@ -100,10 +100,6 @@ class Schedule:
         """The rank that runs `stage` for `microbatch`."""
         return self.stage_ranks[stage][self.replica_of_microbatch[microbatch]]
 
-    def chunk_of(self, stage: int, microbatch: int) -> int:
-        """The local chunk index of `stage` on the rank that runs it for `microbatch`."""
-        return self.chunk_stages[self.rank_of(stage, microbatch)].index(stage)
-
 
 # ---------------------------------------------------------------- assembling actions
 

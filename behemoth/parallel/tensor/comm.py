@@ -52,7 +52,7 @@ def _seq_back(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """Concatenate every rank's sequence chunk: [B, T/t, ...] -> [B, T, ...]."""
+    """Concatenate every rank's sequence shard: [B, T/t, ...] -> [B, T, ...]."""
     local = _seq_first(x)
     out = local.new_empty((local.shape[0] * tp.size, *local.shape[1:]))
     all_gather(out, local, tp.group, tp.meter)
@@ -60,7 +60,7 @@ def gather_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """Sum over ranks and keep this rank's sequence chunk: [B, T, ...] -> [B, T/t, ...]."""
+    """Sum over ranks and keep this rank's sequence shard: [B, T, ...] -> [B, T/t, ...]."""
     full = _seq_first(x)
     out = full.new_empty((full.shape[0] // tp.size, *full.shape[1:]))
     reduce_scatter(out, full, tp.group, tp.meter)
@@ -71,7 +71,7 @@ SeqOp = Callable[[torch.Tensor, TPComm], torch.Tensor]
 
 
 def split_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """This rank's chunk of the sequence (no communication)."""
+    """This rank's shard of the sequence (no communication)."""
     return x.chunk(tp.size, dim=SEQ_DIM)[tp.rank].contiguous()
 
 
@@ -98,7 +98,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _SequenceConjugate(torch.autograd.Function):
     """A sequence-parallel boundary: `forward_op` on the activation, its conjugate `backward_op` on the gradient
-    (all-gather <-> reduce-scatter; keeping this rank's chunk <-> all-gather)."""
+    (all-gather <-> reduce-scatter; keeping this rank's shard <-> all-gather)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TPComm, forward_op: SeqOp, backward_op: SeqOp) -> torch.Tensor:
@@ -131,5 +131,5 @@ def reduce_scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
 
 
 def scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """Enter the sequence-parallel region: keep this rank's chunk forward, all-gather backward."""
+    """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
     return _SequenceConjugate.apply(x, tp, split_sequence, gather_sequence)

@@ -174,21 +174,19 @@ def linear_saving_shard(x: torch.Tensor, shard: torch.Tensor, cache: RegatherCac
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x W^T + b for an nn.Linear weight [out, in]; x W + b for a Conv1D weight [in, out]."""
+    """x W^T + b for an nn.Linear weight [out, in]; x W + b for a transposed weight [in, out]."""
     if not transposed:
         return F.linear(x, weight, bias)
     y = torch.matmul(x, weight)
     return y if bias is None else y + bias
 
 
-def weight_orientation(module: nn.Module, name: str) -> bool:
-    """False for nn.Linear ([out, in]), True for GPT-2's Conv1D ([in, out])."""
-    if isinstance(module, nn.Linear):
-        return False
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return True
-    raise BehemothError(f"{name} is a {type(module).__name__}; column/row-parallel styles apply to nn.Linear or Conv1D",
-                        "map this module to another style in the tensor-parallel plan")
+def check_linear(module: nn.Module, name: str, transposed: bool) -> None:
+    """Column/row-parallel styles split a linear layer: nn.Linear ([out, in]) or one its model marks as transposed
+    ([in, out]: `CausalLM.transposed`)."""
+    if not (transposed or isinstance(module, nn.Linear)) or getattr(module, "weight", None) is None:
+        raise BehemothError(f"{name} is a {type(module).__name__}; column/row-parallel styles apply to linear layers",
+                            "map this module to another style in the tensor-parallel plan")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -205,8 +203,9 @@ class ColumnParallelLinear(nn.Module):
         self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, parts: int = 1, padded: bool = False) -> "ColumnParallelLinear":
-        transposed = weight_orientation(module, name)
+    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False,
+                    parts: int = 1, padded: bool = False) -> "ColumnParallelLinear":
+        check_linear(module, name, transposed)
         dim = 1 if transposed else 0
         w = module.weight
         layout = ShardLayout.padded(tuple(w.shape), dim, tp) if padded else ShardLayout.split(f"{name}.weight", tuple(w.shape), dim, tp, parts)
@@ -232,12 +231,12 @@ class RowParallelLinear(nn.Module):
         self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool) -> "RowParallelLinear":
-        transposed = weight_orientation(module, name)
+    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False) -> "RowParallelLinear":
+        check_linear(module, name, transposed)
         w = module.weight
         layout = ShardLayout.split(f"{name}.weight", tuple(w.shape), 0 if transposed else 1, tp)
         bias = getattr(module, "bias", None)
-        if bias is not None and sequence_parallel:  # added to this rank's sequence chunk: its gradient is partial
+        if bias is not None and sequence_parallel:  # added to this rank's sequence shard: its gradient is partial
             setattr(bias, TP_PARTIAL_GRAD, True)
         return cls(shard_parameter(w, f"{name}.weight", layout), bias, transposed=transposed, tp=tp, sequence_parallel=sequence_parallel)
 

@@ -2,12 +2,12 @@
 model that knows nothing of parallelism, replacing modules by name so parameter names do not change.
 
 Styles:
-    colwise            nn.Linear / Conv1D split along its outputs (Megatron column-parallel)
-    packed_colwise:K   the same for K fused equal parts (GPT's [q|k|v]): each part split separately, whole heads
+    colwise            a linear layer split along its outputs (Megatron column-parallel)
+    packed_colwise:K   the same for K fused equal parts (a fused [q|k|v]): each part split separately, whole heads
     rowwise            split along its inputs; the partial outputs are all-reduced (reduce-scattered under SP)
     vocab              nn.Embedding or LM-head nn.Linear split along the vocabulary (padded when t does not divide it)
     sequence_norm      a norm whose output feeds column-parallel layers: its output enters the tensor-parallel
-                       region (f, once for q, k and v); under SP it runs on this rank's sequence chunk, all-gathers
+                       region (f, once for q, k and v); under SP it runs on this rank's sequence shard, all-gathers
                        its output, and its parameters' gradients are summed over tp
     sequence_input     the first block: under SP its input is split along the sequence (no-op otherwise)
     position_embedding a learned position embedding added to the vocab embedding's output. Under SP, when every
@@ -31,13 +31,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from behemoth.comm import reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.tensor.checkpoint import sharded_view
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
-from behemoth.parallel.clip import clip_grad_norm
-from behemoth.parallel.tensor.grads import grad_slices, sharded_over, sum_partial_grads
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
     enter_tp_region, vocab_parallel_cross_entropy,
@@ -64,8 +63,26 @@ def match_plan(plan: dict[str, str], names: list[str]) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class TensorPolicy:
+    """A tensor-parallel plan and what the model says about its modules: which linear layers hold a transposed
+    weight ([in, out]) and which modules are norms (sequence parallelism must style every one)."""
+
+    plan: dict[str, str]
+    sequence_parallel: bool = False
+    transposed: frozenset[str] = frozenset()
+    norms: frozenset[str] = frozenset()
+
+
 class TensorParallel:
-    """What applying a plan leaves behind: the head's vocabulary split, the SP gradient sum, the norm, checkpoint views."""
+    """What applying a plan leaves behind: the head's vocabulary split, the SP gradient sum, checkpoint views.
+
+    After the data-parallel reduction, the gradient of a replicated parameter that sequence parallelism runs on a
+    sequence shard (norm weights, row-parallel biases) is a partial sum on each tp rank: `finish_grads` sums them
+    over tp in one all-reduce, once per step (sums over dp and over tp commute, and accumulation over micro-batches
+    is a sum too). Gradients may be whole or this rank's ZeRO slices: ZeRO's flat layouts are identical on every tp
+    rank (split parameters have equal local shapes on all of them), so the slices line up element by element.
+    """
 
     def __init__(self, model: nn.Module, tp: TPComm, sequence_parallel: bool, vocab: VocabShard | None) -> None:
         self.tp, self.sequence_parallel, self.vocab = tp, sequence_parallel, vocab
@@ -75,15 +92,14 @@ class TensorParallel:
         self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
         self.partial = {getattr(p, FULL_NAME, n) for n, p in named if getattr(p, TP_PARTIAL_GRAD, False)}
 
-    def finish_grads(self, model: nn.Module, sync: Any) -> None:
-        """After the data-parallel reduction: sum the SP-partial gradients over tp (one all-reduce)."""
-        if self.partial:
-            sum_partial_grads(grad_slices(model, sync), self.partial, self.tp)
+    @torch.no_grad()
+    def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
+        """Sum the SP-partial gradients among `slices` (name, gradient or its ZeRO slice) over tp, in one all-reduce."""
+        reduce_flat([g for name, g in slices if name in self.partial], self.tp.all_reduce)
 
-    def clip_grad_norm(self, model: nn.Module, sync: Any, max_norm: float) -> float:
-        """Global gradient norm of the single-process model, from split, replicated and ZeRO-sharded gradients; clip."""
-        return clip_grad_norm(grad_slices(model, sync), max_norm, groups=[sharded_over(sync), self.tp.group], meter=self.tp.meter,
-                              split=set(self.layouts), tp_size=self.tp.size)
+    def copies(self, name: str) -> int:
+        """tp ranks holding an identical copy of this parameter's gradient: 1 if split, else all of them."""
+        return 1 if name in self.layouts else self.tp.size
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""
@@ -105,11 +121,12 @@ class TensorParallel:
                 for section, part in state.items()}
 
 
-def apply_tensor_parallel(model: nn.Module, tp: TPComm, plan: dict[str, str], *, sequence_parallel: bool = False) -> TensorParallel:
-    """Replace the modules `plan` names with their tensor-parallel versions (on the meta device or not)."""
-    styles = match_plan(plan, [n for n, _ in model.named_modules() if n])
-    check_plan(model, plan, styles, sequence_parallel)
-    build = Build(tp, sequence_parallel, sequence_parallel and embedding_reduce_scatters(model, styles))
+def apply_tensor_parallel(model: nn.Module, tp: TPComm, policy: TensorPolicy) -> TensorParallel:
+    """Replace the modules the policy's plan names with their tensor-parallel versions (on the meta device or not)."""
+    sequence_parallel = policy.sequence_parallel
+    styles = match_plan(policy.plan, [n for n, _ in model.named_modules() if n])
+    check_plan(model, policy, styles)
+    build = Build(tp, sequence_parallel, sequence_parallel and embedding_reduce_scatters(model, styles), policy.transposed)
     vocab = None
     for name, style in styles.items():
         module = model.get_submodule(name)
@@ -129,6 +146,7 @@ class Build:
     tp: TPComm
     sp: bool
     scatter_embedding: bool  # SP: the vocab embedding's partial sums are reduce-scattered by the first block
+    transposed: frozenset[str]  # linear modules whose weight is [in, out]
     replaced: dict[int, nn.Parameter] = field(default_factory=dict)  # id(original weight) -> its split version
 
 
@@ -142,10 +160,11 @@ def embedding_reduce_scatters(model: nn.Module, styles: dict[str, str]) -> bool:
 def build_parallel(module: nn.Module, name: str, kind: str, parts: int, build: Build) -> nn.Module | None:
     """The parallel replacement of one module, or None where the style only adds hooks."""
     original, tp, sp, replaced = getattr(module, "weight", None), build.tp, build.sp, build.replaced
+    transposed = name in build.transposed
     if kind in ("colwise", "packed_colwise"):
-        new: nn.Module = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, parts=parts)
+        new: nn.Module = ColumnParallelLinear.from_module(module, name, tp, sequence_parallel=sp, transposed=transposed, parts=parts)
     elif kind == "rowwise":
-        new = RowParallelLinear.from_module(module, name, tp, sequence_parallel=sp)
+        new = RowParallelLinear.from_module(module, name, tp, sequence_parallel=sp, transposed=transposed)
     elif kind == "vocab" and isinstance(module, nn.Embedding):
         new = VocabParallelEmbedding.from_module(module, name, tp)
         new.reduce_output = not build.scatter_embedding
@@ -199,20 +218,22 @@ def sequence_input_hook(tp: TPComm, reduce: bool) -> Callable[..., Any]:
     return hook
 
 
-def check_plan(model: nn.Module, plan: dict[str, str], styles: dict[str, str], sequence_parallel: bool) -> None:
+def check_plan(model: nn.Module, policy: TensorPolicy, styles: dict[str, str]) -> None:
     """Refuse plans that would silently train wrong: column layers with no region entry, SP norms left out.
 
     `styles` are the plan's matches in `model`, which may be one pipeline stage: a later stage holds no block 0,
-    so its `sequence_input` entry matches nothing (its input arrives already split along the sequence)."""
+    so its `sequence_input` entry matches nothing (its input arrives already split along the sequence), and only
+    the norms it holds must be styled."""
     kinds = {s.split(":")[0] for s in styles.values()}
     if kinds & {"colwise", "packed_colwise", "rowwise"} and "sequence_norm" not in kinds:
         raise BehemothError("the tensor-parallel plan splits linear layers but names no sequence_norm where their region starts",
                             "map the norm before each column-parallel layer to sequence_norm")
-    if not sequence_parallel:
+    if not policy.sequence_parallel:
         return
-    missing = [n for n, m in model.named_modules() if "norm" in type(m).__name__.lower() and styles.get(n) != "sequence_norm"]
+    present = {n for n, _ in model.named_modules()}
+    missing = sorted(n for n in policy.norms & present if styles.get(n) != "sequence_norm")
     if missing:
         raise BehemothError(f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
                             "add them to the tensor-parallel plan or set parallel.sequence_parallel=false")
-    if "sequence_input" not in plan.values():
+    if "sequence_input" not in policy.plan.values():
         raise BehemothError("sequence parallelism needs a sequence_input entry (the first block) in the plan", "add one")

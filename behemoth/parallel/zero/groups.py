@@ -5,11 +5,12 @@ into one flat buffer, so the all-gather after the optimizer step writes all of t
 gradients are reduce-scattered: rank r receives the sum of elements [r * S, (r + 1) * S), the shard
 whose master weights and Adam moments it alone keeps.
 
-- stage 1: gradients are views into a persistent full-size flat buffer (as in data parallelism);
-  on the last micro-batch each bucket is reduce-scattered in place as soon as backward fills it.
-- stage 2: no full-size gradient is kept. Each parameter's gradient is copied into its bucket as
-  backward produces it and dropped; a full bucket is reduce-scattered, added into the persistent
-  gradient shard and freed. This runs on every micro-batch, so a full gradient never exists.
+- stage 1 (`AccumulatingBucket`): gradients are views into a persistent full-size flat buffer (as in
+  data parallelism); on the last micro-batch each bucket is reduce-scattered in place as soon as
+  backward fills it.
+- stage 2 (`StreamingBucket`): no full-size gradient is kept. Each parameter's gradient is added into
+  its bucket as backward produces it and dropped; a full bucket is reduce-scattered, added into the
+  persistent gradient shard and freed. This runs on every micro-batch, so a full gradient never exists.
 """
 
 from __future__ import annotations
@@ -87,14 +88,17 @@ class FlatGroup(abc.ABC):
 
 
 class ReplicatedGroup(FlatGroup):
-    """A bucket of full parameters (ZeRO-1/2) whose gradients are reduce-scattered to shard owners."""
+    """A bucket of full parameters (ZeRO-1/2) whose gradients are reduce-scattered to shard owners.
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup, *, stage: int,
+    The two stages differ only in where a gradient lives until it is reduced: `AccumulatingBucket` (stage 1)
+    keeps a full gradient buffer for the whole step; `StreamingBucket` (stage 2) keeps only the shard."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup, *,
                  compute_dtype: torch.dtype, meter: CommMeter | None, buffers: BufferMeter) -> None:
         super().__init__(names, [tuple(p.shape) for p in params], group, compute_dtype=compute_dtype, meter=meter)
-        self.params, self.stage, self.buffers = params, stage, buffers
-        device = params[0].device
-        flat32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        self.params, self.buffers = params, buffers
+        self.device = params[0].device
+        flat32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=self.device)
         for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
             flat32[offset:offset + n].copy_(p.detach().reshape(-1))
         self.separate_master = compute_dtype != torch.float32  # with float32 compute the shard of `full` is the master
@@ -103,14 +107,7 @@ class ReplicatedGroup(FlatGroup):
         del flat32
         for p, view in zip(params, self.views(self.full)):
             p.data = view
-        self.grad_full: torch.Tensor | None = None
-        if stage == 1:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=compute_dtype, device=device)
-            for p, view in zip(params, self.views(self.grad_full)):
-                p.grad = view
-            self.grad_shard = self.grad_full[self.lo:self.hi]
-        else:
-            self.grad_shard = torch.zeros(self.layout.shard_size, dtype=compute_dtype, device=device)
+        self.grad_full: torch.Tensor | None = None  # the bucket's full gradient, while it exists
         self.ready = 0          # gradients produced in this backward
         self.sent = False       # reduce-scatter issued in this micro-batch
         self.pending: Pending | None = None
@@ -119,43 +116,76 @@ class ReplicatedGroup(FlatGroup):
         """Each parameter's shaped view into a flat buffer of this group's layout."""
         return [flat[o:o + n].view(s) for o, n, s in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
 
-    def take_grad(self, p: nn.Parameter, index: int) -> None:
-        """Stage 2: add a freshly produced gradient into the bucket (allocated, zeroed, on first use) and drop it.
-        Added, not copied: a bucket that some parameter left incomplete in an earlier micro-batch is still unsent."""
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.grad_shard.device)
-            self.buffers.add(self.grad_full)
-        offset, n = self.layout.offsets[index], self.layout.numels[index]
-        self.grad_full[offset:offset + n].add_(p.grad.reshape(-1))
-        p.grad = None
-
     def reduce_scatter_grads(self) -> None:
         """Start summing the bucket over ranks; this rank's shard lands in place, in its own slice."""
         if self.sent:
             return
         self.sent = True
-        if self.grad_full is None:  # stage 2 bucket that received no gradient: contribute zeros
-            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.grad_shard.device)
+        if self.grad_full is None:  # a stage-2 bucket that received no gradient: contribute zeros
+            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
             self.buffers.add(self.grad_full)
         self.pending = reduce_scatter(self.grad_full[self.lo:self.hi], self.grad_full, self.group, self.meter, async_op=True)
 
     def wait(self) -> None:
-        """Finish the reduce-scatter; at stage 2 add the shard into the persistent one and free the bucket."""
+        """Finish the reduce-scatter."""
         if self.pending is not None:
             self.pending.wait()
-            if self.stage == 2:
-                self.grad_shard.add_(self.grad_full[self.lo:self.hi])
-                self.buffers.drop(self.grad_full)
-                self.grad_full = None
+            self.reduced()
         self.pending = None
+
+    def reduced(self) -> None:
+        """This rank's slice of `grad_full` holds the summed shard."""
 
     def new_micro_batch(self) -> None:
         self.ready, self.sent = 0, False
-
-    def zero_grad(self) -> None:
-        (self.grad_full if self.stage == 1 else self.grad_shard).zero_()  # at stage 1 the shard is a view of the full buffer
 
     def publish(self) -> Pending | None:
         if self.separate_master:
             self.full[self.lo:self.hi].copy_(self.master)
         return all_gather(self.full, self.full[self.lo:self.hi], self.group, self.meter, async_op=True)
+
+
+class AccumulatingBucket(ReplicatedGroup):
+    """ZeRO-1: gradients are views into a full-size flat buffer kept for the step (as in data parallelism); on the
+    last micro-batch the bucket is reduce-scattered in place, and the shard is a view of its own slice."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
+        for p, view in zip(self.params, self.views(self.grad_full)):
+            p.grad = view
+        self.grad_shard = self.grad_full[self.lo:self.hi]
+
+    def zero_grad(self) -> None:
+        self.grad_full.zero_()
+
+
+class StreamingBucket(ReplicatedGroup):
+    """ZeRO-2: no full-size gradient is kept. Each gradient is added into a bucket as backward produces it and dropped;
+    a full bucket is reduce-scattered, its shard added into the persistent one and the bucket freed, on every
+    micro-batch, so a full gradient never outlives one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=self.compute_dtype, device=self.device)
+
+    def take_grad(self, p: nn.Parameter, index: int) -> None:
+        """Add a freshly produced gradient into the bucket (allocated, zeroed, on first use) and drop it.
+        Added, not copied: a bucket that some parameter left incomplete in an earlier micro-batch is still unsent."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
+            self.buffers.add(self.grad_full)
+        offset, n = self.layout.offsets[index], self.layout.numels[index]
+        self.grad_full[offset:offset + n].add_(p.grad.reshape(-1))
+        p.grad = None
+
+    def take_grads(self) -> None:
+        """Take every gradient a pass left in `.grad` (a pipeline's, or one kept until the step)."""
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self.take_grad(p, i)
+
+    def reduced(self) -> None:
+        self.grad_shard.add_(self.grad_full[self.lo:self.hi])
+        self.buffers.drop(self.grad_full)
+        self.grad_full = None

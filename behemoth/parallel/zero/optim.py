@@ -14,14 +14,15 @@ from torch import nn
 
 from behemoth.comm import Pending
 from behemoth.parallel.chunked import ChunkedTensor, chunked
+from behemoth.parallel.sync import AdamWSettings, Optimizer, adamw_with_state
 from behemoth.parallel.zero.groups import FlatGroup
 from behemoth.parallel.zero.layout import Piece
 
 
-class ShardedAdamW:
+class ShardedAdamW(Optimizer):
     """AdamW on this rank's shard pieces; `param_groups` and `step()` behave like torch's optimizer."""
 
-    def __init__(self, groups: list[FlatGroup], *, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+    def __init__(self, groups: list[FlatGroup], settings: AdamWSettings) -> None:
         self.groups = groups
         self.entries: list[tuple[FlatGroup, Piece, nn.Parameter]] = []
         decay: list[nn.Parameter] = []
@@ -31,12 +32,8 @@ class ShardedAdamW:
                 p = nn.Parameter(g.master[piece.shard_offset:piece.shard_offset + piece.numel])  # aliases the master
                 (decay if len(g.layout.shapes[piece.index]) >= 2 else no_decay).append(p)
                 self.entries.append((g, piece, p))
-        param_groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        param_groups = [pg for pg in param_groups if pg["params"]]
-        self.inner = torch.optim.AdamW(param_groups, lr=lr, betas=betas, foreach=True) if param_groups else None
+        self.inner = adamw_with_state(decay, no_decay, settings)  # state created now so that checkpoints load into it
         self.param_groups: list[dict] = self.inner.param_groups if self.inner else []
-        for _, _, p in self.entries:  # created now so that checkpoints can be loaded into them
-            self.inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     @property
     def state(self) -> dict:
@@ -68,21 +65,30 @@ class ShardedAdamW:
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups if g.master.dtype != g.compute_dtype)
         return moments + masters
 
-    def state_dict(self) -> tuple[dict[str, ChunkedTensor], dict[str, dict[str, torch.Tensor]]]:
-        """Master weights and Adam state keyed by single-process names, as this rank's chunks (for DCP)."""
-        model: dict[str, ChunkedTensor] = {}
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam state keyed by single-process names, as this rank's chunks (for DCP)."""
         optim: dict[str, dict[str, torch.Tensor]] = {}
         held = {(id(g), piece.index): (piece, p) for g, piece, p in self.entries}
         any_step = next(iter(self.state.values()))["step"] if self.state else torch.tensor(0.0)
         for g in self.groups:
-            empty = g.master[:0]
             for i, (name, shape) in enumerate(zip(g.layout.names, g.layout.shapes)):
                 piece, p = held.get((id(g), i), (None, None))
                 if piece is None:
-                    zero = chunked(empty, 0, 0, shape)
-                    model[name], optim[name] = zero, {"step": any_step, "exp_avg": zero, "exp_avg_sq": zero}
+                    zero = chunked(g.master[:0], 0, 0, shape)
+                    optim[name] = {"step": any_step, "exp_avg": zero, "exp_avg_sq": zero}
                     continue
                 state = self.state[p]
-                model[name] = chunked(p.data, piece.start, piece.stop, shape)
                 optim[name] = {"step": state["step"], **{k: chunked(state[k], piece.start, piece.stop, shape) for k in ("exp_avg", "exp_avg_sq")}}
-        return model, optim
+        return optim
+
+
+def master_chunks(groups: list[FlatGroup]) -> dict[str, ChunkedTensor]:
+    """Every parameter's float32 master weights, as this rank's chunks of the full tensor, by single-process name."""
+    out: dict[str, ChunkedTensor] = {}
+    for g in groups:
+        pieces = {pc.index: pc for pc in g.layout.pieces(g.rank)}
+        for i, (name, shape) in enumerate(zip(g.layout.names, g.layout.shapes)):
+            pc = pieces.get(i)
+            out[name] = (chunked(g.master[:0], 0, 0, shape) if pc is None
+                         else chunked(g.master[pc.shard_offset:pc.shard_offset + pc.numel], pc.start, pc.stop, shape))
+    return out

@@ -1,22 +1,29 @@
-"""ZeRO stages 1-3 behind the interface the engine uses for data parallelism and the optimizer.
+"""ZeRO stages 1-3 as gradient syncs (parallel/sync.py), one small class per stage.
 
-`Zero` owns the flat groups (buckets at stages 1-2, units at stage 3), the gradient hooks, the
-sharded optimizer and the checkpoint view. The loss is already divided by the global token count
-(engine.train_step), so every collective sums.
+`ZeroSync` owns the flat groups (buckets at stages 1-2, units at stage 3), their sharded optimizer and
+their checkpoint view; the stages differ in what a gradient does on its way to its shard:
 
-Under a pipeline (`chunks`: the parameters of each stage this rank holds) there are no gradient
-hooks: buckets never span two stages, and the executor calls `reduce_chunk(stage)` after each
-backward (or weight-gradient) pass of that stage, so at stage 2 the stage's buckets are
-reduce-scattered once per micro-batch, as without a pipeline; a weight-gradient pass of a
-zero-bubble schedule writes `.grad` without the hooks firing, which is why the executor says when.
-A parameter two stages share (a tied embedding, summed between the first and last stage before the
-data-parallel reduction) or that no stage lists sits in a bucket of its own, reduced at `finish`.
+- `ZeroStage1`: gradients accumulate in full buckets; on the last micro-batch a full bucket is
+  reduce-scattered in place.
+- `ZeroStage2`: a gradient is added into its bucket and dropped; a full bucket is reduce-scattered on
+  every micro-batch and freed (at most MAX_BUCKETS_IN_FLIGHT alive).
+- `ZeroStage3`: parameters are shards too; units are gathered around their forward and backward and
+  their gradients reduce-scattered by the gather's backward (sharded.py).
+
+Under a pipeline (`stage_params`: the parameters of each pipeline stage this rank holds) there are no
+gradient hooks at stages 1-2: buckets never span two pipeline stages, and the executor calls
+`stage_done(stage)` after each backward (or weight-gradient) pass of that stage, so at stage 2 that
+stage's buckets are reduce-scattered once per micro-batch, as without a pipeline; a weight-gradient
+pass of a zero-bubble schedule writes `.grad` without the hooks firing, which is why the executor says
+when. A parameter two pipeline stages share (a tied embedding, summed between the first and last stage
+before the data-parallel reduction) or that no stage lists sits in a bucket of its own, reduced at `finish`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,15 +33,25 @@ from behemoth.comm import CommMeter, plan_buckets
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
-from behemoth.parallel.clip import clip_grad_norm
+from behemoth.parallel.sync import AdamWSettings, GradSync
 from behemoth.parallel.tensor.layers import TP_LAYOUT
-from behemoth.parallel.zero.groups import BufferMeter, FlatGroup, ReplicatedGroup
-from behemoth.parallel.zero.optim import ShardedAdamW
+from behemoth.parallel.zero.groups import AccumulatingBucket, BufferMeter, FlatGroup, ReplicatedGroup, StreamingBucket
+from behemoth.parallel.zero.optim import ShardedAdamW, master_chunks
 from behemoth.parallel.zero.sharded import Stage3
 from behemoth.parallel.zero.units import UnitSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_BUCKETS_IN_FLIGHT = 2  # stage 2: full-size gradient buckets alive at once while reduce-scatters travel
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    """ZeRO's settings: the stage, the bucket size (stages 1-2), the blocks gathered ahead (stage 3), the compute dtype."""
+
+    stage: Literal[1, 2, 3]
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+    param_dtype: str = "fp32"
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -53,36 +70,66 @@ def comm_volume(ops: dict[str, dict[str, float]]) -> int:
     return 2 * count["all_reduce"] + count["reduce_scatter"] + count["all_gather"]
 
 
-class Zero:
-    """Sharded optimizer state (stage 1), gradients (2) and parameters (3) over the data-parallel group."""
+class ZeroSync(GradSync):
+    """Sharded optimizer state (and gradients, and parameters) over a data-parallel group."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, *, stage: int, bucket_mb: float, prefetch: int,
-                 param_dtype: str, lr: float, betas: tuple[float, float], weight_decay: float,
-                 units: list[UnitSpec] | None = None, chunks: dict[int, list[nn.Parameter]] | None = None,
-                 meter: CommMeter | None = None) -> None:
-        self.model, self.group, self.stage, self.meter = model, group, stage, meter
-        if chunks is not None and stage == 3:
-            raise ValueError("ZeRO stage 3 gathers parameters per block, not per pipeline stage; use stage 1 or 2 with a pipeline")
-        self.chunk_groups: dict[int, list[ReplicatedGroup]] = {}  # pipeline stage -> its buckets (reduced by reduce_chunk)
-        self.deferred: list[ReplicatedGroup] = []                  # buckets reduced once, at finish
-        self.compute_dtype = DTYPES[param_dtype]
-        self.sync = True
+    sharded = True
+    groups: list[FlatGroup]
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None) -> None:
+        self.model, self.group, self.policy, self.meter = model, group, policy, meter
+        self.compute_dtype = DTYPES[policy.param_dtype]
         self.aliases = tied_names(model)
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+
+    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
+        """(single-process name, this rank's slice of its summed gradient) for every piece this rank owns."""
+        return [(g.layout.names[pc.index], g.grad_shard[pc.shard_offset:pc.shard_offset + pc.numel])
+                for g in self.groups for pc in g.layout.pieces(g.rank)]
+
+    def build_optimizer(self, settings: AdamWSettings) -> ShardedAdamW:
+        return ShardedAdamW(self.groups, settings)
+
+    def model_state(self) -> dict[str, Any]:
+        """Master weights as this rank's chunks, by every name a parameter has (a tied weight under each)."""
+        model = master_chunks(self.groups)
+        for name, others in self.aliases.items():
+            model.update(dict.fromkeys(others, model[name]))
+        return model
+
+    def after_load(self, optimizer: Any) -> None:
+        """A checkpoint filled the master shards: rebuild the compute parameters from them."""
+        optimizer.publish()
+
+    def param_bytes(self) -> int:
+        return held_bytes(p for p in self.model.parameters())
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank really holds (distinct storages)."""
+        return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups)}
+
+
+class ZeroStage1(ZeroSync):
+    """Optimizer state sharded; full gradients accumulate in buckets and are reduce-scattered on the last micro-batch."""
+
+    bucket_type: type[ReplicatedGroup] = AccumulatingBucket
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *,
+                 stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None) -> None:
+        super().__init__(model, group, policy, meter)
+        self.last = True
         self.buffers = BufferMeter()
         self.in_flight: list[ReplicatedGroup] = []
-        if stage == 3:
-            if units is None:
-                raise ValueError("stage 3 needs the units from shard_parameters(), called before materialize")
-            self.stage3: Stage3 | None = Stage3(model, units, group, prefetch=prefetch, compute_dtype=self.compute_dtype, meter=meter)
-            self.groups: list[FlatGroup] = list(self.stage3.units)
-        else:
-            self.stage3 = None
-            self.groups = self._replicated_groups(int(bucket_mb * 2**20), chunks)
-        self.optimizer = ShardedAdamW(self.groups, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.stage_buckets: dict[int, list[ReplicatedGroup]] = {}  # pipeline stage -> its buckets (reduced by stage_done)
+        self.deferred: list[ReplicatedGroup] = []                  # buckets reduced once, at finish
+        self.groups = self._buckets(int(policy.bucket_mb * 2**20), stage_params)
 
-    def _replicated_groups(self, bucket_bytes: int, chunks: dict[int, list[nn.Parameter]] | None) -> list[FlatGroup]:
+    def _buckets(self, bucket_bytes: int, stage_params: dict[int, list[nn.Parameter]] | None) -> list[FlatGroup]:
         """Buckets of about `bucket_bytes`, in backward order, each with a hook per parameter (per pipeline stage
-        without hooks, when `chunks` is given).
+        without hooks, when `stage_params` is given).
 
         A tensor-parallel parameter is this tp rank's local tensor: flat-sharding it over dp is sharding
         that local tensor, and its layout is the same on every tp rank, so buckets line up across tp.
@@ -91,88 +138,54 @@ class Zero:
         frozen = [n for n, p in named if not p.requires_grad]
         undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT)]
         if frozen or undescribed:
-            raise BehemothError(f"ZeRO stage {self.stage} needs every parameter trainable and whole or tensor-parallel "
+            raise BehemothError(f"ZeRO stage {self.policy.stage} needs every parameter trainable and whole or tensor-parallel "
                                 f"(got {(frozen or undescribed)[0]})", "use parallel.zero_stage=0 for frozen parameters")
         names = {id(p): getattr(p, FULL_NAME, n) for n, p in named}
 
-        def group(bucket: list[nn.Parameter]) -> ReplicatedGroup:
-            return ReplicatedGroup(bucket, [names[id(p)] for p in bucket], self.group, stage=self.stage,
-                                   compute_dtype=self.compute_dtype, meter=self.meter, buffers=self.buffers)
+        def bucket(params: list[nn.Parameter]) -> ReplicatedGroup:
+            return self.bucket_type(params, [names[id(p)] for p in params], self.group, compute_dtype=self.compute_dtype,
+                                    meter=self.meter, buffers=self.buffers)
 
         params = [p for _, p in named]
-        if chunks is None:
+        if stage_params is None:
             groups = []
-            for bucket in plan_buckets(reversed(params), bucket_bytes):
-                g = group(bucket)
-                for i, p in enumerate(bucket):
+            for b in plan_buckets(reversed(params), bucket_bytes):
+                g = bucket(b)
+                for i, p in enumerate(b):
                     p.register_post_accumulate_grad_hook(self._grad_ready(g, i))
                 groups.append(g)
             return groups
-        uses = Counter(id(p) for stage_params in chunks.values() for p in {id(q): q for q in stage_params}.values())
-        for stage, stage_params in sorted(chunks.items()):
-            own = [p for p in params if uses[id(p)] == 1 and any(p is q for q in stage_params)]
-            self.chunk_groups[stage] = [group(bucket) for bucket in plan_buckets(reversed(own), bucket_bytes)]
-        self.deferred = [group([p]) for p in params if uses[id(p)] != 1]
-        return [g for stage in sorted(self.chunk_groups) for g in self.chunk_groups[stage]] + self.deferred
+        uses = Counter(id(p) for ps in stage_params.values() for p in {id(q): q for q in ps}.values())
+        for stage, ps in sorted(stage_params.items()):
+            own = [p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]
+            self.stage_buckets[stage] = [bucket(b) for b in plan_buckets(reversed(own), bucket_bytes)]
+        self.deferred = [bucket([p]) for p in params if uses[id(p)] != 1]
+        return [g for stage in sorted(self.stage_buckets) for g in self.stage_buckets[stage]] + self.deferred
 
     def _grad_ready(self, g: ReplicatedGroup, index: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
-            if self.stage == 2:
-                if g.pending is not None:  # the previous micro-batch's reduce-scatter of this bucket
-                    g.wait()
-                g.take_grad(p, index)
-            elif not self.sync:
-                return
-            g.ready += 1
-            if g.ready == len(g.params):
-                self._launch(g)
+            if self.take(g, p, index):
+                g.ready += 1
+                if g.ready == len(g.params):
+                    self._launch(g)
         return hook
 
-    def reduce_chunk(self, stage: int) -> None:
-        """Under a pipeline: a backward or weight-gradient pass of `stage` has produced its gradients for one
-        micro-batch. Stage 2 moves them into the stage's buckets and starts their reduce-scatters; stage 1 waits
-        for `finish` (its gradients accumulate in place)."""
-        if self.stage != 2:
-            return
-        for g in self.chunk_groups[stage]:
-            g.wait()  # the previous micro-batch's reduce-scatter of this bucket
-            for i, p in enumerate(g.params):
-                if p.grad is not None:
-                    g.take_grad(p, i)
-            g.new_micro_batch()
-            self._launch(g)
+    def take(self, g: ReplicatedGroup, p: torch.Tensor, index: int) -> bool:
+        """A gradient arrived in `.grad`; whether it counts towards launching its bucket now (stage 1: last micro-batch only)."""
+        return self.last
 
     def _launch(self, g: ReplicatedGroup) -> None:
         g.reduce_scatter_grads()
         self.in_flight.append(g)
-        while self.stage == 2 and len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
-            self.in_flight.pop(0).wait()
 
-    def set_sync(self, enabled: bool) -> None:
-        """Stage 1 reduces only on the last micro-batch; stages 2-3 reduce every micro-batch (no full gradient is kept)."""
-        self.sync = enabled
-        if self.stage >= 2:
-            self._drain()
+    def begin_micro_batch(self, last: bool) -> None:
+        """Stage 1 reduces only on the last micro-batch."""
+        self.last = last
         for g in self.groups:
             g.new_micro_batch()
 
-    def _drain(self) -> None:
-        if self.stage3 is not None:
-            self.stage3.drain()
-        for g in self.in_flight:
-            g.wait()
-        self.in_flight = []
-
     def finish(self) -> None:
         """After the last backward: every gradient shard is complete (buckets not yet sent go now, in a fixed order)."""
-        if self.stage3 is not None:
-            self.stage3.finish()
-            return
-        if self.stage == 2:
-            for g in self.deferred:  # full gradients kept until now (a tied embedding, already summed over stages)
-                for i, p in enumerate(g.params):
-                    if p.grad is not None:
-                        g.take_grad(p, i)
         for g in self.groups:
             g.reduce_scatter_grads()
         for g in self.groups:
@@ -180,35 +193,86 @@ class Zero:
             g.new_micro_batch()
         self.in_flight = []
 
-    def zero_grad(self) -> None:
-        for g in self.groups:
-            g.zero_grad()
+    def state_bytes(self) -> dict[str, int]:
+        return {"params": self.param_bytes(), "grads": held_bytes(g.grad_full for g in self.groups)}
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient norm from every rank's shard (one scalar all-reduce); clip if max_norm > 0."""
-        return clip_grad_norm([("", g.grad_shard) for g in self.groups], max_norm, groups=[self.group], meter=self.meter)
 
-    def grad_bytes(self) -> int:
-        return held_bytes(g.grad_full if self.stage == 1 else g.grad_shard for g in self.groups)
+class ZeroStage2(ZeroStage1):
+    """Gradients sharded too: every micro-batch's gradients are reduce-scattered bucket by bucket and dropped."""
+
+    bucket_type = StreamingBucket
+
+    def take(self, g: StreamingBucket, p: torch.Tensor, index: int) -> bool:
+        if g.pending is not None:  # the previous micro-batch's reduce-scatter of this bucket
+            g.wait()
+        g.take_grad(p, index)
+        return True
+
+    def _launch(self, g: ReplicatedGroup) -> None:
+        super()._launch(g)
+        while len(self.in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self.in_flight.pop(0).wait()
+
+    def stage_done(self, stage: int) -> None:
+        """Move the pass's gradients into the pipeline stage's buckets and start their reduce-scatters."""
+        for g in self.stage_buckets[stage]:
+            g.wait()  # the previous micro-batch's reduce-scatter of this bucket
+            g.take_grads()
+            g.new_micro_batch()
+            self._launch(g)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        for g in self.in_flight:
+            g.wait()
+        self.in_flight = []
+        super().begin_micro_batch(last)
+
+    def finish(self) -> None:
+        for g in self.deferred:  # full gradients kept until now (a tied embedding, already summed over pipeline stages)
+            g.take_grads()
+        super().finish()
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank really holds (distinct storages), and the peaks of its short-lived buffers."""
-        params = [g.shard for g in self.groups] if self.stage3 else [p for p in self.model.parameters()]
-        out = {"params": held_bytes(params), "grads": self.grad_bytes(), "optimizer": self.optimizer.state_bytes()}
-        if self.stage3 is not None:
-            out["gathered_peak"] = self.stage3.gathered_bytes.peak
-            out["grad_buffers_peak"] = self.stage3.grad_bytes.peak
-        elif self.stage == 2:
-            out["grad_buffers_peak"] = self.buffers.peak
-        return out
+        return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups),
+                "grad_buffers_peak": self.buffers.peak}
 
-    def state_dict(self) -> dict[str, dict]:
-        """Master weights and optimizer state as this rank's chunks, keyed by single-process names (for DCP)."""
-        model, optim = self.optimizer.state_dict()
-        for name, others in self.aliases.items():  # a tied weight appears under each of its names, as in model.state_dict()
-            model.update(dict.fromkeys(others, model[name]))
-        return {"model": model, "optim": optim}
 
-    def after_load(self) -> None:
-        """A checkpoint filled the master shards: rebuild the compute parameters from them."""
-        self.optimizer.publish()
+class ZeroStage3(ZeroSync):
+    """Parameters sharded too: each unit gathered just before its forward and backward and freed after."""
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec],
+                 meter: CommMeter | None = None) -> None:
+        super().__init__(model, group, policy, meter)
+        self.stage3 = Stage3(model, units, group, prefetch=policy.prefetch, compute_dtype=self.compute_dtype, meter=meter)
+        self.groups = list(self.stage3.units)
+
+    def begin_micro_batch(self, last: bool) -> None:
+        self.stage3.drain()
+
+    def finish(self) -> None:
+        self.stage3.finish()
+
+    def param_bytes(self) -> int:
+        return held_bytes(g.shard for g in self.groups)
+
+    def state_bytes(self) -> dict[str, int]:
+        return {**super().state_bytes(), "gathered_peak": self.stage3.gathered_bytes.peak,
+                "grad_buffers_peak": self.stage3.grad_bytes.peak}
+
+
+def apply_zero(model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec] | None = None,
+               stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None) -> ZeroSync:
+    """Shard `model`'s optimizer state (and gradients, and parameters) over `group` at ZeRO `policy.stage`.
+
+    Stage 3 takes the units `shard_parameters` made before materialize; under a pipeline stages 1-2 take
+    `stage_params`, the parameters of each pipeline stage this rank holds (see the module docstring)."""
+    if policy.stage == 3:
+        if units is None:
+            raise ValueError("ZeRO stage 3 needs the units from shard_parameters(), called before materialize")
+        if stage_params is not None:
+            raise ValueError("ZeRO stage 3 gathers parameters per block, not per pipeline stage; use stage 1 or 2 with a pipeline")
+        return ZeroStage3(model, group, policy, units=units, meter=meter)
+    if policy.stage not in (1, 2):
+        raise ValueError(f"apply_zero takes stage 1, 2 or 3, got {policy.stage}")
+    cls = ZeroStage1 if policy.stage == 1 else ZeroStage2
+    return cls(model, group, policy, stage_params=stage_params, meter=meter)

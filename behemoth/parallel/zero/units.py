@@ -1,7 +1,7 @@
 """ZeRO-3 units: which parameters are all-gathered together, and for which part of forward and backward.
 
 A unit is one flat layout (layout.py) of which each rank keeps a 1/N shard. The model is cut where the
-pipeline cuts it (`LayerNames`, i.e. pipeline/views.py's layered view of behemoth's GPT or a Hugging Face
+pipeline cuts it (`LayerNames`, i.e. models/layered.py's layered view of behemoth's GPT or a Hugging Face
 model: embedding modules, the ModuleList of blocks, head modules):
 
 - the embedding unit (token and position embeddings): gathered for the embedding's forward only; a
@@ -53,7 +53,7 @@ class UnitSpec:
 
 
 def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
-    """The modules `names` name (a name that resolves to nothing, such as GPT's absent tied lm_head, is skipped)."""
+    """The modules `names` name (a name that resolves to nothing, such as an absent tied lm_head, is skipped)."""
     out = []
     for name in names:
         try:
@@ -90,7 +90,7 @@ def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = F
             spec.names.append(getattr(p, FULL_NAME, f"{mod_name}.{attr}" if mod_name else attr))
             spec.shapes.append(tuple(p.shape))
             spec.locations.append([(module, attr)])
-    if tie_embeddings:  # behemoth's GPT reads wte.weight in its head without registering it there
+    if tie_embeddings:  # a tied head may read the embedding's weight without registering it (behemoth's GPT does)
         specs[-1].reads.append(specs[1])
     kept = [s for s in specs if s.names]
     for s in kept:

@@ -18,8 +18,8 @@ from collections import Counter, defaultdict
 from behemoth.parallel.pipeline.schedules import (
     BACKWARDS, COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
 )
-from behemoth.parallel.pipeline.rendezvous import check_rendezvous
-from behemoth.parallel.pipeline.simulate import run_timeline
+from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
+from behemoth.parallel.pipeline.analysis.simulate import run_timeline
 
 
 def _fail(schedule: Schedule, rank: int, index: int | None, problem: str) -> ScheduleError:

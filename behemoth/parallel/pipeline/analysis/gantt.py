@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from behemoth.parallel.pipeline.schedules import COMPUTE, Action, Kind, Schedule
-from behemoth.parallel.pipeline.simulate import SimResult, run_timeline
+from behemoth.parallel.pipeline.analysis.simulate import SimResult, run_timeline
 
 COLORS = {
     Kind.FORWARD: "#4C72B0", Kind.BACKWARD: "#DD8452", Kind.BACKWARD_INPUT: "#C44E52",

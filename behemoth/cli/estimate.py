@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from behemoth.errors import exit_code
-from behemoth.memory.estimate import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
+from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 from behemoth.parallel.zero import comm_volume
 
 MiB = 2**20
@@ -81,7 +81,7 @@ def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str
     import torch
 
     from behemoth.config import Config
-    from behemoth.engine import Engine
+    from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 
     base = Config.model_validate(cfg_dict)
@@ -91,10 +91,10 @@ def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str
         for stage in stages:
             plan = {**cfg_dict["parallel"], "zero_stage": stage, "param_dtype": base.parallel.param_dtype if stage else "fp32"}
             cfg = Config.model_validate({**cfg_dict, "parallel": plan})
-            engine = Engine(cfg, rt)
+            engine = build_engine(cfg, rt)
             tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
             engine.train_step([(tokens[:, :-1], tokens[:, 1:])], lr=0.0)
-            out.append({"stage": stage, "bytes": engine.model_state_bytes(), "comm": engine.meter.summary()})
+            out.append({"stage": stage, "bytes": engine.model_state_bytes(), "comm": engine.model.meter.summary()})
             del engine
     finally:
         rt.close()

@@ -69,8 +69,8 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
 def delegated_commands() -> dict[str, tuple[str, str]]:
     """Commands whose own module parses their arguments: name -> (module:function, help)."""
     return {
-        "schedule": ("behemoth.parallel.pipeline.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
-        "estimate": ("behemoth.memory.report:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
+        "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
+        "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
     }
 
 
@@ -112,36 +112,12 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
 
     if args.resume is None:
         cfg = load_config(args.config, args.overrides)
-        cfg.run.dir = cfg.run.dir or default_run_dir()
-        return cfg, None
+        return (cfg if cfg.run.dir else cfg.replace(run={"dir": default_run_dir()})), None
     ckpt = resolve_checkpoint(newest_run() if args.resume == "newest" else Path(args.resume))
     run_dir = ckpt.parent.parent
     base = args.config or (run_dir / "config.yaml" if (run_dir / "config.yaml").exists() else None)
     cfg = load_config(base, [f"run.dir={run_dir}", *args.overrides])
     return cfg, ckpt
-
-
-def check_before_launch(cfg: Any, ckpt: Path | None, nproc: int) -> None:
-    """Everything that can be refused without a worker: plan, batch split, data, checkpoint, run dir."""
-    from behemoth.checkpoint import read_meta, validate_checkpoint
-    from behemoth.data import prepare_corpus
-    from behemoth.memory.estimate import check_fits
-    from behemoth.parallel.pipeline.apply import check_pipeline
-
-    dims = cfg.parallel.dims(nproc)
-    cfg.batch_layout(dims.dp)  # refuses a batch that does not split
-    check_pipeline(cfg, dims)
-    check_fits(cfg, dims.dp)  # parallel.memory_gb against the exact model-state estimate
-    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-    if ckpt is not None:
-        validate_checkpoint(ckpt, cfg.model.model_dump(mode="json"))
-        step = read_meta(ckpt)["step"]
-        if step >= cfg.train.steps:
-            raise BehemothError(f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}", f"raise train.steps above {step} to train further")
-    elif (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
-        raise BehemothError(f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir")
 
 
 def worker(cfg_dict: dict[str, Any], ckpt: str | None) -> dict[str, Any]:
@@ -152,32 +128,42 @@ def worker(cfg_dict: dict[str, Any], ckpt: str | None) -> dict[str, Any]:
     try:
         return train(Config.model_validate(cfg_dict), resume=Path(ckpt) if ckpt else None)
     except BehemothError as err:
-        print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
+        for line in err.lines:
+            print(f"{ERROR_PREFIX}{line}", file=sys.stderr, flush=True)
         raise
+
+
+def launch_line(cfg: Any, nproc: int) -> str:
+    """What is about to run: the model, its size, the plan, the batch, the steps, where it goes; and any field of a
+    Hugging Face config.json an option overrides."""
+    from behemoth.models.hf import config_overrides
+    from behemoth.planner.feasibility import describe_plan
+
+    name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
+    line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) {describe_plan(cfg, nproc)}, "
+            f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}")
+    changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
+    if changed:
+        fields = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        line += f"\nbehemoth: hf.weights={cfg.hf.weights}: config.json overridden by the model section: {fields}"
+    return line
 
 
 def run_train(args: argparse.Namespace) -> int:
     from behemoth.launch import launch, launched_by_torchrun
+    from behemoth.planner.feasibility import refuse
     from behemoth.train import train
 
     cfg, ckpt = resolve_train_config(args)
     t0 = time.time()
-    if launched_by_torchrun():  # torchrun started us: this process is one worker
+    if launched_by_torchrun():  # torchrun started us: this process is one worker (train() runs the checks)
         summary = train(cfg, resume=ckpt)
         if summary.get("rank") == 0:
             report(summary, time.time() - t0)
         return 0
     nproc = args.nproc if args.nproc is not None else default_nproc()
-    if nproc < 1:
-        raise BehemothError(f"--nproc {nproc} is not a process count", "use --nproc 1 or more")
-    check_before_launch(cfg, ckpt, nproc)
-    dims = cfg.parallel.dims(nproc)
-    name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
-    from behemoth.parallel.pipeline.apply import describe_pipeline
-
-    degrees = describe_pipeline(cfg, dims) + f"dp={dims.dp}" + (f" x tp={dims.tp}" if dims.tp > 1 else "")
-    print(f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) "
-          f"{degrees}, batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}", flush=True)
+    refuse(cfg, nproc, ckpt, launch=True)  # everything that can be refused without a worker, all at once
+    print(launch_line(cfg, nproc), flush=True)
     if nproc == 1:
         summary = train(cfg, resume=ckpt)
     else:

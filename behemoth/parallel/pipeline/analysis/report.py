@@ -4,7 +4,7 @@ Prints a comparison table (step time, bubble fraction simulated and closed form,
 activations), optionally one schedule's rank x time grid, and a Gantt chart PNG. Costs are those of
 one pipeline rank's share of the model (1/p of the layers) for one micro-batch; interleaving splits
 that share into v chunks of 1/v the cost each, so all schedules are compared on the same model.
-Runnable on its own: python -m behemoth.parallel.pipeline.report --stages 4 --microbatches 8
+Runnable on its own: python -m behemoth.parallel.pipeline.analysis.report --stages 4 --microbatches 8
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 from dataclasses import dataclass
 
 from behemoth.errors import BehemothError, exit_code
-from behemoth.parallel.pipeline.gantt import draw_gantt, format_grid
+from behemoth.parallel.pipeline.analysis.gantt import draw_gantt, format_grid
 from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
-from behemoth.parallel.pipeline.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
-from behemoth.parallel.pipeline.validate import validate
+from behemoth.parallel.pipeline.analysis.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
+from behemoth.parallel.pipeline.analysis.validate import validate
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from behemoth.parallel.pipeline.executor import StepTrace
 from behemoth.parallel.pipeline.schedules import COMPUTE, Kind, Schedule
-from behemoth.parallel.pipeline.simulate import Costs, _Run
+from behemoth.parallel.pipeline.analysis.simulate import Costs, _Run
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,6 @@ def measured_bubble(timelines: list[list[TimedAction]]) -> float:
     end = max(w[-1].end for w in windows if w)
     busy = sum(t.end - t.start for w in windows for t in w if t.kind in COMPUTE)
     return 1.0 - busy / (len(timelines) * (end - start))
-
-
-def measured_step(timelines: list[list[TimedAction]]) -> float:
-    """Seconds from the first action to the last one before the optimizer step."""
-    windows = [_window(t) for t in timelines]
-    return max(w[-1].end for w in windows if w) - min(w[0].start for w in windows if w)
 
 
 def measured_costs(timelines_per_step: list[list[list[TimedAction]]], schedule: Schedule, p2p: float = 0.0) -> Costs:

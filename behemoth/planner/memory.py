@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from behemoth.comm import plan_buckets
-from behemoth.errors import BehemothError
+from behemoth.errors import Problem
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.layered import view_of
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.parallel.zero.units import LayerNames, UnitSpec, plan_units
@@ -87,12 +89,6 @@ def _buckets(model: Any, n: int, bucket_mb: float) -> list[FlatLayout]:
             for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
 
 
-def _default_layers() -> LayerNames:
-    from behemoth.parallel.pipeline.views import view_of
-
-    return view_of(None)
-
-
 def _window_max(sizes: list[int], width: int) -> int:
     return max((sum(sizes[i:i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
 
@@ -105,7 +101,7 @@ def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32",
     formula = formula_bytes(psi, n, stage, param_dtype)
     if stage == 0:
         return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula, traffic=2 * psi)
-    units = plan_units(model, layers=layers or _default_layers(), tie_embeddings=tie_embeddings) if stage == 3 else []
+    units = plan_units(model, layers=layers or view_of("gpt"), tie_embeddings=tie_embeddings) if stage == 3 else []
     layouts = [FlatLayout(u.names, u.shapes, n) for u in units] if stage == 3 else _buckets(model, n, bucket_mb)
     padded = sum(lay.padded for lay in layouts)
     shard = sum(lay.shard_size for lay in layouts)
@@ -166,14 +162,10 @@ def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str,
 
 def estimate(cfg: Any, n: int, *, rank: int = 0, stages: tuple[int, ...] = STAGES) -> list[StageEstimate]:
     """Every stage's exact estimate for a config (the model is built on the meta device: no memory)."""
-    from behemoth.models.causal_lm import build_causal_lm
-
-    from behemoth.parallel.pipeline.views import view_of
-
-    model = build_causal_lm(cfg.model, cfg.hf).module
+    lm = build_causal_lm(cfg.model, cfg.hf)
     plan = cfg.parallel
-    return [stage_estimate(model, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
-                           rank=rank, layers=view_of(cfg.hf.arch), tie_embeddings=cfg.model.tie_embeddings) for s in stages]
+    return [stage_estimate(lm.module, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
+                           rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied) for s in stages]
 
 
 def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> dict[int, int]:
@@ -181,22 +173,23 @@ def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> d
     return {s: math.floor(memory_bytes / bytes_per_param(n, s, param_dtype if s else "fp32")) for s in STAGES}
 
 
-def check_fits(cfg: Any, dp: int) -> None:
-    """Refuse before launch a plan whose model states (exact estimate, rank 0) exceed parallel.memory_gb."""
+def fit_problems(cfg: Any, dp: int) -> list[Problem]:
+    """A plan whose model states (exact estimate, rank 0) exceed parallel.memory_gb, with the stage or ranks that would fit."""
     plan = cfg.parallel
     if plan.memory_gb is None:
-        return
+        return []
     ests = estimate(cfg, dp)
     need = ests[plan.zero_stage]
     if need.total <= plan.memory_gb * GiB:
-        return
+        return []
     fitting = [e for e in ests if e.total <= plan.memory_gb * GiB]
     room = plan.memory_gb * GiB - sum(ests[3].buffers.values())  # gathered blocks do not shrink with more ranks
     ranks = math.ceil(bytes_per_param(1, 3, plan.param_dtype) * need.psi / room) if room > 0 else None
     fix = (f"use parallel.zero_stage={fitting[0].stage} ({fitting[0].total / GiB:.2f} GiB)" if fitting
            else f"use parallel.zero_stage=3 on {ranks} or more ranks" if ranks
            else "use a smaller model or more memory per rank (stage 3's gathered blocks alone do not fit)")
-    raise BehemothError(
+    return [Problem.of(
+        "parallel.memory_gb",
         f"the model ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
         f"parallel.zero_stage={plan.zero_stage} on dp={dp} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
-        f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}", fix)
+        f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}", fix)]

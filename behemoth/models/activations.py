@@ -1,0 +1,57 @@
+"""Activation memory of behemoth's GPT under tensor and sequence parallelism, in closed form (parallel/tensor/
+activations.py measures what autograd really saves, and the tests compare the two).
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count, per
+transformer layer in bytes with 16-bit activations and 1-byte dropout masks,
+
+    no parallelism   sbh (34 + 5as/h)
+    tensor parallel  sbh (10 + 24/t + 5as/(ht))
+    TP + sequence    sbh/t (34 + 5as/h)
+
+(s sequence, b micro-batch, h hidden, a heads). behemoth's GPT block differs: float32 (4 bytes), no dropout
+masks at dropout 0, and PyTorch's fused (flash) attention keeps q, k, v, its output and a log-sum-exp per
+row and head instead of the a s^2 b score and softmax tensors. Counted in elements:
+
+    LayerNorm inputs 2, qkv input 1, qkv output (q, k, v) 3, attention output = proj input 1 (the fused
+    kernel returns it in [b, s, a, h/a] layout, so the reshape is a view), fc input 1,
+    fc output (GELU input) 4, GELU output (proj input) 4                       = 16 sbh
+    LayerNorm mean and rstd 2 x 2 bs, log-sum-exp a bs
+
+so 4 (16 sbh + 4 bs + a bs) bytes = sbh (64 + 16/h + 4a/h): Megatron's 16 elements of sbh without the two
+dropout masks and with the attention output in place of the 5as/h score terms. Under TP the LayerNorm
+inputs, the qkv and fc inputs and the LayerNorm statistics (4 sbh + 4 bs) stay whole on every rank and the
+rest is split (12 sbh + a bs over t), the analogue of Megatron's 10 + 24/t: sbh (16 + 48/t + ...). Under
+TP + SP everything is split and the whole block divides by t, as in Megatron's third line, because the column
+layers keep only the sequence shard of their input and gather it again in backward (layers.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from behemoth.models.gpt import GPTConfig
+
+
+def gpt_block_activation_bytes(*, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, mlp_ratio: int = 4,
+                               dtype: torch.dtype = torch.float32) -> float:
+    """Bytes one rank saves for backward in one behemoth GPT block (dropout 0, fused attention), per the module docstring."""
+    split = (3 + 1 + 2 * mlp_ratio) * s * b * h + a * b * s  # qkv output, attention output (= proj input), MLP; log-sum-exp
+    whole = 4 * s * b * h + 4 * b * s  # LayerNorm inputs, qkv and fc inputs; LayerNorm statistics
+    elements = (split + whole) / t if sp else split / t + whole
+    return elements * dtype.itemsize
+
+
+def gpt_activation_bytes(cfg: GPTConfig, *, b: int, s: int, t: int = 1, sp: bool = False) -> float:
+    """Bytes the rank with the most vocabulary rows saves in a float32 forward of the whole GPT and its loss: the
+    blocks, the embedding (token ids, positions; under TP local ids and a vocabulary mask), the final LayerNorm
+    and head inputs (a tied head, F.linear on the embedding weight, keeps the gathered input) and the loss
+    (softmax over this rank's vocabulary columns, targets)."""
+    h, sp = cfg.d_model, sp and t > 1
+    blocks = cfg.n_layer * gpt_block_activation_bytes(b=b, s=s, h=h, a=cfg.n_head, t=t, sp=sp, mlp_ratio=cfg.mlp_ratio)
+    seq = t if sp else 1
+    embed = 8 * b * s + 8 * s + (b * s if t > 1 else 0)
+    head = 4 * (s * b * h + 2 * b * s) / seq + 4 * s * b * h / (1 if cfg.tie_embeddings else seq)
+    loss = 4 * b * s * cfg.vocab_size + 8 * b * s + 4 if t == 1 else 4 * b * s * math.ceil(cfg.vocab_size / t) + 9 * b * s
+    return blocks + embed + head + loss

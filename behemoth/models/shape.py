@@ -1,0 +1,85 @@
+"""A causal LM's shape in numbers, and the per-layer costs that pipeline balancing and the planner read.
+
+`ModelShape` says what the parallel layers, the feasibility checks and the cost model need to know of
+a model without building it: depth, widths, heads (query and key/value), MLP width and kind, vocabulary,
+context, tied head. Every model family in `models/` describes itself this way, so nothing outside
+`models/` needs to know which family it is looking at.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of one causal LM: transformer blocks of one kind between an embedding and a head."""
+
+    arch: str          # "gpt", "llama", "gpt2": the family, for messages only
+    n_layer: int
+    d_model: int
+    n_head: int
+    kv_heads: int      # key/value heads (grouped-query attention when fewer than n_head)
+    head_dim: int
+    ffn: int           # MLP width
+    vocab_size: int
+    context: int
+    tied: bool         # the LM head reads the embedding's weight
+    gated: bool        # three MLP matrices (SwiGLU) instead of two
+
+    @property
+    def q_width(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def block_matrix_params(self) -> int:
+        """Elements of a block's weight matrices: q, k, v, output projection and the MLP."""
+        attention = self.d_model * (2 * self.q_width + 2 * self.kv_width)
+        return attention + (3 if self.gated else 2) * self.d_model * self.ffn
+
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """What a tensor-parallel degree must divide, by the option that sets it."""
+        sizes = {"model.n_head": self.n_head, "hf.kv_heads": self.kv_heads, "model.d_model": self.d_model, "the MLP width": self.ffn}
+        if self.kv_heads == self.n_head:
+            del sizes["hf.kv_heads"]
+        return sizes
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Cost of one micro-batch through each part of the layered view, in any one unit."""
+
+    embed: float
+    blocks: tuple[float, ...]
+    head: float  # final norm, language-model head and loss
+    unit: str
+
+
+def layer_flops(shape: ModelShape, seq_len: int) -> LayerCosts:
+    """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them)."""
+    d, v = shape.d_model, shape.vocab_size
+    block = 2 * shape.block_matrix_params() + 4 * seq_len * d  # matrices, attention scores and values
+    return LayerCosts(embed=2.0 * d, blocks=(float(block),) * shape.n_layer, head=2.0 * d * v + 5.0 * v, unit="flop/token")
+
+
+def uniform_layer_costs(shape: ModelShape) -> LayerCosts:
+    """Every block costs 1, the embedding and head nothing: stages of equal block counts."""
+    return LayerCosts(embed=0.0, blocks=(1.0,) * shape.n_layer, head=0.0, unit="blocks")
+
+
+def median_pass_seconds(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    """Median seconds of forward + backward of `fn()` (a scalar), after one warm-up."""
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        fn().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])

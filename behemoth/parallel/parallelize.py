@@ -1,0 +1,170 @@
+"""parallelize(lm, plan, runtime): a model laid out over the mesh with its gradient syncs, and no optimizer.
+
+The result serves training (the engine builds the optimizer on top of its syncs) and inference alike.
+Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in this order (DESIGN.md):
+
+1. pipeline cut, on the meta device: it decides which blocks, embedding and head this rank holds at all;
+2. tensor / sequence parallelism, still on meta: split layers keep only this rank's part of each weight,
+   marked so that materialize draws the full (seed, name) tensor and keeps that part;
+3. expert parallelism (reserved for mixture-of-experts layers; none of today's models has one);
+4. activation recomputation: wraps block forwards in place, names unchanged (under a pipeline, per rank);
+5. ZeRO-3's sharding, still on meta: every parameter cut to this rank's 1-D piece, so materialize draws only that;
+6. materialize: every kept parameter drawn from (seed, name), or loaded from the model's weights;
+7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last.
+
+Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
+parameters this rank will not keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from behemoth.comm import CommMeter, all_reduce, broadcast_object
+from behemoth.data import BatchLayout
+from behemoth.models.causal_lm import CausalLM, summed_token_loss
+from behemoth.models.init import materialize
+from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
+from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
+from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
+from behemoth.parallel.pipeline.partition import balance_stages
+from behemoth.parallel.recompute import apply_recompute, recompute_ranks
+from behemoth.parallel.sync import GradSync
+from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
+from behemoth.parallel.zero import ZeroPolicy, apply_zero, shard_parameters
+from behemoth.plan import ParallelPlan
+from behemoth.topology import Runtime
+
+GradTerms = list[tuple[torch.Tensor, float]]
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of a model under a plan: the module, its pipeline and tensor-parallel parts, its syncs."""
+
+    lm: CausalLM
+    rt: Runtime
+    syncs: list[GradSync]
+    pipeline: PipelineParallel | None = None
+    tp: TensorParallel | None = None
+    meter: CommMeter = field(default_factory=CommMeter)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.lm.module
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss; vocabulary-parallel when the head is split (each rank holds 1/t of the logits)."""
+        return summed_token_loss(logits, targets) if self.tp is None else self.tp.cross_entropy_sum(logits, targets)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The model's logits (this rank's vocabulary shard under TP); a pipeline runs stage by stage instead."""
+        if self.pipeline is not None:
+            raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
+        return self.lm.logits(idx.to(self.rt.device))
+
+    def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank quantity of the batch (a loss, token counts) over the ranks that see different parts of it:
+        the pipeline (only last stages hold losses) and the data-parallel replicas. (Reporting, not model traffic: unmetered.)"""
+        all_reduce(t, self.rt.group("pp"))
+        all_reduce(t, self.rt.group("dp"))
+        return t
+
+    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
+        return [s for sync in self.syncs for s in sync.grad_slices()]
+
+    def finish_grads(self) -> None:
+        """After the last backward: pipeline copies summed, every sync finished, sequence-parallel partial sums summed."""
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_grads()
+        for sync in self.syncs:
+            sync.finish()
+        if self.tp is not None:
+            self.tp.finish_grads(self.grad_slices())
+
+    def grad_norm_terms(self) -> tuple[GradTerms, dist.ProcessGroup | None]:
+        """Every gradient piece this rank holds with the weight of its square in the global norm (1 / the ranks holding
+        an identical copy; 0 where another pipeline rank counts it), and the group to sum over (None: fully replicated)."""
+        if self.pipeline is None and self.tp is None and all(s.replicas == self.rt.world_size for s in self.syncs):
+            return [(g, 1.0) for _, g in self.grad_slices()], None
+        terms = []
+        for sync in self.syncs:
+            for name, g in sync.grad_slices():
+                copies = sync.replicas * (self.tp.copies(name) if self.tp is not None else 1)
+                counted = self.pipeline is None or self.pipeline.counts(name)
+                terms.append((g, 1.0 / copies if counted else 0.0))
+        return terms, self.rt.world_group
+
+    def model_state(self) -> dict[str, Any]:
+        """Parameters (or this rank's shards of them) by single-process name, for DCP."""
+        return {name: t for sync in self.syncs for name, t in sync.model_state().items()}
+
+    def state_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for sync in self.syncs:
+            for key, n in sync.state_bytes().items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Split tensors as full-shape views, so DCP reshards to any tp degree and export consolidates."""
+        return self.tp.checkpoint_views(state) if self.tp is not None else state
+
+
+def resolve_stage_boundaries(plan: ParallelPlan, lm: CausalLM, seq_len: int, micro_batch: int, rt: Runtime | None = None) -> list[int]:
+    """The plan's boundaries, or ones balanced by its cost measure (time: measured on the job's rank 0, broadcast)."""
+    if plan.stage_boundaries is not None:
+        return list(plan.stage_boundaries)
+    if plan.balance == "time" and rt is not None:
+        costs = broadcast_object(lambda: lm.time_layers(seq_len, micro_batch, rt.device), rt.world_group, rt.rank == 0)
+    else:
+        costs = planned_layer_costs(plan, lm.shape, seq_len)
+    return balance_stages(costs, plan.num_stages)
+
+
+def planned_layer_costs(plan: ParallelPlan, shape: Any, seq_len: int) -> LayerCosts:
+    """Layer costs known before launch: block counts, or FLOPs (what `balance=time` measures is estimated by FLOPs)."""
+    return uniform_layer_costs(shape) if plan.balance == "layers" else layer_flops(shape, seq_len)
+
+
+def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any, pipeline: PipelineParallel | None,
+                meter: CommMeter) -> list[GradSync]:
+    """Replicated data parallelism (zero_stage 0) or ZeRO 1-3 over the data-parallel group, for every parameter."""
+    group = rt.group("dp")
+    if plan.zero_stage == 0:
+        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), meter=meter)]
+    policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype)
+    stage_params = pipeline.stage_parameters() if pipeline is not None else None
+    return [apply_zero(model, group, policy, units=units, stage_params=stage_params, meter=meter)]
+
+
+def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
+                timeout_s: float = 300.0) -> ParallelModel:
+    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring."""
+    model, meter = lm.module, CommMeter()
+    pipeline = None
+    if rt.dims.pp > 1:
+        bounds = resolve_stage_boundaries(plan, lm, seq_len, batch.micro_batch, rt)
+        policy = PipelinePolicy(plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute,
+                                plan.tp if plan.sequence_parallel else 1, timeout_s)
+        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied)
+    tp = None
+    if rt.dims.tp > 1:
+        policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
+        tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
+        lm.after_tensor_parallel(rt.dims.tp)
+    recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
+    apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
+    units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied) if plan.zero_stage == 3 else None
+    materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
+    lm.after_materialize(rt.device)
+    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter)
+    if pipeline is not None:
+        pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
+    return ParallelModel(lm, rt, syncs, pipeline, tp, meter)
+

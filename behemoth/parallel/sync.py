@@ -1,0 +1,108 @@
+"""The gradient-sync protocol: what data parallelism and each ZeRO stage do with the gradients backward produces.
+
+The engine holds a list of syncs, each over its own group and its own parameters (dense parameters over
+dp x ep and expert parameters over dp, for a mixture of experts), and drives every layout's step through
+the same calls:
+
+    zero_grad()                      before the first micro-batch
+    begin_micro_batch(last)          reduce during the coming backward (the last micro-batch) or accumulate
+    stage_done(stage)                under a pipeline: a backward or weight-gradient pass of pipeline stage
+                                     `stage` has written its gradients for one micro-batch
+    finish()                         after the last backward: every gradient reduced (or its shard complete)
+    grad_slices()                    (single-process name, this rank's gradient or its shard of it)
+    build_optimizer(settings)        AdamW over what this rank steps (whole parameters, or its shards)
+
+The loss is divided by the global batch's token count once, in the engine, so every reduction sums.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """The optimizer's hyper-parameters (the learning rate is set again at every step by the schedule)."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+
+
+def adamw_with_state(decay: list[nn.Parameter], no_decay: list[nn.Parameter], settings: AdamWSettings) -> torch.optim.AdamW | None:
+    """AdamW with weight decay on `decay` only, its state created now (zero moments, step 0) so that a checkpoint can
+    be loaded into it before the first step. None when there is nothing to step."""
+    groups = [g for g in ({"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if not groups:
+        return None
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, foreach=True)
+    for p in decay + no_decay:
+        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return optimizer
+
+
+class Optimizer(abc.ABC):
+    """What the engine needs of an optimizer: learning rate, step, checkpoint state and its size."""
+
+    param_groups: list[dict[str, Any]]
+
+    @abc.abstractmethod
+    def step(self) -> None: ...
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Optimizer state keyed by single-process parameter names (for DCP)."""
+
+    @abc.abstractmethod
+    def state_bytes(self) -> int: ...
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.param_groups:
+            group["lr"] = lr
+
+
+class GradSync(abc.ABC):
+    """Keeps the gradients of some parameters in step over a group of data-parallel replicas."""
+
+    group: dist.ProcessGroup
+    sharded: bool  # True: after finish() each rank holds only its shard of the summed gradients
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of `group` that hold each gradient slice this rank holds (1 when sharded)."""
+        return 1 if self.sharded else dist.get_world_size(self.group)
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def begin_micro_batch(self, last: bool) -> None: ...
+
+    def stage_done(self, stage: int) -> None:
+        """Under a pipeline, pipeline stage `stage` wrote its gradients for one micro-batch (most syncs wait for finish)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None: ...
+
+    @abc.abstractmethod
+    def grad_slices(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    @abc.abstractmethod
+    def build_optimizer(self, settings: AdamWSettings) -> Optimizer: ...
+
+    @abc.abstractmethod
+    def model_state(self) -> dict[str, Any]:
+        """The parameters (or this rank's shards of them) by every single-process name they have, for DCP."""
+
+    @abc.abstractmethod
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for these parameters and gradients (plus peaks of short-lived buffers)."""
+
+    def after_load(self, optimizer: Optimizer) -> None:
+        """A checkpoint was loaded into `model_state()` and the optimizer's state: make the compute parameters agree."""

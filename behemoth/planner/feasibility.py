@@ -1,0 +1,121 @@
+"""Can this plan run this model on this world, and if not, why: every reason at once.
+
+`problems(cfg, world)` is the one feasibility function. It reads no data and starts no process, so the
+planner can ask it of thousands of candidate plans; `behemoth train` asks it (with `launch_problems`,
+which adds the corpus, the checkpoint and the run directory) before any worker starts, and a job that
+torchrun started asks it again in each worker. Only the edges raise (`refuse`), with every problem.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from behemoth.config import Config
+from behemoth.errors import BehemothError, Problem, Refused, collect
+from behemoth.models.causal_lm import model_problems, model_shape
+from behemoth.parallel.pipeline.partition import check_stage_boundaries
+from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
+from behemoth.parallel.recompute import recompute_ranks
+from behemoth.planner.memory import fit_problems
+from behemoth.topology import ParallelDims
+
+
+def problems(cfg: Config, world: int) -> list[Problem]:
+    """Every reason `cfg` cannot run on `world` processes (empty: it can)."""
+    plan = cfg.parallel
+    model = [Problem("hf", message) for message in model_problems(cfg.model, cfg.hf)]
+    out = model + plan.dims_problems(world) + plan.combination_problems()
+    if not model:  # a model that cannot be built has no shape to split
+        out += plan.tensor_parallel_problems(model_shape(cfg.model, cfg.hf).tensor_parallel_sizes(), cfg.seq_len)
+    if plan.dims_problems(world):
+        return out
+    dims = plan.dims(world)
+    batch = collect("train.global_batch", cfg.batch_layout, dims.dp)
+    out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.dp).accum)
+    if not out:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
+        out += fit_problems(cfg, dims.dp)
+    return out
+
+
+def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | None) -> list[Problem]:
+    """A pipeline plan that cannot run: more stages than blocks, micro-batches the schedule cannot use, an odd Chimera
+    depth, bad stage boundaries or recompute ranks."""
+    plan, n_layer = cfg.parallel, cfg.model.n_layer
+    out = collect("parallel.recompute", recompute_ranks, plan.recompute, [1] * plan.pp)
+    if plan.pp == 1:
+        if plan.stage_boundaries is not None:
+            out += collect("parallel.stage_boundaries", check_stage_boundaries, plan.stage_boundaries, n_layer, 1)
+        return out
+    stages = plan.num_stages
+    if stages > n_layer:
+        times = f" x parallel.chunks={plan.chunks}" if plan.schedule_chunks > 1 else ""
+        out.append(Problem.of("parallel.pp", f"parallel.pp={plan.pp}{times} makes {stages} pipeline stages but model.n_layer={n_layer}: "
+                              "every stage needs at least one block", f"use at most {n_layer} stages or a deeper model"))
+    if microbatches is not None:
+        try:
+            check_request(plan.schedule, plan.pp, microbatches, plan.schedule_chunks)
+        except ScheduleError as err:
+            out.append(Problem("parallel.schedule", as_plan_keys(str(err))))
+    if plan.stage_boundaries is not None:
+        out += collect("parallel.stage_boundaries", check_stage_boundaries, plan.stage_boundaries, n_layer, stages)
+    return out
+
+
+def as_plan_keys(message: str) -> str:
+    """A schedule refusal in the words of the config: parallel.pp, parallel.microbatches, parallel.chunks."""
+    for flag, key in (("stages", "pp"), ("microbatches", "microbatches"), ("chunks", "chunks")):
+        message = message.replace(f"--{flag} ", f"parallel.{key}=")
+        message = re.sub(rf"(?<![\w.-]){flag}=", f"parallel.{key}=", message)
+    return message
+
+
+def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
+    """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume, the run directory."""
+    from behemoth.checkpoint import read_meta, validate_checkpoint
+    from behemoth.data import prepare_corpus
+
+    out = problems(cfg, world)
+    try:
+        corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+        if corpus.vocab_size > cfg.model.vocab_size:
+            out.append(Problem.of("model.vocab_size", f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size="
+                                  f"{cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more"))
+    except BehemothError as err:
+        out.append(Problem.from_error("data.path", err))
+    if ckpt is not None:
+        damaged = collect("--resume", validate_checkpoint, ckpt, cfg.model.model_dump(mode="json"))
+        out += damaged
+        step = None if damaged else read_meta(ckpt)["step"]
+        if step is not None and step >= cfg.train.steps:
+            out.append(Problem.of("train.steps", f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
+                                  f"raise train.steps above {step} to train further"))
+    elif cfg.run.dir and (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
+        out.append(Problem.of("run.dir", f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
+    return out
+
+
+def refuse(cfg: Config, world: int, ckpt: Path | None = None, *, launch: bool = False) -> None:
+    """Raise `Refused` with every problem, if there is one (the edge of the program)."""
+    found = launch_problems(cfg, world, ckpt) if launch else problems(cfg, world)
+    if found:
+        raise Refused(found)
+
+
+def describe_plan(cfg: Config, world: int) -> str:
+    """`pp=4 (1f1b, 8 micro-batches, blocks [0, 2, 4, 6, 8]) x dp=2 x tp=2` for the launch line."""
+    from behemoth.parallel.parallelize import planned_layer_costs
+    from behemoth.parallel.pipeline.partition import balance_stages
+
+    plan, dims = cfg.parallel, cfg.parallel.dims(world)
+    degrees = f"dp={dims.dp}" + (f" x tp={dims.tp}" if dims.tp > 1 else "")
+    if plan.pp == 1:
+        return degrees
+    if plan.stage_boundaries is not None:
+        bounds: Any = f"blocks {list(plan.stage_boundaries)}"
+    elif plan.balance == "time":
+        bounds = "blocks measured at start"
+    else:
+        bounds = f"blocks {balance_stages(planned_layer_costs(plan, model_shape(cfg.model, cfg.hf), cfg.seq_len), plan.num_stages)}"
+    return f"pp={plan.pp} ({plan.schedule}, {cfg.batch_layout(dims.dp).accum} micro-batches, {bounds}) x {degrees}"
