@@ -61,13 +61,13 @@ def peer_step(kind: str, cfg: Any, rt: Any):
     import torch
     import torch.nn.functional as F
 
-    from behemoth.engine import build_optimizer
     from behemoth.models.gpt import build_gpt
+    from peers import plain_adamw
     from behemoth.models.init import materialize
 
     model = build_gpt(cfg.model)
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
-    opt = build_optimizer(model, cfg.train)
+    opt = plain_adamw(model, cfg.train)
     net = torch.nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
 
     def step(batches, lr):

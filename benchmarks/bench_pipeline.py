@@ -104,14 +104,6 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
             "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20, "p2p_ms": latency * 1e3, "m": s.microbatches}
 
 
-def plain_adamw(model: torch.nn.Module, train: Any) -> torch.optim.AdamW:
-    """The peers' optimizer, as a PyTorch user writes it: AdamW, weight decay on matrices and embeddings only."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), foreach=True)
-
-
 def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
     """Clip by the norm over the whole pipeline (each rank holds distinct parameters), then step: as behemoth does."""
     import torch
@@ -154,6 +146,8 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     stage = PipelineStage(StageModule(), rank, world, rt.device, group=group)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     pipe = kind(stage, n_microbatches=cfg.parallel.microbatches, loss_fn=lambda out, y: summed_token_loss(out, y) / tokens, scale_grads=False)
+    from peers import plain_adamw
+
     optimizer = plain_adamw(model, cfg.train)
 
     def step(batches, lr):
@@ -190,6 +184,8 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
                          loss_fn=lambda out, y: summed_token_loss(out, y) / tokens * m)  # DeepSpeed divides by m itself
     ds_config = {"train_micro_batch_size_per_gpu": cfg.train.global_batch // m, "gradient_accumulation_steps": m,
                  "gradient_clipping": cfg.train.grad_clip, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    from peers import plain_adamw
+
     engine, *_ = deepspeed.initialize(model=net, optimizer=plain_adamw(net, cfg.train), config=ds_config)
 
     def step(batches, lr):
