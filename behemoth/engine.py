@@ -33,6 +33,7 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 class StepResult:
     loss: float        # mean token loss over the global batch
     grad_norm: float   # global norm before clipping
+    skipped: bool = False  # the gradient was not finite, so the optimizers did not step
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -97,6 +98,8 @@ class Engine:
         model.finish_grads()
         terms, group = model.grad_norm_terms()
         grad_norm = clip_grad_norm(terms, self.train.grad_clip, group=group, meter=model.meter, device=self.device)
+        if not math.isfinite(grad_norm):  # never applied; every rank sees the same norm, so all skip alike
+            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)
         for optimizer in self.optimizers:
             optimizer.set_lr(lr)
             optimizer.step()

@@ -72,9 +72,11 @@ def as_plan_keys(message: str) -> str:
 
 
 def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
-    """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume, the run directory."""
+    """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume (every file
+    verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.preflight`)."""
     from behemoth.checkpoint import read_meta, validate_checkpoint
     from behemoth.data import prepare_corpus
+    from behemoth.preflight import environment_problems
 
     out = problems(cfg, world)
     try:
@@ -91,9 +93,7 @@ def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]
         if step is not None and step >= cfg.train.steps:
             out.append(Problem.of("train.steps", f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
                                   f"raise train.steps above {step} to train further"))
-    elif cfg.run.dir and (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
-        out.append(Problem.of("run.dir", f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
-    return out
+    return out + environment_problems(cfg, resuming=ckpt is not None)
 
 
 def refuse(cfg: Config, world: int, ckpt: Path | None = None, *, launch: bool = False) -> None:
