@@ -73,7 +73,7 @@ class Pending:
         except RuntimeError as err:
             if self.record is None:
                 raise
-            raise RECORDER.failure(self.record, err) from None
+            raise RECORDER.failure(self.record, err, timeout_s) from None
         if self.record is not None:
             RECORDER.end(self.record)
         self.work = None

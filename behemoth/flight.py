@@ -37,7 +37,12 @@ GRACE_S = 5.0  # the watchdog's margin over c10d's own timeout
 
 
 class HangError(BehemothError):
-    """A collective or transfer that failed or timed out, with the ranks it waited for."""
+    """A collective or transfer that failed or timed out, with the ranks it waited for (`diagnosis`: the line without
+    the rank that reports it, for callers that say more about where they waited)."""
+
+    def __init__(self, rank: int, diagnosis: str, fix: str) -> None:
+        self.diagnosis = diagnosis
+        super().__init__(f"rank {rank}: {diagnosis}", fix)
 
 
 @dataclass
@@ -46,7 +51,7 @@ class OpRecord:
 
     op: str
     group: str           # the group's name: dp, tp, pp, world, ...
-    ranks: list[int]     # its members (for a transfer: the peer)
+    ranks: list[int]     # its members
     key: str             # what the sequence number counts: the group, or a sender -> receiver path in it
     seq: int             # the how-many-th operation on `key` this is, counted alike on every rank involved
     start: float         # time.time() when issued
@@ -57,6 +62,11 @@ class OpRecord:
     def describe(self) -> str:
         where = f"from rank {self.peer}" if self.op == "recv" else f"to rank {self.peer}" if self.op == "send" else ""
         return f"{self.op} #{self.seq} {where + ' ' if where else ''}on group {self.group} (ranks {','.join(map(str, self.ranks))})"
+
+    @property
+    def awaited(self) -> list[int]:
+        """The ranks this operation needs: the peer of a transfer, every member of a collective."""
+        return self.ranks if self.peer is None else [self.peer]
 
 
 def group_info(group: dist.ProcessGroup) -> tuple[str, list[int]]:
@@ -96,7 +106,7 @@ class FlightRecorder:
             key += f":{me}->{peer}" if op == "send" else f":{peer}->{me}"
         with self.lock:
             seq = self.counters[key] = self.counters.get(key, 0) + 1
-            rec = OpRecord(op, name, ranks if peer is None else [peer], key, seq, time.time(), peer, nbytes)
+            rec = OpRecord(op, name, ranks, key, seq, time.time(), peer, nbytes)
             self.ring.append(rec)
             self.inflight[id(rec)] = (rec, work)
         return rec
@@ -137,6 +147,10 @@ class FlightRecorder:
         self.stop.clear()
         self.thread = threading.Thread(target=self._beat, name="behemoth-flight", daemon=True)
         self.thread.start()
+
+    @property
+    def armed(self) -> bool:
+        return self.thread is not None
 
     def disarm(self) -> None:
         if self.thread is not None:
@@ -185,19 +199,22 @@ class FlightRecorder:
             return None
         return None
 
-    def failure(self, rec: OpRecord, err: BaseException | None) -> HangError:
-        """The one-line error for a failed or timed-out `rec`: who never arrived; the rings are written to the run directory."""
+    def failure(self, rec: OpRecord, err: BaseException | None, timeout_s: float | None = None) -> HangError:
+        """The one-line error for a failed or timed-out `rec` (waited for at most `timeout_s`, default run.timeout_s): who
+        never arrived; the rings are written to the run directory."""
         now = time.time()
         waited = now - rec.start
-        timed_out = err is None or waited >= self.timeout_s - 0.5
+        limit = timeout_s if timeout_s is not None else self.timeout_s
+        if not self.armed:
+            self.rank = dist.get_rank()
+        timed_out = err is None or waited >= limit - 0.5
         snaps: dict[int, dict[str, Any] | None] = {}
-        culprits = self.blame(rec.key, rec.seq, rec.ranks, snaps, now, depth=0, timed_out=timed_out)
-        how = f"waited {waited:.1f} s (run.timeout_s={self.timeout_s:g})" if timed_out else f"failed after {waited:.1f} s ({c10d_reason(err)})"
+        culprits = self.blame(rec.key, rec.seq, rec.awaited, snaps, now, depth=0, timed_out=timed_out)
+        how = f"waited {waited:.1f} s (run.timeout_s={limit:g})" if timed_out else f"failed after {waited:.1f} s ({c10d_reason(err)})"
         folder = self.write_rings(snaps)
         who = "; ".join(culprits) if culprits else "every rank of the group had arrived; the transfer itself stalled"
         where = f"; rings in {folder}" if folder else ""
-        return HangError(f"rank {self.rank}: {rec.describe()} {how}: {who}{where}",
-                         "see those ranks' logs; raise run.timeout_s if they are only slow")
+        return HangError(self.rank, f"{rec.describe()} {how}: {who}{where}", "see those ranks' logs; raise run.timeout_s if they are only slow")
 
     def stale_s(self) -> float:
         return 3 * self.interval + 1.0
@@ -229,9 +246,9 @@ class FlightRecorder:
         waiting = [op for op in snap["ring"] if op["end"] is None]
         if not waiting or depth >= 3:
             return f"rank {r} never arrived (its last op there: #{snap['counters'].get(key, 0)}; it is alive and elsewhere)"
-        op = min(waiting, key=lambda o: o["start"])
-        inner = self.blame(op["key"], op["seq"], op["ranks"], snaps, now, depth + 1)
-        text = OpRecord(**op).describe()
+        op = OpRecord(**min(waiting, key=lambda o: o["start"]))
+        inner = self.blame(op.key, op.seq, op.awaited, snaps, now, depth + 1)
+        text = op.describe()
         return f"rank {r} never arrived: it waits in {text}" + (f", where {'; '.join(inner)}" if inner else "")
 
     def write_rings(self, snaps: dict[int, Any]) -> Path | None:
