@@ -80,3 +80,13 @@ def test_incomplete_hf_weights_are_refused_before_launch(tmp_path, capsys, shard
         message = "model.safetensors is not a readable safetensors file"
     lines = refused([f"run.dir={tmp_path}/run", f"hf.weights={weights}", "train.seq_len=32"], capsys)
     assert len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nproc", "1:2"], "--nproc 1:2 continues on fewer processes by restarting the survivors, but --max-restarts is 0; add --max-restarts 3"),
+    (["--nproc", "2:4", "--max-restarts", "1"], "--nproc 2:4: the plan cannot run on 3 processes (train.global_batch=8 does not divide over 3"),
+    (["--nproc", "3:2"], "--nproc 3:2 is not a process count or a range; write --nproc N, or --nproc MIN:MAX with 1 <= MIN <= MAX"),
+])
+def test_an_elastic_range_is_refused_before_launch(tmp_path, capsys, argv, message):
+    lines = refused([*argv, f"run.dir={tmp_path}/run"], capsys)
+    assert len(lines) == 1 and message in lines[0], lines
