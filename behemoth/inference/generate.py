@@ -23,6 +23,8 @@ from behemoth.inference.loading import Source, load_model, resolve_source
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
+from behemoth.inference.server import ServeLimits
+from behemoth.inference.serving import EngineLoop
 from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
 from behemoth.parallel.parallelize import ParallelModel
 from behemoth.topology import Runtime, init_runtime
@@ -78,6 +80,7 @@ class Generator:
                  eos_token_ids: list[int] = (), max_batch: int = 64) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, list(eos_token_ids)
         self.num_blocks, self.block_size, self.context, self.max_batch = num_blocks, block_size, context, max_batch
+        self.stats: dict[str, int] = {}  # the last generate()'s scheduler counters (steps, tokens, preemptions)
 
     def scheduler(self, policy: SchedulerPolicy | None = None) -> Scheduler:
         """A scheduler over a fresh block table of this generator's cache."""
@@ -102,7 +105,16 @@ class Generator:
         sched = self.scheduler()
         requests = [sched.submit(self.encode(p), self.with_eos(sp, ignore_eos)) for p, sp in zip(prompts, params)]
         sched.run_until_done()
+        self.stats = dict(sched.stats)
         return [completion(r) for r in requests]
+
+    def engine(self, policy: SchedulerPolicy) -> EngineLoop:
+        """The serving engine over this generator's model and cache (not started)."""
+        return EngineLoop(self.scheduler(policy), self.runner)
+
+    def limits(self, model_name: str, max_tokens: int) -> ServeLimits:
+        """What a served request may ask of this model."""
+        return ServeLimits(model_name, min(max_tokens, self.context - 1), self.context, self.runner.vocab_size, tuple(self.eos_token_ids))
 
     def close(self) -> None:
         self.runner.close()
@@ -138,9 +150,9 @@ def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
     return follow(local, model.rt.world_group)
 
 
-def load(path: str, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64) -> Generator:
-    """A Generator for a checkpoint or HF folder, in this one process."""
-    source = resolve_source(path, list(overrides))
+def load(path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64) -> Generator:
+    """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this process."""
+    source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
     return generator_for(load_model(source, rt), source, cache, max_batch=max_batch)
 
