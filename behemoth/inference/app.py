@@ -47,10 +47,14 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return error(ApiError(400, str(exc.errors()[0].get("msg", "invalid request")), code="invalid_request"))
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:  # a defect, never a bad request
+        return error(ApiError(500, f"internal error ({exc.__class__.__name__})", code="internal_error"))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         try:
-            req = parse_request(await request.body(), limits)
+            req = parse_request(await read_body(request, limits.max_body_bytes), limits)
             completion = Completion(engine, prompt_tokens(req, tokenizer, limits), req.sampling().model_copy(
                 update={"stop_token_ids": [] if req.ignore_eos else list(limits.eos_token_ids)}))
         except ApiError as err:
@@ -80,6 +84,16 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
                                  media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request body, read no further than one byte past `limit` (parse_request refuses it then)."""
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            break
+    return bytes(body)
 
 
 def free_port() -> int:

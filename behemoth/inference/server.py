@@ -91,7 +91,7 @@ class ApiError(Exception):
 def parse_request(raw: bytes, limits: ServeLimits) -> CompletionRequest:
     """The request body as a validated CompletionRequest, or the ApiError that says why not."""
     if len(raw) > limits.max_body_bytes:
-        raise ApiError(413, f"the body has {len(raw)} bytes, the limit is {limits.max_body_bytes}", code="body_too_large")
+        raise ApiError(413, f"the body has more than {limits.max_body_bytes} bytes, the limit", code="body_too_large")
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as err:
@@ -167,20 +167,24 @@ class Completion:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
 
 
-async def collect(completion: Completion, is_disconnected: Any) -> tuple[str, str]:
-    """(text, finish reason) of a non-streaming request; aborted if its client goes away while it waits."""
+async def collect(completion: Completion, is_disconnected: Any, every_s: float = 0.25) -> tuple[str, str]:
+    """(text, finish reason) of a non-streaming request; aborted if its client goes away while it waits (checked every
+    `every_s` seconds, whether or not tokens arrive meanwhile)."""
     parts = []
+    checked = time.monotonic()
     try:
         while True:
             try:
-                event = await completion.next(timeout=0.5)
+                event = await completion.next(timeout=every_s)
+                parts.append(event.text)
+                if event.finish_reason is not None:
+                    return "".join(parts), event.finish_reason
             except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - checked >= every_s:
+                checked = time.monotonic()
                 if await is_disconnected():
                     return "".join(parts), "abort"
-                continue
-            parts.append(event.text)
-            if event.finish_reason is not None:
-                return "".join(parts), event.finish_reason
     finally:
         completion.abort()
 

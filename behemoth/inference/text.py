@@ -50,7 +50,11 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
         if tokenizer is None:
             raise BehemothError(f"this model has a vocabulary of {vocab_size} tokens and no tokenizer, so a text prompt cannot be encoded",
                                 "pass the prompt as a list of token ids")
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except (ValueError, UnicodeError) as err:
+            raise BehemothError(f"the prompt cannot be encoded by this model's tokenizer ({err.__class__.__name__}: {str(err)[:80]})",
+                                "send text the tokenizer covers, or token ids") from None
     else:
         ids = list(prompt)
     if not ids:
