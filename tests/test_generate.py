@@ -261,3 +261,10 @@ def test_generate_refuses_bad_input_in_one_line(trained_run, capsys, argv, messa
     assert main(["generate", str(trained_run), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err
+
+
+def _generate_quantized(source, batch, tp):
+    from behemoth.inference.generate import generate_on_ranks
+
+    out = generate_on_ranks(source, [], batch, [dict(max_tokens=8)] * len(batch), tp=tp, pp=1, quantize="int8")
+    return None if out is None else [c.tokens for c in out]

@@ -79,13 +79,13 @@ def prompts_of(args: argparse.Namespace) -> list[Any]:
 
 
 def worker(source: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], tp: int, pp: int,
-           block_size: int, memory_mb: float, ignore_eos: bool) -> Any:
+           block_size: int, memory_mb: float, ignore_eos: bool, quantize: str | None) -> Any:
     """One launched process of a sharded generation."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
         return generate_on_ranks(source, overrides, prompts, params, tp=tp, pp=pp, cache=CachePolicy(block_size, memory_mb),
-                                 ignore_eos=ignore_eos)
+                                 ignore_eos=ignore_eos, quantize=quantize)
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
         raise
@@ -117,14 +117,38 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompts, nproc = prompts_of(args), world_size(args)
     params = sampling_dicts(args, len(prompts))
-    if args.offload or args.quantize:
-        from behemoth.inference.offload import generate_special
-
-        return print_completions(generate_special(args, prompts, params), args.json)
     check_plan(args, nproc)
-    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos)
+    if args.offload:
+        return print_completions(generate_offloaded(args, prompts, params, nproc), args.json)
+    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos,
+            args.quantize)
     out = worker(*call) if nproc == 1 else launch(nproc, worker, *call)[0]
     return print_completions(out, args.json)
+
+
+def generate_offloaded(args: argparse.Namespace, prompts: list[Any], params: list[dict[str, Any]], nproc: int) -> list[Any]:
+    """One process, the blocks' weights streamed from host memory or disk (a temporary folder unless --offload-dir)."""
+    import shutil
+    import tempfile
+
+    from behemoth.inference.generate import CachePolicy
+    from behemoth.inference.loading import resolve_source
+    from behemoth.inference.offload import OffloadPolicy, offloaded_generator
+    from behemoth.inference.sampling import SamplingParams
+
+    if nproc != 1 or args.quantize:
+        raise BehemothError("--offload runs in one process and with float weights", "drop --nproc/--tp/--pp and --quantize")
+    folder = args.offload_dir or (tempfile.mkdtemp(prefix="behemoth-offload-") if args.offload == "disk" else None)
+    try:
+        off = offloaded_generator(resolve_source(args.source, args.overrides), OffloadPolicy(args.offload, folder),
+                                  CachePolicy(args.block_size, args.kv_cache_mb))
+        try:
+            return off.generator.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=args.ignore_eos)
+        finally:
+            off.close()
+    finally:
+        if folder and not args.offload_dir:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def print_completions(completions: list[Any], as_json: bool) -> int:

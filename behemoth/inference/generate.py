@@ -150,19 +150,21 @@ def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
     return follow(local, model.rt.world_group)
 
 
-def load(path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64) -> Generator:
+def load(path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64,
+         quantize: str | None = None) -> Generator:
     """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this process."""
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
-    return generator_for(load_model(source, rt), source, cache, max_batch=max_batch)
+    return generator_for(load_model(source, rt, quantize=quantize), source, cache, max_batch=max_batch)
 
 
 def generate_on_ranks(path: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], *, tp: int, pp: int,
-                      cache: CachePolicy = CachePolicy(), ignore_eos: bool = False, rt: Runtime | None = None) -> list[Completion] | None:
+                      cache: CachePolicy = CachePolicy(), ignore_eos: bool = False, quantize: str | None = None,
+                      rt: Runtime | None = None) -> list[Completion] | None:
     """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
-    model = load_model(source, rt, tp=tp, pp=pp)
+    model = load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
     if rt.rank != 0:
         follow_model(model, cache)
         return None

@@ -85,8 +85,9 @@ def check_inference_plan(cfg: Config, world: int) -> None:
         raise Refused(found)
 
 
-def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1) -> ParallelModel:
-    """This rank's part of the model, laid out for generation and holding the source's weights."""
+def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None) -> ParallelModel:
+    """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
+    linear weights in int8, per-channel scales)."""
     cfg = inference_config(source.config, tp=tp, pp=pp)
     lm = build_causal_lm(cfg.model, cfg.hf)
     if source.checkpoint is not None:
@@ -96,4 +97,10 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1) -> Para
     if source.checkpoint is not None:
         load_checkpoint(model.checkpoint_views({"model": model.model_state()}), source.checkpoint, rt.world_group)
     model.module.eval()
+    if quantize == "int8":
+        from behemoth.inference.quantize import quantize_int8
+
+        quantize_int8(model.module, transposed=model.lm.transposed)
+    elif quantize is not None:
+        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
     return model

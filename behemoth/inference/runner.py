@@ -9,8 +9,7 @@ holds when the model spans several processes: it sends every step to the other r
 
 from __future__ import annotations
 
-import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,8 +50,9 @@ def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: in
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
-    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
-        self.lm, self.storage, self.tp = lm, storage, tp
+    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None,
+                 stream: Any = None) -> None:
+        self.lm, self.storage, self.tp, self.stream = lm, storage, tp, stream  # stream: an offload LayerStreamer
         self.view = decode_view_of(lm.arch)
         self.blocks = lm.module.get_submodule(self.view.blocks)
         self.layers = storage.layout.layers
@@ -69,7 +69,11 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         for i in self.layers:
+            if self.stream is not None:
+                self.stream.load(i)
             h = self.view.block(self.blocks[i], i, h, ctx)
+            if self.stream is not None:
+                self.stream.release(i)
         return h
 
     @torch.no_grad()
@@ -129,15 +133,8 @@ def follow(local: Runner, group: dist.ProcessGroup) -> int:
         box: list[object] = [None]
         dist.broadcast_object_list(box, group=group, group_src=0)
         message = box[0]
-        if message == STOP:
+        if isinstance(message, str) and message == STOP:
             return steps
         if isinstance(message, StepBatch):
             local.forward(message)
             steps += 1
-
-
-def timed(fn, *args):
-    """(result, seconds) of fn(*args)."""
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
