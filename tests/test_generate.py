@@ -268,3 +268,18 @@ def _generate_quantized(source, batch, tp):
 
     out = generate_on_ranks(source, [], batch, [dict(max_tokens=8)] * len(batch), tp=tp, pp=1, quantize="int8")
     return None if out is None else [c.tokens for c in out]
+
+
+def test_a_request_the_whole_cache_cannot_hold_is_refused(runtime):
+    from behemoth.config import load_config
+    from behemoth.errors import BehemothError
+    from behemoth.inference.kv_cache import CacheLayout
+    from behemoth.inference.loading import Source
+
+    per_block = CacheLayout(tuple(range(2)), 2, 16, 4, 1).bytes_per_block
+    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=64"]), None, None),
+               cache=CachePolicy(block_size=4, memory_mb=5 * per_block / 2**20))
+    assert gen.num_blocks == 5
+    assert len(gen.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16))[0].tokens) == 16  # 20 tokens: exactly 5 blocks
+    with pytest.raises(BehemothError, match="needs 6 KV-cache blocks, the cache has 5"):
+        gen.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=17))

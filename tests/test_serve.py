@@ -221,3 +221,42 @@ def test_survives_1000_requests_with_bad_ones_mixed_in(generator):
             health = wait_for_idle(client)
     assert statuses == [status for _, status, _ in plan]
     assert health["status"] == "ok" and health["kv_blocks_used"] == 0
+
+
+def _serve_and_ask(folder: str, tp: int, bodies: list[dict]) -> list[tuple[str, str]] | None:
+    """Serve an HF folder on tp processes (rank 0: HTTP and the scheduler; the others follow its steps) and send it
+    the requests concurrently, streamed; rank 0 returns (text, finish reason) of each."""
+    from behemoth.inference.app import ServerThread
+    from behemoth.inference.generate import CachePolicy, follow_model, generator_for
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.topology import init_runtime
+
+    source = resolve_source(folder)
+    rt = init_runtime(tp=tp)
+    model = load_model(source, rt, tp=tp)
+    if rt.rank != 0:
+        follow_model(model, CachePolicy(block_size=4, memory_mb=2))
+        return None
+    gen = generator_for(model, source, CachePolicy(block_size=4, memory_mb=2))
+    gen.tokenizer = Latin1()
+    engine = gen.engine(SchedulerPolicy(max_batch=4, context=gen.context))
+    with ServerThread(engine, gen.limits("llama", 32), gen.tokenizer) as url:
+        async def ask():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return await asyncio.gather(*(stream_text(client, body) for body in bodies))
+
+        return asyncio.run(ask())
+
+
+def test_tensor_parallel_server_answers_as_one_process(tmp_path):
+    from tests.dist import run_ranks
+    from tests.test_generate import save_hf
+
+    save_hf("llama", str(tmp_path))
+    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p, n in [("abc", 12), ("hello there", 7), ("x", 20), ("q", 3),
+                                                                             ("zz top", 9), ("12345", 14)]]
+    bodies.append({"prompt": "seeded", "max_tokens": 10, "temperature": 0.8, "seed": 3})
+    single = run_ranks(1, _serve_and_ask, str(tmp_path), 1, bodies)[0]
+    sharded = run_ranks(2, _serve_and_ask, str(tmp_path), 2, bodies)
+    assert sharded[0] == single and sharded[1] is None
+    assert [len(text) for text, _ in single] == [b["max_tokens"] for b in bodies]

@@ -89,8 +89,13 @@ def run_serve(args: argparse.Namespace) -> int:
     policy_of(args, 1)
     if nproc == 1:
         serve_on_ranks(args)
-    else:
+        return 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
         launch(nproc, serve_worker, args, timeout_s=3600)
+    except SignalException as err:  # Ctrl-C or a service manager's SIGTERM: the launcher has stopped the workers
+        print(f"behemoth: server stopped ({err.sigval.name})", file=sys.stderr)
     return 0
 
 

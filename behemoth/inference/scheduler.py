@@ -98,10 +98,10 @@ class Scheduler:
         if len(prompt) + params.max_tokens > self.policy.context:
             raise BehemothError(f"a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds the context of "
                                 f"{self.policy.context}", f"ask for at most {max(0, self.policy.context - len(prompt))} tokens")
-        blocks = -(-(len(prompt) + 1) // self.alloc.block_size)
-        if blocks > self.alloc.num_blocks:
-            raise BehemothError(f"a prompt of {len(prompt)} tokens needs {blocks} KV-cache blocks, the cache has {self.alloc.num_blocks}",
-                                "give the cache more memory or send a shorter prompt")
+        blocks = -(-(len(prompt) + params.max_tokens) // self.alloc.block_size)
+        if blocks > self.alloc.num_blocks:  # it could never finish, even alone (preemption would cycle)
+            raise BehemothError(f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {blocks} KV-cache blocks, "
+                                f"the cache has {self.alloc.num_blocks}", "give the cache more memory or ask for fewer tokens")
         req = Request(next(self.ids), list(prompt), params, TextTracker(self.tokenizer, params.stop), sink,
                       generator=None if params.greedy else request_generator(params.seed))
         with self.lock:
