@@ -197,10 +197,22 @@ def _generate_sharded(source, overrides, batch, params, tp, pp):
 SHARDED_PARAMS = [dict(max_tokens=10), dict(max_tokens=7), dict(max_tokens=10, temperature=0.7, seed=5), dict(max_tokens=3)]
 
 
+@pytest.fixture(scope="module")
+def single_process(hf_folders):
+    """Each architecture's single-process generation of the sharded tests' batch (computed once)."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def of(arch: str) -> list[list[int]]:
+        if arch not in cache:
+            cache[arch] = run_ranks(1, _generate_sharded, hf_folders[arch], [], prompts(), SHARDED_PARAMS, 1, 1)[0]
+        return cache[arch]
+    return of
+
+
 @pytest.mark.parametrize("arch,world,tp,pp", [("llama", 2, 2, 1), ("llama", 2, 1, 2), ("gpt2", 2, 2, 1), ("llama", 4, 2, 2)])
-def test_tensor_and_pipeline_parallel_generation_equals_single_process(hf_folders, arch, world, tp, pp):
+def test_tensor_and_pipeline_parallel_generation_equals_single_process(hf_folders, single_process, arch, world, tp, pp):
     batch = prompts()
-    single = run_ranks(1, _generate_sharded, hf_folders[arch], [], batch, SHARDED_PARAMS, 1, 1)[0]
+    single = single_process(arch)
     sharded = run_ranks(world, _generate_sharded, hf_folders[arch], [], batch, SHARDED_PARAMS, tp, pp)
     assert sharded[0] == single and all(r is None for r in sharded[1:])
     assert [len(t) for t in single] == [10, 7, 10, 3]
@@ -283,3 +295,27 @@ def test_a_request_the_whole_cache_cannot_hold_is_refused(runtime):
     assert len(gen.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16))[0].tokens) == 16  # 20 tokens: exactly 5 blocks
     with pytest.raises(BehemothError, match="needs 6 KV-cache blocks, the cache has 5"):
         gen.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=17))
+
+
+def test_generate_and_serve_document_their_options(capsys):
+    from behemoth.cli import main
+
+    for command, keys in (("generate", ["--prompt", "--max-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty",
+                                        "--stop", "--seed", "--tp", "--pp", "--offload", "--quantize", "--kv-cache-mb"]),
+                          ("serve", ["--port", "--max-batch", "--max-waiting", "--max-tokens", "--batching", "--tp", "/v1/completions"])):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert all(key in out for key in keys), command
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "/no/such/run"], "/no/such/run does not exist"),
+    (["generate", "/no/such/run", "--prompt", "x"], "/no/such/run does not exist"),
+])
+def test_a_missing_source_is_refused_in_one_line(capsys, argv, message):
+    from behemoth.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err
