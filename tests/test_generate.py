@@ -266,6 +266,7 @@ def test_checkpoint_of_another_layout_loads_and_generates_alike(trained_run):
     (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not a comma-separated list of integers"),
     (["--prompt", "x", "--top-p", "2"], "--top-p: Input should be less than or equal to 1"),
     ([], "no prompt given"),
+    (["--prompt", "x", "model.n_layer=3"], "saved from a different model (model.n_layer: checkpoint 2, config 3)"),
 ])
 def test_generate_refuses_bad_input_in_one_line(trained_run, capsys, argv, message):
     from behemoth.cli import main

@@ -162,5 +162,5 @@ def print_completions(completions: list[Any], as_json: bool) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
-    args = generate_parser().parse_args(argv)
+    args = generate_parser().parse_intermixed_args(argv)
     return exit_code(run_generate, args)

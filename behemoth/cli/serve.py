@@ -100,4 +100,4 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    return exit_code(run_serve, serve_parser().parse_args(argv))
+    return exit_code(run_serve, serve_parser().parse_intermixed_args(argv))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from behemoth.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, verify_files
+from behemoth.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
 from behemoth.config import Config, load_config
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError, Refused
@@ -56,6 +56,7 @@ def resolve_source(path: str | Path, overrides: list[str] = ()) -> Source:
     cfg = Config.model_validate(saved)
     if overrides:
         cfg = load_config(None, [*_flatten(saved), *overrides])
+        validate_checkpoint(ckpt, cfg.model.model_dump(mode="json"))  # an option may not change the model's shape
     return Source(cfg, ckpt, str(ckpt.parent.parent))
 
 
