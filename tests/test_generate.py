@@ -22,9 +22,12 @@ def runtime():
     """The single-process runtime the in-process tests share (torn down with the module)."""
     from behemoth.topology import init_runtime
 
+    import torch.distributed as dist
+
     rt = init_runtime()
     yield rt
-    rt.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def save_hf(arch: str, folder: str, std: float = 0.3) -> None:

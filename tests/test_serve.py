@@ -52,9 +52,10 @@ def generator():
     gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=128"]), None, None), cache=CachePolicy(block_size=8, memory_mb=1))
     gen.tokenizer = Latin1()
     yield gen
-    from behemoth.topology import init_runtime
+    import torch.distributed as dist
 
-    init_runtime().close()
+    if dist.is_initialized():  # the single-process group load() joined
+        dist.destroy_process_group()
 
 
 def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 256, policy: str = "continuous"):
