@@ -12,7 +12,9 @@ compared and the table says whether they agree). Run:
    token) at batch 1 and 16, same-length prompts (no padding on either side), best of `--rounds`.
 2. Tensor parallelism: the same generation on 2 processes (tp=2, one thread each) vs one process with one and
    with two threads.
-3. Offload: under a memory budget (`--memory-gb`), the largest model of a ladder of depths whose weights and
+3. int8 weight-only: a small GPT trained here, float32 vs int8: validation loss and its change, bytes of the
+   linear weights, generation tokens/s, greedy tokens equal to float32's.
+4. Offload: under a memory budget (`--memory-gb`), the largest model of a ladder of depths whose weights and
    KV cache fit in memory, and the largest that generates with its blocks streamed from disk (resident parts +
    two blocks + KV cache within the budget; its folder needs free disk space, checked first and removed after).
    Both generate; measured: tokens/s, seconds per forward, and the bound (streamed bytes / the disk's measured
@@ -255,6 +257,54 @@ def offload_table(args: argparse.Namespace) -> list[str]:
     return rows
 
 
+def int8_vs_float(run: str, batch: int, new: int) -> dict[str, Any]:
+    """Validation loss, linear-weight bytes, generation tokens/s and greedy agreement of a checkpoint, float32 vs int8."""
+    from behemoth.inference import SamplingParams
+    from behemoth.inference.generate import CachePolicy, generator_for
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.inference.quantize import quantize_int8, validation_loss
+    from behemoth.topology import init_runtime
+
+    source, rt = resolve_source(run), init_runtime()
+    out: dict[str, Any] = {}
+    for kind in ("float32", "int8"):
+        model = load_model(source, rt)
+        stats = quantize_int8(model.module, transposed=model.lm.transposed) if kind == "int8" else None
+        loss = validation_loss(model, source.config, batches=8)
+        gen = generator_for(model, source, CachePolicy())
+        prompt_len = min(32, gen.context // 2)
+        new = min(new, gen.context - prompt_len)
+        prompts = make_prompts(batch, prompt_len, model.lm.shape.vocab_size)
+        gen.generate(prompts, SamplingParams(max_tokens=2))
+        t0 = time.perf_counter()
+        tokens = [c.tokens for c in gen.generate(prompts, SamplingParams(max_tokens=new))]
+        out[kind] = {"loss": loss, "tok_s": batch * new / (time.perf_counter() - t0), "tokens": tokens, "stats": stats}
+    same = [sum(a == b for a, b in zip(x, y)) / len(x) for x, y in zip(out["float32"]["tokens"], out["int8"]["tokens"])]
+    out["agreement"], out["shape"] = statistics.mean(same), (prompt_len, new)
+    return out
+
+
+def int8_table(args: argparse.Namespace) -> list[str]:
+    """Train a small GPT (so its validation loss means something), then compare float32 and int8 weights."""
+    import subprocess
+
+    from behemoth.ranks import run_ranks
+
+    steps, model = (30, "gpt-tiny") if args.quick else (300, "gpt-1m")
+    with tempfile.TemporaryDirectory(prefix="behemoth-bench-int8-") as run:
+        subprocess.run([sys.executable, "-m", "behemoth", "train", "--nproc", "1", f"model={model}", f"train.steps={steps}",
+                        f"checkpoint.every={steps}", f"run.dir={run}", "run.progress=false"], check=True, capture_output=True)
+        r = run_ranks(1, int8_vs_float, run, 16, args.new_tokens, threads=args.threads, timeout=3600)[0]
+    st = r["int8"]["stats"]
+    f, q = r["float32"], r["int8"]
+    return [f"{model} trained {steps} steps on the default corpus; validation loss over 8 batches of 8 x seq_len tokens; "
+            f"generation: batch 16, {r['shape'][0]} + {r['shape'][1]} tokens, greedy.", "",
+            "| weights | linear-weight MiB | validation loss | change | tok/s | greedy tokens equal to float32 |", "|---|---:|---:|---:|---:|---:|",
+            f"| float32 | {st.float_bytes / 2**20:.2f} | {f['loss']:.4f} | - | {f['tok_s']:.0f} | - |",
+            f"| int8 (per-channel) | {st.int8_bytes / 2**20:.2f} | {q['loss']:.4f} | {100 * (q['loss'] - f['loss']) / f['loss']:+.2f}% | "
+            f"{q['tok_s']:.0f} | {100 * r['agreement']:.0f}% |"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small model and few tokens (a minute or two)")
@@ -262,7 +312,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads of the one-process runs (default 2; quick 1)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget of the offload comparison (default 4; quick 0.1)")
     p.add_argument("--max-disk-gb", type=float, default=40.0, help="disk the offloaded model may take at most (default 40)")
-    p.add_argument("--skip", action="append", default=[], choices=["generation", "tp", "offload"], help="leave a section out")
+    p.add_argument("--skip", action="append", default=[], choices=["generation", "tp", "offload", "int8"], help="leave a section out")
     args = p.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.threads = args.threads or (1 if args.quick else 2)
@@ -280,6 +330,8 @@ def main() -> int:
             print("\n".join(generation_table(folder, args)) + "\n", flush=True)
         if "tp" not in args.skip:
             print("## Tensor parallelism: tp=2 vs one process\n\n" + "\n".join(tensor_parallel_table(folder, args)) + "\n", flush=True)
+    if "int8" not in args.skip:
+        print("## int8 weight-only vs float32\n\n" + "\n".join(int8_table(args)) + "\n", flush=True)
     if "offload" not in args.skip:
         print("## Offload: largest model that fits vs largest that generates\n\n" + "\n".join(offload_table(args)), flush=True)
     return 0

@@ -4,7 +4,6 @@ holding at most prefetch + 1 blocks; int8 weight-only generation stays within it
 from __future__ import annotations
 
 import pytest
-import torch
 
 from behemoth.inference import CachePolicy, SamplingParams, load
 from tests.dist import run_ranks
