@@ -71,6 +71,8 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
     return {
         "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
         "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
+        "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
+        "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
     }
 
 
