@@ -29,11 +29,15 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
-SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "context", "vocab_size", "mlp_ratio", "bias", "tie_embeddings")  # what weights depend on
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "context", "vocab_size", "mlp_ratio", "bias", "tie_embeddings", "moe")  # what weights depend on
 
 
 def shape_value(key: str, value: Any) -> Any:
-    """A model field as the weights see it: `bias` unset is the family's default (biases), as an older config's true."""
+    """A model field as the weights see it: `bias` unset is the family's default (biases), as an older config's true;
+    of model.moe, only the fields that decide which weights exist (routing settings do not)."""
+    if key == "moe":
+        moe = value or {}
+        return None if not moe.get("experts") else (moe["experts"], moe.get("every", 1), moe.get("shared_expert", False))
     return True if key == "bias" and value is None else value
 
 
