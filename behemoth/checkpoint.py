@@ -176,11 +176,10 @@ def load_checkpoint(state: dict[str, Any], ckpt: Path, group: dist.ProcessGroup)
         raise BehemothError(f"checkpoint {ckpt} could not be loaded: {first[:300]}", "check that it matches this model, or resume from an earlier checkpoint") from None
 
 
-def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
-    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout)."""
-    from safetensors.torch import save_file
-
-    model = model.to_empty(device="cpu")
+def load_consolidated(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint `ckpt`'s weights (saved under any layout) loaded into `model` (on meta, built single-process) on the
+    CPU, in one process; its state dict."""
+    model.to_empty(device="cpu")
     state = model.state_dict()
     try:
         with warnings.catch_warnings():
@@ -188,10 +187,28 @@ def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
             dcp.load({"model": state}, checkpoint_id=str(ckpt), no_dist=True)
     except Exception as err:
         raise BehemothError(f"checkpoint {ckpt} does not hold this model's weights ({str(err).splitlines()[0][:200]})", "export with the run's own config") from None
+    return state
+
+
+def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
+    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout)."""
+    from safetensors.torch import save_file
+
+    state = load_consolidated(ckpt, model)
     meta = read_meta(ckpt)
     tmp = out.with_suffix(".tmp")
     again = {name for others in tied_names(model).values() for name in others}  # a tied weight is written once, first name
     tensors = {k: v.contiguous() for k, v in state.items() if k not in again}
     save_file(tensors, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
     os.replace(tmp, out)
+    return out
+
+
+def export_pretrained(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
+    """A checkpoint of a transformers model (saved under any layout) as a save_pretrained folder, written by transformers
+    itself in its own layout (a Mixtral's experts as per-expert w1/w2/w3), so `from_pretrained` and hf.weights load it."""
+    if not hasattr(model, "save_pretrained"):
+        raise BehemothError("export --hf needs a run of a transformers model (model=hf:...)", "export behemoth's GPT without --hf")
+    load_consolidated(ckpt, model)
+    model.save_pretrained(str(out))
     return out

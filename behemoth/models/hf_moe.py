@@ -10,7 +10,8 @@ statistics, and a runner that `parallel/expert/` can place over the `ep` ranks.
 The config's `router_aux_loss_coef` weighs the load-balancing loss, in Mixtral's form (all k choices,
 `aux_loss=topk`); `router_jitter_noise` jitters the router's input while training (transformers also
 jitters the experts' input). Checkpoints written by `save_pretrained` keep the older per-expert layout
-(`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy` reads it and `to_legacy` writes it.
+(`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy` reads it (`behemoth export --hf` writes it through
+transformers' own save_pretrained).
 """
 
 from __future__ import annotations
@@ -91,22 +92,3 @@ def from_legacy(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         ordered = [by_expert[e] for e in sorted(by_expert)]
         yield f"{layer}.mlp.experts.gate_up_proj", torch.stack([torch.cat([w["w1"], w["w3"]]) for w in ordered])
         yield f"{layer}.mlp.experts.down_proj", torch.stack([w["w2"] for w in ordered])
-
-
-def to_legacy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model's tensors in the per-expert layout transformers' save_pretrained writes for Mixtral."""
-    out = {}
-    for key, t in state.items():
-        m = re.match(r"^(.*\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$", key)
-        if m is None:
-            out[key] = t
-        elif m.group(2) == "gate.weight":
-            out[f"{m.group(1)}.block_sparse_moe.gate.weight"] = t
-        elif m.group(2) == "experts.down_proj":
-            out.update({f"{m.group(1)}.block_sparse_moe.experts.{e}.w2.weight": t[e].contiguous() for e in range(t.shape[0])})
-        else:
-            for e in range(t.shape[0]):
-                gate, up = t[e].chunk(2)
-                out[f"{m.group(1)}.block_sparse_moe.experts.{e}.w1.weight"] = gate.contiguous()
-                out[f"{m.group(1)}.block_sparse_moe.experts.{e}.w3.weight"] = up.contiguous()
-    return out

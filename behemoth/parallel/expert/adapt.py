@@ -98,10 +98,11 @@ class ExpertAdapter:
     trying: Candidate | None = None
     timings: dict[Candidate, float] = field(default_factory=dict)
     history: list[tuple[int, Candidate]] = field(default_factory=list)  # (step, layout chosen) at every change
+    trials: list[tuple[int, Candidate, float]] = field(default_factory=list)  # (step, layout probed, slowest rank's seconds)
 
     def before_step(self) -> None:
         """At the start of a probe round queue every candidate; during one, run the next."""
-        if self.mode == "probe" and self.step >= 1 and (self.step - 1) % self.every == 0:
+        if self.mode == "probe" and not self.queue and self.step >= 1 and (self.step - 1) % self.every == 0:
             self.queue, self.timings = list(self.candidates), {}
         if self.queue:
             self.trying = self.queue.pop(0)
@@ -113,6 +114,7 @@ class ExpertAdapter:
             t = torch.tensor([seconds], dtype=torch.float64, device=device)
             all_reduce(t, self.group, op=dist.ReduceOp.MAX)
             self.timings[self.trying] = float(t)
+            self.trials.append((self.step, self.trying, float(t)))
             self.trying = None
             if not self.queue:
                 self.choose(min(self.timings, key=self.timings.get))
