@@ -32,7 +32,7 @@ def expert_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gated: 
 
 
 def reference_moe(x: torch.Tensor, router: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *, k: int, factor: float | None,
-                  group: int | None = 1, definition: str = "deepspeed", min_capacity: int = 4, normalize: bool = True,
+                  group: int | None = 1, definition: str = "deepspeed", min_capacity: int = 4, normalize: str = "chosen",
                   aux: str = "switch", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
     """(output [B, T, d], aux_sum, z_sum, kept flags in (group, token, choice) order) of sequences x [B, T, d]."""
     B, T, d = x.shape
@@ -56,7 +56,11 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w_in: torch.Tensor, w_o
         rows = []
         for t in range(len(tokens)):
             gates = [probs[t, e] for e in choices[t]]
-            total = sum(gates) if normalize and k > 1 else 1.0
+            total = 1.0
+            if k > 1 and normalize == "chosen":
+                total = sum(gates)
+            elif k > 1 and normalize == "kept":
+                total = sum(g for j, g in enumerate(gates) if kept[t, j])
             out = tokens.new_zeros(d)
             for j, e in enumerate(choices[t]):
                 if kept[t, j]:

@@ -50,9 +50,10 @@ def test_second_choices_queue_after_first_choices() -> None:
     assert r.kept[0, :, 0].all() and not r.kept[0, :, 1].any()  # the first choices fill both experts' two slots
 
 
-def moe_layer(k: int, factor: float | None, group: int | None, definition: str = "deepspeed", aux: str = "switch"):
+def moe_layer(k: int, factor: float | None, group: int | None, definition: str = "deepspeed", aux: str = "switch",
+              normalize: str = "chosen"):
     cfg = GPTConfig(preset="gpt-moe-tiny", moe=dict(top_k=k, capacity_factor=factor, group=group, capacity=definition, aux_loss=aux,
-                                                    min_capacity=2, aux_coef=0.1, z_coef=0.01))
+                                                    min_capacity=2, aux_coef=0.1, z_coef=0.01, normalize=normalize))
     stats = RouterStats([4])
     with torch.device("meta"):
         layer = moe_mlp(cfg, 4, 0, stats)
@@ -60,14 +61,15 @@ def moe_layer(k: int, factor: float | None, group: int | None, definition: str =
     return layer, stats
 
 
-CASES = [(1, None, 1, "deepspeed"), (2, None, None, "deepspeed"), (1, 1.0, 1, "deepspeed"), (2, 0.5, 1, "deepspeed"),
-         (2, 0.75, None, "tutel"), (3, 1.0, 2, "tutel")]
+CASES = [(1, None, 1, "deepspeed", "chosen"), (2, None, None, "deepspeed", "chosen"), (1, 1.0, 1, "deepspeed", "chosen"),
+         (2, 0.5, 1, "deepspeed", "chosen"), (2, 0.5, 1, "deepspeed", "kept"), (2, 0.75, None, "tutel", "chosen"),
+         (3, 1.0, 2, "tutel", "none")]
 
 
-@pytest.mark.parametrize("k,factor,group,definition", CASES)
-def test_layer_matches_plain_loop(k: int, factor: float | None, group: int | None, definition: str) -> None:
+@pytest.mark.parametrize("k,factor,group,definition,normalize", CASES)
+def test_layer_matches_plain_loop(k: int, factor: float | None, group: int | None, definition: str, normalize: str) -> None:
     """Output, auxiliary losses, dropped assignments and every gradient equal the plain-loop reference (float32)."""
-    layer, stats = moe_layer(k, factor, group, definition, aux="topk" if k == 3 else "switch")
+    layer, stats = moe_layer(k, factor, group, definition, aux="topk" if k == 3 else "switch", normalize=normalize)
     layer.train()
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
     probe = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(2))
@@ -78,7 +80,7 @@ def test_layer_matches_plain_loop(k: int, factor: float | None, group: int | Non
     xr = x.detach().clone().requires_grad_(True)
     out, aux_sum, z_sum, kept = reference_moe(xr, params["router.weight"], params["experts.w_in"], params["experts.w_out"], k=k,
                                               factor=factor, group=group, definition=definition, min_capacity=2,
-                                              aux="topk" if k == 3 else "switch")
+                                              aux="topk" if k == 3 else "switch", normalize=normalize)
     ((out * probe).sum() + 0.1 * aux_sum + 0.01 * z_sum).backward()
     want = {n: p.grad for n, p in params.items()} | {"x": xr.grad}
 

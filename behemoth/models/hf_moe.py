@@ -59,7 +59,7 @@ def mixtral_policy(moe: MoEConfig, config: Any) -> Any:
     """The routing policy: model.moe's capacity settings, with Mixtral's k, auxiliary loss and jitter."""
     jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
     return dataclasses.replace(moe.policy(), top_k=config.num_experts_per_tok, aux_coef=float(config.router_aux_loss_coef),
-                               aux="topk", normalize=True, noise="jitter" if jitter else moe.noise, noise_eps=jitter or moe.noise_eps)
+                               aux="topk", normalize="chosen", noise="jitter" if jitter else moe.noise, noise_eps=jitter or moe.noise_eps)
 
 
 def adopt_moe_blocks(model: nn.Module, moe: MoEConfig) -> tuple[tuple[str, ...], RouterStats]:

@@ -47,7 +47,8 @@ class MoEConfig(BaseModel):
     group: int | None = Field(1, ge=1, description="sequences sharing one capacity (unset: a rank's micro-batch, as DeepSpeed)")
     noise: Literal["none", "jitter", "gumbel"] = Field("none", description="noisy gating while training")
     noise_eps: float = Field(0.01, ge=0, lt=1, description="jitter: router input times U(1-eps, 1+eps)")
-    normalize: bool = Field(True, description="k > 1: the chosen gates are divided by their sum")
+    normalize: Literal["chosen", "kept", "none"] = Field("chosen", description="k > 1: gates over their sum for the k chosen "
+                                                         "experts (GShard, Tutel, Mixtral) or those kept within capacity (DeepSpeed)")
     aux_loss: Literal["switch", "topk"] = Field("switch", description="load balance over first choices, or all k (Mixtral)")
     aux_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
     z_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")

@@ -40,7 +40,7 @@ class RoutingPolicy:
     group: int | None = 1                       # sequences per routing group; None: all of a micro-batch
     noise: Literal["none", "jitter", "gumbel"] = "none"
     noise_eps: float = 0.01                     # jitter: router input times U(1 - eps, 1 + eps)
-    normalize: bool = True                      # k > 1: the chosen gates are divided by their sum
+    normalize: Literal["chosen", "kept", "none"] = "chosen"  # k > 1: gates divided by the sum over the chosen (or kept) experts
     aux: Literal["switch", "topk"] = "switch"   # load balance over first choices (Switch, GShard) or all k (Mixtral)
     aux_coef: float = 0.01
     z_coef: float = 0.0
@@ -109,13 +109,14 @@ def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Rou
     probs = torch.softmax(logits, dim=-1)
     select = logits + gumbel_like(logits) if training and policy.noise == "gumbel" else logits
     experts = select.topk(policy.top_k, dim=-1).indices                # [G, T, k]
-    gates = probs.gather(-1, experts)
-    if policy.normalize and policy.top_k > 1:
-        gates = gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
     slots = assign_slots(experts, E)
     factor = policy.factor(training)
     capacity = None if factor is None else expert_capacity(T, E, policy.top_k, factor, policy.capacity_def, policy.min_capacity)
     kept = torch.ones_like(experts, dtype=torch.bool) if capacity is None else slots < capacity
+    gates = probs.gather(-1, experts)
+    if policy.normalize != "none" and policy.top_k > 1:  # over the k chosen (GShard, Tutel, Mixtral) or those kept (DeepSpeed)
+        total = (gates if policy.normalize == "chosen" else gates * kept).sum(-1, keepdim=True)
+        gates = gates / total.clamp_min(torch.finfo(gates.dtype).eps)
     z_sum = torch.logsumexp(logits, dim=-1).square().sum()
     return Routing(experts, gates, slots, kept, capacity, load_balancing_sum(probs, experts, policy.aux), z_sum)
 
