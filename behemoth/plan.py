@@ -44,6 +44,8 @@ class ParallelPlan(BaseModel):
     expert_chunks: int = Field(1, ge=1, description="all-to-all pipelining degree: expert compute overlaps the next chunk's transfer")
     expert_adapt: Literal["off", "probe", "cost"] = Field("off", description="switch expert layouts at run time: measured probe or cost model")
     expert_probe_every: int = Field(50, ge=1, description="steps between probes (expert_adapt=probe) or cost-model choices (cost)")
+    expert_node_size: int | None = Field(None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two "
+                                         "levels (default: torchrun's LOCAL_WORLD_SIZE)")
 
     @field_validator("zero_stage")
     @classmethod

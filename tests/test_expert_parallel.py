@@ -3,7 +3,8 @@
 Each rank holds E / ep experts and a share of the batch in two micro-batches (gradient accumulation); the
 reference runs every token of the whole batch through its chosen experts one at a time. Output, auxiliary
 losses, dropped assignments and gradients must agree within float32 rounding, in both layouts (tokens to
-the experts, pipelined or not, and experts to the tokens), top-1 and top-2, with and without capacity.
+the experts, pipelined or not, and experts to the tokens), top-1 and top-2, with and without capacity, and
+with the two-level all-to-all of an ep group spread over (simulated) nodes.
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def ep_body(cases: list[tuple]) -> list[dict]:
     from behemoth.comm import CommMeter
     from behemoth.models.init import materialize
     from behemoth.parallel.expert import EPComm, ExpertPolicy, apply_expert_parallel
+    from behemoth.parallel.expert.comm import two_level_groups
 
     world, rank = dist.get_world_size(), dist.get_rank()
     out = []
-    for k, factor, group, layout, chunks in cases:
+    for k, factor, group, layout, chunks, *node in cases:
         holder, stats = make_layer(k, factor, group)
         meter = CommMeter()
-        ep = apply_expert_parallel(holder, EPComm.of(dist.group.WORLD, meter), ExpertPolicy(layout, chunks), layers=("mlp",))
+        levels = two_level_groups([list(range(world))], node[0], rank) if node else None  # `node[0]` ranks per simulated node
+        ep = apply_expert_parallel(holder, EPComm.of(dist.group.WORLD, meter, levels=levels), ExpertPolicy(layout, chunks), layers=("mlp",))
         materialize(holder, seed=3, device=torch.device("cpu"), init_spec=spec)
         layer = holder["mlp"].train()
         stats.loss_scale = 1.0 / (B * T)
@@ -103,7 +106,7 @@ def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
     """Every way the ranks' results differ from the reference (empty: they agree)."""
     world, out = len(results), []
     local, per_rank = E // world, B // world
-    for c, (k, factor, group, layout, chunks) in enumerate(cases):
+    for c, (k, factor, group, layout, chunks, *_) in enumerate(cases):
         ref = reference(k, factor, group, world)
         if factor is not None and k == 2 and ref["dropped"] == 0:
             out.append(f"case {c}: a capacity case that drops nothing tests nothing")
@@ -124,6 +127,8 @@ def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
                     out.append(str(err))
             if layout == "alltoall" and (got["a2a"] is None or got["a2a"].bytes == 0):
                 out.append(f"{name}: no token crossed ranks")
+            if cases[c][5:] and factor is not None and got["a2a"].calls != 2 * 4 * 2:  # (intra, inter) x 4 per micro-batch x 2
+                out.append(f"{name}: {got['a2a'].calls} all-to-alls, not the two-level path's 16")
     return out
 
 
@@ -131,7 +136,8 @@ CASES_EP2 = [
     (1, None, 1, "alltoall", 1), (2, None, 1, "alltoall", 2), (2, 1.0, 1, "alltoall", 1), (1, 0.5, 1, "alltoall", 1),
     (2, 0.5, None, "alltoall", 2), (2, None, None, "gather", 1), (2, 0.75, 1, "gather", 1),
 ]
-CASES_EP4 = [(2, None, 1, "alltoall", 1), (2, 0.5, 1, "alltoall", 2), (1, 1.0, 1, "gather", 1)]
+CASES_EP4 = [(2, None, 1, "alltoall", 1), (2, 0.5, 1, "alltoall", 2), (1, 1.0, 1, "gather", 1),
+             (2, 0.5, 1, "alltoall", 1, 2), (2, None, 1, "alltoall", 1, 2)]  # two levels: 2 simulated nodes of 2 ranks
 
 
 def test_expert_parallel_layer_ep2() -> None:

@@ -123,6 +123,7 @@ FOUR = [
     pytest.param(("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1", "parallel.schedule=gpipe"),
                  marks=pytest.mark.slow),
     pytest.param(("parallel.ep=4", "parallel.expert_layout=gather"), marks=pytest.mark.slow),
+    pytest.param(("parallel.ep=4", "parallel.expert_node_size=2"), marks=pytest.mark.slow),  # two-level all-to-all, 2 x 2 ranks
 ]
 
 

@@ -21,6 +21,7 @@ parameters this rank will not keep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
+from behemoth.parallel.expert.comm import two_level_groups
 from behemoth.parallel.expert.adapt import ExpertAdapter, build_adapter
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
 from behemoth.parallel.pipeline.partition import balance_stages
@@ -43,7 +45,7 @@ from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
 from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
 from behemoth.plan import ParallelPlan
-from behemoth.topology import Runtime
+from behemoth.topology import MESH_DIMS, Runtime
 
 GradTerms = list[tuple[torch.Tensor, float]]
 
@@ -172,12 +174,17 @@ def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any
 
 
 def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ExpertParallel | None:
-    """Expert parallelism over ep for a model with MoE layers (at ep = 1 too: the runner then enters their tp region)."""
+    """Expert parallelism over ep for a model with MoE layers (at ep = 1 too: the runner then enters their tp region);
+    an ep group spanning nodes gets its two-level all-to-all."""
     if not lm.moe_layers:
         return None
     tp = TPComm.of(rt.group("tp"), meter) if rt.dims.tp > 1 else None
-    return apply_expert_parallel(lm.module, EPComm.of(rt.group("ep"), meter, timeout_s), ExpertPolicy(plan.expert_layout, plan.expert_chunks),
-                                 layers=lm.moe_layers, tp=tp)
+    node_size = plan.expert_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ep_groups = rt.mesh.mesh.movedim(MESH_DIMS.index("ep"), -1).reshape(-1, rt.dims.ep).tolist()
+    whole_world = rt.world_size == dist.get_world_size()  # subgroups are created by every rank of the world
+    levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world else None
+    return apply_expert_parallel(lm.module, EPComm.of(rt.group("ep"), meter, timeout_s, levels),
+                                 ExpertPolicy(plan.expert_layout, plan.expert_chunks), layers=lm.moe_layers, tp=tp)
 
 
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,

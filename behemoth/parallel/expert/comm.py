@@ -1,6 +1,8 @@
 """The collectives of expert parallelism, as autograd functions.
 
     all_to_all          forward: rows to the ranks of their experts   backward: the gradients back (the reverse all-to-all)
+                        (in two levels when the ep group spans nodes and the splits are even: within each node, then
+                        between nodes, so each rank sends one message per node instead of one per remote rank)
     all_to_all_start    the same, issued asynchronously: `finish` waits for it, so expert compute on earlier chunks
                         overlaps the transfer (its backward is synchronous)
     gather_experts      forward: all-gather every rank's experts       backward: reduce-scatter (sum) their gradients
@@ -20,21 +22,76 @@ from behemoth.comm import CommMeter, Pending, all_gather, all_to_all as comm_all
 
 
 @dataclass(frozen=True)
+class TwoLevel:
+    """An ep group of `nodes` x `local` ranks, node-major: the ranks of this rank's node, and those of its local index."""
+
+    intra: dist.ProcessGroup   # the `local` ep ranks on this rank's node
+    inter: dist.ProcessGroup   # the `nodes` ep ranks with this rank's local index, one per node
+    nodes: int
+    local: int
+
+
+@dataclass(frozen=True)
 class EPComm:
-    """The expert-parallel group, this rank's place in it, the meter, and the longest wait on another rank."""
+    """The expert-parallel group, this rank's place in it, the meter, the longest wait on another rank, and the
+    two-level split of the group when it spans several nodes."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
     meter: CommMeter | None = None
     timeout_s: float | None = None
+    levels: TwoLevel | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None, timeout_s: float | None = None) -> "EPComm":
-        return cls(group, dist.get_world_size(group), dist.get_rank(group), meter, timeout_s)
+    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None, timeout_s: float | None = None,
+           levels: TwoLevel | None = None) -> "EPComm":
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), meter, timeout_s, levels)
+
+
+def two_level_groups(ep_groups: list[list[int]], node_size: int, me: int) -> TwoLevel | None:
+    """This rank's two-level split of its ep group, given every ep group's global ranks and the ranks per node; None
+    when no group spans several nodes with several of its ranks on each (node-major). Collective: every rank of the
+    world calls it with the same groups, and every subgroup is created in the same order on all of them."""
+    def shape(members: list[int]) -> tuple[int, int] | None:
+        nodes = [r // node_size for r in members]
+        local = nodes.count(nodes[0])
+        ok = nodes == sorted(nodes) and all(nodes.count(n) == local for n in set(nodes))
+        return (len(set(nodes)), local) if ok else None
+
+    shapes = {shape(m) for m in ep_groups}
+    if len(shapes) != 1 or None in shapes or min(next(iter(shapes))) < 2:
+        return None
+    nodes, local = next(iter(shapes))
+    mine = None
+    for members in ep_groups:
+        grid = [members[n * local:(n + 1) * local] for n in range(nodes)]
+        intra = [dist.new_group(row) for row in grid]
+        inter = [dist.new_group([row[i] for row in grid]) for i in range(local)]
+        if me in members:
+            j = members.index(me)
+            mine = TwoLevel(intra[j // local], inter[j % local], nodes, local)
+    return mine
+
+
+def two_level_all_to_all(x: torch.Tensor, ep: EPComm) -> torch.Tensor:
+    """The all-to-all of equal row blocks [P, c, ...] (P = nodes x local, node-major) in two steps: within the node,
+    each rank collects the blocks bound for its own local index on every node; between nodes, the ranks of one local
+    index exchange them. The output is the one-level all-to-all's: row blocks by source rank."""
+    lv = ep.levels
+    block = x.reshape(lv.nodes, lv.local, -1, *x.shape[1:])                  # [node, local, c, ...] by destination
+    by_local = block.transpose(0, 1).contiguous()                            # [dest local, dest node, c, ...]
+    got = torch.empty_like(by_local)
+    comm_all_to_all(got, by_local, lv.intra, ep.meter)                       # [source local, dest node, c, ...]
+    by_node = got.transpose(0, 1).contiguous()                               # [dest node, source local, c, ...]
+    out = torch.empty_like(by_node)
+    comm_all_to_all(out, by_node, lv.inter, ep.meter)                        # [source node, source local, c, ...]
+    return out.reshape(x.shape[0], *x.shape[1:])
 
 
 def _exchange(x: torch.Tensor, ep: EPComm, send: list[int], recv: list[int], *, async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+    if ep.levels is not None and len(set(send)) == 1 and send == recv and x.shape[0]:
+        return two_level_all_to_all(x.contiguous(), ep), Pending(None)
     out = x.new_empty((sum(recv), *x.shape[1:]))
     pending = comm_all_to_all(out, x.contiguous(), ep.group, ep.meter, output_splits=recv, input_splits=send, async_op=async_op)
     return out, pending
