@@ -47,6 +47,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
         "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
         "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
+        "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,

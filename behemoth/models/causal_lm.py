@@ -141,10 +141,28 @@ def model_problems(model_cfg: Any, hf: Any = None) -> list[str]:
 def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:
     """Measured forward + backward seconds of the embedding, one block and the head for one micro-batch.
 
-    All blocks have the same shape, so a one-block copy of the model is built and timed, its block's time used for each.
-    Its random weights and inputs come from their own generators: the process-wide RNG is not touched.
+    Blocks of one kind have the same shape, so a one-block copy of the model is built and timed, its block's time used
+    for each (with experts, a dense and an MoE block are timed, each used for the blocks of its kind). Its random
+    weights and inputs come from their own generators: the process-wide RNG is not touched.
     """
-    lm = _build(model_cfg.model_copy(update={"n_layer": 1}), hf)
+    gpt = hf is None or hf.arch is None  # a transformers model's blocks are all alike
+    experts = model_cfg.moe.experts_per_block(model_cfg.n_layer) if gpt else [-1] * model_cfg.n_layer
+    kinds = sorted(set(experts))
+    timed = {e: _time_one_block(_one_block_config(model_cfg, e), hf, seq_len, micro_batch, device, reps) for e in kinds}
+    first = timed[kinds[0]]
+    return LayerCosts(embed=first[0], blocks=tuple(timed[e][1] for e in experts), head=first[2], unit="s")
+
+
+def _one_block_config(model_cfg: Any, experts: int) -> Any:
+    """The config of a one-block copy whose block is dense (0), has `experts` experts, or is as configured (-1)."""
+    update: dict[str, Any] = {"n_layer": 1}
+    if model_cfg.moe.enabled and experts >= 0:
+        update["moe"] = model_cfg.moe.model_copy(update={"experts": experts, "every": 1})
+    return model_cfg.model_copy(update=update)
+
+
+def _time_one_block(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int) -> tuple[float, float, float]:
+    lm = _build(model_cfg, hf)
     lm.weights = None  # the weights do not change the time
     materialize(lm.module, seed=0, device=device, init_spec=lm.init_spec)
     lm.after_materialize(device)
@@ -158,7 +176,7 @@ def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int,
     embed = median_pass_seconds(lambda: view.embed(model, idx).sum(), reps)
     one_block = median_pass_seconds(lambda: view.block(block, h, context).sum(), reps)
     head = median_pass_seconds(lambda: summed_token_loss(view.head(model, h), idx), reps)
-    return LayerCosts(embed=embed, blocks=(one_block,) * model_cfg.n_layer, head=head, unit="s")
+    return embed, one_block, head
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:
