@@ -92,3 +92,34 @@ def test_layer_matches_plain_loop(k: int, factor: float | None, group: int | Non
         assert kept.count(False) > 0  # the capacity cases really drop tokens
     for name, g in want.items():
         assert_close_scaled(got[name], g, name)
+
+
+def test_dropped_tokens_pass_through_unchanged() -> None:
+    """A token all of whose choices are dropped gets no expert output: the MoE MLP adds zero, the residual carries it."""
+    layer, _ = moe_layer(2, 1.0, 1)  # C = max(ceil(2 * 8 / 4 * 1.0), 2) = 4 slots per expert for the 8 tokens of a sequence
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:2, 0] = torch.tensor([2.0, 1.0])  # every token: expert 0, then expert 1
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    x[..., 0] = 1.0
+    out = layer.train()(x)
+    assert out[:, 4:].abs().max() == 0  # tokens 4-7 of each sequence: both choices past capacity
+    assert out[:, :4].abs().min(dim=-1).values.gt(0).all()
+
+
+@pytest.mark.parametrize("noise", ["jitter", "gumbel"])
+def test_noisy_gating_only_while_training(noise: str) -> None:
+    """Noisy gating changes some choices while training (from the process RNG, like dropout), none at evaluation."""
+    from behemoth.models.routing import RoutingPolicy, route
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(preset="gpt-moe-tiny", moe=dict(noise=noise, noise_eps=0.5))
+    with torch.device("meta"):
+        layer = moe_mlp(cfg, 4, 0, RouterStats([4]))
+    materialize(layer, seed=3, device=torch.device("cpu"), init_spec=lambda name: InitSpec("normal", 0.3))
+    tokens = torch.randn(256, 32, generator=torch.Generator().manual_seed(5))
+    clean = route(layer.eval().router_logits(tokens).view(1, -1, 4), layer.policy, training=False).experts
+    noisy = route(layer.train().router_logits(tokens).view(1, -1, 4), layer.policy, training=True).experts
+    again = route(layer.eval().router_logits(tokens).view(1, -1, 4), layer.policy, training=False).experts
+    assert torch.equal(clean, again) and not torch.equal(clean, noisy)
+    assert (clean != noisy).float().mean() < 0.5  # noise perturbs the routing, it does not replace it

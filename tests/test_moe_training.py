@@ -46,6 +46,18 @@ def test_gpt_moe_matches_single_process(moe_reference, tmp_path, plan):
     assert_close_runs(moe_reference, got)
 
 
+PR_MOE = ["model=pr-moe-1m", "model.d_model=32", "model.n_head=2", "model.context=32", "model.moe.experts=[2,4]"]
+
+
+def test_pr_moe_matches_single_process(tmp_path):
+    """PR-MoE: 2 experts in the first MoE layer, 4 in the second, each beside a dense MLP mixed by a learned gate;
+    ep = 2 with ZeRO-2 trains the single-process curve."""
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "one", *PR_MOE, "train.steps=6"))[0]
+    got = run_ranks(2, train_body, tiny_config(tmp_path / "two", *PR_MOE, "train.steps=6", "parallel.ep=2", "parallel.zero_stage=2"))[0]
+    assert_close_runs(ref, got)
+    assert ref["weights"]["blocks.3.mlp.experts.w_in"].shape == (4, 128, 32) and "blocks.3.mlp.shared.fc.weight" in ref["weights"]
+
+
 def test_capacity_drops_the_same_tokens_at_ep2(capacity_reference, tmp_path):
     """With a capacity the same assignments are dropped on 2 ranks as on 1 (routing groups are sequences), so the curve,
     the auxiliary losses and the logged dropped fraction are the single-process ones."""

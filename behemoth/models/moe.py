@@ -146,9 +146,9 @@ class RouterStats:
         """Add one forward of MoE layer `index` (not a recomputation inside backward, which forward counted)."""
         if torch._C._current_graph_task_id() != -1:
             return
-        head = torch.stack([r.aux_sum.detach().double(), r.z_sum.detach().double()])
-        counts = torch.tensor([tokens, r.kept.numel(), int((~r.kept).sum())], dtype=torch.float64, device=head.device)
-        row = torch.cat([head, counts, r.expert_counts(self.experts[index]).double()])
+        sizes = torch.tensor([tokens, r.kept.numel()], dtype=torch.float64, device=r.kept.device)  # no wait on the device
+        row = torch.cat([torch.stack([r.aux_sum.detach(), r.z_sum.detach()]).double(), sizes, (~r.kept).sum().double().view(1),
+                         r.expert_counts(self.experts[index]).double()])
         self.sums[index] = row if index not in self.sums else self.sums[index] + row
 
     def packed(self, device: torch.device) -> torch.Tensor:
