@@ -22,7 +22,8 @@ CAPACITY = [*MOE, "model.moe.capacity_factor=1.0", "model.moe.top_k=1"]  # top-1
 
 @pytest.fixture(scope="module")
 def moe_reference(tmp_path_factory):
-    return run_ranks(1, train_body, tiny_config(tmp_path_factory.mktemp("moe"), *MOE))[0]
+    run_dir = tmp_path_factory.mktemp("moe")
+    return {**run_ranks(1, train_body, tiny_config(run_dir, *MOE))[0], "run_dir": run_dir}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,24 @@ def test_capacity_drops_the_same_tokens_at_ep2(capacity_reference, tmp_path):
     assert len(log[-1]["expert_tokens"]) == 2 and len(log[-1]["expert_tokens"][0]) == 4  # tokens per expert, per layer
     kept = sum(sum(layer) for layer in log[-1]["expert_tokens"])  # 2 layers x 256 tokens, top-1
     assert kept == round(2 * 8 * 32 * (1 - log[-1]["dropped_fraction"])) and max(log[-1]["expert_tokens"][0]) <= 8 * 8  # C = 8 per sequence
+
+
+def test_recomputed_moe_blocks_under_zero3(moe_reference, tmp_path):
+    """Recomputed MoE blocks at ep = 2 under ZeRO-3 (which installs the expert weights for the recomputation, the
+    stacked experts being read rather than called) train the single-process curve."""
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *MOE, "parallel.ep=2", "parallel.zero_stage=3", "parallel.recompute=full"))[0]
+    assert_close_runs(moe_reference, got)
+
+
+def test_recomputation_counts_each_routing_once(tmp_path):
+    """A recomputation inside backward routes the tokens again (with dropout after the MoE MLP it runs past the layer);
+    the logged losses and expert usage count each routing once."""
+    runs = [tmp_path / "plain", tmp_path / "recompute"]
+    for run, recompute in zip(runs, ("none", "full")):
+        run_ranks(1, train_body, tiny_config(run, *MOE, "model.dropout=0.1", "train.steps=4", f"parallel.recompute={recompute}"))
+    for a, b in zip(*(read_log(run) for run in runs)):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
+        assert b.get("expert_tokens") == a.get("expert_tokens")
 
 
 def read_log(run_dir: Path) -> list[dict]:
