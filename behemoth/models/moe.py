@@ -220,11 +220,12 @@ class MoELayer(nn.Module):
         return expert_ffn(rows, counts, *self.expert_weights(), gated=self.spec.gated, act=self.spec.act)
 
     def groups(self, batch: int) -> int:
+        """Routing groups in a batch of `batch` sequences (outside training, a batch they do not divide is one group)."""
         size = self.policy.group or batch
-        if batch % size:
+        if batch % size and self.training:
             raise BehemothError(f"a micro-batch of {batch} sequences does not split into routing groups of model.moe.group={size}",
                                 f"use a group size that divides {batch}")
-        return batch // size
+        return 1 if batch % size else batch // size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, d, E = x.shape, x.shape[-1], self.spec.num_experts

@@ -142,7 +142,9 @@ def dispatch_plan(r: Routing, num_experts: int) -> Dispatch:
     assignment = torch.arange(G * T * k, device=device).view(G, T, k)
     token = assignment // k
     if r.capacity is None:
-        order = lambda t: t.permute(0, 2, 1).reshape(-1)  # noqa: E731  priority order within each group
+        def order(t: torch.Tensor) -> torch.Tensor:  # priority order within each group
+            return t.permute(0, 2, 1).reshape(-1)
+
         experts = order(r.experts)
         sort = torch.argsort(experts, stable=True)
         counts = torch.bincount(experts, minlength=num_experts).tolist()
