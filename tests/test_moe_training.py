@@ -151,6 +151,7 @@ FOUR = [
     ("parallel.ep=2", "parallel.tp=2"),                           # experts sliced over tp inside each ep rank
     ("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"),  # MoE layers on both pipeline stages (1F1B)
     pytest.param(("parallel.ep=2", "parallel.dp=2"), marks=pytest.mark.slow),
+    pytest.param(("parallel.ep=2", "parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch=1"), marks=pytest.mark.slow),
     pytest.param(("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1", "parallel.schedule=gpipe"),
                  marks=pytest.mark.slow),
     pytest.param(("parallel.ep=4", "parallel.expert_layout=gather"), marks=pytest.mark.slow),
@@ -160,8 +161,8 @@ FOUR = [
 
 @pytest.mark.parametrize("plan", FOUR)
 def test_gpt_moe_4_processes_matches_single_process(moe_reference, tmp_path, plan):
-    """4 processes: ep x dp with ZeRO-3 over the expert-data group, ep x tp, ep x pp (and, slow: ep x dp replicated,
-    ep x pp with ZeRO-1 under GPipe, ep = 4 gathering the experts)."""
+    """4 processes: ep x dp with ZeRO-3 over the expert-data group, ep x tp, ep x pp (and, slow: ep x dp replicated and
+    with ZeRO-2 and accumulation, ep x pp with ZeRO-1 under GPipe, ep = 4 gathering the experts, two-level all-to-all)."""
     got = run_ranks(4, train_body, tiny_config(tmp_path, *MOE, *plan))[0]
     assert_close_runs(moe_reference, got)
 
