@@ -45,7 +45,7 @@ class ExpertPolicy:
 class ExpertParallel:
     """This rank's MoE layers and what expert parallelism changes for syncs, clipping, checkpoints and layouts."""
 
-    def __init__(self, model: nn.Module, layers: dict[str, MoELayer], ep: EPComm, tp: TPComm | None, policy: ExpertPolicy) -> None:
+    def __init__(self, layers: dict[str, MoELayer], ep: EPComm, tp: TPComm | None, policy: ExpertPolicy) -> None:
         self.layers, self.ep, self.tp = layers, ep, tp
         self.compute = ExpertCompute(tp)
         self.shards: dict[str, ExpertShard] = {}
@@ -115,4 +115,4 @@ def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *,
         if not isinstance(layer, MoELayer):
             raise BehemothError(f"{name} is a {type(layer).__name__}, not an MoE layer", "list only the model's MoE layers")
         shard_experts(layer, name, ep, tp)
-    return ExpertParallel(model, held, ep, tp, policy)
+    return ExpertParallel(held, ep, tp, policy)
