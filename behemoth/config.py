@@ -82,11 +82,14 @@ class Config(Section):
             return data
         arch, model, hf = shape_from_weights(weights)
         model_given = _as_dict(data.get("model"))
-        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given)):
+        moe_given = _as_dict(model_given.get("moe"))  # model.moe: the experts the weights have, the routing the user asks
+        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given), ("model.moe", model.pop("moe", {}), moe_given)):
             for key, value in theirs.items():
                 if ours.get(key) is not None and ours[key] != value:
                     raise BehemothError(f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}",
                                         f"set {section}.{key}={value} or drop it")
+            if section == "model.moe" and theirs:
+                model["moe"] = {**moe_given, **theirs}
         return {**data, "model": {**model_given, **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")

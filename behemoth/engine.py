@@ -7,19 +7,23 @@
 A step: forward and backward of every micro-batch (through the pipeline executor when there is one,
 which stops after its passes), then, once, here: finish the gradients (pipeline copies, data-parallel
 or ZeRO reductions, sequence-parallel partial sums), clip by the global norm, step the optimizers, and
-reduce the loss. `micro_loss` is the one place the loss is scaled.
+reduce the loss. `micro_loss` is the one place the loss is scaled (a mixture of experts' auxiliary losses get
+the same scale, from the engine, for the backward their layers start; see models/moe.py). Between steps an MoE
+model's expert layout may change (`model.adapter`, Tutel's run-time choice), which changes speed, not results.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from behemoth.config import Config, TrainConfig
+from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.parallelize import ParallelModel, parallelize
@@ -33,6 +37,7 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 class StepResult:
     loss: float        # mean token loss over the global batch
     grad_norm: float   # global norm before clipping
+    metrics: dict[str, Any] = field(default_factory=dict)  # a mixture of experts': auxiliary losses, expert usage
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -56,6 +61,8 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
+        if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
+            model.lm.routers.loss_scale = 1.0 / tokens_per_step
 
     @property
     def device(self) -> torch.device:
@@ -91,6 +98,7 @@ class Engine:
         """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss."""
         model = self.model
         model.module.train()
+        started = self.begin_step()
         for sync in model.syncs:
             sync.zero_grad()
         loss = self.forward_backward(micro_batches)
@@ -100,7 +108,20 @@ class Engine:
         for optimizer in self.optimizers:
             optimizer.set_lr(lr)
             optimizer.step()
-        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm)
+        metrics = model.router_metrics()
+        if model.adapter is not None:
+            synchronize(self.device)
+            model.adapter.after_step(time.perf_counter() - started, metrics, self.device)
+        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, metrics=metrics)
+
+    def begin_step(self) -> float:
+        """Before a step: clear the routers' statistics, let the expert-layout adapter pick this step's layout; the time."""
+        if self.model.lm.routers is not None:
+            self.model.lm.routers.reset()
+        if self.model.adapter is not None:
+            self.model.adapter.before_step()
+            synchronize(self.device)
+        return time.perf_counter()
 
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> float:
@@ -136,7 +157,7 @@ class Engine:
 
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
-    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.dp),
+    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.data_ranks),
                        seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s)
 
 

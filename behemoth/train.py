@@ -34,8 +34,8 @@ class Trainer:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-        self.layout = cfg.batch_layout(rt.dims.dp)
-        dp_rank = rt.coordinate("dp")
+        self.layout = cfg.batch_layout(rt.dims.data_ranks)  # the batch splits over dp x ep (experts route different tokens)
+        dp_rank = rt.data_rank()
         self.engine = build_engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
         val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
@@ -99,8 +99,10 @@ class Trainer:
         synchronize(self.rt.device)
         dt = time.perf_counter() - t0
         self.history.append(result)
-        return {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+        record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
+                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+        return record | moe_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
+                                   or (step + 1) % self.cfg.train.log_every == 0)
 
     def memory_per_rank(self) -> dict[str, list[float]]:
         """Every rank's memory, MiB, in one all-gather: peak resident (`memory_mb`), on GPUs peak allocated, the model
@@ -145,6 +147,19 @@ class Trainer:
         ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
         dist.barrier(group=self.rt.world_group)
         return summary
+
+
+def moe_record(metrics: dict[str, Any], model: Any, *, every: bool) -> dict[str, Any]:
+    """A mixture of experts' metrics for the log: auxiliary losses and dropped fraction every step; tokens per expert
+    and the expert layout in force every log_every steps."""
+    if not metrics:
+        return {}
+    out = {k: metrics[k] for k in ("aux_loss", "z_loss", "dropped_fraction")}
+    if every:
+        out["expert_tokens"] = metrics["expert_tokens"]
+        if model.experts is not None:
+            out["expert_layout"] = f"{model.experts.layout}/{model.experts.chunks}"
+    return out
 
 
 def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:

@@ -47,6 +47,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
         "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
         "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
+        "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -64,6 +65,8 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
                        description="Consolidate a checkpoint (any process count) into a safetensors file.")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--out", metavar="FILE", help="output file (default: model.safetensors next to the checkpoints)")
+    p.add_argument("--hf", metavar="DIR", help="instead, a transformers save_pretrained folder (config.json + safetensors in the "
+                                               "Hugging Face layout, e.g. Mixtral's per-expert weights) of a model=hf:* run")
 
 
 def delegated_commands() -> dict[str, tuple[str, str]]:
@@ -189,9 +192,15 @@ def run_export(args: argparse.Namespace) -> int:
 
     ckpt = resolve_checkpoint(args.path)
     saved = read_meta(ckpt).get("config", {})
-    model_cfg = GPTConfig.model_validate(saved.get("model", {}))
+    model_cfg, hf_cfg = GPTConfig.model_validate(saved.get("model", {})), HFConfig.model_validate(saved.get("hf", {}))
+    if args.hf:
+        from behemoth.checkpoint import export_pretrained
+
+        folder = export_pretrained(ckpt, Path(args.hf), build_causal_lm(model_cfg, hf_cfg).module)
+        print(f"behemoth: wrote {folder} (transformers save_pretrained layout) from {ckpt}")
+        return 0
     out = Path(args.out) if args.out else ckpt.parent.parent / "model.safetensors"
-    export_safetensors(ckpt, out, build_causal_lm(model_cfg, HFConfig.model_validate(saved.get("hf", {}))).module)
+    export_safetensors(ckpt, out, build_causal_lm(model_cfg, hf_cfg).module)
     print(f"behemoth: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {ckpt}")
     return 0
 

@@ -6,11 +6,14 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
 1. pipeline cut, on the meta device: it decides which blocks, embedding and head this rank holds at all;
 2. tensor / sequence parallelism, still on meta: split layers keep only this rank's part of each weight,
    marked so that materialize draws the full (seed, name) tensor and keeps that part;
-3. expert parallelism (reserved for mixture-of-experts layers; none of today's models has one);
+3. expert parallelism, still on meta: each MoE layer keeps E / ep experts (under tp, a slice of each one's width) and
+   gets a runner that moves its tokens over ep; after tp, because an expert's tp slice is cut from its ep part;
 4. activation recomputation: wraps block forwards in place, names unchanged (under a pipeline, per rank);
 5. ZeRO-3's sharding, still on meta: every parameter cut to this rank's 1-D piece, so materialize draws only that;
 6. materialize: every kept parameter drawn from (seed, name), or loaded from the model's weights;
-7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last.
+7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last. With
+   experts, dense parameters are synchronised over dp x ep (every rank of it holds them, and sees other tokens),
+   expert parameters over dp (the ranks holding the same experts): two syncs, or two kinds of ZeRO-3 unit.
 
 Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
 parameters this rank will not keep.
@@ -18,6 +21,7 @@ parameters this rank will not keep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +35,17 @@ from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
+from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
+from behemoth.parallel.expert.comm import two_level_groups
+from behemoth.parallel.expert.adapt import ExpertAdapter, build_adapter
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
-from behemoth.parallel.zero import ZeroPolicy, apply_zero, shard_parameters
+from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
 from behemoth.plan import ParallelPlan
-from behemoth.topology import Runtime
+from behemoth.topology import MESH_DIMS, Runtime
 
 GradTerms = list[tuple[torch.Tensor, float]]
 
@@ -53,6 +60,8 @@ class ParallelModel:
     pipeline: PipelineParallel | None = None
     tp: TensorParallel | None = None
     meter: CommMeter = field(default_factory=CommMeter)
+    experts: ExpertParallel | None = None
+    adapter: ExpertAdapter | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -73,7 +82,17 @@ class ParallelModel:
         the pipeline (only last stages hold losses) and the data-parallel replicas. (Reporting, not model traffic: unmetered.)"""
         all_reduce(t, self.rt.group("pp"))
         all_reduce(t, self.rt.group("dp"))
+        all_reduce(t, self.rt.group("ep"))
         return t
+
+    def router_metrics(self) -> dict[str, Any]:
+        """The step's auxiliary losses and expert usage (MoE models; empty otherwise), summed over every rank holding a
+        part of them: pipeline stages hold different layers, dp x ep ranks see different tokens (tp ranks repeat them)."""
+        routers = self.lm.routers
+        if routers is None:
+            return {}
+        flat = self.reduce_over_batch(routers.packed(self.rt.device))
+        return routers.summary(flat)
 
     def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
         return [s for sync in self.syncs for s in sync.grad_slices()]
@@ -95,10 +114,16 @@ class ParallelModel:
         terms = []
         for sync in self.syncs:
             for name, g in sync.grad_slices():
-                copies = sync.replicas * (self.tp.copies(name) if self.tp is not None else 1)
+                copies = sync.replicas * self.tp_copies(name)
                 counted = self.pipeline is None or self.pipeline.counts(name)
                 terms.append((g, 1.0 / copies if counted else 0.0))
         return terms, self.rt.world_group
+
+    def tp_copies(self, name: str) -> int:
+        """tp ranks holding an identical copy of this parameter's gradient piece (an expert's, per its own split)."""
+        if self.tp is None:
+            return 1
+        return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
 
     def model_state(self) -> dict[str, Any]:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
@@ -112,8 +137,9 @@ class ParallelModel:
         return out
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Split tensors as full-shape views, so DCP reshards to any tp degree and export consolidates."""
-        return self.tp.checkpoint_views(state) if self.tp is not None else state
+        """Split tensors as full-shape views, so DCP reshards to any tp or ep degree and export consolidates."""
+        state = self.tp.checkpoint_views(state) if self.tp is not None else state
+        return self.experts.checkpoint_views(state) if self.experts is not None else state
 
 
 def resolve_stage_boundaries(plan: ParallelPlan, lm: CausalLM, seq_len: int, micro_batch: int, rt: Runtime | None = None) -> list[int]:
@@ -133,14 +159,32 @@ def planned_layer_costs(plan: ParallelPlan, shape: Any, seq_len: int) -> LayerCo
 
 
 def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any, pipeline: PipelineParallel | None,
-                meter: CommMeter) -> list[GradSync]:
-    """Replicated data parallelism (zero_stage 0) or ZeRO 1-3 over the data-parallel group, for every parameter."""
-    group = rt.group("dp")
+                meter: CommMeter, experts: ExpertParallel | None = None) -> list[GradSync]:
+    """Replicated data parallelism (zero_stage 0) or ZeRO 1-3, for every parameter: over dp, or with ep > 1 dense
+    parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group)."""
+    split = experts is not None and rt.dims.ep > 1
+    kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.group("dp"), None)]
     if plan.zero_stage == 0:
-        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), meter=meter)]
+        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype)
+    if plan.zero_stage == 3:
+        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter)]
     stage_params = pipeline.stage_parameters() if pipeline is not None else None
-    return [apply_zero(model, group, policy, units=units, stage_params=stage_params, meter=meter)]
+    return [apply_zero(model, group, policy, stage_params=stage_params, meter=meter, select=select) for group, select in kinds]
+
+
+def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ExpertParallel | None:
+    """Expert parallelism over ep for a model with MoE layers (at ep = 1 too: the runner then enters their tp region);
+    an ep group spanning nodes gets its two-level all-to-all."""
+    if not lm.moe_layers:
+        return None
+    tp = TPComm.of(rt.group("tp"), meter) if rt.dims.tp > 1 else None
+    node_size = plan.expert_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ep_groups = rt.mesh.mesh.movedim(MESH_DIMS.index("ep"), -1).reshape(-1, rt.dims.ep).tolist()
+    whole_world = rt.world_size == dist.get_world_size()  # subgroups are created by every rank of the world
+    levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world else None
+    return apply_expert_parallel(lm.module, EPComm.of(rt.group("ep"), meter, timeout_s, levels),
+                                 ExpertPolicy(plan.expert_layout, plan.expert_chunks), layers=lm.moe_layers, tp=tp)
 
 
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
@@ -158,13 +202,18 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
+    experts = apply_experts(lm, plan, rt, meter, timeout_s)
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
-    units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied) if plan.zero_stage == 3 else None
+    units = None
+    if plan.zero_stage == 3:
+        expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
+        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
-    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter)
+    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
-    return ParallelModel(lm, rt, syncs, pipeline, tp, meter)
-
+    adapter = build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(),
+                            data_ranks=rt.dims.data_ranks) if experts else None
+    return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter)
