@@ -84,16 +84,17 @@ def test_repetition_penalty_equals_transformers(runtime, hf_folders):
     assert ours == hf_generate(hf_folders["llama"], batch, max_new_tokens=12, repetition_penalty=1.8)[0] and ours != plain
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2", "gpt-moe"])
 def test_cached_decoding_equals_recomputing_the_prefix(runtime, arch):
     """Sequences at different positions in one batch, prefills beside decodes, blocks of 4 tokens: every row's logits
-    equal a full forward of its whole prefix."""
+    equal a full forward of its whole prefix (a mixture of experts too: dropless routing is per token)."""
     from behemoth.config import load_config
     from behemoth.inference.generate import local_runner, reference_logits
     from behemoth.inference.kv_cache import BlockAllocator, plan_step
     from behemoth.inference.loading import Source, load_model
 
-    over = {"gpt": ["model=gpt-tiny", "model.context=64"], "llama": LLAMA, "gpt2": GPT2}[arch]
+    over = {"gpt": ["model=gpt-tiny", "model.context=64"], "llama": LLAMA, "gpt2": GPT2,
+            "gpt-moe": ["model=gpt-moe-tiny", "model.context=64"]}[arch]
     model = load_model(Source(load_config(None, over), None, None), runtime)
     runner = local_runner(model, CachePolicy(block_size=4, memory_mb=1))
     alloc = BlockAllocator(runner.storage.layout.num_blocks, 4)
