@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from behemoth.parallel.deferred import WeightGradQueue, make_deferrable
+from behemoth.parallel.deferred import WeightGradQueue, linear_weight_grads, make_deferrable
 
 
 class Transposed(nn.Module):
@@ -62,6 +62,6 @@ def test_without_a_queue_a_deferrable_layer_is_an_ordinary_linear():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
     existing = deferrable.weight.grad  # a gradient that exists already (a bucket view) is added to, not replaced
     queue = WeightGradQueue()
-    queue.items.append((deferrable.weight, None, x, torch.ones(4, 5), False))
+    queue.defer(lambda: linear_weight_grads(deferrable.weight, None, x, torch.ones(4, 5), False))
     queue.run()
     assert deferrable.weight.grad is existing

@@ -16,7 +16,8 @@ attribute; names, parameters and state dicts do not change). Outside a split bac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,20 +26,28 @@ from torch import nn
 
 
 class WeightGradQueue:
-    """The weight-gradient products one input-gradient pass deferred: (weight, bias, input, output gradient, transposed)."""
+    """The weight-gradient products one input-gradient pass deferred, each a call that adds them into `.grad`."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[nn.Parameter, nn.Parameter | None, torch.Tensor, torch.Tensor, bool]] = []
+        self.items: list[Callable[[], None]] = []
+
+    def defer(self, product: Callable[[], None]) -> None:
+        self.items.append(product)
 
     @torch.no_grad()
     def run(self) -> None:
-        """Compute every queued weight (and bias) gradient and add it into `.grad`."""
-        for weight, bias, x, g, transposed in self.items:
-            g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
-            accumulate(weight, (x2.t() @ g2) if transposed else (g2.t() @ x2))
-            if bias is not None:
-                accumulate(bias, g2.sum(0))
+        """Compute every queued weight (and bias) gradient."""
+        for product in self.items:
+            product()
         self.items = []
+
+
+def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor, transposed: bool) -> None:
+    """Add a linear layer's weight and bias gradients, from its input and output gradient, into their `.grad`."""
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
+    accumulate(weight, (x2.t() @ g2) if transposed else (g2.t() @ x2))
+    if bias is not None:
+        accumulate(bias, g2.sum(0))
 
 
 def accumulate(p: nn.Parameter, grad: torch.Tensor) -> None:
@@ -77,7 +86,7 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = (g @ w.t() if ctx.transposed else g @ w) if ctx.needs_input_grad[0] else None
         queue, (param, bias) = ctx.slot.queue, ctx.params
         if queue is not None:
-            queue.items.append((param, bias, x, g, ctx.transposed))
+            queue.defer(functools.partial(linear_weight_grads, param, bias, x, g, ctx.transposed))
             return grad_x, None, None, None, None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
         grad_w = ((x2.t() @ g2) if ctx.transposed else (g2.t() @ x2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -92,11 +101,14 @@ def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter 
 
 
 def make_deferrable(model: nn.Module, transposed: Iterable[str] = ()) -> DeferralSlot:
-    """Make every nn.Linear of `model`, and every module named in `transposed` (a linear with an [in, out] weight),
-    defer its weight gradient through one shared slot."""
+    """Make every nn.Linear of `model`, every module named in `transposed` (a linear with an [in, out] weight) and
+    every layer that supports deferral itself (a `deferral` attribute: the tensor-parallel linears) defer its weight
+    gradient through one shared slot."""
     slot, flipped = DeferralSlot(), set(transposed)
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or name in flipped:
+        if hasattr(module, "deferral"):
+            module.deferral = slot
+        elif isinstance(module, nn.Linear) or name in flipped:
             module.forward = _forward_of(module, slot, name in flipped)
     return slot
 

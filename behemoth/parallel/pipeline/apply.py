@@ -59,8 +59,7 @@ class PipelineParallel:
         self.schedule: Schedule = build_schedule(policy.schedule, dist.get_world_size(group), policy.microbatches, policy.chunks)
         self.bounds = list(policy.boundaries)
         self.stages = cut_model(model, self.schedule.chunk_stages[self.rank], self.bounds, layers, tied)
-        # a split backward defers the linear layers' weight-gradient matmuls to its W passes
-        self.deferral = make_deferrable(model, transposed) if self.schedule.split_backward else None
+        self.transposed = transposed
         for stage in self.stages.values():
             stage.seq_split = policy.seq_split
         self.recomputes = self.rank in recompute_ranks(policy.recompute, peak_stash(self.schedule))
@@ -78,10 +77,12 @@ class PipelineParallel:
         """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist."""
         self.meter = meter
         dtype = next(self.model.parameters()).dtype
+        # a split backward defers the linear layers' weight-gradient matmuls (tensor-parallel ones too) to its W passes
+        deferral = make_deferrable(self.model, self.transposed) if self.schedule.split_backward else None
         self.executor = PipelineExecutor(
             self.schedule, self.rank, self.stages, PipeComm(self.group, self.policy.timeout_s, meter),
             Activations(hidden_size, dtype, device, self.policy.seq_split), replica_params=self._replica_params(),
-            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None, deferral=self.deferral)
+            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None, deferral=deferral)
         self.executor.stash_meter.exclude(list(self.model.parameters()))
 
     def run(self, micro_batches: Batch, loss: LossFn, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
