@@ -176,6 +176,9 @@ def report(summary: dict[str, Any], seconds: float) -> None:
     val = summary["val"]
     curve = f"validation loss {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})" if val else ""
     print(f"behemoth: done in {seconds:.0f} s; {curve}")
+    if "mfu" in summary:
+        print(f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
+              f"({summary['peak_source']})")
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/ model.safetensors")
 
 
