@@ -71,6 +71,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
     return {
         "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
         "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
+        "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
     }
 
 
