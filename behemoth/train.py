@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
-from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
+from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.planner.feasibility import refuse
 from behemoth.topology import Runtime, init_runtime
@@ -41,12 +42,14 @@ class Trainer:
         val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
         self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
         self.history: list[StepResult] = []
+        self.mfus: list[float] = []
         self.val_history: list[tuple[int, float]] = []
         self.start_step = 0
         self.last_saved = -1
         if resume is not None:
             self.start_step = self.load(resume)
         self.peak_tflops = cfg.train.peak_tflops * rt.world_size if cfg.train.peak_tflops else self.measure_peak()
+        self.peak_source = "train.peak_tflops" if cfg.train.peak_tflops else peak_source(rt.device)
 
     def load(self, ckpt: Path) -> int:
         state = self.engine.state_dict()
@@ -99,8 +102,9 @@ class Trainer:
         synchronize(self.rt.device)
         dt = time.perf_counter() - t0
         self.history.append(result)
+        self.mfus.append(flops_per_step / dt / (self.peak_tflops * 1e12))
         record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
-                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": self.mfus[-1]}
         return record | moe_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
                                    or (step + 1) % self.cfg.train.log_every == 0)
 
@@ -137,7 +141,9 @@ class Trainer:
 
     def finish(self, log: MetricsLog | None) -> dict[str, Any]:
         """Plot, export consolidated weights from the final checkpoint, summarize."""
-        summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir), "rank": self.rt.rank}
+        summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir),
+                   "rank": self.rt.rank, "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
+                   "peak_tflops": self.peak_tflops, "peak_source": self.peak_source}
         if log is None:
             dist.barrier(group=self.rt.world_group)
             return summary

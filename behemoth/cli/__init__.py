@@ -76,6 +76,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
         "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
         "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
         "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
+        "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
     }
 
 
@@ -181,6 +182,9 @@ def report(summary: dict[str, Any], seconds: float) -> None:
     val = summary["val"]
     curve = f"validation loss {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})" if val else ""
     print(f"behemoth: done in {seconds:.0f} s; {curve}")
+    if "mfu" in summary:
+        print(f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
+              f"({summary['peak_source']})")
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/ model.safetensors")
 
 

@@ -196,7 +196,7 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         bounds = resolve_stage_boundaries(plan, lm, seq_len, batch.micro_batch, rt)
         policy = PipelinePolicy(plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute,
                                 plan.tp if plan.sequence_parallel else 1, timeout_s)
-        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied)
+        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
     tp = None
     if rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
