@@ -35,7 +35,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     batch = collect("train.global_batch", cfg.batch_layout, dims.dp)
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.dp).accum)
     if not out:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
-        out += fit_problems(cfg, dims.dp)
+        out += fit_problems(cfg, dims.dp, world)
     return out
 
 
