@@ -129,6 +129,27 @@ def op_overhead(device: torch.device) -> float:
     return seconds / (3 * FORWARD_OPS_PER_BLOCK) * 1e6
 
 
+def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**23, n: int = 512) -> float:
+    """The share of an all-reduce that hides behind matrix products running at the same time: (compute alone +
+    all-reduce alone - both together) / the shorter of the two, clamped to [0, 1]."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g)
+    buf = torch.ones(nbytes // 4, device=device)
+    reduce = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    alone = timed(reduce, 3, device, group)
+    reps = max(1, int(alone / max(timed(lambda: a @ a, 3, device, group), 1e-6)))
+    compute = timed(lambda: [a @ a for _ in range(reps)], 3, device, group)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        for _ in range(reps):
+            a @ a
+        work.wait()
+
+    together = timed(both, 3, device, group)
+    return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
+
+
 def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
     """GB/s of writing (with fsync) and reading back a scratch file; None when the disk lacks twice that room."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -166,6 +187,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
             for op in COLLECTIVES:
                 out["collectives"][op] = collective_curve(op, MESSAGE_BYTES[mode], device, group)
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
+        out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["op_overhead_us"] = op_overhead(device)
         out["disk_bandwidth_gbs"] = disk_bandwidth(Path(cache_dir), DISK_BYTES[mode]) if rt.is_main else None
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)"
@@ -189,7 +211,8 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
     peak = {dtype: max(v for _, v in curve) for dtype, curve in m["matmul"].items() if curve}
     device = DeviceSpec(name=m["device_name"], memory_gb=memory / 1e9, reserved_gb=0.05 * memory / 1e9, peak_tflops=peak,
                         matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
-                        memory_bandwidth_gbs=m["memory_bandwidth_gbs"], op_overhead_us=m["op_overhead_us"])
+                        memory_bandwidth_gbs=m["memory_bandwidth_gbs"], op_overhead_us=m["op_overhead_us"],
+                        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0))
     host = HostSpec(memory_gb=host_memory_bytes() / 1e9, memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
                     disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1)
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
@@ -247,6 +270,7 @@ def probe_spec(nproc: int) -> ClusterSpec:
     m = {"world": nproc, "device": device.type, "device_memory": memory if device.type == "cuda" else None,
          "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)",
          "matmul": {"fp32": curve}, "collectives": {}, "memory_bandwidth_gbs": bandwidth, "op_overhead_us": overhead,
+         "comm_overlap": 0.9 if device.type == "cuda" else (0.0 if nproc >= (os.cpu_count() or 1) else 0.5),
          "disk_bandwidth_gbs": None}
     spec = spec_from(m, name="local (probed)")
     link = LinkSpec(latency_us=100.0, bandwidth_gbs=bandwidth / 10)

@@ -202,7 +202,8 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
         return 0.0
     p, g = bytes_per(lay, work)
     link, n = cluster.link(lay.tp * lay.dp), lay.dp
-    overlap = 0.0 if lay.pp > 1 else backward
+    hides = cluster.device.comm_overlap
+    overlap = 0.0 if lay.pp > 1 else backward * hides
     if lay.zero == 0:
         last_bucket = min(g * elements, work.bucket_mb * 2**20)  # the last bucket's reduction starts after backward ends
         return max(link.seconds("all_reduce", g * elements, n) - overlap, link.seconds("all_reduce", last_bucket, n))
@@ -213,7 +214,7 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
         hidden = overlap * (lay.microbatches if lay.zero == 2 else 1)
         return max(each - hidden, 0.0) + gather
     traffic = lay.microbatches * (2 * gather + link.seconds("reduce_scatter", g * elements, n))
-    return max(traffic - 1.5 * backward * lay.microbatches, 0.0) + gather / max(1, work.census.shape.n_layer)
+    return max(traffic - 1.5 * backward * lay.microbatches * hides, 0.0) + gather / max(1, work.census.shape.n_layer)
 
 
 def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
