@@ -207,6 +207,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     dev, link = spec.device, spec.intra_node
     print(f"behemoth calibrate: {nproc} process(es), {time.perf_counter() - t0:.0f} s: {dev.name}, matmul up to "
           f"{max(dev.peak_tflops.values()):.3g} TFLOP/s, memory {dev.memory_bandwidth_gbs:.1f} GB/s, operator {dev.op_overhead_us:.1f} us, "
+          f"a block reaches {dev.block_efficiency:.0%} of the matrix rate, "
           f"{dev.comm_overlap:.0%} of a collective hides behind compute")
     for op, (latency, bandwidth) in link.ops.items():
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")

@@ -150,6 +150,27 @@ def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2
     return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
 
 
+def block_efficiency(device: torch.device, group: dist.ProcessGroup, matmul: list[tuple[int, float]], bandwidth: float,
+                     overhead_us: float, d: int = 256, tokens: int = 512) -> float:
+    """The share of the matrix rate a GPT block's forward and backward reach (every rank at once): its FLOPs at the
+    measured matrix rate, over its measured time less what the cost model counts apart (elementwise traffic at the
+    memory bandwidth, a launch cost per operator)."""
+    from behemoth.models.gpt import Block, GPTConfig
+    from behemoth.planner.cluster import interpolate
+    from behemoth.planner.steptime import ELEMENTWISE_PASSES, FORWARD_OPS_PER_BLOCK
+
+    cfg = GPTConfig(n_layer=1, n_head=4, d_model=d, context=tokens, vocab_size=8)
+    g = torch.Generator(device=device).manual_seed(0)
+    block = Block(cfg).to(device)
+    x = torch.randn(1, tokens, d, device=device, generator=g, requires_grad=True)
+    seconds = timed(lambda: block(x).sum().backward(), 5, device, group)
+    flops = 3 * tokens * (24 * d * d + 4 * tokens * d)
+    matrices = flops / (interpolate(matmul, (tokens * d * 4 * d) ** (1 / 3)) * 1e12)
+    saved = 4 * tokens * (16 * d + 4 + 4)
+    apart = 3 * ELEMENTWISE_PASSES * saved / (bandwidth * 1e9) + 3 * FORWARD_OPS_PER_BLOCK * overhead_us * 1e-6
+    return min(1.0, max(0.05, matrices / max(seconds - apart, 1e-9)))
+
+
 def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
     """GB/s of writing (with fsync) and reading back a scratch file; None when the disk lacks twice that room."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -189,6 +210,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["op_overhead_us"] = op_overhead(device)
+        out["block_efficiency"] = block_efficiency(device, group, out["matmul"]["fp32"], out["memory_bandwidth_gbs"], out["op_overhead_us"])
         out["disk_bandwidth_gbs"] = disk_bandwidth(Path(cache_dir), DISK_BYTES[mode]) if rt.is_main else None
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)"
         out["device_memory"] = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -212,7 +234,8 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
     device = DeviceSpec(name=m["device_name"], memory_gb=memory / 1e9, reserved_gb=0.05 * memory / 1e9, peak_tflops=peak,
                         matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
                         memory_bandwidth_gbs=m["memory_bandwidth_gbs"], op_overhead_us=m["op_overhead_us"],
-                        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0))
+                        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
+                        block_efficiency=m.get("block_efficiency", 0.8))
     host = HostSpec(memory_gb=host_memory_bytes() / 1e9, memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
                     disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1)
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}

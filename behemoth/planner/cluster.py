@@ -66,6 +66,8 @@ class DeviceSpec(Spec):
     matmul_tflops: dict[str, list[tuple[int, float]]] = Field(default_factory=dict, description="measured (n, TFLOP/s) by dtype")
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
+    block_efficiency: float = Field(0.8, gt=0, le=1, description="share of the matrix rate a transformer block's forward and "
+                                    "backward reach (attention, transposed products in backward)")
     comm_overlap: float = Field(0.9, ge=0, le=1, description="share of a collective that can hide behind computation "
                                 "(GPUs: NCCL beside the kernels; CPUs whose cores all compute: little)")
 

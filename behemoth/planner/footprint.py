@@ -20,7 +20,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.planner.census import TPShare
@@ -44,7 +44,6 @@ class RankMemory:
     deferred: float = 0.0           # zb-h1: activations its split backward keeps until the step ends
     optimizer_step: float = 0.0
     elements: int = 0
-    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def states(self) -> float:

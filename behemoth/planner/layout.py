@@ -9,7 +9,7 @@ sequence length, the global batch and the precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from behemoth.planner.census import ModelCensus
@@ -65,7 +65,6 @@ class Layout:
     chunks: int = 1                   # model chunks per rank: v of the interleaved schedule, else 1
     recompute: tuple[int, ...] = ()   # pipeline ranks that recompute every block (0 alone without a pipeline)
     boundaries: tuple[int, ...] | None = None  # first block of every model stage, then n_layer (None: the planner balances)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def world(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import RankMemory, stage_memory, stash_units
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import block_pass, embed_pass, head_pass, uniform_bounds
+from behemoth.planner.steptime import block_pass, embed_pass, head_pass
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 

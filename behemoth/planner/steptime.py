@@ -11,7 +11,7 @@ all-gathers) on its link, less what the runtime overlaps with backward; the opti
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from behemoth.models.shape import LayerCosts
@@ -53,7 +53,6 @@ class StepTime:
     optimizer: float
     recompute: float
     simulated: bool = False
-    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -103,7 +102,7 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
     """(compute, tp communication) seconds of one block's forward for one micro-batch on one rank."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
     flops = work.census.block_forward_flops(work.seq_len) * tokens / lay.tp
-    rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay))
+    rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay)) * dev.block_efficiency
     saved = work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
     compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     hidden = tokens * work.census.shape.d_model * work.act_bytes
