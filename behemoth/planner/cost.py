@@ -67,13 +67,13 @@ class PlanCost:
         return self.hardware_flops / (self.time.total * self.layout.world * self.peak_flops)
 
     def shares(self) -> dict[str, float]:
-        """Where the step's time goes, as fractions: compute, bubble, recompute, and each kind of traffic."""
+        """Where the step's time goes, as fractions: compute, the pipeline's idle time (its bubble and the waits for its
+        messages), recomputation, tensor- and data-parallel traffic, the optimizer step."""
         t = self.time
         total = t.total
-        compute = t.passes - t.bubble - t.tp_comm - t.recompute - t.pp_comm
+        compute = t.passes - t.bubble - t.tp_comm - t.recompute
         return {"compute": max(compute, 0.0) / total, "bubble": t.bubble / total, "recompute": t.recompute / total,
-                "tp_comm": t.tp_comm / total, "pp_comm": t.pp_comm / total, "dp_comm": t.dp_comm / total,
-                "optimizer": t.optimizer / total}
+                "tp_comm": t.tp_comm / total, "dp_comm": t.dp_comm / total, "optimizer": t.optimizer / total}
 
     def binding(self, cluster: ClusterSpec) -> str:
         """What limits this plan: memory when the busiest rank is near full, else the largest cost besides compute."""
@@ -85,10 +85,10 @@ class PlanCost:
         if share < 0.05:
             return "compute"
         lay = self.layout
-        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.dp, "pp_comm": lay.world}.get(name)
+        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.dp}.get(name)
         where = "" if span is None else (" (intra-node link)" if cluster.link(span) is cluster.intra_node else " (inter-node link)")
-        label = {"tp_comm": "tensor-parallel traffic", "dp_comm": "data-parallel traffic", "pp_comm": "pipeline messages",
-                 "bubble": "pipeline bubble", "recompute": "recomputation", "optimizer": "optimizer step"}[name]
+        label = {"tp_comm": "tensor-parallel traffic", "dp_comm": "data-parallel traffic", "bubble": "pipeline bubble",
+                 "recompute": "recomputation", "optimizer": "optimizer step"}[name]
         return f"{label}{where} {share:.0%}"
 
 

@@ -9,7 +9,7 @@ from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import GiB, PlanCost
 
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
-         "pp_comm": "pipeline messages", "dp_comm": "exposed data-parallel traffic", "optimizer": "optimizer step"}
+         "dp_comm": "exposed data-parallel traffic", "optimizer": "optimizer step"}
 
 
 def seconds(t: float) -> str:

@@ -48,7 +48,7 @@ class StepTime:
     passes: float        # the micro-batches' passes (the pipeline's step, bubble included)
     bubble: float        # idle share of the pipeline, in seconds
     tp_comm: float
-    pp_comm: float
+    pp_comm: float       # the pipeline messages' latency, summed (what they make ranks wait is part of the bubble)
     dp_comm: float       # exposed data-parallel / ZeRO traffic
     optimizer: float
     recompute: float
