@@ -48,6 +48,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
         "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
         "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
+        "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -73,7 +74,9 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
     """Commands whose own module parses their arguments: name -> (module:function, help)."""
     return {
         "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
-        "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
+        "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank of one plan (any layout, any world size): states, activations, peak"),
+        "plan": ("behemoth.cli.plan:plan_main", "search the parallel plans of a model on a cluster: ranked, explained, written as YAML"),
+        "calibrate": ("behemoth.cli.plan:calibrate_main", "measure this machine (matmul, collectives, memory, disk) into a cluster file"),
         "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
         "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
         "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
@@ -156,10 +159,18 @@ def launch_line(cfg: Any, nproc: int) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import os
+
     from behemoth.launch import launch, launched_by_torchrun
     from behemoth.planner.feasibility import refuse
     from behemoth.train import train
 
+    nproc = args.nproc if args.nproc is not None else default_nproc()
+    if "parallel=auto" in args.overrides:  # plan for the processes given (every worker of a torchrun job plans alike)
+        from behemoth.cli.plan import auto_overrides
+
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else nproc
+        args.overrides = auto_overrides(args.overrides, args.config, world)
     cfg, ckpt = resolve_train_config(args)
     t0 = time.time()
     if launched_by_torchrun():  # torchrun started us: this process is one worker (train() runs the checks)
@@ -167,7 +178,6 @@ def run_train(args: argparse.Namespace) -> int:
         if summary.get("rank") == 0:
             report(summary, time.time() - t0)
         return 0
-    nproc = args.nproc if args.nproc is not None else default_nproc()
     refuse(cfg, nproc, ckpt, launch=True)  # everything that can be refused without a worker, all at once
     print(launch_line(cfg, nproc), flush=True)
     if nproc == 1:

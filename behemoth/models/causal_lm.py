@@ -42,7 +42,7 @@ class CausalLM:
     norms: frozenset[str] = frozenset()       # every normalization module (sequence parallelism must style each)
     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     weights: str | None = None
-    matmul_params: int = 0  # parameters a token's forward multiplies by (all but position tables), counted before any cut
+    matmul_params: int = 0  # parameters a token's forward multiplies by (not position tables, not an untied input embedding: a lookup)
     on_tensor_parallel: Callable[[nn.Module, int], None] | None = field(default=None, repr=False)
     time_layers: Callable[[int, int, torch.device], LayerCosts] | None = field(default=None, repr=False)  # (seq_len, micro_batch, device)
     moe_layers: tuple[str, ...] = ()        # module names of the MoE MLPs (models/moe.py's MoELayer)
@@ -57,8 +57,15 @@ class CausalLM:
         return self.shape.arch
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
-        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.d_model * seq_len
+        """Model FLOPs per token of a training step (forward + backward), the basis of MFU: 6N over the parameters a token
+        is multiplied by, plus attention scores and values (PaLM appendix B: 12 L H Q T)."""
+        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.q_width * seq_len
+
+    def hardware_flops_per_token(self, seq_len: int, recomputed_blocks: float = 0.0) -> float:
+        """FLOPs a device really executes per token: the model FLOPs plus the forward of every recomputed block again
+        (`recomputed_blocks`: how many of the n_layer blocks recompute, on average over the pipeline), the basis of HFU."""
+        block_forward = 2 * self.shape.block_matrix_params() + 4 * self.shape.q_width * seq_len
+        return self.flops_per_token(seq_len) + recomputed_blocks * block_forward
 
     def kv_cache_shape(self, batch: int, seq_len: int, tp: int = 1) -> tuple[int, ...]:
         """Keys and values one rank caches per layer: [2, batch, kv_heads / tp, seq_len, head_dim]."""
@@ -96,7 +103,8 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         gpt = build_gpt(model_cfg)
         norms = frozenset(n for n, m in gpt.named_modules() if isinstance(m, nn.LayerNorm))
         return CausalLM(gpt, model_cfg.shape(), view_of("gpt"), gpt.init_spec, gpt_tp_plan(model_cfg), norms=norms,
-                        matmul_params=model_cfg.num_params(active=True) - model_cfg.context * model_cfg.d_model,
+                        matmul_params=model_cfg.num_params(active=True) - model_cfg.context * model_cfg.d_model
+                        - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model),  # a lookup, not a matmul
                         moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)), routers=gpt.routers)
     from behemoth.models import hf as hf_models
 
@@ -111,10 +119,11 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
 
         moe_layers, routers = adopt_moe_blocks(model, model_cfg.moe)
         inactive = sum(c.experts - c.top_k for c in moe_layer_costs(shape)) * 3 * shape.d_model * shape.ffn
+    lookup = 0 if shape.tied else model.get_input_embeddings().weight.numel()  # an untied input embedding is a lookup, not a matmul
     return CausalLM(model, shape, view_of(hf.arch), hf_models.hf_init_spec(model, hf.arch),
                     hf_models.hf_tp_plan(model, hf.arch), transposed=hf_models.transposed_linears(model),
                     norms=hf_models.norm_modules(model), logits_fn=hf_models.hf_logits, weights=hf.weights,
-                    matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive,
+                    matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive - lookup,
                     on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None,
                     moe_layers=moe_layers, routers=routers)
 

@@ -38,7 +38,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     if not batch and not model:
         out += routing_group_problems(cfg, dims)
     if not out:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
-        out += fit_problems(cfg, dims.dp)
+        out += fit_problems(cfg, dims.dp, world)
     return out
 
 
