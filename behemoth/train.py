@@ -88,7 +88,10 @@ class Trainer:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
                 self.save(done)
         bar.close()
-        return self.finish(log)
+        try:
+            return self.finish(log)
+        finally:
+            self.engine.close()
 
     def train_one(self, step: int, flops_per_step: float) -> dict[str, Any]:
         lr = lr_at(step, self.cfg.train)
@@ -100,7 +103,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.history.append(result)
         return {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
-                "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+                "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12), **result.extra}
 
     def memory_per_rank(self) -> dict[str, list[float]]:
         """Every rank's memory, MiB, in one all-gather: peak resident (`memory_mb`), on GPUs peak allocated, the model

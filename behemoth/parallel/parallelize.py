@@ -12,6 +12,11 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
 6. materialize: every kept parameter drawn from (seed, name), or loaded from the model's weights;
 7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last.
 
+With offload (`offload=` a policy), steps 5-7 are the offload runtime's: ZeRO-3's units are cut on meta as in
+step 5, then each unit is drawn (or loaded) one at a time straight onto its tier, never the whole model in memory,
+and the runtime is the model's gradient sync. It recomputes every block from its kept input by itself, so step 4
+is skipped.
+
 Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
 parameters this rank will not keep.
 """
@@ -30,6 +35,8 @@ from behemoth.data import BatchLayout
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
+from behemoth.offload import OffloadPolicy, OffloadSync, apply_offload
+from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
 from behemoth.parallel.pipeline.partition import balance_stages
@@ -53,6 +60,7 @@ class ParallelModel:
     pipeline: PipelineParallel | None = None
     tp: TensorParallel | None = None
     meter: CommMeter = field(default_factory=CommMeter)
+    offload: OffloadSync | None = None  # model states streamed from tiers (offload/); it is also the one sync
 
     @property
     def module(self) -> nn.Module:
@@ -66,6 +74,8 @@ class ParallelModel:
         """The model's logits (this rank's vocabulary shard under TP); a pipeline runs stage by stage instead."""
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
+        if self.offload is not None:
+            raise RuntimeError("an offloaded model is never whole in memory; run it through model.offload (run, forward_only)")
         return self.lm.logits(idx.to(self.rt.device))
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,7 @@ class ParallelModel:
             self.pipeline.sum_tied_grads()
         for sync in self.syncs:
             sync.finish()
-        if self.tp is not None:
+        if self.tp is not None and self.offload is None:  # offload sums them unit by unit, as each gradient completes
             self.tp.finish_grads(self.grad_slices())
 
     def grad_norm_terms(self) -> tuple[GradTerms, dist.ProcessGroup | None]:
@@ -99,6 +109,18 @@ class ParallelModel:
                 counted = self.pipeline is None or self.pipeline.counts(name)
                 terms.append((g, 1.0 / copies if counted else 0.0))
         return terms, self.rt.world_group
+
+    def clip_grads(self, max_norm: float, device: torch.device) -> float:
+        """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (offload: at each unit's step)."""
+        if self.offload is not None:
+            return self.offload.clip(max_norm)
+        terms, group = self.grad_norm_terms()
+        return clip_grad_norm(terms, max_norm, group=group, meter=self.meter, device=device)
+
+    def close(self) -> None:
+        """Release what outlives a step: the offload runtime's I/O threads and scratch directory."""
+        if self.offload is not None:
+            self.offload.close()
 
     def model_state(self) -> dict[str, Any]:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
@@ -144,8 +166,9 @@ def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any
 
 
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
-                timeout_s: float = 300.0) -> ParallelModel:
-    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring."""
+                timeout_s: float = 300.0, offload: OffloadPolicy | None = None) -> ParallelModel:
+    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
+    with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's)."""
     model, meter = lm.module, CommMeter()
     pipeline = None
     if rt.dims.pp > 1:
@@ -158,6 +181,12 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
+    if offload is not None:
+        if pipeline is not None:
+            raise ValueError("offload streams whole-model units; it does not run under a pipeline (parallel.pp=1)")
+        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter)
+        return ParallelModel(lm, rt, [sync], None, tp, meter, offload=sync)
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
     units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied) if plan.zero_stage == 3 else None
