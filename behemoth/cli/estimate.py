@@ -23,6 +23,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="processes (default: every GPU, or 2 on a CPU-only machine)")
     p.add_argument("--memory-gb", type=float, metavar="M", help="memory per rank for the fit table (default: this device's)")
     p.add_argument("--no-measure", action="store_true", help="skip building the model on N local processes")
+    p.add_argument("--no-calibrate", action="store_true", help="offload: skip measuring disk, memory and compute rates (no step time)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, as for behemoth train")
     return p
 
@@ -39,6 +40,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     stage_given = any(o.startswith("parallel.zero_stage=") for o in args.overrides)
     cfg = load_config(args.config, args.overrides + ([] if stage_given else ["parallel.zero_stage=3"]))
     nproc = args.nproc or default_nproc()
+    if cfg.offload.enabled:  # offloaded states: their own section (cli/estimate_offload.py)
+        from behemoth.cli.estimate_offload import run_offload_estimate
+
+        return run_offload_estimate(cfg, nproc, calibrate=not args.no_calibrate)
     dp = cfg.parallel.dims(nproc).dp
     ests = estimate(cfg, dp)
     measured = measure(cfg, nproc, ests) if not args.no_measure else {}

@@ -77,11 +77,18 @@ class AdamFP32:
 
 def bitsandbytes_functional() -> Any:
     """bitsandbytes' functional module, or a one-line refusal naming the extra that installs it."""
+    import logging
+
+    quiet = logging.getLogger("bitsandbytes.backends.cpu.ops")  # it warns about a 4-bit matmul kernel behemoth does not use
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         import bitsandbytes.functional as bnb_f
     except ImportError:
         raise BehemothError("offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
                             'install it with pip install -e ".[offload]", or use offload.optimizer_bits=32') from None
+    finally:
+        quiet.setLevel(level)
     return bnb_f
 
 
@@ -141,6 +148,15 @@ class Adam8bit:
                 q, qs = self.F.quantize_blockwise(src[pc.offset:pc.offset + pc.numel].contiguous(), code=qmap, blocksize=BLOCK)
                 codes.copy_(q)
                 absmax.copy_(qs.absmax)
+
+
+def state_bytes(pieces: list[ShardPiece], shard_numel: int, bits: int) -> int:
+    """Bytes of optimizer state for a shard: two float32 moments, or two 8-bit ones padded to blocks with a float32
+    scale per block (the layouts `AdamFP32` and `Adam8bit` create)."""
+    if bits == 32:
+        return 8 * shard_numel
+    n = block_offsets(pieces)[-1]
+    return 2 * n + 2 * 4 * (n // BLOCK)
 
 
 def make_adam(settings: AdamWSettings, bits: int, device: torch.device) -> AdamFP32 | Adam8bit:

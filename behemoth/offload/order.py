@@ -176,3 +176,8 @@ def swap_bytes(plan: ResidencyPlan, sizes: list[StateSizes], *, deferred: bool) 
             moved["optimizer"][1] += s.optimizer
             moved["params"][1] += s.params
     return {k: (r, w) for k, (r, w) in moved.items()}
+
+
+def stores_grads(plan: ResidencyPlan, *, deferred: bool) -> bool:
+    """Whether a step of this plan puts gradients on the gradient tier (deferred steps, or gradients left incomplete)."""
+    return deferred or any(s.grads and not s.completes for s in plan.stays)

@@ -38,12 +38,14 @@ from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.adam import make_adam
+from behemoth.offload.budget import ActivationShape, MemoryPeak, fit_prefetch, in_memory_state_bytes, peak_bytes, unit_sizes
 from behemoth.offload.executor import Batch, Streamer
 from behemoth.offload.io import IOPool
-from behemoth.offload.order import forward_order, make_order
+from behemoth.offload.order import forward_order, make_order, plan_residencies, stores_grads
 from behemoth.offload.store import PendingStep, Tiers, UnitStore, ValueSource, initial_shard, safetensors_source
 from behemoth.offload.tiers import make_tier
 from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer
+from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
 
@@ -64,13 +66,48 @@ class OffloadPolicy:
     order: str = "harmony"
     fused: bool = False            # step during backward (no clipping) or deferred to the next fetch
     bits: int = 32
+    max_memory_bytes: float | None = None  # the budget the prefetch depth and the jobs in flight must fit
 
     @classmethod
     def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> "OffloadPolicy":
         """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
         fused = offload.step == "fused" or (offload.step == "auto" and grad_clip == 0)
+        budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
         return cls(offload.params, offload.grads, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
-                   offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits)
+                   offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits, budget)
+
+    @property
+    def tiers(self) -> dict[str, str]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+    @property
+    def uses_disk(self) -> bool:
+        return "disk" in self.tiers.values()
+
+
+def fit_budget(policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str,
+               tied: bool) -> tuple[int, int, MemoryPeak]:
+    """(prefetch depth, jobs in flight, peak) for the policy within its budget; a one-line refusal when nothing fits."""
+    sizes = unit_sizes(layouts, rank, policy.bits)
+    plan = plan_residencies(make_order(policy.order, act.n_layer, act.microbatches), {len(layouts) - 1: (0,)} if tied else {})
+    held = in_memory_state_bytes(sizes, policy.tiers, device_type, grads_stored=stores_grads(plan, deferred=not policy.fused))
+    sharded = layouts[0].world > 1 if layouts else False
+    unbounded = peak_bytes(sizes, act, prefetch=policy.prefetch, in_flight=policy.prefetch + policy.io_threads + 1,
+                           sharded=sharded, in_memory_states=held, tied=tied, io_threads=policy.io_threads)
+    if policy.max_memory_bytes is None:
+        return policy.prefetch, policy.prefetch + policy.io_threads + 1, unbounded
+    fit = fit_prefetch(sizes, act, policy.max_memory_bytes, prefetch=policy.prefetch, io_threads=policy.io_threads,
+                       sharded=sharded, in_memory_states=held, tied=tied)
+    if fit is None:
+        least = peak_bytes(sizes, act, prefetch=0, in_flight=1, sharded=sharded, in_memory_states=held, tied=tied, io_threads=1)
+        mib = 2**20
+        raise BehemothError(
+            f"offload.max_memory_gb={policy.max_memory_bytes / 2**30:g} is smaller than one unit plus activations: "
+            f"{least.total / mib:.1f} MiB at least (largest unit {least.resident / mib:.1f} + its step "
+            f"{least.jobs / mib:.1f} + activations {least.activations / mib:.1f} + states kept in memory "
+            f"{least.in_memory_states / mib:.1f} MiB)",
+            "raise offload.max_memory_gb, put more states on disk, shorten train.micro_batch, or split layers with parallel.tp")
+    return fit
 
 
 class OffloadSync(GradSync):
@@ -79,7 +116,7 @@ class OffloadSync(GradSync):
     sharded = True
 
     def __init__(self, lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, value: ValueSource,
-                 tp: Any = None, meter: CommMeter | None = None) -> None:
+                 activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
         self.group = rt.group("dp")
         self.aliases = tied_names(self.model)
@@ -88,10 +125,14 @@ class OffloadSync(GradSync):
             names = units[roles.index("root")].names
             raise BehemothError(f"offload streams the embedding, blocks and head; {names[0]} belongs to none of them",
                                 "train this model without offload")
+        world = dist.get_world_size(self.group)
+        layouts = [FlatLayout(u.names, u.shapes, world) for u in units]
+        self.prefetch, in_flight, self.peak = fit_budget(policy, layouts, dist.get_rank(self.group), activation,
+                                                         device_type=rt.device.type, tied=bool(units[-1].reads))
         self.root = self._claim_scratch()
         self.tiers = Tiers(*(make_tier(name, rt.device, root=self.root / f"rank{rt.rank}" / kind)
                              for name, kind in ((policy.params, "params"), (policy.grads, "grads"), (policy.optimizer, "optimizer"))))
-        self.io = IOPool(policy.io_threads, max_in_flight=policy.prefetch + policy.io_threads + 1)
+        self.io = IOPool(policy.io_threads, max_in_flight=in_flight)
         self.specs = units
         self.stores: list[UnitStore] = []
         self.step_count, self.norm_sq, self.coef = 0, torch.zeros((), dtype=torch.float32, device=rt.device), 1.0
@@ -100,7 +141,7 @@ class OffloadSync(GradSync):
         self.staging: list[str] = []
         self._materialize(value)
         reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
-        self.streamer = Streamer(self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=policy.prefetch,
+        self.streamer = Streamer(self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch,
                                  device=rt.device, hooks=self, meter=meter)
         self.counted = self._counters()
 
@@ -366,8 +407,8 @@ def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
                 owner._buffers[name] = buf.to(device)
 
 
-def apply_offload(lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, seed: int, tp: Any = None,
-                  meter: CommMeter | None = None) -> OffloadSync:
+def apply_offload(lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, seed: int,
+                  activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> OffloadSync:
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
     (seed, name) or read from the model's weights one unit at a time."""
     if lm.weights:
@@ -375,5 +416,5 @@ def apply_offload(lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: Offl
     else:
         def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return draw_full(lm.init_spec(name), tuple(shape), seed, name)
-    return OffloadSync(lm, units, rt, policy, value=value, tp=tp, meter=meter)
+    return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, meter=meter)
 

@@ -36,6 +36,7 @@ from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, OffloadSync, apply_offload
+from behemoth.offload.budget import ActivationShape
 from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
@@ -165,6 +166,12 @@ def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any
     return [apply_zero(model, group, policy, units=units, stage_params=stage_params, meter=meter)]
 
 
+def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int) -> ActivationShape:
+    """What one rank's activations under offload depend on (its micro-batches, their size, the model's widths)."""
+    shape = lm.shape
+    return ActivationShape(batch.micro_batch, seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
+
+
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
                 timeout_s: float = 300.0, offload: OffloadPolicy | None = None) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
@@ -185,7 +192,8 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         if pipeline is not None:
             raise ValueError("offload streams whole-model units; it does not run under a pipeline (parallel.pp=1)")
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
-        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter)
+        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
+                             activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         return ParallelModel(lm, rt, [sync], None, tp, meter, offload=sync)
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
