@@ -210,7 +210,7 @@ class Streamer:
 
     def submit(self, stay: Residency) -> None:
         store = self.stores[stay.unit]
-        self.fetches[id(stay)] = self.io.submit(stay.unit, store.load, self.hooks.take_pending(store), stay.partial_in)
+        self.fetches[id(stay)] = self.io.submit(stay.unit, store.load, self.hooks.take_pending(store), stay.partial_in and stay.grads)
         self.fetching.add(stay.unit)
 
     def begin(self, stay: Residency) -> None:

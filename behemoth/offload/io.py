@@ -29,11 +29,12 @@ class IOPool:
 
     def submit(self, unit: int, job: Callable[..., Any], *args: Any) -> Future:
         """Run `job(*args)` after every job submitted earlier for `unit`."""
+        self._forget_finished()
         while len(self.unfinished) >= self.max_in_flight:
             self.wait(self.unfinished[0])
-        before = self.last.get(unit)
-        future = self.pool.submit(_after, before, job, args)
-        self.last[unit] = future
+        before, done = self.last.get(unit), Future()
+        future = self.pool.submit(_after, before, done, job, args)
+        self.last[unit] = done  # the order of a unit's jobs needs their end, not their results (which may be large)
         self.unfinished.append(future)
         return future
 
@@ -65,7 +66,13 @@ class IOPool:
             self.pool.shutdown(wait=True)
 
 
-def _after(before: Future | None, job: Callable[..., Any], args: tuple) -> Any:
-    if before is not None:
-        before.result()  # an earlier job of this unit failed: so does this one
-    return job(*args)
+def _after(before: Future | None, done: Future, job: Callable[..., Any], args: tuple) -> Any:
+    try:
+        if before is not None:
+            before.result()  # an earlier job of this unit failed: so does this one
+        result = job(*args)
+    except BaseException as err:
+        done.set_exception(err)
+        raise
+    done.set_result(None)
+    return result

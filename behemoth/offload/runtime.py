@@ -129,6 +129,8 @@ class OffloadSync(GradSync):
         layouts = [FlatLayout(u.names, u.shapes, world) for u in units]
         self.prefetch, in_flight, self.peak = fit_budget(policy, layouts, dist.get_rank(self.group), activation,
                                                          device_type=rt.device.type, tied=bool(units[-1].reads))
+        if rt.device.type == "cpu":
+            return_freed_memory()
         self.root = self._claim_scratch()
         self.tiers = Tiers(*(make_tier(name, rt.device, root=self.root / f"rank{rt.rank}" / kind)
                              for name, kind in ((policy.params, "params"), (policy.grads, "grads"), (policy.optimizer, "optimizer"))))
@@ -397,6 +399,24 @@ class OffloadOptimizer(Optimizer):
 
     def state_bytes(self) -> int:
         return self.sync.tiers.optimizer.resident_bytes()
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory(threshold: int = 2**20) -> bool:
+    """glibc: give every allocation of `threshold` bytes or more its own mapping, unmapped when freed.
+
+    The runtime allocates and frees unit-sized buffers all the time, on several threads; glibc's adaptive threshold
+    would soon serve them from its heaps (one per thread), which keep freed memory, so the resident set would grow
+    past the budget with memory nobody uses. On a GPU the caching allocator owns device memory and this is moot.
+    """
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def move_buffers(model: torch.nn.Module, device: torch.device) -> None:

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,17 @@ def existing_ancestor(path: Path) -> Path:
     while not p.exists():
         p = p.parent
     return p
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be created in `folder` (tried, not inferred from permission bits)."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".behemoth-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
 
 
 def read_marker(path: Path) -> dict[str, Any] | None:
@@ -62,8 +74,8 @@ def scratch_state(path: Path, run_dir: str | None) -> tuple[str, str]:
         return "refused", f"offload.dir={path} is a file, not a directory; choose a directory"
     if not path.exists() or not any(path.iterdir()):
         here = existing_ancestor(path)
-        if not os.access(here, os.W_OK | os.X_OK):
-            return "refused", f"offload.dir={path} cannot be written ({here} is not writable); choose a writable directory"
+        if not writable(here):
+            return "refused", f"offload.dir={path} cannot be written ({here} is not a writable directory); choose a writable directory"
         return "free", ""
     marker = read_marker(path)
     if marker is None:
