@@ -175,3 +175,49 @@ def test_8bit_moments_follow_float32_adamw_and_resume_on_another_layout(tmp_path
                                                    "offload.optimizer_bits=8"), str(tmp_path / "8bit" / "checkpoints/step_0000015"))[0]
     assert resumed["start"] == 15
     assert max(abs(a - b) / a for a, b in zip(eight["losses"][15:], resumed["losses"])) < EIGHT_BIT_TOLERANCE
+
+
+def test_a_crash_mid_step_leaves_the_last_checkpoint_and_a_scratch_that_is_never_reused(tmp_path):
+    """A run dies in step 9, after two units took that step's update on disk: the step-6 checkpoint is whole, another
+    run may not take the stale scratch, and resuming this run empties it and continues the uninterrupted curve."""
+    from behemoth.config import Config
+    from behemoth.offload.scratch import MARKER
+    from behemoth.planner.feasibility import launch_problems
+
+    place = ["checkpoint.every=6", *PLACEMENTS["all"]]
+    full = run_ranks(1, train_body, tiny_config(tmp_path / "full", ACCUMULATE[1], *place))[0]
+    cfg = tiny_config(tmp_path / "run", ACCUMULATE[1], *place)
+    assert run_ranks(1, _die_in_step, cfg, 9)[0] == "died"
+    scratch = tmp_path / "run" / "offload-scratch"
+    assert (scratch / MARKER).exists() and (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    other = Config.model_validate(tiny_config(tmp_path / "other", ACCUMULATE[1], *place, f"offload.dir={scratch}"))
+    assert any("stale scratch of another run" in p.message for p in launch_problems(other, 1, None))
+    resumed = run_ranks(1, train_body, cfg, str(tmp_path / "run" / CKPT6))[0]
+    assert_close_runs({"losses": full["losses"][6:], "weights": full["weights"]}, resumed)
+
+
+def _die_in_step(cfg_dict, step):
+    """Train until the third unit update of step `step`, then stop as a killed process would: no cleanup."""
+    from behemoth.engine import Engine
+    from behemoth.offload.store import UnitStore
+
+    calls = {"steps": 0, "updates": 0}
+    train_step, apply_step = Engine.train_step, UnitStore.apply_step
+
+    def counting_step(self, *args, **kwargs):
+        calls["steps"] += 1
+        return train_step(self, *args, **kwargs)
+
+    def dying_update(self, *args, **kwargs):
+        if calls["steps"] == step:
+            calls["updates"] += 1
+            if calls["updates"] == 3:
+                raise SystemExit("killed")
+        return apply_step(self, *args, **kwargs)
+
+    Engine.train_step, UnitStore.apply_step = counting_step, dying_update
+    try:
+        train_body(cfg_dict)
+    except SystemExit:
+        return "died"
+    return "finished"

@@ -239,3 +239,32 @@ def test_estimate_prints_the_plan_and_refuses_a_disk_too_small(tmp_path, capsys)
         assert words in out
     assert main(args + ["model.n_layer=64", "model.d_model=65536", "model.n_head=64"]) == 2
     assert "but its disk has" in capsys.readouterr().err
+
+
+def test_chunked_steps_change_no_value():
+    """Stepping in chunks (bounded temporaries) gives exactly the unchunked step, float32 and 8-bit."""
+    from behemoth.offload import adam as adam_module
+
+    settings = AdamWSettings(1e-2, (0.9, 0.95), 0.1)
+    pieces = [ShardPiece(0, 3 * BLOCK + 40, True), ShardPiece(3 * BLOCK + 40, 100, False), ShardPiece(3 * BLOCK + 140, 2 * BLOCK, True)]
+    n = 5 * BLOCK + 140
+    g = torch.Generator().manual_seed(3)
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    makers = [lambda: AdamFP32(settings)]
+    if __import__("importlib").util.find_spec("bitsandbytes"):
+        makers.append(lambda: adam_module.Adam8bit(settings, CPU))
+    for make in makers:
+        results = []
+        for chunk in (adam_module.CHUNK, BLOCK):
+            adam_module.CHUNK = chunk
+            try:
+                a = make()
+                spec = a.state_spec(pieces, n)
+                state = {k: torch.zeros(numel, dtype=dtype) for k, (numel, dtype) in spec.items()}
+                mine = p.clone()
+                for step in (1, 2):
+                    a.step(mine, grad.clone(), state, pieces, lr=1e-2, coef=0.7, step=step)
+                results.append(mine)
+            finally:
+                adam_module.CHUNK = 2**22
+        assert torch.equal(results[0], results[1])

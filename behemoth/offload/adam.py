@@ -10,12 +10,15 @@ whether it decays: matrices and embeddings do, biases and norms do not, as in th
   moments are quantized in blocks of their own (a block never mixes a matrix and a norm), so the state is laid
   out piece by piece with each piece padded to whole blocks.
 
-A clipping coefficient multiplies the gradient before the step, as `clip_grad_norm` does in memory.
+A clipping coefficient multiplies the gradient before the step, as `clip_grad_norm` does in memory. Both step a
+shard in chunks of at most CHUNK elements (whole blocks), so their temporaries do not grow with the unit; the
+update is elementwise (and the quantization blockwise), so chunking changes no value.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ from behemoth.parallel.sync import AdamWSettings
 
 EPS = 1e-8  # torch.optim.AdamW's default
 BLOCK = 256  # elements per quantization block (bitsandbytes' blockwise optimizers)
+CHUNK = 2**22  # elements stepped at once: Adam's temporaries stay a few times 16 MiB whatever the unit's size
 StateSpec = dict[str, tuple[int, torch.dtype]]
 
 
@@ -37,6 +41,32 @@ class ShardPiece:
     offset: int   # first element in the shard
     numel: int
     decay: bool   # weight decay applies (matrices, embeddings)
+
+
+def chunks(pieces: list[ShardPiece], size: int | None = None) -> list[tuple[ShardPiece, int]]:
+    """Each piece cut into parts of at most `size` (default CHUNK) elements, a multiple of BLOCK, with each part's
+    offset in its piece."""
+    size = size or CHUNK
+    out = []
+    for pc in pieces:
+        for at in range(0, pc.numel, size):
+            out.append((ShardPiece(pc.offset + at, min(size, pc.numel - at), pc.decay), at))
+    return out
+
+
+def batches(pieces: list[ShardPiece], size: int | None = None) -> list[list[ShardPiece]]:
+    """Consecutive parts of the same decay grouped up to `size` (default CHUNK) elements: one foreach call each."""
+    size = size or CHUNK
+    out: list[list[ShardPiece]] = []
+    total = 0
+    for part, _ in chunks(pieces, size):
+        if out and out[-1][0].decay == part.decay and total + part.numel <= size:
+            out[-1].append(part)
+            total += part.numel
+        else:
+            out.append([part])
+            total = part.numel
+    return out
 
 
 class AdamFP32:
@@ -56,14 +86,11 @@ class AdamFP32:
         """One AdamW step of every piece (the optimizer's `step` count is `step` after it)."""
         if coef != 1.0:
             g.mul_(coef)
-        for decay in (True, False):
-            chosen = [pc for pc in pieces if pc.decay == decay]
-            if not chosen:
-                continue
+        for chosen in batches(pieces):
             views = [[t[pc.offset:pc.offset + pc.numel] for pc in chosen] for t in (p, g, state["m"], state["v"])]
             steps = [torch.tensor(float(step - 1)) for _ in chosen]
             adamw(*views, [], steps, foreach=True, amsgrad=False, beta1=self.settings.betas[0], beta2=self.settings.betas[1],
-                  lr=lr, weight_decay=self.settings.weight_decay if decay else 0.0, eps=EPS, maximize=False)
+                  lr=lr, weight_decay=self.settings.weight_decay if chosen[0].decay else 0.0, eps=EPS, maximize=False)
 
     def moments(self, state: dict[str, torch.Tensor], pieces: list[ShardPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 first and second moments over the shard (for checkpoints)."""
@@ -83,7 +110,9 @@ def bitsandbytes_functional() -> Any:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        import bitsandbytes.functional as bnb_f
+        with warnings.catch_warnings():  # its import uses deprecated torch.jit decorators
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import bitsandbytes.functional as bnb_f
     except ImportError:
         raise BehemothError("offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
                             'install it with pip install -e ".[offload]", or use offload.optimizer_bits=32') from None
@@ -124,11 +153,14 @@ class Adam8bit:
     def step(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *,
              lr: float, coef: float, step: int) -> None:
         b1, b2 = self.settings.betas
-        for pc, start in zip(pieces, block_offsets(pieces)):
-            m, v, ma, va = self._slices(state, start, pc.numel)
-            self.F.optimizer_update_8bit_blockwise(
-                "adam", g[pc.offset:pc.offset + pc.numel], p[pc.offset:pc.offset + pc.numel], m, v, b1, b2, 0.0, 0.0, EPS, step, lr,
-                self.qmap1, self.qmap2, ma, va, weight_decay=self.settings.weight_decay if pc.decay else 0.0, gnorm_scale=coef)
+        starts = dict(zip((pc.offset for pc in pieces), block_offsets(pieces)))
+        for pc in pieces:
+            for part, at in chunks([pc]):
+                m, v, ma, va = self._slices(state, starts[pc.offset] + at, part.numel)
+                self.F.optimizer_update_8bit_blockwise(
+                    "adam", g[part.offset:part.offset + part.numel], p[part.offset:part.offset + part.numel], m, v, b1, b2, 0.0, 0.0,
+                    EPS, step, lr, self.qmap1, self.qmap2, ma, va, weight_decay=self.settings.weight_decay if pc.decay else 0.0,
+                    gnorm_scale=coef)
 
     def moments(self, state: dict[str, torch.Tensor], pieces: list[ShardPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized moments as float32 shards (the values the next step starts from)."""

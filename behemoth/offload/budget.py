@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from behemoth.offload.adam import ShardPiece, state_bytes
+from behemoth.offload.adam import CHUNK, ShardPiece, state_bytes
 from behemoth.parallel.zero.layout import FlatLayout
 
 F32 = 4
@@ -57,8 +57,9 @@ def activation_bytes(a: ActivationShape) -> int:
 
 
 def job_bytes(u: UnitSize) -> int:
-    """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries."""
-    return u.shard * F32 * 2 + u.state_bytes + 2 * u.shard * F32
+    """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries (it steps at most CHUNK
+    elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks)."""
+    return u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
 
 
 def queued_bytes(u: UnitSize) -> int:
