@@ -64,7 +64,8 @@ class OffloadConfig(Section):
     """Where model states live (offload/): each of parameters, gradients and optimizer state on a tier, streamed per unit."""
 
     params: Literal["none", "cpu", "disk"] = Field("none", description="parameters: none (device memory), cpu (host memory), disk (offload.dir)")
-    grads: Literal["none", "cpu", "disk"] = Field("none", description="gradients between micro-batches and until the optimizer step")
+    grads: Literal["auto", "none", "cpu", "disk"] = Field("auto", description="gradients kept between micro-batches or until a deferred "
+                                                          "step (auto: the parameters' tier)")
     optimizer: Literal["none", "cpu", "disk"] = Field("none", description="Adam moments")
     dir: str | None = Field(None, description="scratch directory of the disk tier (default <run.dir>/offload-scratch); never a checkpoint")
     prefetch: int = Field(2, ge=0, description="units read ahead by the I/O threads")
@@ -79,7 +80,11 @@ class OffloadConfig(Section):
     @property
     def enabled(self) -> bool:
         """Whether the streaming runtime runs: any state placed on a tier, or 8-bit moments."""
-        return any(t != "none" for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
+        return any(t not in ("none", "auto") for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
+
+    @property
+    def grads_tier(self) -> str:
+        return self.params if self.grads == "auto" else self.grads
 
 
 class Config(Section):

@@ -15,9 +15,9 @@ from tests.dist import run_ranks
 
 ACCUMULATE = {1: "train.micro_batch=4", 2: "train.micro_batch=2"}  # 2 micro-batches per rank
 PLACEMENTS = {
-    "params": ["offload.params=disk"],
+    "params": ["offload.params=disk", "offload.grads=none"],
     "optimizer": ["offload.optimizer=disk"],
-    "all": ["offload.params=disk", "offload.grads=disk", "offload.optimizer=disk"],
+    "all": ["offload.params=disk", "offload.optimizer=disk"],  # gradients follow the parameters (offload.grads=auto)
 }
 
 

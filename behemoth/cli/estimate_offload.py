@@ -88,7 +88,8 @@ def run_offload_estimate(cfg: Any, nproc: int, *, calibrate: bool) -> int:
     rates = None
     if calibrate:
         root = scratch.default_scratch(cfg.offload.dir, cfg.run.dir)
-        c = measure(root, torch.device(device_type))
+        mb = cfg.batch_layout(dp).micro_batch * cfg.seq_len
+        c = measure(root, torch.device(device_type), matmul=(mb, cfg.model.d_model, 4 * cfg.model.d_model))
         rates = Rates(c.disk_read, c.disk_write, c.host_copy, c.compute)
     try:
         print(offload_report(cfg, dp, nproc, rates, device_type))

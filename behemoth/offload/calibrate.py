@@ -73,10 +73,28 @@ def measure_host_copy(device: torch.device, nbytes: int = 64 * 2**20) -> float:
     return 3 * nbytes / (time.perf_counter() - t0)
 
 
-def calibrate(folder: Path, device: torch.device, *, disk_bytes: int = 256 * 2**20) -> Calibration:
-    """Every rate, measured now (a second or two on a disk of 0.5 GB/s)."""
+def measure_matmul(device: torch.device, shape: tuple[int, int, int], seconds: float = 0.3) -> float:
+    """FLOP/s of a float32 [m, k] @ [k, n] product, the shape a block's largest layer multiplies (best of a few repeats,
+    run for about `seconds`: other work on the machine only ever slows a repeat down)."""
+    m, k, n = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = torch.randn(m, k, device=device, generator=g), torch.randn(k, n, device=device, generator=g)
+    a @ b
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * k * n / best
+
+
+def calibrate(folder: Path, device: torch.device, *, disk_bytes: int = 256 * 2**20, matmul: tuple[int, int, int] | None = None) -> Calibration:
+    """Every rate, measured now (a second or two on a disk of 0.5 GB/s). `matmul`: the (tokens, width, output width) of
+    the model's largest product; without it, torch's square 1024 product."""
     t0 = time.perf_counter()
     read, write = measure_disk(folder, disk_bytes)
     host = measure_host_copy(device)
-    compute = measure_peak_tflops(device) * 1e12
+    compute = measure_matmul(device, matmul) if matmul else measure_peak_tflops(device) * 1e12
     return Calibration(read, write, host, compute, time.perf_counter() - t0)

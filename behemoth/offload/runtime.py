@@ -73,7 +73,7 @@ class OffloadPolicy:
         """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
         fused = offload.step == "fused" or (offload.step == "auto" and grad_clip == 0)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
-        return cls(offload.params, offload.grads, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
+        return cls(offload.params, offload.grads_tier, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
                    offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits, budget)
 
     @property

@@ -142,7 +142,7 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
 def offload_launch_problems(cfg: Any, world: int) -> list[Problem]:
     """The scratch directory (another run's, unwritable) and its disk's free space, for the world's local ranks."""
     off = cfg.offload
-    if not off.enabled or "disk" not in (off.params, off.grads, off.optimizer):
+    if not off.enabled or "disk" not in (off.params, off.grads_tier, off.optimizer):
         return []
     root = scratch.default_scratch(off.dir, cfg.run.dir)
     state, why = scratch.scratch_state(root, cfg.run.dir)
