@@ -221,3 +221,30 @@ def _die_in_step(cfg_dict, step):
     except SystemExit:
         return "died"
     return "finished"
+
+
+def test_streamed_logits_equal_the_in_memory_model(tmp_path):
+    """The streamed forward (what offloaded inference uses) gives the logits the materialized model gives."""
+    assert run_ranks(1, _logits_body, str(tmp_path))[0] < 1e-5
+
+
+def _logits_body(run_dir):
+    import torch
+
+    from behemoth.config import Config
+    from behemoth.engine import build_model
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.init import materialize
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(tiny_config(run_dir, *PLACEMENTS["all"], "model.tie_embeddings=true"))
+    rt = init_runtime(timeout_s=60)
+    model = build_model(cfg, rt)
+    inputs = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    streamed = model.offload.logits(inputs)
+    plain = build_causal_lm(cfg.model)
+    materialize(plain.module, seed=cfg.train.seed, device=torch.device("cpu"), init_spec=plain.init_spec)
+    err = max(float((plain.logits(x) - s).abs().max()) for x, s in zip(inputs, streamed))
+    model.close()
+    rt.close()
+    return err

@@ -101,24 +101,21 @@ class Streamer:
         return total
 
     @torch.no_grad()
-    def evaluate(self, actions: list[Action], batches: Batch, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-        """[summed token loss, token count] over `batches`, forward only."""
-        state, stats = PassState(), torch.zeros(2, dtype=torch.float64, device=self.device)
-        moved = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+    def forward_only(self, actions: list[Action], inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None],
+                     autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Every input through each unit in turn (forward order); `on_logits(i, logits)` as the head produces each."""
+        state = PassState()
+        moved = [x.to(self.device) for x in inputs]
 
         def compute(a: Action) -> None:
-            x, y = moved[a.mb]
             if a.kind == "F":
-                self.forward(a, x, state, autocast, keep_rng=False)
-            else:
-                with autocast():
-                    logits = self.view.head(self.model, state.hidden.pop((self.head - 1, a.mb)))
-                stats[0] += loss_sum(logits, y).double()
-                stats[1] += y.numel()
+                self.forward(a, moved[a.mb], state, autocast, keep_rng=False)
+                return
+            with autocast():
+                logits = self.view.head(self.model, state.hidden.pop((self.head - 1, a.mb)))
+            on_logits(a.mb, logits)
 
         self.run(actions, compute)
-        return stats
 
     # --- compute of one action ---
 

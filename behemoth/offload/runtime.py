@@ -239,9 +239,29 @@ class OffloadSync(GradSync):
 
     def forward_only(self, batches: Batch, loss_sum: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
         """[summed token loss, tokens] over `batches`, streaming each unit once (owed steps are applied as units arrive)."""
-        stats = self.streamer.evaluate(forward_order(len(self.stores) - 2, len(batches)), batches, loss_sum, autocast)
+        stats = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+
+        def add(i: int, logits: torch.Tensor) -> None:
+            targets = batches[i][1].to(self.rt.device)
+            stats[0] += loss_sum(logits, targets).double()
+            stats[1] += targets.numel()
+
+        self.streamer.forward_only(forward_order(len(self.stores) - 2, len(batches)), [x for x, _ in batches], add, autocast)
         self.io.drain()
         return stats
+
+    def logits(self, inputs: list[torch.Tensor], autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+               ) -> list[torch.Tensor]:
+        """The logits of each input (this rank's vocabulary shard under TP), every unit streamed once for all of them:
+        a forward pass of a model that is never whole in memory (what offloaded inference needs)."""
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+
+        def keep(i: int, logits: torch.Tensor) -> None:
+            out[i] = logits
+
+        self.streamer.forward_only(forward_order(len(self.stores) - 2, len(inputs)), inputs, keep, autocast)
+        self.io.drain()
+        return out
 
     def clip(self, max_norm: float) -> float:
         """The global gradient norm (the squares summed over ranks); its clipping coefficient applies at each unit's step."""
