@@ -82,15 +82,17 @@ def test_fused_step_matches_in_memory_training_without_clipping(tmp_path):
 
 
 @pytest.mark.parametrize("world, extra", [(2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
-                                          (2, ("model.tie_embeddings=true",)), (1, ("model=hf:llama", "hf.kv_heads=1"))])
+                                          (2, ("model.tie_embeddings=true", "offload.order=naive", "offload.params=cpu")),
+                                          (1, ("model=hf:llama", "hf.kv_heads=1"))])
 def test_offload_composes(world, extra, tmp_path):
-    """With tensor and sequence parallelism, a tied head, a transformers Llama: the in-memory curve, offloaded."""
+    """With tensor and sequence parallelism; a tied head in the naive order with parameters on the host tier; a
+    transformers Llama: the in-memory curve, offloaded."""
     if "model=hf:llama" in extra:
         pytest.importorskip("transformers")
     model = [e for e in extra if e.startswith(("model", "hf."))]
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", ACCUMULATE[1], "train.steps=4", *model))[0]
     mb = "train.micro_batch=4" if "parallel.tp=2" in extra else ACCUMULATE[world]
-    got = run_ranks(world, train_body, tiny_config(tmp_path / "off", mb, "train.steps=4", *extra, *PLACEMENTS["all"]))[0]
+    got = run_ranks(world, train_body, tiny_config(tmp_path / "off", mb, "train.steps=4", *PLACEMENTS["all"], *extra))[0]
     assert_close_runs(ref, got)
 
 

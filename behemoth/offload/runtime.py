@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import CommMeter, all_reduce
+from behemoth.comm import CommMeter, all_reduce, broadcast_object
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
@@ -148,22 +148,23 @@ class OffloadSync(GradSync):
         self.counted = self._counters()
 
     def _claim_scratch(self) -> Path:
-        """Rank 0 claims the scratch directory (refusing another run's, emptying a stale one of this run); all wait."""
+        """Rank 0 claims the scratch directory (refusing another run's, emptying a stale one of this run); all learn how it went."""
         root = self.policy.root or Path("offload-scratch")
-        uses_disk = "disk" in (self.policy.params, self.policy.grads, self.policy.optimizer)
-        error = None
-        if uses_disk and self.rt.rank == 0:
+
+        def claim() -> str | None:
+            if not self.policy.uses_disk:
+                return None
             try:
                 note = scratch.claim(root, self.policy.run_dir)
-                if note:
-                    print(f"behemoth: {note}", flush=True)
             except BehemothError as err:
-                error = str(err)
-        errors = [error]
-        if self.rt.world_size > 1:
-            dist.broadcast_object_list(errors, src=self.rt.global_rank(0), group=self.rt.world_group)
-        if errors[0]:
-            raise BehemothError(errors[0])
+                return f"error: {err}"
+            if note:
+                print(f"behemoth: {note}", flush=True)
+            return None
+
+        error = broadcast_object(claim, self.rt.world_group, self.rt.rank == 0) if self.rt.world_size > 1 else claim()
+        if error:
+            raise BehemothError(error.removeprefix("error: "))
         return root
 
     def _materialize(self, value: ValueSource) -> None:
@@ -364,7 +365,7 @@ class OffloadSync(GradSync):
         finally:
             for tier in self.tiers.all().values():
                 tier.close()
-            if "disk" in (self.policy.params, self.policy.grads, self.policy.optimizer):
+            if self.policy.uses_disk:
                 if self.rt.world_size > 1:
                     dist.barrier(group=self.rt.world_group)
                 if self.rt.rank == 0:
