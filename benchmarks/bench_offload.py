@@ -316,8 +316,14 @@ def deepspeed_table(a: argparse.Namespace) -> str:
     return "\n".join(rows) + "\n"
 
 
+def available_gib() -> float:
+    return int(re.search(r"^MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M).group(1)) / 2**20
+
+
 def settings(a: argparse.Namespace) -> argparse.Namespace:
-    """--quick shrinks every size so that the whole benchmark runs in a minute or two."""
+    """--quick shrinks every size so that the whole benchmark runs in a minute or two; memory limits follow what is free."""
+    a.limit_gb = a.limit_gb if a.limit_gb is not None else max(1.0, min(20.0, available_gib() - 3))
+    a.budget_gb = a.budget_gb if a.budget_gb is not None else max(1.0, min(16.0, available_gib() - 4))
     if a.quick:
         a.limit_gb, a.plain_d, a.plain_heads = 0.25, 256, 4
         a.fp32_params, a.int8_params, a.d_fp32, a.d_int8, a.heads = 20e6, 40e6, 512, 512, 8
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where scratch files go (its disk is the one measured)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--limit-gb", type=float, default=20.0, help="address space for plain PyTorch above a bare torch process")
+    p.add_argument("--limit-gb", type=float, help="address space for plain PyTorch above a bare torch process (default: the "
+                                                  "memory available now less 3 GiB, at most 20)")
     p.add_argument("--plain-d", type=int, default=2048)
     p.add_argument("--plain-heads", type=int, default=16)
     p.add_argument("--fp32-params", type=float, default=5e9)
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-fp32", type=int, default=4096)
     p.add_argument("--d-int8", type=int, default=5120)
     p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--budget-gb", type=float, default=16.0, help="offload.max_memory_gb of the big runs")
+    p.add_argument("--budget-gb", type=float, help="offload.max_memory_gb of the big runs (default: available memory less 4 GiB, at most 16)")
     p.add_argument("--calibration-mb", type=int, default=1024)
     p.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--orders-layers", type=int, default=4)
@@ -353,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme", action="store_true", help="also run DeepSpeed ZeRO-Infinity on NVMe (its async_io op needs libaio-dev)")
     a = settings(p.parse_args(argv))
     print(f"bench_offload{' --quick' if a.quick else ''}: scratch under {a.dir} ({shutil.disk_usage(a.dir).free / GiB:.1f} GiB free), "
-          f"{a.threads} thread(s), one sequence of {a.seq} tokens", flush=True)
+          f"{a.threads} thread(s), one sequence of {a.seq} tokens; plain PyTorch limited to {a.limit_gb:.1f} GiB, "
+          f"offload.max_memory_gb={a.budget_gb:.1f}", flush=True)
     t0 = time.perf_counter()
     section("1. plain PyTorch's ceiling", t0)
     plain = plain_ceiling(a)

@@ -76,7 +76,7 @@ class ParallelModel:
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
         if self.offload is not None:
-            raise RuntimeError("an offloaded model is never whole in memory; run it through model.offload (run, forward_only)")
+            raise RuntimeError("an offloaded model is never whole in memory; stream it: model.offload.logits(inputs)")
         return self.lm.logits(idx.to(self.rt.device))
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
