@@ -25,7 +25,7 @@ import torch
 from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
-from behemoth.parallel.clip import clip_grad_norm
+from behemoth.offload import OffloadPolicy
 from behemoth.parallel.parallelize import ParallelModel, parallelize
 from behemoth.parallel.sync import AdamWSettings
 from behemoth.topology import Runtime
@@ -37,7 +37,7 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 class StepResult:
     loss: float        # mean token loss over the global batch
     grad_norm: float   # global norm before clipping
-    metrics: dict[str, Any] = field(default_factory=dict)  # a mixture of experts': auxiliary losses, expert usage
+    metrics: dict[str, Any] = field(default_factory=dict)  # layout-specific: an MoE's losses and expert usage, offload's bytes per tier
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -79,6 +79,8 @@ class Engine:
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Every micro-batch's forward and backward; this rank's share of the scaled loss."""
         model = self.model
+        if model.offload is not None:  # every micro-batch, unit by unit, in the offload order
+            return model.offload.run(micro_batches, self.micro_loss, self.autocast)
         if model.pipeline is not None:
             for sync in model.syncs:  # the data-parallel sums run once, in finish_grads
                 sync.begin_micro_batch(last=False)
@@ -101,14 +103,14 @@ class Engine:
         started = self.begin_step()
         for sync in model.syncs:
             sync.zero_grad()
+        for optimizer in self.optimizers:  # before backward: an offloaded unit may step as soon as its gradient is complete
+            optimizer.set_lr(lr)
         loss = self.forward_backward(micro_batches)
         model.finish_grads()
-        terms, group = model.grad_norm_terms()
-        grad_norm = clip_grad_norm(terms, self.train.grad_clip, group=group, meter=model.meter, device=self.device)
+        grad_norm = model.clip_grads(self.train.grad_clip, self.device)
         for optimizer in self.optimizers:
-            optimizer.set_lr(lr)
             optimizer.step()
-        metrics = model.router_metrics()
+        metrics = model.router_metrics() | (model.offload.step_metrics() if model.offload is not None else {})
         if model.adapter is not None:
             synchronize(self.device)
             model.adapter.after_step(time.perf_counter() - started, metrics, self.device)
@@ -128,7 +130,9 @@ class Engine:
         """Mean token loss over the batches (each rank its share), summed over every rank that saw a part of them."""
         model = self.model
         model.module.eval()
-        if model.pipeline is not None:
+        if model.offload is not None:
+            stats = model.offload.forward_only(batches, model.loss_sum, self.autocast)
+        elif model.pipeline is not None:
             stats = model.pipeline.forward_only(batches, model.loss_sum, self.autocast)
         else:
             stats = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -154,11 +158,16 @@ class Engine:
         for sync, optimizer in zip(self.model.syncs, self.optimizers):
             sync.after_load(optimizer)
 
+    def close(self) -> None:
+        """Release the model's background resources (offload's I/O threads and scratch); the engine is done."""
+        self.model.close()
+
 
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
+    offload = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip) if cfg.offload.enabled else None
     return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.data_ranks),
-                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s)
+                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s, offload=offload)
 
 
 def build_engine(cfg: Config, rt: Runtime) -> Engine:

@@ -91,7 +91,10 @@ class Trainer:
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
                 self.save(done)
         bar.close()
-        return self.finish(log)
+        try:
+            return self.finish(log)
+        finally:
+            self.engine.close()
 
     def train_one(self, step: int, flops_per_step: float) -> dict[str, Any]:
         lr = lr_at(step, self.cfg.train)
@@ -105,7 +108,7 @@ class Trainer:
         self.mfus.append(flops_per_step / dt / (self.peak_tflops * 1e12))
         record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
                   "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": self.mfus[-1]}
-        return record | moe_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
+        return record | layout_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
                                    or (step + 1) % self.cfg.train.log_every == 0)
 
     def memory_per_rank(self) -> dict[str, list[float]]:
@@ -155,16 +158,16 @@ class Trainer:
         return summary
 
 
-def moe_record(metrics: dict[str, Any], model: Any, *, every: bool) -> dict[str, Any]:
-    """A mixture of experts' metrics for the log: auxiliary losses and dropped fraction every step; tokens per expert
-    and the expert layout in force every log_every steps."""
-    if not metrics:
-        return {}
-    out = {k: metrics[k] for k in ("aux_loss", "z_loss", "dropped_fraction")}
-    if every:
-        out["expert_tokens"] = metrics["expert_tokens"]
-        if model.experts is not None:
-            out["expert_layout"] = f"{model.experts.layout}/{model.experts.chunks}"
+def layout_record(metrics: dict[str, Any], model: Any, *, every: bool) -> dict[str, Any]:
+    """A layout's own metrics for the log: offload's bytes per tier every step; a mixture of experts' auxiliary losses
+    and dropped fraction every step, tokens per expert and the expert layout in force every log_every steps."""
+    out = {k: v for k, v in metrics.items() if k.startswith("offload_")}
+    if "aux_loss" in metrics:
+        out |= {k: metrics[k] for k in ("aux_loss", "z_loss", "dropped_fraction")}
+        if every:
+            out["expert_tokens"] = metrics["expert_tokens"]
+            if model.experts is not None:
+                out["expert_layout"] = f"{model.experts.layout}/{model.experts.chunks}"
     return out
 
 

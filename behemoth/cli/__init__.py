@@ -49,6 +49,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
         "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
         "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
+        "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -151,6 +152,10 @@ def launch_line(cfg: Any, nproc: int) -> str:
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
     line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) {describe_plan(cfg, nproc)}, "
             f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}")
+    if cfg.offload.enabled:
+        off = cfg.offload
+        line += (f"\nbehemoth: offload: params {off.params}, grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
+                 f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else ""))
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
     if changed:
         fields = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())

@@ -28,6 +28,7 @@ def estimate_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="local processes (default: every GPU, or 2 on a CPU-only machine)")
     p.add_argument("--memory-gb", type=float, metavar="M", help="GiB per rank for the fit table (default: this device's)")
     p.add_argument("--measure", action="store_true", help="also build the plan on N local processes and measure it")
+    p.add_argument("--no-calibrate", action="store_true", help="offload: skip measuring disk, memory and compute rates (no step time)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, as for behemoth train")
     return p
 
@@ -46,6 +47,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     stage_given = any(o.startswith("parallel.zero_stage=") for o in args.overrides)
     cfg = load_config(args.config, args.overrides + ([] if stage_given or not _bf16(args) else ["parallel.zero_stage=1"]))
     world = args.world or args.nproc or default_nproc()
+    if cfg.offload.enabled:  # offloaded states: their own section (cli/estimate_offload.py)
+        from behemoth.cli.estimate_offload import run_offload_estimate
+
+        return run_offload_estimate(cfg, world, calibrate=not args.no_calibrate)
     found = [p for p in problems(cfg, world) if p.option != "parallel.memory_gb"]
     if found:
         raise Refused(found)

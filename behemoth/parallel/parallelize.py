@@ -15,6 +15,11 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
    experts, dense parameters are synchronised over dp x ep (every rank of it holds them, and sees other tokens),
    expert parameters over dp (the ranks holding the same experts): two syncs, or two kinds of ZeRO-3 unit.
 
+With offload (`offload=` a policy), steps 5-7 are the offload runtime's: ZeRO-3's units are cut on meta as in
+step 5, then each unit is drawn (or loaded) one at a time straight onto its tier, never the whole model in memory,
+and the runtime is the model's gradient sync. It recomputes every block from its kept input by itself, so step 4
+is skipped.
+
 Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
 parameters this rank will not keep.
 """
@@ -34,6 +39,9 @@ from behemoth.data import BatchLayout
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
+from behemoth.offload import OffloadPolicy, OffloadSync, apply_offload
+from behemoth.offload.budget import ActivationShape
+from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
 from behemoth.parallel.expert.comm import two_level_groups
@@ -62,6 +70,7 @@ class ParallelModel:
     meter: CommMeter = field(default_factory=CommMeter)
     experts: ExpertParallel | None = None
     adapter: ExpertAdapter | None = None
+    offload: OffloadSync | None = None  # model states streamed from tiers (offload/); it is also the one sync
 
     @property
     def module(self) -> nn.Module:
@@ -75,6 +84,8 @@ class ParallelModel:
         """The model's logits (this rank's vocabulary shard under TP); a pipeline runs stage by stage instead."""
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
+        if self.offload is not None:
+            raise RuntimeError("an offloaded model is never whole in memory; stream it: model.offload.logits(inputs)")
         return self.lm.logits(idx.to(self.rt.device))
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +114,7 @@ class ParallelModel:
             self.pipeline.sum_tied_grads()
         for sync in self.syncs:
             sync.finish()
-        if self.tp is not None:
+        if self.tp is not None and self.offload is None:  # offload sums them unit by unit, as each gradient completes
             self.tp.finish_grads(self.grad_slices())
 
     def grad_norm_terms(self) -> tuple[GradTerms, dist.ProcessGroup | None]:
@@ -124,6 +135,17 @@ class ParallelModel:
         if self.tp is None:
             return 1
         return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
+    def clip_grads(self, max_norm: float, device: torch.device) -> float:
+        """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (offload: at each unit's step)."""
+        if self.offload is not None:
+            return self.offload.clip(max_norm)
+        terms, group = self.grad_norm_terms()
+        return clip_grad_norm(terms, max_norm, group=group, meter=self.meter, device=device)
+
+    def close(self) -> None:
+        """Release what outlives a step: the offload runtime's I/O threads and scratch directory."""
+        if self.offload is not None:
+            self.offload.close()
 
     def model_state(self) -> dict[str, Any]:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
@@ -187,9 +209,16 @@ def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMete
                                  ExpertPolicy(plan.expert_layout, plan.expert_chunks), layers=lm.moe_layers, tp=tp)
 
 
+def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int) -> ActivationShape:
+    """What one rank's activations under offload depend on (its micro-batches, their size, the model's widths)."""
+    shape = lm.shape
+    return ActivationShape(batch.micro_batch, seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
+
+
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
-                timeout_s: float = 300.0) -> ParallelModel:
-    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring."""
+                timeout_s: float = 300.0, offload: OffloadPolicy | None = None) -> ParallelModel:
+    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
+    with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's)."""
     model, meter = lm.module, CommMeter()
     pipeline = None
     if rt.dims.pp > 1:
@@ -203,6 +232,13 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
+    if offload is not None:
+        if pipeline is not None or experts is not None:
+            raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
+        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
+                             activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
+        return ParallelModel(lm, rt, [sync], None, tp, meter, offload=sync)
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
     units = None

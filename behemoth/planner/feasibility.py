@@ -19,6 +19,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
+from behemoth.planner.offload import offload_launch_problems, offload_problems
 from behemoth.topology import ParallelDims
 
 
@@ -37,7 +38,8 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.data_ranks).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)
-    if not out:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
+    out += offload_problems(cfg, dims.dp, fit=not out)
+    if not out and not cfg.offload.enabled:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
         out += fit_problems(cfg, dims.dp, world)
     return out
 
@@ -137,6 +139,8 @@ def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]
                                   f"raise train.steps above {step} to train further"))
     elif cfg.run.dir and (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
         out.append(Problem.of("run.dir", f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
+    if not out:  # the scratch directory and the disk space the offloaded states need
+        out += offload_launch_problems(cfg, world)
     return out
 
 
