@@ -15,7 +15,8 @@
 - **Working set**: what exists only while a pass runs, as behemoth's runtime allocates it (measured with
   `cli/measure.LiveBytes`): the loss's gradients over the vocabulary, a block's backward (its MLP's hidden
   gradient, the largest weight gradient before it is added to its buffer, hidden-size gradients), a recomputed
-  block, the pipeline's messages (held until the step ends), and under zb-h1 what its split backward keeps.
+  block, the pipeline's messages (held until the step ends), and under zb-h1 the output gradients its split
+  backward keeps for the weight pass.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class RankMemory:
     buffers: float = 0.0
     stash: float = 0.0
     working: float = 0.0
-    deferred: float = 0.0           # zb-h1: activations its split backward keeps until the step ends
+    deferred: float = 0.0           # zb-h1: the output gradients its split backward keeps until the weight pass
     optimizer_step: float = 0.0
     elements: int = 0
 
@@ -98,10 +99,8 @@ def stash_units(lay: Layout, rank: int) -> int:
         return 1
     if lay.schedule == "gpipe":
         return m
-    if lay.schedule == "1f1b":
+    if lay.schedule in ("1f1b", "zb-h1"):  # zb-h1's input passes free the graph where 1F1B's backward does
         return min(p - r, m)
-    if lay.schedule == "zb-h1":
-        return min(p, m)
     if lay.schedule == "interleaved":
         return m * v if m == p else min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
     if lay.schedule == "chimera":
@@ -169,19 +168,28 @@ def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int
     return held * directions * message
 
 
-def split_backward_retained(share: TPShare, lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
-    """zb-h1 as behemoth's executor runs it today: after a micro-batch's input-gradient pass, the activations off the
-    weight-gradient path (q, k, v, the attention output and log-sum-exp, the MLP's first matrix's output, the stage
-    input and residual, the loss's softmax) stay alive until the step ends, so every rank but the first (whose
-    backward is not split) holds them for all its micro-batches (measured; see the planner's notes)."""
-    if lay.schedule != "zb-h1" or lay.pp == 1 or rank == 0:
+def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
+    """zb-h1: a micro-batch's input-gradient pass frees its graph but keeps, for the weight pass, each deferred linear
+    layer's input and output gradient (parallel/deferred.py). At the rank's peak (an input pass, with its own graph
+    still alive) min(rank, m - 1) earlier micro-batches wait for their weight passes (the schedule's order; measured);
+    the first stage, whose backward is not split, keeps its output's gradient for one."""
+    if lay.schedule != "zb-h1" or lay.pp == 1:
         return 0.0
-    shape = work.census.shape
-    block = (2 * shape.q_width + 2 * shape.kv_width + shape.n_head + shape.ffn * (2 if shape.gated else 1)) / lay.tp
-    per_token = sum(n * block + 2 * shape.d_model for _, n in stages)
+    shape, t = work.census.shape, lay.tp
+    if rank == 0:
+        return tokens * shape.d_model * work.act_bytes / (t if lay.sp else 1)
+    ffn = shape.ffn * (2 if shape.gated else 1)
+    grads = (shape.q_width + 2 * shape.kv_width + ffn) / t + 2 * shape.d_model
+    inputs = 2 * shape.d_model / (t if lay.sp else 1) + (shape.q_width + shape.ffn) / t  # qkv and MLP inputs; proj inputs
+    per_token = sum(n * (grads + inputs) for _, n in stages)
     if any(s == lay.stages - 1 for s, _ in stages):
-        per_token += share.vocab * 4 / work.act_bytes
-    return lay.microbatches * per_token * tokens * work.act_bytes
+        per_token += share.vocab + shape.d_model  # the LM head's output gradient and input
+    return pending_weight_passes(lay, rank) * per_token * tokens * work.act_bytes
+
+
+def pending_weight_passes(lay: Layout, rank: int) -> int:
+    """zb-h1: micro-batches whose weight pass is still to come when pipeline rank `rank` (> 0) runs an input pass."""
+    return min(rank, lay.microbatches - 1)
 
 
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
@@ -223,4 +231,4 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(rank, params, grads, optimizer, zero_buffers(share, elements, lay, work, blocks), stash,
                       working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
-                      split_backward_retained(share, lay, work, rank, stages, tokens), step, elements)
+                      deferred_gradients(share, lay, work, rank, stages, tokens), step, elements)

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from behemoth.planner.cluster import ClusterSpec
-from behemoth.planner.footprint import RankMemory, stage_memory, stash_units
+from behemoth.planner.footprint import RankMemory, pending_weight_passes, stage_memory, stash_units
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.steptime import block_pass, embed_pass, head_pass
 
@@ -67,7 +67,11 @@ def stage_models(work: Workload, lay: Layout, cluster: ClusterSpec, *, allow_rec
 
 def scaled_peak(m: RankMemory, lay: Layout, rank: int) -> float:
     """The peak of pipeline rank `rank` from `m`, the memory of a rank of the same kind (first, middle or last)."""
-    return m.scaled(stash_units(lay, rank) / stash_units(lay, m.rank), 1.0)
+    deferred = 1.0
+    if lay.schedule == "zb-h1" and min(rank, m.rank) > 0:  # footprint.deferred_gradients
+        held = pending_weight_passes(lay, m.rank)
+        deferred = pending_weight_passes(lay, rank) / held if held else 0.0
+    return m.scaled(stash_units(lay, rank) / stash_units(lay, m.rank), deferred)
 
 
 def capacity(models: list[StageModel], limit: float, seconds: float) -> list[int]:

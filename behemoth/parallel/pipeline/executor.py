@@ -291,6 +291,9 @@ class _Step:
     def backward_input(self, index: int, a: Action) -> None:
         s = self.stash[(a.stage, a.microbatch)]
         self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.deferral))
+        if s.input is not None:  # the input pass freed the graph (the weight pass keeps only its deferred products)
+            self.release(s)
+            s.nbytes = 0
 
     def backward_weight(self, index: int, a: Action) -> None:
         s = self.stash.pop((a.stage, a.microbatch))
