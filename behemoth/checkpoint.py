@@ -42,11 +42,15 @@ from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
 STEP_NAME = re.compile(r"step_\d{7,}")
-SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "context", "vocab_size", "mlp_ratio", "bias", "tie_embeddings")  # what weights depend on
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "context", "vocab_size", "mlp_ratio", "bias", "tie_embeddings", "moe")  # what weights depend on
 
 
 def shape_value(key: str, value: Any) -> Any:
-    """A model field as the weights see it: `bias` unset is the family's default (biases), as an older config's true."""
+    """A model field as the weights see it: `bias` unset is the family's default (biases), as an older config's true;
+    of model.moe, only the fields that decide which weights exist (routing settings do not)."""
+    if key == "moe":
+        moe = value or {}
+        return None if not moe.get("experts") else (moe["experts"], moe.get("every", 1), moe.get("shared_expert", False))
     return True if key == "bias" and value is None else value
 
 
@@ -287,6 +291,12 @@ def validate_checkpoint(ckpt: Path, model_config: dict[str, Any] | None, *, use:
     return meta
 
 
+def verify_files(ckpt: Path) -> dict[str, Any]:
+    """Every file of checkpoint `ckpt` as it was written (`integrity.verify`), or one line naming the damage and the newest
+    intact checkpoint beside it; its meta."""
+    return validate_checkpoint(ckpt, None)
+
+
 def dcp_load(state: dict[str, Any], ckpt: Path, **kwargs: Any) -> None:
     """dcp.load through the allow-listed reader and a planner that loads tensors only (the index is read first, so that a
     refused one is reported as itself rather than inside DCP's CheckpointException)."""
@@ -305,11 +315,10 @@ def load_checkpoint(state: dict[str, Any], ckpt: Path, group: dist.ProcessGroup)
         raise BehemothError(f"checkpoint {ckpt} could not be loaded: {first[:300]}", "check that it matches this model, or resume from an earlier checkpoint") from None
 
 
-def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
-    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout)."""
-    from safetensors.torch import save_file
-
-    model = model.to_empty(device="cpu")
+def load_consolidated(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint `ckpt`'s weights (saved under any layout) loaded into `model` (on meta, built single-process) on the
+    CPU, in one process; its state dict."""
+    model.to_empty(device="cpu")
     state = model.state_dict()
     try:
         with warnings.catch_warnings():
@@ -320,10 +329,28 @@ def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
     except (Exception, CheckpointException) as err:
         first = (str(err).strip().splitlines() or [err.__class__.__name__])[0][:200]
         raise BehemothError(f"checkpoint {ckpt} does not hold this model's weights ({first})", "export with the run's own config") from None
+    return state
+
+
+def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
+    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout)."""
+    from safetensors.torch import save_file
+
+    state = load_consolidated(ckpt, model)
     meta = read_meta(ckpt)
     tmp = out.with_suffix(".tmp")
     again = {name for others in tied_names(model).values() for name in others}  # a tied weight is written once, first name
     tensors = {k: v.contiguous() for k, v in state.items() if k not in again}
     save_file(tensors, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
     os.replace(tmp, out)
+    return out
+
+
+def export_pretrained(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
+    """A checkpoint of a transformers model (saved under any layout) as a save_pretrained folder, written by transformers
+    itself in its own layout (a Mixtral's experts as per-expert w1/w2/w3), so `from_pretrained` and hf.weights load it."""
+    if not hasattr(model, "save_pretrained"):
+        raise BehemothError("export --hf needs a run of a transformers model (model=hf:...)", "export behemoth's GPT without --hf")
+    load_consolidated(ckpt, model)
+    model.save_pretrained(str(out))
     return out

@@ -40,6 +40,13 @@ class CommMeter:
         s.elements += tensor.numel()
         s.bytes += tensor.numel() * tensor.element_size()
 
+    def record_elements(self, op: str, elements: int, element_size: int) -> None:
+        """Count `elements` of `element_size` bytes under `op` (a collective whose traffic is not one whole tensor)."""
+        s = self.ops[op]
+        s.calls += 1
+        s.elements += elements
+        s.bytes += elements * element_size
+
     def reset(self) -> None:
         self.ops.clear()
 
@@ -133,6 +140,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     if meter is not None:
         meter.record("all_gather", output)
     return issue("all_gather", group, output, lambda: dist.all_gather_single(output, input, group=group, async_op=True), async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None, async_op: bool = False) -> Pending:
+    """Rank r's `input` rows [sum(input_splits[:j]), + input_splits[j]) go to rank j, which receives them as its
+    `output_splits[r]` rows from r (even splits when None). The meter counts what this rank sends to the other ranks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        output.copy_(input)
+        return Pending(None)
+    if meter is not None:
+        rows = input.shape[0]
+        splits = input_splits or [rows // world] * world
+        per_row = input.numel() // rows if rows else 0
+        meter.record_elements("all_to_all", (rows - splits[dist.get_rank(group)]) * per_row, input.element_size())
+    pending = Pending(dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True))
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def broadcast_object(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:

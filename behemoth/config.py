@@ -62,6 +62,33 @@ class RunConfig(Section):
     timeout_s: float = Field(300.0, gt=0, description="longest wait on another process before failing")
 
 
+class OffloadConfig(Section):
+    """Where model states live (offload/): each of parameters, gradients and optimizer state on a tier, streamed per unit."""
+
+    params: Literal["none", "cpu", "disk"] = Field("none", description="parameters: none (device memory), cpu (host memory), disk (offload.dir)")
+    grads: Literal["auto", "none", "cpu", "disk"] = Field("auto", description="gradients kept between micro-batches or until a deferred "
+                                                          "step (auto: the parameters' tier)")
+    optimizer: Literal["none", "cpu", "disk"] = Field("none", description="Adam moments")
+    dir: str | None = Field(None, description="scratch directory of the disk tier (default <run.dir>/offload-scratch); never a checkpoint")
+    prefetch: int = Field(2, ge=0, description="units read ahead by the I/O threads")
+    io_threads: int = Field(2, ge=1, description="background threads that read, write back and step units")
+    order: Literal["harmony", "naive"] = Field("harmony", description="harmony: every micro-batch through a resident unit before "
+                                               "it is evicted (bytes per step independent of micro-batches); naive: micro-batch by micro-batch")
+    step: Literal["auto", "fused", "deferred"] = Field("auto", description="fused: a unit steps as soon as its gradient is complete "
+                                                       "(needs train.grad_clip=0); deferred: at its next fetch, once the clipped norm is known; auto")
+    optimizer_bits: Literal[32, 8] = Field(32, description="8: Adam moments in 8-bit blocks (bitsandbytes; pip install -e .[offload])")
+    max_memory_gb: float | None = Field(None, gt=0, description="memory budget per rank for states, buffers and activations (GiB)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the streaming runtime runs: any state placed on a tier, or 8-bit moments."""
+        return any(t not in ("none", "auto") for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
+
+    @property
+    def grads_tier(self) -> str:
+        return self.params if self.grads == "auto" else self.grads
+
+
 class Config(Section):
     model: GPTConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -70,6 +97,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     hf: HFConfig = Field(default_factory=HFConfig)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -84,11 +112,14 @@ class Config(Section):
             return data
         arch, model, hf = shape_from_weights(weights)
         model_given = _as_dict(data.get("model"))
-        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given)):
+        moe_given = _as_dict(model_given.get("moe"))  # model.moe: the experts the weights have, the routing the user asks
+        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given), ("model.moe", model.pop("moe", {}), moe_given)):
             for key, value in theirs.items():
                 if ours.get(key) is not None and ours[key] != value:
                     raise BehemothError(f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}",
                                         f"set {section}.{key}={value} or drop it")
+            if section == "model.moe" and theirs:
+                model["moe"] = {**moe_given, **theirs}
         return {**data, "model": {**model_given, **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")

@@ -56,12 +56,16 @@ class ElasticPolicy:
 
 
 def describe_failures(failures: dict[int, Any]) -> str:
-    """One line for failed workers: the first failing rank and what it said (its behemoth error line, its signal, or
-    the last line of its error)."""
-    rank, failure = min(failures.items())
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
-    if isinstance(failure.message, dict):
-        message = failure.message.get("message", message)
+    """One line for failed workers: the root cause first (a worker killed by a signal, then one that failed on its own,
+    then one whose collective failed because of another), and what it said (its behemoth line, its signal, or the
+    last line of its error)."""
+    def cause(item: tuple[int, Any]) -> tuple[int, int]:
+        rank, failure = item
+        killed = failure.exitcode is not None and failure.exitcode < 0
+        return (0 if killed else 2 if "HangError" in message_of(failure) else 1), rank
+
+    rank, failure = min(failures.items(), key=cause)
+    message = message_of(failure)
     line = next((l for l in message.splitlines() if l.startswith(ERROR_PREFIX)), None)
     if line is None:
         lines = [l.strip() for l in message.strip().splitlines() if l.strip() and "To enable traceback" not in l]
@@ -72,6 +76,13 @@ def describe_failures(failures: dict[int, Any]) -> str:
         else:
             line = f"exited with code {failure.exitcode}"
     return f"worker rank {rank} failed: {line.removeprefix(ERROR_PREFIX)}"
+
+
+def message_of(failure: Any) -> str:
+    """A failure record's message as text."""
+    if isinstance(failure.message, dict):
+        return str(failure.message.get("message", failure.message))
+    return failure.message if isinstance(failure.message, str) else str(failure.message)
 
 
 def quiet_launcher_logs() -> None:
@@ -190,7 +201,7 @@ def local_launch_env(nproc: int) -> Iterator[str]:
     folder = tempfile.mkdtemp(prefix="behemoth-launch-")
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
     loopback = loopback_interface()
-    os.environ.update(TMPDIR=folder, **({"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback} if loopback else {}))
+    os.environ.update(TMPDIR=folder, BEHEMOTH_LAUNCHER="1", **({"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback} if loopback else {}))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # restarted workers reconnect (torch 2.13's gloo needs it)
     tempfile.tempdir = folder

@@ -7,21 +7,25 @@
 A step: forward and backward of every micro-batch (through the pipeline executor when there is one,
 which stops after its passes), then, once, here: finish the gradients (pipeline copies, data-parallel
 or ZeRO reductions, sequence-parallel partial sums), clip by the global norm, step the optimizers, and
-reduce the loss. `micro_loss` is the one place the loss is scaled.
+reduce the loss. `micro_loss` is the one place the loss is scaled (a mixture of experts' auxiliary losses get
+the same scale, from the engine, for the backward their layers start; see models/moe.py). Between steps an MoE
+model's expert layout may change (`model.adapter`, Tutel's run-time choice), which changes speed, not results.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from behemoth.config import Config, TrainConfig
+from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
-from behemoth.parallel.clip import clip_grad_norm
+from behemoth.offload import OffloadPolicy
 from behemoth.parallel.parallelize import ParallelModel, parallelize
 from behemoth.parallel.sync import AdamWSettings
 from behemoth.topology import Runtime
@@ -33,6 +37,7 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 class StepResult:
     loss: float        # mean token loss over the global batch
     grad_norm: float   # global norm before clipping
+    metrics: dict[str, Any] = field(default_factory=dict)  # layout-specific: an MoE's losses and expert usage, offload's bytes per tier
     skipped: bool = False  # the gradient was not finite, so the optimizers did not step
 
 
@@ -57,6 +62,8 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
+        if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
+            model.lm.routers.loss_scale = 1.0 / tokens_per_step
 
     @property
     def device(self) -> torch.device:
@@ -73,6 +80,8 @@ class Engine:
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Every micro-batch's forward and backward; this rank's share of the scaled loss."""
         model = self.model
+        if model.offload is not None:  # every micro-batch, unit by unit, in the offload order
+            return model.offload.run(micro_batches, self.micro_loss, self.autocast)
         if model.pipeline is not None:
             for sync in model.syncs:  # the data-parallel sums run once, in finish_grads
                 sync.begin_micro_batch(last=False)
@@ -92,25 +101,41 @@ class Engine:
         """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss."""
         model = self.model
         model.module.train()
+        started = self.begin_step()
         for sync in model.syncs:
             sync.zero_grad()
+        for optimizer in self.optimizers:  # before backward: an offloaded unit may step as soon as its gradient is complete
+            optimizer.set_lr(lr)
         loss = self.forward_backward(micro_batches)
         model.finish_grads()
-        terms, group = model.grad_norm_terms()
-        grad_norm = clip_grad_norm(terms, self.train.grad_clip, group=group, meter=model.meter, device=self.device)
-        if not math.isfinite(grad_norm):  # never applied; every rank sees the same norm, so all skip alike
-            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)
+        grad_norm = model.clip_grads(self.train.grad_clip, self.device)
+        if not math.isfinite(grad_norm):  # never applied (every rank sees the same norm, so all skip alike); offload's fused
+            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)  # step excepted
         for optimizer in self.optimizers:
-            optimizer.set_lr(lr)
             optimizer.step()
-        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm)
+        metrics = model.router_metrics() | (model.offload.step_metrics() if model.offload is not None else {})
+        if model.adapter is not None:
+            synchronize(self.device)
+            model.adapter.after_step(time.perf_counter() - started, metrics, self.device)
+        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, metrics=metrics)
+
+    def begin_step(self) -> float:
+        """Before a step: clear the routers' statistics, let the expert-layout adapter pick this step's layout; the time."""
+        if self.model.lm.routers is not None:
+            self.model.lm.routers.reset()
+        if self.model.adapter is not None:
+            self.model.adapter.before_step()
+            synchronize(self.device)
+        return time.perf_counter()
 
     @torch.no_grad()
     def evaluate(self, batches: Batch) -> float:
         """Mean token loss over the batches (each rank its share), summed over every rank that saw a part of them."""
         model = self.model
         model.module.eval()
-        if model.pipeline is not None:
+        if model.offload is not None:
+            stats = model.offload.forward_only(batches, model.loss_sum, self.autocast)
+        elif model.pipeline is not None:
             stats = model.pipeline.forward_only(batches, model.loss_sum, self.autocast)
         else:
             stats = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -136,11 +161,16 @@ class Engine:
         for sync, optimizer in zip(self.model.syncs, self.optimizers):
             sync.after_load(optimizer)
 
+    def close(self) -> None:
+        """Release the model's background resources (offload's I/O threads and scratch); the engine is done."""
+        self.model.close()
+
 
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
-    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.dp),
-                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s)
+    offload = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip) if cfg.offload.enabled else None
+    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.data_ranks),
+                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s, offload=offload)
 
 
 def build_engine(cfg: Config, rt: Runtime) -> Engine:

@@ -40,8 +40,8 @@ class HangError(BehemothError):
     """A collective or transfer that failed or timed out, with the ranks it waited for (`diagnosis`: the line without
     the rank that reports it, for callers that say more about where they waited)."""
 
-    def __init__(self, rank: int, diagnosis: str, fix: str) -> None:
-        self.diagnosis = diagnosis
+    def __init__(self, rank: int, diagnosis: str, fix: str, *, timed_out: bool = True) -> None:
+        self.diagnosis, self.timed_out = diagnosis, timed_out  # not timed out: a peer went away (its own failure is the cause)
         super().__init__(f"rank {rank}: {diagnosis}", fix)
 
 
@@ -214,7 +214,8 @@ class FlightRecorder:
         folder = self.write_rings(snaps)
         who = "; ".join(culprits) if culprits else "every rank of the group had arrived; the transfer itself stalled"
         where = f"; rings in {folder}" if folder else ""
-        return HangError(self.rank, f"{rec.describe()} {how}: {who}{where}", "see those ranks' logs; raise run.timeout_s if they are only slow")
+        return HangError(self.rank, f"{rec.describe()} {how}: {who}{where}", "see those ranks' logs; raise run.timeout_s if they are only slow",
+                         timed_out=timed_out)
 
     def stale_s(self) -> float:
         return 3 * self.interval + 1.0

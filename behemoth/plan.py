@@ -38,6 +38,14 @@ class ParallelPlan(BaseModel):
     prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")
     param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="ZeRO 1-3 compute params/grads; bf16 keeps fp32 master + Adam state")
     memory_gb: float | None = Field(None, gt=0, description="GiB per rank for model states; refuse a plan the estimate says won't fit")
+    # mixture of experts (model.moe): experts over ep ranks, the batch over dp x ep
+    ep: int = Field(1, ge=1, description="expert-parallel degree: each rank holds 1/ep of every MoE layer's experts")
+    expert_layout: Literal["alltoall", "gather"] = Field("alltoall", description="tokens to the experts, or the experts to the tokens")
+    expert_chunks: int = Field(1, ge=1, description="all-to-all pipelining degree: expert compute overlaps the next chunk's transfer")
+    expert_adapt: Literal["off", "probe", "cost"] = Field("off", description="switch expert layouts at run time: measured probe or cost model")
+    expert_probe_every: int = Field(50, ge=1, description="steps between probes (expert_adapt=probe) or cost-model choices (cost)")
+    expert_node_size: int | None = Field(None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two "
+                                         "levels (default: torchrun's LOCAL_WORLD_SIZE)")
 
     @field_validator("zero_stage")
     @classmethod
@@ -78,7 +86,7 @@ class ParallelPlan(BaseModel):
 
     def degrees(self) -> dict[str, int | None]:
         """The mesh degrees this plan sets, for init_runtime."""
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
 
     def dims(self, world_size: int) -> ParallelDims:
         """The mesh degrees this plan asks for on `world_size` processes (validated)."""

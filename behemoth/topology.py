@@ -47,6 +47,11 @@ class ParallelDims:
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, n) for n in MESH_DIMS)
 
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different parts of a step's batch: dp x ep (expert-parallel ranks route different tokens)."""
+        return self.dp * self.ep
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A 4-D DeviceMesh (pp, dp, ep, tp), tensor parallel innermost so its ranks are neighbours."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
@@ -64,6 +69,7 @@ class Runtime:
     mesh: DeviceMesh
     world_group: dist.ProcessGroup = field(repr=False)
     owns_process_group: bool = field(default=False, repr=False)
+    flattened: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -80,6 +86,19 @@ class Runtime:
     def coordinate(self, dim: str) -> int:
         """This rank's index along one mesh dimension."""
         return self.mesh.get_local_rank(dim)
+
+    def data_group(self) -> dist.ProcessGroup:
+        """The ranks of dp x ep (this rank's pp and tp fixed): they hold the same dense parameters and different data.
+        The dp group itself when ep is 1; otherwise created on first use, which every rank of the job must reach."""
+        if self.dims.ep == 1:
+            return self.group("dp")
+        if "dp_ep" not in self.flattened:
+            self.flattened["dp_ep"] = self.mesh["dp", "ep"]._flatten("dp_ep").get_group()
+        return self.flattened["dp_ep"]
+
+    def data_rank(self) -> int:
+        """This rank's index among the dp x ep ranks: which share of the batch it reads."""
+        return self.coordinate("dp") * self.dims.ep + self.coordinate("ep")
 
     def close(self) -> None:
         if self.owns_process_group and dist.is_initialized():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +21,7 @@ from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
 from behemoth.flight import RECORDER, nccl_flight_env
-from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, plot_loss, synchronize
+from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.planner.feasibility import refuse
 from behemoth.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
@@ -37,19 +39,23 @@ class Trainer:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-        self.layout = cfg.batch_layout(rt.dims.dp)
-        dp_rank = rt.coordinate("dp")
+        self.layout = cfg.batch_layout(rt.dims.data_ranks)  # the batch splits over dp x ep (experts route different tokens)
+        dp_rank = rt.data_rank()
         self.engine = build_engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
         val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
         self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
         self.history: list[StepResult] = []
+        self.mfus: list[float] = []
         self.val_history: list[tuple[int, float]] = []
         self.start_step = 0
         self.last_saved = -1
         self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
-        self.saver = ckpt_io.CheckpointSaver(self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group, background=cfg.checkpoint.async_save)
+        # in the background unless offloaded: a host copy of the state is what offloading avoids
+        self.saver = ckpt_io.CheckpointSaver(self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group,
+                                             background=cfg.checkpoint.async_save and not cfg.offload.enabled)
         self.peak_tflops = cfg.train.peak_tflops * rt.world_size if cfg.train.peak_tflops else self.measure_peak()
+        self.peak_source = "train.peak_tflops" if cfg.train.peak_tflops else peak_source(rt.device)
         if resume is not None:  # last: nothing may draw from the RNG between restoring it and the first step
             self.start_step = self.load(resume)
         RECORDER.arm(run_dir=self.run_dir, timeout_s=cfg.run.timeout_s)
@@ -77,6 +83,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, main = self.cfg, self.rt.is_main
         log = self.open_log()
+        tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
         bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
                    disable=not (main and cfg.run.progress), dynamic_ncols=True)
         flops_per_token = self.engine.model.lm.flops_per_token(cfg.seq_len)
@@ -102,7 +109,10 @@ class Trainer:
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-",
                             tok_s=f"{record['tokens_per_s']:.0f}")
         bar.close()
-        return self.finish(log)
+        try:
+            return self.finish(log)
+        finally:
+            self.engine.close()
 
     def train_one(self, step: int, flops_per_step: float) -> dict[str, Any]:
         lr = lr_at(step, self.cfg.train)
@@ -115,10 +125,13 @@ class Trainer:
         if result.skipped and self.cfg.train.nonfinite == "stop":
             self.stop_nonfinite(step + 1, result)
         self.history.append(result)
+        self.mfus.append(flops_per_step / dt / (self.peak_tflops * 1e12))
         record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
-                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": flops_per_step / dt / (self.peak_tflops * 1e12)}
+                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": self.mfus[-1]}
         written = self.saver.poll()
-        return {**record, **({"skipped": True} if result.skipped else {}), **({"ckpt_write_s": written[-1]} if written else {})}
+        record |= ({"skipped": True} if result.skipped else {}) | ({"ckpt_write_s": written[-1]} if written else {})
+        return record | layout_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
+                                      or (step + 1) % self.cfg.train.log_every == 0)
 
     def stop_nonfinite(self, step: int, result: StepResult) -> None:
         """train.nonfinite=stop: end the run in one line; the update was not applied and nothing more is saved."""
@@ -167,7 +180,9 @@ class Trainer:
         self.saver.wait()
         RECORDER.disarm()
         summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir),
-                   "rank": self.rt.rank, "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s)}
+                   "rank": self.rt.rank, "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
+                   "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
+                   "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s)}
         if log is None:
             dist.barrier(group=self.rt.world_group)
             return summary
@@ -177,6 +192,19 @@ class Trainer:
         ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
         dist.barrier(group=self.rt.world_group)
         return summary
+
+
+def layout_record(metrics: dict[str, Any], model: Any, *, every: bool) -> dict[str, Any]:
+    """A layout's own metrics for the log: offload's bytes per tier every step; a mixture of experts' auxiliary losses
+    and dropped fraction every step, tokens per expert and the expert layout in force every log_every steps."""
+    out = {k: v for k, v in metrics.items() if k.startswith("offload_")}
+    if "aux_loss" in metrics:
+        out |= {k: metrics[k] for k in ("aux_loss", "z_loss", "dropped_fraction")}
+        if every:
+            out["expert_tokens"] = metrics["expert_tokens"]
+            if model.experts is not None:
+                out["expert_layout"] = f"{model.experts.layout}/{model.experts.chunks}"
+    return out
 
 
 def train(cfg: Config, *, resume: Path | None = None, verified: bool = False, launch_id: str | None = None) -> dict[str, Any]:

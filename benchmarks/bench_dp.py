@@ -3,7 +3,7 @@
 Same model (built and initialized by behemoth), same batches, same AdamW and clipping on both
 sides; only the gradient synchronization (or the engine around the step) differs. Run:
 
-    python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m]
+    python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m] [--quick] [--json FILE]
 
 Prints a markdown table: tokens/s (median step), the ratio behemoth / peer, and each rank's peak
 resident memory (RSS, which includes ~300 MB of torch itself on every rank).
@@ -99,17 +99,27 @@ def run(model: str, steps: int, warmup: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ratios import add_report_args, ratio, write_rows
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default="gpt-1m,gpt-6m")
+    add_report_args(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.models = 4, 1, "gpt-1m"
     print("| model | processes | peer | behemoth tok/s | peer tok/s | ratio | behemoth peak RSS/rank MB | peer peak RSS/rank MB |")
     print("|---|---|---|---|---|---|---|---|")
+    out = []
     for model in args.models.split(","):
         for r in run(model, args.steps, args.warmup):
             print(f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
                   f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |", flush=True)
+            case = f"{r['model']}, {r['procs']} process(es)"
+            out += [ratio("data parallel", case, r["peer"], "tokens/s", r["ours"], r["theirs"]),
+                    ratio("data parallel", case, r["peer"], "peak RSS per rank", r["mem_ours"], r["mem_theirs"], higher_is_better=False)]
+    write_rows(args.json, out)
     return 0
 
 

@@ -297,14 +297,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest is kept")
     parser.add_argument("--readme", action="store_true", help="write the tables into benchmarks/README.md")
+    from ratios import add_report_args, write_rows
+
+    add_report_args(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.rounds, args.worlds = 2, 1, 1, "2"
     command = "python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])
     throughput, bubbles = run([int(w) for w in args.worlds.split(",")], args.steps, args.warmup, args.rounds)
     text = format_tables(throughput, bubbles, command.strip())
     print(text)
+    write_rows(args.json, ratio_rows(throughput, bubbles))
     if args.readme:
         write_readme(text)
     return 0
+
+
+def ratio_rows(throughput: list[dict], bubbles: list[dict]) -> list[dict]:
+    """`behemoth bench` rows: behemoth vs torch.distributed.pipelining and DeepSpeed, and every schedule vs 1F1B."""
+    from ratios import ratio
+
+    out = []
+    for r in throughput:
+        case = f"{r['schedule']}, p={r['world']}"
+        for peer, name in (("torch", "torch.distributed.pipelining"), ("deepspeed", "DeepSpeed PipelineModule")):
+            if r[peer]:
+                out += [ratio("pipeline", case, name, "tokens/s", r["ours"], r[peer]),
+                        ratio("pipeline", case, name, "CPU s per step", r["ours_cpu"], r[f"{peer}_cpu"], higher_is_better=False)]
+    base = {b["world"]: b for b in bubbles if b["schedule"] == "1f1b"}
+    for b in bubbles:
+        if b["schedule"] != "1f1b":
+            out.append(ratio("pipeline schedules", f"{b['schedule']}, p={b['world']}", "behemoth 1f1b", "tokens/s",
+                             b["tokens_per_s"], base[b["world"]]["tokens_per_s"]))
+    return out
 
 
 if __name__ == "__main__":

@@ -293,9 +293,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; the best is reported")
     parser.add_argument("--model", default="gpt-6m", choices=sorted(MODELS))
+    from ratios import add_report_args, write_rows
+
+    add_report_args(parser)
     args = parser.parse_args(argv)
-    print_table(run(args.model, args.steps, args.warmup, args.rounds))
+    if args.quick:
+        args.steps, args.warmup, args.rounds = 3, 1, 1
+    rows = run(args.model, args.steps, args.warmup, args.rounds)
+    print_table(rows)
+    write_rows(args.json, ratio_rows(rows))
     return 0
+
+
+def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table's comparisons as `behemoth bench` rows: throughput, CPU time and activation memory vs DTensor."""
+    from ratios import ratio
+
+    out = []
+    for r in rows:
+        case, a, b = f"{r['model']}, tp=2{' + SP' if r['sp'] else ''}", r["ours"], r["peer"]
+        out += [ratio("tensor parallel", case, "DTensor", "tokens/s", a[0]["tokens_per_s"], b[0]["tokens_per_s"]),
+                ratio("tensor parallel", case, "DTensor", "CPU s per step", max(x["cpu_s"] for x in a), max(x["cpu_s"] for x in b),
+                      higher_is_better=False),
+                ratio("tensor parallel", case, "DTensor", "activations per rank", max(x["activation_mb"] for x in a),
+                      max(x["activation_mb"] for x in b), higher_is_better=False)]
+    return out
 
 
 if __name__ == "__main__":

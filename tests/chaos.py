@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'trial':>5} {'kill at step':>12} {'worker':>6} {'restarts':>8} {'seconds':>7}  final loss  same")
         failed = 0
         for i in range(args.trials):
-            t = run_trial(Path(folder) / f"trial{i}", rng.randrange(1, args.steps), rng.randrange(args.nproc), **kw)
+            kill_at = rng.randrange(1, args.steps * 3 // 4)  # the kill lands a little after it is asked for: not at the very end
+            t = run_trial(Path(folder) / f"trial{i}", kill_at, rng.randrange(args.nproc), **kw)
             same = t.final_loss == reference
             failed += not same
             print(f"{i:>5} {t.step:>12} {t.victim:>6} {t.restarts:>8} {t.seconds:>7.1f}  {t.final_loss!r:>10}  {'yes' if same else 'NO'}")

@@ -31,17 +31,17 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path)
     """One chaos trial: SIGKILL a random worker at a random step; the run restarts its workers, resumes from the newest
     intact checkpoint and ends with the uninterrupted run's final loss (bit for bit). While it runs, every listening
     socket of the job is on the loopback; afterwards its temporary folder is empty."""
-    cfg = load_config(None, ["train.steps=16", "checkpoint.every=4", "run.timeout_s=30", f"run.dir={tmp_path / 'reference'}", *TINY])
+    cfg = load_config(None, ["train.steps=40", "checkpoint.every=4", "run.timeout_s=30", f"run.dir={tmp_path / 'reference'}", *TINY])
     reference = run_ranks(2, train_body, cfg.model_dump(mode="json"))[0]["losses"][-1]  # the same run as `behemoth train`, in-process
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     os.environ["TMPDIR"], saved = str(private_tmp), os.environ.get("TMPDIR")
     try:
-        proc = start(tmp_path / "run", steps=16)
+        proc = start(tmp_path / "run", steps=40)
     finally:
         os.environ.pop("TMPDIR") if saved is None else os.environ.update(TMPDIR=saved)
     try:
-        step = random.randrange(3, 15)
+        step = random.randrange(3, 20)  # well before the end: the steps are fast, the kill lands a little later
         wait_for_step(proc, tmp_path / "run", step)
         addresses = listening_addresses([proc.pid, *descendants(proc.pid)])
         victim = random.choice(workers(proc.pid))

@@ -145,8 +145,9 @@ def test_cli_trains_hf_llama_with_tensor_parallel(tmp_path):
 
 @pytest.mark.parametrize("options", [LLAMA, GPT2])
 def test_mfu_counts_the_model_that_is_built(options):
-    """6N for MFU counts the transformers model's real matrices (Llama: grouped K/V and three MLP matrices; GPT-2:
-    the tied head once, its position table not at all), not the GPT formula for the same width and depth."""
+    """6N for MFU counts the transformers model's real matrices (Llama: grouped K/V and three MLP matrices, its untied
+    head but not its input embedding, a lookup; GPT-2: the tied head once, its position table not at all), not the GPT
+    formula for the same width and depth."""
     from behemoth.config import load_config
     from behemoth.models.causal_lm import build_causal_lm
 
@@ -156,7 +157,7 @@ def test_mfu_counts_the_model_that_is_built(options):
     if cfg.hf.arch == "llama":
         kv, ffn = cfg.hf.kv_heads * m.head_dim, cfg.hf.ffn
         per_block = d * d * 2 + 2 * d * kv + 3 * d * ffn + 2 * d  # q, o; k, v; gate, up, down; two RMSNorm weights
-        expected = 2 * m.vocab_size * d + L * per_block + d       # embedding and untied head, final norm
+        expected = m.vocab_size * d + L * per_block + d           # the untied head (the embedding is a lookup), final norm
     else:
         gpt = cfg.model.model_copy(update={"bias": True})
         expected = gpt.num_params() - m.context * d                # GPT-2 has behemoth GPT's shape (biases, tied head)

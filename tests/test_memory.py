@@ -137,7 +137,7 @@ def test_model_that_does_not_fit_is_refused_before_launch(tmp_path, capsys):
 
 
 def test_estimate_command_prints_formula_and_fit(capsys):
-    assert estimate_main(["--no-measure", "--nproc", "4", "--memory-gb", "16", "model=gpt2-124m"]) == 0
+    assert estimate_main(["--world", "4", "--memory-gb", "16", "model=gpt2-124m"]) == 0
     out = capsys.readouterr().out
     assert "N = dp = 4" in out and "4Ψ + 12Ψ/N" in out and "largest model whose states fit 16.0 GiB per rank on N = 4" in out
     assert "stage 0: Ψ <= 1.07B   largest preset: gpt2-774m" in out and "stage 3: Ψ <= 4.29B   largest preset: gpt2-1.5b" in out

@@ -177,9 +177,9 @@ def test_gpt_plan_splits_and_marks_the_right_parameters():
 def _shared_regather(tp) -> dict[str, int]:
     """Three column layers (Llama's q, k, v) read one all-gathered norm output: gradients as plain PyTorch, and
     backward all-gathers the saved shard once for all three; a zero-bubble split does it in the weight pass only."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
     from behemoth.comm import CommMeter
+    from behemoth.parallel.deferred import make_deferrable
+    from behemoth.parallel.pipeline.stage import Stashed, backward_input, backward_weight
     from behemoth.parallel.tensor.comm import TPComm, split_sequence
     from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, enter_tp_region
 
@@ -190,20 +190,23 @@ def _shared_regather(tp) -> dict[str, int]:
     sum((f(x) * p).sum() for f, p in zip(fulls, probes)).backward()
     metered = TPComm(tp.group, tp.size, tp.rank, CommMeter())
     cols = [ColumnParallelLinear.from_module(f, f"proj{i}", metered, sequence_parallel=True) for i, f in enumerate(fulls)]
-    params = [p for c in cols for p in c.parameters()]
+    holder = nn.ModuleList(cols)
     layout = getattr(cols[0].weight, TP_LAYOUT)
     out_layout = type(layout)((B, T, F_), 2, layout.local_size, layout.pieces)
     gathers = {}
     for split in (False, True):
+        if split:  # the layers a zero-bubble schedule runs: their weight gradients wait for the weight pass
+            slot = make_deferrable(holder)
         mine = split_sequence(x.detach(), tp).requires_grad_(True)
         region = enter_tp_region(mine * 1.0, metered, True)
         loss = sum((c(region) * out_layout.take_local(p)).sum() for c, p in zip(cols, probes))
         del region
         metered.meter.reset()
         if split:
-            _, groups = stage_backward_input([loss], None, [mine], iter(params))
+            stashed = Stashed(mine, loss, 0)
+            backward_input(stashed, None, slot)
             gathers["input pass"] = metered.meter.ops["all_gather"].calls
-            stage_backward_weight(iter(params), groups)
+            backward_weight(stashed)
             gathers["weight pass"] = metered.meter.ops["all_gather"].calls - gathers["input pass"]
         else:
             loss.backward()

@@ -49,6 +49,9 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
         "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
         "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
+        "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
+        "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
+        "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
         "  behemoth train --nproc 4 --max-restarts 3 checkpoint.every=50  # self-healing: a failed worker restarts and resumes",
         "  behemoth train --nproc 2:4 --max-restarts 3     # elastic: continues on 2 or 3 processes if some are lost",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
@@ -71,13 +74,20 @@ def export_parser(sub: argparse._SubParsersAction) -> None:
                        description="Consolidate a checkpoint (any process count) into a safetensors file.")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--out", metavar="FILE", help="output file (default: model.safetensors next to the checkpoints)")
+    p.add_argument("--hf", metavar="DIR", help="instead, a transformers save_pretrained folder (config.json + safetensors in the "
+                                               "Hugging Face layout, e.g. Mixtral's per-expert weights) of a model=hf:* run")
 
 
 def delegated_commands() -> dict[str, tuple[str, str]]:
     """Commands whose own module parses their arguments: name -> (module:function, help)."""
     return {
         "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
-        "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank at each ZeRO stage: formula, exact, measured; largest model that fits"),
+        "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank of one plan (any layout, any world size): states, activations, peak"),
+        "plan": ("behemoth.cli.plan:plan_main", "search the parallel plans of a model on a cluster: ranked, explained, written as YAML"),
+        "calibrate": ("behemoth.cli.plan:calibrate_main", "measure this machine (matmul, collectives, memory, disk) into a cluster file"),
+        "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
+        "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
+        "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
     }
 
 
@@ -147,8 +157,12 @@ def fail_fast(err: BaseException, code: int = 1) -> NoReturn:
 
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+    from behemoth.flight import HangError
+
     lines = err.lines if isinstance(err, BehemothError) else [l for l in traceback.format_exception(err) if l.strip()]
     prefix = ERROR_PREFIX if isinstance(err, BehemothError) else ""
+    if isinstance(err, HangError) and not err.timed_out:
+        time.sleep(1.0)  # a peer went away first: let the launcher see its failure (the cause) before this one
     try:
         for line in lines:
             print(f"{prefix}{line.rstrip()}", file=sys.stderr, flush=True)
@@ -202,6 +216,10 @@ def launch_line(cfg: Any, nproc: int | tuple[int, int]) -> str:
     count = f"{nproc[0]}-{most} elastic" if isinstance(nproc, tuple) else str(most)
     line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
             f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}")
+    if cfg.offload.enabled:
+        off = cfg.offload
+        line += (f"\nbehemoth: offload: params {off.params}, grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
+                 f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else ""))
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
     if changed:
         fields = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
@@ -215,6 +233,13 @@ def run_train(args: argparse.Namespace) -> int:
     from behemoth.planner.feasibility import launch_problems
     from behemoth.train import train
 
+    nproc = parse_nproc(args.nproc)
+    most = nproc[1] if isinstance(nproc, tuple) else nproc
+    if "parallel=auto" in args.overrides:  # plan for the processes given (every worker of a torchrun job plans alike)
+        from behemoth.cli.plan import auto_overrides
+
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else most
+        args.overrides = auto_overrides(args.overrides, args.config, world)
     cfg, ckpt = resolve_train_config(args)
     t0 = time.time()
     if launched_by_torchrun():  # torchrun started us: this process is one worker (train() runs the checks)
@@ -225,8 +250,6 @@ def run_train(args: argparse.Namespace) -> int:
         if summary.get("rank") == 0:
             report(summary, time.time() - t0)
         return 0
-    nproc = parse_nproc(args.nproc)
-    most = nproc[1] if isinstance(nproc, tuple) else nproc
     found = launch_problems(cfg, most, ckpt) + (elastic_problems(cfg, nproc, args.max_restarts) if isinstance(nproc, tuple) else [])
     if found:  # everything that can be refused without a worker, all at once
         raise Refused(found)
@@ -244,6 +267,9 @@ def report(summary: dict[str, Any], seconds: float) -> None:
     val = summary["val"]
     curve = f"validation loss {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})" if val else ""
     print(f"behemoth: done in {seconds:.0f} s; {curve}")
+    if "mfu" in summary:
+        print(f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
+              f"({summary['peak_source']})")
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/ model.safetensors")
 
 
@@ -269,9 +295,15 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     use = "behemoth export {}"
     ckpt = resolve_checkpoint(args.path, use=use)
     saved = validate_checkpoint(ckpt, None, use=use).get("config", {})
-    model_cfg = GPTConfig.model_validate(saved.get("model", {}))
+    model_cfg, hf_cfg = GPTConfig.model_validate(saved.get("model", {})), HFConfig.model_validate(saved.get("hf", {}))
+    if args.hf:
+        from behemoth.checkpoint import export_pretrained
+
+        folder = export_pretrained(ckpt, Path(args.hf), build_causal_lm(model_cfg, hf_cfg).module)
+        print(f"behemoth: wrote {folder} (transformers save_pretrained layout) from {ckpt}")
+        return 0
     out = Path(args.out) if args.out else ckpt.parent.parent / "model.safetensors"
-    export_safetensors(ckpt, out, build_causal_lm(model_cfg, HFConfig.model_validate(saved.get("hf", {}))).module)
+    export_safetensors(ckpt, out, build_causal_lm(model_cfg, hf_cfg).module)
     print(f"behemoth: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {ckpt}")
     return 0
 

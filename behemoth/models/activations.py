@@ -28,10 +28,12 @@ layers keep only the sequence shard of their input and gather it again in backwa
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from behemoth.models.gpt import GPTConfig
+from behemoth.models.shape import ModelShape
 
 
 def gpt_block_activation_bytes(*, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, mlp_ratio: int = 4,
@@ -55,3 +57,37 @@ def gpt_activation_bytes(cfg: GPTConfig, *, b: int, s: int, t: int = 1, sp: bool
     head = 4 * (s * b * h + 2 * b * s) / seq + 4 * s * b * h / (1 if cfg.tie_embeddings else seq)
     loss = 4 * b * s * cfg.vocab_size + 8 * b * s + 4 if t == 1 else 4 * b * s * math.ceil(cfg.vocab_size / t) + 9 * b * s
     return blocks + embed + head + loss
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Elements one block of a model family saves for backward, per token, in a forward at dropout 0 (fused attention).
+
+    `whole` stays whole on every tensor-parallel rank (norm inputs and statistics, the inputs of column-parallel layers)
+    and divides by t under sequence parallelism; `split` divides by t (the tensor-parallel region: q, k, v, attention
+    output, the MLP's hidden activations, the log-sum-exp per head); `shared` is the same on every rank whatever the
+    layout (Llama's rotary cos and sin, one head's width per position)."""
+
+    whole: float
+    split: float
+    shared: float = 0.0
+
+    def per_token(self, t: int = 1, sp: bool = False) -> float:
+        """Elements per token on one tensor-parallel rank of degree t (sequence parallelism: `sp`)."""
+        return (self.whole + self.split) / t + self.shared if sp and t > 1 else self.whole + self.split / t + self.shared
+
+
+def block_activation_elements(shape: ModelShape) -> BlockActivations:
+    """Per-token saved elements of one block of `shape`'s family (fitted to autograd's saved tensors, exactly, over
+    widths, heads, KV heads and MLP widths; tests/test_planner.py traces them):
+
+        gpt    LayerNorm inputs 2h + stats 4, qkv and fc inputs 2h; q, k, v, attention output, GELU in and out, heads
+        gpt2   the same, with transformers' tanh GELU keeping 5 MLP-width tensors instead of 2
+        llama  RMSNorm input and normalized input 2h + 1 each, q/k/v and MLP inputs 2h; q, k after and before rotary,
+               v, the log-sum-exp per head; SwiGLU's gate, up, SiLU and product; rotary cos/sin (head_dim)
+    """
+    h, q, kv, ffn, heads = shape.d_model, shape.q_width, shape.kv_width, shape.ffn, shape.n_head
+    if shape.arch == "llama":
+        return BlockActivations(whole=6 * h + 2, split=2 * q + 2 * kv + heads + 4 * ffn, shared=shape.head_dim)
+    hidden = 5 if shape.arch == "gpt2" else 2
+    return BlockActivations(whole=4 * h + 4, split=2 * q + 2 * kv + heads + hidden * ffn)

@@ -15,9 +15,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from behemoth.models.gpt import GPT_TP_PLAN, build_gpt
+from behemoth.models.gpt import build_gpt, gpt_tp_plan
 from behemoth.models.init import InitSpec, materialize
 from behemoth.models.layered import LayeredView, view_of
+from behemoth.models.moe import MoELayer, MoELayerCost, RouterStats, moe_layer_costs
 from behemoth.models.shape import LayerCosts, ModelShape, median_pass_seconds
 
 Tie = list[tuple[str, str]]  # (module name, attribute) slots that share one parameter
@@ -41,17 +42,30 @@ class CausalLM:
     norms: frozenset[str] = frozenset()       # every normalization module (sequence parallelism must style each)
     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     weights: str | None = None
-    matmul_params: int = 0  # parameters a token's forward multiplies by (all but position tables), counted before any cut
+    matmul_params: int = 0  # parameters a token's forward multiplies by (not position tables, not an untied input embedding: a lookup)
     on_tensor_parallel: Callable[[nn.Module, int], None] | None = field(default=None, repr=False)
     time_layers: Callable[[int, int, torch.device], LayerCosts] | None = field(default=None, repr=False)  # (seq_len, micro_batch, device)
+    moe_layers: tuple[str, ...] = ()        # module names of the MoE MLPs (models/moe.py's MoELayer)
+    routers: RouterStats | None = field(default=None, repr=False)  # their auxiliary losses and expert usage
+
+    def moe_costs(self) -> list[MoELayerCost]:
+        """Per MoE layer: experts, k, widths, FLOPs per token, parameters per expert, all-to-all bytes (for the planner)."""
+        return moe_layer_costs(self.shape)
 
     @property
     def arch(self) -> str:
         return self.shape.arch
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6N plus attention scores (PaLM appendix B)."""
-        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.d_model * seq_len
+        """Model FLOPs per token of a training step (forward + backward), the basis of MFU: 6N over the parameters a token
+        is multiplied by, plus attention scores and values (PaLM appendix B: 12 L H Q T)."""
+        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.q_width * seq_len
+
+    def hardware_flops_per_token(self, seq_len: int, recomputed_blocks: float = 0.0) -> float:
+        """FLOPs a device really executes per token: the model FLOPs plus the forward of every recomputed block again
+        (`recomputed_blocks`: how many of the n_layer blocks recompute, on average over the pipeline), the basis of HFU."""
+        block_forward = 2 * self.shape.block_matrix_params() + 4 * self.shape.q_width * seq_len
+        return self.flops_per_token(seq_len) + recomputed_blocks * block_forward
 
     def kv_cache_shape(self, batch: int, seq_len: int, tp: int = 1) -> tuple[int, ...]:
         """Keys and values one rank caches per layer: [2, batch, kv_heads / tp, seq_len, head_dim]."""
@@ -88,19 +102,30 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
     if hf is None or hf.arch is None:
         gpt = build_gpt(model_cfg)
         norms = frozenset(n for n, m in gpt.named_modules() if isinstance(m, nn.LayerNorm))
-        return CausalLM(gpt, model_cfg.shape(), view_of("gpt"), gpt.init_spec, dict(GPT_TP_PLAN), norms=norms,
-                        matmul_params=model_cfg.num_params() - model_cfg.context * model_cfg.d_model)
+        return CausalLM(gpt, model_cfg.shape(), view_of("gpt"), gpt.init_spec, gpt_tp_plan(model_cfg), norms=norms,
+                        matmul_params=model_cfg.num_params(active=True) - model_cfg.context * model_cfg.d_model
+                        - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model),  # a lookup, not a matmul
+                        moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)), routers=gpt.routers)
     from behemoth.models import hf as hf_models
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
     model = hf_models.build_hf(config, hf.arch)
     positions = model.get_submodule("transformer.wpe").weight.numel() if hf.arch == "gpt2" else 0  # Llama: rotary, no table
-    return CausalLM(model, hf_models.hf_shape(config, hf.arch), view_of(hf.arch), hf_models.hf_init_spec(model, hf.arch),
+    shape = hf_models.hf_shape(config, hf.arch)
+    moe_layers, routers, inactive = (), None, 0
+    if hf.arch == "mixtral":
+        from behemoth.models.hf_moe import adopt_moe_blocks
+
+        moe_layers, routers = adopt_moe_blocks(model, model_cfg.moe)
+        inactive = sum(c.experts - c.top_k for c in moe_layer_costs(shape)) * 3 * shape.d_model * shape.ffn
+    lookup = 0 if shape.tied else model.get_input_embeddings().weight.numel()  # an untied input embedding is a lookup, not a matmul
+    return CausalLM(model, shape, view_of(hf.arch), hf_models.hf_init_spec(model, hf.arch),
                     hf_models.hf_tp_plan(model, hf.arch), transposed=hf_models.transposed_linears(model),
                     norms=hf_models.norm_modules(model), logits_fn=hf_models.hf_logits, weights=hf.weights,
-                    matmul_params=sum(p.numel() for p in model.parameters()) - positions,
-                    on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None)
+                    matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive - lookup,
+                    on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None,
+                    moe_layers=moe_layers, routers=routers)
 
 
 def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
@@ -125,10 +150,28 @@ def model_problems(model_cfg: Any, hf: Any = None) -> list[str]:
 def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:
     """Measured forward + backward seconds of the embedding, one block and the head for one micro-batch.
 
-    All blocks have the same shape, so a one-block copy of the model is built and timed, its block's time used for each.
-    Its random weights and inputs come from their own generators: the process-wide RNG is not touched.
+    Blocks of one kind have the same shape, so a one-block copy of the model is built and timed, its block's time used
+    for each (with experts, a dense and an MoE block are timed, each used for the blocks of its kind). Its random
+    weights and inputs come from their own generators: the process-wide RNG is not touched.
     """
-    lm = _build(model_cfg.model_copy(update={"n_layer": 1}), hf)
+    gpt = hf is None or hf.arch is None  # a transformers model's blocks are all alike
+    experts = model_cfg.moe.experts_per_block(model_cfg.n_layer) if gpt else [-1] * model_cfg.n_layer
+    kinds = sorted(set(experts))
+    timed = {e: _time_one_block(_one_block_config(model_cfg, e), hf, seq_len, micro_batch, device, reps) for e in kinds}
+    first = timed[kinds[0]]
+    return LayerCosts(embed=first[0], blocks=tuple(timed[e][1] for e in experts), head=first[2], unit="s")
+
+
+def _one_block_config(model_cfg: Any, experts: int) -> Any:
+    """The config of a one-block copy whose block is dense (0), has `experts` experts, or is as configured (-1)."""
+    update: dict[str, Any] = {"n_layer": 1}
+    if model_cfg.moe.enabled and experts >= 0:
+        update["moe"] = model_cfg.moe.model_copy(update={"experts": experts, "every": 1})
+    return model_cfg.model_copy(update=update)
+
+
+def _time_one_block(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int) -> tuple[float, float, float]:
+    lm = _build(model_cfg, hf)
     lm.weights = None  # the weights do not change the time
     materialize(lm.module, seed=0, device=device, init_spec=lm.init_spec)
     lm.after_materialize(device)
@@ -142,7 +185,7 @@ def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int,
     embed = median_pass_seconds(lambda: view.embed(model, idx).sum(), reps)
     one_block = median_pass_seconds(lambda: view.block(block, h, context).sum(), reps)
     head = median_pass_seconds(lambda: summed_token_loss(view.head(model, h), idx), reps)
-    return LayerCosts(embed=embed, blocks=(one_block,) * model_cfg.n_layer, head=head, unit="s")
+    return embed, one_block, head
 
 
 def tied_names(model: nn.Module) -> dict[str, list[str]]:

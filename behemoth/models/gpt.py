@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from behemoth.models.init import InitSpec
+from behemoth.models.moe import ExpertSpec, MoEConfig, MoELayer, RouterStats, StackedExperts, init_std, moe_params
 from behemoth.models.shape import ModelShape
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -27,6 +28,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-350m": dict(n_layer=24, n_head=16, d_model=1024, context=1024, vocab_size=50257, tie_embeddings=True),
     "gpt2-774m": dict(n_layer=36, n_head=20, d_model=1280, context=1024, vocab_size=50257, tie_embeddings=True),
     "gpt2-1.5b": dict(n_layer=48, n_head=25, d_model=1600, context=1024, vocab_size=50257, tie_embeddings=True),
+    # mixture of experts (model.moe): an MoE MLP every `every` blocks; PR-MoE: more experts later, plus a dense residual MLP
+    "gpt-moe-tiny": dict(n_layer=2, n_head=2, d_model=32, context=32, vocab_size=256, moe=dict(experts=4, every=1)),  # 50K, tests
+    "gpt-moe-1m": dict(n_layer=4, n_head=4, d_model=128, context=128, vocab_size=256, moe=dict(experts=8, every=2)),  # 1.9M, 1.1M active
+    "gpt-moe-20m": dict(n_layer=6, n_head=8, d_model=512, context=256, vocab_size=256, moe=dict(experts=8, every=2)),
+    "pr-moe-1m": dict(n_layer=4, n_head=4, d_model=128, context=128, vocab_size=256, moe=dict(experts=[4, 8], every=2, shared_expert=True)),
 }
 
 
@@ -45,6 +51,7 @@ class GPTConfig(BaseModel):
     dropout: float | None = Field(None, ge=0, lt=1, description="default: the model's own (0 for GPT; a Hugging Face config.json's)")
     bias: bool | None = Field(None, description="biases in linear layers and norms (default: the family's own)")
     tie_embeddings: bool = False
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="mixture of experts (model.moe.*)")
 
     @model_validator(mode="before")
     @classmethod
@@ -54,12 +61,22 @@ class GPTConfig(BaseModel):
         preset = data.get("preset") or "gpt-1m"
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        return {**PRESETS[preset], **{k: v for k, v in data.items() if v is not None}}
+        given = {k: v for k, v in data.items() if v is not None}
+        moe = given.get("moe")
+        if isinstance(moe, BaseModel):
+            moe = moe.model_dump(exclude_unset=True)
+        if "moe" in PRESETS[preset] and isinstance(moe, dict):  # model.moe.top_k=1 keeps the preset's experts
+            given["moe"] = {**PRESETS[preset]["moe"], **moe}
+        return {**PRESETS[preset], **given}
 
     @model_validator(mode="after")
     def _check_heads(self) -> "GPTConfig":
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; pick a d_model that is a multiple of n_head")
+        try:
+            self.moe.experts_per_block(self.n_layer)
+        except Exception as err:  # a list of expert counts that does not match the MoE layers
+            raise ValueError(str(err)) from None
         return self
 
     @property
@@ -77,14 +94,25 @@ class GPTConfig(BaseModel):
 
     def shape(self) -> ModelShape:
         return ModelShape("gpt", self.n_layer, self.d_model, self.n_head, self.n_head, self.head_dim, self.mlp_ratio * self.d_model,
-                          self.vocab_size, self.context, self.tie_embeddings, gated=False)
+                          self.vocab_size, self.context, self.tie_embeddings, gated=False,
+                          experts=tuple(self.moe.experts_per_block(self.n_layer)) if self.moe.enabled else (),
+                          top_k=self.moe.top_k if self.moe.enabled else 0)
 
-    def num_params(self) -> int:
-        d, L, V = self.d_model, self.n_layer, self.vocab_size
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameters of the model; `active`: only those one token's forward uses (k experts of each MoE MLP)."""
+        d, V, F = self.d_model, self.vocab_size, self.mlp_ratio * self.d_model
         b = int(self.has_bias)
-        per_block = (3 * d * d + 3 * d * b) + (d * d + d * b) + 2 * (self.mlp_ratio * d * d) + self.mlp_ratio * d * b + d * b + 4 * d
+        mlp = 2 * F * d + F * b + d * b
+        attention = (3 * d * d + 3 * d * b) + (d * d + d * b) + 4 * d
+        total = 0
+        for experts in self.moe.experts_per_block(self.n_layer):
+            if not experts:
+                total += attention + mlp
+                continue
+            all_, used = moe_params(d, F, experts, self.moe.top_k)
+            total += attention + (used if active else all_) + ((mlp + 2 * d + 2) if self.moe.shared_expert else 0)
         head = 0 if self.tie_embeddings else V * d
-        return V * d + self.context * d + L * per_block + 2 * d + head
+        return V * d + self.context * d + total + 2 * d + head
 
 
 class CausalSelfAttention(nn.Module):
@@ -112,13 +140,21 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def moe_mlp(cfg: GPTConfig, experts: int, index: int, stats: RouterStats) -> MoELayer:
+    """An MoE MLP of `experts` experts as wide as the dense MLP (plus PR-MoE's dense residual MLP when asked)."""
+    d, ffn = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    shared = MLP(cfg) if cfg.moe.shared_expert else None
+    return MoELayer(ExpertSpec(experts), cfg.moe.policy(), index=index, stats=stats, router=nn.Linear(d, experts, bias=False),
+                    experts=StackedExperts(experts, d, ffn), shared=shared, mix=nn.Linear(d, 2) if shared is not None else None)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: tuple[int, int, RouterStats] | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if moe is None else moe_mlp(cfg, *moe)
         self.drop = nn.Dropout(cfg.dropout_p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +171,10 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout_p)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        experts = cfg.moe.experts_per_block(cfg.n_layer)
+        self.routers = RouterStats([e for e in experts if e]) if cfg.moe.enabled else None
+        moe_index = {block: i for i, block in enumerate(cfg.moe.moe_blocks(cfg.n_layer))}
+        self.blocks = nn.ModuleList(Block(cfg, (experts[i], moe_index[i], self.routers) if experts[i] else None) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -159,6 +198,9 @@ class GPT(nn.Module):
             return InitSpec("zeros")
         if ".ln_" in f".{name}" and name.endswith(".weight"):
             return InitSpec("ones")
+        moe_std = init_std(name, self.cfg.n_layer)
+        if moe_std is not None:
+            return InitSpec("normal", moe_std)
         if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
             return InitSpec("normal", 0.02 / math.sqrt(2 * self.cfg.n_layer))
         return InitSpec("normal", 0.02)
@@ -179,6 +221,13 @@ GPT_TP_PLAN: dict[str, str] = {
     "ln_f": "sequence_norm",
     "lm_head": "vocab",
 }
+
+
+def gpt_tp_plan(cfg: GPTConfig) -> dict[str, str]:
+    """The GPT plan; an MoE block's ln_2 stays replicated: its experts enter the tensor-parallel region themselves
+    (parallel/expert/), after the router, whose input gradient is complete on every tp rank."""
+    moe = {f"blocks.{i}.ln_2": "replicate" for i in cfg.moe.moe_blocks(cfg.n_layer)}
+    return {**moe, **GPT_TP_PLAN}
 
 
 def build_gpt(cfg: GPTConfig) -> GPT:

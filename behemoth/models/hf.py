@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -30,7 +31,8 @@ from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
 from behemoth.models.shape import ModelShape
 
-ARCHS = ("llama", "gpt2")
+ARCHS = ("llama", "gpt2", "mixtral")
+LLAMA_LIKE = ("llama", "mixtral")  # the same embedding, decoder layers, norms and head
 # transformers' style names -> behemoth's (see parallel/tensor/plan.py)
 HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab", "colwise_gather_output": "vocab",
              "sequence_parallel": "sequence_norm", "packed_colwise": "packed_colwise:2", "replicate": "replicate"}
@@ -59,8 +61,8 @@ LLAMA_EXTRA_PLAN = {  # what Llama's own plan leaves out: embedding, head, norms
 NOT_MODEL = {"_name_or_path", "architectures", "transformers_version", "model_type", "dtype", "torch_dtype", "use_cache",
              "bos_token_id", "eos_token_id", "pad_token_id", "output_attentions", "output_hidden_states", "return_dict",
              "id2label", "label2id", "problem_type", "task_specific_params", "attn_implementation"}
-DROPOUT_KEYS = {"llama": ("attention_dropout",), "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
-BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "gpt2": ()}
+DROPOUT_KEYS = {"llama": ("attention_dropout",), "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "mixtral": ("attention_dropout",)}
+BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "gpt2": (), "mixtral": ()}
 
 
 class HFConfig(BaseModel):
@@ -68,7 +70,7 @@ class HFConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arch: Literal["llama", "gpt2"] | None = Field(None, description="transformers architecture (model=hf:llama or model=hf:gpt2)")
+    arch: Literal["llama", "gpt2", "mixtral"] | None = Field(None, description="transformers architecture (model=hf:llama, hf:gpt2, hf:mixtral)")
     weights: str | None = Field(None, description="local save_pretrained directory (config.json + *.safetensors) to start from")
     kv_heads: int | None = Field(None, ge=1, description="Llama key/value heads (grouped-query attention; default n_head)")
     ffn: int | None = Field(None, ge=1, description="MLP width (default mlp_ratio x d_model)")
@@ -92,16 +94,20 @@ def read_weights_config(weights: str) -> dict[str, Any]:
 def config_class(arch: str) -> type:
     import transformers
 
-    return transformers.LlamaConfig if arch == "llama" else transformers.GPT2Config
+    return {"llama": transformers.LlamaConfig, "gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig}[arch]
 
 
 def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model-section fields, hf-section fields) that a config.json's shape sets; a missing key names itself."""
     try:
-        if arch == "llama":
+        if arch in LLAMA_LIKE:
             model = dict(n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], d_model=c["hidden_size"],
                          context=c["max_position_embeddings"], vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", False))
             hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
+            if arch == "mixtral":
+                from behemoth.models.hf_moe import mixtral_moe_fields
+
+                model["moe"] = mixtral_moe_fields(c)
             return model, hf
         model = dict(n_layer=c["n_layer"], n_head=c["n_head"], d_model=c["n_embd"], context=c["n_positions"],
                      vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", True))
@@ -153,11 +159,16 @@ def base_config(model_cfg: Any, hf: HFConfig) -> dict[str, Any]:
     if model_cfg.bias is not None:
         common.update(dict.fromkeys(BIAS_KEYS[hf.arch], model_cfg.bias))
     ffn = hf.ffn or model_cfg.mlp_ratio * model_cfg.d_model
-    if hf.arch == "llama":
+    if hf.arch in LLAMA_LIKE:
+        extra = {}
+        if hf.arch == "mixtral":
+            from behemoth.models.hf_moe import mixtral_config_fields
+
+            extra = mixtral_config_fields(model_cfg.moe)
         return dict(hidden_size=model_cfg.d_model, intermediate_size=ffn, num_hidden_layers=model_cfg.n_layer,
                     num_attention_heads=model_cfg.n_head, num_key_value_heads=hf.kv_heads or model_cfg.n_head,
                     max_position_embeddings=model_cfg.context, rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta},
-                    **common)
+                    **common, **extra)
     return dict(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn,
                 n_positions=model_cfg.context, **common)
 
@@ -168,7 +179,7 @@ def config_overrides(model_cfg: Any, hf: HFConfig) -> dict[str, tuple[Any, Any]]
     if not hf.weights:
         return {}
     base = base_config(model_cfg, hf)
-    wanted: dict[str, Any] = {"num_hidden_layers" if hf.arch == "llama" else "n_layer": model_cfg.n_layer}
+    wanted: dict[str, Any] = {"num_hidden_layers" if hf.arch in LLAMA_LIKE else "n_layer": model_cfg.n_layer}
     if model_cfg.dropout is not None:
         wanted.update(dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout))
     if model_cfg.bias is not None:
@@ -185,6 +196,10 @@ def model_problems(model_cfg: Any, hf: HFConfig) -> list[str]:
         out.append("model.bias=false: GPT-2 always has biases; leave model.bias unset or use model=hf:llama")
     if hf.arch == "gpt2" and hf.kv_heads not in (None, model_cfg.n_head):
         out.append(f"hf.kv_heads={hf.kv_heads}: GPT-2 has no grouped-query attention; leave hf.kv_heads unset")
+    if model_cfg.moe.enabled or hf.arch == "mixtral":
+        from behemoth.models.hf_moe import moe_model_problems
+
+        out += moe_model_problems(model_cfg.moe, hf.arch)
     return out + (config_problems(hf.weights) if hf.weights else [])
 
 
@@ -197,11 +212,14 @@ def transformers_config(model_cfg: Any, hf: HFConfig) -> Any:
 
 def hf_shape(config: Any, arch: str) -> ModelShape:
     """The shape of a transformers config, in behemoth's terms."""
-    if arch == "llama":
+    if arch in LLAMA_LIKE:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return ModelShape("llama", config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads or heads, head_dim,
-                          config.intermediate_size, config.vocab_size, config.max_position_embeddings, bool(config.tie_word_embeddings), gated=True)
+        experts = getattr(config, "num_local_experts", 0) if arch == "mixtral" else 0
+        return ModelShape(arch, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads or heads, head_dim,
+                          config.intermediate_size, config.vocab_size, config.max_position_embeddings, bool(config.tie_word_embeddings), gated=True,
+                          experts=(experts,) * config.num_hidden_layers if experts else (),
+                          top_k=config.num_experts_per_tok if experts else 0)
     return ModelShape("gpt2", config.n_layer, config.n_embd, config.n_head, config.n_head, config.n_embd // config.n_head,
                       config.n_inner or 4 * config.n_embd, config.vocab_size, config.n_positions, bool(config.tie_word_embeddings), gated=False)
 
@@ -217,7 +235,7 @@ def build_hf(config: Any, arch: str) -> nn.Module:
     """The transformers model on the meta device: parameters without storage, buffers real (on the CPU)."""
     import transformers
 
-    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
+    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel, "mixtral": transformers.MixtralForCausalLM}[arch]
     with torch.device("meta"):
         model = cls(config)
     rebuild_meta_buffers(model)
@@ -256,6 +274,11 @@ def hf_tp_plan(model: nn.Module, arch: str) -> dict[str, str]:
     if arch == "gpt2":
         return dict(GPT2_TP_PLAN)
     own = getattr(model.config, "base_model_tp_plan", None) or {}
+    if arch == "mixtral":  # its experts are split by parallel/expert/, which also enters their tensor-parallel region
+        from behemoth.models.hf_moe import MOE_EXTRA_PLAN
+
+        own = {k: v for k, v in own.items() if ".experts" not in k}
+        return {**{f"{model.base_model_prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **LLAMA_EXTRA_PLAN, **MOE_EXTRA_PLAN}
     unknown = sorted({s for s in own.values() if s not in HF_STYLES})
     if unknown:
         raise BehemothError(f"{arch}'s base_model_tp_plan uses styles {unknown} behemoth does not map", f"known: {', '.join(HF_STYLES)}")
@@ -288,23 +311,35 @@ def hf_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: str) -> int:
     """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters."""
-    from safetensors import safe_open
-
     files = sorted(Path(weights).expanduser().glob("*.safetensors"))
     if not files:
         raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
     params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters()}
     loaded = set()
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                p = params.get(key)
-                if p is None:
-                    continue
-                full = st.get_tensor(key)
-                p.copy_(getattr(p, TAKE_LOCAL, lambda t: t)(full).to(p.dtype))
-                loaded.add(key)
+    for key, full in stored_tensors(files, set(params), getattr(model.config, "model_type", None)):
+        p = params[key]
+        p.copy_(getattr(p, TAKE_LOCAL, lambda t: t)(full).to(p.dtype))
+        loaded.add(key)
     missing = sorted(set(params) - loaded)
     if missing:
         raise BehemothError(f"hf.weights={weights} lacks {len(missing)} parameter(s), e.g. {missing[0]}", "save the whole model")
     return len(loaded)
+
+
+def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every wanted parameter in the files; a Mixtral's per-expert tensors are stacked first."""
+    from safetensors import safe_open
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    if key in wanted or model_type == "mixtral":
+                        yield key, st.get_tensor(key)
+
+    tensors = read()
+    if model_type == "mixtral":
+        from behemoth.models.hf_moe import from_legacy
+
+        tensors = from_legacy(tensors)
+    return ((k, t) for k, t in tensors if k in wanted)

@@ -56,6 +56,18 @@ def _llama_context(model: nn.Module, h: torch.Tensor) -> dict[str, Any]:
             "position_embeddings": model.model.rotary_emb(h, position_ids=positions), "use_cache": False}
 
 
+def _mixtral_context(model: nn.Module, h: torch.Tensor) -> dict[str, Any]:
+    """Llama's context, with transformers' sliding-window mask when the config sets a window."""
+    if getattr(model.config, "sliding_window", None) is None:
+        return _llama_context(model, h)
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    positions = _positions(h)
+    mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
+    return {"attention_mask": mask, "position_ids": positions, "position_embeddings": model.model.rotary_emb(h, position_ids=positions),
+            "use_cache": False}
+
+
 def _gpt2_embed(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     t = model.transformer
     return t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device).unsqueeze(0)))
@@ -73,6 +85,9 @@ VIEWS: dict[str, LayeredView] = {
     "llama": LayeredView("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "model.embed_tokens",
                          embed=lambda m, idx: m.model.embed_tokens(idx), context=_llama_context,
                          block=lambda b, h, ctx: _hidden(b(h, **ctx)), head=lambda m, h: m.lm_head(m.model.norm(h))),
+    "mixtral": LayeredView("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "model.embed_tokens",
+                           embed=lambda m, idx: m.model.embed_tokens(idx), context=_mixtral_context,
+                           block=lambda b, h, ctx: _hidden(b(h, **ctx)), head=lambda m, h: m.lm_head(m.model.norm(h))),
     "gpt2": LayeredView("transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head"), "transformer.wte",
                         embed=_gpt2_embed, context=_gpt2_context,
                         block=lambda b, h, ctx: _hidden(b(h, **ctx)), head=lambda m, h: m.lm_head(m.transformer.ln_f(h))),

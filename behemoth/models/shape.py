@@ -31,6 +31,8 @@ class ModelShape:
     context: int
     tied: bool         # the LM head reads the embedding's weight
     gated: bool        # three MLP matrices (SwiGLU) instead of two
+    experts: tuple[int, ...] = ()  # experts of each block's MLP (0: a dense MLP); empty for a dense model
+    top_k: int = 0                 # experts each token visits in an MoE MLP
 
     @property
     def q_width(self) -> int:
@@ -40,10 +42,15 @@ class ModelShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def block_matrix_params(self) -> int:
-        """Elements of a block's weight matrices: q, k, v, output projection and the MLP."""
+    def block_matrix_params(self, block: int = 0) -> int:
+        """Elements of a block's weight matrices one token multiplies by: q, k, v, output projection and the MLP (in an
+        MoE block, the router and the k experts a token visits)."""
         attention = self.d_model * (2 * self.q_width + 2 * self.kv_width)
-        return attention + (3 if self.gated else 2) * self.d_model * self.ffn
+        mlp = (3 if self.gated else 2) * self.d_model * self.ffn
+        experts = self.experts[block] if self.experts else 0
+        if experts:
+            mlp = self.d_model * experts + min(self.top_k, experts) * mlp
+        return attention + mlp
 
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """What a tensor-parallel degree must divide, by the option that sets it."""
@@ -66,8 +73,8 @@ class LayerCosts:
 def layer_flops(shape: ModelShape, seq_len: int) -> LayerCosts:
     """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them)."""
     d, v = shape.d_model, shape.vocab_size
-    block = 2 * shape.block_matrix_params() + 4 * seq_len * d  # matrices, attention scores and values
-    return LayerCosts(embed=2.0 * d, blocks=(float(block),) * shape.n_layer, head=2.0 * d * v + 5.0 * v, unit="flop/token")
+    blocks = tuple(float(2 * shape.block_matrix_params(i) + 4 * seq_len * d) for i in range(shape.n_layer))  # matrices, scores, values
+    return LayerCosts(embed=2.0 * d, blocks=blocks, head=2.0 * d * v + 5.0 * v, unit="flop/token")
 
 
 def uniform_layer_costs(shape: ModelShape) -> LayerCosts:

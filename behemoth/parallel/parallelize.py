@@ -6,11 +6,19 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
 1. pipeline cut, on the meta device: it decides which blocks, embedding and head this rank holds at all;
 2. tensor / sequence parallelism, still on meta: split layers keep only this rank's part of each weight,
    marked so that materialize draws the full (seed, name) tensor and keeps that part;
-3. expert parallelism (reserved for mixture-of-experts layers; none of today's models has one);
+3. expert parallelism, still on meta: each MoE layer keeps E / ep experts (under tp, a slice of each one's width) and
+   gets a runner that moves its tokens over ep; after tp, because an expert's tp slice is cut from its ep part;
 4. activation recomputation: wraps block forwards in place, names unchanged (under a pipeline, per rank);
 5. ZeRO-3's sharding, still on meta: every parameter cut to this rank's 1-D piece, so materialize draws only that;
 6. materialize: every kept parameter drawn from (seed, name), or loaded from the model's weights;
-7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last.
+7. data parallelism or ZeRO 1-3: they attach to the real gradients of the real parameters, so they come last. With
+   experts, dense parameters are synchronised over dp x ep (every rank of it holds them, and sees other tokens),
+   expert parameters over dp (the ranks holding the same experts): two syncs, or two kinds of ZeRO-3 unit.
+
+With offload (`offload=` a policy), steps 5-7 are the offload runtime's: ZeRO-3's units are cut on meta as in
+step 5, then each unit is drawn (or loaded) one at a time straight onto its tier, never the whole model in memory,
+and the runtime is the model's gradient sync. It recomputes every block from its kept input by itself, so step 4
+is skipped.
 
 Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
 parameters this rank will not keep.
@@ -18,6 +26,7 @@ parameters this rank will not keep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +39,21 @@ from behemoth.data import BatchLayout
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
+from behemoth.offload import OffloadPolicy, OffloadSync, apply_offload
+from behemoth.offload.budget import ActivationShape
+from behemoth.parallel.clip import clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
+from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
+from behemoth.parallel.expert.comm import two_level_groups
+from behemoth.parallel.expert.adapt import ExpertAdapter, build_adapter
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
-from behemoth.parallel.zero import ZeroPolicy, apply_zero, shard_parameters
+from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
 from behemoth.plan import ParallelPlan
-from behemoth.topology import Runtime
+from behemoth.topology import MESH_DIMS, Runtime
 
 GradTerms = list[tuple[torch.Tensor, float]]
 
@@ -53,6 +68,9 @@ class ParallelModel:
     pipeline: PipelineParallel | None = None
     tp: TensorParallel | None = None
     meter: CommMeter = field(default_factory=CommMeter)
+    experts: ExpertParallel | None = None
+    adapter: ExpertAdapter | None = None
+    offload: OffloadSync | None = None  # model states streamed from tiers (offload/); it is also the one sync
 
     @property
     def module(self) -> nn.Module:
@@ -66,6 +84,8 @@ class ParallelModel:
         """The model's logits (this rank's vocabulary shard under TP); a pipeline runs stage by stage instead."""
         if self.pipeline is not None:
             raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
+        if self.offload is not None:
+            raise RuntimeError("an offloaded model is never whole in memory; stream it: model.offload.logits(inputs)")
         return self.lm.logits(idx.to(self.rt.device))
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +93,17 @@ class ParallelModel:
         the pipeline (only last stages hold losses) and the data-parallel replicas. (Reporting, not model traffic: unmetered.)"""
         all_reduce(t, self.rt.group("pp"))
         all_reduce(t, self.rt.group("dp"))
+        all_reduce(t, self.rt.group("ep"))
         return t
+
+    def router_metrics(self) -> dict[str, Any]:
+        """The step's auxiliary losses and expert usage (MoE models; empty otherwise), summed over every rank holding a
+        part of them: pipeline stages hold different layers, dp x ep ranks see different tokens (tp ranks repeat them)."""
+        routers = self.lm.routers
+        if routers is None:
+            return {}
+        flat = self.reduce_over_batch(routers.packed(self.rt.device))
+        return routers.summary(flat)
 
     def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
         return [s for sync in self.syncs for s in sync.grad_slices()]
@@ -84,7 +114,7 @@ class ParallelModel:
             self.pipeline.sum_tied_grads()
         for sync in self.syncs:
             sync.finish()
-        if self.tp is not None:
+        if self.tp is not None and self.offload is None:  # offload sums them unit by unit, as each gradient completes
             self.tp.finish_grads(self.grad_slices())
 
     def grad_norm_terms(self) -> tuple[GradTerms, dist.ProcessGroup | None]:
@@ -95,10 +125,27 @@ class ParallelModel:
         terms = []
         for sync in self.syncs:
             for name, g in sync.grad_slices():
-                copies = sync.replicas * (self.tp.copies(name) if self.tp is not None else 1)
+                copies = sync.replicas * self.tp_copies(name)
                 counted = self.pipeline is None or self.pipeline.counts(name)
                 terms.append((g, 1.0 / copies if counted else 0.0))
         return terms, self.rt.world_group
+
+    def tp_copies(self, name: str) -> int:
+        """tp ranks holding an identical copy of this parameter's gradient piece (an expert's, per its own split)."""
+        if self.tp is None:
+            return 1
+        return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
+    def clip_grads(self, max_norm: float, device: torch.device) -> float:
+        """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (offload: at each unit's step)."""
+        if self.offload is not None:
+            return self.offload.clip(max_norm)
+        terms, group = self.grad_norm_terms()
+        return clip_grad_norm(terms, max_norm, group=group, meter=self.meter, device=device)
+
+    def close(self) -> None:
+        """Release what outlives a step: the offload runtime's I/O threads and scratch directory."""
+        if self.offload is not None:
+            self.offload.close()
 
     def model_state(self) -> dict[str, Any]:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
@@ -112,8 +159,9 @@ class ParallelModel:
         return out
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Split tensors as full-shape views, so DCP reshards to any tp degree and export consolidates."""
-        return self.tp.checkpoint_views(state) if self.tp is not None else state
+        """Split tensors as full-shape views, so DCP reshards to any tp or ep degree and export consolidates."""
+        state = self.tp.checkpoint_views(state) if self.tp is not None else state
+        return self.experts.checkpoint_views(state) if self.experts is not None else state
 
 
 def resolve_stage_boundaries(plan: ParallelPlan, lm: CausalLM, seq_len: int, micro_batch: int, rt: Runtime | None = None) -> list[int]:
@@ -133,38 +181,75 @@ def planned_layer_costs(plan: ParallelPlan, shape: Any, seq_len: int) -> LayerCo
 
 
 def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any, pipeline: PipelineParallel | None,
-                meter: CommMeter) -> list[GradSync]:
-    """Replicated data parallelism (zero_stage 0) or ZeRO 1-3 over the data-parallel group, for every parameter."""
-    group = rt.group("dp")
+                meter: CommMeter, experts: ExpertParallel | None = None) -> list[GradSync]:
+    """Replicated data parallelism (zero_stage 0) or ZeRO 1-3, for every parameter: over dp, or with ep > 1 dense
+    parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group)."""
+    split = experts is not None and rt.dims.ep > 1
+    kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.group("dp"), None)]
     if plan.zero_stage == 0:
-        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), meter=meter)]
+        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype)
+    if plan.zero_stage == 3:
+        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter)]
     stage_params = pipeline.stage_parameters() if pipeline is not None else None
-    return [apply_zero(model, group, policy, units=units, stage_params=stage_params, meter=meter)]
+    return [apply_zero(model, group, policy, stage_params=stage_params, meter=meter, select=select) for group, select in kinds]
+
+
+def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ExpertParallel | None:
+    """Expert parallelism over ep for a model with MoE layers (at ep = 1 too: the runner then enters their tp region);
+    an ep group spanning nodes gets its two-level all-to-all."""
+    if not lm.moe_layers:
+        return None
+    tp = TPComm.of(rt.group("tp"), meter) if rt.dims.tp > 1 else None
+    node_size = plan.expert_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    ep_groups = rt.mesh.mesh.movedim(MESH_DIMS.index("ep"), -1).reshape(-1, rt.dims.ep).tolist()
+    whole_world = rt.world_size == dist.get_world_size()  # subgroups are created by every rank of the world
+    levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world else None
+    return apply_expert_parallel(lm.module, EPComm.of(rt.group("ep"), meter, timeout_s, levels),
+                                 ExpertPolicy(plan.expert_layout, plan.expert_chunks), layers=lm.moe_layers, tp=tp)
+
+
+def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int) -> ActivationShape:
+    """What one rank's activations under offload depend on (its micro-batches, their size, the model's widths)."""
+    shape = lm.shape
+    return ActivationShape(batch.micro_batch, seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
 
 
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
-                timeout_s: float = 300.0) -> ParallelModel:
-    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring."""
+                timeout_s: float = 300.0, offload: OffloadPolicy | None = None) -> ParallelModel:
+    """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
+    with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's)."""
     model, meter = lm.module, CommMeter()
     pipeline = None
     if rt.dims.pp > 1:
         bounds = resolve_stage_boundaries(plan, lm, seq_len, batch.micro_batch, rt)
         policy = PipelinePolicy(plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute,
                                 plan.tp if plan.sequence_parallel else 1, timeout_s)
-        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied)
+        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
     tp = None
     if rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
+    experts = apply_experts(lm, plan, rt, meter, timeout_s)
+    if offload is not None:
+        if pipeline is not None or experts is not None:
+            raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
+        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
+                             activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
+        return ParallelModel(lm, rt, [sync], None, tp, meter, offload=sync)
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
-    units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied) if plan.zero_stage == 3 else None
+    units = None
+    if plan.zero_stage == 3:
+        expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
+        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
-    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter)
+    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
-    return ParallelModel(lm, rt, syncs, pipeline, tp, meter)
-
+    adapter = build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(),
+                            data_ranks=rt.dims.data_ranks) if experts else None
+    return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter)

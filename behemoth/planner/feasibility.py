@@ -19,6 +19,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
+from behemoth.planner.offload import offload_launch_problems, offload_problems
 from behemoth.topology import ParallelDims
 
 
@@ -28,14 +29,18 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     model = [Problem("hf", message) for message in model_problems(cfg.model, cfg.hf)]
     out = model + plan.dims_problems(world) + plan.combination_problems()
     if not model:  # a model that cannot be built has no shape to split
-        out += plan.tensor_parallel_problems(model_shape(cfg.model, cfg.hf).tensor_parallel_sizes(), cfg.seq_len)
+        shape = model_shape(cfg.model, cfg.hf)
+        out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)
-    batch = collect("train.global_batch", cfg.batch_layout, dims.dp)
-    out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.dp).accum)
-    if not out:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
-        out += fit_problems(cfg, dims.dp)
+    batch = collect("train.global_batch", cfg.batch_layout, dims.data_ranks)
+    out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.data_ranks).accum)
+    if not batch and not model:
+        out += routing_group_problems(cfg, dims)
+    out += offload_problems(cfg, dims.dp, fit=not out)
+    if not out and not cfg.offload.enabled:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
+        out += fit_problems(cfg, dims.dp, world)
     return out
 
 
@@ -61,6 +66,47 @@ def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | No
     if plan.stage_boundaries is not None:
         out += collect("parallel.stage_boundaries", check_stage_boundaries, plan.stage_boundaries, n_layer, stages)
     return out
+
+
+def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
+    """A mixture-of-experts plan that cannot run: experts ep does not divide, k > E, a capacity factor <= 0, ep > 1
+    without experts, sequence parallelism (an expert's batch differs from rank to rank along the sequence)."""
+    plan, moe = cfg.parallel, cfg.model.moe
+    experts = sorted({e for e in shape.experts if e})
+    if not experts:
+        if plan.ep > 1:
+            return [Problem.of("parallel.ep", f"parallel.ep={plan.ep} but the model has no experts",
+                               "set model.moe.experts (or use an MoE preset such as model=gpt-moe-1m, or model=hf:mixtral), or parallel.ep=1")]
+        return []
+    out = []
+    bad = [e for e in experts if e % plan.ep]
+    if bad:
+        out.append(Problem.of("parallel.ep", f"parallel.ep={plan.ep} does not divide the {bad[0]} experts of an MoE layer",
+                              f"choose an ep that divides {', '.join(map(str, experts))}"))
+    if shape.top_k > min(experts):
+        out.append(Problem.of("model.moe.top_k", f"model.moe.top_k={shape.top_k} exceeds the {min(experts)} experts of an MoE layer",
+                              f"use top_k <= {min(experts)}"))
+    for key in ("capacity_factor", "eval_capacity_factor"):
+        value = getattr(moe, key)
+        if value is not None and value <= 0:
+            out.append(Problem.of(f"model.moe.{key}", f"model.moe.{key}={value}: a capacity must be positive",
+                                  f"set a factor > 0 (e.g. 1.25), or leave it unset for dropless routing"))
+    if plan.sequence_parallel and plan.tp > 1:
+        out.append(Problem.of("parallel.sequence_parallel", "parallel.sequence_parallel=true with MoE layers: each tp rank would route a "
+                              "different part of the sequence to the experts it shares", "set parallel.sequence_parallel=false"))
+    return out
+
+
+def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:
+    """Routing groups (model.moe.group sequences) that a rank's micro-batch does not split into."""
+    group = cfg.model.moe.group
+    if not cfg.model.moe.enabled or group is None:
+        return []
+    micro = cfg.batch_layout(dims.data_ranks).micro_batch
+    if micro % group:
+        return [Problem.of("model.moe.group", f"model.moe.group={group} sequences does not divide a micro-batch of {micro} sequences "
+                           f"(global_batch / (dp x ep) / accumulation)", f"use a group that divides {micro}")]
+    return []
 
 
 def as_plan_keys(message: str) -> str:
@@ -93,7 +139,10 @@ def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]
         if step is not None and step >= cfg.train.steps:
             out.append(Problem.of("train.steps", f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
                                   f"raise train.steps above {step} to train further"))
-    return out + environment_problems(cfg, resuming=ckpt is not None)
+    out += environment_problems(cfg, resuming=ckpt is not None)
+    if not out:  # the scratch directory and the disk space the offloaded states need
+        out += offload_launch_problems(cfg, world)
+    return out
 
 
 def refuse(cfg: Config, world: int, ckpt: Path | None = None, *, launch: bool = False) -> None:
@@ -109,7 +158,7 @@ def describe_plan(cfg: Config, world: int) -> str:
     from behemoth.parallel.pipeline.partition import balance_stages
 
     plan, dims = cfg.parallel, cfg.parallel.dims(world)
-    degrees = f"dp={dims.dp}" + (f" x tp={dims.tp}" if dims.tp > 1 else "")
+    degrees = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "") + (f" x tp={dims.tp}" if dims.tp > 1 else "")
     if plan.pp == 1:
         return degrees
     if plan.stage_boundaries is not None:

@@ -1,4 +1,4 @@
-"""The analytic memory estimator: model-state bytes per rank at each ZeRO stage.
+"""The exact memory estimator: model-state bytes per rank at each ZeRO stage, for any layout.
 
 Two numbers per stage. The *formula* is the ZeRO paper's, for Ψ parameters on N ranks with Adam:
 bytes per parameter are (param, grad, optimizer) = (4, 4, 8) in float32 and (2, 2, 12) with bf16
@@ -11,7 +11,13 @@ with at most N - 1 elements so it splits evenly) and adds the short-lived buffer
 in flight at stage 2; at stage 3 the gathered parameters (the embedding, `1 + prefetch` blocks or the
 head at a time) and the unit gradients being reduce-scattered. It is what a rank really holds, to the
 byte, and the tests check the engine's measurement against it; so is the traffic of a step. Activations
-are not part of either.
+are not part of either (footprint.py adds them, and prices plans of any size in closed form).
+
+Under tensor and pipeline parallelism a rank holds only its part of the model: `rank_model` cuts the model (on the
+meta device) to the stages of one pipeline rank and splits it as tensor parallelism of the plan's degree would, with
+no process group, so the estimate of a layout of any world size is a rank's real layout: 16Ψ/(t p) bytes at
+ZeRO-0 (plus what t does not split and the embedding and head of the first and last stage), divided further by dp
+as the ZeRO stage shards.
 """
 
 from __future__ import annotations
@@ -80,13 +86,26 @@ def real_elements(layout: FlatLayout, rank: int) -> int:
     return sum(p.numel for p in layout.pieces(rank))
 
 
-def _buckets(model: Any, n: int, bucket_mb: float) -> list[FlatLayout]:
-    """The gradient buckets behemoth builds at stages 1-2."""
+def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None = None) -> list[FlatLayout]:
+    """The gradient buckets behemoth builds at stages 1-2 (under a pipeline, per stage: `ZeroStage1._buckets`)."""
     named = list(model.named_parameters())
     params = [p for _, p in named]
     names = {id(p): name for name, p in named}
-    return [FlatLayout([names[id(p)] for p in b], [tuple(p.shape) for p in b], n)
-            for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
+
+    def layout(bucket: list[Any]) -> FlatLayout:
+        return FlatLayout([names[id(p)] for p in bucket], [tuple(p.shape) for p in bucket], n)
+
+    if stage_params is None:
+        return [layout(b) for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
+    uses: dict[int, int] = {}
+    for ps in stage_params.values():
+        for p in {id(q): q for q in ps}.values():
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    out = []
+    for _, ps in sorted(stage_params.items()):
+        own = [p for p in params if uses.get(id(p)) == 1 and any(p is q for q in ps)]
+        out += [layout(b) for b in plan_buckets(reversed(own), int(bucket_mb * 2**20))]
+    return out + [layout([p]) for p in params if uses.get(id(p)) != 1]
 
 
 def _window_max(sizes: list[int], width: int) -> int:
@@ -94,15 +113,17 @@ def _window_max(sizes: list[int], width: int) -> int:
 
 
 def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32", bucket_mb: float = 25.0,
-                   prefetch: int = 1, rank: int = 0, layers: LayerNames | None = None, tie_embeddings: bool = False) -> StageEstimate:
-    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default)."""
+                   prefetch: int = 1, rank: int = 0, layers: LayerNames | None = None, tie_embeddings: bool = False,
+                   stage_params: dict[int, list[Any]] | None = None) -> StageEstimate:
+    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default;
+    `stage_params`: under a pipeline, the parameters of each stage the rank holds, bucketed per stage)."""
     p, g, k = BYTES_PER_PARAM[param_dtype]
     psi = sum(t.numel() for t in model.parameters())
     formula = formula_bytes(psi, n, stage, param_dtype)
     if stage == 0:
         return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula, traffic=2 * psi)
     units = plan_units(model, layers=layers or view_of("gpt"), tie_embeddings=tie_embeddings) if stage == 3 else []
-    layouts = [FlatLayout(u.names, u.shapes, n) for u in units] if stage == 3 else _buckets(model, n, bucket_mb)
+    layouts = [FlatLayout(u.names, u.shapes, n) for u in units] if stage == 3 else _buckets(model, n, bucket_mb, stage_params)
     padded = sum(lay.padded for lay in layouts)
     shard = sum(lay.shard_size for lay in layouts)
     mine = sum(real_elements(lay, rank) for lay in layouts)
@@ -160,12 +181,45 @@ def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str,
     return {"gathered_peak": gathered * bytes_per, "grad_buffers_peak": grads * bytes_per}
 
 
-def estimate(cfg: Any, n: int, *, rank: int = 0, stages: tuple[int, ...] = STAGES) -> list[StageEstimate]:
-    """Every stage's exact estimate for a config (the model is built on the meta device: no memory)."""
-    lm = build_causal_lm(cfg.model, cfg.hf)
+def rank_model(cfg: Any, world: int, pp_rank: int = 0) -> tuple[Any, dict[int, list[Any]] | None]:
+    """Pipeline rank `pp_rank`'s part of the config's model under its plan on `world` processes, on the meta device:
+    cut to the rank's stages, split by tensor parallelism (one tp rank: all hold equal shapes), and the parameters of
+    each stage it holds (None without a pipeline), as `parallelize` lays them out."""
+    from behemoth.parallel.parallelize import resolve_stage_boundaries
+    from behemoth.parallel.pipeline.partition import cut_model
+    from behemoth.parallel.pipeline.schedules import build_schedule
+    from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel
+
+    lm, plan = build_causal_lm(cfg.model, cfg.hf), cfg.parallel
+    dims = plan.dims(world)
+    stages = None
+    if dims.pp > 1:
+        batch = cfg.batch_layout(dims.dp)
+        schedule = build_schedule(plan.schedule, dims.pp, batch.accum, plan.schedule_chunks)
+        bounds = resolve_stage_boundaries(plan.model_copy(update={"balance": "flops"}) if plan.balance == "time" else plan, lm, cfg.seq_len, batch.micro_batch)
+        held = schedule.chunk_stages[pp_rank]
+        stages = cut_model(lm.module, held, bounds, lm.layers, lm.shape.tied)
+        shared = lm.shape.tied and len(schedule.stage_ranks[0]) == 1 and (0 in held) != (len(bounds) - 2 in held)
+    if dims.tp > 1:
+        apply_tensor_parallel(lm.module, TPComm(None, dims.tp, 0), TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms))  # type: ignore[arg-type]
+        lm.after_tensor_parallel(dims.tp)
+    if stages is None:
+        return lm, None
+    tied = lm.module.get_submodule(lm.layers.embedding).weight if shared else None
+    return lm, {s: [p for p in part.parameters() if p is not tied] for s, part in stages.items()}
+
+
+def estimate(cfg: Any, n: int | None = None, *, rank: int = 0, stages: tuple[int, ...] = STAGES, world: int | None = None,
+             pp_rank: int = 0) -> list[StageEstimate]:
+    """Every ZeRO stage's exact estimate for data-parallel rank `rank` of pipeline rank `pp_rank` of the config's plan on
+    `world` processes (default: `n` data-parallel ranks and nothing else); built on the meta device: no memory."""
     plan = cfg.parallel
-    return [stage_estimate(lm.module, s, n, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
-                           rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied) for s in stages]
+    world = world if world is not None else (n or 1) * plan.tp * plan.pp
+    dp = plan.dims(world).dp
+    lm, stage_params = rank_model(cfg, world, pp_rank)
+    return [stage_estimate(lm.module, s, dp, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
+                           rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied, stage_params=stage_params if s in (1, 2) else None)
+            for s in stages]
 
 
 def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> dict[int, int]:
@@ -173,12 +227,13 @@ def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> d
     return {s: math.floor(memory_bytes / bytes_per_param(n, s, param_dtype if s else "fp32")) for s in STAGES}
 
 
-def fit_problems(cfg: Any, dp: int) -> list[Problem]:
-    """A plan whose model states (exact estimate, rank 0) exceed parallel.memory_gb, with the stage or ranks that would fit."""
+def fit_problems(cfg: Any, dp: int, world: int | None = None) -> list[Problem]:
+    """A plan whose model states (exact estimate of pipeline rank 0 (the largest), tp and pp included) exceed
+    parallel.memory_gb, with the stage or ranks that would fit."""
     plan = cfg.parallel
     if plan.memory_gb is None:
         return []
-    ests = estimate(cfg, dp)
+    ests = estimate(cfg, dp, world=world)
     need = ests[plan.zero_stage]
     if need.total <= plan.memory_gb * GiB:
         return []
@@ -190,6 +245,11 @@ def fit_problems(cfg: Any, dp: int) -> list[Problem]:
            else "use a smaller model or more memory per rank (stage 3's gathered blocks alone do not fit)")
     return [Problem.of(
         "parallel.memory_gb",
-        f"the model ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
-        f"parallel.zero_stage={plan.zero_stage} on dp={dp} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
+        f"{'the model' if not layout_text(plan) else 'its share of the model on a rank'} ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
+        f"parallel.zero_stage={plan.zero_stage} on dp={dp}{layout_text(plan)} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
         f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}", fix)]
+
+
+def layout_text(plan: Any) -> str:
+    """` x tp=2 x pp=4` for the degrees besides dp that a plan sets."""
+    return "".join(f" x {k}={getattr(plan, k)}" for k in ("tp", "pp") if getattr(plan, k) > 1)

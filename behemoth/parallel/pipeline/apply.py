@@ -26,6 +26,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, pair_all_reduce
 from behemoth.models.layered import LayeredView
+from behemoth.parallel.deferred import make_deferrable
 from behemoth.parallel.pipeline.analysis.simulate import peak_stash
 from behemoth.parallel.pipeline.executor import SYNC_TAG, Activations, Autocast, Batch, LossFn, PipeComm, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.partition import cut_model
@@ -51,12 +52,14 @@ class PipelinePolicy:
 class PipelineParallel:
     """This rank's part of the pipeline: the schedule, its pipeline stages of the cut model, the executor."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, layers: LayeredView, *, tied: bool) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, layers: LayeredView, *, tied: bool,
+                 transposed: frozenset[str] = frozenset()) -> None:
         self.model, self.group, self.policy, self.layers, self.tied = model, group, policy, layers, tied
         self.rank = dist.get_rank(group)
         self.schedule: Schedule = build_schedule(policy.schedule, dist.get_world_size(group), policy.microbatches, policy.chunks)
         self.bounds = list(policy.boundaries)
         self.stages = cut_model(model, self.schedule.chunk_stages[self.rank], self.bounds, layers, tied)
+        self.transposed = transposed
         for stage in self.stages.values():
             stage.seq_split = policy.seq_split
         self.recomputes = self.rank in recompute_ranks(policy.recompute, peak_stash(self.schedule))
@@ -74,10 +77,12 @@ class PipelineParallel:
         """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist."""
         self.meter = meter
         dtype = next(self.model.parameters()).dtype
+        # a split backward defers the linear layers' weight-gradient matmuls (tensor-parallel ones too) to its W passes
+        deferral = make_deferrable(self.model, self.transposed) if self.schedule.split_backward else None
         self.executor = PipelineExecutor(
             self.schedule, self.rank, self.stages, PipeComm(self.group, self.policy.timeout_s, meter),
             Activations(hidden_size, dtype, device, self.policy.seq_split), replica_params=self._replica_params(),
-            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None)
+            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None, deferral=deferral)
         self.executor.stash_meter.exclude(list(self.model.parameters()))
 
     def run(self, micro_batches: Batch, loss: LossFn, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
@@ -131,6 +136,7 @@ class PipelineParallel:
 
 
 def apply_pipeline(model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, *, layers: LayeredView,
-                   tied: bool = False) -> PipelineParallel:
-    """Cut `model` (on the meta device) down to this rank's pipeline stages of `policy`'s schedule."""
-    return PipelineParallel(model, group, policy, layers, tied=tied)
+                   tied: bool = False, transposed: frozenset[str] = frozenset()) -> PipelineParallel:
+    """Cut `model` (on the meta device) down to this rank's pipeline stages of `policy`'s schedule; `transposed` names
+    the linear layers that hold an [in, out] weight (their gradients are deferred too under a split backward)."""
+    return PipelineParallel(model, group, policy, layers, tied=tied, transposed=transposed)

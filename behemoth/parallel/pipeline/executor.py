@@ -42,6 +42,7 @@ from torch import nn
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.flight import HangError
+from behemoth.parallel.deferred import DeferralSlot
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import PipelineStage
@@ -113,12 +114,15 @@ class PipelineExecutor:
     """One rank's executor: its schedule, its pipeline stages, and how to reach the other ranks.
 
     `replica_params`: per stage, the parameters Chimera's GRAD_SYNC sums with the stage's other replica;
-    `on_grads(stage)`: called once a pass has written a stage's weight gradients (ZeRO-2 reduces them)."""
+    `on_grads(stage)`: called once a pass has written a stage's weight gradients (ZeRO-2 reduces them);
+    `deferral`: the slot the model's deferrable linear layers read (zero-bubble schedules' split backward)."""
 
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, PipelineStage], comm: PipeComm, activations: Activations, *,
-                 replica_params: dict[int, list[nn.Parameter]] | None = None, on_grads: Callable[[int], None] | None = None) -> None:
+                 replica_params: dict[int, list[nn.Parameter]] | None = None, on_grads: Callable[[int], None] | None = None,
+                 deferral: DeferralSlot | None = None) -> None:
         self.schedule, self.rank, self.stages, self.comm, self.activations = schedule, rank, stages, comm, activations
         self.replica_params, self.on_grads = replica_params or {}, on_grads
+        self.deferral = deferral or DeferralSlot()  # where a split backward's input pass queues weight gradients
         self.device = activations.device
         self.actions = schedule.per_rank[rank]
         timeline = reference_timeline(schedule)
@@ -291,11 +295,14 @@ class _Step:
 
     def backward_input(self, index: int, a: Action) -> None:
         s = self.stash[(a.stage, a.microbatch)]
-        self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.stages[a.stage].parameters()))
+        self.deposit_input_grad(a, backward_input(s, self.output_grad(a, s), self.ex.deferral))
+        if s.input is not None:  # the input pass freed the graph (the weight pass keeps only its deferred products)
+            self.release(s)
+            s.nbytes = 0
 
     def backward_weight(self, index: int, a: Action) -> None:
         s = self.stash.pop((a.stage, a.microbatch))
-        backward_weight(s, self.ex.stages[a.stage].parameters())
+        backward_weight(s)
         self.release(s)
         self.grads_done(a)
 

@@ -1,12 +1,12 @@
 """The compute passes of one stage for one micro-batch: forward, full backward, and the split
 backward of zero-bubble schedules (input gradient now, weight gradient later).
 
-The split uses torch's own graph-splitting helpers (`torch.distributed.pipelining._backward`,
-torch pinned to 2.13): the input-gradient pass walks only the path to the stage input and
-captures, at each node where a weight's gradient branches off, the gradient flowing into it; the
-weight-gradient pass starts from those captures, so neither pass repeats the other's work. The
-first stage has no input gradient to send, so its input pass does nothing and its weight pass is
-the full backward (as torch.distributed.pipelining does).
+The split defers the weight gradients of the stage's linear layers (parallel/deferred.py): the
+input-gradient pass is one ordinary autograd backward in which each linear layer returns only its
+input gradient and queues its weight-gradient matmul; the weight-gradient pass runs the queue.
+Neither pass repeats the other's work, and no graph is walked twice. The first stage has no input
+gradient to send, so its input pass does nothing and its weight pass is the full backward (as
+torch.distributed.pipelining does).
 
 `StashMeter` counts the bytes autograd keeps for backward (activations, not parameters), so the
 memory each stage holds is measured, not assumed.
@@ -17,11 +17,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch import nn
+
+from behemoth.parallel.deferred import DeferralSlot, WeightGradQueue
 
 
 @dataclass
@@ -31,8 +30,8 @@ class Stashed:
     input: torch.Tensor | None  # None on the first stage (token ids need no gradient)
     output: torch.Tensor
     nbytes: int
-    output_grad: torch.Tensor | None = None  # set by the input-gradient pass for the weight pass
-    param_groups: list[dict[str, Any]] | None = field(default=None, repr=False)
+    output_grad: torch.Tensor | None = None  # the first stage's output gradient, kept for its weight pass
+    deferred: WeightGradQueue | None = field(default=None, repr=False)  # the input pass's weight-gradient products
 
 
 def backward_full(s: Stashed, output_grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -41,22 +40,27 @@ def backward_full(s: Stashed, output_grad: torch.Tensor | None) -> torch.Tensor 
     return None if s.input is None else s.input.grad
 
 
-def backward_input(s: Stashed, output_grad: torch.Tensor | None, params: list[nn.Parameter]) -> torch.Tensor | None:
-    """The input gradient only, capturing what the weight pass needs; None (and no work) on the first stage."""
+def backward_input(s: Stashed, output_grad: torch.Tensor | None, slot: DeferralSlot) -> torch.Tensor | None:
+    """The input gradient, with the linear layers' weight gradients queued for the weight pass (other parameters get
+    theirs now); None (and no work) on the first stage."""
     if s.input is None:
         s.output_grad = output_grad
         return None
-    grads, s.param_groups = stage_backward_input([s.output], None if output_grad is None else [output_grad], [s.input], iter(params))
-    return grads[0]
+    s.deferred = slot.queue = WeightGradQueue()
+    try:
+        torch.autograd.backward(s.output, output_grad)
+    finally:
+        slot.queue = None
+    return s.input.grad
 
 
-def backward_weight(s: Stashed, params: list[nn.Parameter]) -> None:
+def backward_weight(s: Stashed) -> None:
     """The weight gradients deferred by `backward_input`, accumulated into .grad."""
     if s.input is None:
         torch.autograd.backward(s.output, s.output_grad)
         return
-    stage_backward_weight(iter(params), s.param_groups)
-    s.param_groups = None
+    s.deferred.run()
+    s.deferred = None
 
 
 class StashMeter:

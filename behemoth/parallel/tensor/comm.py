@@ -43,28 +43,36 @@ class TPComm:
         return t
 
 
-def _seq_first(x: torch.Tensor) -> torch.Tensor:
-    return x.movedim(SEQ_DIM, 0).contiguous()
+class SequenceGather:
+    """The all-gather of every rank's sequence shard, in flight: [B, T/t, ...] -> [B, T, ...] when `result()` is asked.
 
+    The shards are gathered rank-major into one buffer ([t, B, T/t, ...], no copy on the way in) and laid out along the
+    sequence by one copy on the way out."""
 
-def _seq_back(x: torch.Tensor) -> torch.Tensor:
-    return x.movedim(0, SEQ_DIM).contiguous()
+    def __init__(self, x: torch.Tensor, tp: TPComm) -> None:
+        self.local, self.tp = x.contiguous(), tp  # kept until the gather is done
+        self.out = self.local.new_empty((tp.size * self.local.shape[0], *self.local.shape[1:]))
+        self.pending = all_gather(self.out, self.local, tp.group, tp.meter, async_op=True)
+
+    def result(self) -> torch.Tensor:
+        self.pending.wait()
+        b, rest = self.local.shape[0], self.local.shape[1:]
+        ranked = self.out.view(self.tp.size, b, *rest).movedim(0, SEQ_DIM)  # [B, t, T/t, ...]
+        return ranked.reshape(b, self.tp.size * rest[0], *rest[1:])
 
 
 def gather_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """Concatenate every rank's sequence shard: [B, T/t, ...] -> [B, T, ...]."""
-    local = _seq_first(x)
-    out = local.new_empty((local.shape[0] * tp.size, *local.shape[1:]))
-    all_gather(out, local, tp.group, tp.meter)
-    return _seq_back(out)
+    return SequenceGather(x, tp).result()
 
 
 def reduce_scatter_sequence(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """Sum over ranks and keep this rank's sequence shard: [B, T, ...] -> [B, T/t, ...]."""
-    full = _seq_first(x)
-    out = full.new_empty((full.shape[0] // tp.size, *full.shape[1:]))
-    reduce_scatter(out, full, tp.group, tp.meter)
-    return _seq_back(out)
+    """Sum over ranks and keep this rank's sequence shard: [B, T, ...] -> [B, T/t, ...] (one copy, into rank-major order)."""
+    b, t, shard = x.shape[0], tp.size, x.shape[SEQ_DIM] // tp.size
+    ranked = x.reshape(b, t, shard, *x.shape[2:]).movedim(1, 0).contiguous()  # [t, B, T/t, ...]
+    out = x.new_empty((b, shard, *x.shape[2:]))
+    reduce_scatter(out, ranked.view(t * b, shard, *x.shape[2:]), tp.group, tp.meter)
+    return out
 
 
 SeqOp = Callable[[torch.Tensor, TPComm], torch.Tensor]
@@ -89,7 +97,11 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-        return tp.all_reduce(x.contiguous().clone())
+        """Sums the partial products in place: they are a fresh product that nothing else holds (marked dirty)."""
+        if not x.is_contiguous():
+            return tp.all_reduce(x.contiguous())
+        ctx.mark_dirty(x)
+        return tp.all_reduce(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -116,7 +128,8 @@ def copy_to_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """g: all-reduce forward (partial sums become the full sum), identity backward."""
+    """g: all-reduce forward (partial sums become the full sum), identity backward. In place: pass a fresh product
+    that nothing else reads."""
     return _ReduceFromTP.apply(x, tp)
 
 

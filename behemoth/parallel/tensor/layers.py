@@ -13,6 +13,7 @@ Megatron-LM does, so everything a block saves divides by t (see activations.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -23,7 +24,8 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, mark_partial
-from behemoth.parallel.tensor.comm import TPComm, copy_to_tp, gather_seq, gather_sequence, reduce_from_tp, reduce_scatter_seq
+from behemoth.parallel.deferred import DeferralSlot, accumulate, deferrable_linear
+from behemoth.parallel.tensor.comm import SequenceGather, TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 TP_LAYOUT = "_behemoth_tp_layout"          # ShardLayout of a tensor-parallel parameter
 TP_PARTIAL_GRAD = "_behemoth_tp_partial_grad"  # replicated parameter whose gradient is a partial sum over tp
@@ -102,14 +104,22 @@ def enter_tp_region(x: torch.Tensor, tp: TPComm, sequence_parallel: bool) -> tor
 
 class RegatherCache:
     """The backward all-gather of one saved sequence shard, shared by every column layer that read it (q, k, v:
-    one gather, not three). It holds no tensor until backward and drops the gathered one after its last reader."""
+    one gather, not three). It holds no tensor until backward, is started by the first input-gradient pass that
+    reaches it (so the gather travels while that pass multiplies) and drops the gathered tensor after its last reader."""
 
     def __init__(self, tp: TPComm) -> None:
         self.tp, self.readers, self.full = tp, 0, None
+        self.gather: SequenceGather | None = None
+
+    def start(self, shard: torch.Tensor) -> None:
+        """Issue the all-gather now, if a weight gradient will need it and it is not on its way already."""
+        if self.readers > 0 and self.full is None and self.gather is None:
+            self.gather = SequenceGather(shard, self.tp)
 
     def take(self, shard: torch.Tensor) -> torch.Tensor:
         if self.full is None:
-            self.full = gather_sequence(shard, self.tp)
+            self.start(shard)
+            self.full, self.gather = self.gather.result(), None
         full = self.full
         self.readers -= 1
         if self.readers <= 0:
@@ -118,19 +128,24 @@ class RegatherCache:
 
 
 class _InputPath(torch.autograd.Function):
-    """x W^T with the weight out of the graph (passed in a tuple): backward gives the input gradient only.
+    """x W^T with the weight out of the graph (passed in a tuple): backward gives the input gradient only, after
+    starting the weight path's re-gather of the sequence shard (when there is one) so the two overlap.
 
     The weight is saved as an intermediate, so saved-tensor hooks (ZeRO-3's re-gather) see the parameter itself."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_and_orientation: tuple[torch.Tensor, bool]) -> torch.Tensor:
-        weight, ctx.transposed = weight_and_orientation
+    def forward(ctx, x: torch.Tensor, weight_and_more: tuple[torch.Tensor, bool, "RegatherCache | None", torch.Tensor | None,
+                                                             DeferralSlot | None]) -> torch.Tensor:
+        weight, ctx.transposed, ctx.cache, ctx.shard, ctx.slot = weight_and_more
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
         return local_linear(x, weight, None, ctx.transposed)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        deferring = ctx.slot is not None and ctx.slot.queue is not None  # the gather then waits for the weight pass
+        if ctx.cache is not None and not deferring:
+            ctx.cache.start(ctx.shard)
         (weight,) = ctx.saved_tensors
         weight = weight.to(grad.dtype)
         return torch.matmul(grad, weight.t() if ctx.transposed else weight).to(ctx.x_dtype), None
@@ -138,39 +153,75 @@ class _InputPath(torch.autograd.Function):
 
 class _WeightPath(torch.autograd.Function):
     """Forward: the bias broadcast to the output (zeros without one). Backward: the weight and bias gradients,
-    from the saved sequence shard gathered again. A node of its own off the input path, so a zero-bubble
-    schedule's input-gradient pass skips it and its weight-gradient pass runs only it."""
+    from the saved sequence shard gathered again; deferred to the weight pass when the slot holds a queue (a
+    zero-bubble schedule's input pass), so that pass neither gathers nor multiplies for the weights."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, bias: torch.Tensor | None, shard: torch.Tensor, cache: RegatherCache,
-                shape: torch.Size, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+                shape: torch.Size, dtype: torch.dtype, transposed: bool, slot: DeferralSlot | None) -> torch.Tensor:
         ctx.save_for_backward(shard)
-        ctx.cache, ctx.transposed, ctx.dtypes = cache, transposed, (weight.dtype, None if bias is None else bias.dtype)
+        ctx.cache, ctx.transposed, ctx.slot = cache, transposed, slot
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        # the Parameters themselves only where a weight pass may add into their .grad: a reference held until backward
+        # would keep a ZeRO-3 unit's gathered buffer alive (the weight is a view of it there)
+        ctx.params = (weight, bias) if slot is not None else None
         return (weight.new_zeros((), dtype=dtype) if bias is None else bias.to(dtype)).expand(shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (shard,) = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            x = ctx.cache.take(shard).to(g.dtype)
-            x = x.reshape(-1, x.shape[-1])
-            grad_w = (x.t() @ g if ctx.transposed else g.t() @ x).to(ctx.dtypes[0])
-        if ctx.needs_input_grad[1]:
-            grad_b = g.sum(0).to(ctx.dtypes[1])
-        return grad_w, grad_b, None, None, None, None, None
+        wants = (ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        if ctx.slot is not None and ctx.slot.queue is not None:
+            weight, bias = ctx.params
+            ctx.slot.queue.defer(functools.partial(_regathered_weight_grads, ctx.cache, shard, grad, ctx.transposed, weight, bias, wants))
+            return None, None, None, None, None, None, None, None
+        grad_w, grad_b = regathered_weight_grads(ctx.cache, shard, grad, ctx.transposed, ctx.dtypes, wants)
+        return grad_w, grad_b, None, None, None, None, None, None
+
+
+def regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: torch.Tensor, transposed: bool,
+                            dtypes: tuple[torch.dtype, torch.dtype | None], wants: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The weight gradient from the re-gathered input and the output gradient, and the bias gradient (as asked)."""
+    g = grad.reshape(-1, grad.shape[-1])
+    grad_w = grad_b = None
+    if wants[0]:
+        x = cache.take(shard).to(g.dtype)
+        x = x.reshape(-1, x.shape[-1])
+        grad_w = (x.t() @ g if transposed else g.t() @ x).to(dtypes[0])
+    if wants[1]:
+        grad_b = g.sum(0).to(dtypes[1])
+    return grad_w, grad_b
+
+
+def _regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: torch.Tensor, transposed: bool, weight: nn.Parameter,
+                             bias: nn.Parameter | None, wants: tuple[bool, bool]) -> None:
+    """A deferred weight pass: the same gradients, added into `.grad`."""
+    dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    for p, g in zip((weight, bias), regathered_weight_grads(cache, shard, grad, transposed, dtypes, wants)):
+        if g is not None:
+            accumulate(p, g)
 
 
 def linear_saving_shard(x: torch.Tensor, shard: torch.Tensor, cache: RegatherCache, weight: torch.Tensor,
-                        bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x W + b for an all-gathered `x` that autograd does not keep: only its sequence `shard` is saved."""
-    y = _InputPath.apply(x, (weight, transposed))
+                        bias: torch.Tensor | None, transposed: bool, slot: DeferralSlot | None = None) -> torch.Tensor:
+    """x W + b for an all-gathered `x` that autograd does not keep: only its sequence `shard` is saved.
+
+    The weight path's node is made first, so backward runs the input path first (autograd runs the later of two
+    ready nodes first): it starts the re-gather, multiplies, and the weight path then finds the gather done."""
     if not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _InputPath.apply(x, (weight, transposed, None, None, None))
         return y if bias is None else y + bias
     if weight.requires_grad:
         cache.readers += 1
-    return y + _WeightPath.apply(weight, bias, shard.detach(), cache, y.shape, y.dtype, transposed)
+    shape, dtype = (*x.shape[:-1], weight.shape[1] if transposed else weight.shape[0]), matmul_dtype(x, weight)
+    weight_part = _WeightPath.apply(weight, bias, shard.detach(), cache, shape, dtype, transposed, slot)
+    return _InputPath.apply(x, (weight, transposed, cache, shard.detach(), slot)) + weight_part
+
+
+def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype of x @ W: autocast's where it is on, else the promoted one."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else torch.promote_types(x.dtype, weight.dtype)
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -201,6 +252,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
+        self.deferral: DeferralSlot | None = None  # set under a split backward: weight gradients wait for the weight pass
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False,
@@ -217,9 +269,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         source = getattr(x, SEQ_SOURCE, None) if self.sequence_parallel and torch.is_grad_enabled() else None
-        if source is None:
-            return local_linear(x, self.weight, self.bias, self.transposed)
-        return linear_saving_shard(x, *source, self.weight, self.bias, self.transposed)
+        if source is not None:
+            return linear_saving_shard(x, *source, self.weight, self.bias, self.transposed, self.deferral)
+        if self.deferral is not None:
+            return deferrable_linear(x, self.weight, self.bias, self.deferral, self.transposed)
+        return local_linear(x, self.weight, self.bias, self.transposed)
 
 
 class RowParallelLinear(nn.Module):
@@ -229,6 +283,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.transposed, self.tp, self.sequence_parallel = transposed, tp, sequence_parallel
+        self.deferral: DeferralSlot | None = None  # set under a split backward: weight gradients wait for the weight pass
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False) -> "RowParallelLinear":
@@ -241,7 +296,10 @@ class RowParallelLinear(nn.Module):
         return cls(shard_parameter(w, f"{name}.weight", layout), bias, transposed=transposed, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = local_linear(x, self.weight, None, self.transposed)
+        if self.deferral is not None:
+            y = deferrable_linear(x, self.weight, None, self.deferral, self.transposed)
+        else:
+            y = local_linear(x, self.weight, None, self.transposed)
         y = reduce_scatter_seq(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 

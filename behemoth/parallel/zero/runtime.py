@@ -33,6 +33,7 @@ from behemoth.comm import CommMeter, plan_buckets
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
+from behemoth.parallel.expert.layout import EXPERT_LAYOUT
 from behemoth.parallel.sync import AdamWSettings, GradSync
 from behemoth.parallel.tensor.layers import TP_LAYOUT
 from behemoth.parallel.zero.groups import AccumulatingBucket, BufferMeter, FlatGroup, ReplicatedGroup, StreamingBucket
@@ -76,10 +77,16 @@ class ZeroSync(GradSync):
     sharded = True
     groups: list[FlatGroup]
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None) -> None:
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None,
+                 select: Callable[[str], bool] | None = None) -> None:
         self.model, self.group, self.policy, self.meter = model, group, policy, meter
+        self.select = select or (lambda name: True)
         self.compute_dtype = DTYPES[policy.param_dtype]
-        self.aliases = tied_names(model)
+        self.aliases = {k: v for k, v in tied_names(model).items() if self.select(k)}
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's parameters this sync keeps (all, or those `select` accepts)."""
+        return [(n, p) for n, p in self.model.named_parameters() if self.select(n)]
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -105,7 +112,7 @@ class ZeroSync(GradSync):
         optimizer.publish()
 
     def param_bytes(self) -> int:
-        return held_bytes(p for p in self.model.parameters())
+        return held_bytes(p for _, p in self.named_parameters())
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank really holds (distinct storages)."""
@@ -118,8 +125,9 @@ class ZeroStage1(ZeroSync):
     bucket_type: type[ReplicatedGroup] = AccumulatingBucket
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *,
-                 stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None) -> None:
-        super().__init__(model, group, policy, meter)
+                 stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None,
+                 select: Callable[[str], bool] | None = None) -> None:
+        super().__init__(model, group, policy, meter, select)
         self.last = True
         self.buffers = BufferMeter()
         self.in_flight: list[ReplicatedGroup] = []
@@ -134,9 +142,9 @@ class ZeroStage1(ZeroSync):
         A tensor-parallel parameter is this tp rank's local tensor: flat-sharding it over dp is sharding
         that local tensor, and its layout is the same on every tp rank, so buckets line up across tp.
         """
-        named = list(self.model.named_parameters())
+        named = self.named_parameters()
         frozen = [n for n, p in named if not p.requires_grad]
-        undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT)]
+        undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT) and not hasattr(p, EXPERT_LAYOUT)]
         if frozen or undescribed:
             raise BehemothError(f"ZeRO stage {self.policy.stage} needs every parameter trainable and whole or tensor-parallel "
                                 f"(got {(frozen or undescribed)[0]})", "use parallel.zero_stage=0 for frozen parameters")
@@ -155,6 +163,8 @@ class ZeroStage1(ZeroSync):
                     p.register_post_accumulate_grad_hook(self._grad_ready(g, i))
                 groups.append(g)
             return groups
+        mine = {id(p) for p in params}
+        stage_params = {stage: [p for p in ps if id(p) in mine] for stage, ps in stage_params.items()}
         uses = Counter(id(p) for ps in stage_params.values() for p in {id(q): q for q in ps}.values())
         for stage, ps in sorted(stage_params.items()):
             own = [p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]
@@ -261,11 +271,14 @@ class ZeroStage3(ZeroSync):
 
 
 def apply_zero(model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec] | None = None,
-               stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None) -> ZeroSync:
+               stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None,
+               select: Callable[[str], bool] | None = None) -> ZeroSync:
     """Shard `model`'s optimizer state (and gradients, and parameters) over `group` at ZeRO `policy.stage`.
 
-    Stage 3 takes the units `shard_parameters` made before materialize; under a pipeline stages 1-2 take
-    `stage_params`, the parameters of each pipeline stage this rank holds (see the module docstring)."""
+    Stage 3 takes the units `shard_parameters` made before materialize (each over its own group: a mixture of
+    experts' expert units over dp, the rest over dp x ep); under a pipeline stages 1-2 take `stage_params`, the
+    parameters of each pipeline stage this rank holds (see the module docstring). At stages 1-2 `select` picks
+    the parameters (by name) this sync keeps: a mixture of experts has one sync for dense and one for expert ones."""
     if policy.stage == 3:
         if units is None:
             raise ValueError("ZeRO stage 3 needs the units from shard_parameters(), called before materialize")
@@ -275,4 +288,4 @@ def apply_zero(model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *
     if policy.stage not in (1, 2):
         raise ValueError(f"apply_zero takes stage 1, 2 or 3, got {policy.stage}")
     cls = ZeroStage1 if policy.stage == 1 else ZeroStage2
-    return cls(model, group, policy, stage_params=stage_params, meter=meter)
+    return cls(model, group, policy, stage_params=stage_params, meter=meter, select=select)

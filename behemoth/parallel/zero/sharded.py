@@ -162,7 +162,7 @@ class Stage3:
         self.gathered_bytes, self.grad_bytes = BufferMeter(), BufferMeter()
         self.live: dict[int, ShardedUnit] = {}
         self.in_flight: list[tuple[Pending, ShardedUnit, torch.Tensor]] = []
-        self.units = [ShardedUnit(s, group, self, compute_dtype=compute_dtype, meter=meter) for s in specs]
+        self.units = [ShardedUnit(s, s.group or group, self, compute_dtype=compute_dtype, meter=meter) for s in specs]
         of_spec = {id(u.spec): u for u in self.units}
         for unit in self.units:
             unit.reads = [of_spec[id(r)] for r in unit.spec.reads]
@@ -181,7 +181,7 @@ class Stage3:
             unit.spec.module.register_forward_pre_hook(self._block_start(unit, role["embedding"] if i == 0 else []))
             unit.spec.module.register_forward_hook(self._block_end(unit, head if i == len(blocks) - 1 else []), always_call=True)
         for unit in self.units:
-            owners = {id(m): m for locations in unit.spec.locations for m, _ in locations}
+            owners = {id(m): m for m in unit.spec.callers} or {id(m): m for locations in unit.spec.locations for m, _ in locations}
             for owner in owners.values():
                 owner.register_forward_pre_hook(self._ensure_installed(unit))
 

@@ -10,6 +10,11 @@ model: embedding modules, the ModuleList of blocks, head modules):
 - the head unit (final norm, LM head): gathered for the head's forward and backward;
 - a root unit for any parameter outside those, gathered for the whole forward.
 
+A mixture of experts shards its expert weights over a group of its own (dp; every other parameter over
+dp x ep): `shard_parameters(..., experts=ExpertUnits(is_expert, group))` gives each block with experts a
+second unit, gathered and freed with the first over the experts' group; the module that reads them (the
+MoE layer: the stacked experts are read, not called) installs them when a recomputation needs them.
+
 A tied LM head reads the embedding's weight. That weight stays in the embedding unit (one shard, one
 master, one gradient), which the head gathers again for its forward and backward (`reads`); the
 gradients of the two uses are summed before the unit's one reduce-scatter.
@@ -17,6 +22,7 @@ gradients of the two uses are summed before the unit's one reduce-scatter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -50,6 +56,33 @@ class UnitSpec:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     locations: list[list[Location]] = field(default_factory=list)
     reads: list["UnitSpec"] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None                     # sharded over this group (None: the sync's group)
+    callers: list[nn.Module] = field(default_factory=list)     # modules whose forward reads these parameters (default: their owners)
+
+
+@dataclass(frozen=True)
+class ExpertUnits:
+    """Which parameters (by single-process name) are expert weights, and the group their units are sharded over."""
+
+    is_expert: Callable[[str], bool]
+    group: dist.ProcessGroup
+
+
+def split_expert_units(model: nn.Module, specs: list[UnitSpec], experts: ExpertUnits) -> list[UnitSpec]:
+    """Each block unit holding expert weights becomes two, its experts' one over `experts.group`, read by their owner's parent."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out = []
+    for spec in specs:
+        picked = [i for i, name in enumerate(spec.names) if experts.is_expert(name)]
+        if spec.role != "block" or not picked:
+            out.append(spec)
+            continue
+        rest = [i for i in range(len(spec.names)) if i not in picked]
+        part = lambda idx, **kw: UnitSpec(spec.role, spec.module, [spec.names[i] for i in idx], [spec.shapes[i] for i in idx],  # noqa: E731
+                                          [spec.locations[i] for i in idx], **kw)
+        owners = {names[id(m)].rpartition(".")[0] for i in picked for m, _ in spec.locations[i]}
+        out += [part(rest), part(picked, group=experts.group, callers=[model.get_submodule(n) for n in sorted(owners)])]
+    return [s for s in out if s.names]
 
 
 def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -107,15 +140,18 @@ def _owning_unit(model: nn.Module, mod_name: str, anchor: dict[int, int]) -> int
     return unit
 
 
-def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False) -> list[UnitSpec]:
+def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False,
+                     experts: ExpertUnits | None = None) -> list[UnitSpec]:
     """Before materialize: replace each meta parameter by this rank's 1-D piece of it, marked partial.
 
     `materialize` then draws each full parameter from (seed, name) and keeps only the piece, so a rank never
     stores more than its shard; weights loaded from a file (hf.weights) go through the same `take_local`.
     """
     specs = plan_units(model, layers=layers, tie_embeddings=tie_embeddings)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if experts is not None:
+        specs = split_expert_units(model, specs, experts)
     for spec in specs:
+        world, rank = dist.get_world_size(spec.group or group), dist.get_rank(spec.group or group)
         layout = FlatLayout(spec.names, spec.shapes, world)
         pieces = {p.index: p for p in layout.pieces(rank)}
         for i, locations in enumerate(spec.locations):

@@ -143,17 +143,23 @@ class SimResult:
 def peak_stash(schedule: Schedule) -> tuple[int, ...]:
     """Per rank, the most micro-batch activations held at once.
 
-    A forward's activations are stashed until the pass that last needs them: its B, or for split
-    schedules its W (the weight gradient reads the stage inputs). Counted per (stage, microbatch),
-    so with interleaving one unit is one chunk's activations, 1/v of a full pipeline stage's.
-    The count follows from the action order alone, not from timing.
+    A forward's activations are stashed until the backward pass frees its graph: its B, or for split
+    schedules its input-gradient pass BI (the weight pass then needs only the deferred linear layers'
+    inputs and output gradients, parallel/deferred.py) — except on stage 0, whose input pass does
+    nothing and whose W is the whole backward. Counted per (stage, microbatch), so with interleaving one
+    unit is one chunk's activations, 1/v of a full pipeline stage's. The count follows from the action
+    order alone, not from timing.
     """
-    release = Kind.BACKWARD_WEIGHT if schedule.split_backward else Kind.BACKWARD
+    def releases(a: Action) -> bool:
+        if not schedule.split_backward:
+            return a.kind is Kind.BACKWARD
+        return a.kind is (Kind.BACKWARD_WEIGHT if a.stage == 0 else Kind.BACKWARD_INPUT)
+
     peaks = []
     for actions in schedule.per_rank:
         held = peak = 0
         for a in actions:
-            held += (a.kind is Kind.FORWARD) - (a.kind is release)
+            held += (a.kind is Kind.FORWARD) - releases(a)
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)

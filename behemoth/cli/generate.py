@@ -1,0 +1,166 @@
+"""`behemoth generate` and `behemoth serve`: generation from any checkpoint or HF folder, and the completions server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from behemoth.errors import ERROR_PREFIX, BehemothError, Problem, Refused, exit_code
+
+EXAMPLES_GENERATE = """examples:
+  behemoth generate runs/20261130-075637 --prompt "def main(" --max-tokens 64
+  behemoth generate runs/X --prompt "import " --prompt "class " --temperature 0.8 --top-p 0.9 --seed 1
+  behemoth generate path/to/save_pretrained_dir --prompt-ids 1,2,3 --json
+  behemoth generate runs/X --nproc 2 --tp 2 --prompt "def "         # tensor-parallel: KV cache split by heads
+  behemoth generate runs/X --nproc 2 --pp 2 --prompt "a" --prompt "b" # pipeline: micro-batches of requests
+  behemoth generate runs/X --offload disk --prompt "def "            # weights streamed layer by layer
+  behemoth generate runs/X --quantize int8 --prompt "def "           # int8 weight-only
+"""
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by generate and serve: the source, its layout, the KV cache."""
+    p.add_argument("source", help="a run directory (its latest checkpoint), a checkpoint folder or a save_pretrained folder")
+    p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: tp x pp)")
+    p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (heads and KV cache split over T)")
+    p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. run.timeout_s=600")
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="behemoth generate", epilog=EXAMPLES_GENERATE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Generate text from a checkpoint saved under any layout, or from a Hugging Face folder, "
+                                            "with a paged KV cache; several prompts are batched.")
+    add_model_options(p)
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
+    p.add_argument("--prompt-ids", action="append", default=[], metavar="I,J,K", help="a prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; otherwise sample at this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens with probability >= p")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="penalize tokens already seen (1: off)")
+    p.add_argument("--stop", action="append", default=[], help="a string that ends the generation (repeatable)")
+    p.add_argument("--seed", type=int, default=None, help="random seed: prompt i samples with seed + i")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
+    p.add_argument("--offload", choices=["host", "disk"], default=None, help="stream weights layer by layer from host memory or disk")
+    p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, text, finish reason, timings")
+    return p
+
+
+def sampling_dicts(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
+    one = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+               repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)
+    from behemoth.inference.sampling import SamplingParams
+
+    try:
+        SamplingParams.model_validate(one)
+    except Exception as err:  # pydantic's ValidationError, as one line
+        first = getattr(err, "errors", lambda: [{"loc": ("?",), "msg": str(err)}])()[0]
+        raise BehemothError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}", "see behemoth generate --help") from None
+    return [{**one, "seed": None if args.seed is None else args.seed + i} for i in range(n)]
+
+
+def prompts_of(args: argparse.Namespace) -> list[Any]:
+    prompts: list[Any] = list(args.prompt)
+    for text in args.prompt_ids:
+        try:
+            prompts.append([int(t) for t in text.split(",") if t.strip()])
+        except ValueError:
+            raise BehemothError(f"--prompt-ids {text!r} is not a comma-separated list of integers", "write e.g. --prompt-ids 1,2,3") from None
+    if not prompts:
+        raise BehemothError("no prompt given", "pass --prompt TEXT or --prompt-ids 1,2,3")
+    return prompts
+
+
+def worker(source: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], tp: int, pp: int,
+           block_size: int, memory_mb: float, ignore_eos: bool, quantize: str | None) -> Any:
+    """One launched process of a sharded generation."""
+    from behemoth.inference.generate import CachePolicy, generate_on_ranks
+
+    try:
+        return generate_on_ranks(source, overrides, prompts, params, tp=tp, pp=pp, cache=CachePolicy(block_size, memory_mb),
+                                 ignore_eos=ignore_eos, quantize=quantize)
+    except BehemothError as err:
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
+        raise
+
+
+def world_size(args: argparse.Namespace) -> int:
+    nproc = args.nproc if args.nproc is not None else args.tp * args.pp
+    if nproc != args.tp * args.pp:
+        raise BehemothError(f"--nproc {nproc} but --tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}", "set --nproc to tp x pp")
+    return nproc
+
+
+def check_plan(args: argparse.Namespace, nproc: int) -> None:
+    """Refuse, before any process starts, a source that does not load or degrees the model cannot be split by."""
+    from behemoth.inference.generate import CachePolicy
+    from behemoth.inference.loading import check_inference_plan, inference_config, resolve_source
+
+    CachePolicy(args.block_size, args.kv_cache_mb)
+    source = resolve_source(args.source, args.overrides)
+    try:
+        check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp), nproc)
+    except Refused as err:  # in the words of this command's options
+        raise Refused(Problem(p.option, p.message.replace("parallel.tp=", "--tp ").replace("parallel.pp=", "--pp "))
+                      for p in err.problems) from None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from behemoth.launch import launch
+
+    prompts, nproc = prompts_of(args), world_size(args)
+    params = sampling_dicts(args, len(prompts))
+    check_plan(args, nproc)
+    if args.offload:
+        return print_completions(generate_offloaded(args, prompts, params, nproc), args.json)
+    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos,
+            args.quantize)
+    out = worker(*call) if nproc == 1 else launch(nproc, worker, *call)[0]
+    return print_completions(out, args.json)
+
+
+def generate_offloaded(args: argparse.Namespace, prompts: list[Any], params: list[dict[str, Any]], nproc: int) -> list[Any]:
+    """One process, the blocks' weights streamed from host memory or disk (a temporary folder unless --offload-dir)."""
+    import shutil
+    import tempfile
+
+    from behemoth.inference.generate import CachePolicy
+    from behemoth.inference.loading import resolve_source
+    from behemoth.inference.offload import OffloadPolicy, offloaded_generator
+    from behemoth.inference.sampling import SamplingParams
+
+    if nproc != 1 or args.quantize:
+        raise BehemothError("--offload runs in one process and with float weights", "drop --nproc/--tp/--pp and --quantize")
+    folder = args.offload_dir or (tempfile.mkdtemp(prefix="behemoth-offload-") if args.offload == "disk" else None)
+    try:
+        off = offloaded_generator(resolve_source(args.source, args.overrides), OffloadPolicy(args.offload, folder),
+                                  CachePolicy(args.block_size, args.kv_cache_mb))
+        try:
+            return off.generator.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=args.ignore_eos)
+        finally:
+            off.close()
+    finally:
+        if folder and not args.offload_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def print_completions(completions: list[Any], as_json: bool) -> int:
+    for c in completions:
+        if as_json:
+            print(json.dumps({"prompt_tokens": c.prompt_tokens, "tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason,
+                              "time_to_first_token_s": round(c.time_to_first_token_s, 4), "latency_s": round(c.latency_s, 4)}))
+        else:
+            print(c.text if c.text or not c.tokens else " ".join(map(str, c.tokens)))
+    return 0
+
+
+def generate_main(argv: list[str]) -> int:
+    args = generate_parser().parse_intermixed_args(argv)
+    return exit_code(run_generate, args)

@@ -1,0 +1,116 @@
+"""Measure a plan with real processes: the memory each rank holds and the time of a training step.
+
+The planner predicts; this measures what it predicts, for `behemoth estimate --measure`, the planner's tests and
+benchmarks/bench_planner.py. Per rank, after warm-up steps (so the optimizer state exists):
+
+- model states: the bytes the engine holds for parameters, gradients and optimizer state, and ZeRO's buffer peaks;
+- activations: the bytes autograd saves for backward in a step's forwards (the pipeline's peak stash, or one
+  micro-batch's when there is no pipeline), parameters excluded;
+- peak: the most bytes of live tensors at any moment of a step, counted by `LiveBytes` (every storage an operator
+  allocates, until it is freed) on top of the model states held when the step starts. On a GPU that is what
+  `torch.cuda.max_memory_allocated` reports less the allocator's rounding; it needs no GPU;
+- step time: the median wall time of the measured steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages operators allocate while active, live now and at their peak (freed storages leave
+    the count when their last reference goes). Outputs that alias an input (views, in-place ops) allocate nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: dict[int, Any] = {}
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if self._alive.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in inputs or key in self._alive:
+            return
+        nbytes = storage.nbytes()
+        self._alive[key] = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self._free(key, nbytes))
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._track(t, inputs)
+        return out
+
+
+def random_micro_batches(cfg: Any, dp: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One data-parallel rank's micro-batches of random tokens, shaped as the plan's batch layout cuts a step."""
+    layout = cfg.batch_layout(dp)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layout.accum):
+        tokens = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, cfg.seq_len + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def activation_bytes(engine: Any, micro_batches: list) -> int:
+    """Bytes autograd saved for backward: the pipeline's measured peak stash, or what one micro-batch's forward saves."""
+    from behemoth.parallel.pipeline.stage import StashMeter
+
+    model = engine.model
+    if model.pipeline is not None:
+        return model.pipeline.last_trace.peak_stash_bytes
+    meter = StashMeter()
+    meter.exclude([p for p in model.module.parameters()])
+    inputs, targets = micro_batches[0]
+    with meter.measure():
+        with engine.autocast():
+            logits = model.logits(inputs)
+        loss = engine.micro_loss(logits, targets.to(engine.device))
+    del logits, loss
+    return meter.bytes
+
+
+def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """One rank of a job under the current process group: build the plan's engine, time `steps` steps after `warmup`,
+    and measure the memory of the last one (see the module docstring)."""
+    from behemoth.config import Config
+    from behemoth.engine import build_engine
+    from behemoth.metrics import synchronize
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
+    try:
+        engine = build_engine(cfg, rt)
+        batches = random_micro_batches(cfg, rt.dims.dp, seed=rt.coordinate("dp"))
+        times = []
+        for _ in range(warmup + steps):
+            synchronize(rt.device)
+            t0 = time.perf_counter()
+            engine.train_step(batches, lr=1e-4)
+            synchronize(rt.device)
+            times.append(time.perf_counter() - t0)
+        states = engine.model_state_bytes()
+        with LiveBytes() as live:  # one more step, metered (the meter slows it: not timed)
+            engine.train_step(batches, lr=1e-4)
+        held = sum(states[k] for k in ("params", "grads", "optimizer"))
+        return {"rank": rt.rank, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "tp")}, "states": states,
+                "activations": activation_bytes(engine, batches), "peak": held + live.peak,
+                "step_time": statistics.median(times[warmup:]), "times": times[warmup:]}
+    finally:
+        rt.close()

@@ -1,0 +1,103 @@
+"""`behemoth serve`: the OpenAI-compatible completions server over any checkpoint or HF folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from behemoth.cli.generate import add_model_options, check_plan, world_size
+from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
+
+EXAMPLES = """examples:
+  behemoth serve runs/20261130-075637 --port 8000
+  curl localhost:8000/v1/completions -d '{"prompt": "def main(", "max_tokens": 32, "temperature": 0}'
+  curl -N localhost:8000/v1/completions -d '{"prompt": "import ", "max_tokens": 64, "stream": true}'
+  behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
+  behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
+"""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="behemoth serve", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Serve a model over HTTP: OpenAI-compatible /v1/completions (streaming or not), /health, "
+                                            "/metrics; continuous batching over a paged KV cache, 429 when the queue is full.")
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the source folder's name)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; more get 429 (default 256)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="continuous (default): requests join and leave at every step; static: a batch runs until all of it ends")
+    return p
+
+
+def policy_of(args: argparse.Namespace, context: int):
+    from behemoth.inference.scheduler import SchedulerPolicy
+
+    for name in ("max_batch", "max_waiting", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
+    return SchedulerPolicy(max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching)
+
+
+def serve_on_ranks(args: argparse.Namespace) -> None:
+    """One process of the server: rank 0 runs HTTP and the scheduler, the others run the steps it sends."""
+    from pathlib import Path
+
+    from behemoth.inference.app import build_app, uvicorn_server
+    from behemoth.inference.generate import CachePolicy, follow_model, generator_for
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.topology import init_runtime
+
+    source = resolve_source(args.source, args.overrides)
+    rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp)
+    model = load_model(source, rt, tp=args.tp, pp=args.pp)
+    cache = CachePolicy(args.block_size, args.kv_cache_mb)
+    if rt.rank != 0:
+        follow_model(model, cache)
+        return
+    gen = generator_for(model, source, cache, max_batch=args.max_batch)
+    engine = gen.engine(policy_of(args, gen.context))
+    limits = gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens)
+    server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
+    engine.start()
+    print(f"behemoth: serving {limits.model_name} ({gen.num_blocks} KV blocks of {gen.block_size} tokens, {args.batching} batching) "
+          f"on http://{args.host}:{args.port}/v1/completions", flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop()
+
+
+def serve_worker(args: argparse.Namespace) -> None:
+    try:
+        serve_on_ranks(args)
+    except BehemothError as err:
+        print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
+        raise
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from behemoth.inference.app import require_serving_stack
+    from behemoth.launch import launch
+
+    require_serving_stack()
+    nproc = world_size(args)
+    check_plan(args, nproc)
+    policy_of(args, 1)
+    if nproc == 1:
+        serve_on_ranks(args)
+        return 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        launch(nproc, serve_worker, args, timeout_s=3600)
+    except SignalException as err:  # Ctrl-C or a service manager's SIGTERM: the launcher has stopped the workers
+        print(f"behemoth: server stopped ({err.sigval.name})", file=sys.stderr)
+    return 0
+
+
+def serve_main(argv: list[str]) -> int:
+    return exit_code(run_serve, serve_parser().parse_intermixed_args(argv))

@@ -1,0 +1,181 @@
+"""The Python API of generation: a model, a paged KV cache and a scheduler on the scheduling rank.
+
+    gen = behemoth.inference.load("runs/20261130-075637")          # one process
+    out = gen.generate(["def main(", "import "], SamplingParams(max_tokens=32))
+    print(out[0].text)
+
+`Generator` batches the prompts through the same continuous-batching scheduler the server runs, so a
+batch of prompts of different lengths is one padded prefill and then one token per prompt per step.
+Under tensor or pipeline parallelism the scheduling rank's runner sends every step to the other ranks
+(`runner.follow`); `generate_on_ranks` is that job's entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from behemoth.errors import BehemothError
+from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
+from behemoth.inference.loading import Source, load_model, resolve_source
+from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
+from behemoth.inference.sampling import SamplingParams
+from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
+from behemoth.inference.server import ServeLimits
+from behemoth.inference.serving import EngineLoop
+from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
+from behemoth.parallel.parallelize import ParallelModel
+from behemoth.topology import Runtime, init_runtime
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """The paged KV cache: tokens per block and the memory per rank its blocks may take."""
+
+    block_size: int = 16
+    memory_mb: float = 256.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or not self.memory_mb > 0:
+            raise BehemothError(f"a KV cache of {self.memory_mb} MiB in blocks of {self.block_size} tokens",
+                                "use a positive --kv-cache-mb and a --block-size of at least 1")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's generation."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    time_to_first_token_s: float
+    latency_s: float
+
+
+def held_layers(model: ParallelModel) -> tuple[int, ...]:
+    """The layer indices this rank runs: every layer, or its pipeline stages' blocks."""
+    if model.pipeline is None:
+        return tuple(range(model.lm.shape.n_layer))
+    return tuple(i for stage in model.pipeline.stages.values() for i in stage.blocks)
+
+
+def local_runner(model: ParallelModel, cache: CachePolicy) -> ModelRunner:
+    """This rank's runner: its layers, its heads of the KV cache, as many blocks as `cache.memory_mb` holds."""
+    layers = held_layers(model)
+    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1,
+                         dtype=module_dtype(model.module))
+    blocks = blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block)
+    layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks,
+                          dtype=probe.dtype)
+    return ModelRunner(model.lm, KVStorage(layout, model.rt.device), tp=model.tp, device=model.rt.device)
+
+
+class Generator:
+    """Prompts in, completions out, on the scheduling rank of a loaded model."""
+
+    def __init__(self, runner: Runner, *, num_blocks: int, block_size: int, context: int, tokenizer: Tokenizer | None,
+                 eos_token_ids: list[int] = (), max_batch: int = 64) -> None:
+        self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, list(eos_token_ids)
+        self.num_blocks, self.block_size, self.context, self.max_batch = num_blocks, block_size, context, max_batch
+        self.stats: dict[str, int] = {}  # the last generate()'s scheduler counters (steps, tokens, preemptions)
+
+    def scheduler(self, policy: SchedulerPolicy | None = None) -> Scheduler:
+        """A scheduler over a fresh block table of this generator's cache."""
+        policy = policy or SchedulerPolicy(max_batch=self.max_batch, context=self.context, max_waiting=1 << 30)
+        return Scheduler(self.runner, BlockAllocator(self.num_blocks, self.block_size), policy, self.tokenizer)
+
+    def with_eos(self, params: SamplingParams, ignore_eos: bool = False) -> SamplingParams:
+        """The model's end-of-sequence ids as stop tokens, unless the request names its own or ignores them."""
+        if ignore_eos or params.stop_token_ids or not self.eos_token_ids:
+            return params
+        return params.model_copy(update={"stop_token_ids": self.eos_token_ids})
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return encode_prompt(prompt, self.tokenizer, self.runner.vocab_size)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None, *,
+                 ignore_eos: bool = False) -> list[Completion]:
+        """Generate for every prompt (text or token ids), batched; one Completion per prompt, in order."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise BehemothError(f"{len(prompts)} prompts but {len(params)} sampling parameters", "give one per prompt, or one for all")
+        sched = self.scheduler()
+        requests = [sched.submit(self.encode(p), self.with_eos(sp, ignore_eos)) for p, sp in zip(prompts, params)]
+        sched.run_until_done()
+        self.stats = dict(sched.stats)
+        return [completion(r) for r in requests]
+
+    def engine(self, policy: SchedulerPolicy) -> EngineLoop:
+        """The serving engine over this generator's model and cache (not started)."""
+        return EngineLoop(self.scheduler(policy), self.runner)
+
+    def limits(self, model_name: str, max_tokens: int) -> ServeLimits:
+        """What a served request may ask of this model."""
+        return ServeLimits(model_name, min(max_tokens, self.context - 1), self.context, self.runner.vocab_size, tuple(self.eos_token_ids))
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def completion(r: Request) -> Completion:
+    ttft = (r.first_token_at or r.finished_at) - r.arrival
+    return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
+
+
+def generator_for(model: ParallelModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:
+    """The Generator of job rank 0 (the other ranks run `follow_model`)."""
+    local = local_runner(model, cache)
+    runner: Runner = local
+    if model.pipeline is not None:
+        from behemoth.inference.pipeline import PipelineRunner
+
+        runner = PipelineRunner(model, local)
+    if model.rt.world_size > 1:
+        runner = DistributedRunner(runner, model.rt.world_group)
+    return Generator(runner, num_blocks=local.storage.layout.num_blocks, block_size=cache.block_size, context=model.lm.shape.context,
+                     tokenizer=tokenizer_for(model.lm.shape.vocab_size, source.folder), eos_token_ids=source.eos_token_ids,
+                     max_batch=max_batch)
+
+
+def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
+    """The other ranks of a sharded model: run every step rank 0 sends until it stops."""
+    local = local_runner(model, cache)
+    if model.pipeline is not None:
+        from behemoth.inference.pipeline import PipelineRunner
+
+        return follow(PipelineRunner(model, local), model.rt.world_group)
+    return follow(local, model.rt.world_group)
+
+
+def load(path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64,
+         quantize: str | None = None) -> Generator:
+    """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this process."""
+    source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
+    rt = init_runtime(timeout_s=source.config.run.timeout_s)
+    return generator_for(load_model(source, rt, quantize=quantize), source, cache, max_batch=max_batch)
+
+
+def generate_on_ranks(path: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], *, tp: int, pp: int,
+                      cache: CachePolicy = CachePolicy(), ignore_eos: bool = False, quantize: str | None = None,
+                      rt: Runtime | None = None) -> list[Completion] | None:
+    """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None)."""
+    source = resolve_source(path, list(overrides))
+    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
+    model = load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
+    if rt.rank != 0:
+        follow_model(model, cache)
+        return None
+    gen = generator_for(model, source, cache)
+    try:
+        return gen.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=ignore_eos)
+    finally:
+        gen.close()
+
+
+@torch.no_grad()
+def reference_logits(model: ParallelModel, tokens: list[int]) -> torch.Tensor:
+    """The last position's logits of a full, uncached forward (what cached decoding must equal)."""
+    return model.lm.logits(torch.tensor([tokens], device=model.rt.device))[0, -1].float()

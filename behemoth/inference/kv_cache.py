@@ -1,0 +1,182 @@
+"""A paged key/value cache (vLLM's PagedAttention layout): fixed-size blocks, a block table per sequence.
+
+The cache is split in two, so that several ranks can share one scheduler:
+
+- `BlockAllocator` (on the rank that schedules) owns the bookkeeping: a free list of block ids, each
+  sequence's block table and length. A sequence takes blocks as it grows and gives them all back
+  when it ends, is preempted or its client disconnects.
+- `KVStorage` (on every rank) holds the tensors: per layer this rank runs, `num_blocks x block_size`
+  slots of [kv_heads, head_dim] (its own heads under tensor parallelism, its own layers under a pipeline).
+
+`plan_step` turns "these sequences, these new tokens" into a `StepBatch`: plain tensors (token ids,
+positions, the slot of each new token, the slots every row attends to) that any rank can run against
+its storage without knowing the block tables. `CacheStep` is that batch bound to a rank's storage; it
+is the `KVCacheStep` the models' cached forward hands its keys and values to (models/decoding.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from behemoth.errors import BehemothError
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The shape of one rank's paged cache."""
+
+    layers: tuple[int, ...]  # the layer indices this rank runs
+    kv_heads: int            # key/value heads this rank holds
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise BehemothError(f"a paged KV cache of {self.num_blocks} blocks of {self.block_size} tokens",
+                                "use a block size and a block count of at least 1")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Keys and values of one block over every layer this rank holds."""
+        return 2 * len(self.layers) * self.block_size * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
+    """How many blocks fit in `memory_bytes` (at least one)."""
+    return max(1, memory_bytes // max(1, bytes_per_block))
+
+
+class BlockAllocator:
+    """The free list, a block table and a length per sequence: which slots each sequence's tokens occupy."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.tables: dict[Any, list[int]] = {}
+        self.lengths: dict[Any, int] = {}
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_to_grow(self, seq: Any, new_length: int) -> int:
+        """Blocks `seq` must take to hold `new_length` tokens."""
+        return max(0, math.ceil(new_length / self.block_size) - len(self.tables.get(seq, ())))
+
+    def can_grow(self, seq: Any, new_length: int) -> bool:
+        return self.blocks_to_grow(seq, new_length) <= len(self.free)
+
+    def grow(self, seq: Any, new_length: int) -> None:
+        """Give `seq` the blocks it needs for `new_length` tokens (a new sequence starts with an empty table)."""
+        need = self.blocks_to_grow(seq, new_length)
+        if need > len(self.free):
+            raise BehemothError(f"the KV cache has {len(self.free)} free blocks, a sequence needs {need}", "free sequences first")
+        table = self.tables.setdefault(seq, [])
+        table.extend(self.free.pop() for _ in range(need))
+        self.lengths[seq] = new_length
+
+    def release(self, seq: Any) -> int:
+        """Return every block of `seq` to the free list; how many."""
+        table = self.tables.pop(seq, [])
+        self.lengths.pop(seq, None)
+        self.free.extend(reversed(table))
+        return len(table)
+
+    def slots(self, seq: Any, start: int, stop: int) -> torch.Tensor:
+        """Flat slot indices of positions [start, stop) of `seq`."""
+        table = torch.tensor(self.tables[seq], dtype=torch.long)
+        pos = torch.arange(start, stop)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class StepBatch:
+    """One forward of new tokens for B sequences, as plain tensors (picklable; sent as is to other ranks).
+
+    Rows are right-padded to T new tokens; `lengths` says how many are real. Padding tokens sit at
+    position 0, write nothing and attend to position 0 only; their outputs are never read.
+    """
+
+    ids: torch.Tensor        # [B, T] token ids
+    positions: torch.Tensor  # [B, T]
+    lengths: torch.Tensor    # [B] new tokens per row
+    slots: torch.Tensor      # [N] the slot of every real new token, row by row
+    gather: torch.Tensor     # [B, L] the slot of every position a row attends to (0 past its end)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return torch.arange(self.ids.shape[1]) < self.lengths.unsqueeze(1)
+
+    def attention_mask(self, device: torch.device) -> torch.Tensor:
+        """[B, 1, T, L]: a new token at position p attends to positions 0..p of its own sequence."""
+        keys = torch.arange(self.gather.shape[1], device=device)
+        return (keys <= self.positions.to(device).unsqueeze(-1)).unsqueeze(1)
+
+    def to(self, device: torch.device) -> "StepBatch":
+        return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather)))
+
+
+def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> StepBatch:
+    """The batch that runs `rows` = (sequence, new token ids, position of the first) with their slots; every sequence
+    must already hold blocks for its new length (`BlockAllocator.grow`)."""
+    if not rows:
+        raise ValueError("a step needs at least one sequence")
+    B, T = len(rows), max(len(tokens) for _, tokens, _ in rows)
+    L = max(start + len(tokens) for _, tokens, start in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    positions = torch.zeros(B, T, dtype=torch.long)
+    gather = torch.zeros(B, L, dtype=torch.long)
+    slots = []
+    for b, (seq, tokens, start) in enumerate(rows):
+        n, end = len(tokens), start + len(tokens)
+        if alloc.lengths.get(seq, -1) < end:
+            raise ValueError(f"sequence {seq!r} holds {alloc.lengths.get(seq, 0)} positions, the step writes up to {end}")
+        ids[b, :n] = torch.tensor(tokens, dtype=torch.long)
+        positions[b, :n] = torch.arange(start, end)
+        every = alloc.slots(seq, 0, end)
+        gather[b, :end] = every
+        slots.append(every[start:])
+    lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
+    return StepBatch(ids, positions, lengths, torch.cat(slots), gather)
+
+
+class KVStorage:
+    """This rank's keys and values: per layer it runs, `num_blocks x block_size` slots of [kv_heads, head_dim]."""
+
+    def __init__(self, layout: CacheLayout, device: torch.device) -> None:
+        self.layout, self.device = layout, device
+        slots = layout.num_blocks * layout.block_size
+        shape = (slots, layout.kv_heads, layout.head_dim)
+        self.keys = {layer: torch.zeros(shape, dtype=layout.dtype, device=device) for layer in layout.layers}
+        self.values = {layer: torch.zeros(shape, dtype=layout.dtype, device=device) for layer in layout.layers}
+
+    def step(self, batch: StepBatch) -> "CacheStep":
+        return CacheStep(batch.to(self.device), self)
+
+
+class CacheStep:
+    """A `StepBatch` bound to this rank's storage: what the model's attention layers write to and read from."""
+
+    def __init__(self, batch: StepBatch, storage: KVStorage) -> None:
+        self.batch, self.storage = batch, storage
+        self.valid = batch.valid.to(storage.device)
+        self.attention_mask = batch.attention_mask(storage.device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the real new tokens' keys and values ([B, kv_heads, T, head_dim]) into their slots; return those of every
+        position each row attends to, [B, kv_heads, L, head_dim]."""
+        out = []
+        for new, store in ((key, self.storage.keys[layer_idx]), (value, self.storage.values[layer_idx])):
+            store.index_copy_(0, self.batch.slots, new.transpose(1, 2)[self.valid].to(store.dtype))
+            out.append(store[self.batch.gather].transpose(1, 2).to(new.dtype))
+        return out[0], out[1]

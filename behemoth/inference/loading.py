@@ -1,0 +1,107 @@
+"""Loading a model to generate from: any behemoth checkpoint (saved under any layout) or a Hugging Face folder.
+
+A source is a run directory (its latest checkpoint), a checkpoint folder, or a local `save_pretrained`
+folder. Checkpoints keep single-process names and full shapes, so the model is laid out for inference
+(`parallelize` with tensor and pipeline degrees, no data parallelism, no optimizer) whatever layout
+trained it, and DCP reads each rank's part of every tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from behemoth.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
+from behemoth.config import Config, load_config
+from behemoth.data import BatchLayout
+from behemoth.errors import BehemothError, Refused
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.parallel.parallelize import ParallelModel, parallelize
+from behemoth.plan import ParallelPlan
+from behemoth.planner.feasibility import problems
+from behemoth.topology import Runtime
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model's weights come from: its config, and the checkpoint folder (None: the HF folder of hf.weights)."""
+
+    config: Config
+    checkpoint: Path | None
+    folder: str | None  # where tokenizer files may be: the HF folder or the run directory
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids of an HF folder's config.json (generation stops there unless told otherwise)."""
+        if not self.config.hf.weights:
+            return []
+        from behemoth.models.hf import read_weights_config
+
+        eos = read_weights_config(self.config.hf.weights).get("eos_token_id")
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def resolve_source(path: str | Path, overrides: list[str] = ()) -> Source:
+    """The config and weights of a run directory, checkpoint folder or Hugging Face folder (`key=value` overrides)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise BehemothError(f"{path} does not exist", "pass a run directory, a checkpoint folder or a save_pretrained folder")
+    if (p / "config.json").is_file() and not (p / "meta.json").exists() and not (p / "checkpoints").is_dir():
+        return Source(load_config(None, [f"hf.weights={p}", *overrides]), None, str(p))
+    ckpt = resolve_checkpoint(p)
+    verify_files(ckpt)
+    saved = read_meta(ckpt).get("config")
+    if not isinstance(saved, dict):
+        raise BehemothError(f"checkpoint {ckpt} has no config in its meta.json", "generate from a checkpoint behemoth wrote")
+    cfg = Config.model_validate(saved)
+    if overrides:
+        cfg = load_config(None, [*_flatten(saved), *overrides])
+        validate_checkpoint(ckpt, cfg.model.model_dump(mode="json"))  # an option may not change the model's shape
+    return Source(cfg, ckpt, str(ckpt.parent.parent))
+
+
+def _flatten(saved: dict, prefix: str = "") -> list[str]:
+    """A saved config as key=value overrides (values in YAML's flow syntax)."""
+    import yaml
+
+    out = []
+    for key, value in saved.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        elif value is not None:
+            out.append(f"{prefix}{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+    return out
+
+
+def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1) -> Config:
+    """The config laid out for generation: tp x pp processes, no data parallelism, no ZeRO, one micro-batch per stage."""
+    plan = ParallelPlan(tp=tp, pp=pp, dp=1, schedule="gpipe", balance="flops" if pp > 1 else cfg.parallel.balance)
+    return cfg.replace(parallel=plan, train={"global_batch": pp, "micro_batch": 1, "seq_len": None})
+
+
+def check_inference_plan(cfg: Config, world: int) -> None:
+    """Refuse, before any worker starts, degrees this model cannot be split by (heads, widths, blocks)."""
+    found = problems(cfg, world)
+    if found:
+        raise Refused(found)
+
+
+def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None) -> ParallelModel:
+    """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
+    linear weights in int8, per-channel scales)."""
+    cfg = inference_config(source.config, tp=tp, pp=pp)
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    if source.checkpoint is not None:
+        lm.weights = None  # the checkpoint holds the weights (a run started from hf.weights overwrote them)
+    model = parallelize(lm, cfg.parallel, rt, batch=BatchLayout(pp, 1, 1), seq_len=cfg.model.context, seed=cfg.train.seed,
+                        timeout_s=cfg.run.timeout_s)
+    if source.checkpoint is not None:
+        load_checkpoint(model.checkpoint_views({"model": model.model_state()}), source.checkpoint, rt.world_group)
+    model.module.eval()
+    if quantize == "int8":
+        from behemoth.inference.quantize import quantize_int8
+
+        quantize_int8(model.module, transposed=model.lm.transposed)
+    elif quantize is not None:
+        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
+    return model

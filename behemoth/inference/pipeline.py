@@ -1,0 +1,92 @@
+"""Pipeline-parallel generation: a step's requests cut into micro-batches that flow through the stages.
+
+Every rank holds its stage's blocks and their part of the KV cache. A step's rows (requests) are cut
+into up to `pp` micro-batches; stage s runs micro-batch j while stage s+1 runs micro-batch j-1, each
+stage sending its hidden states on as soon as they exist (non-blocking sends, bounded receives). The
+last stage turns each micro-batch's last hidden states into logits (gathered over tensor parallelism
+within the stage) and sends the step's logits back to the first stage, where the scheduler samples.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from behemoth.comm import P2P, Pending, batch_p2p
+from behemoth.inference.kv_cache import StepBatch
+from behemoth.inference.runner import ModelRunner, module_dtype
+from behemoth.parallel.parallelize import ParallelModel
+
+LOGITS_TAG = 1 << 20
+
+
+def split_rows(batch: StepBatch, parts: int) -> list[StepBatch]:
+    """The batch's rows in `parts` contiguous micro-batches (as even as possible), each with its own slots."""
+    B = batch.ids.shape[0]
+    bounds = [round(i * B / parts) for i in range(parts + 1)]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), batch.lengths.cumsum(0)])
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi == lo:
+            continue
+        T = int(batch.lengths[lo:hi].max())
+        L = int((batch.positions[lo:hi].max(dim=1).values + 1).max())
+        out.append(StepBatch(batch.ids[lo:hi, :T], batch.positions[lo:hi, :T], batch.lengths[lo:hi],
+                             batch.slots[offsets[lo]:offsets[hi]], batch.gather[lo:hi, :L]))
+    return out
+
+
+class PipelineRunner:
+    """This rank's stage of a pipelined model; `forward` is collective over the pipeline (every rank calls it)."""
+
+    def __init__(self, model: ParallelModel, local: ModelRunner, *, timeout_s: float = 300.0) -> None:
+        pipe = model.pipeline
+        self.local, self.group, self.timeout_s = local, pipe.group, timeout_s
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.is_first, self.is_last = self.rank == 0, self.rank == self.size - 1
+        self.sends_logits = model.rt.coordinate("tp") == 0  # one copy of the step's logits goes back per pipeline
+        self.d_model, self.dtype, self.device = model.lm.shape.d_model, module_dtype(model.module), model.rt.device
+        self.vocab_size = local.vocab_size
+
+    def forward(self, batch: StepBatch) -> torch.Tensor | None:
+        """Logits [B, vocab] of each row's last new token on the first stage; None on the others."""
+        parts = split_rows(batch, min(self.size, batch.ids.shape[0]))
+        sends: list[Pending] = []
+        logits = []
+        for j, mb in enumerate(parts):
+            h = None if self.is_first else self._receive(mb, j)
+            h = self.local.hidden(mb, h)
+            if self.is_last:
+                logits.append(self.local.head(h, mb.lengths))
+            else:
+                sends += batch_p2p([P2P(True, h.contiguous(), self.rank + 1, j)], self.group)
+        for pending in sends:
+            pending.wait(self.timeout_s)
+        return self._logits_home(logits, batch)
+
+    def _receive(self, mb: StepBatch, tag: int) -> torch.Tensor:
+        h = torch.empty((*mb.ids.shape, self.d_model), dtype=self.dtype, device=self.device)
+        for pending in batch_p2p([P2P(False, h, self.rank - 1, tag)], self.group):
+            pending.wait(self.timeout_s)
+        return h
+
+    def _logits_home(self, logits: list[torch.Tensor], batch: StepBatch) -> torch.Tensor | None:
+        """The last stage's logits, sent to the first (a one-stage pipeline keeps them)."""
+        if self.is_first and self.is_last:
+            return torch.cat(logits)
+        if self.is_last and self.sends_logits:
+            for pending in batch_p2p([P2P(True, torch.cat(logits).contiguous(), 0, LOGITS_TAG)], self.group):
+                pending.wait(self.timeout_s)
+            return None
+        if self.is_first and self.sends_logits:
+            out = torch.empty((batch.ids.shape[0], self.vocab_size), dtype=torch.float32, device=self.device)
+            for pending in batch_p2p([P2P(False, out, self.size - 1, LOGITS_TAG)], self.group):
+                pending.wait(self.timeout_s)
+            return out
+        return None
+
+    def keepalive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,117 @@
+"""int8 weight-only quantization: every linear weight kept as int8 with one float scale per output channel.
+
+`quantize_int8(module, transposed=...)` replaces the weight of each linear layer (nn.Linear, a model's
+transposed linears such as GPT-2's Conv1D, behemoth's tensor-parallel column/row layers) by an int8
+tensor and its per-output-channel scales (symmetric: scale = max |w| / 127 over the channel). Just before
+the layer runs, a forward pre-hook rebuilds its floating-point weight from them, and a forward hook drops
+it again after, so the model holds 1 byte per weight (plus the scales) and one layer's float weight at a
+time. Embeddings and norms stay in floating point; a head tied to the embedding stays with it.
+
+Weight-only int8 saves memory (and, on accelerators with int8 kernels, bandwidth); on a CPU the rebuild
+costs time. torchao 0.18's int8 weight-only tensors install and run here on nn.Linear (and on layers that call
+F.linear), but not on GPT-2's transposed Conv1D (its Int8Tensor implements no addmm) nor on the transposed
+tensor-parallel layers built from it, so behemoth writes this small version that covers every linear layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from behemoth.parallel.tensor.comm import TPComm
+from behemoth.parallel.tensor.layers import RowParallelLinear
+
+if TYPE_CHECKING:
+    from behemoth.config import Config
+    from behemoth.parallel.parallelize import ParallelModel
+
+QUANTIZED = "_behemoth_int8"
+
+
+@dataclass
+class QuantStats:
+    """What quantization changed: layers, weights, bytes before and after."""
+
+    layers: int = 0
+    weights: int = 0
+    float_bytes: int = 0
+    int8_bytes: int = 0
+
+
+def quantize_tensor(w: torch.Tensor, out_dim: int, row_parallel: TPComm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per output channel) of `w` whose output channels run along `out_dim`. A row-parallel
+    shard holds part of each output channel: its maxima are taken over the whole channel (max over tp), so every rank
+    quantizes exactly as one process quantizes the full weight."""
+    peak = w.detach().abs().amax(dim=1 - out_dim, keepdim=True).float()
+    if row_parallel is not None:
+        row_parallel.all_reduce(peak, dist.ReduceOp.MAX)
+    scale = peak.clamp(min=1e-12) / 127.0
+    q = torch.round(w.detach().float() / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(dtype) * scale.to(dtype)).contiguous()
+
+
+def is_linear(module: nn.Module, name: str, transposed: frozenset[str]) -> bool:
+    """A layer whose 2-D `weight` multiplies its input: nn.Linear, a transposed linear, or a tensor-parallel linear."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2 or isinstance(module, nn.Embedding):
+        return False
+    return isinstance(module, nn.Linear) or name in transposed or isinstance(getattr(module, "transposed", None), bool)
+
+
+def _output_dim(module: nn.Module, name: str, transposed: frozenset[str]) -> int:
+    """Output channels of the weight: dimension 0 of [out, in], 1 of a transposed [in, out]."""
+    return 1 if (name in transposed or getattr(module, "transposed", False) is True) else 0
+
+
+def _rebuild(module: nn.Module, _args: tuple) -> None:
+    q, scale, dtype = getattr(module, QUANTIZED)
+    module.weight = dequantize(q, scale, dtype)
+
+
+def _drop(module: nn.Module, _args: tuple, _out: object) -> None:
+    module.weight = None
+
+
+@torch.no_grad()
+def quantize_int8(module: nn.Module, *, transposed: frozenset[str] = frozenset(), skip: tuple[str, ...] = ()) -> QuantStats:
+    """Quantize every linear weight of `module` (but those under a `skip` prefix, and weights shared with an embedding)."""
+    stats = QuantStats()
+    shared = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    for name, layer in list(module.named_modules()):
+        if not is_linear(layer, name, transposed) or name.startswith(skip) or id(layer.weight) in shared:
+            continue
+        w = layer.weight
+        q, scale = quantize_tensor(w, _output_dim(layer, name, transposed), layer.tp if isinstance(layer, RowParallelLinear) else None)
+        del layer._parameters["weight"]
+        setattr(layer, QUANTIZED, (q, scale, w.dtype))
+        layer.weight = None
+        layer.register_forward_pre_hook(_rebuild)
+        layer.register_forward_hook(_drop)
+        stats.layers += 1
+        stats.weights += w.numel()
+        stats.float_bytes += w.numel() * w.element_size()
+        stats.int8_bytes += q.numel() + scale.numel() * scale.element_size()
+    return stats
+
+
+@torch.no_grad()
+def validation_loss(model: "ParallelModel", cfg: "Config", *, batches: int = 4, batch_size: int = 8) -> float:
+    """Mean token loss of a (single-process) model on its run's validation split: the number quantization may change."""
+    from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+
+    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
+    sampler = BatchSampler(corpus.val, cfg.seq_len, BatchLayout(batch_size, batch_size, 1), 0, cfg.train.seed, stream=1)
+    total, count = 0.0, 0
+    for step in range(batches):
+        for inputs, targets in sampler.micro_batches(step):
+            total += float(model.loss_sum(model.logits(inputs), targets.to(model.rt.device)))
+            count += targets.numel()
+    return total / count

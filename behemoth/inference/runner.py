@@ -1,0 +1,140 @@
+"""Running one step of new tokens through a model laid out by `parallelize`: one process or tensor-parallel.
+
+`ModelRunner.forward(batch)` runs a `StepBatch` through this rank's layers against its KV storage and
+returns the logits of each row's last new token over the whole vocabulary (under tensor parallelism the
+head's vocabulary shards are gathered). `DistributedRunner` is what the scheduling rank (job rank 0)
+holds when the model spans several processes: it sends every step to the other ranks, which run
+`follow` until it says stop, so every rank runs the same forward with its own weights and heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from behemoth.comm import all_gather
+from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
+from behemoth.models.causal_lm import CausalLM
+from behemoth.models.decoding import decode_view_of
+from behemoth.parallel.tensor import TensorParallel
+
+STOP = "stop"
+KEEPALIVE = "keepalive"
+
+
+class Runner(Protocol):
+    """What the scheduler drives: a forward of one step, the logits of each row's last new token."""
+
+    vocab_size: int
+
+    def forward(self, batch: StepBatch) -> torch.Tensor: ...
+
+    def keepalive(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: int) -> torch.Tensor:
+    """[B, V]: the full vocabulary's logits from this rank's shard of a vocabulary-parallel head (padding cut)."""
+    if tp is None or tp.vocab is None or logits.shape[-1] != tp.vocab.padded:
+        return logits[:, :vocab_size]
+    parts = logits.new_empty((tp.tp.size * logits.shape[0], logits.shape[1]))
+    all_gather(parts, logits.contiguous(), tp.tp.group)
+    B = logits.shape[0]
+    return parts.view(tp.tp.size, B, -1).permute(1, 0, 2).reshape(B, -1)[:, :vocab_size]
+
+
+class ModelRunner:
+    """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
+
+    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None,
+                 stream: Any = None) -> None:
+        self.lm, self.storage, self.tp, self.stream = lm, storage, tp, stream  # stream: an offload LayerStreamer
+        self.view = decode_view_of(lm.arch)
+        self.blocks = lm.module.get_submodule(self.view.blocks)
+        self.layers = storage.layout.layers
+        self.vocab_size = lm.shape.vocab_size
+        self.device = device or storage.device
+        lm.module.eval()
+
+    @torch.no_grad()
+    def hidden(self, batch: StepBatch, h: torch.Tensor | None = None) -> torch.Tensor:
+        """Embed the batch's tokens (or take the hidden states `h` from an earlier stage) and run this rank's blocks."""
+        step = self.storage.step(batch)
+        model, positions = self.lm.module, step.batch.positions
+        if h is None:
+            h = self.view.embed(model, step.batch.ids, positions)
+        ctx = self.view.context(model, h, positions, step)
+        for i in self.layers:
+            if self.stream is not None:
+                self.stream.load(i)
+            h = self.view.block(self.blocks[i], i, h, ctx)
+            if self.stream is not None:
+                self.stream.release(i)
+        return h
+
+    @torch.no_grad()
+    def head(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Logits of each row's last real token over the whole vocabulary, float32."""
+        last = h[torch.arange(h.shape[0], device=h.device), lengths.to(h.device) - 1].unsqueeze(1)
+        logits = self.view.head(self.lm.module, last)[:, 0]
+        return gather_vocab(logits, self.tp, self.vocab_size).float()
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        return self.head(self.hidden(batch), batch.lengths)
+
+    def keepalive(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def cache_layout(lm: CausalLM, *, layers: tuple[int, ...], tp: int, block_size: int, num_blocks: int,
+                 dtype: torch.dtype) -> CacheLayout:
+    """The paged cache of `layers` with this rank's share of the key/value heads (`CausalLM.kv_cache_shape`)."""
+    _, _, kv_heads, _, head_dim = lm.kv_cache_shape(1, block_size, tp)
+    return CacheLayout(layers, kv_heads, head_dim, block_size, num_blocks, dtype)
+
+
+def module_dtype(module: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+
+
+class DistributedRunner:
+    """On job rank 0: every step goes to all ranks of the job (`follow`), then runs here too."""
+
+    def __init__(self, local: Runner, group: dist.ProcessGroup) -> None:
+        self.local, self.group = local, group
+        self.vocab_size = local.vocab_size
+
+    def _send(self, message: object) -> None:
+        dist.broadcast_object_list([message], group=self.group, group_src=0)
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        self._send(batch)
+        return self.local.forward(batch)
+
+    def keepalive(self) -> None:
+        """Tell idle ranks the job is alive (their wait for the next step is bounded by the process-group timeout)."""
+        self._send(KEEPALIVE)
+
+    def close(self) -> None:
+        self._send(STOP)
+
+
+def follow(local: Runner, group: dist.ProcessGroup) -> int:
+    """On every other rank: run each step job rank 0 sends until it says stop; how many steps ran."""
+    steps = 0
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        message = box[0]
+        if isinstance(message, str) and message == STOP:
+            return steps
+        if isinstance(message, StepBatch):
+            local.forward(message)
+            steps += 1

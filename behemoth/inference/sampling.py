@@ -1,0 +1,99 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p (nucleus), repetition penalty, per-request seeds.
+
+Every request carries its own `SamplingParams` and its own random generator, so a request's tokens
+depend on its prompt, its parameters and its seed only, never on which other requests share its
+batch. The logits processors follow the definitions transformers uses (its `TopKLogitsWarper`,
+`TopPLogitsWarper`, `RepetitionPenaltyLogitsProcessor`), applied in that library's order:
+repetition penalty, temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class SamplingParams(BaseModel):
+    """How one request's tokens are chosen, and when it stops."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int = Field(16, ge=1, description="tokens to generate at most")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy (argmax); otherwise the softmax temperature")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="keep the smallest set of tokens whose probability reaches p")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0, description="divide (multiply, if negative) the logit of every token seen so far")
+    stop: list[str] = Field(default_factory=list, description="strings that end the generation (not included in the text)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the generation (not included)")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="random seed of this request (default: drawn)")
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[list[int]], penalty: torch.Tensor) -> torch.Tensor:
+    """Divide positive (multiply negative) logits of tokens already seen in each row by that row's penalty."""
+    if bool((penalty == 1.0).all()):
+        return logits
+    out = logits.clone()
+    for b, tokens in enumerate(seen):
+        if penalty[b] == 1.0 or not tokens:
+            continue
+        idx = torch.tensor(sorted(set(tokens)), dtype=torch.long, device=logits.device)
+        picked = out[b, idx]
+        out[b, idx] = torch.where(picked < 0, picked * penalty[b], picked / penalty[b])
+    return out
+
+
+def top_k_filter(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Set every logit below each row's k-th largest to -inf (k = 0 keeps the row)."""
+    vocab = logits.shape[-1]
+    k = torch.where(k <= 0, vocab, k.clamp(max=vocab))
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose probabilities sum to at least p (at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= (1 - p).unsqueeze(-1)
+    remove[:, -1] = False
+    return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
+
+
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
+                  generators: list[torch.Generator | None]) -> list[int]:
+    """The next token of each row: argmax for greedy rows, a draw from the processed distribution otherwise."""
+    logits = logits.float()
+    penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)
+    logits = apply_repetition_penalty(logits, seen, penalty)
+    out = logits.argmax(dim=-1).tolist()
+    sampled = [b for b, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return out
+    rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled], device=logits.device).unsqueeze(-1)
+    rows = top_k_filter(rows, torch.tensor([params[b].top_k for b in sampled], device=logits.device))
+    rows = top_p_filter(rows, torch.tensor([params[b].top_p for b in sampled], device=logits.device))
+    probs = rows.softmax(dim=-1).cpu()
+    for i, b in enumerate(sampled):
+        out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
+    return out
+
+
+def request_generator(seed: int | None) -> torch.Generator:
+    """The CPU generator one request draws from: its seed, or a fresh one."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,234 @@
+"""Iteration-level scheduling over the paged KV cache (continuous batching, Orca / vLLM style).
+
+Each `step()` the scheduler: drops aborted requests (their blocks go back at once); admits waiting
+requests while the running batch has room and the cache has blocks for their prompts; runs one prefill
+forward for the newcomers and one decode forward for the others, so every running request gets one
+token per step; and retires finished requests, freeing their blocks, so the next step can admit more.
+When the cache cannot give a running request its next block, the request admitted last is preempted:
+its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
+tokens so far (recomputation, as vLLM does), which changes none of its tokens.
+
+`policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
+when the previous one has completely finished, so early finishers leave their rows idle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from behemoth.errors import BehemothError
+from behemoth.inference.kv_cache import BlockAllocator, plan_step
+from behemoth.inference.runner import Runner
+from behemoth.inference.sampling import SamplingParams, choose_tokens, request_generator
+from behemoth.inference.text import TextTracker, Tokenizer
+
+
+class QueueFull(BehemothError):
+    """The waiting queue is at its bound: the caller should come back later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's consumer is told after a step: new tokens and text, and the finish reason once it ends."""
+
+    request_id: int
+    token: int | None
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort"
+
+
+@dataclass
+class Request:
+    """One generation: its prompt, parameters, tokens so far, and where its events go."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    tracker: TextTracker
+    sink: Callable[[Event], None] | None = None
+    output: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose keys and values are in the cache
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def text(self) -> str:
+        return self.tracker.text
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """Limits of one scheduler: running batch, waiting queue, tokens per sequence, and continuous or static batching."""
+
+    max_batch: int = 32
+    max_waiting: int = 256
+    max_prefill_tokens: int = 4096  # prompt tokens admitted into one prefill forward
+    context: int = 1024             # positions a sequence may occupy (the model's context)
+    policy: Literal["continuous", "static"] = "continuous"
+
+
+class Scheduler:
+    """Requests in, one token per running request per step out, blocks taken and given back as they go."""
+
+    def __init__(self, runner: Runner, alloc: BlockAllocator, policy: SchedulerPolicy, tokenizer: Tokenizer | None = None) -> None:
+        self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.aborts: set[int] = set()
+        self.lock = threading.Lock()
+        self.ids = itertools.count()
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
+        """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
+        if len(prompt) + params.max_tokens > self.policy.context:
+            raise BehemothError(f"a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds the context of "
+                                f"{self.policy.context}", f"ask for at most {max(0, self.policy.context - len(prompt))} tokens")
+        blocks = -(-(len(prompt) + params.max_tokens) // self.alloc.block_size)
+        if blocks > self.alloc.num_blocks:  # it could never finish, even alone (preemption would cycle)
+            raise BehemothError(f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {blocks} KV-cache blocks, "
+                                f"the cache has {self.alloc.num_blocks}", "give the cache more memory or ask for fewer tokens")
+        req = Request(next(self.ids), list(prompt), params, TextTracker(self.tokenizer, params.stop), sink,
+                      generator=None if params.greedy else request_generator(params.seed))
+        with self.lock:
+            if len(self.waiting) >= self.policy.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting, the bound is {self.policy.max_waiting}", "retry later")
+            self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step and free its blocks (thread-safe; a client disconnected)."""
+        with self.lock:
+            self.aborts.add(request_id)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting and not self.aborts
+
+    def step(self) -> list[Request]:
+        """One iteration: abort, admit, prefill newcomers, decode the rest, retire. The requests that finished."""
+        finished = self._drop_aborted()
+        newcomers = self._admit()
+        decoding = [r for r in self.running if r not in newcomers]
+        decoding = self._make_room(decoding)
+        for group, is_prefill in ((newcomers, True), (decoding, False)):
+            group = [r for r in group if r in self.running]
+            if group:
+                finished += self._run(group, is_prefill)
+        self.stats["steps"] += 1
+        return finished
+
+    def _drop_aborted(self) -> list[Request]:
+        with self.lock:
+            aborts, self.aborts = self.aborts, set()
+            waiting = [r for r in self.waiting if r.id in aborts]
+            for r in waiting:
+                self.waiting.remove(r)
+        done = waiting + [r for r in self.running if r.id in aborts]
+        for r in done:
+            self._finish(r, "abort")
+        self.stats["aborted"] += len(done)
+        return done
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests that join now: continuous batching admits whenever there is room; static only into an empty batch."""
+        p = self.policy
+        if p.policy == "static" and self.running:
+            return []
+        admitted: list[Request] = []
+        budget = p.max_prefill_tokens
+        with self.lock:
+            while self.waiting and len(self.running) < p.max_batch:
+                req = self.waiting[0]
+                n = len(req.tokens)
+                if (admitted and n > budget) or not self.alloc.can_grow(req.id, n):
+                    break
+                self.waiting.popleft()
+                self.alloc.grow(req.id, n)
+                self.running.append(req)
+                admitted.append(req)
+                budget -= n
+        return admitted
+
+    def _make_room(self, decoding: list[Request]) -> list[Request]:
+        """Give each decoding request a slot for its next token, preempting the latest-admitted ones when blocks run out."""
+        ready = []
+        for req in list(decoding):
+            while req in self.running and not self.alloc.can_grow(req.id, req.cached + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+            if req in self.running:
+                self.alloc.grow(req.id, req.cached + 1)
+                ready.append(req)
+        return [r for r in ready if r in self.running]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.alloc.release(req.id)
+        req.cached = 0
+        with self.lock:
+            self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+
+    def _run(self, group: list[Request], prefill: bool) -> list[Request]:
+        rows = [(r.id, r.tokens[r.cached:], r.cached) for r in group]
+        logits = self.runner.forward(plan_step(self.alloc, rows))
+        for r, (_, new, _) in zip(group, rows):
+            r.cached += len(new)
+        self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
+        tokens = choose_tokens(logits, [r.params for r in group], [r.tokens for r in group], [r.generator for r in group])
+        finished = []
+        for r, token in zip(group, tokens):
+            if self._append(r, token):
+                finished.append(r)
+        return finished
+
+    def _append(self, req: Request, token: int) -> bool:
+        """Add one token to a request and tell its sink; True if it finished."""
+        req.first_token_at = req.first_token_at or time.perf_counter()
+        if token in req.params.stop_token_ids:
+            return self._finish(req, "stop")
+        req.output.append(token)
+        delta, stopped = req.tracker.update(req.output)
+        if req.sink is not None:
+            req.sink(Event(req.id, token, delta))
+        if stopped:
+            return self._finish(req, "stop")
+        if len(req.output) >= req.params.max_tokens or len(req.tokens) >= self.policy.context:
+            return self._finish(req, "length")
+        return False
+
+    def _finish(self, req: Request, reason: str) -> bool:
+        """Retire a request: its blocks go back, its sink gets the rest of its text and the reason."""
+        req.finish_reason, req.finished_at = reason, time.perf_counter()
+        if req in self.running:
+            self.running.remove(req)
+        self.alloc.release(req.id)
+        self.stats["finished"] += 1
+        rest = "" if reason == "abort" else req.tracker.update(req.output, final=True)[0]
+        if req.sink is not None:
+            req.sink(Event(req.id, None, rest, reason))
+        return True
+
+    def run_until_done(self) -> None:
+        """Step until every submitted request has finished (offline generation)."""
+        while not self.idle:
+            self.step()
+
+    def gauges(self) -> dict[str, Any]:
+        return {"running": len(self.running), "waiting": len(self.waiting), "kv_blocks_used": self.alloc.used_blocks,
+                "kv_blocks_total": self.alloc.num_blocks}

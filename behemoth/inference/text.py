@@ -1,0 +1,102 @@
+"""Tokenizers for generation and the text a request has produced so far, cut at its stop strings.
+
+A checkpoint trained by behemoth on text uses its byte tokenizer; a Hugging Face folder brings its own
+tokenizer files (read with transformers, nothing downloaded). A model with neither (a vocabulary that
+is not bytes, no tokenizer files) takes and gives token ids only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from behemoth.data import ByteTokenizer
+from behemoth.errors import BehemothError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+class HFTokenizer:
+    """A transformers tokenizer read from a local folder."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.inner = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.inner.decode(tokens, skip_special_tokens=False)
+
+
+def tokenizer_for(vocab_size: int, folder: str | None = None) -> Tokenizer | None:
+    """The folder's tokenizer if it has one; bytes for a vocabulary that holds them; otherwise None (token ids only)."""
+    if folder and any((Path(folder).expanduser() / f).exists() for f in TOKENIZER_FILES):
+        return HFTokenizer(str(Path(folder).expanduser()))
+    return ByteTokenizer() if vocab_size >= ByteTokenizer.vocab_size else None
+
+
+def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """Token ids of a prompt given as text or as ids, each id checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BehemothError(f"this model has a vocabulary of {vocab_size} tokens and no tokenizer, so a text prompt cannot be encoded",
+                                "pass the prompt as a list of token ids")
+        try:
+            ids = tokenizer.encode(prompt)
+        except (ValueError, UnicodeError) as err:
+            raise BehemothError(f"the prompt cannot be encoded by this model's tokenizer ({err.__class__.__name__}: {str(err)[:80]})",
+                                "send text the tokenizer covers, or token ids") from None
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise BehemothError("the prompt is empty", "give at least one token")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise BehemothError(f"prompt token {bad[0]!r} is not an id of this model's vocabulary of {vocab_size}",
+                            f"use ids in [0, {vocab_size})")
+    return ids
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that may still become a stop string, or an unfinished character."""
+    keep = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), keep, -1):
+            if text.endswith(stop[:n]):
+                keep = n
+                break
+    while keep < len(text) and text[len(text) - keep - 1] == "\ufffd":  # an incomplete UTF-8 sequence so far
+        keep += 1
+    return keep
+
+
+class TextTracker:
+    """The text of one request's generated tokens: what may be sent so far, and whether a stop string ended it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.sent = 0
+        self.text = ""
+
+    def update(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
+        """(new text that may be sent, whether a stop string appeared). After a stop the text ends before it."""
+        if self.tokenizer is None:
+            return "", False
+        text = self.tokenizer.decode(tokens)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final = text[:cut], True
+        safe = len(text) if final else len(text) - held_back(text, self.stops)
+        delta = text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        self.text = text[:self.sent]
+        return delta, cut >= 0

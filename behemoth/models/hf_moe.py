@@ -1,0 +1,94 @@
+"""transformers' Mixtral under behemoth's MoE layer: the model class unmodified, its sparse MLPs computed by `MoELayer`.
+
+Each decoder layer's `mlp` (a `MixtralSparseMoeBlock`: `gate`, a top-k router, and `experts`, stacked
+`gate_up_proj` [E, 2F, d] and `down_proj` [E, d, F]) is replaced by an `MoELayer` that adopts the same
+two children under the same names, so parameter names, shapes and initialization are transformers'
+own, and dropless routing gives the logits transformers gives. The layer adds what the transformers
+block lacks: capacity and dropping, the auxiliary losses added to the training objective, usage
+statistics, and a runner that `parallel/expert/` can place over the `ep` ranks.
+
+The config's `router_aux_loss_coef` weighs the load-balancing loss, in Mixtral's form (all k choices,
+`aux_loss=topk`); `router_jitter_noise` jitters the router's input while training (transformers also
+jitters the experts' input). Checkpoints written by `save_pretrained` keep the older per-expert layout
+(`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy` reads it (`behemoth export --hf` writes it through
+transformers' own save_pretrained).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from behemoth.models.moe import ExpertSpec, MoEConfig, MoELayer, RouterStats
+
+MOE_EXTRA_PLAN = {"model.layers.*.post_attention_layernorm": "replicate"}  # the MoE input: experts enter the TP region themselves
+LEGACY = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.weight|gate\.weight)$")
+
+
+def mixtral_moe_fields(c: dict[str, Any]) -> dict[str, Any]:
+    """The model.moe fields a Mixtral config.json sets."""
+    return {"experts": c.get("num_local_experts", 8), "top_k": c.get("num_experts_per_tok", 2)}
+
+
+def mixtral_config_fields(moe: MoEConfig) -> dict[str, Any]:
+    """Mixtral config fields from the model.moe section (a Mixtral built from behemoth's options)."""
+    return {"num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_coef,
+            "router_jitter_noise": moe.noise_eps if moe.noise == "jitter" else 0.0, "sliding_window": None}
+
+
+def moe_model_problems(moe: MoEConfig, arch: str) -> list[str]:
+    """Why model.moe cannot describe this transformers model."""
+    if arch != "mixtral":
+        return [f"model.moe.experts={moe.experts}: hf:{arch} has no experts; use model=hf:mixtral or leave model.moe.experts unset"]
+    out = []
+    if isinstance(moe.experts, list) or moe.experts < 1:
+        out.append(f"model.moe.experts={moe.experts}: a Mixtral has one expert count for every layer; set e.g. model.moe.experts=8")
+    if moe.every != 1:
+        out.append(f"model.moe.every={moe.every}: every Mixtral layer has experts; leave model.moe.every=1")
+    if moe.shared_expert:
+        out.append("model.moe.shared_expert=true: a Mixtral has no shared expert; leave it false")
+    return out
+
+
+def mixtral_policy(moe: MoEConfig, config: Any) -> Any:
+    """The routing policy: model.moe's capacity settings, with Mixtral's k, auxiliary loss and jitter."""
+    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+    return dataclasses.replace(moe.policy(), top_k=config.num_experts_per_tok, aux_coef=float(config.router_aux_loss_coef),
+                               aux="topk", normalize="chosen", noise="jitter" if jitter else moe.noise, noise_eps=jitter or moe.noise_eps)
+
+
+def adopt_moe_blocks(model: nn.Module, moe: MoEConfig) -> tuple[tuple[str, ...], RouterStats]:
+    """Replace every decoder layer's sparse MLP by an `MoELayer` holding the same router and experts."""
+    config = model.config
+    E = config.num_local_experts
+    stats = RouterStats([E] * config.num_hidden_layers)
+    policy = mixtral_policy(moe, config)
+    names = []
+    for i, layer in enumerate(model.model.layers):
+        block = layer.mlp
+        spec = ExpertSpec(E, router="gate", experts="experts", w_in="gate_up_proj", w_out="down_proj", gated=True, act=block.experts.act_fn)
+        layer.mlp = MoELayer(spec, policy, index=i, stats=stats, router=block.gate, experts=block.experts)
+        names.append(f"model.layers.{i}.mlp")
+    return tuple(names), stats
+
+
+def from_legacy(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors by the model's names, from a save_pretrained file that may hold per-expert w1 (gate), w3 (up), w2 (down)."""
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, t in tensors:
+        m = LEGACY.match(key)
+        if m is None:
+            yield key, t
+        elif m.group(2) is None:
+            yield f"{m.group(1)}.mlp.gate.weight", t
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    for layer, by_expert in experts.items():
+        ordered = [by_expert[e] for e in sorted(by_expert)]
+        yield f"{layer}.mlp.experts.gate_up_proj", torch.stack([torch.cat([w["w1"], w["w3"]]) for w in ordered])
+        yield f"{layer}.mlp.experts.down_proj", torch.stack([w["w2"] for w in ordered])

@@ -1,0 +1,134 @@
+"""How much memory a streamed step needs, and the prefetch depth that fits a budget (pure: sizes in, bytes out).
+
+Bytes a rank holds at the worst moment of a step, on the compute device:
+
+- states kept in memory: every shard whose tier is device memory (`none`, and `cpu` on a CPU-only machine);
+- the resident units of one action (the head with a tied embedding is two): full flat parameters, their
+  gradient and, over several ranks, this rank's shard kept for the step;
+- prefetched stays: a parameter shard each (and a waiting gradient shard);
+- background jobs in flight: an optimizer step holds a parameter, gradient and state shard and Adam's
+  temporaries (two float32 moments' worth; the 8-bit kernel works on dequantized moments);
+- activations: every block's input for every micro-batch (kept at block boundaries), one boundary's
+  gradients, one block recomputed with its backward, and the head's logits and their gradient.
+
+The runtime and `behemoth estimate` both use this model; the tests measure the resident set against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from behemoth.offload.adam import CHUNK, ShardPiece, state_bytes
+from behemoth.parallel.zero.layout import FlatLayout
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """One unit on one rank: elements of its full flat parameters and of this rank's shard, bytes of its optimizer state."""
+
+    full: int
+    shard: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What the activations of a step depend on (per rank)."""
+
+    micro_batch: int
+    seq_len: int
+    d_model: int
+    ffn: int
+    vocab: int
+    n_layer: int
+    microbatches: int
+
+
+def activation_bytes(a: ActivationShape) -> int:
+    """Block inputs of every micro-batch, one boundary's gradients, one block's recomputation and the head's logits."""
+    token = a.micro_batch * a.seq_len
+    boundaries = (a.n_layer + 1) * a.microbatches * token * a.d_model * F32
+    grads = a.microbatches * token * a.d_model * F32
+    block = 2 * token * (8 * a.d_model + 2 * a.ffn) * F32   # saved tensors and their gradients during one backward
+    head = 3 * token * a.vocab * F32                          # logits, their float32 copy in the loss, their gradient
+    return boundaries + grads + block + head
+
+
+def job_bytes(u: UnitSize) -> int:
+    """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries (it steps at most CHUNK
+    elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks)."""
+    return u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
+
+
+def queued_bytes(u: UnitSize) -> int:
+    """A step waiting for an I/O thread: its parameter and gradient shards."""
+    return u.shard * F32 * 2
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """The parts of a step's peak on one rank, in bytes."""
+
+    in_memory_states: int
+    resident: int
+    prefetched: int
+    jobs: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.in_memory_states + self.resident + self.prefetched + self.jobs + self.activations
+
+
+def peak_bytes(units: list[UnitSize], act: ActivationShape, *, prefetch: int, in_flight: int, sharded: bool,
+               in_memory_states: int = 0, tied: bool = False, io_threads: int = 2) -> MemoryPeak:
+    """The step's peak: see the module docstring. `sharded`: more than one data-parallel rank (a shard is kept apart);
+    of `in_flight` jobs, `io_threads` run and the others wait with their inputs."""
+    per_unit = [u.full * F32 * 2 + (u.shard * F32 if sharded else 0) for u in units]
+    resident = max(per_unit, default=0) + (per_unit[0] if tied and units else 0)
+    largest_shard = max((u.shard for u in units), default=0)
+    prefetched = prefetch * largest_shard * F32 * 2
+    running = min(in_flight, io_threads)
+    jobs = running * max((job_bytes(u) for u in units), default=0) + (in_flight - running) * max((queued_bytes(u) for u in units), default=0)
+    return MemoryPeak(in_memory_states, resident, prefetched, jobs, activation_bytes(act))
+
+
+def fit_prefetch(units: list[UnitSize], act: ActivationShape, budget: float, *, prefetch: int, io_threads: int, sharded: bool,
+                 in_memory_states: int = 0, tied: bool = False) -> tuple[int, int, MemoryPeak] | None:
+    """The deepest prefetch (at most the asked one) and the jobs in flight whose peak fits `budget` bytes; None when even
+    no prefetch and one job do not fit (the budget is smaller than one unit plus activations)."""
+    for depth in range(prefetch, -1, -1):
+        for in_flight in range(depth + io_threads + 1, 0, -1):
+            peak = peak_bytes(units, act, prefetch=depth, in_flight=in_flight, sharded=sharded,
+                              in_memory_states=in_memory_states, tied=tied, io_threads=io_threads)
+            if peak.total <= budget:
+                return depth, in_flight, peak
+    return None
+
+
+def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int) -> list[UnitSize]:
+    """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits)."""
+    out = []
+    for lay in layouts:
+        pieces = [ShardPiece(pc.shard_offset, pc.numel, len(lay.shapes[pc.index]) >= 2) for pc in lay.pieces(rank)]
+        out.append(UnitSize(lay.padded, lay.shard_size, state_bytes(pieces, lay.shard_size, bits)))
+    return out
+
+
+def in_device_memory(tier: str, device_type: str) -> bool:
+    """Whether a tier's storage is the compute device's memory (`none`; `cpu` on a CPU-only machine)."""
+    return tier == "none" or (tier == "cpu" and device_type == "cpu")
+
+
+def in_memory_state_bytes(units: list[UnitSize], tiers: dict[str, str], device_type: str, *, grads_stored: bool) -> int:
+    """Bytes of the states whose tier is device memory (`tiers`: kind -> tier name; the gradient tier only if used)."""
+    total = 0
+    if in_device_memory(tiers["params"], device_type):
+        total += sum(u.shard * F32 for u in units)
+    if grads_stored and in_device_memory(tiers["grads"], device_type):
+        total += sum(u.shard * F32 for u in units)
+    if in_device_memory(tiers["optimizer"], device_type):
+        total += sum(u.state_bytes for u in units)
+    return total

@@ -1,0 +1,264 @@
+"""Runs one step's order (order.py) over the units: fetch, gather, compute, evict, with prefetch.
+
+For each action the units it needs are resident: their shards were read by an I/O thread (prefetched
+up to `prefetch` stays ahead, in plan order), all-gathered over the data-parallel group, and installed
+as views of one flat buffer that is a leaf of autograd, so that every backward through the unit adds
+into that buffer's gradient. When a stay ends the views go, the gradient is reduce-scattered to this
+rank's shard and handed on: complete (the runtime steps it or keeps it for a deferred step) or partial
+(written to the gradient tier, read back and added at the unit's next stay).
+
+Activations: the input of every block, for every micro-batch, is kept (activations at block boundaries);
+a block's forward runs without autograd and is recomputed from its kept input in backward, with the
+random state of its forward restored, so dropout draws the same masks. Peak activation memory is the
+boundaries plus one block's recomputation, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from behemoth.comm import CommMeter, all_gather, reduce_scatter
+from behemoth.models.layered import LayeredView
+from behemoth.offload.io import IOPool
+from behemoth.offload.order import Action, Residency, makes_grads, needs, plan_residencies
+from behemoth.offload.store import PendingStep, UnitStore
+
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class StepHooks(Protocol):
+    """What the runtime decides for the streamer: a step owed at fetch, and what a complete gradient does."""
+
+    def take_pending(self, store: UnitStore) -> PendingStep | None: ...
+
+    def gradient_complete(self, store: UnitStore, shard: torch.Tensor, grad: torch.Tensor) -> None: ...
+
+
+@dataclass
+class Loaded:
+    """A resident unit: its shard as fetched, its full flat parameters, the gradient that waited for it."""
+
+    store: UnitStore
+    shard: torch.Tensor
+    flat: torch.Tensor
+    waiting: torch.Tensor | None
+
+
+@dataclass
+class PassState:
+    """Per-micro-batch tensors kept between actions: block inputs, their gradients, block contexts, random states."""
+
+    hidden: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    ctx: dict[int, Any] = field(default_factory=dict)
+    rng: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.hidden, self.grads) for t in d.values())
+
+
+class Streamer:
+    """Executes orders over a model's units, streaming them from their tiers."""
+
+    def __init__(self, model: nn.Module, view: LayeredView, stores: list[UnitStore], reads: dict[int, tuple[int, ...]], *,
+                 group: dist.ProcessGroup, io: IOPool, prefetch: int, device: torch.device, hooks: StepHooks,
+                 meter: CommMeter | None = None) -> None:
+        self.model, self.view, self.stores, self.reads = model, view, stores, reads
+        self.blocks = list(model.get_submodule(view.blocks))
+        self.group, self.io, self.prefetch, self.device, self.hooks, self.meter = group, io, prefetch, device, hooks, meter
+        self.world = dist.get_world_size(group)
+        self.head = len(self.blocks) + 1
+        self.resident: dict[int, Loaded] = {}
+        self.peak_activation_bytes = 0
+
+    # --- one step ---
+
+    def train(self, actions: list[Action], micro_batches: Batch, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+        """Forward and backward of every micro-batch in the order of `actions`; the sum of their (scaled) losses."""
+        state, total = PassState(), torch.zeros((), device=self.device)
+        batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+
+        def compute(a: Action) -> None:
+            nonlocal total
+            x, y = batches[a.mb]
+            if a.kind == "F":
+                self.forward(a, x, state, autocast)
+            elif a.kind == "FB":
+                total = total + self.head_backward(a, y, state, loss_fn, autocast)
+            else:
+                self.backward(a, x, state, autocast)
+            self.peak_activation_bytes = max(self.peak_activation_bytes, state.held_bytes())
+
+        self.run(actions, compute)
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, actions: list[Action], inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None],
+                     autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Every input through each unit in turn (forward order); `on_logits(i, logits)` as the head produces each."""
+        state = PassState()
+        moved = [x.to(self.device) for x in inputs]
+
+        def compute(a: Action) -> None:
+            if a.kind == "F":
+                self.forward(a, moved[a.mb], state, autocast, keep_rng=False)
+                return
+            with autocast():
+                logits = self.view.head(self.model, state.hidden.pop((self.head - 1, a.mb)))
+            on_logits(a.mb, logits)
+
+        self.run(actions, compute)
+
+    # --- compute of one action ---
+
+    def forward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable, keep_rng: bool = True) -> None:
+        """A unit's forward without autograd; its output is the next block's kept input."""
+        if keep_rng:
+            state.rng[(a.unit, a.mb)] = self.rng_state()
+        with torch.no_grad(), autocast():
+            if a.unit == 0:
+                h = self.view.embed(self.model, x)
+                state.ctx[a.mb] = self.view.context(self.model, h)
+            else:
+                h = self.view.block(self.blocks[a.unit - 1], state.hidden[(a.unit - 1, a.mb)], state.ctx[a.mb])
+        state.hidden[(a.unit, a.mb)] = h
+
+    def head_backward(self, a: Action, y: torch.Tensor, state: PassState, loss_fn: Callable, autocast: Callable) -> torch.Tensor:
+        """The head's forward, the loss and its backward at once; keeps the gradient of the head's input."""
+        h = state.hidden.pop((a.unit - 1, a.mb)).detach().requires_grad_()
+        with autocast():
+            logits = self.view.head(self.model, h)
+        loss = loss_fn(logits, y)
+        loss.backward()
+        state.grads[(a.unit - 1, a.mb)] = h.grad
+        return loss.detach()
+
+    def backward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable) -> None:
+        """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
+        grad_out = state.grads.pop((a.unit, a.mb))
+        if a.unit == 0:
+            with self.restored_rng(state.rng.pop((0, a.mb))), autocast():
+                out = self.view.embed(self.model, x)
+            torch.autograd.backward(out, grad_out)
+            state.ctx.pop(a.mb, None)
+            return
+        h = state.hidden.pop((a.unit - 1, a.mb)).detach().requires_grad_()
+        with self.restored_rng(state.rng.pop((a.unit, a.mb))), autocast():
+            out = self.view.block(self.blocks[a.unit - 1], h, state.ctx[a.mb])
+        torch.autograd.backward(out, grad_out)
+        state.grads[(a.unit - 1, a.mb)] = h.grad
+
+    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def restored_rng(self, saved: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+        """The random state the forward had, for the recomputation only (dropout draws the same masks)."""
+        cpu, dev = saved
+        with torch.random.fork_rng(devices=[self.device] if dev is not None else []):
+            torch.set_rng_state(cpu)
+            if dev is not None:
+                torch.cuda.set_rng_state(dev, self.device)
+            yield
+
+    # --- residency: fetch, gather, install, evict ---
+
+    def run(self, actions: list[Action], compute: Callable[[Action], None]) -> None:
+        """Each action with the units it needs resident; stays fetched ahead in plan order, evicted after their last action."""
+        plan = plan_residencies(actions, self.reads)
+        ends: dict[int, list[Residency]] = defaultdict(list)
+        for stay in plan.stays:
+            ends[stay.last].append(stay)
+        self.queue, self.next = plan.stays, 0  # stays in begin order; the first not begun yet
+        self.fetches: dict[int, Any] = {}    # id(stay) -> its fetch job, for stays submitted and not begun
+        self.fetching: set[int] = set()      # units with such a stay
+        try:
+            for i, action in enumerate(actions):
+                for stay in plan.by_action[i]:
+                    self.begin(stay)
+                self.fill()
+                self.install(action)
+                compute(action)
+                for stay in ends[i]:
+                    self.end(stay)
+                self.fill()
+        finally:
+            for unit in list(self.resident):
+                self.uninstall(unit)
+            self.resident.clear()
+
+    def fill(self) -> None:
+        """Submit the fetches of the next stays, up to `prefetch` ahead, in order; a unit's next stay is not read
+        before its current one is evicted (the eviction may write what it reads)."""
+        for stay in self.queue[self.next:self.next + self.prefetch]:
+            if id(stay) in self.fetches:
+                continue
+            if stay.unit in self.resident or stay.unit in self.fetching:
+                return
+            self.submit(stay)
+
+    def submit(self, stay: Residency) -> None:
+        store = self.stores[stay.unit]
+        self.fetches[id(stay)] = self.io.submit(stay.unit, store.load, self.hooks.take_pending(store), stay.partial_in and stay.grads)
+        self.fetching.add(stay.unit)
+
+    def begin(self, stay: Residency) -> None:
+        """The stay's shard (fetched), all-gathered into the unit's flat parameters."""
+        assert self.queue[self.next] is stay, "stays begin in plan order"
+        self.next += 1
+        if id(stay) not in self.fetches:
+            self.submit(stay)
+        self.fetching.discard(stay.unit)
+        shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
+        store = self.stores[stay.unit]
+        full = shard
+        if self.world > 1:
+            full = torch.empty(store.layout.padded, dtype=shard.dtype, device=self.device)
+            all_gather(full, shard, self.group, self.meter)
+        self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads), waiting)
+
+    def install(self, action: Action) -> None:
+        """Fresh views of the flat parameters wherever the model reads them (fresh: each backward graph its own)."""
+        for unit in needs(action, self.reads):
+            loaded = self.resident[unit]
+            store = loaded.store
+            views = loaded.flat.split(store.layout.split_sizes())
+            for view, shape, locations in zip(views, store.layout.shapes, store.spec.locations):
+                for module, attr in locations:
+                    setattr(module, attr, view.view(shape))
+
+    def uninstall(self, unit: int) -> None:
+        for locations in self.stores[unit].spec.locations:
+            for module, attr in locations:
+                if attr in module.__dict__:
+                    delattr(module, attr)
+
+    def end(self, stay: Residency) -> None:
+        """Evict: views removed; the stay's gradient summed over ranks to this rank's shard and handed on."""
+        loaded = self.resident.pop(stay.unit)
+        self.uninstall(stay.unit)
+        if not stay.grads:
+            return
+        store, grad = loaded.store, loaded.flat.grad
+        if grad is None:  # the unit took no part in this rank's loss: it still joins the sum
+            grad = torch.zeros(store.layout.padded, dtype=torch.float32, device=self.device)
+        loaded.flat.grad = None
+        if self.world > 1:
+            lo, hi = store.layout.shard_range(dist.get_rank(self.group))
+            reduce_scatter(grad[lo:hi], grad, self.group, self.meter)
+            grad = grad[lo:hi].clone()
+        if loaded.waiting is not None:
+            grad.add_(loaded.waiting)
+        if stay.completes:
+            self.hooks.gradient_complete(store, loaded.shard, grad)
+        else:
+            store.grad_waiting = True
+            self.io.submit(stay.unit, store.save_grad, grad)

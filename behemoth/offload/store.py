@@ -1,0 +1,156 @@
+"""One unit's states on their tiers: this rank's parameter shard, gradient shard and optimizer state.
+
+A unit is ZeRO-3's (parallel/zero/units.py: the embedding, a block, the head), laid out flat and cut into
+equal shards over the data-parallel group (parallel/zero/layout.py), so each rank streams only its shard
+and the model is all-gathered unit by unit for compute. The store's methods that move bytes run on the
+I/O threads (`load`, `apply_step`, `save_grad`); nothing else touches a unit's tiers while they run,
+because the I/O pool orders a unit's jobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
+from behemoth.offload.adam import Adam8bit, AdamFP32, ShardPiece
+from behemoth.offload.tiers import Tier
+from behemoth.parallel.chunked import ChunkedTensor, chunked
+from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.units import UnitSpec
+
+ValueSource = Callable[[str, tuple[int, ...]], torch.Tensor]  # (single-process name, full shape) -> full float32 tensor
+
+
+@dataclass(frozen=True)
+class Tiers:
+    """Where each kind of state lives."""
+
+    params: Tier
+    grads: Tier
+    optimizer: Tier
+
+    def all(self) -> dict[str, Tier]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """An optimizer step a unit still owes (deferred: applied when it is next fetched)."""
+
+    lr: float
+    coef: float  # the global-norm clipping coefficient of that step
+    step: int    # the optimizer's step count after it
+
+
+class UnitStore:
+    """A unit's shard of parameters, gradients and optimizer state on their tiers, by key."""
+
+    def __init__(self, index: int, spec: UnitSpec, world: int, rank: int, tiers: Tiers) -> None:
+        self.index, self.spec, self.tiers = index, spec, tiers
+        self.layout = FlatLayout(spec.names, spec.shapes, world)
+        self.raw_pieces = self.layout.pieces(rank)
+        self.pieces = [ShardPiece(pc.shard_offset, pc.numel, len(self.layout.shapes[pc.index]) >= 2) for pc in self.raw_pieces]
+        self.shard_size = self.layout.shard_size
+        self.p_key, self.g_key = f"p.{index}", f"g.{index}"
+        self.adam: AdamFP32 | Adam8bit | None = None
+        self.state_keys: dict[str, str] = {}
+        self.grad_waiting = False         # a gradient (partial, or complete and deferred) is on the gradient tier
+        self.pending: PendingStep | None = None
+
+    def allocate_params(self, initial: torch.Tensor) -> None:
+        """Create the unit's parameter shard on its tier, holding `initial`."""
+        self.tiers.params.allocate(self.p_key, self.shard_size, torch.float32)
+        self.tiers.params.store(self.p_key, initial)
+
+    def attach_optimizer(self, adam: AdamFP32 | Adam8bit) -> None:
+        """The optimizer that steps this unit; its zero state is created on the optimizer tier now."""
+        self.adam = adam
+        spec = adam.state_spec(self.pieces, self.shard_size)
+        self.state_keys = {name: f"{name}.{self.index}" for name in spec}
+        for name, (numel, dtype) in spec.items():
+            self.tiers.optimizer.allocate(self.state_keys[name], numel, dtype)
+
+    # --- jobs: run on an I/O thread ---
+
+    def load(self, pending: PendingStep | None, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The parameter shard (stepped first if a step is owed) and, if asked, the gradient waiting on its tier."""
+        p = self.tiers.params.fetch(self.p_key)
+        if pending is not None:
+            self.apply_step(p, self.tiers.grads.fetch(self.g_key), pending)
+        g = self.tiers.grads.fetch(self.g_key) if with_grad else None
+        return p, g
+
+    def apply_step(self, p: torch.Tensor, g: torch.Tensor, step: PendingStep) -> None:
+        """AdamW where the state lives: read it, update parameters and state, write both back."""
+        state = {name: self.tiers.optimizer.fetch(key) for name, key in self.state_keys.items()}
+        self.adam.step(p, g, state, self.pieces, lr=step.lr, coef=step.coef, step=step.step)
+        self.tiers.params.store(self.p_key, p)
+        for name, key in self.state_keys.items():
+            self.tiers.optimizer.store(key, state[name])
+
+    def save_grad(self, g: torch.Tensor) -> None:
+        if not self.tiers.grads.has(self.g_key):  # created on first use: many plans never need it
+            self.tiers.grads.allocate(self.g_key, self.shard_size, torch.float32)
+        self.tiers.grads.store(self.g_key, g)
+
+    # --- checkpoints: views of the stored data (memory maps for files) ---
+
+    def param_chunks(self) -> dict[str, ChunkedTensor]:
+        """Every parameter of the unit as this rank's chunks of its full tensor, aliasing the stored shard."""
+        return self._chunks(self.tiers.params.view(self.p_key))
+
+    def _chunks(self, flat: torch.Tensor) -> dict[str, ChunkedTensor]:
+        held = {pc.index: pc for pc in self.raw_pieces}
+        out = {}
+        for i, (name, shape) in enumerate(zip(self.layout.names, self.layout.shapes)):
+            pc = held.get(i)
+            out[name] = chunked(flat[:0], 0, 0, shape) if pc is None else chunked(flat[pc.shard_offset:pc.shard_offset + pc.numel], pc.start, pc.stop, shape)
+        return out
+
+    def moment_chunks(self, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """Adam state by parameter name (float32 moments as chunks), as the in-memory optimizers write it."""
+        ms, vs = self._chunks(m), self._chunks(v)
+        return {name: {"step": step, "exp_avg": ms[name], "exp_avg_sq": vs[name]} for name in ms}
+
+    def close(self) -> None:
+        for tier in self.tiers.all().values():
+            for key in (self.p_key, self.g_key, *self.state_keys.values()):
+                tier.drop(key)
+
+
+def initial_shard(spec: UnitSpec, layout: FlatLayout, rank: int, value: ValueSource) -> torch.Tensor:
+    """This rank's shard of the unit's initial parameters: each full tensor from `value`, cut as ZeRO-3 and
+    tensor parallelism cut it (`shard_parameters` left a meta parameter that knows its piece)."""
+    shard = torch.zeros(layout.shard_size)
+    for pc in layout.pieces(rank):
+        meta = getattr(*spec.locations[pc.index][0])
+        name = getattr(meta, FULL_NAME, spec.names[pc.index])
+        full = value(name, getattr(meta, FULL_SHAPE, spec.shapes[pc.index]))
+        shard[pc.shard_offset:pc.shard_offset + pc.numel] = getattr(meta, TAKE_LOCAL, lambda t: t)(full).reshape(-1)
+    return shard
+
+
+def safetensors_source(folder: str) -> ValueSource:
+    """Parameters read one at a time from a save_pretrained folder's safetensors (never the whole model at once)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(folder).expanduser().glob("*.safetensors"))
+    if not files:
+        raise BehemothError(f"hf.weights={folder} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
+    where = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            where.update(dict.fromkeys(st.keys(), f))
+
+    def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in where:
+            raise BehemothError(f"hf.weights={folder} lacks parameter {name}", "save the whole model")
+        with safe_open(str(where[name]), framework="pt") as st:
+            return st.get_tensor(name).float()
+
+    return value

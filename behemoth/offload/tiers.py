@@ -1,0 +1,209 @@
+"""Storage tiers for model states: device memory, host memory, files. One interface, so the runtime has one path.
+
+    tier = make_tier("disk", device, root=scratch / "rank0")
+    tier.allocate("p.3", numel, torch.float32)     # reserve (a file is fallocated: zeros, space taken now)
+    t = tier.fetch("p.3")                           # on the compute device; may alias the stored data
+    ...update t in place...
+    tier.store("p.3", t)                            # a no-op when `t` aliases the stored data
+
+- `none` (`DeviceTier`): the tensor stays where it is computed on; fetch returns it, store does nothing.
+- `cpu` (`HostTier`): on a GPU, host memory (pinned) copied to and from the device; on a CPU-only machine
+  host memory *is* device memory, so it behaves as `none` (no copies, nothing counted).
+- `disk` (`FileTier`): one raw file per key under a scratch directory, read with `preadv` into a fresh
+  buffer and written with `pwrite` (the calls release the GIL, so I/O threads overlap compute).
+
+Every tier counts the bytes it moves (`read_bytes`, `written_bytes`), from any thread.
+`view(key)` is a CPU tensor aliasing the stored data (a memory map for files), for checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+TIER_NAMES = ("none", "cpu", "disk")
+
+
+class Tier:
+    """Where one kind of state lives; counts bytes moved between it and the compute device."""
+
+    name: str = "none"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self._lock = threading.Lock()
+        self.held: dict[str, torch.Tensor] = {}
+
+    @property
+    def moves(self) -> bool:
+        """Whether fetch and store copy bytes (False: the tier aliases the compute device's memory)."""
+        return False
+
+    def count(self, read: int = 0, written: int = 0) -> None:
+        with self._lock:
+            self.read_bytes += read
+            self.written_bytes += written
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        self.held[key] = torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def has(self, key: str) -> bool:
+        return key in self.held
+
+    def fetch(self, key: str) -> torch.Tensor:
+        return self.held[key]
+
+    def store(self, key: str, t: torch.Tensor) -> None:
+        held = self.held[key]
+        if t.data_ptr() != held.data_ptr():
+            held.copy_(t)
+
+    def view(self, key: str) -> torch.Tensor:
+        return self.held[key]
+
+    def nbytes(self, key: str) -> int:
+        t = self.held[key]
+        return t.numel() * t.element_size()
+
+    def drop(self, key: str) -> None:
+        self.held.pop(key, None)
+
+    def resident_bytes(self) -> int:
+        """Bytes this tier keeps in memory (host or device)."""
+        return sum(t.numel() * t.element_size() for t in self.held.values())
+
+    def close(self) -> None:
+        self.held.clear()
+
+
+class DeviceTier(Tier):
+    """`none`: states stay in the compute device's memory."""
+
+    name = "none"
+
+
+class HostTier(Tier):
+    """`cpu`: host memory, pinned on a GPU machine; on a CPU-only machine the same memory as the device (a no-op)."""
+
+    name = "cpu"
+
+    @property
+    def moves(self) -> bool:
+        return self.device.type != "cpu"
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        if not self.moves:
+            return super().allocate(key, numel, dtype)
+        self.held[key] = torch.zeros(numel, dtype=dtype, pin_memory=True)
+
+    def fetch(self, key: str) -> torch.Tensor:
+        if not self.moves:
+            return self.held[key]
+        t = self.held[key]
+        self.count(read=t.numel() * t.element_size())
+        return t.to(self.device, non_blocking=True)
+
+    def store(self, key: str, t: torch.Tensor) -> None:
+        if not self.moves:
+            return super().store(key, t)
+        self.held[key].copy_(t)
+        self.count(written=t.numel() * t.element_size())
+
+
+class FileTier(Tier):
+    """`disk`: one raw file per key in `root` (scratch: never a checkpoint)."""
+
+    name = "disk"
+
+    def __init__(self, device: torch.device, root: Path) -> None:
+        super().__init__(device)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.files: dict[str, tuple[int, int, torch.dtype]] = {}  # key -> (fd, numel, dtype)
+
+    @property
+    def moves(self) -> bool:
+        return True
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.bin"
+
+    def has(self, key: str) -> bool:
+        return key in self.files
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        """Create the file at its full size now (fallocate: the space is taken, the contents read as zeros)."""
+        fd = os.open(self.path(key), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+        self.files[key] = (fd, numel, dtype)
+
+    def fetch(self, key: str) -> torch.Tensor:
+        fd, numel, dtype = self.files[key]
+        host = torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
+        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [buf[done:]], done)
+            if n <= 0:
+                raise OSError(f"short read of {self.path(key)}: {done} of {len(buf)} bytes")
+            done += n
+        self.count(read=done)
+        return host if self.device.type == "cpu" else host.to(self.device, non_blocking=False)
+
+    def store(self, key: str, t: torch.Tensor) -> None:
+        fd, numel, dtype = self.files[key]
+        if t.numel() != numel or t.dtype != dtype:
+            raise ValueError(f"{key}: storing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
+        host = t.detach().contiguous().cpu()
+        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        done = 0
+        while done < len(buf):
+            done += os.pwrite(fd, buf[done:], done)
+        self.count(written=done)
+
+    def view(self, key: str) -> torch.Tensor:
+        """The file as a shared memory map (writes go to the file), for checkpoints."""
+        _, numel, dtype = self.files[key]
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.from_file(str(self.path(key)), shared=True, size=numel, dtype=dtype)
+
+    def nbytes(self, key: str) -> int:
+        _, numel, dtype = self.files[key]
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+    def drop(self, key: str) -> None:
+        entry = self.files.pop(key, None)
+        if entry is not None:
+            os.close(entry[0])
+            self.path(key).unlink(missing_ok=True)
+
+    def resident_bytes(self) -> int:
+        return 0
+
+    def disk_bytes(self) -> int:
+        return sum(self.nbytes(k) for k in self.files)
+
+    def close(self) -> None:
+        for key in list(self.files):
+            self.drop(key)
+
+
+def make_tier(name: str, device: torch.device, *, root: Path | None = None) -> Tier:
+    """The tier called `name` (none, cpu, disk); `root` is the disk tier's folder."""
+    if name == "none":
+        return DeviceTier(device)
+    if name == "cpu":
+        return HostTier(device)
+    if name == "disk":
+        if root is None:
+            raise ValueError("the disk tier needs a directory")
+        return FileTier(device, root)
+    raise ValueError(f"offload tier {name!r} is not one of {', '.join(TIER_NAMES)}")

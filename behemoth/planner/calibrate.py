@@ -1,0 +1,309 @@
+"""`behemoth calibrate`: measure this machine and describe it as a `ClusterSpec` (the one part of the planner that
+runs processes).
+
+Over N local processes (every GPU, or N CPU processes sharing the cores as training would), all at once:
+the matrix-multiply rate by size and dtype, each collective's time by message size (all-reduce, all-gather,
+reduce-scatter, all-to-all, p2p), fitted to latency + bytes / bus bandwidth in nccl-tests' convention, the memory
+bandwidth of a large copy and the cost of one tiny operator; on rank 0 alone, the disk's write and read bandwidth
+(a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from behemoth.comm import all_gather, reduce_scatter
+from behemoth.planner.cluster import COLLECTIVES, ClusterSpec, DeviceSpec, HostSpec, LinkSpec, bus_factor
+
+MATMUL_SIZES = {"quick": (128, 256, 512, 1024), "full": (128, 256, 512, 1024, 2048, 4096)}
+MESSAGE_BYTES = {"quick": (2**12, 2**16, 2**20, 2**23), "full": (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26)}
+DISK_BYTES = {"quick": 64 * 2**20, "full": 512 * 2**20}
+CPU_BF16_LIMIT = 512  # bf16 products on a CPU without native bf16 run ~100x slower: measured only up to this size
+
+
+def timed(fn: Any, reps: int, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """Median seconds of `fn()` over `reps` runs after one warm-up (every rank starts each run together)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if group is not None:
+            dist.barrier(group=group)
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_curve(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], group: dist.ProcessGroup) -> list[tuple[int, float]]:
+    """(n, TFLOP/s) of n x n x n products, every rank multiplying at once."""
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, generator=g).to(dtype)
+        b = torch.randn(n, n, device=device, generator=g).to(dtype)
+        reps = max(2, min(20, int(2e9 / (2 * n**3)) + 1))
+        seconds = timed(lambda: a @ b, reps, device, group)
+        out.append((n, 2 * n**3 / seconds / 1e12))
+    return out
+
+
+def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, group: dist.ProcessGroup) -> list[tuple[float, float]]:
+    """(bytes, seconds) of one `op` of a float32 tensor of each size over `group` (p2p: rank 0 to rank 1 and back, halved)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        full = torch.ones(n, device=device)
+        shard = torch.ones(n // world, device=device)
+        fn = {
+            "all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_gather": lambda: all_gather(full, shard, group),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, group),
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group),
+            "p2p": lambda: ping_pong(full, rank, group),
+        }[op]
+        seconds = timed(fn, 5, device, group)
+        out.append((float(n * 4), seconds / 2 if op == "p2p" else seconds))
+    return out
+
+
+def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+    """Rank 0 sends to rank 1 and back; other ranks idle."""
+    peer = {0: 1, 1: 0}.get(rank)
+    if peer is None:
+        return
+    dst = dist.get_global_rank(group, peer)
+    if rank == 0:
+        dist.send(t, dst, group=group)
+        dist.recv(t, dst, group=group)
+    else:
+        dist.recv(t, dst, group=group)
+        dist.send(t, dst, group=group)
+
+
+def fit_link(op: str, curve: list[tuple[float, float]], ranks: int) -> tuple[float, float]:
+    """(latency us, bus bandwidth GB/s): the latency is the fastest small message, the bandwidth what the largest
+    message adds to it (robust to the noise of a shared machine, where a least-squares fit is not)."""
+    points = sorted(curve)
+    latency = min(s for _, s in points[:2])
+    nbytes, seconds = points[-1]
+    moved = nbytes * bus_factor(op, ranks)
+    bandwidth = moved / max(seconds - latency, seconds * 0.05)
+    return latency * 1e6, bandwidth / 1e9
+
+
+def memory_bandwidth(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**27) -> float:
+    """GB/s of a large copy (read + write), every rank copying at once."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), 5, device, group)
+    return 2 * nbytes / seconds / 1e9
+
+
+def op_overhead(device: torch.device) -> float:
+    """Microseconds of one operator of a model's pass when its tensors are tiny: a tiny GPT block's forward and backward
+    (launch, dispatch, autograd and module overhead) divided by the operators the cost model counts for it."""
+    from behemoth.models.gpt import Block, GPTConfig
+    from behemoth.planner.steptime import FORWARD_OPS_PER_BLOCK
+
+    g = torch.Generator(device=device).manual_seed(0)
+    block = Block(GPTConfig(n_layer=1, n_head=2, d_model=16, context=8, vocab_size=8)).to(device)
+    x = torch.randn(1, 8, 16, device=device, generator=g, requires_grad=True)
+    seconds = timed(lambda: block(x).sum().backward(), 20, device)
+    return seconds / (3 * FORWARD_OPS_PER_BLOCK) * 1e6
+
+
+def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**23, n: int = 512) -> float:
+    """The share of an all-reduce that hides behind matrix products running at the same time: (compute alone +
+    all-reduce alone - both together) / the shorter of the two, clamped to [0, 1]."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g)
+    buf = torch.ones(nbytes // 4, device=device)
+    reduce = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    alone = timed(reduce, 3, device, group)
+    reps = max(1, int(alone / max(timed(lambda: a @ a, 3, device, group), 1e-6)))
+    compute = timed(lambda: [a @ a for _ in range(reps)], 3, device, group)
+
+    def both() -> None:
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        for _ in range(reps):
+            a @ a
+        work.wait()
+
+    together = timed(both, 3, device, group)
+    return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
+
+
+def block_efficiency(device: torch.device, group: dist.ProcessGroup, matmul: list[tuple[int, float]], bandwidth: float,
+                     overhead_us: float, d: int = 256, tokens: int = 512) -> float:
+    """The share of the matrix rate a GPT block's forward and backward reach (every rank at once): its FLOPs at the
+    measured matrix rate, over its measured time less what the cost model counts apart (elementwise traffic at the
+    memory bandwidth, a launch cost per operator)."""
+    from behemoth.models.gpt import Block, GPTConfig
+    from behemoth.planner.cluster import interpolate
+    from behemoth.planner.steptime import ELEMENTWISE_PASSES, FORWARD_OPS_PER_BLOCK
+
+    cfg = GPTConfig(n_layer=1, n_head=4, d_model=d, context=tokens, vocab_size=8)
+    g = torch.Generator(device=device).manual_seed(0)
+    block = Block(cfg).to(device)
+    x = torch.randn(1, tokens, d, device=device, generator=g, requires_grad=True)
+    seconds = timed(lambda: block(x).sum().backward(), 5, device, group)
+    flops = 3 * tokens * (24 * d * d + 4 * tokens * d)
+    matrices = flops / (interpolate(matmul, (tokens * d * 4 * d) ** (1 / 3)) * 1e12)
+    saved = 4 * tokens * (16 * d + 4 + 4)
+    apart = 3 * ELEMENTWISE_PASSES * saved / (bandwidth * 1e9) + 3 * FORWARD_OPS_PER_BLOCK * overhead_us * 1e-6
+    return min(1.0, max(0.05, matrices / max(seconds - apart, 1e-9)))
+
+
+def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
+    """GB/s of writing (with fsync) and reading back a scratch file; None when the disk lacks twice that room."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(folder).free < 2 * nbytes:
+        return None
+    block = os.urandom(2**20)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix="behemoth-calibrate-") as f:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        write = time.perf_counter() - t0
+        f.seek(0)
+        t0 = time.perf_counter()
+        while f.read(2**24):
+            pass
+        read = time.perf_counter() - t0
+    return 2 * nbytes / (write + read) / 1e9
+
+
+def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
+    """One rank of the calibration (see the module docstring); rank 0 returns the measurements."""
+    from behemoth.topology import init_runtime
+
+    rt = init_runtime(timeout_s=300.0)
+    try:
+        group, device = rt.world_group, rt.device
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        out: dict[str, Any] = {"world": rt.world_size, "device": device.type, "matmul": {}, "collectives": {}}
+        for name, dtype in dtypes.items():
+            sizes = MATMUL_SIZES[mode] if device.type == "cuda" or name == "fp32" else tuple(n for n in MATMUL_SIZES[mode] if n <= CPU_BF16_LIMIT)
+            out["matmul"][name] = matmul_curve(device, dtype, sizes, group)
+        if rt.world_size > 1:
+            for op in COLLECTIVES:
+                out["collectives"][op] = collective_curve(op, MESSAGE_BYTES[mode], device, group)
+        out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
+        out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
+        out["op_overhead_us"] = op_overhead(device)
+        out["block_efficiency"] = block_efficiency(device, group, out["matmul"]["fp32"], out["memory_bandwidth_gbs"], out["op_overhead_us"])
+        out["disk_bandwidth_gbs"] = disk_bandwidth(Path(cache_dir), DISK_BYTES[mode]) if rt.is_main else None
+        out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)"
+        out["device_memory"] = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        return out
+    finally:
+        rt.close()
+
+
+def host_memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
+    """A `ClusterSpec` of this machine from rank 0's measurements (a CPU process counts as a device with RAM / N)."""
+    world = m["world"]
+    memory = m["device_memory"] or host_memory_bytes() / world
+    ops = {op: fit_link(op, curve, 2 if op == "p2p" else world) for op, curve in m["collectives"].items()}
+    link = LinkSpec(latency_us=statistics.median(o[0] for o in ops.values()) if ops else 1.0,
+                    bandwidth_gbs=statistics.median(o[1] for o in ops.values()) if ops else m["memory_bandwidth_gbs"], ops=ops)
+    peak = {dtype: max(v for _, v in curve) for dtype, curve in m["matmul"].items() if curve}
+    device = DeviceSpec(name=m["device_name"], memory_gb=memory / 1e9, reserved_gb=0.05 * memory / 1e9, peak_tflops=peak,
+                        matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
+                        memory_bandwidth_gbs=m["memory_bandwidth_gbs"], op_overhead_us=m["op_overhead_us"],
+                        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
+                        block_efficiency=m.get("block_efficiency", 0.8))
+    host = HostSpec(memory_gb=host_memory_bytes() / 1e9, memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
+                    disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1)
+    measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
+    measured.update({f"matmul_{k}_tflops_by_n": [tuple(p) for p in v] for k, v in m["matmul"].items()})
+    return ClusterSpec(name=name, nodes=1, devices_per_node=world, device=device, intra_node=link, host=host, kind="calibrated",
+                       source=f"behemoth calibrate on {world} local {m['device']} process(es), {time.strftime('%Y-%m-%d %H:%M')}",
+                       measured=measured)
+
+
+def cache_folder(cache_dir: str | None = None) -> Path:
+    return Path(cache_dir or os.environ.get("BEHEMOTH_CACHE") or Path.home() / ".cache" / "behemoth").expanduser()
+
+
+def cached_spec_path(nproc: int, cache_dir: str | None = None) -> Path:
+    """Where `behemoth calibrate --nproc N` keeps its result for `behemoth plan --nproc N` and `parallel=auto`."""
+    return cache_folder(cache_dir) / f"cluster-local-{nproc}.yaml"
+
+
+def calibrate(nproc: int, *, mode: str = "quick", cache_dir: str | None = None, timeout_s: float = 600.0) -> ClusterSpec:
+    """Measure this machine with `nproc` local processes and describe it."""
+    from behemoth.launch import launch
+
+    folder = str(cache_folder(cache_dir))
+    if nproc == 1:
+        return spec_from(_single_process(mode, folder))
+    results = launch(nproc, calibrate_worker, mode, folder, timeout_s=timeout_s)
+    return spec_from(results[0])
+
+
+def _single_process(mode: str, folder: str) -> dict[str, Any]:
+    """The calibration in this process (a world of one: no collectives to measure)."""
+    os.environ.pop("MASTER_ADDR", None)
+    return calibrate_worker(mode, folder)
+
+
+def probe_spec(nproc: int) -> ClusterSpec:
+    """A quick description of this machine for `nproc` processes, measured in this process in about a second: the
+    matrix rate (one process's share of the cores), the memory bandwidth and an operator's cost. The links are not
+    measured (no processes are started): a single machine's collectives are assumed to run at a tenth of the memory
+    bandwidth with 100 us of latency, until `behemoth calibrate` measures them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        curve = [(n, 2 * n**3 / timed(lambda n=n: torch.ones(n, n, device=device) @ torch.ones(n, n, device=device), 3, device) / 1e12)
+                 for n in (128, 256, 512)]
+        src = torch.ones(2**24, device=device)
+        dst = torch.empty_like(src)
+        bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 3, device) / 1e9 / (nproc if device.type == "cpu" else 1)
+        overhead = op_overhead(device)
+    finally:
+        torch.set_num_threads(threads)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes() / nproc
+    m = {"world": nproc, "device": device.type, "device_memory": memory if device.type == "cuda" else None,
+         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)",
+         "matmul": {"fp32": curve}, "collectives": {}, "memory_bandwidth_gbs": bandwidth, "op_overhead_us": overhead,
+         "comm_overlap": 0.9 if device.type == "cuda" else (0.0 if nproc >= (os.cpu_count() or 1) else 0.5),
+         "disk_bandwidth_gbs": None}
+    spec = spec_from(m, name="local (probed)")
+    link = LinkSpec(latency_us=100.0, bandwidth_gbs=bandwidth / 10)
+    return spec.model_copy(update={"intra_node": link, "kind": "described",
+                                   "source": f"probed in one process for {nproc} processes; links assumed (run behemoth calibrate)"})
+
+
+def local_cluster(nproc: int, cache_dir: str | None = None) -> ClusterSpec:
+    """This machine for `nproc` processes: `behemoth calibrate`'s cached measurement if there is one, else a probe."""
+    from behemoth.planner.cluster import load_cluster
+
+    path = cached_spec_path(nproc, cache_dir)
+    return load_cluster(path) if path.is_file() else probe_spec(nproc)

@@ -1,0 +1,234 @@
+"""Memory one rank needs under a plan, in closed form: model states, ZeRO buffers, stashed activations, working set.
+
+    peak = states + max(stash + working set + ZeRO buffers,  optimizer-step temporaries)
+
+- **Model states** (the ZeRO paper's accounting on the rank's share): the rank holds P parameters, its pipeline
+  stages' blocks (plus the embedding on the first stage, the head on the last, and a tied embedding on both) at
+  1/t of each split matrix; ZeRO-0 keeps (4 + 4 + 8)P bytes, stages 1-3 shard the optimizer state, then the
+  gradients, then the parameters over dp. So a layout of t x p x dp ranks holds 16Ψ/(t p) per rank before ZeRO,
+  16Ψ/(t p dp) at stage 3 (the census counts the rest exactly: the embedding and head, padding of the vocabulary).
+- **ZeRO buffers**: stage 2's gradient buckets in flight, stage 3's gathered units (`memory.py` has the exact layout).
+- **Stash**: what a micro-batch's forward keeps for backward on each of the rank's stages (per-token elements of a
+  block from `models/activations.block_activation_elements`, the embedding's ids, the head's inputs and the loss's
+  softmax), times the micro-batches the schedule holds at once on that rank (`stash_units`, the closed form of
+  `simulate.peak_stash`); a recomputing rank keeps only each block's input.
+- **Working set**: what exists only while a pass runs, as behemoth's runtime allocates it (measured with
+  `cli/measure.LiveBytes`): the loss's gradients over the vocabulary, a block's backward (its MLP's hidden
+  gradient, the largest weight gradient before it is added to its buffer, hidden-size gradients), a recomputed
+  block, the pipeline's messages (held until the step ends), and under zb-h1 the output gradients its split
+  backward keeps for the weight pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
+from behemoth.planner.census import TPShare
+from behemoth.planner.layout import Layout, Workload
+from behemoth.planner.memory import BYTES_PER_PARAM
+
+STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
+
+
+@dataclass
+class RankMemory:
+    """Bytes one pipeline rank needs, by part; `peak` is what the plan must fit."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float = 0.0
+    stash: float = 0.0
+    working: float = 0.0
+    deferred: float = 0.0           # zb-h1: the output gradients its split backward keeps until the weight pass
+    optimizer_step: float = 0.0
+    elements: int = 0
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.states + max(self.stash + self.working + self.deferred + self.buffers, self.optimizer_step)
+
+    def scaled(self, stash: float, deferred: float) -> float:
+        """The peak of a rank like this one holding `stash` times its stashed micro-batches and `deferred` times its
+        deferred gradients (ranks of one pipeline differ only in those)."""
+        return self.states + max(self.stash * stash + self.working + self.deferred * deferred + self.buffers, self.optimizer_step)
+
+
+def rank_blocks(lay: Layout, bounds: tuple[int, ...], rank: int) -> list[tuple[int, int]]:
+    """(stage, blocks) for every model stage pipeline rank `rank` holds."""
+    return [(s, bounds[s + 1] - bounds[s]) for s in lay.held_stages(rank)]
+
+
+def rank_elements(share: TPShare, lay: Layout, bounds: tuple[int, ...], rank: int) -> int:
+    """Parameters pipeline rank `rank` holds (one tensor-parallel rank's share of them)."""
+    held = rank_blocks(lay, bounds, rank)
+    first = any(s == 0 for s, _ in held)
+    last = any(s == lay.stages - 1 for s, _ in held)
+    blocks = sum(n for _, n in held)
+    return share.stage_elements(blocks, first=first, last=last, pp=lay.pp)
+
+
+def state_bytes(elements: int, lay: Layout, work: Workload) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage over dp."""
+    z, n = lay.zero, lay.dp
+    p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
+    return (p * elements / (n if z >= 3 else 1), g * elements / (n if z >= 2 else 1), k * elements / (n if z >= 1 else 1))
+
+
+def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int) -> float:
+    """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks)."""
+    p = STATE_BYTES_ZERO0[0] if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][0]
+    if lay.zero == 2:
+        return min(elements * p, (MAX_BUCKETS_IN_FLIGHT + 1) * work.bucket_mb * 2**20)
+    if lay.zero == 3:
+        window = min(1 + work.prefetch, max(1, blocks)) * share.block
+        return p * max(window, share.embed, share.head + share.tied)
+    return 0.0
+
+
+def stash_units(lay: Layout, rank: int) -> int:
+    """Micro-batches (interleaved: chunk passes) pipeline rank `rank` holds at once; `simulate.peak_stash` in closed form."""
+    p, m, v, r = lay.pp, lay.microbatches, lay.chunks, rank
+    if p == 1:
+        return 1
+    if lay.schedule == "gpipe":
+        return m
+    if lay.schedule in ("1f1b", "zb-h1"):  # zb-h1's input passes free the graph where 1F1B's backward does
+        return min(p - r, m)
+    if lay.schedule == "interleaved":
+        return m * v if m == p else min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+    if lay.schedule == "chimera":
+        half = m // 2
+        return min(p // 2, p - r, half) + min(p // 2, r + 1, half)
+    raise ValueError(f"no stash count for schedule {lay.schedule}")
+
+
+def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
+    """What one block saves for backward for `tokens` tokens on one tensor-parallel rank."""
+    return work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
+
+
+def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
+    """The final norm's and the head's inputs and statistics, and the loss's softmax over this rank's vocabulary."""
+    h, seq = work.census.shape.d_model, lay.tp if lay.sp else 1
+    tied = work.census.shape.tied
+    head_in = h * tokens / (1 if tied else seq)
+    return work.act_bytes * ((h * tokens + 2 * tokens) / seq + head_in) + 4 * (share.vocab * tokens + 2 * tokens)
+
+
+def embed_bytes(lay: Layout, tokens: int) -> float:
+    """Token ids and positions (int64), and under tensor parallelism the vocabulary mask."""
+    return 8.0 * tokens + (tokens if lay.tp > 1 else 0)
+
+
+def stage_stash(share: TPShare, lay: Layout, work: Workload, stage: int, blocks: int, recompute: bool, tokens: int) -> float:
+    """Bytes one micro-batch's forward leaves on one model stage (a recomputing stage keeps each block's input only)."""
+    h = work.census.shape.d_model
+    per_block = h * tokens * work.act_bytes / (lay.tp if lay.sp else 1) if recompute else block_bytes(share, lay, work, tokens)
+    out = blocks * per_block
+    if stage == 0:
+        out += embed_bytes(lay, tokens)
+    if stage == lay.stages - 1:
+        out += head_bytes(share, lay, work, tokens)
+    return out
+
+
+def block_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
+    """A block's backward: the largest weight gradient before it joins its buffer, the MLP's hidden gradient, and two
+    hidden-size gradients (three without a pipeline, where the engine's loop holds one more)."""
+    shape = work.census.shape
+    ffn = shape.ffn / lay.tp
+    grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
+    hidden = 2 if lay.pp > 1 else 3
+    return grad_bytes * shape.d_model * ffn + (ffn + hidden * shape.d_model) * tokens * work.act_bytes
+
+
+def loss_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
+    """The loss's backward over this rank's vocabulary: two float32 vocabulary-wide gradients, and without a pipeline
+    the logits (in the compute dtype), which the engine's loop still holds."""
+    return (8 + (work.act_bytes if lay.pp == 1 else 0)) * share.vocab * tokens
+
+
+def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
+    """Pipeline messages this rank holds. The executor reaps its sends as they complete and waits for the rest at the
+    end of the step; under the one-stage-per-rank schedules (1f1b, gpipe, zb-h1) measured ranks held every message
+    of the step until then (one per micro-batch and direction of each held stage), under interleaved and Chimera one
+    per direction."""
+    if lay.pp == 1:
+        return 0.0
+    directions = sum((s != lay.stages - 1) + (s != 0) for s, _ in stages)
+    message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    held = lay.microbatches if lay.schedule in ("1f1b", "gpipe", "zb-h1") else 1
+    return held * directions * message
+
+
+def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
+    """zb-h1: a micro-batch's input-gradient pass frees its graph but keeps, for the weight pass, each deferred linear
+    layer's input and output gradient (parallel/deferred.py). At the rank's peak (an input pass, with its own graph
+    still alive) min(rank, m - 1) earlier micro-batches wait for their weight passes (the schedule's order; measured);
+    the first stage, whose backward is not split, keeps its output's gradient for one."""
+    if lay.schedule != "zb-h1" or lay.pp == 1:
+        return 0.0
+    shape, t = work.census.shape, lay.tp
+    if rank == 0:
+        return tokens * shape.d_model * work.act_bytes / (t if lay.sp else 1)
+    ffn = shape.ffn * (2 if shape.gated else 1)
+    grads = (shape.q_width + 2 * shape.kv_width + ffn) / t + 2 * shape.d_model
+    inputs = 2 * shape.d_model / (t if lay.sp else 1) + (shape.q_width + shape.ffn) / t  # qkv and MLP inputs; proj inputs
+    per_token = sum(n * (grads + inputs) for _, n in stages)
+    if any(s == lay.stages - 1 for s, _ in stages):
+        per_token += share.vocab + shape.d_model  # the LM head's output gradient and input
+    return pending_weight_passes(lay, rank) * per_token * tokens * work.act_bytes
+
+
+def pending_weight_passes(lay: Layout, rank: int) -> int:
+    """zb-h1: micro-batches whose weight pass is still to come when pipeline rank `rank` (> 0) runs an input pass."""
+    return min(rank, lay.microbatches - 1)
+
+
+def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
+    """The largest transient of the rank's passes (module docstring), per held stage."""
+    block = block_working(share, lay, work, tokens)
+    worst = 0.0
+    for stage, _ in stages:
+        if stage == lay.stages - 1:
+            after_head = block - head_bytes(share, lay, work, tokens)
+            need = max(loss_working(share, lay, work, tokens), after_head)
+            if recomputes:
+                need = max(need, after_head + block_bytes(share, lay, work, tokens))
+        else:
+            need = block + (block_bytes(share, lay, work, tokens) if recomputes else 0.0)
+        worst = max(worst, need)
+    return worst
+
+
+def rank_memory(work: Workload, lay: Layout, bounds: tuple[int, ...], rank: int) -> RankMemory:
+    """Every part of the memory pipeline rank `rank` needs under `lay` (any of its dp and tp ranks: they hold the same)."""
+    return stage_memory(work, lay, rank, rank_blocks(lay, bounds, rank))
+
+
+def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int, int]], recompute: bool | None = None) -> RankMemory:
+    """`rank_memory` for a rank holding `stages`, (model stage, blocks) pairs, recomputing if `recompute` (default: if
+    the layout says so): what the stage-boundary search asks."""
+    share = work.census.at(lay.tp)
+    first = any(s == 0 for s, _ in stages)
+    last = any(s == lay.stages - 1 for s, _ in stages)
+    elements = share.stage_elements(sum(n for _, n in stages), first=first, last=last, pp=lay.pp)
+    params, grads, optimizer = state_bytes(elements, lay, work)
+    tokens = lay.micro_batch * work.seq_len
+    recomputes = rank in lay.recompute if recompute is None else recompute
+    per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
+    units = stash_units(lay, rank)
+    stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
+    blocks = sum(n for _, n in stages)
+    opt_elements = elements / (lay.dp if lay.zero else 1)
+    step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
+    return RankMemory(rank, params, grads, optimizer, zero_buffers(share, elements, lay, work, blocks), stash,
+                      working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
+                      deferred_gradients(share, lay, work, rank, stages, tokens), step, elements)

@@ -1,0 +1,132 @@
+"""A candidate plan as the planner prices it, and where its pipeline stages sit.
+
+`Layout` holds what the search varies — the degrees, the ZeRO stage, sequence parallelism, the micro-batch
+size and count, the schedule and its chunks, the pipeline ranks that recompute and the stage boundaries — and
+converts to and from the `ParallelPlan` a user writes (`to_plan`, `of_config`): the automatic planner emits
+exactly the plan a user could have written by hand. `Workload` is what does not vary: the model's census, the
+sequence length, the global batch and the precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from behemoth.planner.census import ModelCensus
+from behemoth.plan import ParallelPlan
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model, the batch and the precision a plan must serve (the same for every candidate)."""
+
+    census: ModelCensus
+    seq_len: int
+    global_batch: int
+    precision: str = "fp32"        # train.precision: bf16 autocast computes (and keeps activations) in bf16
+    param_dtype: str = "fp32"      # parallel.param_dtype, the compute parameters under ZeRO 1-3
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any, census: ModelCensus | None = None) -> "Workload":
+        plan = cfg.parallel
+        return cls(census or ModelCensus.of(cfg.model, cfg.hf), cfg.seq_len, cfg.train.global_batch, cfg.train.precision,
+                   plan.param_dtype, plan.bucket_mb, plan.prefetch)
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes of one saved activation element: 2 under bf16 autocast or with bf16 compute parameters, else 4."""
+        return 2 if self.compute_dtype == "bf16" else 4
+
+    @property
+    def compute_dtype(self) -> str:
+        return "bf16" if self.precision == "bf16" or self.param_dtype == "bf16" else "fp32"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One plan: degrees, ZeRO, SP, batch split, schedule, recompute and stage boundaries."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    micro_batch: int = 1              # sequences per micro-batch
+    microbatches: int = 1             # micro-batches per step and data-parallel rank (accumulation, or the pipeline's m)
+    schedule: str = "1f1b"
+    chunks: int = 1                   # model chunks per rank: v of the interleaved schedule, else 1
+    recompute: tuple[int, ...] = ()   # pipeline ranks that recompute every block (0 alone without a pipeline)
+    boundaries: tuple[int, ...] | None = None  # first block of every model stage, then n_layer (None: the planner balances)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Model stages: pp, times the chunks of the interleaved schedule."""
+        return self.pp * self.chunks
+
+    def held_stages(self, rank: int) -> tuple[int, ...]:
+        """The model stages pipeline rank `rank` holds (Chimera: its down and up stage; interleaved: r, r+p, ...)."""
+        if self.pp == 1:
+            return (0,)
+        if self.schedule == "chimera":
+            return tuple(sorted({rank, self.pp - 1 - rank}))
+        return tuple(rank + c * self.pp for c in range(self.chunks))
+
+    def describe(self) -> str:
+        """`dp=2 tp=2 pp=4 zero=1 sp 1f1b mb=2x8 rc[0,1]`: the plan in one short line."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.sp:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
+        parts.append(f"mb={self.micro_batch}x{self.microbatches}")
+        if self.recompute:
+            parts.append("rc" + ("all" if len(self.recompute) == self.pp else str(list(self.recompute))))
+        return " ".join(parts)
+
+    def to_plan(self, base: ParallelPlan | None = None) -> ParallelPlan:
+        """The `parallel:` section a user would write for this layout (options outside the layout kept from `base`)."""
+        fields = (base or ParallelPlan()).model_dump()
+        recompute: Any = "none"
+        if self.recompute:
+            recompute = "full" if len(self.recompute) == self.pp else list(self.recompute)
+        fields.update(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp and self.tp > 1,
+                      microbatches=self.microbatches, schedule=self.schedule, recompute=recompute,
+                      stage_boundaries=list(self.boundaries) if self.boundaries and self.pp > 1 else None,
+                      memory_gb=None, balance="flops")
+        if self.schedule == "interleaved":
+            fields["chunks"] = self.chunks
+        if self.zero == 0:
+            fields["param_dtype"] = "fp32"
+        return ParallelPlan.model_validate(fields)
+
+    @classmethod
+    def of_config(cls, cfg: Any, world: int) -> "Layout":
+        """The layout a config's plan describes on `world` processes (its recompute policy resolved to ranks)."""
+        from behemoth.parallel.pipeline.analysis.simulate import peak_stash
+        from behemoth.parallel.pipeline.schedules import build_schedule
+        from behemoth.parallel.recompute import recompute_ranks
+
+        plan = cfg.parallel
+        dims = plan.dims(world)
+        batch = cfg.batch_layout(dims.dp)
+        v = plan.schedule_chunks
+        stash = peak_stash(build_schedule(plan.schedule, plan.pp, batch.accum, v)) if plan.pp > 1 else (1,)
+        ranks = tuple(sorted(recompute_ranks(plan.recompute, stash)))
+        bounds = tuple(plan.stage_boundaries) if plan.stage_boundaries is not None else None
+        return cls(dims.dp, dims.tp, dims.pp, plan.zero_stage, plan.sequence_parallel and dims.tp > 1, batch.micro_batch, batch.accum,
+                   plan.schedule, v, ranks, bounds)
+
+    def but(self, **changes: Any) -> "Layout":
+        return replace(self, **changes)

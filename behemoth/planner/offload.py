@@ -1,0 +1,162 @@
+"""Offload before launch: what lives where, bytes per tier, the disk a run needs, its memory peak and step time.
+
+Pure functions of the config and a few measured rates (offload/calibrate.py measures them), except
+`offload_launch_problems`, which looks at the scratch directory and its disk. The model is built on the meta
+device and cut into the runtime's own units and shards, so every byte here is the runtime's layout.
+Under tensor parallelism a unit is taken as split over dp x tp (norms, which tp replicates, are small).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from behemoth.errors import BehemothError, Problem
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.offload import scratch
+from behemoth.offload.budget import ActivationShape, MemoryPeak, unit_sizes
+from behemoth.offload.order import make_order, plan_residencies, stores_grads, swap_bytes, StateSizes
+from behemoth.offload.runtime import OffloadPolicy, fit_budget
+from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.units import plan_units
+
+KINDS = ("params", "grads", "optimizer")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured rates: disk read and write, host-tier copies (bytes/s), compute (FLOP/s)."""
+
+    disk_read: float
+    disk_write: float
+    host_copy: float
+    compute: float
+
+
+@dataclass
+class OffloadEstimate:
+    """One rank's offload plan: stored bytes per kind, bytes moved per step per kind, peak memory, FLOPs."""
+
+    policy: OffloadPolicy
+    psi: int
+    ranks: int                                 # processes sharing this machine's disk
+    stored: dict[str, int]                     # bytes per kind of state on this rank (on its tier)
+    moved: dict[str, tuple[int, int]]          # (read, written) bytes per step per kind, this rank
+    peak: MemoryPeak
+    prefetch: int                              # the depth that fits the budget
+    flops: float                               # per step, this rank (forward, recomputation, backward)
+    units: int
+
+    def tier_of(self, kind: str) -> str:
+        return getattr(self.policy, kind)
+
+    def disk_bytes(self) -> int:
+        """Bytes the disk tier holds for all local ranks, with the float32 staging of 8-bit moments at checkpoints."""
+        per_rank = sum(n for kind, n in self.stored.items() if self.tier_of(kind) == "disk")
+        if self.policy.bits == 8 and self.policy.optimizer == "disk":
+            per_rank += self.stored["params"] * 2  # m and v as float32, as large as the float32 parameter shard each
+        return per_rank * self.ranks
+
+    def moved_per_tier(self, device_type: str) -> dict[str, tuple[int, int]]:
+        """(read, written) bytes per tier that really moves them (none never does; cpu does only on a GPU)."""
+        out: dict[str, list[int]] = {}
+        for kind, (r, w) in self.moved.items():
+            tier = self.tier_of(kind)
+            if tier == "none" or (tier == "cpu" and device_type == "cpu"):
+                continue
+            acc = out.setdefault(tier, [0, 0])
+            acc[0] += r
+            acc[1] += w
+        return {t: (r, w) for t, (r, w) in out.items()}
+
+    def step_time(self, rates: Rates, device_type: str) -> tuple[float, float, float]:
+        """(I/O seconds, compute seconds, their max: the bound) for one step; local ranks share the disk."""
+        io = 0.0
+        for tier, (r, w) in self.moved_per_tier(device_type).items():
+            if tier == "disk":
+                io += self.ranks * (r / rates.disk_read + w / rates.disk_write)
+            else:
+                io += (r + w) / rates.host_copy
+        compute = self.flops / rates.compute
+        return io, compute, max(io, compute)
+
+
+def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type: str = "cpu") -> OffloadEstimate:
+    """The offload plan of `cfg` on dp data-parallel ranks (tp from the config), rank 0's share."""
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    tp = cfg.parallel.tp
+    specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
+    layouts = [FlatLayout(s.names, s.shapes, dp * tp) for s in specs]
+    policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
+    batch = cfg.batch_layout(dp)
+    shape = lm.shape
+    act = ActivationShape(batch.micro_batch, cfg.seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
+    tied = bool(specs[-1].reads)
+    prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
+    sizes = unit_sizes(layouts, 0, policy.bits)
+    plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), {len(specs) - 1: (0,)} if tied else {})
+    grads_kept = stores_grads(plan, deferred=not policy.fused)
+    stored = {"params": sum(4 * u.shard for u in sizes), "grads": sum(4 * u.shard for u in sizes) if grads_kept else 0,
+              "optimizer": sum(u.state_bytes for u in sizes)}
+    moved = swap_bytes(plan, [StateSizes(4 * u.shard, 4 * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
+    tokens = batch.micro_batch * batch.accum * cfg.seq_len
+    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
+    return OffloadEstimate(policy, sum(lay.numel for lay in layouts), ranks or dp * tp, stored, moved, peak,
+                           prefetch, flops, len(specs))
+
+
+def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
+    """Why an offload plan cannot run, before launch, from the config alone (pure); `fit`: also size it against its budget."""
+    off, plan = cfg.offload, cfg.parallel
+    if not off.enabled:
+        if off.max_memory_gb is not None:
+            return [Problem.of("offload.max_memory_gb", f"offload.max_memory_gb={off.max_memory_gb} but no state is offloaded",
+                               "place some on a tier (offload.params=disk, offload.optimizer=disk, ...) or drop the budget")]
+        return []
+    out = []
+    if plan.pp > 1:
+        out.append(Problem.of("parallel.pp", f"offload with parallel.pp={plan.pp}: pipelines are not streamed",
+                              "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)"))
+    if plan.zero_stage in (1, 2):
+        out.append(Problem.of("parallel.zero_stage", f"parallel.zero_stage={plan.zero_stage} with offload: offload streams ZeRO-3's "
+                              "shards (each rank holds 1/dp of every state)", "set parallel.zero_stage=3 or leave it at 0"))
+    if plan.param_dtype != "fp32":
+        out.append(Problem.of("parallel.param_dtype", f"parallel.param_dtype={plan.param_dtype} with offload: offloaded parameters "
+                              "are float32", "use train.precision=bf16 (autocast) for bf16 compute"))
+    if off.step == "fused" and cfg.train.grad_clip > 0:
+        out.append(Problem.of("offload.step", f"offload.step=fused with train.grad_clip={cfg.train.grad_clip}: a unit steps before "
+                              "the global norm is known", "set offload.step=deferred (exact clipping) or train.grad_clip=0"))
+    if off.optimizer_bits == 8 and importlib.util.find_spec("bitsandbytes") is None:
+        out.append(Problem.of("offload.optimizer_bits", "offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
+                              'pip install -e ".[offload]", or use offload.optimizer_bits=32'))
+    if fit and not out and off.max_memory_gb is not None:
+        try:
+            offload_estimate(cfg, dp)
+        except BehemothError as err:
+            out.append(Problem.from_error("offload.max_memory_gb", err))
+    return out
+
+
+def offload_launch_problems(cfg: Any, world: int) -> list[Problem]:
+    """The scratch directory (another run's, unwritable) and its disk's free space, for the world's local ranks."""
+    off = cfg.offload
+    if not off.enabled or "disk" not in (off.params, off.grads_tier, off.optimizer):
+        return []
+    root = scratch.default_scratch(off.dir, cfg.run.dir)
+    state, why = scratch.scratch_state(root, cfg.run.dir)
+    if state == "refused":
+        return [Problem("offload.dir", why)]
+    dp = cfg.parallel.dims(world).dp
+    need = offload_estimate(cfg, dp, ranks=world).disk_bytes()
+    free = scratch.free_bytes(root) + (dir_bytes(root) if state == "stale-own" else 0)
+    if need > free:
+        return [Problem.of("offload.dir", f"offload.dir={root} needs {need / 2**30:.2f} GiB of disk for {world} rank(s) but its disk "
+                           f"has {free / 2**30:.2f} GiB free", "free space, choose another offload.dir, keep some states in memory "
+                           "(offload.params=none), or use offload.optimizer_bits=8")]
+    return []
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

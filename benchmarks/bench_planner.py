@@ -1,0 +1,162 @@
+"""Does the planner choose well? Predicted against measured step time and memory, and plans at scale on paper.
+
+(a) Here: for three GPT models (about 1M, 6M and 20M parameters) on 2 and 4 local processes, every feasible plan of a
+    bounded space (20-60 per case; --quick: fewer) runs a few steps; each plan's predicted step time and peak memory
+    per rank stand beside the measured ones, with the Spearman rank correlation of the step times, the measured time
+    of the plan the planner chose against the best measured, and the planning time. The cluster is this machine as
+    `behemoth calibrate` measures it (run first, or the in-process probe is used).
+(b) On paper: the GPT shapes of Megatron-LM's scaling table (Narayanan et al. 2021, Table 1: 1.7B to 1T parameters
+    on 32 to 3,072 A100 GPUs, global batch 512-3,072, sequence 2,048) planned for the A100-80GB preset: the chosen
+    plan, predicted memory per GPU, MFU and HFU, and the planning time, beside the layout and the hardware FLOP
+    utilization Megatron-LM reports (its FLOP count includes recomputation, so it compares with HFU).
+
+    python benchmarks/bench_planner.py --quick          # a minute or two
+    python benchmarks/bench_planner.py                  # the full run (about 30 minutes on 2 cores)
+    python benchmarks/bench_planner.py --part b         # the on-paper table only (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = {  # name: (options, ~parameters)
+    "gpt-1m": ["model=gpt-1m"],
+    "gpt-6m": ["model=gpt-1m", "model.n_layer=6", "model.d_model=256", "model.n_head=8"],
+    "gpt-20m": ["model=gpt-20m", "model.context=128"],
+}
+BATCH = ["train.global_batch=16", "train.seq_len=128"]
+MEGATRON = [  # Narayanan et al. 2021, Table 1: heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, % of peak
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 0.44), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 0.44),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 0.46), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52), ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52),
+]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    return statistics.correlation(rx, ry) if len(xs) > 2 else float("nan")
+
+
+def candidate_plans(cfg, world: int, cluster, limit: int, seed: int = 0):
+    """Every fitting plan of the space the search explores (problems() agreeing), sampled down to `limit`, and the
+    search's own choice (always kept), with the planning time."""
+    from behemoth.planner.layout import Workload
+    from behemoth.planner.search import Space, enumerate_layouts, fit_layout, refusals, search
+
+    work = Workload.of(cfg)
+    t0 = time.perf_counter()
+    chosen = search(work, cluster, world, Space(), cfg=cfg, top=1).ranked[0]
+    planning = time.perf_counter() - t0
+    space = Space(micro_batch=(1, 2, 4, 8), chunks=(2,))
+    costs = [fit_layout(work, lay, cluster, space) for lay in enumerate_layouts(work, world, space, cluster)]
+    ok = [c for c in costs if c.fits and not refusals(cfg, c.layout, world)]
+    random.Random(seed).shuffle(ok)
+    picked = {c.layout.but(boundaries=c.bounds): c for c in ok[:limit]}
+    picked[chosen.layout.but(boundaries=chosen.bounds)] = chosen
+    return list(picked.values()), chosen, planning
+
+
+def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
+    from behemoth.cli.measure import measure_plan
+    from behemoth.config import load_config
+    from behemoth.planner.calibrate import local_cluster
+    from behemoth.planner.cost import price
+    from behemoth.planner.layout import Workload
+    from behemoth.ranks import run_ranks
+
+    run_dir = tempfile.mkdtemp(prefix="bench-planner-")
+    cfg = load_config(None, MODELS[name] + BATCH + ["run.progress=false", "run.timeout_s=120", f"run.dir={run_dir}"])
+    cluster = local_cluster(world).with_nodes(world)
+    plans, chosen, planning = candidate_plans(cfg, world, cluster, limit)
+    work = Workload.of(cfg)
+    rows = []
+    for cost in plans:
+        lay = cost.layout.but(boundaries=cost.bounds)
+        exact = price(work, lay, cluster, exact=True)
+        plan_cfg = cfg.model_copy(update={"parallel": lay.to_plan(cfg.parallel)})
+        ranks = run_ranks(world, measure_plan, plan_cfg.model_dump(mode="json"), steps, 1, timeout=600)
+        measured_time = max(r["step_time"] for r in ranks)
+        measured_peak = max(r["peak"] for r in ranks)
+        rows.append({"plan": lay.describe(), "pred_time": exact.step_seconds, "time": measured_time, "pred_mem": exact.peak_memory,
+                     "mem": measured_peak, "chosen": lay.describe() == chosen.layout.describe()})
+        print(f"  {name} x{world}: {lay.describe():48s} predicted {exact.step_seconds * 1e3:8.1f} ms {exact.peak_memory / 2**20:8.1f} MiB"
+              f"   measured {measured_time * 1e3:8.1f} ms {measured_peak / 2**20:8.1f} MiB", flush=True)
+    return {"model": name, "world": world, "rows": rows, "planning": planning, "params": work.census.psi}
+
+
+def report_a(cases: list[dict]) -> None:
+    print("\n(a) predicted vs measured, per case (time: the slowest rank's median step; memory: the busiest rank's peak)")
+    print(f"{'model':<9}{'procs':>6}{'plans':>6}{'Spearman':>10}{'mem err':>9}{'chosen':>10}{'best':>10}{'chosen/best':>12}{'planning':>10}")
+    for c in cases:
+        rows = c["rows"]
+        rho = spearman([r["pred_time"] for r in rows], [r["time"] for r in rows])
+        mem_err = statistics.median(abs(r["pred_mem"] / r["mem"] - 1) for r in rows)
+        best = min(r["time"] for r in rows)
+        chosen = next(r["time"] for r in rows if r["chosen"])
+        print(f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms"
+              f"{chosen / best:>12.2f}{c['planning']:>9.2f}s")
+
+
+def part_b() -> None:
+    from behemoth.config import load_config
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.layout import Workload
+    from behemoth.planner.search import Space, search
+
+    cluster = load_cluster("a100-80gb")
+    print("\n(b) on paper: Megatron-LM's GPT shapes on the A100-80GB preset, sequence 2048, bf16 (parameters bf16 under ZeRO)")
+    print(f"{'model':>8}{'GPUs':>6}{'batch':>6}  {'chosen plan':<46}{'GiB/GPU':>8}{'MFU':>7}{'HFU':>7}{'plan s':>8}   Megatron-LM (tp, pp, HFU)")
+    for name, heads, hidden, layers, tp, pp, gpus, batch, _tflops, frac in MEGATRON:
+        cfg = load_config(None, [f"model.n_layer={layers}", f"model.d_model={hidden}", f"model.n_head={heads}", "model.vocab_size=51200",
+                                 "model.context=2048", "train.seq_len=2048", f"train.global_batch={batch}", "train.precision=bf16",
+                                 "parallel.param_dtype=bf16", "parallel.zero_stage=1"])  # (a stage >= 1 makes bf16 valid; all are searched)
+        t0 = time.perf_counter()
+        result = search(Workload.of(cfg), cluster, gpus, Space(), cfg=cfg, top=1)
+        seconds = time.perf_counter() - t0
+        best = result.ranked[0] if result.ranked else None
+        plan = best.layout.describe() if best else "nothing fits"
+        mem = f"{best.peak_memory / 2**30:8.1f}" if best else f"{'-':>8}"
+        util = f"{best.mfu:>7.1%}{best.hfu:>7.1%}" if best else f"{'-':>7}{'-':>7}"
+        print(f"{name:>8}{gpus:>6}{batch:>6}  {plan:<46}{mem}{util}{seconds:>8.2f}   tp={tp} pp={pp} {frac:.0%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two models on 2 processes, a few plans each")
+    parser.add_argument("--part", choices=["a", "b", "both"], default="both")
+    args = parser.parse_args()
+    if args.part in ("a", "both"):
+        plan = [("gpt-1m", 2, 6), ("gpt-6m", 2, 6)] if args.quick else [(m, w, 30) for m in MODELS for w in (2, 4)]
+        cases = [measure_case(m, w, limit, steps=2 if args.quick else 3) for m, w, limit in plan]
+        report_a(cases)
+    if args.part in ("b", "both"):
+        part_b()
+
+
+if __name__ == "__main__":
+    main()

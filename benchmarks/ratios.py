@@ -1,0 +1,35 @@
+"""The one format every benchmark script reports in, so `behemoth bench` can gather them into one table.
+
+A script given `--json FILE` writes a list of rows there: a ratio of behemoth to a peer on one metric, or a
+peer that could not run and why. A ratio above 1.0 always means behemoth did better (faster, or less
+memory or CPU). `--quick` shrinks a script to a smoke run of a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a short run: fewer steps, rounds and cases (minutes)")
+    parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
+
+
+def ratio(family: str, case: str, peer: str, metric: str, ours: float, theirs: float, *, higher_is_better: bool = True) -> dict[str, Any]:
+    """One comparison: behemoth's value, the peer's, and their ratio oriented so that above 1.0 is behemoth's win."""
+    value = ours / theirs if higher_is_better else theirs / ours
+    return {"family": family, "case": case, "peer": peer, "metric": metric, "behemoth": ours, "peer_value": theirs, "ratio": value}
+
+
+def failure(family: str, peer: str, reason: str) -> dict[str, Any]:
+    """A peer that did not install or run here, with the reason (its error's last line)."""
+    lines = [line for line in str(reason).strip().splitlines() if line.strip()]
+    return {"family": family, "peer": peer, "error": (lines[-1] if lines else "failed")[:300]}
+
+
+def write_rows(path: str | None, rows: list[dict[str, Any]]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1))

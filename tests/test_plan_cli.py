@@ -1,0 +1,76 @@
+"""`behemoth plan`, `behemoth estimate` on paper and `behemoth calibrate`, as a user runs them."""
+
+from __future__ import annotations
+
+import re
+
+from behemoth.cli import main
+from behemoth.config import load_config
+from behemoth.planner.cluster import load_cluster
+from behemoth.planner.feasibility import problems
+from behemoth.planner.layout import Layout
+
+GPT_7B = ["model.n_layer=36", "model.d_model=4096", "model.n_head=32", "model.vocab_size=51200", "model.context=2048",
+          "train.seq_len=2048", "train.global_batch=512", "train.precision=bf16"]
+GPT_1T = ["model.n_layer=128", "model.d_model=25600", "model.n_head=160", "model.vocab_size=51200", "model.context=2048",
+          "train.global_batch=3072", "train.precision=bf16"]
+
+
+def test_plan_prints_a_ranked_explained_table_and_writes_the_plan(tmp_path, capsys):
+    out_file = tmp_path / "plan.yaml"
+    assert main(["plan", "--cluster", "a100-80gb", "--world", "128", "--out", str(out_file), *GPT_7B]) == 0
+    out = capsys.readouterr().out
+    assert "36 layers x d_model 4096, 32 heads" in out and "128 devices of a100-80gb" in out
+    assert re.search(r"#\s+plan\s+GiB/rank\s+step\s+tokens/s\s+MFU\s+HFU\s+binding constraint", out)
+    rows = re.findall(r"^\s*(\d+)  (dp=\d+ tp=\d+ pp=\d+ zero=\d+.*?)\s{2,}", out, re.M)
+    assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 2
+    assert re.search(r"beats .* by [\d.]+% \(.* against .* per step\)", out) and "what binds it:" in out
+    cfg = load_config(out_file)  # the same YAML a user writes: it loads, runs on 128 devices, and is the first plan
+    assert problems(cfg, 128) == []
+    assert Layout.of_config(cfg, 128).describe().split(" rc")[0] == rows[0][1].strip().split(" rc")[0]
+
+
+def test_pinned_options_are_not_searched(capsys):
+    assert main(["plan", "--cluster", "a100-80gb", "--world", "64", "parallel.tp=4", "parallel.schedule=zb-h1", *GPT_7B]) == 0
+    rows = re.findall(r"^\s*\d+  (dp=\d+ tp=(\d+) pp=(\d+) zero=\d+( sp)?( \S+)?)", capsys.readouterr().out, re.M)
+    assert rows and all(tp == "4" for _, tp, _, _, _ in rows)
+    assert all(pp == "1" or "zb-h1" in plan for plan, _, pp, _, _ in rows)
+
+
+def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would(capsys):
+    assert main(["plan", "--cluster", "a100-80gb", "--world", "64", *GPT_1T]) == 3
+    out = capsys.readouterr().out
+    found = re.search(r"No plan fits 64 devices of ([\d.]+) GiB usable: the lightest, .*, needs ([\d.]+) GiB on pp rank \d+, "
+                      r"([\d.]+) GiB \((\d+)%\) more", out)
+    assert found, out
+    usable, need, over = (float(found.group(i)) for i in (1, 2, 3))
+    assert abs(need - usable - over) < 0.2
+    more = re.search(r"What would: (\d+) devices", out)
+    assert more and int(more.group(1)) > 64 and int(more.group(1)) % 64 == 0
+
+
+def test_estimate_sizes_a_layout_on_paper(capsys):
+    """1,024 processes on paper, no process started: the resolved shape in the header, each pipeline rank's memory."""
+    from behemoth.cli.estimate import estimate_main
+
+    assert estimate_main(["--world", "1024", "model.n_layer=80", "model.d_model=12288", "model.n_head=96", "model.vocab_size=51200",
+                          "model.context=2048", "train.global_batch=1024", "train.micro_batch=1", "parallel.tp=8", "parallel.pp=8",
+                          "parallel.zero_stage=1", "parallel.sequence_parallel=true", "train.precision=bf16", "parallel.param_dtype=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt 80 layers x d_model 12288, 96 heads" in out and "dp=16 x tp=8 x pp=8, ZeRO-1, sequence parallel" in out
+    ranks = re.findall(r"^\s+(\d+)\s+([\d.]+) GiB \(([\d.]+) GB\)", out, re.M)
+    assert [int(r[0]) for r in ranks] == list(range(8))
+    for _, gib, gb in ranks:  # model states of a 145.6B model's 1/64 share, ZeRO-1 over 16: 2 + 2 + 12/16 bytes per parameter
+        assert 9 < float(gib) < 13 and abs(float(gb) / float(gib) - 1.0737) < 0.01
+
+
+def test_calibrate_writes_a_cluster_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BEHEMOTH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "here.yaml"
+    assert main(["calibrate", "--nproc", "2", "--out", str(out)]) == 0
+    spec = load_cluster(out)
+    assert spec.kind == "calibrated" and spec.world == 2 and spec.device.memory_bandwidth_gbs > 0
+    assert set(spec.intra_node.ops) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+    assert all(lat > 0 and bw > 0 for lat, bw in spec.intra_node.ops.values())
+    assert spec.device.matmul_tflops["fp32"] and (tmp_path / "cache" / "cluster-local-2.yaml").exists()
+    assert "all_reduce" in capsys.readouterr().out
