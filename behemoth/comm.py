@@ -155,10 +155,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         splits = input_splits or [rows // world] * world
         per_row = input.numel() // rows if rows else 0
         meter.record_elements("all_to_all", (rows - splits[dist.get_rank(group)]) * per_row, input.element_size())
-    pending = Pending(dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True))
-    if not async_op:
-        pending.wait()
-    return pending
+    return issue("all_to_all", group, input, lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                                           async_op=True), async_op=async_op)
 
 
 def broadcast_object(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:

@@ -137,6 +137,9 @@ class FlightRecorder:
         """Start publishing heartbeats (a job of several ranks only) and watching this rank's waits."""
         self.disarm()
         self.run_dir, self.timeout_s, self.rank = Path(run_dir) if run_dir else None, timeout_s, dist.get_rank()
+        with self.lock:  # every rank of the job arms at the same point, so counting starts afresh alike (a process may run
+            self.counters.clear()  # several jobs one after another, each with new groups)
+            self.groups.clear()
         if dist.get_world_size() == 1:
             return
         try:
