@@ -197,7 +197,8 @@ def test_a_full_queue_answers_429(generator):
                 return await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 10}) for _ in range(8)))
 
         statuses = sorted(r.status_code for r in asyncio.run(burst()))
-    assert statuses.count(200) >= 3 and statuses.count(429) >= 1 and set(statuses) == {200, 429}, statuses
+    # at least the queue's two places are served (a third when the first request starts before the burst fills the queue)
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1 and set(statuses) == {200, 429}, statuses
 
 
 def test_survives_1000_requests_with_bad_ones_mixed_in(generator):
