@@ -1,18 +1,24 @@
 """Thin helpers over c10d: bucket planning, async collectives, and a meter that counts traffic.
 
 Every collective behemoth issues goes through here so that the volume each rank sends (elements,
-bytes) is counted for the profiler and for the ZeRO volume checks.
+bytes) is counted for the profiler and for the ZeRO volume checks, and so that each one is in the
+flight recorder (`behemoth.flight`): a wait that fails or times out raises a `HangError` naming the
+operation, the group and the rank(s) it waited for, instead of c10d's raw text.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+from behemoth.flight import RECORDER, OpRecord
 
 
 @dataclass
@@ -51,22 +57,65 @@ class CommMeter:
 class Pending:
     """An in-flight collective or transfer; `wait` blocks until it is done."""
 
-    def __init__(self, work: dist.Work | None) -> None:
-        self.work = work
+    def __init__(self, work: dist.Work | None, record: OpRecord | None = None) -> None:
+        self.work, self.record = work, record
 
     def done(self) -> bool:
         """True once the operation has completed; never blocks."""
-        return self.work is None or self.work.is_completed()
+        finished = self.work is None or self.work.is_completed()
+        if finished and self.record is not None:
+            RECORDER.end(self.record)
+        return finished
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until done; with `timeout_s`, raise RuntimeError (from c10d) if it takes longer."""
+        """Block until done; if it fails or takes longer than `timeout_s` (default: the group's timeout), raise
+        HangError naming the operation and the ranks it waited for (RuntimeError from c10d for an unrecorded one)."""
         if self.work is None:
             return
-        if timeout_s is None:
-            self.work.wait()
-        else:
-            self.work.wait(datetime.timedelta(seconds=timeout_s))
+        try:
+            if timeout_s is None:
+                self.work.wait()
+            else:
+                self.work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as err:
+            if self.record is None:
+                raise
+            raise RECORDER.failure(self.record, err, timeout_s) from None
+        if self.record is not None:
+            RECORDER.end(self.record)
         self.work = None
+
+
+def issue(op: str, group: dist.ProcessGroup, tensor: torch.Tensor, start: Callable[[], dist.Work], *, async_op: bool) -> Pending:
+    """Start one recorded collective (`start()` issues it asynchronously); wait for it unless `async_op`."""
+    record = RECORDER.begin(op, group, nbytes=tensor.numel() * tensor.element_size())
+    try:
+        work = start()
+    except RuntimeError as err:
+        raise RECORDER.failure(record, err) from None
+    RECORDER.attach(record, work)
+    pending = Pending(work, record)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+@contextlib.contextmanager
+def watched(op: str, group: dist.ProcessGroup) -> Iterator[OpRecord]:
+    """Record a blocking collective run inside the block; its failure becomes a HangError."""
+    record = RECORDER.begin(op, group)
+    try:
+        yield record
+    except RuntimeError as err:
+        raise RECORDER.failure(record, err) from None
+    RECORDER.end(record)
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """Every rank of `group` reaches this point (recorded like any collective)."""
+    if dist.get_world_size(group) > 1:
+        with watched("barrier", group):
+            dist.barrier(group=group)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False,
@@ -76,30 +125,21 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter 
         return Pending(None)
     if meter is not None:
         meter.record("all_reduce", tensor)
-    pending = Pending(dist.all_reduce(tensor, op=op, group=group, async_op=True))
-    if not async_op:
-        pending.wait()
-    return pending
+    return issue("all_reduce", group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
     """Sum `input` (world x shard) over `group`; this rank's shard lands in `output`."""
     if meter is not None:
         meter.record("reduce_scatter", input)
-    pending = Pending(dist.reduce_scatter_single(output, input, group=group, async_op=True))
-    if not async_op:
-        pending.wait()
-    return pending
+    return issue("reduce_scatter", group, input, lambda: dist.reduce_scatter_single(output, input, group=group, async_op=True), async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
     """Concatenate every rank's `input` into `output` (world x shard)."""
     if meter is not None:
         meter.record("all_gather", output)
-    pending = Pending(dist.all_gather_single(output, input, group=group, async_op=True))
-    if not async_op:
-        pending.wait()
-    return pending
+    return issue("all_gather", group, output, lambda: dist.all_gather_single(output, input, group=group, async_op=True), async_op=async_op)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
@@ -115,23 +155,23 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         splits = input_splits or [rows // world] * world
         per_row = input.numel() // rows if rows else 0
         meter.record_elements("all_to_all", (rows - splits[dist.get_rank(group)]) * per_row, input.element_size())
-    pending = Pending(dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True))
-    if not async_op:
-        pending.wait()
-    return pending
+    return issue("all_to_all", group, input, lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                                           async_op=True), async_op=async_op)
 
 
 def broadcast_object(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:
     """`make()` run on the group's first rank only, its (picklable) result returned on every rank of the group."""
     box = [make() if is_source else None]
-    dist.broadcast_object_list(box, group=group, group_src=0)
+    with watched("broadcast_object", group):
+        dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
 
 
 def gather_object(value: Any, group: dist.ProcessGroup) -> list[Any]:
     """Every rank's (picklable) `value`, in the group's rank order, on every rank of the group."""
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
+    with watched("all_gather_object", group):
+        dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -187,15 +227,22 @@ def batch_p2p(ops: list[P2P], group: dist.ProcessGroup, meter: CommMeter | None 
     """
     if not ops:
         return []
-    p2p = []
+    p2p, records = [], []
     for op in ops:
         if meter is not None:
             meter.record("send" if op.send else "recv", op.tensor)
         p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=group, tag=op.tag, group_peer=op.peer))
-    works = dist.batch_isend_irecv(p2p)
+        records.append(RECORDER.begin("send" if op.send else "recv", group, peer_in_group=op.peer,
+                                      nbytes=op.tensor.numel() * op.tensor.element_size()))
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except RuntimeError as err:
+        raise RECORDER.failure(records[0], err) from None
     if len(works) != len(ops):  # coalesced into one work for the whole group (NCCL)
         works = [works[0]] * len(ops)
-    return [Pending(work) for work in works]
+    for record, work in zip(records, works):
+        RECORDER.attach(record, work)
+    return [Pending(work, record) for work, record in zip(works, records)]
 
 
 def pair_all_reduce(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *,

@@ -47,11 +47,13 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, ge=1, description="validation batches of global_batch sequences")
     log_every: int = Field(10, ge=1, description="write metrics every N steps")
     peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
+    nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
 
 
 class CheckpointConfig(Section):
     every: int = Field(200, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    async_save: bool = Field(True, description="write checkpoints in the background (training waits only for a copy of the state)")
 
 
 class RunConfig(Section):
@@ -159,7 +161,13 @@ def _as_dict(section: Any) -> dict[str, Any]:
 
 
 def default_run_dir() -> str:
-    return str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    """runs/<timestamp>, or runs/<timestamp>-2, -3, ... when a run started in the same second holds that name."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

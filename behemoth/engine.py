@@ -38,6 +38,7 @@ class StepResult:
     loss: float        # mean token loss over the global batch
     grad_norm: float   # global norm before clipping
     metrics: dict[str, Any] = field(default_factory=dict)  # layout-specific: an MoE's losses and expert usage, offload's bytes per tier
+    skipped: bool = False  # the gradient was not finite, so the optimizers did not step
 
 
 def lr_at(step: int, train: TrainConfig) -> float:
@@ -108,6 +109,8 @@ class Engine:
         loss = self.forward_backward(micro_batches)
         model.finish_grads()
         grad_norm = model.clip_grads(self.train.grad_clip, self.device)
+        if not math.isfinite(grad_norm):  # never applied (every rank sees the same norm, so all skip alike); offload's fused
+            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)  # step excepted
         for optimizer in self.optimizers:
             optimizer.step()
         metrics = model.router_metrics() | (model.offload.step_metrics() if model.offload is not None else {})

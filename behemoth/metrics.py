@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from behemoth.comm import watched
+
 
 PEAK_SIZE, PEAK_RUNS = 2048, 5  # the matmul every MFU figure is measured against, and how many tries
 
@@ -56,7 +58,8 @@ def gather_floats(values: list[float], device: torch.device, group: dist.Process
     """Every rank's `values` on every rank of `group` (one small all-gather)."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
+    with watched("all_gather", group):
+        dist.all_gather(out, mine, group=group)
     return [t.tolist() for t in out]
 
 

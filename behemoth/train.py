@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
+from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.planner.feasibility import refuse
+from behemoth.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -46,18 +50,29 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         self.start_step = 0
         self.last_saved = -1
-        if resume is not None:
-            self.start_step = self.load(resume)
+        self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
+        # in the background unless offloaded: a host copy of the state is what offloading avoids
+        self.saver = ckpt_io.CheckpointSaver(self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group,
+                                             background=cfg.checkpoint.async_save and not cfg.offload.enabled)
         self.peak_tflops = cfg.train.peak_tflops * rt.world_size if cfg.train.peak_tflops else self.measure_peak()
         self.peak_source = "train.peak_tflops" if cfg.train.peak_tflops else peak_source(rt.device)
+        if resume is not None:  # last: nothing may draw from the RNG between restoring it and the first step
+            self.start_step = self.load(resume)
+        RECORDER.arm(run_dir=self.run_dir, timeout_s=cfg.run.timeout_s)
 
     def load(self, ckpt: Path) -> int:
+        t0 = time.perf_counter()
         state = self.engine.state_dict()
         ckpt_io.load_checkpoint(state, ckpt, self.rt.world_group)
         self.engine.after_load()
         meta = ckpt_io.read_meta(ckpt)
         ckpt_io.restore_rng(ckpt, self.rt.rank, self.rt.world_size, meta["world_size"])
         self.last_saved = meta["step"]
+        if self.rt.is_main and ckpt.parent == ckpt_io.checkpoint_root(self.run_dir):
+            ckpt_io.point_latest(ckpt)  # the run now stands on this checkpoint: a restart resumes from it, not a later one
+        self.events.append({"step": meta["step"], "event": "resume", "from": ckpt.name, "world_size": self.rt.world_size,
+                            "saved_world_size": meta["world_size"], "restart": restart_count(), "load_s": time.perf_counter() - t0,
+                            "time": time.time()})
         return meta["step"]
 
     def measure_peak(self) -> float:
@@ -68,6 +83,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, main = self.cfg, self.rt.is_main
         log = self.open_log()
+        tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
         bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
                    disable=not (main and cfg.run.progress), dynamic_ncols=True)
         flops_per_token = self.engine.model.lm.flops_per_token(cfg.seq_len)
@@ -76,6 +92,8 @@ class Trainer:
         val0 = self.validate(self.start_step)
         if log and not log.has_val(self.start_step):
             log.write({"step": self.start_step, "val_loss": val0})
+        for event in self.events if log else ():
+            log.write(event)
         for step in range(self.start_step, cfg.train.steps):
             record = self.train_one(step, flops_per_step)
             done = step + 1
@@ -83,13 +101,13 @@ class Trainer:
                 record["val_loss"] = self.validate(done)
             if done % cfg.train.log_every == 0 or done == cfg.train.steps:
                 record.update(self.memory_per_rank())
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+                record.update(self.save(done))
             if log:
                 log.write(record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-",
                             tok_s=f"{record['tokens_per_s']:.0f}")
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
-                self.save(done)
         bar.close()
         try:
             return self.finish(log)
@@ -104,12 +122,25 @@ class Trainer:
         result = self.engine.train_step(batches, lr)
         synchronize(self.rt.device)
         dt = time.perf_counter() - t0
+        if result.skipped and self.cfg.train.nonfinite == "stop":
+            self.stop_nonfinite(step + 1, result)
         self.history.append(result)
         self.mfus.append(flops_per_step / dt / (self.peak_tflops * 1e12))
         record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
                   "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": self.mfus[-1]}
+        written = self.saver.poll()
+        record |= ({"skipped": True} if result.skipped else {}) | ({"ckpt_write_s": written[-1]} if written else {})
         return record | layout_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
-                                   or (step + 1) % self.cfg.train.log_every == 0)
+                                      or (step + 1) % self.cfg.train.log_every == 0)
+
+    def stop_nonfinite(self, step: int, result: StepResult) -> None:
+        """train.nonfinite=stop: end the run in one line; the update was not applied and nothing more is saved."""
+        self.saver.wait()  # a save already in flight holds the last good state: let it finish
+        last = ckpt_io.checkpoint_root(self.run_dir) / ckpt_io.step_name(self.last_saved) if self.last_saved >= 0 else None
+        raise BehemothError(f"step {step}: the loss is {result.loss} and the gradient norm {result.grad_norm}: training stopped "
+                            f"without applying the update or writing a checkpoint",
+                            (f"resume from {last} " if last else "start again ") + "with a lower train.lr or train.grad_clip, "
+                            "or set train.nonfinite=skip to skip such steps")
 
     def memory_per_rank(self) -> dict[str, list[float]]:
         """Every rank's memory, MiB, in one all-gather: peak resident (`memory_mb`), on GPUs peak allocated, the model
@@ -128,25 +159,30 @@ class Trainer:
         self.val_history.append((step, loss))
         return loss
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> dict[str, float]:
+        """Checkpoint step `step` (in the background with checkpoint.async_save); how long training stalled for it."""
         if step == self.last_saved:
-            return
-        meta = {"config": self.cfg.model_dump(mode="json")}
-        ckpt_io.save_checkpoint(self.engine.state_dict(), self.run_dir, step, meta, keep=self.cfg.checkpoint.keep, group=self.rt.world_group)
+            return {}
+        stall = self.saver.save(self.engine.state_dict(), step, {"config": self.cfg.model_dump(mode="json")})
         self.last_saved = step
+        return {"ckpt_stall_s": stall}
 
     def open_log(self) -> MetricsLog | None:
         if not self.rt.is_main:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
-        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.start_step if self.start_step else None)
+        # the log continues from where the model stands: a resume (or a restart from scratch) drops what came after it
+        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.start_step)
 
     def finish(self, log: MetricsLog | None) -> dict[str, Any]:
         """Plot, export consolidated weights from the final checkpoint, summarize."""
+        self.saver.wait()
+        RECORDER.disarm()
         summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir),
                    "rank": self.rt.rank, "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
-                   "peak_tflops": self.peak_tflops, "peak_source": self.peak_source}
+                   "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
+                   "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s)}
         if log is None:
             dist.barrier(group=self.rt.world_group)
             return summary
@@ -171,13 +207,28 @@ def layout_record(metrics: dict[str, Any], model: Any, *, every: bool) -> dict[s
     return out
 
 
-def train(cfg: Config, *, resume: Path | None = None) -> dict[str, Any]:
+def train(cfg: Config, *, resume: Path | None = None, verified: bool = False, launch_id: str | None = None) -> dict[str, Any]:
     """Run training in this process (one rank of a job, or a whole single-process job). A plan that cannot run on this
-    world is refused here too, so a job started by torchrun gets the checks `behemoth train` runs before launch."""
-    refuse(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    world is refused here too, so a job started by torchrun gets the checks `behemoth train` runs before launch.
+
+    A worker the elastic agent restarted resumes from the run's newest intact checkpoint, on the plan re-made for the
+    world it finds (`behemoth.recovery`); `launch_id` names the launch (default: torchrun's rendezvous id, or a new
+    one), `verified`: the launcher has already checked `resume`."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cfg = plan_for_world(cfg, world)
+    refuse(cfg, world)
+    if cfg.run.dir:
+        for key, value in nccl_flight_env(cfg.run.dir).items():
+            os.environ.setdefault(key, value)
     torch.manual_seed(cfg.train.seed)  # the run's seed for dropout; nothing else reseeds the process-wide RNG
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     try:
-        return Trainer(cfg, rt, resume=resume).run()
+        cfg = settle_run_dir(cfg, rt)
+        launch_id = launch_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+        warning = torchrun_restart_warning()
+        if warning and rt.is_main:
+            print(warning, file=sys.stderr, flush=True)
+        return Trainer(cfg, rt, resume=resume_point(cfg, resume, rt, launch_id=launch_id, verified=verified)).run()
     finally:
+        RECORDER.disarm()
         rt.close()

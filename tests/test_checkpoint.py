@@ -1,5 +1,5 @@
 """Checkpoints: resume continues the same curve (also on another process count), writes are atomic,
-damaged or foreign checkpoints are refused with one line."""
+damaged or foreign checkpoints are refused with one line (every damage class: tests/test_integrity.py)."""
 
 from __future__ import annotations
 
@@ -80,18 +80,16 @@ def _train_crashing_on_second_save(cfg_dict):
 
 def test_corrupt_checkpoint_is_refused(uninterrupted, tmp_path):
     run_dir, _ = uninterrupted
-    copy = tmp_path / "ckpt"
-    shutil.copytree(run_dir / CKPT6, copy)
-    shard = next(copy.glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(BehemothError, match=r"is corrupt: .*distcp has 100 bytes"):
-        validate_checkpoint(copy, tiny_config(run_dir)["model"])
-    (copy / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(BehemothError, match=r"is corrupt: its .metadata cannot be read"):
-        validate_checkpoint(copy, tiny_config(run_dir)["model"])
-    (copy / "meta.json").write_text("{")
-    with pytest.raises(BehemothError, match="no readable meta.json"):
-        validate_checkpoint(copy, tiny_config(run_dir)["model"])
+    model = tiny_config(run_dir)["model"]
+    damages = [(lambda c: next(c.glob("*.distcp")).write_bytes(next(c.glob("*.distcp")).read_bytes()[:100]), r"is damaged: .*distcp has 100 bytes"),
+               (lambda c: (c / ".metadata").write_bytes(b"garbage"), r"is damaged: .metadata has 7 bytes"),
+               (lambda c: (c / "meta.json").write_text("{"), "meta.json is not readable JSON")]
+    for i, (harm, message) in enumerate(damages):
+        copy = tmp_path / f"ckpt{i}"
+        shutil.copytree(run_dir / CKPT6, copy)
+        harm(copy)
+        with pytest.raises(BehemothError, match=message):
+            validate_checkpoint(copy, model)
 
 
 def test_checkpoint_of_another_model_is_refused(uninterrupted):

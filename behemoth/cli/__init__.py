@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -50,15 +52,20 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
         "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
         "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
+        "  behemoth train --nproc 4 --max-restarts 3 checkpoint.every=50  # self-healing: a failed worker restarts and resumes",
+        "  behemoth train --nproc 2:4 --max-restarts 3     # elastic: continues on 2 or 3 processes if some are lost",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
     ])
     p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train a GPT (or a transformers Llama / GPT-2) on N local processes with data, ZeRO, tensor and "
                                    "pipeline parallelism, writing metrics, a loss plot and checkpoints.")
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
-    p.add_argument("--nproc", type=int, metavar="N", help="local worker processes (default: every GPU, or 2 on a CPU-only machine)")
+    p.add_argument("--nproc", metavar="N|MIN:MAX", help="local worker processes (default: every GPU, or 2 on a CPU-only machine); "
+                   "MIN:MAX runs MAX elastic single-process nodes that continue on as few as MIN when some are lost")
     p.add_argument("--resume", nargs="?", const="newest", metavar="PATH",
                    help="continue a run: a run directory, a checkpoint folder, or nothing for the newest run under runs/")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart failed workers up to N times, each time resuming from the newest intact checkpoint (default 0)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. train.steps=100 (listed below)")
 
 
@@ -120,9 +127,11 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
     from behemoth.checkpoint import resolve_checkpoint
     from behemoth.config import default_run_dir, load_config
 
+    from behemoth.launch import launched_by_torchrun
+
     if args.resume is None:
-        cfg = load_config(args.config, args.overrides)
-        return (cfg if cfg.run.dir else cfg.replace(run={"dir": default_run_dir()})), None
+        cfg = load_config(args.config, args.overrides)  # under torchrun the workers agree on a run directory themselves
+        return (cfg if cfg.run.dir or launched_by_torchrun() else cfg.replace(run={"dir": default_run_dir()})), None
     ckpt = resolve_checkpoint(newest_run() if args.resume == "newest" else Path(args.resume))
     run_dir = ckpt.parent.parent
     base = args.config or (run_dir / "config.yaml" if (run_dir / "config.yaml").exists() else None)
@@ -130,27 +139,82 @@ def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
     return cfg, ckpt
 
 
-def worker(cfg_dict: dict[str, Any], ckpt: str | None) -> dict[str, Any]:
-    """Entry point of one launched worker process."""
+def worker(cfg_dict: dict[str, Any], ckpt: str | None, launch_id: str | None = None) -> dict[str, Any]:
+    """Entry point of one launched worker process (the same arguments at every restart of the launch)."""
     from behemoth.config import Config
     from behemoth.train import train
 
     try:
-        return train(Config.model_validate(cfg_dict), resume=Path(ckpt) if ckpt else None)
-    except BehemothError as err:
-        for line in err.lines:
-            print(f"{ERROR_PREFIX}{line}", file=sys.stderr, flush=True)
-        raise
+        return train(Config.model_validate(cfg_dict), resume=Path(ckpt) if ckpt else None, verified=True, launch_id=launch_id)
+    except BaseException as err:
+        fail_fast(err)
 
 
-def launch_line(cfg: Any, nproc: int) -> str:
+def fail_fast(err: BaseException, code: int = 1) -> NoReturn:
+    """A failed worker prints its line(s), leaves them for the launcher (the elastic error file) and exits at once:
+    tearing down process groups whose peer is stopped can keep a process alive for half a minute."""
+    import traceback
+
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from behemoth.flight import HangError
+
+    lines = err.lines if isinstance(err, BehemothError) else [l for l in traceback.format_exception(err) if l.strip()]
+    prefix = ERROR_PREFIX if isinstance(err, BehemothError) else ""
+    if isinstance(err, HangError) and not err.timed_out:
+        time.sleep(1.0)  # a peer went away first: let the launcher see its failure (the cause) before this one
+    try:
+        for line in lines:
+            print(f"{prefix}{line.rstrip()}", file=sys.stderr, flush=True)
+        ErrorHandler().record_exception(err)
+    finally:
+        os._exit(code)
+
+
+def parse_nproc(text: str | None) -> int | tuple[int, int]:
+    """`--nproc N` or `--nproc MIN:MAX` (default: every GPU, or 2 on a CPU-only machine)."""
+    if text is None:
+        return default_nproc()
+    try:
+        if ":" in text:
+            low, high = (int(part) for part in text.split(":"))
+            if not 1 <= low <= high:
+                raise ValueError
+            return (low, high) if low < high else low
+        return int(text)
+    except ValueError:
+        raise BehemothError(f"--nproc {text} is not a process count or a range", "write --nproc N, or --nproc MIN:MAX with 1 <= MIN <= MAX") from None
+
+
+def elastic_problems(cfg: Any, nproc: tuple[int, int], max_restarts: int) -> list[Any]:
+    """An elastic range the plan cannot run on at every size, or one that cannot continue because nothing restarts."""
+    from behemoth.errors import Problem
+    from behemoth.planner.feasibility import problems
+    from behemoth.recovery import plan_for_world
+
+    low, high = nproc
+    out = []
+    if max_restarts < 1:
+        out.append(Problem.of("--max-restarts", f"--nproc {low}:{high} continues on fewer processes by restarting the survivors, "
+                              "but --max-restarts is 0", "add --max-restarts 3 (or any number above 0)"))
+    for world in range(low, high):  # the largest size is checked with the launch's other problems
+        found = problems(plan_for_world(cfg, world), world)
+        if found:
+            out.append(Problem.of("--nproc", f"--nproc {low}:{high}: the plan cannot run on {world} processes ({found[0].message})",
+                                  "choose a range whose every process count can run it"))
+    return out
+
+
+def launch_line(cfg: Any, nproc: int | tuple[int, int]) -> str:
     """What is about to run: the model, its size, the plan, the batch, the steps, where it goes; and any field of a
     Hugging Face config.json an option overrides."""
     from behemoth.models.hf import config_overrides
     from behemoth.planner.feasibility import describe_plan
 
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
-    line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {nproc} process(es) {describe_plan(cfg, nproc)}, "
+    most = nproc[1] if isinstance(nproc, tuple) else nproc
+    count = f"{nproc[0]}-{most} elastic" if isinstance(nproc, tuple) else str(most)
+    line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
             f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}")
     if cfg.offload.enabled:
         off = cfg.offload
@@ -164,31 +228,37 @@ def launch_line(cfg: Any, nproc: int) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import os
-
+    from behemoth.errors import Refused
     from behemoth.launch import launch, launched_by_torchrun
-    from behemoth.planner.feasibility import refuse
+    from behemoth.planner.feasibility import launch_problems
     from behemoth.train import train
 
-    nproc = args.nproc if args.nproc is not None else default_nproc()
+    nproc = parse_nproc(args.nproc)
+    most = nproc[1] if isinstance(nproc, tuple) else nproc
     if "parallel=auto" in args.overrides:  # plan for the processes given (every worker of a torchrun job plans alike)
         from behemoth.cli.plan import auto_overrides
 
-        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else nproc
+        world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else most
         args.overrides = auto_overrides(args.overrides, args.config, world)
     cfg, ckpt = resolve_train_config(args)
     t0 = time.time()
     if launched_by_torchrun():  # torchrun started us: this process is one worker (train() runs the checks)
-        summary = train(cfg, resume=ckpt)
+        try:
+            summary = train(cfg, resume=ckpt)
+        except BaseException as err:
+            fail_fast(err, 2 if isinstance(err, BehemothError) else 1)
         if summary.get("rank") == 0:
             report(summary, time.time() - t0)
         return 0
-    refuse(cfg, nproc, ckpt, launch=True)  # everything that can be refused without a worker, all at once
+    found = launch_problems(cfg, most, ckpt) + (elastic_problems(cfg, nproc, args.max_restarts) if isinstance(nproc, tuple) else [])
+    if found:  # everything that can be refused without a worker, all at once
+        raise Refused(found)
     print(launch_line(cfg, nproc), flush=True)
-    if nproc == 1:
-        summary = train(cfg, resume=ckpt)
+    if nproc == 1 and args.max_restarts == 0:
+        summary = train(cfg, resume=ckpt, verified=True)
     else:
-        summary = launch(nproc, worker, cfg.model_dump(mode="json"), str(ckpt) if ckpt else None, timeout_s=cfg.run.timeout_s)[0]
+        summary = launch(nproc, worker, cfg.model_dump(mode="json"), str(ckpt) if ckpt else None, uuid.uuid4().hex,
+                         timeout_s=cfg.run.timeout_s, max_restarts=args.max_restarts)[0]
     report(summary, time.time() - t0)
     return 0
 
@@ -204,13 +274,27 @@ def report(summary: dict[str, Any], seconds: float) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from behemoth.checkpoint import export_safetensors, read_meta, resolve_checkpoint
+    """`behemoth export`: the checkpoint is verified like a resume's, and nothing it holds becomes a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return export_checkpoint(args)
+    except BehemothError:
+        raise
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException derives from BaseException
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise BehemothError(f"could not export {args.path}: {err.__class__.__name__}: {first}", "export a checkpoint behemoth wrote") from None
+
+
+def export_checkpoint(args: argparse.Namespace) -> int:
+    from behemoth.checkpoint import export_safetensors, resolve_checkpoint, validate_checkpoint
     from behemoth.models.causal_lm import build_causal_lm
     from behemoth.models.gpt import GPTConfig
     from behemoth.models.hf import HFConfig
 
-    ckpt = resolve_checkpoint(args.path)
-    saved = read_meta(ckpt).get("config", {})
+    use = "behemoth export {}"
+    ckpt = resolve_checkpoint(args.path, use=use)
+    saved = validate_checkpoint(ckpt, None, use=use).get("config", {})
     model_cfg, hf_cfg = GPTConfig.model_validate(saved.get("model", {})), HFConfig.model_validate(saved.get("hf", {}))
     if args.hf:
         from behemoth.checkpoint import export_pretrained

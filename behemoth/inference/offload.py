@@ -78,12 +78,12 @@ class SourceReader:
         return {n: draw_full(self.lm.init_spec(n), tuple(p.shape), seed, n).to(p.dtype) for n, p in params.items()}
 
     def _from_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        import torch.distributed.checkpoint as dcp
+        from behemoth.checkpoint import dcp_load  # DCP's index read through the allow-list
 
         state = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in params.items()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=str(self.source.checkpoint), no_dist=True)
+            dcp_load({"model": state}, self.source.checkpoint, no_dist=True)
         return state
 
     def _from_safetensors(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:

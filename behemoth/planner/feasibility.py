@@ -118,9 +118,11 @@ def as_plan_keys(message: str) -> str:
 
 
 def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
-    """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume, the run directory."""
+    """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume (every file
+    verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.preflight`)."""
     from behemoth.checkpoint import read_meta, validate_checkpoint
     from behemoth.data import prepare_corpus
+    from behemoth.preflight import environment_problems
 
     out = problems(cfg, world)
     try:
@@ -137,8 +139,7 @@ def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]
         if step is not None and step >= cfg.train.steps:
             out.append(Problem.of("train.steps", f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
                                   f"raise train.steps above {step} to train further"))
-    elif cfg.run.dir and (Path(cfg.run.dir) / "checkpoints" / "latest").exists():
-        out.append(Problem.of("run.dir", f"run.dir={cfg.run.dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
+    out += environment_problems(cfg, resuming=ckpt is not None)
     if not out:  # the scratch directory and the disk space the offloaded states need
         out += offload_launch_problems(cfg, world)
     return out

@@ -41,6 +41,7 @@ from torch import nn
 
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
+from behemoth.flight import HangError
 from behemoth.parallel.deferred import DeferralSlot
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
@@ -158,12 +159,16 @@ class PipelineExecutor:
         """Wait at most timeout_s; otherwise fail naming this rank, the action and the peer."""
         try:
             pending.wait(self.comm.timeout_s)
-        except RuntimeError as err:
+        except (RuntimeError, HangError) as err:
             raise self.wait_error(err, index, a, what) from None
 
-    def wait_error(self, err: RuntimeError, index: int, a: Action, what: str) -> PipelineWaitError:
-        """One line naming this rank, the action (index -1: the evaluation pass), the peer and c10d's reason."""
-        detail = str(err).strip().splitlines()[0][-160:] if str(err).strip() else type(err).__name__
+    def wait_error(self, err: RuntimeError | HangError, index: int, a: Action, what: str) -> PipelineWaitError:
+        """One line naming this rank, the action (index -1: the evaluation pass), the peer and why (the flight
+        recorder's diagnosis: which ranks never arrived; or c10d's reason)."""
+        if isinstance(err, HangError):
+            detail = err.diagnosis
+        else:
+            detail = str(err).strip().splitlines()[0][-160:] if str(err).strip() else type(err).__name__
         me, peer = dist.get_rank(), dist.get_global_rank(self.comm.group, a.peer)
         where = f"action {index} {a}" if index >= 0 else f"{a} of the evaluation pass"
         return PipelineWaitError(
@@ -311,7 +316,7 @@ class _Step:
         try:
             reduce_flat([p.grad for p in ex.replica_params.get(a.stage, [])],
                         lambda flat: pair_all_reduce(flat, a.peer, comm.group, comm.meter, tag=SYNC_TAG + a.stage, timeout_s=comm.timeout_s))
-        except RuntimeError as err:
+        except (RuntimeError, HangError) as err:
             raise ex.wait_error(err, index, a, "for the gradient sync") from None
 
     def opt_step(self, index: int, a: Action) -> None:

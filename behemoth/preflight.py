@@ -1,0 +1,130 @@
+"""What a launch needs from the machine, checked before any worker starts: a run directory that can be written and holds
+no other run, Hugging Face weights that are complete, and the disk the run's checkpoints will take.
+
+Each check returns `Problem`s; `planner.feasibility.launch_problems` gathers them with every other reason, so the
+user gets all of them at once, in one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from behemoth.config import Config
+from behemoth.errors import Problem
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png", "model.safetensors", "checkpoints")
+CHECKPOINT_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
+GIB = 2**30
+
+
+def run_dir_problems(run_dir: str, *, resuming: bool) -> list[Problem]:
+    """A run directory that holds another run's files (unless resumed), or cannot be written."""
+    path = Path(run_dir).expanduser()
+    out = []
+    if not resuming and path.is_dir():
+        found = [name for name in RUN_FILES if (path / name).exists()]
+        if (path / "checkpoints" / "latest").exists():
+            out.append(Problem.of("run.dir", f"run.dir={run_dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
+        elif found:
+            out.append(Problem.of("run.dir", f"run.dir={run_dir} holds another run's files ({', '.join(found)})",
+                                  "choose another run.dir (unset, each run gets a new one), remove them, or pass --resume to continue that run"))
+    reason = probe_writable(path)
+    if reason:
+        out.append(Problem.of("run.dir", f"run.dir={run_dir} cannot be written: {reason}", "choose a directory you can write to"))
+    return out
+
+
+def probe_writable(path: Path) -> str | None:
+    """Create and remove a probe file in `path` (creating missing folders, and removing them again); why that failed, or None."""
+    missing, parent = [], path
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    created: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+        probe = path / f".behemoth-probe-{os.getpid()}"
+        probe.write_bytes(b"probe")
+        probe.unlink()
+        return None
+    except OSError as err:
+        return err.strerror or err.__class__.__name__
+    finally:
+        for folder in reversed(created):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+
+
+def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
+    """Too little free disk for the checkpoints the run keeps (checkpoint.keep, one more while a new one is written)
+    and the exported weights; what is already in the run directory counts as space it will reuse."""
+    path = Path(run_dir).expanduser()
+    params = cfg.model.num_params()
+    per_checkpoint = CHECKPOINT_BYTES_PER_PARAM * params
+    need = (cfg.checkpoint.keep + 1) * per_checkpoint + 4 * params - used_bytes(path)
+    anchor = path
+    while not anchor.exists():
+        anchor = anchor.parent
+    free = shutil.disk_usage(anchor if anchor.is_dir() else anchor.parent).free
+    if free >= need:
+        return []
+    return [Problem.of("checkpoint.keep", f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but the run keeps checkpoint.keep="
+                       f"{cfg.checkpoint.keep} checkpoints of ~{per_checkpoint / GIB:.2f} GiB (one more while a new one is written) "
+                       f"and {4 * params / GIB:.2f} GiB of exported weights: about {need / GIB:.2f} GiB",
+                       "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk")]
+
+
+def used_bytes(run_dir: Path) -> int:
+    """Bytes of checkpoints and exported weights already in a run directory (a resumed run replaces them)."""
+    files = [*(run_dir / "checkpoints").rglob("*"), run_dir / "model.safetensors"] if run_dir.is_dir() else []
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def weights_problems(weights: str) -> list[Problem]:
+    """hf.weights without safetensors, with a shard its index names missing, or with a file that is not safetensors.
+    (config.json itself, a mapping with the keys the architecture needs, is checked when the config is read.)"""
+    from safetensors import safe_open
+
+    folder = Path(weights).expanduser()
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return [Problem.of("hf.weights", f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")]
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            listed = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return [Problem.of("hf.weights", f"hf.weights={weights}: {index.name} is not a readable index", "save the model again with save_pretrained")]
+        missing = sorted(listed - {f.name for f in files})
+        if missing:
+            return [Problem.of("hf.weights", f"hf.weights={weights}: {index.name} lists {missing[0]}, which is missing",
+                               "copy every shard of the model, or save it again with save_pretrained")]
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:  # safetensors raises its own types for a damaged header
+            return [Problem.of("hf.weights", f"hf.weights={weights}: {f.name} is not a readable safetensors file ({err.__class__.__name__})",
+                               "copy the file again, or save the model again with save_pretrained")]
+    return []
+
+
+def environment_problems(cfg: Config, *, resuming: bool) -> list[Problem]:
+    """Every problem of the machine a launch of `cfg` would meet: run directory, weights, disk."""
+    out = []
+    if cfg.run.dir:
+        out += run_dir_problems(cfg.run.dir, resuming=resuming)
+        if not out:
+            out += disk_problems(cfg, cfg.run.dir)
+    if cfg.hf.weights:
+        out += weights_problems(cfg.hf.weights)
+    return out
