@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ratios import ratio, write_rows
+
+ROWS: list = []  # comparisons for `behemoth bench` (--json)
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -104,6 +108,10 @@ def stall_table(models: list[str], saves: int, nproc: int) -> None:
             cfg = load_config(None, [*MODELS[model], "run.progress=false"]).model_dump(mode="json")
             r = run_ranks(nproc, stall_rank, cfg, folder, saves, timeout=3600)[0]
         med = {k: statistics.median(v) for k, v in r.items()}
+        ROWS.extend([ratio("fault tolerance", f"{model}, {nproc} processes", "dcp.save", "checkpoint stall (synchronous)",
+                           med["behemoth sync"], med["dcp.save"], higher_is_better=False),
+                     ratio("fault tolerance", f"{model}, {nproc} processes", "dcp.async_save", "checkpoint stall (background)",
+                           med["behemoth background"], med["dcp.async_save"], higher_is_better=False)])
         print(f"| {model} | {nproc} | {checkpoint_gib(model):.2f} | {med['behemoth sync']:.3f} | {med['behemoth background']:.3f} | "
               f"{med['behemoth background'] / med['behemoth sync']:.3f} | {med['behemoth background write']:.3f} | "
               f"{med['dcp.save']:.3f} | {med['dcp.async_save']:.3f} |", flush=True)
@@ -193,6 +201,8 @@ def recovery_table(nprocs: list[int], trials: int, model_name: str) -> None:
             autos.append(a)
             manuals.append(m)
         a, m = statistics.median(autos), statistics.median(manuals)
+        ROWS.append(ratio("fault tolerance", f"{model_name}, {nproc} processes", "stop + --resume by hand", "kill to training again", a, m,
+                          higher_is_better=False))
         print(f"| {nproc} | {a:.1f} | {m:.1f} | {a / m:.2f} |", flush=True)
 
 
@@ -201,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="gpt-20m only, 2 saves, one kill on 2 processes (tiny model)")
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = parser.parse_args(argv)
     if args.quick:
         stall_table(["gpt-20m"], 2, 2)
@@ -208,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         stall_table(["gpt-20m", "gpt2-124m"], args.saves, 2)
         recovery_table([2, 4], args.trials, "gpt-1m")
+    write_rows(args.json, ROWS)
     return 0
 
 

@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ratios import ratio, write_rows
+
+ROWS: list[dict[str, Any]] = []  # the comparisons with transformers, for `behemoth bench` (--json)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {  # llama shapes (model section + hf section overrides)
@@ -111,6 +115,10 @@ def generation_table(folder: str, args: argparse.Namespace) -> list[str]:
         r = run_ranks(1, ours_vs_transformers, folder, batch, args.prompt_len, args.new_tokens, args.rounds, threads=args.threads,
                       timeout=3600)[0]
         ours, theirs = r["tokens"] / r["ours_s"], r["tokens"] / r["hf_s"]
+        case = f"batch {batch}, {args.prompt_len} + {args.new_tokens} tokens"
+        ROWS.extend([ratio("inference", case, "transformers generate", "tokens/s", ours, theirs),
+                     ratio("inference", case, "transformers generate", "time to first token", r["ours_ttft"], r["hf_ttft"],
+                           higher_is_better=False)])
         rows.append(f"| {batch} | {args.prompt_len} + {args.new_tokens} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} | "
                     f"{1000 * r['ours_ttft']:.1f} | {1000 * r['hf_ttft']:.1f} | {'yes' if r['same'] else 'NO'} |")
     return rows
@@ -313,6 +321,7 @@ def main() -> int:
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget of the offload comparison (default 4; quick 0.1)")
     p.add_argument("--max-disk-gb", type=float, default=40.0, help="disk the offloaded model may take at most (default 40)")
     p.add_argument("--skip", action="append", default=[], choices=["generation", "tp", "offload", "int8"], help="leave a section out")
+    p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = p.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.threads = args.threads or (1 if args.quick else 2)
@@ -334,6 +343,7 @@ def main() -> int:
         print("## int8 weight-only vs float32\n\n" + "\n".join(int8_table(args)) + "\n", flush=True)
     if "offload" not in args.skip:
         print("## Offload: largest model that fits vs largest that generates\n\n" + "\n".join(offload_table(args)), flush=True)
+    write_rows(args.json, ROWS)
     return 0
 
 

@@ -34,6 +34,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ratios import ratio, write_rows  # noqa: E402
+
+ROWS: list[dict[str, Any]] = []  # the comparisons, for `behemoth bench` (--json)
+
 BEGIN, END = "<!-- bench_moe:begin -->", "<!-- bench_moe:end -->"
 MiB = 2**20
 FULL = {"model": ["model=gpt-moe-1m", "model.d_model=256", "model.n_head=8", "model.context=256", "model.moe.experts=8"],
@@ -233,9 +237,13 @@ def versus_deepspeed(args: dict) -> str:
         ours = measure("behemoth", n, args, [*GATING, f"parallel.ep={n}"], f"behemoth ep={n}")
         peer = measure("deepspeed", n, args, GATING, f"deepspeed ep={n}")
         for r in (ours, peer):
-            ratio = f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}" if r is ours else ""
-            rows.append(f"| {n} | {r['label'].split()[0]} | {r['tokens_per_s']:.0f} | {ratio} | {r['sent_mib']:.2f} | "
+            value = f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}" if r is ours else ""
+            rows.append(f"| {n} | {r['label'].split()[0]} | {r['tokens_per_s']:.0f} | {value} | {r['sent_mib']:.2f} | "
                         f"{r['peak_rss_mib']:.0f} | {r['losses'][0]:.6f} |")
+        case = f"{' '.join(args['model'])}, ep={n}"
+        ROWS.extend([ratio("mixture of experts", case, "DeepSpeed-MoE", "tokens/s", ours["tokens_per_s"], peer["tokens_per_s"]),
+                     ratio("mixture of experts", case, "DeepSpeed-MoE", "peak RSS per rank", ours["peak_rss_mib"], peer["peak_rss_mib"],
+                           higher_is_better=False)])
     return "\n".join(rows) + "\n"
 
 
@@ -256,6 +264,9 @@ def adaptive_vs_fixed(args: dict) -> str:
             "| layout | tokens/s over the run | ratio to the best fixed layout | same curve | layouts chosen (layout/chunks@step) |",
             "|---|---:|---:|---|---|"]
     best = max(r["run_tokens_per_s"] for name, r in results.items() if not name.startswith("adaptive"))
+    for name in (n for n in results if n.startswith("adaptive")):
+        ROWS.append(ratio("mixture of experts", f"shifting routing, ep=2, {name}", "best fixed layout", "tokens/s",
+                          results[name]["run_tokens_per_s"], best))
     for name, r in results.items():
         same = all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(first, r["losses"]))
         rows.append(f"| {name} | {r['run_tokens_per_s']:.0f} | {r['run_tokens_per_s'] / best:.2f} | {'yes' if same else 'NO'} | "
@@ -282,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     p.add_argument("--parts", default="deepspeed,capacity,adaptive", help="comma-separated: deepspeed, capacity, adaptive")
     p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/README.md alone")
+    p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     a = p.parse_args(argv)
     args = {**(QUICK if a.quick else FULL), "threads": a.threads, "lr": 1e-3}
     parts = a.parts.split(",")
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if "adaptive" in parts:
         text += "### Adaptive vs fixed expert layouts on a shifting routing\n\n" + adaptive_vs_fixed(args)
     print("\n" + text)
+    write_rows(a.json, ROWS)
     if not (a.no_write or a.quick):
         print(f"wrote {write_readme(text, 'python benchmarks/bench_moe.py ' + ' '.join(argv if argv is not None else sys.argv[1:]))}")
     return 0

@@ -36,6 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ratios import failure, ratio, write_rows
+
+ROWS: list = []  # comparisons for `behemoth bench` (--json)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GiB = 2**30
@@ -261,8 +265,11 @@ def offload_table(plain: dict, runs: list[dict]) -> str:
         written = sum(x[1] for x in last["bytes"].values()) / GiB
         losses = ", ".join(f"{s['loss']:.4f}" for s in run["steps"]) + (f", {run['loss_after']:.4f}" if run["loss_after"] is not None else "")
         name = f"behemoth disk offload, {'float32' if run['bits'] == 32 else '8-bit'} moments"
-        ratio = run["params"] / plain["params"] if plain["params"] else float("nan")
-        rows.append(f"| {name} | {run['params'] / 1e9:.3f}B | {ratio:.1f} | {run['peak_rss_gib']:.2f} | {read:.2f} / {written:.2f} | "
+        times = run["params"] / plain["params"] if plain["params"] else float("nan")
+        if plain["params"]:
+            ROWS.append(ratio("offload", f"{'float32' if run['bits'] == 32 else '8-bit'} moments", "plain PyTorch float32 AdamW",
+                              "largest model trained", run["params"], plain["params"]))
+        rows.append(f"| {name} | {run['params'] / 1e9:.3f}B | {times:.1f} | {run['peak_rss_gib']:.2f} | {read:.2f} / {written:.2f} | "
                     f"{last['seconds']:.1f} | {b:.1f}: {io:.1f}, {compute:.1f} | {last['seconds'] / b:.2f} | {losses} |")
     rates = runs[0]["rates"] if runs else None
     tail = "" if rates is None else (f"\ncalibration: disk read {rates['disk_read'] / 1e9:.2f} GB/s, write {rates['disk_write'] / 1e9:.2f} GB/s, "
@@ -309,6 +316,11 @@ def deepspeed_table(a: argparse.Namespace) -> str:
                 continue
             got = run_worker("deepspeed", {**shape, "device": device, "dir": str(scratch / "ds"), "port": port}, threads=a.threads)
             name = "DeepSpeed ZeRO-Offload (CPU Adam)" if device == "cpu" else "DeepSpeed ZeRO-Infinity (NVMe)"
+            if got and ours:
+                ROWS.append(ratio("offload", f"{ours['params'] / 1e6:.0f}M GPT, one sequence of {a.seq}", name, "tokens/s",
+                                  a.seq / ours["steps"][-1]["seconds"], a.seq / got["seconds"][-1]))
+            elif not got:
+                ROWS.append(failure("offload", name, "its worker failed (see the benchmark's log)"))
             rows.append(f"| {name} | {got['params'] / 1e6:.1f}M | {a.seq / got['seconds'][-1]:.1f} | {got['peak_rss_gib']:.2f} | |" if got
                         else f"| {name} | - | - | - | failed: see the line above |")
     finally:
@@ -358,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ds-d", type=int, default=1024)
     p.add_argument("--ds-heads", type=int, default=16)
     p.add_argument("--nvme", action="store_true", help="also run DeepSpeed ZeRO-Infinity on NVMe (its async_io op needs libaio-dev)")
+    p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     a = settings(p.parse_args(argv))
     print(f"bench_offload{' --quick' if a.quick else ''}: scratch under {a.dir} ({shutil.disk_usage(a.dir).free / GiB:.1f} GiB free), "
           f"{a.threads} thread(s), one sequence of {a.seq} tokens; plain PyTorch limited to {a.limit_gb:.1f} GiB, "
@@ -375,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     section("4. bytes per step against micro-batches", t0)
     print(orders_table(a))
     section("done", t0)
+    write_rows(a.json, ROWS)
     return 0
 
 

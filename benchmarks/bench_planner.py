@@ -26,6 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ratios import ratio, write_rows
+
+ROWS: list = []  # the chosen plans against the best measured, for `behemoth bench` (--json)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -120,6 +124,8 @@ def report_a(cases: list[dict]) -> None:
         chosen = next(r["time"] for r in rows if r["chosen"])
         print(f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms"
               f"{chosen / best:>12.2f}{c['planning']:>9.2f}s")
+        ROWS.append(ratio("planner", f"{c['model']}, {c['world']} processes, {len(rows)} plans", "best measured plan",
+                          "step time of the chosen plan", chosen, best, higher_is_better=False))
 
 
 def part_b() -> None:
@@ -149,6 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two models on 2 processes, a few plans each")
     parser.add_argument("--part", choices=["a", "b", "both"], default="both")
+    parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = parser.parse_args()
     if args.part in ("a", "both"):
         plan = [("gpt-1m", 2, 6), ("gpt-6m", 2, 6)] if args.quick else [(m, w, 30) for m in MODELS for w in (2, 4)]
@@ -156,6 +163,7 @@ def main() -> None:
         report_a(cases)
     if args.part in ("b", "both"):
         part_b()
+    write_rows(args.json, ROWS)
 
 
 if __name__ == "__main__":

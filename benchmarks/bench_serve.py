@@ -33,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
+from ratios import write_rows  # noqa: E402
 
 LEVELS = (1, 8, 32, 128)
 
@@ -134,6 +135,18 @@ def measure(folder: str, batching: str, args: argparse.Namespace) -> list[dict[s
             proc.kill()
 
 
+def ratio_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`behemoth bench` rows: continuous batching against the same server's static batching, per level of clients."""
+    from ratios import ratio
+
+    out = []
+    for r, other in zip(results["continuous"], results["static"]):
+        case = f"{r['clients']} concurrent clients"
+        out += [ratio("serving", case, "static batching", "output tokens/s", r["tok_s"], other["tok_s"]),
+                ratio("serving", case, "static batching", "p99 time to first token", r["ttft99"], other["ttft99"], higher_is_better=False)]
+    return out
+
+
 def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     rows = ["| batching | clients | requests | output tok/s | req/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | errors |"
             " continuous / static tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -152,6 +165,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2, help="the server's intra-op threads (default 2)")
     p.add_argument("--max-batch", type=int, default=64, help="the server's running batch (default 64)")
     p.add_argument("--kv-cache-mb", type=float, default=512.0, help="the server's KV cache (default 512 MiB)")
+    p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = p.parse_args()
     args.prompt_chars = (8, 48) if args.quick else (16, 256)
     args.output_tokens = (4, 24) if args.quick else (16, 128)
@@ -173,6 +187,7 @@ def main() -> int:
           f"prompts {args.prompt_chars[0]}-{args.prompt_chars[1]} characters (byte tokens), outputs {args.output_tokens[0]}-"
           f"{args.output_tokens[1]} tokens, greedy, streamed; {args.per_client} request(s) per client per level (at least 8).\n")
     print("\n".join(table(results)))
+    write_rows(args.json, ratio_rows(results))
     print("\nvLLM: not run. " + __doc__.split("Peer serving engines: ")[1].strip().replace("\n", " "))
     return 0
 
