@@ -97,6 +97,7 @@ def test_parallelize_without_an_optimizer_gives_the_training_models_logits(tmp_p
     for rank, (served, trained, states) in enumerate(got):
         torch.testing.assert_close(served, trained, rtol=0, atol=0)
         assert "optimizer" not in states
+        assert "gathered_peak" not in states and "grad_buffers_peak" not in states  # buffer meters count only when asked
         expected = single.chunk(2, dim=-1)[rank] if "parallel.tp=2" in plan else single
         torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-6)
 

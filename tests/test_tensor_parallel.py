@@ -153,6 +153,12 @@ def _train_reporting_states(cfg_dict):
 
     built = []
     real_engine = train.build_engine
-    train.build_engine = lambda *a, **k: built.append(real_engine(*a, **k)) or built[-1]
+
+    def build_measuring(*args, **kwargs):
+        built.append(real_engine(*args, **kwargs))
+        built[-1].model.measure_buffers()
+        return built[-1]
+
+    train.build_engine = build_measuring
     result = train_body(cfg_dict)
     return {**result, "states": built[0].model_state_bytes()}

@@ -139,6 +139,7 @@ def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str
             plan = {**cfg_dict["parallel"], "zero_stage": stage, "param_dtype": base.parallel.param_dtype if stage else "fp32"}
             cfg = Config.model_validate({**cfg_dict, "parallel": plan})
             engine = build_engine(cfg, rt)
+            engine.model.measure_buffers()
             tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
             engine.train_step([(tokens[:, :-1], tokens[:, 1:])], lr=0.0)
             out.append({"stage": stage, "bytes": engine.model_state_bytes(), "comm": engine.model.meter.summary()})

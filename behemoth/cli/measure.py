@@ -105,9 +105,10 @@ def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> d
             engine.train_step(batches, lr=1e-4)
             synchronize(rt.device)
             times.append(time.perf_counter() - t0)
-        states = engine.model_state_bytes()
-        with LiveBytes() as live:  # one more step, metered (the meter slows it: not timed)
+        engine.model.measure_buffers()
+        with LiveBytes() as live:  # one more step, metered (the meters slow it: not timed)
             engine.train_step(batches, lr=1e-4)
+        states = engine.model_state_bytes()
         held = sum(states[k] for k in ("params", "grads", "optimizer"))
         return {"rank": rt.rank, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "tp")}, "states": states,
                 "activations": activation_bytes(engine, batches), "peak": held + live.peak,

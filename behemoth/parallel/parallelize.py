@@ -151,6 +151,12 @@ class ParallelModel:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
         return {name: t for sync in self.syncs for name, t in sync.model_state().items()}
 
+    def measure_buffers(self) -> None:
+        """Count the peaks of short-lived buffers (ZeRO's gathered parameters and gradient buckets) from now on; they
+        appear in `state_bytes` after the next step. Off until asked: counting waits for collectives to let go."""
+        for sync in self.syncs:
+            sync.measure_buffers()
+
     def state_bytes(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for sync in self.syncs:

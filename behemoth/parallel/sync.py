@@ -102,7 +102,10 @@ class GradSync(abc.ABC):
 
     @abc.abstractmethod
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for these parameters and gradients (plus peaks of short-lived buffers)."""
+        """Bytes this rank holds for these parameters and gradients (plus peaks of short-lived buffers, once measured)."""
+
+    def measure_buffers(self) -> None:
+        """Count the peaks of short-lived buffers from now on (off the training path until asked: counting waits)."""
 
     def after_load(self, optimizer: Optimizer) -> None:
         """A checkpoint was loaded into `model_state()` and the optimizer's state: make the compute parameters agree."""

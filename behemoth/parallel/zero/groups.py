@@ -36,6 +36,9 @@ class BufferMeter:
     `drop`ped may still be held for a moment by the communication thread of a collective that has
     just finished with it (gloo releases its tensors after `wait` returns); the meter gives such
     buffers up to `SETTLE_S` to go before it counts them, so the peak is behemoth's, not a race.
+
+    That wait has no place on the training path: a meter counts only once `measure()` switched it on
+    (`ParallelModel.measure_buffers`, which the memory measurements call); until then `add` and `drop` do nothing.
     """
 
     SETTLE_S = 0.05
@@ -44,14 +47,21 @@ class BufferMeter:
         self.live: list[tuple[StorageWeakRef, int]] = []
         self.dropped: list[StorageWeakRef] = []
         self.peak = 0
+        self.measuring = False
+
+    def measure(self) -> None:
+        """Count from now on."""
+        self.measuring = True
 
     def add(self, t: torch.Tensor) -> None:
-        self.live.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
-        self.peak = max(self.peak, self.sample())
+        if self.measuring:
+            self.live.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+            self.peak = max(self.peak, self.sample())
 
     def drop(self, t: torch.Tensor) -> None:
         """The owner lets go of `t` (the caller's own references go right after)."""
-        self.dropped.append(StorageWeakRef(t.untyped_storage()))
+        if self.measuring:
+            self.dropped.append(StorageWeakRef(t.untyped_storage()))
 
     def sample(self) -> int:
         """Bytes alive now (forgets freed buffers)."""

@@ -243,8 +243,11 @@ class ZeroStage2(ZeroStage1):
         super().finish()
 
     def state_bytes(self) -> dict[str, int]:
-        return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups),
-                "grad_buffers_peak": self.buffers.peak}
+        peaks = {"grad_buffers_peak": self.buffers.peak} if self.buffers.measuring else {}
+        return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups), **peaks}
+
+    def measure_buffers(self) -> None:
+        self.buffers.measure()
 
 
 class ZeroStage3(ZeroSync):
@@ -266,8 +269,13 @@ class ZeroStage3(ZeroSync):
         return held_bytes(g.shard for g in self.groups)
 
     def state_bytes(self) -> dict[str, int]:
-        return {**super().state_bytes(), "gathered_peak": self.stage3.gathered_bytes.peak,
-                "grad_buffers_peak": self.stage3.grad_bytes.peak}
+        meters = self.stage3.gathered_bytes, self.stage3.grad_bytes
+        peaks = {"gathered_peak": meters[0].peak, "grad_buffers_peak": meters[1].peak} if meters[0].measuring else {}
+        return {**super().state_bytes(), **peaks}
+
+    def measure_buffers(self) -> None:
+        self.stage3.gathered_bytes.measure()
+        self.stage3.grad_bytes.measure()
 
 
 def apply_zero(model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec] | None = None,
