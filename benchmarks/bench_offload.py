@@ -112,7 +112,7 @@ def offload_worker(spec: dict) -> dict:
     for _ in range(spec.get("steps", 2)):
         t0 = time.perf_counter()
         r = engine.train_step(batch(spec["seq"], m), lr=1e-4)
-        steps.append({"loss": r.loss, "seconds": time.perf_counter() - t0, "bytes": sync.step_bytes(), "io_wait_s": r.extra["offload_io_wait_s"]})
+        steps.append({"loss": r.loss, "seconds": time.perf_counter() - t0, "bytes": sync.step_bytes(), "io_wait_s": r.metrics["offload_io_wait_s"]})
     after = engine.evaluate(batch(spec["seq"], 1)) if spec.get("evaluate", True) else None
     flops = engine.model.lm.flops_per_token(spec["seq"]) * spec["seq"] * m * 4 / 3
     out = {"params": cfg.model.num_params(), "init_s": init_s, "steps": steps, "loss_after": after, "flops": flops,
