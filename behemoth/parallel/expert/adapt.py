@@ -9,7 +9,9 @@ Candidates: tokens to the experts (`alltoall`) with pipelining degree 1, 2 or 4,
 - `cost`: every K steps the layout the cost model predicts fastest for the last step's routing: bytes moved over
   a measured all-to-all bandwidth, plus the busiest rank's expert FLOPs over a measured matmul rate (all-to-all:
   each rank computes the tokens routed to its experts, so load imbalance costs; gather: each rank computes its
-  own tokens, but moves every expert's weights), with pipelining overlapping the two.
+  own tokens, but moves every expert's weights), with pipelining overlapping the two at the price of four more
+  all-to-alls per chunk and layer (dispatch and combine, forward and backward), each costing the measured latency
+  of a small one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from behemoth.parallel.expert.apply import ExpertParallel
 
 Candidate = tuple[str, int]  # (layout, chunks)
 CANDIDATES: tuple[Candidate, ...] = (("alltoall", 1), ("alltoall", 2), ("alltoall", 4), ("gather", 1))
-CHUNK_LATENCY_S = 50e-6  # fixed cost of one more all-to-all (launch, synchronization)
+ALL_TO_ALLS_PER_CHUNK = 4  # dispatch and combine, forward and backward
 
 
 @dataclass
@@ -36,27 +38,32 @@ class Rates:
 
     bytes_per_s: float  # all-to-all, per rank sent
     flops_per_s: float  # float32 matmul
+    latency_s: float    # one small all-to-all (launch and synchronization: what one more chunk costs)
 
 
 def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.ProcessGroup) -> Rates:
-    """One 4 MiB all-to-all over ep and one matmul, timed on every rank; the slowest rank's figures."""
+    """A 4 MiB all-to-all over ep, a one-row all-to-all and a matmul, timed on every rank (the best of three after a
+    warm-up); the slowest rank's figures."""
     from behemoth.comm import all_to_all
 
     ep = experts.ep
-    x = torch.zeros(ep.size * 1024, 1024, device=device)
-    out = torch.empty_like(x)
+    x, tiny = torch.zeros(ep.size * 1024, 1024, device=device), torch.zeros(ep.size, 1, device=device)
+    out, tiny_out = torch.empty_like(x), torch.empty_like(tiny)
     a = torch.randn(256, 256, device=device, generator=torch.Generator(device=device).manual_seed(0))
-    times = torch.zeros(2, dtype=torch.float64, device=device)
-    for i, run in enumerate((lambda: all_to_all(out, x, ep.group), lambda: a @ a)):
+    times = torch.zeros(3, dtype=torch.float64, device=device)
+    for i, run in enumerate((lambda: all_to_all(out, x, ep.group), lambda: all_to_all(tiny_out, tiny, ep.group), lambda: a @ a)):
         run()  # warm-up
-        t0 = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times[i] = time.perf_counter() - t0
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        times[i] = best
     all_reduce(times, group, op=dist.ReduceOp.MAX)
     sent = x.numel() * 4 * (ep.size - 1) / ep.size
-    return Rates(max(sent, 1.0) / max(float(times[0]), 1e-9), 2 * 256**3 / max(float(times[1]), 1e-9))
+    return Rates(max(sent, 1.0) / max(float(times[0]), 1e-9), 2 * 256**3 / max(float(times[2]), 1e-9), float(times[1]))
 
 
 def predicted_seconds(candidate: Candidate, costs: list[MoELayerCost], tokens: list[list[int]], *, ep: int, data_ranks: int,
@@ -72,11 +79,12 @@ def predicted_seconds(candidate: Candidate, costs: list[MoELayerCost], tokens: l
         flops = 3 * 2 * cost.expert_params  # forward + backward, per row
         if layout == "gather":
             moved = 2 * (cost.experts - local) * cost.expert_params * element_bytes   # all-gather + reduce-scatter
-            total += moved / rates.bytes_per_s + per_rank * flops / rates.flops_per_s
+            collectives = 2 * (3 if cost.gated else 2)  # each stacked weight: all-gather forward, reduce-scatter backward
+            total += moved / rates.bytes_per_s + per_rank * flops / rates.flops_per_s + collectives * rates.latency_s
             continue
         comm = 4 * per_rank * (ep - 1) / ep * cost.d_model * element_bytes / rates.bytes_per_s
         compute = own * flops / rates.flops_per_s
-        total += max(comm, compute) + min(comm, compute) / chunks + chunks * CHUNK_LATENCY_S
+        total += max(comm, compute) + min(comm, compute) / chunks + chunks * ALL_TO_ALLS_PER_CHUNK * rates.latency_s
     return total
 
 
