@@ -16,8 +16,10 @@
 3. behemoth's adaptive expert layout (probe, cost model) vs each fixed layout (all-to-all with pipelining 1, 2, 4;
    expert gather) on a routing that shifts during training: the first half of the steps route evenly, the second
    half sends most tokens to the experts of rank 0 (a bias on the router's logits, the stand-in for a router whose
-   preferences move). Reported: tokens/s over the run, the layouts the adaptive runs chose, and whether every run
-   trained the same curve (it must: layouts change speed, not results).
+   preferences move). Reported: tokens/s over the run, the layouts the adaptive runs chose, and how far each run's
+   losses moved from the unpipelined all-to-all's. Layouts compute the same thing (the equivalence tests hold each to
+   the single-process curve), but a layout that cuts the rows differently sums weight gradients in another order, and
+   over many steps float32 rounding grows through Adam's normalized first steps and routing decisions near a tie.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ratios import ratio, write_rows  # noqa: E402
+from ratios import command_line, ratio, write_rows  # noqa: E402
 
 ROWS: list[dict[str, Any]] = []  # the comparisons, for `behemoth bench` (--json)
 
@@ -261,15 +263,15 @@ def adaptive_vs_fixed(args: dict) -> str:
     results = {name: measure("shifting", 2, shifting, [*extra, *flags], name) for name, flags in LAYOUTS.items()}
     first = results["alltoall/1"]["losses"]
     rows = [f"{args['shift_steps']} steps, routing skewed to rank 0's experts from step {args['shift_steps'] // 2}, ep=2\n",
-            "| layout | tokens/s over the run | ratio to the best fixed layout | same curve | layouts chosen (layout/chunks@step) |",
+            "| layout | tokens/s over the run | ratio to the best fixed layout | largest loss difference from alltoall/1 (relative) | layouts chosen (layout/chunks@step) |",
             "|---|---:|---:|---|---|"]
     best = max(r["run_tokens_per_s"] for name, r in results.items() if not name.startswith("adaptive"))
     for name in (n for n in results if n.startswith("adaptive")):
         ROWS.append(ratio("mixture of experts", f"shifting routing, ep=2, {name}", "best fixed layout", "tokens/s",
                           results[name]["run_tokens_per_s"], best))
     for name, r in results.items():
-        same = all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(first, r["losses"]))
-        rows.append(f"| {name} | {r['run_tokens_per_s']:.0f} | {r['run_tokens_per_s'] / best:.2f} | {'yes' if same else 'NO'} | "
+        drift = max(abs(a - b) / abs(a) for a, b in zip(first, r["losses"]))
+        rows.append(f"| {name} | {r['run_tokens_per_s']:.0f} | {r['run_tokens_per_s'] / best:.2f} | {drift:.1e} | "
                     f"{' '.join(r['chosen'] or []) or '-'} |")
     return "\n".join(rows) + "\n"
 
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     write_rows(a.json, ROWS)
     if not (a.no_write or a.quick):
-        print(f"wrote {write_readme(text, 'python benchmarks/bench_moe.py ' + ' '.join(argv if argv is not None else sys.argv[1:]))}")
+        print(f"wrote {write_readme(text, command_line('bench_moe.py', argv))}")
     return 0
 
 

@@ -297,13 +297,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest is kept")
     parser.add_argument("--readme", action="store_true", help="write the tables into benchmarks/README.md")
-    from ratios import add_report_args, write_rows
+    from ratios import add_report_args, command_line, write_rows
 
     add_report_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.rounds, args.worlds = 2, 1, 1, "2"
-    command = "python benchmarks/bench_pipeline.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench_pipeline.py", argv)
     throughput, bubbles = run([int(w) for w in args.worlds.split(",")], args.steps, args.warmup, args.rounds)
     text = format_tables(throughput, bubbles, command.strip())
     print(text)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ratios import add_report_args, failure, ratio, write_rows
+from ratios import add_report_args, command_line, failure, ratio, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     write_rows(a.json, ratio_rows(results, args))
     if not a.no_write:
-        print(f"wrote {write_readme(text, 'python benchmarks/bench_zero.py ' + ' '.join(argv if argv is not None else sys.argv[1:]))}")
+        print(f"wrote {write_readme(text, command_line('bench_zero.py', argv))}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,15 @@ from typing import Any
 def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run: fewer steps, rounds and cases (minutes)")
     parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How the script was run, as a user would type it (`--json FILE`, `behemoth bench`'s plumbing, left out)."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--json" in args:
+        i = args.index("--json")
+        del args[i:i + 2]
+    return " ".join([f"python benchmarks/{script}", *args])
 
 
 def ratio(family: str, case: str, peer: str, metric: str, ours: float, theirs: float, *, higher_is_better: bool = True) -> dict[str, Any]:

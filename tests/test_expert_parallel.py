@@ -135,6 +135,7 @@ def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
 CASES_EP2 = [
     (1, None, 1, "alltoall", 1), (2, None, 1, "alltoall", 2), (2, 1.0, 1, "alltoall", 1), (1, 0.5, 1, "alltoall", 1),
     (2, 0.5, None, "alltoall", 2), (2, None, None, "gather", 1), (2, 0.75, 1, "gather", 1),
+    (2, None, 1, "alltoall", 4), (1, 0.5, None, "alltoall", 4),
 ]
 CASES_EP4 = [(2, None, 1, "alltoall", 1), (2, 0.5, 1, "alltoall", 2), (1, 1.0, 1, "gather", 1),
              (2, 0.5, 1, "alltoall", 1, 2), (2, None, 1, "alltoall", 1, 2)]  # two levels: 2 simulated nodes of 2 ranks

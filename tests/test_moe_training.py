@@ -38,6 +38,7 @@ def capacity_reference(tmp_path_factory):
     ("parallel.ep=2", "parallel.zero_stage=2"),
     ("parallel.ep=2", "parallel.expert_layout=gather"),
     ("parallel.ep=2", "parallel.expert_chunks=2", "train.micro_batch=2"),
+    ("parallel.ep=2", "parallel.expert_chunks=4"),
     ("parallel.tp=2",),
 ])
 def test_gpt_moe_matches_single_process(moe_reference, tmp_path, plan):
