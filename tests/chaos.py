@@ -10,6 +10,7 @@ Also the helpers the fault tests share: starting a run, finding its workers, its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,18 @@ from tests.common import CACHE
 
 TINY = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval_every=8", "train.eval_batches=1", "train.warmup_steps=2",
         "train.peak_tflops=1", "run.progress=false", f"data.cache_dir={CACHE}"]
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen) -> Iterator[None]:
+    """Whatever happens in the block, no launched job (each in a session of its own) outlives it."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def start(run_dir: Path, *args: str, nproc: str = "2", restarts: int = 3, steps: int = 24, timeout_s: float = 30) -> subprocess.Popen:
@@ -124,16 +138,12 @@ def run_trial(run_dir: Path, kill_step: int, victim_index: int, **kw) -> Trial:
     """Start a run, SIGKILL worker `victim_index` (oldest first) once it has logged step `kill_step`, let it finish."""
     t0 = time.monotonic()
     proc = start(run_dir, **kw)
-    try:
+    with reaped(proc):
         wait_for_step(proc, run_dir, kill_step)
         victims = workers(proc.pid)
         victim = victims[victim_index % len(victims)]
         os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     rows = training_rows(run_dir)
     final = rows[-1]["loss"] if proc.returncode == 0 and rows else None
     return Trial(kill_step, victim_index, proc.returncode, final, time.monotonic() - t0, err.count("restarting the workers"), err)

@@ -22,7 +22,8 @@ import pytest
 
 from behemoth.config import load_config
 from behemoth.launch import free_port
-from tests.chaos import TINY, descendants, is_loopback, listening_addresses, main as chaos_main, start, training_rows, wait_for_step, workers
+from tests.chaos import (TINY, descendants, is_loopback, listening_addresses, main as chaos_main, reaped, start, training_rows,
+                         wait_for_step, workers)
 from tests.common import train_body
 from tests.dist import run_ranks
 
@@ -40,16 +41,13 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path)
         proc = start(tmp_path / "run", steps=40)
     finally:
         os.environ.pop("TMPDIR") if saved is None else os.environ.update(TMPDIR=saved)
-    try:
+    with reaped(proc):
         step = random.randrange(3, 20)  # well before the end: the steps are fast, the kill lands a little later
         wait_for_step(proc, tmp_path / "run", step)
         addresses = listening_addresses([proc.pid, *descendants(proc.pid)])
         victim = random.choice(workers(proc.pid))
         os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     assert "restarting the workers (restart 1 of 3)" in err and "killed by signal SIGKILL" in err
     assert training_rows(tmp_path / "run")[-1]["loss"] == reference, f"killed at step {step}"
@@ -76,16 +74,13 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, layout):
     operation everyone waited in, and the rings are in the run directory."""
     timeout, run_dir = 10, tmp_path / "run"
     proc = start(run_dir, *LAYOUTS[layout], "checkpoint.every=0", restarts=0, steps=100000, timeout_s=timeout)
-    try:
+    with reaped(proc):
         wait_for_step(proc, run_dir, 3)
         victim = random.choice(workers(proc.pid))
         os.kill(victim, signal.SIGSTOP)
         stopped_at = time.monotonic()
         _, err = proc.communicate(timeout=timeout + 60)
         took = time.monotonic() - stopped_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2, err[-3000:]
     line = [l for l in err.splitlines() if l.startswith("behemoth: error: worker rank")][-1]
     assert took <= timeout + 10, (took, line)
@@ -113,15 +108,11 @@ def test_torchrun_two_nodes_survive_losing_one(tmp_path):
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)]
     time.sleep(2)  # the first node hosts the rendezvous store
     nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True))
-    try:
+    with reaped(*nodes):
         wait_for_step(nodes[0], run_dir, 30, timeout=300)
         for pid in [*descendants(nodes[1].pid), nodes[1].pid]:  # torchrun starts its workers in sessions of their own
             os.kill(pid, signal.SIGKILL)
         out, err = nodes[0].communicate(timeout=400)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
     assert nodes[0].returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in rows if r.get("event") == "resume"]
@@ -139,16 +130,13 @@ def test_local_elastic_run_continues_on_fewer_processes(tmp_path):
     continues on one process, resharding the checkpoint, to the end."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, "checkpoint.every=10", nproc="1:2", steps=200)
-    try:
+    with reaped(proc):
         wait_for_step(proc, run_dir, 30, timeout=300)
         agents = [p for p in workers(proc.pid) if p not in descendants_of_any(workers(proc.pid))]
         node = agents[-1]
         for pid in [*descendants(node), node]:
             os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in rows if r.get("event") == "resume"]
