@@ -1,6 +1,6 @@
 """The training step, for every layout: the one owner of what happens between two optimizer steps.
 
-    model = parallelize(build_causal_lm(...), plan, runtime, ...)   # parallel/parallelize.py: no optimizer
+    model = parallelize(build_causal_lm(...), plan, runtime, ...)   # parallelize.py: no optimizer
     engine = Engine(model, cfg.train, tokens_per_step)              # the optimizers, on top of the model's syncs
     engine.train_step(micro_batches, lr)
 
@@ -26,7 +26,7 @@ from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import OffloadPolicy
-from behemoth.parallel.parallelize import ParallelModel, parallelize
+from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.parallel.sync import AdamWSettings
 from behemoth.topology import Runtime
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from behemoth import checkpoint as ckpt_io
+from behemoth.faults import checkpoint as ckpt_io
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
@@ -24,7 +24,7 @@ from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.planner.feasibility import refuse
-from behemoth.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
+from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -212,7 +212,7 @@ def train(cfg: Config, *, resume: Path | None = None, verified: bool = False, la
     world is refused here too, so a job started by torchrun gets the checks `behemoth train` runs before launch.
 
     A worker the elastic agent restarted resumes from the run's newest intact checkpoint, on the plan re-made for the
-    world it finds (`behemoth.recovery`); `launch_id` names the launch (default: torchrun's rendezvous id, or a new
+    world it finds (`behemoth.faults.recovery`); `launch_id` names the launch (default: torchrun's rendezvous id, or a new
     one), `verified`: the launcher has already checked `resume`."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = plan_for_world(cfg, world)

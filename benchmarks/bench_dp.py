@@ -85,7 +85,7 @@ def peer_step(kind: str, cfg: Any, rt: Any):
 
 
 def run(model: str, steps: int, warmup: int) -> list[dict[str, Any]]:
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     cfg = make_config(model)
     rows = []

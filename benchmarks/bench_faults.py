@@ -40,7 +40,7 @@ def stall_rank(cfg_dict: dict[str, Any], folder: str, saves: int) -> dict[str, l
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from behemoth.checkpoint import CheckpointSaver
+    from behemoth.faults.checkpoint import CheckpointSaver
     from behemoth.config import Config
     from behemoth.data import BatchSampler, prepare_corpus
     from behemoth.engine import build_engine
@@ -93,7 +93,7 @@ def checkpoint_gib(model: str) -> float:
 
 def stall_table(models: list[str], saves: int, nproc: int) -> None:
     from behemoth.config import load_config
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     print("\n### Checkpoint stall per save (seconds the training loop waits; median of", saves, "saves)\n")
     print("| model | processes | checkpoint GiB | behemoth sync | behemoth background | ratio | full background write | dcp.save | dcp.async_save |")

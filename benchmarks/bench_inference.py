@@ -107,7 +107,7 @@ def ours_vs_transformers(folder: str, batch: int, prompt_len: int, new: int, rou
 
 
 def generation_table(folder: str, args: argparse.Namespace) -> list[str]:
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     rows = ["| batch | prompt + new tokens | behemoth tok/s | transformers tok/s | ratio | behemoth TTFT ms | transformers TTFT ms | "
             "same tokens |", "|---:|---|---:|---:|---:|---:|---:|---|"]
@@ -150,7 +150,7 @@ def timed_generation(folder: str, batch: int, prompt_len: int, new: int, tp: int
 
 
 def tensor_parallel_table(folder: str, args: argparse.Namespace) -> list[str]:
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     rows = ["| batch | layout | tok/s | vs one process, 1 thread | same tokens |", "|---:|---|---:|---:|---|"]
     for batch in (1, 16):
@@ -226,7 +226,7 @@ def run_ladder_model(width: dict[str, int], layers: int, folder: str | None, new
 
 
 def offload_table(args: argparse.Namespace) -> list[str]:
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     width = OFFLOAD_WIDTH["quick" if args.quick else "full"]
     block, resident = ladder_bytes(width)
@@ -296,7 +296,7 @@ def int8_table(args: argparse.Namespace) -> list[str]:
     """Train a small GPT (so its validation loss means something), then compare float32 and int8 weights."""
     import subprocess
 
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     steps, model = (30, "gpt-tiny") if args.quick else (300, "gpt-1m")
     with tempfile.TemporaryDirectory(prefix="behemoth-bench-int8-") as run:

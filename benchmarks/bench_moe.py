@@ -220,7 +220,7 @@ def run_system(kind: str, args: dict, extra: list[str]) -> dict:
 
 
 def measure(kind: str, nproc: int, args: dict, extra: list[str], label: str) -> dict:
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     ranks = run_ranks(nproc, run_system, kind, args, extra, timeout=3600.0, threads=args["threads"])
     row = {"label": label, "nproc": nproc, "tokens_per_s": args["batch"] * args["seq"] / max(r["step_s"] for r in ranks),

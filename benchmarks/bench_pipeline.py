@@ -123,7 +123,7 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
 
     from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.init import materialize
-    from behemoth.parallel.parallelize import resolve_stage_boundaries
+    from behemoth.parallelize import resolve_stage_boundaries
     from behemoth.parallel.pipeline.partition import cut_model
     from behemoth.topology import init_runtime
 
@@ -233,7 +233,7 @@ def variants(world: int) -> list[tuple[str, str]]:
 
 def run(worlds: list[int], steps: int, warmup: int, rounds: int) -> tuple[list[dict], list[dict]]:
     """Every variant `rounds` times, interleaved, keeping each one's fastest run (the machine is shared)."""
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     bodies = {"behemoth": behemoth_rank, "torch": torch_rank, "deepspeed": deepspeed_rank}
     best: dict[tuple[int, str, str], dict] = {}

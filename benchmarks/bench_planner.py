@@ -86,12 +86,12 @@ def candidate_plans(cfg, world: int, cluster, limit: int, seed: int = 0):
 
 
 def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
-    from behemoth.cli.measure import measure_plan
+    from behemoth.profiler.measure import measure_plan
     from behemoth.config import load_config
     from behemoth.planner.calibrate import local_cluster
     from behemoth.planner.cost import price
     from behemoth.planner.layout import Workload
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     run_dir = tempfile.mkdtemp(prefix="bench-planner-")
     cfg = load_config(None, MODELS[name] + BATCH + ["run.progress=false", "run.timeout_s=120", f"run.dir={run_dir}"])

@@ -253,7 +253,7 @@ def dtensor_plan(model: Any, sp: bool) -> dict[str, Any]:
 def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]]:
     """Each variant `rounds` times, alternating behemoth and DTensor; the best round of each is kept
     (on a shared machine, interference only ever slows a run down)."""
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     rows = []
     for sp in (False, True):

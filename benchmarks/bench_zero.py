@@ -185,7 +185,7 @@ def run_system(name: str, args: dict) -> dict:
 def measure(systems: list[str], args: dict) -> dict[str, dict]:
     """Each system in fresh processes, `rounds` times in turn (every other round in reverse order); keep each
     system's fastest round, and its least CPU time per step over rounds (memory: rank max)."""
-    from behemoth.ranks import run_ranks
+    from behemoth.faults.ranks import run_ranks
 
     best: dict[str, dict] = {}
     for r in range(args["rounds"]):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from behemoth.checkpoint import resolve_checkpoint, validate_checkpoint
+from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.errors import BehemothError
 from behemoth.metrics import read_metrics
 from tests.common import assert_close_runs, tiny_config, train_body
@@ -65,7 +65,7 @@ def test_crash_while_writing_leaves_previous_checkpoint(tmp_path):
 
 
 def _train_crashing_on_second_save(cfg_dict):
-    from behemoth import checkpoint
+    from behemoth.faults import checkpoint
 
     real_save, calls = checkpoint.dcp.save, []
 

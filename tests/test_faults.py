@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from behemoth.config import load_config
-from behemoth.launch import free_port
+from behemoth.faults.launch import free_port
 from tests.chaos import (TINY, descendants, is_loopback, listening_addresses, main as chaos_main, reaped, start, training_rows,
                          wait_for_step, workers)
 from tests.common import train_body

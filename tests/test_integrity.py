@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from behemoth.checkpoint import resolve_checkpoint, validate_checkpoint
+from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.cli import main
 from behemoth.errors import BehemothError
-from behemoth.integrity import file_digest, seal, verify
+from behemoth.faults.integrity import file_digest, seal, verify
 from tests.common import tiny_config, train_body
 from tests.dist import run_ranks
 
@@ -126,7 +126,7 @@ def plant(ckpt: Path, marker: Path) -> None:
 
 
 def test_a_planted_metadata_pickle_is_refused_and_never_runs(run, tmp_path, capsys):
-    from behemoth.checkpoint import export_safetensors
+    from behemoth.faults.checkpoint import export_safetensors
     from behemoth.config import Config
     from behemoth.models.causal_lm import build_causal_lm
 

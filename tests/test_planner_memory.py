@@ -1,5 +1,5 @@
 """Memory predicted by the planner against memory measured on real processes, per rank, within 5%: the peak bytes of
-live tensors during a training step (`cli/measure.LiveBytes`) for a grid of small plans — data parallelism, ZeRO 0-3,
+live tensors during a training step (`profiler/measure.LiveBytes`) for a grid of small plans — data parallelism, ZeRO 0-3,
 tensor and sequence parallelism, a pipeline under each schedule, recomputation — on 1, 2 and 4 processes. The model
 states part must also equal the engine's own count to the byte. The default grid runs in well under a minute; the
 wider one is `pytest -m slow tests/test_planner_memory.py`."""
@@ -40,8 +40,8 @@ SLOW_GRID = {
 
 
 def measure_all(cfgs: list[dict]) -> list[dict]:
-    """Every plan in turn on this rank: its states, activations and peak (cli/measure.py)."""
-    from behemoth.cli.measure import measure_plan
+    """Every plan in turn on this rank: its states, activations and peak (profiler/measure.py)."""
+    from behemoth.profiler.measure import measure_plan
 
     return [measure_plan(cfg, 1, 1) for cfg in cfgs]
 

@@ -30,7 +30,7 @@ PLANS = {  # world: (options, the runtime refuses it)
 
 def run_each(cfgs: list[dict]) -> list[str]:
     """Build each plan's engine and run one step; 'ok' or what the runtime raised."""
-    from behemoth.cli.measure import random_micro_batches
+    from behemoth.profiler.measure import random_micro_batches
     from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from behemoth.checkpoint import resolve_checkpoint
+from behemoth.faults.checkpoint import resolve_checkpoint
 from behemoth.models.gpt import build_gpt
 from behemoth.parallel.chunked import flat_range_boxes
 from behemoth.parallel.zero.layout import FlatLayout

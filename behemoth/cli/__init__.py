@@ -124,10 +124,10 @@ def newest_run(root: Path = Path("runs")) -> Path:
 
 def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
     """The validated config and, with --resume, the checkpoint to start from."""
-    from behemoth.checkpoint import resolve_checkpoint
+    from behemoth.faults.checkpoint import resolve_checkpoint
     from behemoth.config import default_run_dir, load_config
 
-    from behemoth.launch import launched_by_torchrun
+    from behemoth.faults.launch import launched_by_torchrun
 
     if args.resume is None:
         cfg = load_config(args.config, args.overrides)  # under torchrun the workers agree on a run directory themselves
@@ -190,7 +190,7 @@ def elastic_problems(cfg: Any, nproc: tuple[int, int], max_restarts: int) -> lis
     """An elastic range the plan cannot run on at every size, or one that cannot continue because nothing restarts."""
     from behemoth.errors import Problem
     from behemoth.planner.feasibility import problems
-    from behemoth.recovery import plan_for_world
+    from behemoth.faults.recovery import plan_for_world
 
     low, high = nproc
     out = []
@@ -229,7 +229,7 @@ def launch_line(cfg: Any, nproc: int | tuple[int, int]) -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     from behemoth.errors import Refused
-    from behemoth.launch import launch, launched_by_torchrun
+    from behemoth.faults.launch import launch, launched_by_torchrun
     from behemoth.planner.feasibility import launch_problems
     from behemoth.train import train
 
@@ -287,7 +287,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def export_checkpoint(args: argparse.Namespace) -> int:
-    from behemoth.checkpoint import export_safetensors, resolve_checkpoint, validate_checkpoint
+    from behemoth.faults.checkpoint import export_safetensors, resolve_checkpoint, validate_checkpoint
     from behemoth.models.causal_lm import build_causal_lm
     from behemoth.models.gpt import GPTConfig
     from behemoth.models.hf import HFConfig
@@ -297,7 +297,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     saved = validate_checkpoint(ckpt, None, use=use).get("config", {})
     model_cfg, hf_cfg = GPTConfig.model_validate(saved.get("model", {})), HFConfig.model_validate(saved.get("hf", {}))
     if args.hf:
-        from behemoth.checkpoint import export_pretrained
+        from behemoth.faults.checkpoint import export_pretrained
 
         folder = export_pretrained(ckpt, Path(args.hf), build_causal_lm(model_cfg, hf_cfg).module)
         print(f"behemoth: wrote {folder} (transformers save_pretrained layout) from {ckpt}")

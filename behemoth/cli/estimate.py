@@ -113,7 +113,7 @@ def header(cfg: Any, world: int) -> str:
 def measure(cfg: Any, world: int, ests: list[StageEstimate]) -> dict[int, dict[str, int]]:
     """Rank 0's measured bytes per ZeRO stage, from real builds on `world` local processes (stages that fit in RAM;
     without a pipeline: a pipelined step needs the plan's micro-batches, which `plan_table` measures)."""
-    from behemoth.launch import launch
+    from behemoth.faults.launch import launch
 
     room = MEASURE_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     stages = [e.stage for e in ests if e.total * world < room]
@@ -200,8 +200,8 @@ def plan_table(cfg: Any, world: int, measure_it: bool) -> str:
 
 def measure_peaks(cfg: Any, world: int) -> dict[int, dict[str, Any]]:
     """Measured memory of every pipeline rank (its busiest data- and tensor-parallel rank), from real processes."""
-    from behemoth.cli.measure import measure_plan
-    from behemoth.launch import launch
+    from behemoth.profiler.measure import measure_plan
+    from behemoth.faults.launch import launch
 
     room = MEASURE_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if world * estimate(cfg, world=world, stages=(cfg.parallel.zero_stage,))[0].total > room:

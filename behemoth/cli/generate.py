@@ -113,7 +113,7 @@ def check_plan(args: argparse.Namespace, nproc: int) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from behemoth.launch import launch
+    from behemoth.faults.launch import launch
 
     prompts, nproc = prompts_of(args), world_size(args)
     params = sampling_dicts(args, len(prompts))

@@ -81,7 +81,7 @@ def serve_worker(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from behemoth.inference.app import require_serving_stack
-    from behemoth.launch import launch
+    from behemoth.faults.launch import launch
 
     require_serving_stack()
     nproc = world_size(args)

@@ -26,7 +26,7 @@ from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
 from behemoth.inference.server import ServeLimits
 from behemoth.inference.serving import EngineLoop
 from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
-from behemoth.parallel.parallelize import ParallelModel
+from behemoth.parallelize import ParallelModel
 from behemoth.topology import Runtime, init_runtime
 
 

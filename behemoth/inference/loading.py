@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from behemoth.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
+from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
 from behemoth.config import Config, load_config
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError, Refused
 from behemoth.models.causal_lm import build_causal_lm
-from behemoth.parallel.parallelize import ParallelModel, parallelize
+from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.plan import ParallelPlan
 from behemoth.planner.feasibility import problems
 from behemoth.topology import Runtime

@@ -78,7 +78,7 @@ class SourceReader:
         return {n: draw_full(self.lm.init_spec(n), tuple(p.shape), seed, n).to(p.dtype) for n, p in params.items()}
 
     def _from_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        from behemoth.checkpoint import dcp_load  # DCP's index read through the allow-list
+        from behemoth.faults.checkpoint import dcp_load  # DCP's index read through the allow-list
 
         state = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in params.items()}
         with warnings.catch_warnings():

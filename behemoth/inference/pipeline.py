@@ -15,7 +15,7 @@ import torch.distributed as dist
 from behemoth.comm import P2P, Pending, batch_p2p
 from behemoth.inference.kv_cache import StepBatch
 from behemoth.inference.runner import ModelRunner, module_dtype
-from behemoth.parallel.parallelize import ParallelModel
+from behemoth.parallelize import ParallelModel
 
 LOGITS_TAG = 1 << 20
 

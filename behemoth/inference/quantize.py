@@ -27,7 +27,7 @@ from behemoth.parallel.tensor.layers import RowParallelLinear
 
 if TYPE_CHECKING:
     from behemoth.config import Config
-    from behemoth.parallel.parallelize import ParallelModel
+    from behemoth.parallelize import ParallelModel
 
 QUANTIZED = "_behemoth_int8"
 

@@ -256,7 +256,7 @@ def cached_spec_path(nproc: int, cache_dir: str | None = None) -> Path:
 
 def calibrate(nproc: int, *, mode: str = "quick", cache_dir: str | None = None, timeout_s: float = 600.0) -> ClusterSpec:
     """Measure this machine with `nproc` local processes and describe it."""
-    from behemoth.launch import launch
+    from behemoth.faults.launch import launch
 
     folder = str(cache_folder(cache_dir))
     if nproc == 1:

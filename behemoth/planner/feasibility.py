@@ -119,10 +119,10 @@ def as_plan_keys(message: str) -> str:
 
 def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
     """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume (every file
-    verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.preflight`)."""
-    from behemoth.checkpoint import read_meta, validate_checkpoint
+    verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.faults.preflight`)."""
+    from behemoth.faults.checkpoint import read_meta, validate_checkpoint
     from behemoth.data import prepare_corpus
-    from behemoth.preflight import environment_problems
+    from behemoth.faults.preflight import environment_problems
 
     out = problems(cfg, world)
     try:
@@ -154,7 +154,7 @@ def refuse(cfg: Config, world: int, ckpt: Path | None = None, *, launch: bool = 
 
 def describe_plan(cfg: Config, world: int) -> str:
     """`pp=4 (1f1b, 8 micro-batches, blocks [0, 2, 4, 6, 8]) x dp=2 x tp=2` for the launch line."""
-    from behemoth.parallel.parallelize import planned_layer_costs
+    from behemoth.parallelize import planned_layer_costs
     from behemoth.parallel.pipeline.partition import balance_stages
 
     plan, dims = cfg.parallel, cfg.parallel.dims(world)

@@ -13,7 +13,7 @@
   softmax), times the micro-batches the schedule holds at once on that rank (`stash_units`, the closed form of
   `simulate.peak_stash`); a recomputing rank keeps only each block's input.
 - **Working set**: what exists only while a pass runs, as behemoth's runtime allocates it (measured with
-  `cli/measure.LiveBytes`): the loss's gradients over the vocabulary, a block's backward (its MLP's hidden
+  `profiler/measure.LiveBytes`): the loss's gradients over the vocabulary, a block's backward (its MLP's hidden
   gradient, the largest weight gradient before it is added to its buffer, hidden-size gradients), a recomputed
   block, the pipeline's messages (held until the step ends), and under zb-h1 the output gradients its split
   backward keeps for the weight pass.

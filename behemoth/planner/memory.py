@@ -185,7 +185,7 @@ def rank_model(cfg: Any, world: int, pp_rank: int = 0) -> tuple[Any, dict[int, l
     """Pipeline rank `pp_rank`'s part of the config's model under its plan on `world` processes, on the meta device:
     cut to the rank's stages, split by tensor parallelism (one tp rank: all hold equal shapes), and the parameters of
     each stage it holds (None without a pipeline), as `parallelize` lays them out."""
-    from behemoth.parallel.parallelize import resolve_stage_boundaries
+    from behemoth.parallelize import resolve_stage_boundaries
     from behemoth.parallel.pipeline.partition import cut_model
     from behemoth.parallel.pipeline.schedules import build_schedule
     from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel

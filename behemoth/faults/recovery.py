@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from behemoth import checkpoint as ckpt_io
+from behemoth.faults import checkpoint as ckpt_io
 from behemoth.comm import broadcast_object
 from behemoth.config import Config, default_run_dir
 from behemoth.errors import BehemothError
-from behemoth.integrity import verify
+from behemoth.faults.integrity import verify
 from behemoth.topology import Runtime
 
 

@@ -4,7 +4,7 @@
 agents that rendezvous as elastic nodes with a minimum of MIN (`--nproc MIN:MAX`), so that losing one (its agent
 killed, its device gone) leaves the others to continue on fewer processes, exactly as torchrun's `--nnodes MIN:MAX`
 does across machines. With `max_restarts`, a failed worker group is stopped and started again; the workers resume
-from the run's newest intact checkpoint themselves (`behemoth.recovery`).
+from the run's newest intact checkpoint themselves (`behemoth.faults.recovery`).
 
 What differs from `torch.distributed.run` on one machine, and why:
 - both rendezvous stores (the agents' and the workers') listen on 127.0.0.1 only (torch binds every interface),

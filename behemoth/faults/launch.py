@@ -1,4 +1,4 @@
-"""Start N local workers through torch's elastic agent (the API torchrun is built on); see `behemoth.elastic`."""
+"""Start N local workers through torch's elastic agent (the API torchrun is built on); see `behemoth.faults.elastic`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Any, Callable
 
-from behemoth.elastic import ElasticPolicy, describe_failures, launch_local, launch_nodes, quiet_launcher_logs
+from behemoth.faults.elastic import ElasticPolicy, describe_failures, launch_local, launch_nodes, quiet_launcher_logs
 
 __all__ = ["ElasticPolicy", "describe_failures", "free_port", "launch", "launched_by_torchrun", "quiet_launcher_logs", "threads_per_worker"]
 

@@ -3,7 +3,7 @@
     results = run_ranks(4, body, arg1, arg2)   # body(arg1, arg2) runs on ranks 0..3
 
 For tests and benchmarks, which need return values and tracebacks in the calling process (training
-jobs use `behemoth.launch` instead). `body` must be a module-level function (it is sent to the
+jobs use `behemoth.faults.launch` instead). `body` must be a module-level function (it is sent to the
 workers by reference). Each rank has `threads` intra-op threads, a default process group with a
 short timeout, and returns a picklable value. A rank that raises fails the call with its
 traceback; a rank still running at the deadline is killed and the call fails naming it, so a hung

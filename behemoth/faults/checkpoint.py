@@ -9,7 +9,7 @@ Layout of a run directory's `checkpoints/` folder:
 All ranks write into `step_N.partial/` and hash the files they wrote; rank 0 adds meta.json (step, config, world
 size, every file's size and SHA-256, sealed), renames the folder and then swaps `latest`, so a crash at any moment
 leaves the previous checkpoint loadable. Tensors are saved by their names in the single-process model, so a
-checkpoint loads under any number of processes. Nothing is read before `behemoth.integrity.verify` has checked
+checkpoint loads under any number of processes. Nothing is read before `behemoth.faults.integrity.verify` has checked
 every byte, and DCP's pickled index is read through an allow-list (a checkpoint cannot run code).
 
 `CheckpointSaver` writes in the background when asked (checkpoint.async_save): training waits only while the
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from behemoth.comm import barrier, gather_object
 from behemoth.errors import BehemothError
-from behemoth.integrity import (CheckpointDamage, DigestingWriter, SafeFileSystemReader, SafeLoadPlanner, digest_files,
+from behemoth.faults.integrity import (CheckpointDamage, DigestingWriter, SafeFileSystemReader, SafeLoadPlanner, digest_files,
                                 file_digest, read_dcp_metadata, seal, verify)
 from behemoth.models.causal_lm import tied_names
 

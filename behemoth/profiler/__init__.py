@@ -1,0 +1,1 @@
+"""Measurement of real runs: the memory each rank holds and the time of a training step."""
