@@ -31,6 +31,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     if not model:  # a model that cannot be built has no shape to split
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
+        out += offload_expert_problems(cfg, shape)
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)
@@ -95,6 +96,25 @@ def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
         out.append(Problem.of("parallel.sequence_parallel", "parallel.sequence_parallel=true with MoE layers: each tp rank would route a "
                               "different part of the sequence to the experts it shares", "set parallel.sequence_parallel=false"))
     return out
+
+
+def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
+    """Offload of a mixture-of-experts model: the streamer holds dense ZeRO-3 units only (parallelize() would refuse it
+    at run time, after launch)."""
+    experts = sorted({e for e in shape.experts if e})
+    if not cfg.offload.enabled or not experts:
+        return []
+    return [Problem.of("offload", f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}): "
+                       "expert units are not streamed, offload holds dense ZeRO-3 units only",
+                       "keep the model states in memory (offload.params=none, offload.optimizer=none) or train a dense model")]
+
+
+def offload_placement(cfg: Config) -> str:
+    """`offload.params=cpu, offload.optimizer=disk`: the offload options a plan sets, for a refusal's first words."""
+    off = cfg.offload
+    placed = [f"offload.{key}={value}" for key, value in (("params", off.params), ("grads", off.grads), ("optimizer", off.optimizer))
+              if value not in ("none", "auto")]
+    return ", ".join(placed + ([f"offload.optimizer_bits={off.optimizer_bits}"] if off.optimizer_bits != 32 else []))
 
 
 def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:
