@@ -13,6 +13,7 @@ pairs. The README's composition table is generated from `PAIRS`:
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,13 +133,14 @@ def train_plans(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def refusal(a: str, b: str) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def refusal(a: str, b: str) -> tuple[str, ...]:
     """The one-line reasons `problems()` gives for the pair (empty: it may launch)."""
     from behemoth.config import Config
     from behemoth.planner.feasibility import problems
 
     cfg = Config.model_validate(pair_config(a, b, "/tmp/behemoth-composition-never-written"))
-    return [p.message for p in problems(cfg, pair_world(a, b))]
+    return tuple(p.message for p in problems(cfg, pair_world(a, b)))
 
 
 def pairs_expected(outcome: str) -> list[tuple[str, str]]:
@@ -169,7 +171,7 @@ def test_refused_pairs_are_refused_before_launch_naming_both(a, b):
 
 @pytest.mark.parametrize("a,b", pairs_expected(TRAINS), ids=[f"{a}-{b}" for a, b in pairs_expected(TRAINS)])
 def test_training_pairs_pass_the_feasibility_check(a, b):
-    assert refusal(a, b) == [], f"{a} x {b}"
+    assert refusal(a, b) == (), f"{a} x {b}"
 
 
 def run_pairs(world: int, pairs: list[tuple[str, str]], tmp: Path) -> list[dict[str, Any]]:
@@ -215,29 +217,24 @@ def test_pairs_train_the_single_process_curve(references, world, tmp_path):
 
 def matrix_table() -> str:
     """The README's table: rows and columns are the settings; a cell says whether the pair trains (✓) or why it is
-    refused (a letter: the reasons follow the table); `·` marks alternatives of one option."""
+    refused (a letter: each reason follows the table, as the first pair refused for it states it); `·` marks
+    alternatives of one option."""
     names, outcome = list(SETTINGS), {}
     for a, b, want in PAIRS:
         outcome[(a, b)] = outcome[(b, a)] = want
-    reasons: dict[str, str] = {}
+    reasons: dict[Any, str] = {}
     for a, b, want in PAIRS:
-        if want != TRAINS:
-            line = refusal(a, b)
-            reasons.setdefault(next(m for m in line if all(w in m for w in want)).split(";")[0], "")
-    letters = {why: "abcdefghijklmnopqrstuvwxyz"[i] for i, why in enumerate(reasons)}
+        if want != TRAINS and want not in reasons:
+            reasons[want] = next(m for m in refusal(a, b) if all(w in m for w in want)).split("; ")[0]
+    letters = {want: "abcdefghijklmnopqrstuvwxyz"[i] for i, want in enumerate(reasons)}
 
     def cell(a: str, b: str) -> str:
-        if a == b or (a, b) not in outcome:
-            return "·"
-        if outcome[(a, b)] == TRAINS:
-            return "✓"
-        why = next(m for m in refusal(a, b) if all(w in m for w in outcome[(a, b)])).split(";")[0]
-        return letters[why]
+        want = outcome.get((a, b))
+        return "·" if want is None else "✓" if want == TRAINS else letters[want]
 
     rows = ["| | " + " | ".join(SETTINGS[n].label for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     rows += [f"| **{SETTINGS[a].label}** | " + " | ".join(cell(a, b) for b in names) + " |" for a in names]
-    rows += ["", *[f"- {letter}: {why}" for why, letter in letters.items()]]
-    return "\n".join(rows)
+    return "\n".join([*rows, "", *[f"- {letters[want]}: {why}" for want, why in reasons.items()]])
 
 
 def readme_table() -> str:
