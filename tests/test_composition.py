@@ -133,7 +133,7 @@ def train_plans(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def refusal(a: str, b: str) -> tuple[str, ...]:
     """The one-line reasons `problems()` gives for the pair (empty: it may launch)."""
     from behemoth.config import Config
@@ -159,7 +159,7 @@ def test_the_list_holds_every_pair_once():
 @pytest.mark.parametrize("a,b", pairs_expected("refused"), ids=[f"{a}-{b}" for a, b in pairs_expected("refused")])
 def test_refused_pairs_are_refused_before_launch_naming_both(a, b):
     """problems() refuses the pair in one line that names both settings and states the listed reason."""
-    words = dict(((x, y), w) for x, y, w in PAIRS)[(a, b)]
+    words = {(x, y): w for x, y, w in PAIRS}[(a, b)]
     found = refusal(a, b)
     matching = [m for m in found if all(w in m for w in words)]
     assert matching, f"{a} x {b}: expected a refusal saying {words}, got {found}"
