@@ -104,6 +104,18 @@ def reference_config(moe: bool, run_dir: Path | str) -> dict[str, Any]:
 def train_plans(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Train every config in turn in this one set of processes (a mesh each): per config, the losses and, on rank 0, the
     final weights as one process would hold them (the last checkpoint, consolidated)."""
+    out = []
+    for cfg_dict in cfgs:
+        try:
+            out.append(train_plan(cfg_dict))
+        except BaseException as err:
+            err.add_note(f"while training {cfg_dict['run']['dir']}")  # the pair the failure belongs to
+            raise
+    return out
+
+
+def train_plan(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """`train.steps` steps of the Trainer, then its checkpoint consolidated: the loop without validation or plotting."""
     import torch.distributed as dist
 
     from behemoth.config import Config
@@ -113,24 +125,21 @@ def train_plans(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from behemoth.train import Trainer
     from tests.common import full_weights
 
-    out = []
-    for cfg_dict in cfgs:
-        cfg = Config.model_validate(cfg_dict)
-        trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
-        try:
-            losses = [trainer.train_one(step, 1.0)["loss"] for step in range(cfg.train.steps)]
-            trainer.save(cfg.train.steps)
-            trainer.saver.wait()
-            weights = None
-            if dist.get_rank() == 0:
-                ckpt_io.export_safetensors(ckpt_io.resolve_checkpoint(trainer.run_dir), trainer.run_dir / "model.safetensors",
-                                           build_causal_lm(cfg.model, cfg.hf).module)
-                weights = full_weights(trainer)
-            dist.barrier()
-        finally:
-            trainer.engine.close()
-        out.append({"losses": losses, "weights": weights})
-    return out
+    cfg = Config.model_validate(cfg_dict)
+    trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
+    try:
+        losses = [trainer.train_one(step, 1.0)["loss"] for step in range(cfg.train.steps)]
+        trainer.save(cfg.train.steps)
+        trainer.saver.wait()
+        weights = None
+        if dist.get_rank() == 0:
+            ckpt_io.export_safetensors(ckpt_io.resolve_checkpoint(trainer.run_dir), trainer.run_dir / "model.safetensors",
+                                       build_causal_lm(cfg.model, cfg.hf).module)
+            weights = full_weights(trainer)
+        dist.barrier()
+    finally:
+        trainer.engine.close()
+    return {"losses": losses, "weights": weights}
 
 
 @functools.cache
@@ -175,8 +184,12 @@ def test_training_pairs_pass_the_feasibility_check(a, b):
 
 
 def run_pairs(world: int, pairs: list[tuple[str, str]], tmp: Path) -> list[dict[str, Any]]:
+    """Every pair trained in one set of `world` processes; rank 0's results, once every rank agreed on each loss."""
     cfgs = [pair_config(a, b, tmp / f"{a}-{b}") for a, b in pairs]
-    return run_ranks(world, train_plans, cfgs, timeout=60 + 30 * len(cfgs))[0]
+    ranks = run_ranks(world, train_plans, cfgs, timeout=60 + 30 * len(cfgs))
+    for i, (a, b) in enumerate(pairs):
+        assert all(r[i]["losses"] == ranks[0][i]["losses"] for r in ranks), f"{a} x {b}: ranks disagree on the loss"
+    return ranks[0]
 
 
 @pytest.fixture(scope="module")
