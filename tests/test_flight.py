@@ -119,8 +119,8 @@ def test_diagnose_names_a_peer_that_went_away_and_one_that_never_started():
     line = hang_line(recv, gone, waited=0.4, limit_s=300, timed_out=False,
                      err=RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
     assert line == f"recv #3 from rank 1 on group pp (ranks 0,1) failed after 0.4 s (Connection closed by peer): {gone[0]}"
-    never = diagnose(_op("barrier", "world", [0, 1, 2], 1, NOW - 9), {2: _snap(2, 0.1, {"world:0,1,2": 1})}, me=0, now=NOW,
-                     stale_s=STALE_S)
+    never = diagnose(_op("barrier", "world", [0, 1, 2], 1, NOW - 9), {1: None, 2: _snap(2, 0.1, {"world:0,1,2": 1})}, me=0,
+                     now=NOW, stale_s=STALE_S)
     assert never == ["rank 1 never published a heartbeat (it may not have started)"]
 
 

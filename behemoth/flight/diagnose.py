@@ -30,8 +30,8 @@ class _Walk:
 def diagnose(rec: OpRecord, published: Mapping[int, Snapshot | None], *, me: int, now: float, stale_s: float,
              timed_out: bool = True) -> list[str]:
     """One clause per rank that `rec` (issued by rank `me`) waits for and that has not completed it, following busy
-    ranks' own waits; `published[r]` is rank r's last snapshot (None: it never published one), `stale_s` the age
-    after which a heartbeat counts as stopped. Empty: every rank had arrived."""
+    ranks' own waits. `published[r]`: rank r's last snapshot, None if it never published one (asked for every rank
+    `rec` or a chain awaits); `stale_s`: the age after which a heartbeat counts as stopped. Empty: every rank arrived."""
     return _blame(rec.key, rec.seq, rec.awaited, _Walk(published, me, now, stale_s), depth=0, timed_out=timed_out)
 
 
@@ -41,7 +41,7 @@ def _blame(key: str, seq: int, ranks: list[int], walk: _Walk, depth: int, timed_
         if r == walk.me or (r in walk.seen and depth > 0):
             continue
         walk.seen.add(r)
-        snap = walk.published.get(r)
+        snap = walk.published[r]
         if snap is None:
             out.append(f"rank {r} never published a heartbeat (it may not have started)")
             continue

@@ -11,7 +11,7 @@ import datetime
 import json
 import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch.distributed as dist
 
@@ -23,6 +23,7 @@ MAX_FAILED_BEATS = 5  # consecutive failed publishes after which the store is ta
 def heartbeat_store(timeout_s: float) -> Any:
     """A store client of this job's own for the heartbeats (the launcher's store when there is one), under a prefix
     unique to this attempt of the run."""
+    base: Any
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                              timeout=datetime.timedelta(seconds=max(5.0, timeout_s)))
@@ -88,7 +89,7 @@ class Heartbeat:
         """A peer's last heartbeat, if it published one."""
         try:
             if self.store is not None and self.store.check([str(rank)]):
-                return json.loads(self.store.get(str(rank)))
+                return cast(Snapshot, json.loads(self.store.get(str(rank))))
         except Exception:
             return None
         return None

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,22 +30,16 @@ class HangError(BehemothError):
         super().__init__(f"rank {rank}: {diagnosis}", fix)
 
 
-class PeerSnapshots(Mapping[int, "Snapshot | None"]):
+class PeerSnapshots(dict[int, "Snapshot | None"]):
     """The peers' published snapshots, each read from the store the first time a diagnosis asks for it (and kept)."""
 
     def __init__(self, heartbeat: Heartbeat | None) -> None:
-        self.heartbeat, self.read = heartbeat, {}
+        super().__init__()
+        self.heartbeat = heartbeat
 
-    def __getitem__(self, rank: int) -> Snapshot | None:
-        if rank not in self.read:
-            self.read[rank] = self.heartbeat.published(rank) if self.heartbeat is not None else None
-        return self.read[rank]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.read)
-
-    def __len__(self) -> int:
-        return len(self.read)
+    def __missing__(self, rank: int) -> Snapshot | None:
+        snap = self[rank] = self.heartbeat.published(rank) if self.heartbeat is not None else None
+        return snap
 
 
 class FlightRecorder:
@@ -121,7 +115,7 @@ class FlightRecorder:
         peers = PeerSnapshots(self.heartbeat)
         stale_s = self.heartbeat.stale_s if self.heartbeat is not None else float("inf")
         culprits = diagnose(rec, peers, me=self.rank, now=now, stale_s=stale_s, timed_out=timed_out)
-        folder = self.write_rings(peers.read)
+        folder = self.write_rings(peers)
         where = f"; rings in {folder}" if folder else ""
         line = hang_line(rec, culprits, waited=waited, limit_s=limit, timed_out=timed_out, err=err)
         return HangError(self.rank, line + where, HANG_FIX, timed_out=timed_out)

@@ -21,7 +21,7 @@ DTensor cannot say "three pieces per rank" (a `_StridedShard` is written by DCP 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -67,7 +67,7 @@ class ChunkedTensor(torch.Tensor):
     _chunks: list[tuple[torch.Size, torch.Tensor]]
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
+    def __new__(cls, shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r._chunks = [(torch.Size(offsets), t) for offsets, t in chunks]
         return r
