@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from behemoth.comm import all_reduce
 from behemoth.errors import BehemothError
 
 MESH_DIMS = ("pp", "dp", "ep", "tp")
@@ -74,10 +75,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def global_rank(self, job_rank: int) -> int:
-        """The default group's rank of this job's rank `job_rank` (for messages and DCP's coordinator)."""
-        return dist.get_global_rank(self.world_group, job_rank)
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The process group of one mesh dimension (`pp`, `dp`, `ep` or `tp`)."""
@@ -139,7 +136,7 @@ def init_runtime(*, timeout_s: float = 300.0, models: int = 1, **degrees: int) -
         mesh = full[MESH_DIMS]
         groups = [dist.new_group(ranks) for ranks in full.mesh.reshape(models, -1).tolist()]  # every rank creates every group
         group = groups[dist.get_rank() // dims.world_size]
-        dist.all_reduce(torch.zeros(1, device=device), group=group)  # its communicator, as warm_up_groups does for the mesh
+        all_reduce(torch.zeros(1, device=device), group)  # its communicator, as warm_up_groups does for the mesh
     warm_up_groups(mesh, device)
     return Runtime(dist.get_rank(group), dims.world_size, int(os.environ.get("LOCAL_RANK", 0)), device, dims, mesh, group, owns)
 
@@ -167,7 +164,7 @@ def warm_up_groups(mesh: DeviceMesh, device: torch.device) -> None:
     """
     for dim in mesh.mesh_dim_names or ():
         if mesh.size(mesh.mesh_dim_names.index(dim)) > 1:
-            dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group(dim))
+            all_reduce(torch.zeros(1, device=device), mesh.get_group(dim))
 
 
 def resolve_dims(world_size: int, *, pp: int = 1, ep: int = 1, tp: int = 1, dp: int | None = None) -> ParallelDims:

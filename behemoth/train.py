@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from behemoth.faults import checkpoint as ckpt_io
+from behemoth.comm import barrier
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
@@ -184,13 +184,13 @@ class Trainer:
                    "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
                    "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s)}
         if log is None:
-            dist.barrier(group=self.rt.world_group)
+            barrier(self.rt.world_group)
             return summary
         log.close()
         plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
         ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
-        dist.barrier(group=self.rt.world_group)
+        barrier(self.rt.world_group)
         return summary
 
 

@@ -32,18 +32,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from behemoth.faults.launch import free_port  # noqa: E402
 from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
 from ratios import write_rows  # noqa: E402
 
 LEVELS = (1, 8, 32, 128)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(folder: str, batching: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

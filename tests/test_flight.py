@@ -61,3 +61,73 @@ def test_a_hang_names_the_rank_at_the_end_of_the_chain(tmp_path):
     assert set(rings) == {"rank_0.json", "rank_1.json", "rank_2.json"}
     ops = [(r["op"], r["group"], r["seq"], r["end"] is None) for r in rings["rank_0.json"]["ring"]]
     assert ops[-2:] == [("all_reduce", "left", 1, False), ("all_reduce", "left", 2, True)], ops
+
+
+# `diagnose` alone: a pure function of the peers' published snapshots (no processes)
+
+NOW, STALE_S = 1000.0, 4.0
+LEFT, RIGHT = "left:0,1", "right:1,2"
+
+
+def _op(op: str, group: str, ranks: list[int], seq: int, start: float, *, peer: int | None = None, key: str | None = None):
+    from behemoth.flight import OpRecord
+
+    return OpRecord(op, group, ranks, key or f"{group}:{','.join(map(str, ranks))}", seq, start, peer)
+
+
+def _snap(rank: int, age: float, counters: dict[str, int], waiting: list | None = None) -> dict:
+    from dataclasses import asdict
+
+    return {"rank": rank, "pid": 100 + rank, "host": "h", "t": NOW - age, "counters": counters,
+            "ring": [asdict(r) for r in waiting or []]}
+
+
+def test_diagnose_names_a_stopped_peer_and_one_that_stopped_inside_the_op():
+    from behemoth.flight import diagnose
+
+    rec = _op("all_reduce", "left", [0, 1], 2, NOW - 30)
+    stopped = diagnose(rec, {1: _snap(1, 12.0, {LEFT: 1})}, me=0, now=NOW, stale_s=STALE_S)
+    assert stopped == ["rank 1 never arrived (its last op there: #1; no heartbeat for 12 s: stopped, hung or dead)"]
+    hung = diagnose(rec, {1: _snap(1, 9.0, {LEFT: 2})}, me=0, now=NOW, stale_s=STALE_S)
+    assert hung == ["rank 1 arrived but stopped inside it (its last op there: #2; no heartbeat for 9 s: stopped, hung or dead)"]
+
+
+def test_diagnose_follows_a_chain_of_waits_to_its_end():
+    from behemoth.flight import diagnose, hang_line
+
+    rec = _op("all_reduce", "left", [0, 1], 2, NOW - 3.2)
+    waits_right = _op("all_reduce", "right", [1, 2], 2, NOW - 5)
+    published = {1: _snap(1, 0.5, {LEFT: 1, RIGHT: 2}, [waits_right]), 2: _snap(2, 7.0, {RIGHT: 1})}
+    culprits = diagnose(rec, published, me=0, now=NOW, stale_s=STALE_S)
+    assert culprits == ["rank 1 never arrived: it waits in all_reduce #2 on group right (ranks 1,2), where rank 2 never "
+                        "arrived (its last op there: #1; no heartbeat for 7 s: stopped, hung or dead)"]
+    line = hang_line(rec, culprits, waited=3.2, limit_s=3, timed_out=True, err=None)
+    assert line == "all_reduce #2 on group left (ranks 0,1) waited 3.2 s (run.timeout_s=3): " + culprits[0]
+    # a chain that loops back (rank 2 waits for rank 1) stops at the rank already named
+    loop = {1: published[1], 2: _snap(2, 0.5, {RIGHT: 1}, [_op("all_reduce", "right", [1, 2], 1, NOW - 4)])}
+    assert diagnose(rec, loop, me=0, now=NOW, stale_s=STALE_S) == [
+        "rank 1 never arrived: it waits in all_reduce #2 on group right (ranks 1,2), where rank 2 never arrived: it waits "
+        "in all_reduce #1 on group right (ranks 1,2)"]
+
+
+def test_diagnose_names_a_peer_that_went_away_and_one_that_never_started():
+    from behemoth.flight import diagnose, hang_line
+
+    recv = _op("recv", "pp", [0, 1], 3, NOW - 0.4, peer=1, key="pp:0,1:1->0")
+    gone = diagnose(recv, {1: _snap(1, 0.5, {"pp:0,1:1->0": 2})}, me=0, now=NOW, stale_s=STALE_S, timed_out=False)
+    assert gone == ["rank 1 had not arrived (its last op there: #2; it failed or died, see its line)"]
+    line = hang_line(recv, gone, waited=0.4, limit_s=300, timed_out=False,
+                     err=RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    assert line == f"recv #3 from rank 1 on group pp (ranks 0,1) failed after 0.4 s (Connection closed by peer): {gone[0]}"
+    never = diagnose(_op("barrier", "world", [0, 1, 2], 1, NOW - 9), {1: None, 2: _snap(2, 0.1, {"world:0,1,2": 1})}, me=0,
+                     now=NOW, stale_s=STALE_S)
+    assert never == ["rank 1 never published a heartbeat (it may not have started)"]
+
+
+def test_diagnose_finds_nobody_when_every_rank_arrived():
+    from behemoth.flight import diagnose, hang_line
+
+    rec = _op("all_gather", "dp", [0, 1], 5, NOW - 6)
+    assert diagnose(rec, {1: _snap(1, 0.2, {"dp:0,1": 5})}, me=0, now=NOW, stale_s=STALE_S) == []
+    assert hang_line(rec, [], waited=6, limit_s=5, timed_out=True, err=None).endswith(
+        ": every rank of the group had arrived; the transfer itself stalled")

@@ -200,7 +200,7 @@ def test_cost_model_prices_each_chunk_at_the_measured_latency():
     """Pipelining the all-to-all pays off when communication and compute are comparable and a collective is cheap to
     start, and not when each extra all-to-all costs more than the overlap it buys (CPU gloo: chunks lose)."""
     from behemoth.models.moe import MoELayerCost
-    from behemoth.parallel.expert.adapt import CANDIDATES, Rates, predicted_seconds
+    from behemoth.parallel.expert.adapt import CANDIDATES, LayoutRates, predicted_seconds
 
     cost = MoELayerCost(block=0, experts=8, top_k=2, d_model=1024, ffn=4096, gated=False)
     tokens = [[4096] * 8]  # balanced: 32k assignments in the step
@@ -208,11 +208,11 @@ def test_cost_model_prices_each_chunk_at_the_measured_latency():
     comm_bytes = 4 * 4096 * 8 / 2 * (1 / 2) * 1024 * 4  # what one rank sends in the four all-to-alls
 
     def best(latency_s: float) -> tuple[str, int]:
-        rates = Rates(bytes_per_s=comm_bytes, flops_per_s=flops, latency_s=latency_s)  # both take one second
+        rates = LayoutRates(bytes_per_s=comm_bytes, flops_per_s=flops, latency_s=latency_s)  # both take one second
         return min(CANDIDATES, key=lambda c: predicted_seconds(c, [cost], tokens, ep=2, data_ranks=2, element_bytes=4, rates=rates))
 
     assert best(1e-5) == ("alltoall", 4)
     assert best(0.2) == ("alltoall", 1)  # two chunks would save 0.5 s and cost 4 x 0.2 s more
-    rates = Rates(bytes_per_s=comm_bytes, flops_per_s=flops, latency_s=0.0)
+    rates = LayoutRates(bytes_per_s=comm_bytes, flops_per_s=flops, latency_s=0.0)
     one = predicted_seconds(("alltoall", 1), [cost], tokens, ep=2, data_ranks=2, element_bytes=4, rates=rates)
     assert one == pytest.approx(1.0 + 1.0)  # no overlap without chunks

@@ -10,6 +10,7 @@ import argparse
 import os
 from typing import Any
 
+from behemoth.cli import default_nproc
 from behemoth.errors import BehemothError, exit_code
 from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 from behemoth.parallel.zero import comm_volume
@@ -69,12 +70,6 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def _bf16(args: argparse.Namespace) -> bool:
     return any(o.replace(" ", "") == "parallel.param_dtype=bf16" for o in args.overrides)
-
-
-def default_nproc() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def device_memory(nproc: int) -> float:

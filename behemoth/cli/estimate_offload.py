@@ -7,7 +7,8 @@ from typing import Any
 
 from behemoth.errors import BehemothError, Problem, Refused
 from behemoth.offload import scratch
-from behemoth.planner.offload import OffloadEstimate, Rates, offload_estimate, offload_problems
+from behemoth.offload.calibrate import Rates
+from behemoth.planner.offload import OffloadEstimate, offload_estimate, offload_problems
 
 GiB = 2**30
 ORDERS_SHOWN = ((1, 4, 16), ("harmony", "naive"))
@@ -89,8 +90,7 @@ def run_offload_estimate(cfg: Any, nproc: int, *, calibrate: bool) -> int:
     if calibrate:
         root = scratch.default_scratch(cfg.offload.dir, cfg.run.dir)
         mb = cfg.batch_layout(dp).micro_batch * cfg.seq_len
-        c = measure(root, torch.device(device_type), matmul=(mb, cfg.model.d_model, 4 * cfg.model.d_model))
-        rates = Rates(c.disk_read, c.disk_write, c.host_copy, c.compute)
+        rates = measure(root, torch.device(device_type), matmul=(mb, cfg.model.d_model, 4 * cfg.model.d_model))
     try:
         print(offload_report(cfg, dp, nproc, rates, device_type))
     except BehemothError as err:

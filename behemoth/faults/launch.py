@@ -12,6 +12,7 @@ __all__ = ["ElasticPolicy", "describe_failures", "free_port", "launch", "launche
 
 
 def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now (a rendezvous store's, a test server's)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

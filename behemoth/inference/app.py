@@ -6,12 +6,12 @@ objects; `serving.py` runs the engine. `ServerThread` runs the whole server insi
 """
 
 
-import socket
 import threading
 import time
 from typing import Any
 
 from behemoth.errors import BehemothError
+from behemoth.faults.launch import free_port
 from behemoth.inference.server import ApiError, Completion, ServeLimits, chunk, collect, parse_request, prompt_tokens, stream
 from behemoth.inference.serving import EngineLoop
 from behemoth.inference.text import Tokenizer
@@ -94,12 +94,6 @@ async def read_body(request: Any, limit: int) -> bytes:
         if len(body) > limit:
             break
     return bytes(body)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def uvicorn_server(app: Any, host: str, port: int) -> Any:

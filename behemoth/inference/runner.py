@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import all_gather
+from behemoth.comm import all_gather, broadcast_object
 from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
 from behemoth.models.causal_lm import CausalLM
 from behemoth.models.decoding import decode_view_of
@@ -112,7 +112,7 @@ class DistributedRunner:
         self.vocab_size = local.vocab_size
 
     def _send(self, message: object) -> None:
-        dist.broadcast_object_list([message], group=self.group, group_src=0)
+        broadcast_object(lambda: message, self.group, is_source=True)
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         self._send(batch)
@@ -130,9 +130,7 @@ def follow(local: Runner, group: dist.ProcessGroup) -> int:
     """On every other rank: run each step job rank 0 sends until it says stop; how many steps ran."""
     steps = 0
     while True:
-        box: list[object] = [None]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        message = box[0]
+        message = broadcast_object(lambda: None, group, is_source=False)
         if isinstance(message, str) and message == STOP:
             return steps
         if isinstance(message, StepBatch):

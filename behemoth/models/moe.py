@@ -255,7 +255,7 @@ class StackedExperts(nn.Module):
 
 @dataclass(frozen=True)
 class MoELayerCost:
-    """What one MoE layer costs, for the planner: per-token FLOPs (forward), parameter counts, dispatch bytes."""
+    """One MoE layer's shape, for the expert-layout cost model (parallel/expert/adapt.py): experts, top-k, widths."""
 
     block: int
     experts: int
@@ -268,21 +268,6 @@ class MoELayerCost:
     def expert_params(self) -> int:
         """Parameters of one expert."""
         return (3 if self.gated else 2) * self.d_model * self.ffn
-
-    @property
-    def router_flops(self) -> float:
-        return 2.0 * self.d_model * self.experts
-
-    @property
-    def expert_flops(self) -> float:
-        """Forward FLOPs of the k experts one token visits."""
-        return 2.0 * self.top_k * self.expert_params
-
-    def all_to_all_bytes(self, tokens: int, element_bytes: int, ep: int, capacity_factor: float | None = None) -> float:
-        """Bytes one rank sends in a training step's four all-to-alls (dispatch and combine, forward and backward) for
-        `tokens` of its tokens, if routing is even: rows to the other ep - 1 ranks (capacity slots when set)."""
-        rows = tokens * self.top_k * (capacity_factor or 1.0)
-        return 4 * rows * (ep - 1) / ep * self.d_model * element_bytes
 
 
 def moe_layer_costs(shape: Any) -> list[MoELayerCost]:

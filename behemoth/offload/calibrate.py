@@ -22,14 +22,15 @@ CHUNK = 16 * 2**20
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """Measured rates, bytes/s and FLOP/s, and how long measuring took."""
+class Rates:
+    """The rates a streamed step depends on: disk read and write, host-tier copies (bytes/s), compute (FLOP/s); and how
+    long measuring them took (0 for rates given rather than measured)."""
 
     disk_read: float
     disk_write: float
     host_copy: float
     compute: float
-    seconds: float
+    seconds: float = 0.0
 
 
 def measure_disk(folder: Path, nbytes: int) -> tuple[float, float]:
@@ -90,11 +91,11 @@ def measure_matmul(device: torch.device, shape: tuple[int, int, int], seconds: f
     return 2 * m * k * n / best
 
 
-def calibrate(folder: Path, device: torch.device, *, disk_bytes: int = 256 * 2**20, matmul: tuple[int, int, int] | None = None) -> Calibration:
+def calibrate(folder: Path, device: torch.device, *, disk_bytes: int = 256 * 2**20, matmul: tuple[int, int, int] | None = None) -> Rates:
     """Every rate, measured now (a second or two on a disk of 0.5 GB/s). `matmul`: the (tokens, width, output width) of
     the model's largest product; without it, torch's square 1024 product."""
     t0 = time.perf_counter()
     read, write = measure_disk(folder, disk_bytes)
     host = measure_host_copy(device)
     compute = measure_matmul(device, matmul) if matmul else measure_peak_tflops(device) * 1e12
-    return Calibration(read, write, host, compute, time.perf_counter() - t0)
+    return Rates(read, write, host, compute, time.perf_counter() - t0)

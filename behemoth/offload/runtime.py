@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import CommMeter, all_reduce, broadcast_object
+from behemoth.comm import CommMeter, all_reduce, barrier, broadcast_object
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
@@ -366,8 +366,7 @@ class OffloadSync(GradSync):
             for tier in self.tiers.all().values():
                 tier.close()
             if self.policy.uses_disk:
-                if self.rt.world_size > 1:
-                    dist.barrier(group=self.rt.world_group)
+                barrier(self.rt.world_group)
                 if self.rt.rank == 0:
                     scratch.release(self.root)
 

@@ -1,7 +1,7 @@
 """A tensor of which this rank holds some chunks, as DCP-readable and -writable N-D boxes.
 
 Used wherever a rank's part of a parameter is not a DTensor `Shard(dim)` block: tensor parallelism's
-fused [q|k|v] pieces and padded vocabularies (behemoth.parallel.tensor.checkpoint), and ZeRO's flat
+fused [q|k|v] pieces and padded vocabularies, expert shards (`checkpoint_views`, below), and ZeRO's flat
 ranges. ZeRO shards a parameter (or its Adam moments) by a contiguous range of its flattened elements,
 which is generally not a DTensor `Shard(dim)` block. `ChunkedTensor` describes such a range as the
 few N-D boxes DCP understands (`flat_range_boxes`), each a view of the rank's own storage,
@@ -9,12 +9,20 @@ so `dcp.save` writes straight from the shard and `dcp.load` writes straight into
 checkpoint keyed by single-process names reshards to any other layout, stage or process count.
 It implements DCP's checkpointable protocol (the three dunder methods DTensor also implements);
 it is a description for checkpointing only and supports no other tensor operation.
+
+`checkpoint_views` gives tensor and expert parallelism one way to save a split parameter under its
+single-process name and full shape: each layout says which boxes of the full tensor a rank holds
+(`ShardedLayout.boxes`: a fused [q|k|v] weight has three, padding rows none; an expert shard one per
+packed segment), and each rank writes its pieces at their offsets, whole or as ZeRO's chunks of them,
+so DCP reshards on load into another tp or ep degree, or into one process for `behemoth export`.
+DTensor cannot say "three pieces per rank" (a `_StridedShard` is written by DCP as one box).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -59,7 +67,7 @@ class ChunkedTensor(torch.Tensor):
     _chunks: list[tuple[torch.Size, torch.Tensor]]
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
+    def __new__(cls, shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r._chunks = [(torch.Size(offsets), t) for offsets, t in chunks]
         return r
@@ -99,3 +107,66 @@ def chunked(flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]) -
         chunks.append((offsets, flat[pos:pos + n].view(sizes)))
         pos += n
     return ChunkedTensor(shape, chunks, dtype=flat.dtype, device=flat.device)
+
+
+Chunk = tuple[torch.Size, torch.Tensor]  # offsets in the full (or local) tensor, a view of this rank's storage
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (offsets in the full tensor, offsets in the local one, sizes)
+
+
+class ShardedLayout(Protocol):
+    """This rank's part of a full tensor as boxes of it (`ShardLayout` for tp, `ExpertShard` for ep)."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+    def boxes(self) -> list[Box]: ...
+
+
+def narrow_box(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """The view of `t` at `offsets` of `sizes`."""
+    for dim, (o, s) in enumerate(zip(offsets, sizes)):
+        t = t.narrow(dim, o, s)
+    return t
+
+
+def local_chunks(tensor: torch.Tensor) -> list[Chunk]:
+    """A rank-local tensor as chunks in local coordinates: itself, or the chunks ZeRO already made of it."""
+    chunks = getattr(tensor, "_chunks", None)
+    if chunks is not None:
+        return [(torch.Size(o), t) for o, t in chunks]
+    return [(torch.Size([0] * tensor.dim()), tensor)]
+
+
+def full_chunks(chunks: list[Chunk], layout: ShardedLayout) -> list[Chunk]:
+    """Chunks of the local tensor (local offsets) as chunks of the full tensor: each cut at the layout's box edges."""
+    out = []
+    for c_off, t in chunks:
+        for f_off, l_off, size in layout.boxes():
+            lo = [max(c, l) for c, l in zip(c_off, l_off)]
+            hi = [min(c + n, l + s) for c, n, l, s in zip(c_off, t.shape, l_off, size)]
+            if all(a < b for a, b in zip(lo, hi)):
+                piece = narrow_box(t, tuple(a - c for a, c in zip(lo, c_off)), tuple(b - a for a, b in zip(lo, hi)))
+                out.append((torch.Size(f + (a - l) for f, a, l in zip(f_off, lo, l_off)), piece))
+    return out
+
+
+def sharded_view(tensor: Any, layout: ShardedLayout | None) -> Any:
+    """`tensor` as DCP should see it: a full-shape view if it is this rank's part (or ZeRO's chunks of it)."""
+    if layout is None or not torch.is_tensor(tensor) or tuple(tensor.shape) != layout.local_shape:
+        return tensor
+    return ChunkedTensor(layout.full_shape, full_chunks(local_chunks(tensor), layout), dtype=tensor.dtype, device=tensor.device)
+
+
+def checkpoint_views(state: dict[str, Any], layouts: Mapping[str, ShardedLayout]) -> dict[str, Any]:
+    """Engine state (`{"model": {name: t}, "optim": {name: {key: t}}}`) with the tensors of the parameters `layouts`
+    names as full-shape views; everything else as it is."""
+    def wrap(name: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: wrap(name, v) for k, v in value.items()}
+        return sharded_view(value, layouts.get(name))
+
+    return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part
+            for section, part in state.items()}

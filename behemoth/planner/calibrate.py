@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import all_gather, reduce_scatter
+from behemoth.comm import P2P, all_gather, all_reduce, all_to_all, barrier, batch_p2p, reduce_scatter
+from behemoth.offload.calibrate import measure_disk
 from behemoth.planner.cluster import COLLECTIVES, ClusterSpec, DeviceSpec, HostSpec, LinkSpec, bus_factor
 
 MATMUL_SIZES = {"quick": (128, 256, 512, 1024), "full": (128, 256, 512, 1024, 2048, 4096)}
@@ -36,7 +36,7 @@ def timed(fn: Any, reps: int, device: torch.device, group: dist.ProcessGroup | N
     times = []
     for _ in range(reps):
         if group is not None:
-            dist.barrier(group=group)
+            barrier(group)
         sync(device)
         t0 = time.perf_counter()
         fn()
@@ -64,7 +64,8 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...
 
 
 def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, group: dist.ProcessGroup) -> list[tuple[float, float]]:
-    """(bytes, seconds) of one `op` of a float32 tensor of each size over `group` (p2p: rank 0 to rank 1 and back, halved)."""
+    """(bytes, seconds) of one `op` of a float32 tensor of each size over `group` (p2p: rank 0 to rank 1 and back, halved),
+    issued through `behemoth.comm` as training issues them."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = []
     for nbytes in sizes:
@@ -72,10 +73,10 @@ def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, grou
         full = torch.ones(n, device=device)
         shard = torch.ones(n // world, device=device)
         fn = {
-            "all_reduce": lambda: dist.all_reduce(full, group=group),
+            "all_reduce": lambda: all_reduce(full, group),
             "all_gather": lambda: all_gather(full, shard, group),
             "reduce_scatter": lambda: reduce_scatter(shard, full, group),
-            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full, group=group),
+            "all_to_all": lambda: all_to_all(torch.empty_like(full), full, group),
             "p2p": lambda: ping_pong(full, rank, group),
         }[op]
         seconds = timed(fn, 5, device, group)
@@ -88,13 +89,8 @@ def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
     peer = {0: 1, 1: 0}.get(rank)
     if peer is None:
         return
-    dst = dist.get_global_rank(group, peer)
-    if rank == 0:
-        dist.send(t, dst, group=group)
-        dist.recv(t, dst, group=group)
-    else:
-        dist.recv(t, dst, group=group)
-        dist.send(t, dst, group=group)
+    for send in (rank == 0, rank != 0):
+        batch_p2p([P2P(send, t, peer)], group)[0].wait()
 
 
 def fit_link(op: str, curve: list[tuple[float, float]], ranks: int) -> tuple[float, float]:
@@ -135,16 +131,16 @@ def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=g)
     buf = torch.ones(nbytes // 4, device=device)
-    reduce = lambda: dist.all_reduce(buf, group=group)  # noqa: E731
+    reduce = lambda: all_reduce(buf, group)  # noqa: E731
     alone = timed(reduce, 3, device, group)
     reps = max(1, int(alone / max(timed(lambda: a @ a, 3, device, group), 1e-6)))
     compute = timed(lambda: [a @ a for _ in range(reps)], 3, device, group)
 
     def both() -> None:
-        work = dist.all_reduce(buf, group=group, async_op=True)
+        pending = all_reduce(buf, group, async_op=True)
         for _ in range(reps):
             a @ a
-        work.wait()
+        pending.wait()
 
     together = timed(both, 3, device, group)
     return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
@@ -172,24 +168,13 @@ def block_efficiency(device: torch.device, group: dist.ProcessGroup, matmul: lis
 
 
 def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
-    """GB/s of writing (with fsync) and reading back a scratch file; None when the disk lacks twice that room."""
+    """GB/s of writing (with fsync) and reading back (from the disk, not the page cache) a scratch file: the harmonic mean
+    of offload.calibrate's two rates; None when the disk lacks twice that room."""
     folder.mkdir(parents=True, exist_ok=True)
     if shutil.disk_usage(folder).free < 2 * nbytes:
         return None
-    block = os.urandom(2**20)
-    with tempfile.NamedTemporaryFile(dir=folder, prefix="behemoth-calibrate-") as f:
-        t0 = time.perf_counter()
-        for _ in range(nbytes // len(block)):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-        write = time.perf_counter() - t0
-        f.seek(0)
-        t0 = time.perf_counter()
-        while f.read(2**24):
-            pass
-        read = time.perf_counter() - t0
-    return 2 * nbytes / (write + read) / 1e9
+    read, write = measure_disk(folder, nbytes)
+    return 2 / (1 / read + 1 / write) / 1e9
 
 
 def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:

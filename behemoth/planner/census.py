@@ -78,10 +78,6 @@ class ModelCensus:
         """Forward FLOPs of one block per token: its matrices and attention scores and values."""
         return 2 * self.shape.block_matrix_params() + 4 * self.shape.q_width * seq_len
 
-    def head_forward_flops(self) -> float:
-        """Forward FLOPs of the head per token (the logits' matrix product)."""
-        return 2.0 * self.shape.d_model * self.shape.vocab_size
-
 
 def _full_shape(one: ModelShape, model_cfg: Any) -> ModelShape:
     """The one-block copy's shape with the real depth."""

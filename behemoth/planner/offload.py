@@ -17,22 +17,13 @@ from behemoth.errors import BehemothError, Problem
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, MemoryPeak, unit_sizes
+from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import make_order, plan_residencies, stores_grads, swap_bytes, StateSizes
 from behemoth.offload.runtime import OffloadPolicy, fit_budget
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import plan_units
 
 KINDS = ("params", "grads", "optimizer")
-
-
-@dataclass(frozen=True)
-class Rates:
-    """Measured rates: disk read and write, host-tier copies (bytes/s), compute (FLOP/s)."""
-
-    disk_read: float
-    disk_write: float
-    host_copy: float
-    compute: float
 
 
 @dataclass

@@ -33,15 +33,15 @@ ALL_TO_ALLS_PER_CHUNK = 4  # dispatch and combine, forward and backward
 
 
 @dataclass
-class Rates:
-    """Measured speeds the cost model divides by."""
+class LayoutRates:
+    """Measured speeds the expert-layout cost model divides by (exchanges and matmuls, not offload's disk rates)."""
 
     bytes_per_s: float  # all-to-all, per rank sent
     flops_per_s: float  # float32 matmul
     latency_s: float    # one small all-to-all (launch and synchronization: what one more chunk costs)
 
 
-def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.ProcessGroup) -> Rates:
+def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.ProcessGroup) -> LayoutRates:
     """A 4 MiB all-to-all over ep, a one-row all-to-all and a matmul, timed on every rank (the best of three after a
     warm-up); the slowest rank's figures."""
     from behemoth.comm import all_to_all
@@ -63,11 +63,11 @@ def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.Pro
         times[i] = best
     all_reduce(times, group, op=dist.ReduceOp.MAX)
     sent = x.numel() * 4 * (ep.size - 1) / ep.size
-    return Rates(max(sent, 1.0) / max(float(times[0]), 1e-9), 2 * 256**3 / max(float(times[2]), 1e-9), float(times[1]))
+    return LayoutRates(max(sent, 1.0) / max(float(times[0]), 1e-9), 2 * 256**3 / max(float(times[2]), 1e-9), float(times[1]))
 
 
 def predicted_seconds(candidate: Candidate, costs: list[MoELayerCost], tokens: list[list[int]], *, ep: int, data_ranks: int,
-                      element_bytes: int, rates: Rates) -> float:
+                      element_bytes: int, rates: LayoutRates) -> float:
     """Forward + backward seconds of every MoE layer's expert work under one layout, for one step's routing
     (`tokens`: assignments per expert of each layer, summed over the step and all ranks)."""
     layout, chunks = candidate
@@ -99,7 +99,7 @@ class ExpertAdapter:
     costs: list[MoELayerCost]
     ep: int
     data_ranks: int
-    rates: Rates | None = None
+    rates: LayoutRates | None = None
     candidates: tuple[Candidate, ...] = CANDIDATES
     step: int = 0
     queue: list[Candidate] = field(default_factory=list)

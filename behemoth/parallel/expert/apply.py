@@ -27,7 +27,8 @@ from behemoth.models.init import mark_partial
 from behemoth.models.moe import MoELayer
 from behemoth.parallel.expert.comm import EPComm
 from behemoth.parallel.expert.dispatch import AllToAllExperts, ExpertCompute, GatherExperts
-from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard, sharded_view
+from behemoth.parallel.chunked import checkpoint_views
+from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard
 from behemoth.parallel.tensor.comm import TPComm
 
 Layout = Literal["alltoall", "gather"]
@@ -76,13 +77,7 @@ class ExpertParallel:
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
         """Engine state with expert tensors (whole or ZeRO's chunks) as full-shape views, for DCP."""
-        def wrap(name: str, value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: wrap(name, v) for k, v in value.items()}
-            return sharded_view(value, self.shards.get(name))
-
-        return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part
-                for section, part in state.items()}
+        return checkpoint_views(state, self.shards)
 
 
 def shard_experts(layer: MoELayer, name: str, ep: EPComm, tp: TPComm | None) -> None:

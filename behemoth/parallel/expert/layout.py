@@ -4,24 +4,19 @@ A stacked weight ([E, F, d] or [E, d, F], models/moe.py) is split over the `ep` 
 (rank j keeps experts [j E/ep, (j + 1) E/ep)) and, under tensor parallelism, along the expert's MLP width
 over the `tp` ranks (Megatron's column split of `w_in`, each of [gate | up] separately when gated; the row
 split of `w_out`). The part is a few boxes of the full tensor (one, or one per packed segment);
-`materialize` draws the full tensor from (seed, name) and keeps them (`take_local`), and `sharded_view`
-describes them to DCP at their full-tensor offsets, whole or as ZeRO's chunks of them, so a checkpoint
-written at ep = 4 loads at ep = 2 or 1 and `behemoth export` consolidates it.
+`materialize` draws the full tensor from (seed, name) and keeps them (`take_local`), and `boxes` describes them
+to DCP at their full-tensor offsets (`behemoth.parallel.chunked.checkpoint_views`), whole or as ZeRO's chunks of
+them, so a checkpoint written at ep = 4 loads at ep = 2 or 1 and `behemoth export` consolidates it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from behemoth.parallel.chunked import ChunkedTensor
-from behemoth.parallel.tensor.checkpoint import local_chunks
+from behemoth.parallel.chunked import Box, narrow_box
 
 EXPERT_LAYOUT = "_behemoth_expert_layout"  # on a parameter holding part of a stacked expert weight
-
-Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # (offsets in the full tensor, offsets in the local one, sizes)
 
 
 @dataclass(frozen=True)
@@ -71,31 +66,5 @@ class ExpertShard:
         """This rank's part of the full tensor."""
         out = full.new_empty(self.local_shape)
         for f, l, size in self.boxes():
-            _narrow(out, l, size).copy_(_narrow(full, f, size))
+            narrow_box(out, l, size).copy_(narrow_box(full, f, size))
         return out
-
-
-def _narrow(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-    for dim, (o, s) in enumerate(zip(offsets, sizes)):
-        t = t.narrow(dim, o, s)
-    return t
-
-
-def full_chunks(chunks: list[tuple[torch.Size, torch.Tensor]], shard: ExpertShard) -> list[tuple[torch.Size, torch.Tensor]]:
-    """Chunks of the local tensor (local offsets) as chunks of the full tensor: each cut at the boxes' edges."""
-    out = []
-    for c_off, t in chunks:
-        for f_off, l_off, size in shard.boxes():
-            lo = [max(c, l) for c, l in zip(c_off, l_off)]
-            hi = [min(c + n, l + s) for c, n, l, s in zip(c_off, t.shape, l_off, size)]
-            if all(a < b for a, b in zip(lo, hi)):
-                piece = _narrow(t, tuple(a - c for a, c in zip(lo, c_off)), tuple(b - a for a, b in zip(lo, hi)))
-                out.append((torch.Size(f + (a - l) for f, a, l in zip(f_off, lo, l_off)), piece))
-    return out
-
-
-def sharded_view(tensor: Any, shard: ExpertShard | None) -> Any:
-    """`tensor` as DCP should see it: a full-shape view if it is this rank's part (or ZeRO's chunks of it)."""
-    if shard is None or not torch.is_tensor(tensor) or tuple(tensor.shape) != shard.local_shape:
-        return tensor
-    return ChunkedTensor(shard.full_shape, full_chunks(local_chunks(tensor), shard), dtype=tensor.dtype, device=tensor.device)

@@ -38,6 +38,8 @@ class Kind(enum.Enum):
     BACKWARD = "B"  # full backward: input gradient and weight gradient together
     BACKWARD_INPUT = "BI"  # zero-bubble's "B": gradient w.r.t. the stage input only
     BACKWARD_WEIGHT = "W"  # zero-bubble's "W": gradient w.r.t. the stage weights
+    FORWARD_BACKWARD = "FB"  # the last stage's forward, loss and backward at once (a streamed step's head)
+    EVALUATE = "E"  # the last stage's forward and loss only (a streamed evaluation's head)
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -54,7 +56,8 @@ RECVS = {recv: send for send, recv in SENDS.items()}
 
 @dataclass(frozen=True)
 class Action:
-    """One instruction for one rank: a compute pass, a transfer, a gradient sync or the optimizer step."""
+    """One instruction for one rank: a compute pass, a transfer, a gradient sync or the optimizer step. A streamed
+    (offloaded) step's order is a list of these too, one rank's compute passes with `stage` the unit it computes."""
 
     kind: Kind
     stage: int = -1

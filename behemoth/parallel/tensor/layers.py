@@ -24,6 +24,7 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, mark_partial
+from behemoth.parallel.chunked import Box
 from behemoth.parallel.deferred import DeferralSlot, accumulate, deferrable_linear
 from behemoth.parallel.tensor.comm import SequenceGather, TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
@@ -66,6 +67,15 @@ class ShardLayout:
         shape = list(self.full_shape)
         shape[self.dim] = self.local_size
         return tuple(shape)
+
+    def boxes(self) -> list[Box]:
+        """The part as boxes of the full tensor and of the local one: one per piece along `dim` (padding rows none)."""
+        out = []
+        for start, local, length in self.pieces:
+            full, loc, size = [0] * len(self.full_shape), [0] * len(self.full_shape), list(self.full_shape)
+            full[self.dim], loc[self.dim], size[self.dim] = start, local, length
+            out.append((tuple(full), tuple(loc), tuple(size)))
+        return out
 
     def take_local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full tensor (padding rows zero)."""

@@ -35,7 +35,7 @@ from behemoth.comm import reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
-from behemoth.parallel.tensor.checkpoint import sharded_view
+from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
@@ -112,13 +112,7 @@ class TensorParallel:
 
         A tensor may be this rank's whole tp part, or ZeRO's chunks of it: either becomes chunks of the full tensor.
         """
-        def wrap(name: str, value: Any) -> Any:
-            if isinstance(value, dict):
-                return {k: wrap(name, v) for k, v in value.items()}
-            return sharded_view(value, self.layouts.get(name))
-
-        return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part
-                for section, part in state.items()}
+        return checkpoint_views(state, self.layouts)
 
 
 def apply_tensor_parallel(model: nn.Module, tp: TPComm, policy: TensorPolicy) -> TensorParallel:

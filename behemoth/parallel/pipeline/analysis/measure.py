@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from behemoth.comm import gather_object
 from behemoth.parallel.pipeline.executor import StepTrace
 from behemoth.parallel.pipeline.schedules import COMPUTE, Kind, Schedule
 from behemoth.parallel.pipeline.analysis.simulate import Costs, _Run
@@ -39,9 +40,7 @@ def timed_actions(trace: StepTrace) -> list[TimedAction]:
 
 def gather_timelines(trace: StepTrace, group: dist.ProcessGroup) -> list[list[TimedAction]]:
     """Every pipeline rank's timeline of this step, in rank order (on every rank)."""
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, timed_actions(trace), group=group)
-    return out
+    return gather_object(timed_actions(trace), group)
 
 
 def _window(timeline: list[TimedAction]) -> list[TimedAction]:
