@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from behemoth.models.shape import layer_flops
+from behemoth.models.shape import hardware_flops_per_token, layer_flops
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import RankMemory, rank_memory
 from behemoth.planner.layout import Layout, Workload
@@ -122,6 +122,6 @@ def price(work: Workload, lay: Layout, cluster: ClusterSpec, *, exact: bool = Fa
     census, tokens = work.census, work.tokens_per_step
     per_token = census.flops_per_token(work.seq_len)
     recomputed = sum(bounds[s + 1] - bounds[s] for r in lay.recompute for s in lay.held_stages(r)) if lay.recompute else 0
-    hardware = per_token + recomputed * census.block_forward_flops(work.seq_len)
+    hardware = hardware_flops_per_token(census.shape, census.matmul_params, work.seq_len, recomputed)
     peak = cluster.device.peak(work.compute_dtype)
     return PlanCost(lay, bounds, memory, time, cluster.device.usable_bytes, per_token * tokens, hardware * tokens, peak, per_token)

@@ -21,6 +21,7 @@ from behemoth.offload.order import make_order, plan_residencies, stores_grads, s
 from behemoth.offload.runtime import OffloadPolicy, fit_budget
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import plan_units
+from behemoth.topology import ParallelDims
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -90,7 +91,7 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
     layouts = [FlatLayout(s.names, s.shapes, dp * tp) for s in specs]
     policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
-    batch = cfg.batch_layout(dp)
+    batch = cfg.batch_layout(rank_dims(cfg, dp))
     shape = lm.shape
     act = ActivationShape(batch.micro_batch, cfg.seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
     tied = bool(specs[-1].reads)
@@ -105,6 +106,12 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
     return OffloadEstimate(policy, sum(lay.numel for lay in layouts), ranks or dp * tp, stored, moved, peak,
                            prefetch, flops, len(specs))
+
+
+def rank_dims(cfg: Any, dp: int) -> ParallelDims:
+    """The mesh of `dp` data-parallel ranks under the config's other degrees (what `Config.batch_layout` splits over)."""
+    plan = cfg.parallel
+    return ParallelDims(dp * plan.pp * plan.ep * plan.tp, pp=plan.pp, dp=dp, ep=plan.ep, tp=plan.tp)
 
 
 def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:

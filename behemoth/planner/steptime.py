@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from behemoth.models.shape import LayerCosts
+from behemoth.models.shape import LayerCosts, block_forward_flops
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.pipeline.schedules import build_schedule
@@ -101,7 +101,7 @@ def matmul_size(work: Workload, lay: Layout) -> float:
 def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
     """(compute, tp communication) seconds of one block's forward for one micro-batch on one rank."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
-    flops = work.census.block_forward_flops(work.seq_len) * tokens / lay.tp
+    flops = block_forward_flops(work.census.shape, work.seq_len) * tokens / lay.tp
     rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay)) * dev.block_efficiency
     saved = work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
     compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
@@ -115,7 +115,7 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
 def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the head's and loss's forward for one micro-batch (logits over this rank's vocabulary)."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     flops = 2.0 * work.census.shape.d_model * share.vocab * tokens
     rate = dev.matmul_rate(work.compute_dtype, (tokens * work.census.shape.d_model * share.vocab) ** (1 / 3))
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
@@ -233,7 +233,7 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     """Seconds of one training step of `lay` on `cluster`, by part."""
     costs = pass_costs(work, lay, cluster, bounds)
     passes, bubble = pipeline_seconds(lay, costs, exact=exact)
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     elements = max(rank_elements(share, lay, bounds, r) for r in range(lay.pp))
     backward = max(sum(costs.backward[s] + costs.weight[s] for s in lay.held_stages(r)) for r in range(lay.pp))
     passes += chimera_sync_seconds(lay, cluster, elements)
@@ -254,6 +254,6 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     third = per_stage / 3
     flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, 0.0, 0.0, 0.0)
     passes = lay.microbatches * mean if lay.pp == 1 else closed_form_step(lay, [mean] * lay.pp, flat)[0]
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     return passes + data_parallel_seconds(work, lay, cluster, elements, mean) + optimizer_seconds(work, lay, cluster, elements)
