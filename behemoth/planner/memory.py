@@ -186,29 +186,45 @@ def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32",
 
 @dataclass
 class UnitSizes:
-    """Padded elements of stage 3's units by role; `tied`: the units a tied head gathers again (the embedding)."""
+    """Padded elements of stage 3's units by role; `tied`: the units a tied head gathers again (the embedding);
+    `experts`: under expert parallelism, each block's expert unit (0 where it has none), gathered inside its block."""
 
     root: int
     embedding: list[int]
     blocks: list[int]
     head: list[int]
     tied: int
+    experts: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, units: list[UnitSpec], layouts: list[FlatLayout]) -> "UnitSizes":
         size = {id(u): lay.padded for u, lay in zip(units, layouts)}
         role = {r: [size[id(u)] for u in units if u.role == r] for r in ("root", "embedding", "head")}
-        blocks: dict[int, int] = {}  # a block's expert unit is gathered and freed with it
+        blocks: dict[int, list[int]] = {}  # a block's units: its own, then its experts' (split_expert_units' order)
         for u in units:
             if u.role == "block":
-                blocks[id(u.module)] = blocks.get(id(u.module), 0) + size[id(u)]
+                blocks.setdefault(id(u.module), []).append(size[id(u)])
         tied = sum(size[id(r)] for u in units if u.role == "head" for r in u.reads)
-        return cls(sum(role["root"]), role["embedding"], list(blocks.values()), role["head"], tied)
+        experts = [b[1] if len(b) > 1 else 0 for b in blocks.values()]
+        return cls(sum(role["root"]), role["embedding"], [b[0] for b in blocks.values()], role["head"], tied, experts if any(experts) else [])
 
     def gathered(self) -> int:
         """Elements all-gathered per forward and backward: every unit in forward, all but the embedding in backward
         (a lookup needs no weights), and a tied embedding once more in each."""
-        return 2 * (self.root + sum(self.blocks) + sum(self.head) + self.tied) + sum(self.embedding)
+        return 2 * (self.root + sum(self.blocks) + sum(self.experts) + sum(self.head) + self.tied) + sum(self.embedding)
+
+
+def _nested_peak(sizes: UnitSizes, prefetch: int, head: list[int]) -> int:
+    """Gathered elements at their peak when each block's expert unit is gathered inside the block's own (ep > 1): entering
+    the inner one of a pair (forward: the experts; backward: the block, whose backward ends after its experts') holds the
+    pair and prefetches the next `prefetch` units of that pass's order."""
+    pairs = list(zip(sizes.blocks, sizes.experts))
+    forward = sizes.embedding + [u for d, x in pairs for u in (d, x)] + head
+    backward = head + [u for d, x in pairs[::-1] for u in (x, d)]
+    held = [sum(forward[:1 + prefetch]), sum(backward[:1 + prefetch])]  # entering the first unit of each pass
+    for order, first in ((forward, len(sizes.embedding)), (backward, len(head))):
+        held += [order[at - 1] + sum(order[at:at + 1 + prefetch]) for at in range(first + 1, first + 2 * len(pairs), 2)]
+    return sizes.root + max(held)
 
 
 def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str, int]:
@@ -216,14 +232,20 @@ def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str,
 
     Forward enters the root and embedding, then each block, then the head (with the embedding again when the head
     is tied to it); each entry prefetches the next `prefetch` units, and the embedding is dropped when the first block
-    starts. Backward gathers the head and blocks again one or two at a time, so forward holds the peak. Unit gradients
-    complete head first, embedding last, two alive at once (one reduce-scatter in flight); a tied embedding's first
-    gradient (from the head) is kept until the second arrives, to be summed and reduce-scattered once.
+    starts. Backward gathers the head and blocks again one or two at a time, so forward holds the peak (with expert
+    units, `_nested_peak`). Unit gradients complete head first, embedding last, two alive at once (one reduce-scatter
+    in flight); a tied embedding's first gradient (from the head) is kept until the second arrives, to be summed and
+    reduce-scattered once.
     """
     head = [sum(sizes.head) + sizes.tied] if sizes.head or sizes.tied else []
-    gathered = sizes.root + _window_max(sizes.embedding + sizes.blocks + head, 1 + prefetch)
-    completion = sizes.head + sizes.blocks[::-1] + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
-    kept_until = len(sizes.head) + len(sizes.blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
+    if sizes.experts:
+        gathered = _nested_peak(sizes, prefetch, head)
+        blocks = [u for d, x in zip(sizes.blocks[::-1], sizes.experts[::-1]) for u in (x, d) if u]
+    else:
+        gathered = sizes.root + _window_max(sizes.embedding + sizes.blocks + head, 1 + prefetch)
+        blocks = sizes.blocks[::-1]
+    completion = sizes.head + blocks + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
+    kept_until = len(sizes.head) + len(blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
     grads = max((sum(completion[max(0, i - 1):i + 1]) + (sizes.tied if i <= kept_until else 0) for i in range(len(completion))), default=0)
     return {"gathered_peak": gathered * bytes_per, "grad_buffers_peak": grads * bytes_per}
 
