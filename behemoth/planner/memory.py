@@ -30,7 +30,7 @@ from behemoth.comm import plan_buckets
 from behemoth.errors import Problem
 from behemoth.models.layered import view_of
 from behemoth.parallel.zero.layout import FlatLayout
-from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
+from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT, plan_stage_buckets
 from behemoth.parallel.zero.units import ExpertUnits, LayerNames, UnitSpec, plan_units, split_expert_units
 from behemoth.planner.rank import rank_model
 
@@ -102,15 +102,8 @@ def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[
 
     if stage_params is None:
         return [layout(b) for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
-    uses: dict[int, int] = {}
-    for ps in stage_params.values():
-        for p in {id(q): q for q in ps if id(q) in names}.values():
-            uses[id(p)] = uses.get(id(p), 0) + 1
-    out = []
-    for _, ps in sorted(stage_params.items()):
-        own = [p for p in params if uses.get(id(p)) == 1 and any(p is q for q in ps)]
-        out += [layout(b) for b in plan_buckets(reversed(own), int(bucket_mb * 2**20))]
-    return out + [layout([p]) for p in params if uses.get(id(p)) != 1]
+    per_stage, shared = plan_stage_buckets(params, stage_params, int(bucket_mb * 2**20))
+    return [layout(b) for stage in sorted(per_stage) for b in per_stage[stage]] + [layout(b) for b in shared]
 
 
 def _window_max(sizes: list[int], width: int) -> int:
