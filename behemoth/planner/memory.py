@@ -289,5 +289,5 @@ def fit_problems(cfg: Any, dp: int, world: int | None = None) -> list[Problem]:
 
 
 def layout_text(plan: Any) -> str:
-    """` x tp=2 x pp=4` for the degrees besides dp that a plan sets."""
-    return "".join(f" x {k}={getattr(plan, k)}" for k in ("tp", "pp") if getattr(plan, k) > 1)
+    """` x ep=2 x tp=2 x pp=4` for the degrees besides dp that a plan sets."""
+    return "".join(f" x {k}={getattr(plan, k)}" for k in ("ep", "tp", "pp") if getattr(plan, k) > 1)
