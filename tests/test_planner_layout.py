@@ -72,7 +72,7 @@ def test_offloaded_states_leave_the_device():
     plain, off = price(work, lay, cluster).memory[0], price(work, disk, cluster)
     assert off.memory[0].states == 0 and off.memory[0].disk == pytest.approx(plain.states)
     assert off.time.offload_io > 0 and "off[p=disk g=disk o=disk]" in disk.describe()
-    assert disk.to_plan(cfg.parallel).zero_stage == 3 and Offload.of(cfg.offload) == Offload()
+    assert disk.to_plan(cfg.parallel).zero_stage == 3 and Offload.of(cfg) == Offload()
 
 
 def test_one_flop_count():

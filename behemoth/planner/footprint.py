@@ -100,8 +100,9 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
 
 def placed(states: tuple[float, float, float], lay: Layout) -> dict[str, tuple[float, float, float]]:
     """The (params, grads, optimizer) bytes on each tier: device (`none`), host memory (`cpu`) and `disk`."""
-    kinds = ("params", "grads", "optimizer")
-    return {tier: tuple(b if lay.offload.tier(k) == tier else 0.0 for k, b in zip(kinds, states)) for tier in ("none", "cpu", "disk")}  # type: ignore[misc]
+    kinds, off = ("params", "grads", "optimizer"), lay.offload
+    kept = [0.0 if k == "grads" and off.fused and off.tier(k) != "none" else b for k, b in zip(kinds, states)]  # fused: never stored
+    return {tier: tuple(b if off.tier(k) == tier else 0.0 for k, b in zip(kinds, kept)) for tier in ("none", "cpu", "disk")}  # type: ignore[misc]
 
 
 def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int) -> float:

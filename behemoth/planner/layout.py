@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from behemoth.offload.runtime import OffloadPolicy
 from behemoth.planner.census import ModelCensus
 from behemoth.plan import ParallelPlan
 
@@ -57,18 +58,24 @@ TIERS = ("none", "cpu", "disk")  # offload.* tiers: device memory, host memory, 
 @dataclass(frozen=True)
 class Offload:
     """Where a plan keeps each kind of model state (`offload.params/grads/optimizer`: none is device memory), the
-    Adam moments' bits and the units read ahead; streamed unit by unit as ZeRO-3 units (offload/)."""
+    Adam moments' bits, the units read ahead and whether a unit steps during backward (then no gradient is stored);
+    streamed unit by unit as ZeRO-3 units (offload/)."""
 
     params: str = "none"
     grads: str = "none"
     optimizer: str = "none"
     bits: int = 32
     prefetch: int = 2
+    fused: bool = False
 
     @classmethod
-    def of(cls, off: Any) -> "Offload":
-        """The placement an `offload:` config section states (gradients on the parameters' tier when `auto`)."""
-        return cls(off.params, off.grads_tier, off.optimizer, off.optimizer_bits, off.prefetch) if off.enabled else cls()
+    def of(cls, cfg: Any) -> "Offload":
+        """The placement a config's `offload:` section states, as the runtime's policy resolves it (gradients on the
+        parameters' tier when `auto`; the fused step when unclipped)."""
+        if not cfg.offload.enabled:
+            return cls()
+        p = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
+        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused)
 
     @property
     def enabled(self) -> bool:
@@ -179,7 +186,7 @@ class Layout:
         ranks = tuple(sorted(recompute_ranks(plan.recompute, stash)))
         bounds = tuple(plan.stage_boundaries) if plan.stage_boundaries is not None else None
         return cls(dims.dp, dims.tp, dims.pp, plan.zero_stage, plan.sequence_parallel and dims.tp > 1, batch.micro_batch, batch.accum,
-                   plan.schedule, v, ranks, bounds, dims.ep, Offload.of(cfg.offload))
+                   plan.schedule, v, ranks, bounds, dims.ep, Offload.of(cfg))
 
     def but(self, **changes: Any) -> "Layout":
         return replace(self, **changes)
