@@ -30,10 +30,9 @@ def test_exact_estimate_of_experts_equals_the_engine(plan, tmp_path):
         for got in results:
             stage = got["stage"]
             exact = estimate(config, world=2, stages=(stage,), rank=data_rank)[0]
-            for part in ("params", "grads", "optimizer"):
-                assert got["bytes"][part] == getattr(exact, part), f"{plan} stage {stage} rank {rank} {part}: {got['bytes'][part]} != {getattr(exact, part)}"
-            for name, size in exact.buffers.items():
-                assert got["bytes"][name] == size, f"{plan} stage {stage} rank {rank} {name}: {got['bytes'][name]} != {size}"
+            expected = {**{part: getattr(exact, part) for part in ("params", "grads", "optimizer")}, **exact.buffers}
+            for part, size in expected.items():
+                assert got["bytes"][part] == size, f"{plan} stage {stage} rank {rank} {part}: {got['bytes'][part]} != {size}"
 
 
 def test_expert_parallelism_divides_the_experts_states():
