@@ -1,6 +1,7 @@
 """The planner lays a rank out with the runtime's own functions: its exact estimate of a mixture of experts under expert
 and tensor parallelism (E / ep experts a rank, their widths split over tp, expert weights sharded over dp alone) equals
-what the engine holds, to the byte, at every ZeRO stage; the closed form carries ep and offload; one FLOP count."""
+what the engine holds, to the byte, at every ZeRO stage; the closed form carries ep and offload; one FLOP count.
+The tp=2 case of the engine comparison is `pytest -m slow tests/test_planner_layout.py`."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.dist import run_ranks
 MOE = ("model=gpt-moe-tiny", "parallel.bucket_mb=0.01")  # 2 MoE blocks of 4 experts; several buckets per sync
 
 
-@pytest.mark.parametrize("plan", [("parallel.ep=2",), ("parallel.tp=2",)])
+@pytest.mark.parametrize("plan", [("parallel.ep=2",), pytest.param(("parallel.tp=2",), marks=pytest.mark.slow)])
 def test_exact_estimate_of_experts_equals_the_engine(plan, tmp_path):
     """On 2 processes: ep=2 (each rank 2 of 4 experts; dense parameters over dp x ep, experts over dp) and tp=2 (every
     expert's width split); stages 0-3 built by the engine and counted, against the planner's meta layout."""
