@@ -15,6 +15,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
 from behemoth.models.hf import HFConfig, shape_from_weights
 from behemoth.plan import ParallelPlan
+from behemoth.topology import ParallelDims
 
 
 class Section(BaseModel):
@@ -144,10 +145,11 @@ class Config(Section):
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.context
 
-    def batch_layout(self, dp: int) -> BatchLayout:
-        """How a step's global batch splits over `dp` ranks and micro-batches (parallel.microbatches or train.micro_batch)."""
-        train = self.train
-        return BatchLayout.resolve(train.global_batch, self.parallel.micro_batch(train.global_batch, train.micro_batch, dp), dp)
+    def batch_layout(self, dims: ParallelDims) -> BatchLayout:
+        """How a step's global batch splits over the ranks that see different tokens (dp x ep: experts route different
+        tokens) and micro-batches (parallel.microbatches or train.micro_batch); the same split for runtime and planner."""
+        train, ranks = self.train, dims.data_ranks
+        return BatchLayout.resolve(train.global_batch, self.parallel.micro_batch(train.global_batch, train.micro_batch, ranks), ranks)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -169,7 +169,7 @@ class Engine:
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
     offload = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip) if cfg.offload.enabled else None
-    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims.data_ranks),
+    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims),
                        seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s, offload=offload)
 
 

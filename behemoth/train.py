@@ -39,7 +39,7 @@ class Trainer:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
             raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
-        self.layout = cfg.batch_layout(rt.dims.data_ranks)  # the batch splits over dp x ep (experts route different tokens)
+        self.layout = cfg.batch_layout(rt.dims)  # the batch splits over dp x ep (experts route different tokens)
         dp_rank = rt.data_rank()
         self.engine = build_engine(cfg, rt)
         self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)

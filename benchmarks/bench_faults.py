@@ -50,7 +50,7 @@ def stall_rank(cfg_dict: dict[str, Any], folder: str, saves: int) -> dict[str, l
     rt = init_runtime(timeout_s=600)
     engine = build_engine(cfg, rt)
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-    sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_layout(rt.dims.dp), rt.coordinate("dp"), cfg.train.seed)
+    sampler = BatchSampler(corpus.train, cfg.seq_len, cfg.batch_layout(rt.dims), rt.coordinate("dp"), cfg.train.seed)
     step = lambda i: engine.train_step(sampler.micro_batches(i), cfg.train.lr)  # noqa: E731
     step(0)
     gloo = dist.new_group(backend="gloo")

@@ -39,9 +39,10 @@ def make_config(world: int, schedule: str) -> Any:
 
 def data(cfg: Any):
     from behemoth.data import BatchSampler, prepare_corpus
+    from behemoth.topology import ParallelDims
 
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-    return BatchSampler(corpus.train, cfg.seq_len, cfg.batch_layout(1), 0, cfg.train.seed)
+    return BatchSampler(corpus.train, cfg.seq_len, cfg.batch_layout(ParallelDims(1)), 0, cfg.train.seed)
 
 
 def timed_steps(step_fn, sampler, steps: int, warmup: int, after_step=None) -> tuple[list[float], float]:

@@ -41,7 +41,7 @@ def run_each(cfgs: list[dict]) -> list[str]:
             cfg = Config.model_validate(d)
             rt = init_runtime(timeout_s=30, **cfg.parallel.degrees())
             engine = build_engine(cfg, rt)
-            engine.train_step(random_micro_batches(cfg, rt.dims.dp, 0), lr=1e-3)
+            engine.train_step(random_micro_batches(cfg, rt.dims, 0), lr=1e-3)
             out.append("ok")
         except Exception as err:  # noqa: BLE001 - the refusal itself is the result
             out.append(f"{type(err).__name__}: {err}")

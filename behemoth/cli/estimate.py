@@ -102,7 +102,7 @@ def header(cfg: Any, world: int) -> str:
             f"vocabulary {s.vocab_size}{', tied' if s.tied else ''}; Ψ = {census.psi:,} parameters\n"
             f"  plan on {world} processes: dp={dims.dp} x tp={dims.tp} x pp={dims.pp}, ZeRO-{plan.zero_stage}"
             f"{', sequence parallel' if plan.sequence_parallel and dims.tp > 1 else ''}, recompute {plan.recompute}"
-            f"{f', {plan.schedule}' if dims.pp > 1 else ''}; micro-batch {cfg.batch_layout(dims.dp).micro_batch} x {cfg.seq_len} tokens")
+            f"{f', {plan.schedule}' if dims.pp > 1 else ''}; micro-batch {cfg.batch_layout(dims).micro_batch} x {cfg.seq_len} tokens")
 
 
 def measure(cfg: Any, world: int, ests: list[StageEstimate]) -> dict[int, dict[str, int]]:

@@ -8,7 +8,7 @@ from typing import Any
 from behemoth.errors import BehemothError, Problem, Refused
 from behemoth.offload import scratch
 from behemoth.offload.calibrate import Rates
-from behemoth.planner.offload import OffloadEstimate, offload_estimate, offload_problems
+from behemoth.planner.offload import OffloadEstimate, offload_estimate, offload_problems, rank_dims
 
 GiB = 2**30
 ORDERS_SHOWN = ((1, 4, 16), ("harmony", "naive"))
@@ -34,7 +34,7 @@ def placement_lines(est: OffloadEstimate) -> list[str]:
 
 def traffic_lines(cfg: Any, dp: int, device_type: str) -> list[str]:
     """Bytes moved per step per rank for each order and number of micro-batches (all tiers that move bytes)."""
-    mb = cfg.batch_layout(dp).micro_batch
+    mb = cfg.batch_layout(rank_dims(cfg, dp)).micro_batch
     lines = [f"bytes moved per step per rank (read + written, tiers that move bytes) with m micro-batches of {mb} per rank:"]
     ms, orders = ORDERS_SHOWN
     for order in orders:
@@ -54,7 +54,7 @@ def offload_report(cfg: Any, dp: int, nproc: int, rates: Rates | None, device_ty
     step = "fused (no clipping)" if p.fused else "deferred (exact clipping)"
     lines = [f"behemoth estimate (offload): {cfg.model.preset if not cfg.hf.arch else 'hf:' + cfg.hf.arch}, Ψ = {est.psi:,} parameters "
              f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; order {p.order}, "
-             f"{cfg.batch_layout(dp).accum} micro-batch(es) per rank, step {step}", *placement_lines(est)]
+             f"{cfg.batch_layout(rank_dims(cfg, dp)).accum} micro-batch(es) per rank, step {step}", *placement_lines(est)]
     root = p.root or scratch.default_scratch(None, cfg.run.dir)
     lines.append(f"disk: {size(est.disk_bytes())} needed under offload.dir={root} for {nproc} rank(s) "
                  f"(8-bit moments are staged as float32 at checkpoints), {size(scratch.free_bytes(root))} free")
@@ -89,7 +89,7 @@ def run_offload_estimate(cfg: Any, nproc: int, *, calibrate: bool) -> int:
     rates = None
     if calibrate:
         root = scratch.default_scratch(cfg.offload.dir, cfg.run.dir)
-        mb = cfg.batch_layout(dp).micro_batch * cfg.seq_len
+        mb = cfg.batch_layout(rank_dims(cfg, dp)).micro_batch * cfg.seq_len
         rates = measure(root, torch.device(device_type), matmul=(mb, cfg.model.d_model, 4 * cfg.model.d_model))
     try:
         print(offload_report(cfg, dp, nproc, rates, device_type))

@@ -19,7 +19,7 @@ from behemoth.models.gpt import build_gpt, gpt_tp_plan
 from behemoth.models.init import InitSpec, materialize
 from behemoth.models.layered import LayeredView, view_of
 from behemoth.models.moe import MoELayer, MoELayerCost, RouterStats, moe_layer_costs
-from behemoth.models.shape import LayerCosts, ModelShape, median_pass_seconds
+from behemoth.models.shape import LayerCosts, ModelShape, hardware_flops_per_token, median_pass_seconds, training_flops_per_token
 
 Tie = list[tuple[str, str]]  # (module name, attribute) slots that share one parameter
 
@@ -57,15 +57,12 @@ class CausalLM:
         return self.shape.arch
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per token of a training step (forward + backward), the basis of MFU: 6N over the parameters a token
-        is multiplied by, plus attention scores and values (PaLM appendix B: 12 L H Q T)."""
-        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.q_width * seq_len
+        """Model FLOPs per token of a training step (forward + backward), the basis of MFU (models/shape.py counts them)."""
+        return training_flops_per_token(self.shape, self.matmul_params, seq_len)
 
     def hardware_flops_per_token(self, seq_len: int, recomputed_blocks: float = 0.0) -> float:
-        """FLOPs a device really executes per token: the model FLOPs plus the forward of every recomputed block again
-        (`recomputed_blocks`: how many of the n_layer blocks recompute, on average over the pipeline), the basis of HFU."""
-        block_forward = 2 * self.shape.block_matrix_params() + 4 * self.shape.q_width * seq_len
-        return self.flops_per_token(seq_len) + recomputed_blocks * block_forward
+        """FLOPs a device really executes per token, recomputed blocks included, the basis of HFU."""
+        return hardware_flops_per_token(self.shape, self.matmul_params, seq_len, recomputed_blocks)
 
     def kv_cache_shape(self, batch: int, seq_len: int, tp: int = 1) -> tuple[int, ...]:
         """Keys and values one rank caches per layer: [2, batch, kv_heads / tp, seq_len, head_dim]."""

@@ -1,4 +1,4 @@
-"""A causal LM's shape in numbers, and the per-layer costs that pipeline balancing and the planner read.
+"""A causal LM's shape in numbers, and its FLOPs: the per-layer costs that pipeline balancing, the planner and MFU read.
 
 `ModelShape` says what the parallel layers, the feasibility checks and the cost model need to know of
 a model without building it: depth, widths, heads (query and key/value), MLP width and kind, vocabulary,
@@ -70,11 +70,33 @@ class LayerCosts:
     unit: str
 
 
+def attention_flops(shape: ModelShape, seq_len: int) -> float:
+    """Forward FLOPs per token of one block's attention scores and values (QK^T and AV over the whole sequence)."""
+    return 4.0 * shape.q_width * seq_len
+
+
+def block_forward_flops(shape: ModelShape, seq_len: int, block: int = 0) -> float:
+    """Forward FLOPs per token of one block: its matrices (an MoE block's router and the experts a token visits) and attention."""
+    return 2.0 * shape.block_matrix_params(block) + attention_flops(shape, seq_len)
+
+
 def layer_flops(shape: ModelShape, seq_len: int) -> LayerCosts:
     """Forward FLOPs per token of the embedding, each block and the head (backward is ~2x all of them)."""
     d, v = shape.d_model, shape.vocab_size
-    blocks = tuple(float(2 * shape.block_matrix_params(i) + 4 * seq_len * d) for i in range(shape.n_layer))  # matrices, scores, values
+    blocks = tuple(block_forward_flops(shape, seq_len, i) for i in range(shape.n_layer))
     return LayerCosts(embed=2.0 * d, blocks=blocks, head=2.0 * d * v + 5.0 * v, unit="flop/token")
+
+
+def training_flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int) -> float:
+    """Model FLOPs of a training step per token, the basis of MFU: 6N over the `matmul_params` a token is multiplied by,
+    plus attention forward and backward (PaLM appendix B: 12 L H Q T)."""
+    return 6.0 * matmul_params + 3.0 * shape.n_layer * attention_flops(shape, seq_len)
+
+
+def hardware_flops_per_token(shape: ModelShape, matmul_params: int, seq_len: int, recomputed_blocks: float = 0.0) -> float:
+    """FLOPs a device really executes per token, the basis of HFU: the model FLOPs plus a forward of every recomputed
+    block again (`recomputed_blocks`: how many of the n_layer blocks recompute, on average over the pipeline)."""
+    return training_flops_per_token(shape, matmul_params, seq_len) + recomputed_blocks * block_forward_flops(shape, seq_len)
 
 
 def uniform_layer_costs(shape: ModelShape) -> LayerCosts:

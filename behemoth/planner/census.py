@@ -1,9 +1,9 @@
-"""What one rank holds of a model under tensor parallelism, counted once per model: the planner's parameter census.
+"""What one rank holds of a model under tensor and expert parallelism, counted once per model: the planner's census.
 
 Every block of a model has the same shape, so a one-block copy of the model, built on the meta device (no memory)
-and split by the model's own tensor-parallel plan exactly as `apply_tensor_parallel` splits it (on meta, with no
-process group: the split is a function of the degree alone), says what a tensor-parallel rank holds of the
-embedding, of each block and of the head, padding of a vocabulary that t does not divide included. A plan of any
+and split by the runtime's own functions (`rank.split_model`: the model's tensor-parallel plan, E / ep experts; on
+meta, with no process group: the split is a function of the degrees alone), says what a rank holds of the
+embedding, of each block (and of its experts) and of the head, padding of a vocabulary that t does not divide included. A plan of any
 depth, pipeline cut and data-parallel degree is then a sum of those parts: no model is built per plan, so the
 search can price thousands of plans of a 1T-parameter model in seconds.
 """
@@ -17,14 +17,14 @@ from torch import nn
 
 from behemoth.models.activations import BlockActivations, block_activation_elements
 from behemoth.models.causal_lm import CausalLM, build_causal_lm
-from behemoth.models.shape import ModelShape
-from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel
+from behemoth.models.shape import ModelShape, training_flops_per_token
+from behemoth.planner.rank import split_model
 
 
 @dataclass(frozen=True)
 class TPShare:
-    """Elements one tensor-parallel rank of degree `tp` holds of each part of the model, and the per-token widths of
-    what its weight-gradient passes need (the output gradient of every op that has a weight)."""
+    """Elements one rank of tensor-parallel degree `tp` and expert-parallel degree `ep` holds of each part of the model,
+    and the per-token widths of what its weight-gradient passes need (the output gradient of every op that has a weight)."""
 
     tp: int
     embed: int          # first-stage modules: token (and position) embedding
@@ -34,6 +34,8 @@ class TPShare:
     vocab: int          # vocabulary rows of the head (or tied embedding) on this rank, padding included
     block_weight_outputs: int  # per token: outputs of a block's linear layers plus its norms' widths
     head_weight_outputs: int   # per token: the head's logits plus the final norm's width
+    ep: int = 1
+    experts: int = 0    # of `block`: its expert weights (E / ep experts), synchronised over dp alone
 
     def stage_elements(self, blocks: int, *, first: bool, last: bool, pp: int) -> int:
         """Parameters of one pipeline stage of `blocks` blocks; with a tied head the last stage keeps the embedding too."""
@@ -51,7 +53,7 @@ class ModelCensus:
     psi: int                 # parameters of the whole model
     matmul_params: int       # parameters a token is multiplied by (the MFU count)
     activations: BlockActivations
-    _shares: dict[int, TPShare] = field(default_factory=dict, repr=False)
+    _shares: dict[tuple[int, int], TPShare] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model_cfg: Any, hf: Any = None) -> "ModelCensus":
@@ -61,22 +63,18 @@ class ModelCensus:
         shape = _full_shape(one.shape, model_cfg)
         extra = (shape.n_layer - 1) * share.block
         census = cls(model_cfg, hf, shape, _count(one.module) + extra, one.matmul_params + extra, block_activation_elements(shape))
-        census._shares[1] = share
+        census._shares[(1, 1)] = share
         return census
 
-    def at(self, tp: int) -> TPShare:
-        """What one rank of a tensor-parallel group of `tp` holds."""
-        if tp not in self._shares:
-            self._shares[tp] = _share(build_causal_lm(self.model_cfg.model_copy(update={"n_layer": 1}), self.hf), tp)
-        return self._shares[tp]
+    def at(self, tp: int, ep: int = 1) -> TPShare:
+        """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds."""
+        if (tp, ep) not in self._shares:
+            self._shares[(tp, ep)] = _share(build_causal_lm(self.model_cfg.model_copy(update={"n_layer": 1}), self.hf), tp, ep)
+        return self._shares[(tp, ep)]
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs of a training step per token (6N + attention), as `CausalLM.flops_per_token` counts them."""
-        return 6 * self.matmul_params + 12 * self.shape.n_layer * self.shape.q_width * seq_len
-
-    def block_forward_flops(self, seq_len: int) -> float:
-        """Forward FLOPs of one block per token: its matrices and attention scores and values."""
-        return 2 * self.shape.block_matrix_params() + 4 * self.shape.q_width * seq_len
+        """Model FLOPs of a training step per token, as `CausalLM.flops_per_token` counts them (models/shape.py)."""
+        return training_flops_per_token(self.shape, self.matmul_params, seq_len)
 
 
 def _full_shape(one: ModelShape, model_cfg: Any) -> ModelShape:
@@ -90,20 +88,20 @@ def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _share(lm: CausalLM, tp: int) -> TPShare:
-    """Split a one-block meta model as tensor parallelism of degree `tp` would and count its parts (rank 0: every
-    rank holds equal shapes, the vocabulary padded to a multiple of tp)."""
-    if tp > 1:
-        apply_tensor_parallel(lm.module, TPComm(None, tp, 0), TensorPolicy(lm.tp_plan, False, lm.transposed, lm.norms))  # type: ignore[arg-type]
+def _share(lm: CausalLM, tp: int, ep: int = 1) -> TPShare:
+    """Split a one-block meta model as tensor and expert parallelism of degrees `tp` and `ep` would and count its parts
+    (rank 0: every rank holds equal shapes, the vocabulary padded to a multiple of tp)."""
+    is_expert = split_model(lm, tp, ep)
     model, view = lm.module, lm.layers
     block = model.get_submodule(view.blocks)[0]
     embedding = model.get_submodule(view.embedding).weight
     parts = {"first": _params_under(model, view.first), "last": _params_under(model, view.last)}
     tied = embedding.numel() if lm.shape.tied else 0
     head = sum(p.numel() for p in parts["last"].values() if p is not embedding)
+    experts = sum(p.numel() for name, p in block.named_parameters() if is_expert is not None and is_expert(f"{view.blocks}.0.{name}"))
     return TPShare(tp, sum(p.numel() for p in parts["first"].values()), _count(block), head, tied, vocab=embedding.shape[0],
                    block_weight_outputs=_weight_outputs(block, lm.transposed, f"{view.blocks}.0"),
-                   head_weight_outputs=embedding.shape[0] + lm.shape.d_model)
+                   head_weight_outputs=embedding.shape[0] + lm.shape.d_model, ep=ep, experts=experts)
 
 
 def _params_under(model: nn.Module, names: tuple[str, ...]) -> dict[int, nn.Parameter]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from behemoth.models.shape import layer_flops
+from behemoth.models.shape import hardware_flops_per_token, layer_flops
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import RankMemory, rank_memory
 from behemoth.planner.layout import Layout, Workload
@@ -73,7 +73,8 @@ class PlanCost:
         total = t.total
         compute = t.passes - t.bubble - t.tp_comm - t.recompute
         return {"compute": max(compute, 0.0) / total, "bubble": t.bubble / total, "recompute": t.recompute / total,
-                "tp_comm": t.tp_comm / total, "dp_comm": t.dp_comm / total, "optimizer": t.optimizer / total}
+                "tp_comm": t.tp_comm / total, "dp_comm": t.dp_comm / total, "optimizer": t.optimizer / total,
+                "ep_comm": t.ep_comm / total, "offload": t.offload / total}
 
     def binding(self, cluster: ClusterSpec) -> str:
         """What limits this plan: memory when the busiest rank is near full, else the largest cost besides compute."""
@@ -85,10 +86,11 @@ class PlanCost:
         if share < 0.05:
             return "compute"
         lay = self.layout
-        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.dp}.get(name)
+        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.data_ranks, "ep_comm": lay.tp * lay.ep}.get(name)
         where = "" if span is None else (" (intra-node link)" if cluster.link(span) is cluster.intra_node else " (inter-node link)")
         label = {"tp_comm": "tensor-parallel traffic", "dp_comm": "data-parallel traffic", "bubble": "pipeline bubble",
-                 "recompute": "recomputation", "optimizer": "optimizer step"}[name]
+                 "recompute": "recomputation", "optimizer": "optimizer step", "ep_comm": "expert all-to-all",
+                 "offload": "offload traffic"}[name]
         return f"{label}{where} {share:.0%}"
 
 
@@ -122,6 +124,6 @@ def price(work: Workload, lay: Layout, cluster: ClusterSpec, *, exact: bool = Fa
     census, tokens = work.census, work.tokens_per_step
     per_token = census.flops_per_token(work.seq_len)
     recomputed = sum(bounds[s + 1] - bounds[s] for r in lay.recompute for s in lay.held_stages(r)) if lay.recompute else 0
-    hardware = per_token + recomputed * census.block_forward_flops(work.seq_len)
+    hardware = hardware_flops_per_token(census.shape, census.matmul_params, work.seq_len, recomputed)
     peak = cluster.device.peak(work.compute_dtype)
     return PlanCost(lay, bounds, memory, time, cluster.device.usable_bytes, per_token * tokens, hardware * tokens, peak, per_token)

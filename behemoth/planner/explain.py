@@ -9,7 +9,8 @@ from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import GiB, PlanCost
 
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
-         "dp_comm": "exposed data-parallel traffic", "optimizer": "optimizer step"}
+         "dp_comm": "exposed data-parallel traffic", "optimizer": "optimizer step", "ep_comm": "expert all-to-all",
+         "offload": "exposed offload traffic"}
 
 
 def seconds(t: float) -> str:
@@ -78,7 +79,7 @@ def unfit_advice(unfit: list[PlanCost], cluster: ClusterSpec, world: int, fits_o
     host = cluster.host.memory_gb * 1e9 / cluster.devices_per_node
     if mem.optimizer > over:
         lines.append(f"Offloading the optimizer state ({gib(mem.optimizer)} GiB per device) to host memory ({gib(host)} GiB per device) "
-                     "would make room; behemoth has no offload tier yet.")
+                     "would make room: offload.optimizer=cpu (the search does not try offload yet).")
     if light.layout.micro_batch > 1 or not light.layout.recompute:
         lines.append("A smaller micro-batch or recomputation would not be enough: the search tried micro-batch 1 and full recomputation.")
     return "\n".join(lines)

@@ -35,8 +35,8 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)
-    batch = collect("train.global_batch", cfg.batch_layout, dims.data_ranks)
-    out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims.data_ranks).accum)
+    batch = collect("train.global_batch", cfg.batch_layout, dims)
+    out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)
     out += offload_problems(cfg, dims.dp, fit=not out)
@@ -122,7 +122,7 @@ def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:
     group = cfg.model.moe.group
     if not cfg.model.moe.enabled or group is None:
         return []
-    micro = cfg.batch_layout(dims.data_ranks).micro_batch
+    micro = cfg.batch_layout(dims).micro_batch
     if micro % group:
         return [Problem.of("model.moe.group", f"model.moe.group={group} sequences does not divide a micro-batch of {micro} sequences "
                            f"(global_batch / (dp x ep) / accumulation)", f"use a group that divides {micro}")]
@@ -187,4 +187,4 @@ def describe_plan(cfg: Config, world: int) -> str:
         bounds = "blocks measured at start"
     else:
         bounds = f"blocks {balance_stages(planned_layer_costs(plan, model_shape(cfg.model, cfg.hf), cfg.seq_len), plan.num_stages)}"
-    return f"pp={plan.pp} ({plan.schedule}, {cfg.batch_layout(dims.dp).accum} micro-batches, {bounds}) x {degrees}"
+    return f"pp={plan.pp} ({plan.schedule}, {cfg.batch_layout(dims).accum} micro-batches, {bounds}) x {degrees}"

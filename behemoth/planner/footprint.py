@@ -7,6 +7,9 @@
   1/t of each split matrix; ZeRO-0 keeps (4 + 4 + 8)P bytes, stages 1-3 shard the optimizer state, then the
   gradients, then the parameters over dp. So a layout of t x p x dp ranks holds 16Ψ/(t p) per rank before ZeRO,
   16Ψ/(t p dp) at stage 3 (the census counts the rest exactly: the embedding and head, padding of the vocabulary).
+  Under expert parallelism a rank holds E / ep experts of each MoE block; dense parameters shard over dp x ep, expert
+  weights over dp. Offloaded states (`Layout.offload`) are ZeRO-3's units on their tier: they count as host or disk
+  bytes, not device bytes, and the device keeps the units it streams (1 + offload.prefetch blocks and a gradient).
 - **ZeRO buffers**: stage 2's gradient buckets in flight, stage 3's gathered units (`memory.py` has the exact layout).
 - **Stash**: what a micro-batch's forward keeps for backward on each of the rank's stages (per-token elements of a
   block from `models/activations.block_activation_elements`, the embedding's ids, the head's inputs and the loss's
@@ -45,6 +48,8 @@ class RankMemory:
     deferred: float = 0.0           # zb-h1: the output gradients its split backward keeps until the weight pass
     optimizer_step: float = 0.0
     elements: int = 0
+    host: float = 0.0               # model states offloaded to host memory (offload.*=cpu), not on the device
+    disk: float = 0.0               # model states offloaded to disk (offload.*=disk)
 
     @property
     def states(self) -> float:
@@ -74,16 +79,39 @@ def rank_elements(share: TPShare, lay: Layout, bounds: tuple[int, ...], rank: in
     return share.stage_elements(blocks, first=first, last=last, pp=lay.pp)
 
 
-def state_bytes(elements: int, lay: Layout, work: Workload) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage over dp."""
-    z, n = lay.zero, lay.dp
+OFFLOAD_MOMENT_BYTES = {32: 8, 8: 2}  # Adam moments per parameter: float32, or 8-bit blocks (their scales aside)
+
+
+def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0.0) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage, wherever they live: dense
+    ones sharded over dp x ep, the `experts` among them over dp alone (each ep rank holds other experts). Offloaded
+    states are ZeRO-3's units on their tiers (1/dp x ep of each state)."""
+    z = 3 if lay.offload.enabled else lay.zero
     p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
-    return (p * elements / (n if z >= 3 else 1), g * elements / (n if z >= 2 else 1), k * elements / (n if z >= 1 else 1))
+    if lay.offload.enabled:
+        k = OFFLOAD_MOMENT_BYTES[lay.offload.bits]
+    dense = elements - experts
+
+    def per_rank(nbytes: int, sharded_from: int) -> float:
+        return nbytes * (dense / lay.data_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
+
+    return per_rank(p, 3), per_rank(g, 2), per_rank(k, 1)
+
+
+def placed(states: tuple[float, float, float], lay: Layout) -> dict[str, tuple[float, float, float]]:
+    """The (params, grads, optimizer) bytes on each tier: device (`none`), host memory (`cpu`) and `disk`."""
+    kinds, off = ("params", "grads", "optimizer"), lay.offload
+    kept = [0.0 if k == "grads" and off.fused and off.tier(k) != "none" else b for k, b in zip(kinds, states)]  # fused: never stored
+    return {tier: tuple(b if off.tier(k) == tier else 0.0 for k, b in zip(kinds, kept)) for tier in ("none", "cpu", "disk")}  # type: ignore[misc]
 
 
 def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int) -> float:
-    """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks)."""
+    """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks);
+    offloaded, the units resident on the device (1 + offload.prefetch) and one unit's gradient."""
     p = STATE_BYTES_ZERO0[0] if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][0]
+    if lay.offload.enabled:
+        window = min(1 + lay.offload.prefetch, max(1, blocks)) * share.block
+        return 4 * max(window, share.embed, share.head + share.tied) + 4 * share.block
     if lay.zero == 2:
         return min(elements * p, (MAX_BUCKETS_IN_FLIGHT + 1) * work.bucket_mb * 2**20)
     if lay.zero == 3:
@@ -216,19 +244,20 @@ def rank_memory(work: Workload, lay: Layout, bounds: tuple[int, ...], rank: int)
 def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int, int]], recompute: bool | None = None) -> RankMemory:
     """`rank_memory` for a rank holding `stages`, (model stage, blocks) pairs, recomputing if `recompute` (default: if
     the layout says so): what the stage-boundary search asks."""
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     first = any(s == 0 for s, _ in stages)
     last = any(s == lay.stages - 1 for s, _ in stages)
-    elements = share.stage_elements(sum(n for _, n in stages), first=first, last=last, pp=lay.pp)
-    params, grads, optimizer = state_bytes(elements, lay, work)
+    blocks = sum(n for _, n in stages)
+    elements = share.stage_elements(blocks, first=first, last=last, pp=lay.pp)
+    tiers = placed(state_bytes(elements, lay, work, blocks * share.experts), lay)
+    params, grads, optimizer = tiers["none"]
     tokens = lay.micro_batch * work.seq_len
     recomputes = rank in lay.recompute if recompute is None else recompute
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
-    blocks = sum(n for _, n in stages)
-    opt_elements = elements / (lay.dp if lay.zero else 1)
+    opt_elements = elements / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "none" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(rank, params, grads, optimizer, zero_buffers(share, elements, lay, work, blocks), stash,
                       working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
-                      deferred_gradients(share, lay, work, rank, stages, tokens), step, elements)
+                      deferred_gradients(share, lay, work, rank, stages, tokens), step, elements, sum(tiers["cpu"]), sum(tiers["disk"]))

@@ -1,7 +1,8 @@
 """A candidate plan as the planner prices it, and where its pipeline stages sit.
 
-`Layout` holds what the search varies — the degrees, the ZeRO stage, sequence parallelism, the micro-batch
-size and count, the schedule and its chunks, the pipeline ranks that recompute and the stage boundaries — and
+`Layout` holds what the search varies — the degrees (ep included), the ZeRO stage, sequence parallelism, the micro-batch
+size and count, the schedule and its chunks, the pipeline ranks that recompute, the stage boundaries and where the
+model states live (`Offload`: the device, host memory or disk, per kind of state) — and
 converts to and from the `ParallelPlan` a user writes (`to_plan`, `of_config`): the automatic planner emits
 exactly the plan a user could have written by hand. `Workload` is what does not vary: the model's census, the
 sequence length, the global batch and the precision.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from behemoth.offload.runtime import OffloadPolicy
 from behemoth.planner.census import ModelCensus
 from behemoth.plan import ParallelPlan
 
@@ -50,9 +52,55 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+TIERS = ("none", "cpu", "disk")  # offload.* tiers: device memory, host memory, disk
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where a plan keeps each kind of model state (`offload.params/grads/optimizer`: none is device memory), the
+    Adam moments' bits, the units read ahead and whether a unit steps during backward (then no gradient is stored);
+    streamed unit by unit as ZeRO-3 units (offload/)."""
+
+    params: str = "none"
+    grads: str = "none"
+    optimizer: str = "none"
+    bits: int = 32
+    prefetch: int = 2
+    fused: bool = False
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Offload":
+        """The placement a config's `offload:` section states, as the runtime's policy resolves it (gradients on the
+        parameters' tier when `auto`; the fused step when unclipped)."""
+        if not cfg.offload.enabled:
+            return cls()
+        p = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
+        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused)
+
+    @property
+    def enabled(self) -> bool:
+        return any(t != "none" for t in (self.params, self.grads, self.optimizer)) or self.bits == 8
+
+    def tier(self, kind: str) -> str:
+        """The tier of `kind` (params, grads or optimizer)."""
+        return getattr(self, kind)
+
+    def describe(self) -> str:
+        """`off[p=disk g=disk o=cpu 8bit]`: the placement in one short word (empty when every state is on the device)."""
+        if not self.enabled:
+            return ""
+        tiers = " ".join(f"{k[0]}={self.tier(k)}" for k in ("params", "grads", "optimizer") if self.tier(k) != "none")
+        return f"off[{tiers}{' 8bit' if self.bits == 8 else ''}]".replace("[ ", "[")
+
+    def to_config(self, base: Any) -> dict[str, Any]:
+        """The `offload:` fields a user would write for this placement (others kept from `base`, a config section)."""
+        return {**base.model_dump(), "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "optimizer_bits": self.bits, "prefetch": self.prefetch}
+
+
 @dataclass(frozen=True)
 class Layout:
-    """One plan: degrees, ZeRO, SP, batch split, schedule, recompute and stage boundaries."""
+    """One plan: degrees, ZeRO, SP, batch split, schedule, recompute, stage boundaries, experts and offload."""
 
     dp: int = 1
     tp: int = 1
@@ -60,15 +108,22 @@ class Layout:
     zero: int = 0
     sp: bool = False
     micro_batch: int = 1              # sequences per micro-batch
-    microbatches: int = 1             # micro-batches per step and data-parallel rank (accumulation, or the pipeline's m)
+    microbatches: int = 1             # micro-batches per step and data rank (dp x ep; accumulation, or the pipeline's m)
     schedule: str = "1f1b"
     chunks: int = 1                   # model chunks per rank: v of the interleaved schedule, else 1
     recompute: tuple[int, ...] = ()   # pipeline ranks that recompute every block (0 alone without a pipeline)
     boundaries: tuple[int, ...] | None = None  # first block of every model stage, then n_layer (None: the planner balances)
+    ep: int = 1                       # expert parallelism: each rank holds 1/ep of every MoE layer's experts
+    offload: Offload = Offload()      # where the model states live
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.ep * self.tp * self.pp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that see different tokens, over which dense parameters are synchronised: dp x ep."""
+        return self.dp * self.ep
 
     @property
     def stages(self) -> int:
@@ -86,6 +141,8 @@ class Layout:
     def describe(self) -> str:
         """`dp=2 tp=2 pp=4 zero=1 sp 1f1b mb=2x8 rc[0,1]`: the plan in one short line."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
+        if self.ep > 1:
+            parts.insert(1, f"ep={self.ep}")
         if self.sp:
             parts.append("sp")
         if self.pp > 1:
@@ -93,6 +150,8 @@ class Layout:
         parts.append(f"mb={self.micro_batch}x{self.microbatches}")
         if self.recompute:
             parts.append("rc" + ("all" if len(self.recompute) == self.pp else str(list(self.recompute))))
+        if self.offload.enabled:
+            parts.append(self.offload.describe())
         return " ".join(parts)
 
     def to_plan(self, base: ParallelPlan | None = None) -> ParallelPlan:
@@ -101,7 +160,7 @@ class Layout:
         recompute: Any = "none"
         if self.recompute:
             recompute = "full" if len(self.recompute) == self.pp else list(self.recompute)
-        fields.update(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp and self.tp > 1,
+        fields.update(dp=self.dp, ep=self.ep, tp=self.tp, pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp and self.tp > 1,
                       microbatches=self.microbatches, schedule=self.schedule, recompute=recompute,
                       stage_boundaries=list(self.boundaries) if self.boundaries and self.pp > 1 else None,
                       memory_gb=None, balance="flops")
@@ -113,20 +172,21 @@ class Layout:
 
     @classmethod
     def of_config(cls, cfg: Any, world: int) -> "Layout":
-        """The layout a config's plan describes on `world` processes (its recompute policy resolved to ranks)."""
+        """The layout a config's plan (and offload section) describes on `world` processes (its recompute policy resolved
+        to ranks)."""
         from behemoth.parallel.pipeline.analysis.simulate import peak_stash
         from behemoth.parallel.pipeline.schedules import build_schedule
         from behemoth.parallel.recompute import recompute_ranks
 
         plan = cfg.parallel
         dims = plan.dims(world)
-        batch = cfg.batch_layout(dims.dp)
+        batch = cfg.batch_layout(dims)
         v = plan.schedule_chunks
         stash = peak_stash(build_schedule(plan.schedule, plan.pp, batch.accum, v)) if plan.pp > 1 else (1,)
         ranks = tuple(sorted(recompute_ranks(plan.recompute, stash)))
         bounds = tuple(plan.stage_boundaries) if plan.stage_boundaries is not None else None
         return cls(dims.dp, dims.tp, dims.pp, plan.zero_stage, plan.sequence_parallel and dims.tp > 1, batch.micro_batch, batch.accum,
-                   plan.schedule, v, ranks, bounds)
+                   plan.schedule, v, ranks, bounds, dims.ep, Offload.of(cfg))
 
     def but(self, **changes: Any) -> "Layout":
         return replace(self, **changes)

@@ -13,26 +13,26 @@ head at a time) and the unit gradients being reduce-scattered. It is what a rank
 byte, and the tests check the engine's measurement against it; so is the traffic of a step. Activations
 are not part of either (footprint.py adds them, and prices plans of any size in closed form).
 
-Under tensor and pipeline parallelism a rank holds only its part of the model: `rank_model` cuts the model (on the
-meta device) to the stages of one pipeline rank and splits it as tensor parallelism of the plan's degree would, with
-no process group, so the estimate of a layout of any world size is a rank's real layout: 16Ψ/(t p) bytes at
-ZeRO-0 (plus what t does not split and the embedding and head of the first and last stage), divided further by dp
-as the ZeRO stage shards.
+Under tensor, pipeline and expert parallelism a rank holds only its part of the model: `rank.py` lays it out with the
+runtime's own functions (the stage cut, the tensor-parallel split, E / ep experts) on the meta device, so the estimate
+of a layout of any world size is a rank's real layout: 16Ψ/(t p) bytes at ZeRO-0 (plus what t does not split and the
+embedding and head of the first and last stage), divided further by dp x ep as the ZeRO stage shards (expert weights
+by dp alone: they are distinct on each ep rank).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from behemoth.comm import plan_buckets
 from behemoth.errors import Problem
-from behemoth.models.causal_lm import build_causal_lm
 from behemoth.models.layered import view_of
 from behemoth.parallel.zero.layout import FlatLayout
-from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
-from behemoth.parallel.zero.units import LayerNames, UnitSpec, plan_units
+from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT, plan_stage_buckets
+from behemoth.parallel.zero.units import ExpertUnits, LayerNames, UnitSpec, plan_units, split_expert_units
+from behemoth.planner.rank import rank_model
 
 GiB = 2**30
 STAGES = (0, 1, 2, 3)
@@ -86,9 +86,14 @@ def real_elements(layout: FlatLayout, rank: int) -> int:
     return sum(p.numel for p in layout.pieces(rank))
 
 
-def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None = None) -> list[FlatLayout]:
-    """The gradient buckets behemoth builds at stages 1-2 (under a pipeline, per stage: `ZeroStage1._buckets`)."""
-    named = list(model.named_parameters())
+Select = Callable[[str], bool]
+
+
+def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None = None,
+             select: Select | None = None) -> list[FlatLayout]:
+    """The gradient buckets behemoth builds at stages 1-2 for the parameters `select` accepts (one sync's), under a
+    pipeline per stage (`ZeroStage1._buckets`)."""
+    named = [(name, p) for name, p in model.named_parameters() if select is None or select(name)]
     params = [p for _, p in named]
     names = {id(p): name for name, p in named}
 
@@ -97,41 +102,72 @@ def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[
 
     if stage_params is None:
         return [layout(b) for b in plan_buckets(reversed(params), int(bucket_mb * 2**20))]
-    uses: dict[int, int] = {}
-    for ps in stage_params.values():
-        for p in {id(q): q for q in ps}.values():
-            uses[id(p)] = uses.get(id(p), 0) + 1
-    out = []
-    for _, ps in sorted(stage_params.items()):
-        own = [p for p in params if uses.get(id(p)) == 1 and any(p is q for q in ps)]
-        out += [layout(b) for b in plan_buckets(reversed(own), int(bucket_mb * 2**20))]
-    return out + [layout([p]) for p in params if uses.get(id(p)) != 1]
+    per_stage, shared = plan_stage_buckets(params, stage_params, int(bucket_mb * 2**20))
+    return [layout(b) for stage in sorted(per_stage) for b in per_stage[stage]] + [layout(b) for b in shared]
 
 
 def _window_max(sizes: list[int], width: int) -> int:
     return max((sum(sizes[i:i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
 
 
+@dataclass(frozen=True)
+class ExpertSync:
+    """Under expert parallelism (ep > 1): which parameters are expert weights, synchronised over the `n` dp ranks alone
+    (every other parameter over dp x ep), and this rank's place among them."""
+
+    is_expert: Select
+    n: int
+    rank: int = 0
+
+
+def _units(model: Any, n: int, layers: LayerNames, tie_embeddings: bool, experts: ExpertSync | None) -> tuple[list[UnitSpec], list[FlatLayout], list[int]]:
+    """Stage 3's units as `shard_parameters` plans them (expert units apart, over dp), their layouts and this rank's place in each."""
+    units = plan_units(model, layers=layers, tie_embeddings=tie_embeddings)
+    if experts is None:
+        return units, [FlatLayout(u.names, u.shapes, n) for u in units], [-1] * len(units)
+    units = split_expert_units(model, units, ExpertUnits(experts.is_expert, None))  # type: ignore[arg-type]  # no group: shapes only
+    apart = [all(experts.is_expert(name) for name in u.names) for u in units]
+    return (units, [FlatLayout(u.names, u.shapes, experts.n if e else n) for u, e in zip(units, apart)],
+            [experts.rank if e else -1 for e in apart])
+
+
+def _syncs(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None,
+           experts: ExpertSync | None) -> list[tuple[list[FlatLayout], int]]:
+    """Stages 1-2: the buckets of each gradient sync and this rank's place in its group (-1: the data rank): one sync, or
+    with experts one over dp x ep for the dense parameters and one over dp for the experts (`build_syncs`)."""
+    if experts is None:
+        return [(_buckets(model, n, bucket_mb, stage_params), -1)]
+    return [(_buckets(model, n, bucket_mb, stage_params, lambda name: not experts.is_expert(name)), -1),
+            (_buckets(model, experts.n, bucket_mb, stage_params, experts.is_expert), experts.rank)]
+
+
 def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32", bucket_mb: float = 25.0,
                    prefetch: int = 1, rank: int = 0, layers: LayerNames | None = None, tie_embeddings: bool = False,
-                   stage_params: dict[int, list[Any]] | None = None) -> StageEstimate:
-    """Exact bytes rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default;
-    `stage_params`: under a pipeline, the parameters of each stage the rank holds, bucketed per stage)."""
+                   stage_params: dict[int, list[Any]] | None = None, experts: ExpertSync | None = None) -> StageEstimate:
+    """Exact bytes data rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default;
+    `stage_params`: under a pipeline, the parameters of each stage the rank holds, bucketed per stage; `experts`: expert
+    weights synchronised over a group of their own)."""
     p, g, k = BYTES_PER_PARAM[param_dtype]
     psi = sum(t.numel() for t in model.parameters())
     formula = formula_bytes(psi, n, stage, param_dtype)
     if stage == 0:
         return StageEstimate(0, psi, 0, 4 * psi, 4 * psi, 8 * psi, formula, traffic=2 * psi)
-    units = plan_units(model, layers=layers or view_of("gpt"), tie_embeddings=tie_embeddings) if stage == 3 else []
-    layouts = [FlatLayout(u.names, u.shapes, n) for u in units] if stage == 3 else _buckets(model, n, bucket_mb, stage_params)
+    units: list[UnitSpec] = []
+    if stage == 3:
+        units, layouts, places = _units(model, n, layers or view_of("gpt"), tie_embeddings, experts)
+        windows = [layouts]
+    else:
+        syncs = _syncs(model, n, bucket_mb, stage_params, experts)
+        windows = [lays for lays, _ in syncs]
+        layouts, places = [lay for lays, _ in syncs for lay in lays], [r for lays, r in syncs for _ in lays]
     padded = sum(lay.padded for lay in layouts)
     shard = sum(lay.shard_size for lay in layouts)
-    mine = sum(real_elements(lay, rank) for lay in layouts)
+    mine = sum(real_elements(lay, rank if r < 0 else r) for lay, r in zip(layouts, places))
     master = 4 * shard if param_dtype != "fp32" else 0  # a separate float32 copy only with bf16 compute
     est = StageEstimate(stage, psi, padded - psi, p * (shard if stage == 3 else padded), g * (shard if stage >= 2 else padded),
                         8 * mine + master, formula, len(layouts))
     if stage == 2:
-        est.buffers["grad_buffers_peak"] = _window_max([lay.padded * p for lay in layouts], MAX_BUCKETS_IN_FLIGHT + 1)
+        est.buffers["grad_buffers_peak"] = sum(_window_max([lay.padded * p for lay in lays], MAX_BUCKETS_IN_FLIGHT + 1) for lays in windows)
     if stage == 3:
         sizes = UnitSizes.of(units, layouts)
         est.buffers.update(stage3_buffers(sizes, prefetch, p))
@@ -143,25 +179,45 @@ def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32",
 
 @dataclass
 class UnitSizes:
-    """Padded elements of stage 3's units by role; `tied`: the units a tied head gathers again (the embedding)."""
+    """Padded elements of stage 3's units by role; `tied`: the units a tied head gathers again (the embedding);
+    `experts`: under expert parallelism, each block's expert unit (0 where it has none), gathered inside its block."""
 
     root: int
     embedding: list[int]
     blocks: list[int]
     head: list[int]
     tied: int
+    experts: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, units: list[UnitSpec], layouts: list[FlatLayout]) -> "UnitSizes":
         size = {id(u): lay.padded for u, lay in zip(units, layouts)}
-        role = {r: [size[id(u)] for u in units if u.role == r] for r in ("root", "embedding", "block", "head")}
+        role = {r: [size[id(u)] for u in units if u.role == r] for r in ("root", "embedding", "head")}
+        blocks: dict[int, list[int]] = {}  # a block's units: its own, then its experts' (split_expert_units' order)
+        for u in units:
+            if u.role == "block":
+                blocks.setdefault(id(u.module), []).append(size[id(u)])
         tied = sum(size[id(r)] for u in units if u.role == "head" for r in u.reads)
-        return cls(sum(role["root"]), role["embedding"], role["block"], role["head"], tied)
+        experts = [b[1] if len(b) > 1 else 0 for b in blocks.values()]
+        return cls(sum(role["root"]), role["embedding"], [b[0] for b in blocks.values()], role["head"], tied, experts if any(experts) else [])
 
     def gathered(self) -> int:
         """Elements all-gathered per forward and backward: every unit in forward, all but the embedding in backward
         (a lookup needs no weights), and a tied embedding once more in each."""
-        return 2 * (self.root + sum(self.blocks) + sum(self.head) + self.tied) + sum(self.embedding)
+        return 2 * (self.root + sum(self.blocks) + sum(self.experts) + sum(self.head) + self.tied) + sum(self.embedding)
+
+
+def _nested_peak(sizes: UnitSizes, prefetch: int, head: list[int]) -> int:
+    """Gathered elements at their peak when each block's expert unit is gathered inside the block's own (ep > 1): entering
+    the inner one of a pair (forward: the experts; backward: the block, whose backward ends after its experts') holds the
+    pair and prefetches the next `prefetch` units of that pass's order."""
+    pairs = list(zip(sizes.blocks, sizes.experts))
+    forward = sizes.embedding + [u for d, x in pairs for u in (d, x)] + head
+    backward = head + [u for d, x in pairs[::-1] for u in (x, d)]
+    held = [sum(forward[:1 + prefetch]), sum(backward[:1 + prefetch])]  # entering the first unit of each pass
+    for order, first in ((forward, len(sizes.embedding)), (backward, len(head))):
+        held += [order[at - 1] + sum(order[at:at + 1 + prefetch]) for at in range(first + 1, first + 2 * len(pairs), 2)]
+    return sizes.root + max(held)
 
 
 def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str, int]:
@@ -169,56 +225,38 @@ def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str,
 
     Forward enters the root and embedding, then each block, then the head (with the embedding again when the head
     is tied to it); each entry prefetches the next `prefetch` units, and the embedding is dropped when the first block
-    starts. Backward gathers the head and blocks again one or two at a time, so forward holds the peak. Unit gradients
-    complete head first, embedding last, two alive at once (one reduce-scatter in flight); a tied embedding's first
-    gradient (from the head) is kept until the second arrives, to be summed and reduce-scattered once.
+    starts. Backward gathers the head and blocks again one or two at a time, so forward holds the peak (with expert
+    units, `_nested_peak`). Unit gradients complete head first, embedding last, two alive at once (one reduce-scatter
+    in flight); a tied embedding's first gradient (from the head) is kept until the second arrives, to be summed and
+    reduce-scattered once.
     """
     head = [sum(sizes.head) + sizes.tied] if sizes.head or sizes.tied else []
-    gathered = sizes.root + _window_max(sizes.embedding + sizes.blocks + head, 1 + prefetch)
-    completion = sizes.head + sizes.blocks[::-1] + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
-    kept_until = len(sizes.head) + len(sizes.blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
+    if sizes.experts:
+        gathered = _nested_peak(sizes, prefetch, head)
+        blocks = [u for d, x in zip(sizes.blocks[::-1], sizes.experts[::-1]) for u in (x, d) if u]
+    else:
+        gathered = sizes.root + _window_max(sizes.embedding + sizes.blocks + head, 1 + prefetch)
+        blocks = sizes.blocks[::-1]
+    completion = sizes.head + blocks + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
+    kept_until = len(sizes.head) + len(blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
     grads = max((sum(completion[max(0, i - 1):i + 1]) + (sizes.tied if i <= kept_until else 0) for i in range(len(completion))), default=0)
     return {"gathered_peak": gathered * bytes_per, "grad_buffers_peak": grads * bytes_per}
 
 
-def rank_model(cfg: Any, world: int, pp_rank: int = 0) -> tuple[Any, dict[int, list[Any]] | None]:
-    """Pipeline rank `pp_rank`'s part of the config's model under its plan on `world` processes, on the meta device:
-    cut to the rank's stages, split by tensor parallelism (one tp rank: all hold equal shapes), and the parameters of
-    each stage it holds (None without a pipeline), as `parallelize` lays them out."""
-    from behemoth.parallelize import resolve_stage_boundaries
-    from behemoth.parallel.pipeline.partition import cut_model
-    from behemoth.parallel.pipeline.schedules import build_schedule
-    from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel
-
-    lm, plan = build_causal_lm(cfg.model, cfg.hf), cfg.parallel
-    dims = plan.dims(world)
-    stages = None
-    if dims.pp > 1:
-        batch = cfg.batch_layout(dims.dp)
-        schedule = build_schedule(plan.schedule, dims.pp, batch.accum, plan.schedule_chunks)
-        bounds = resolve_stage_boundaries(plan.model_copy(update={"balance": "flops"}) if plan.balance == "time" else plan, lm, cfg.seq_len, batch.micro_batch)
-        held = schedule.chunk_stages[pp_rank]
-        stages = cut_model(lm.module, held, bounds, lm.layers, lm.shape.tied)
-        shared = lm.shape.tied and len(schedule.stage_ranks[0]) == 1 and (0 in held) != (len(bounds) - 2 in held)
-    if dims.tp > 1:
-        apply_tensor_parallel(lm.module, TPComm(None, dims.tp, 0), TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms))  # type: ignore[arg-type]
-        lm.after_tensor_parallel(dims.tp)
-    if stages is None:
-        return lm, None
-    tied = lm.module.get_submodule(lm.layers.embedding).weight if shared else None
-    return lm, {s: [p for p in part.parameters() if p is not tied] for s, part in stages.items()}
-
-
 def estimate(cfg: Any, n: int | None = None, *, rank: int = 0, stages: tuple[int, ...] = STAGES, world: int | None = None,
              pp_rank: int = 0) -> list[StageEstimate]:
-    """Every ZeRO stage's exact estimate for data-parallel rank `rank` of pipeline rank `pp_rank` of the config's plan on
-    `world` processes (default: `n` data-parallel ranks and nothing else); built on the meta device: no memory."""
+    """Every ZeRO stage's exact estimate for data rank `rank` of pipeline rank `pp_rank` of the config's plan on `world`
+    processes (default: `n` data-parallel ranks and the plan's other degrees), laid out as `parallelize` lays it out
+    (rank.py), on the meta device: no memory."""
     plan = cfg.parallel
-    world = world if world is not None else (n or 1) * plan.tp * plan.pp
-    dp = plan.dims(world).dp
-    lm, stage_params = rank_model(cfg, world, pp_rank)
-    return [stage_estimate(lm.module, s, dp, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb, prefetch=plan.prefetch,
-                           rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied, stage_params=stage_params if s in (1, 2) else None)
+    world = world if world is not None else (n or 1) * plan.tp * plan.pp * plan.ep
+    dims = plan.dims(world)
+    part = rank_model(cfg, dims, pp_rank)
+    lm = part.lm
+    experts = ExpertSync(part.is_expert, dims.dp, rank // dims.ep) if part.is_expert is not None and dims.ep > 1 else None
+    return [stage_estimate(lm.module, s, dims.data_ranks, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb,
+                           prefetch=plan.prefetch, rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied,
+                           stage_params=part.stage_params if s in (1, 2) else None, experts=experts)
             for s in stages]
 
 
@@ -251,5 +289,5 @@ def fit_problems(cfg: Any, dp: int, world: int | None = None) -> list[Problem]:
 
 
 def layout_text(plan: Any) -> str:
-    """` x tp=2 x pp=4` for the degrees besides dp that a plan sets."""
-    return "".join(f" x {k}={getattr(plan, k)}" for k in ("tp", "pp") if getattr(plan, k) > 1)
+    """` x ep=2 x tp=2 x pp=4` for the degrees besides dp that a plan sets."""
+    return "".join(f" x {k}={getattr(plan, k)}" for k in ("ep", "tp", "pp") if getattr(plan, k) > 1)

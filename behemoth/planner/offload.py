@@ -2,8 +2,8 @@
 
 Pure functions of the config and a few measured rates (offload/calibrate.py measures them), except
 `offload_launch_problems`, which looks at the scratch directory and its disk. The model is built on the meta
-device and cut into the runtime's own units and shards, so every byte here is the runtime's layout.
-Under tensor parallelism a unit is taken as split over dp x tp (norms, which tp replicates, are small).
+device, split by tensor parallelism and cut into the runtime's own units and shards over dp (rank.py, `plan_units`),
+so every byte here is the runtime's layout.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from typing import Any
 from behemoth.errors import BehemothError, Problem
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import scratch
-from behemoth.offload.budget import ActivationShape, MemoryPeak, unit_sizes
+from behemoth.offload.budget import MemoryPeak, unit_sizes
 from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import make_order, plan_residencies, stores_grads, swap_bytes, StateSizes
 from behemoth.offload.runtime import OffloadPolicy, fit_budget
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import plan_units
+from behemoth.parallelize import offload_activations
+from behemoth.planner.rank import rank_model
+from behemoth.topology import ParallelDims
 
 KINDS = ("params", "grads", "optimizer")
 
@@ -76,14 +79,15 @@ class OffloadEstimate:
 
 def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type: str = "cpu") -> OffloadEstimate:
     """The offload plan of `cfg` on dp data-parallel ranks (tp from the config), rank 0's share."""
-    lm = build_causal_lm(cfg.model, cfg.hf)
-    tp = cfg.parallel.tp
+    dims = rank_dims(cfg, dp)
+    psi = sum(p.numel() for p in build_causal_lm(cfg.model, cfg.hf).module.parameters())
+    lm, tp = rank_model(cfg, dims).lm, dims.tp  # split by tp on meta, then cut into units over dp, as parallelize does
     specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
-    layouts = [FlatLayout(s.names, s.shapes, dp * tp) for s in specs]
+    layouts = [FlatLayout(s.names, s.shapes, dp) for s in specs]
     policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
-    batch = cfg.batch_layout(dp)
+    batch = cfg.batch_layout(dims)
     shape = lm.shape
-    act = ActivationShape(batch.micro_batch, cfg.seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
+    act = offload_activations(lm, batch, cfg.seq_len, tp)
     tied = bool(specs[-1].reads)
     prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
     sizes = unit_sizes(layouts, 0, policy.bits)
@@ -94,8 +98,14 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     moved = swap_bytes(plan, [StateSizes(4 * u.shard, 4 * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
     flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
-    return OffloadEstimate(policy, sum(lay.numel for lay in layouts), ranks or dp * tp, stored, moved, peak,
+    return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak,
                            prefetch, flops, len(specs))
+
+
+def rank_dims(cfg: Any, dp: int) -> ParallelDims:
+    """The mesh of `dp` data-parallel ranks under the config's other degrees (what `Config.batch_layout` splits over)."""
+    plan = cfg.parallel
+    return ParallelDims(dp * plan.pp * plan.ep * plan.tp, pp=plan.pp, dp=dp, ep=plan.ep, tp=plan.tp)
 
 
 def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:

@@ -123,7 +123,7 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
 
 def memory_floor(work: Workload, lay: Layout) -> float:
     """A lower bound of the busiest rank's memory: the model states of an even share of the parameters."""
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     mean = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     return sum(state_bytes(int(mean), lay, work))
 

@@ -6,7 +6,10 @@ its collectives inside the passes (two all-reduces per block each way, or with s
 and two reduce-scatters of the same bytes), on the link the tensor-parallel group spans. The pipeline turns per-stage
 forward, backward and weight-gradient costs into a step: a closed form while searching, the schedule simulator
 (`simulate.py`) for the plans that are reported. Data parallelism adds the gradient reduction (and ZeRO's
-all-gathers) on its link, less what the runtime overlaps with backward; the optimizer step is memory-bound.
+all-gathers) on its link, less what the runtime overlaps with backward; the optimizer step is memory-bound. Expert
+parallelism adds each MoE block's all-to-alls (tokens to their experts and back, both ways) on the link its group
+spans; offload adds the bytes its tiers move per step (host memory or disk, shared by a node's devices), of which
+what the passes do not hide (the streamer reads ahead while they compute) is exposed.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from behemoth.models.shape import LayerCosts
+from behemoth.models.shape import LayerCosts, block_forward_flops
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.planner.cluster import ClusterSpec
-from behemoth.planner.footprint import STATE_BYTES_ZERO0, rank_elements
+from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
 
@@ -53,10 +56,16 @@ class StepTime:
     optimizer: float
     recompute: float
     simulated: bool = False
+    ep_comm: float = 0.0       # expert parallelism's all-to-alls (not overlapped)
+    offload_io: float = 0.0    # seconds the offload tiers move bytes in a step, of which `offload` is exposed
+
+    @property
+    def offload(self) -> float:
+        return max(self.offload_io - self.passes, 0.0)
 
     @property
     def total(self) -> float:
-        return self.passes + self.dp_comm + self.optimizer
+        return self.passes + self.dp_comm + self.optimizer + self.ep_comm + self.offload
 
 
 def uniform_bounds(embed: float, block: float, head: float, n: int, stages: int) -> tuple[int, ...]:
@@ -101,7 +110,7 @@ def matmul_size(work: Workload, lay: Layout) -> float:
 def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
     """(compute, tp communication) seconds of one block's forward for one micro-batch on one rank."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
-    flops = work.census.block_forward_flops(work.seq_len) * tokens / lay.tp
+    flops = block_forward_flops(work.census.shape, work.seq_len) * tokens / lay.tp
     rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay)) * dev.block_efficiency
     saved = work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
     compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
@@ -115,7 +124,7 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
 def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the head's and loss's forward for one micro-batch (logits over this rank's vocabulary)."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     flops = 2.0 * work.census.shape.d_model * share.vocab * tokens
     rate = dev.matmul_rate(work.compute_dtype, (tokens * work.census.shape.d_model * share.vocab) ** (1 / 3))
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
@@ -197,10 +206,10 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
     """Exposed seconds of the gradient reduction and ZeRO's all-gathers of `elements` parameters on the data-parallel
     link; without a pipeline the reductions overlap `backward` (a micro-batch's backward on the rank), as the runtime's
     bucket hooks do; a pipeline reduces once, after its passes."""
-    if lay.dp == 1:
+    if lay.data_ranks == 1:
         return 0.0
     p, g = bytes_per(lay, work)
-    link, n = cluster.link(lay.tp * lay.dp), lay.dp
+    link, n = cluster.link(lay.tp * lay.data_ranks), lay.data_ranks
     hides = cluster.device.comm_overlap
     overlap = 0.0 if lay.pp > 1 else backward * hides
     if lay.zero == 0:
@@ -218,7 +227,7 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
 
 def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
     """The AdamW step over the rank's optimizer elements (its share of `elements` under ZeRO), memory-bound."""
-    local = elements / (lay.dp if lay.zero else 1)
+    local = elements / (lay.data_ranks if lay.zero or lay.offload.enabled else 1)
     return OPTIMIZER_BYTES_PER_ELEMENT * local / (cluster.device.memory_bandwidth_gbs * 1e9) + 40 * cluster.device.op_overhead_us * 1e-6
 
 
@@ -229,18 +238,44 @@ def chimera_sync_seconds(lay: Layout, cluster: ClusterSpec, elements: float) -> 
     return cluster.link(lay.world).seconds("all_reduce", 4 * elements, 2)
 
 
+def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
+    """Expert parallelism's all-to-alls in a step: per MoE block a rank holds and micro-batch, its tokens' hidden states
+    to the k experts they visit and back, in forward and again in backward, over ep ranks (a group tp ranks apart)."""
+    shape = work.census.shape
+    if lay.ep == 1 or not shape.experts:
+        return 0.0
+    moe_blocks = sum(1 for e in shape.experts if e) / lay.pp
+    routed = lay.micro_batch * work.seq_len * shape.d_model * max(1, shape.top_k) * work.act_bytes
+    return 4 * lay.microbatches * moe_blocks * cluster.link(lay.tp * lay.ep).seconds("all_to_all", routed, lay.ep)
+
+
+def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, experts: float) -> float:
+    """Seconds the offload tiers move a step's bytes for one rank: parameters read for forward and again for backward and
+    written after the update, gradients written and read back, moments read and written; a node's devices share its
+    host memory and disk bandwidth."""
+    if not lay.offload.enabled:
+        return 0.0
+    tiers = placed(state_bytes(elements, lay, work, experts), lay)
+    host, share = cluster.host, cluster.devices_per_node
+    rate = {"cpu": host.memory_bandwidth_gbs * 1e9 / share, "disk": host.disk_bandwidth_gbs * 1e9 / share}
+    return sum((3 * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "none")
+
+
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:
     """Seconds of one training step of `lay` on `cluster`, by part."""
     costs = pass_costs(work, lay, cluster, bounds)
     passes, bubble = pipeline_seconds(lay, costs, exact=exact)
-    share = work.census.at(lay.tp)
-    elements = max(rank_elements(share, lay, bounds, r) for r in range(lay.pp))
+    share = work.census.at(lay.tp, lay.ep)
+    busiest = max(range(lay.pp), key=lambda r: rank_elements(share, lay, bounds, r))
+    elements = rank_elements(share, lay, bounds, busiest)
+    experts = sum(bounds[s + 1] - bounds[s] for s in lay.held_stages(busiest)) * share.experts
     backward = max(sum(costs.backward[s] + costs.weight[s] for s in lay.held_stages(r)) for r in range(lay.pp))
     passes += chimera_sync_seconds(lay, cluster, elements)
     m = lay.microbatches
     pp_comm = 2 * m * costs.p2p * max(1, lay.chunks) if lay.pp > 1 else 0.0
     return StepTime(passes, bubble, costs.tp_comm * m, pp_comm, data_parallel_seconds(work, lay, cluster, elements, backward),
-                    optimizer_seconds(work, lay, cluster, elements), costs.recompute * m, simulated=exact and lay.pp > 1)
+                    optimizer_seconds(work, lay, cluster, elements), costs.recompute * m, simulated=exact and lay.pp > 1,
+                    ep_comm=expert_seconds(work, lay, cluster), offload_io=offload_seconds(work, lay, cluster, elements, experts))
 
 
 def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
@@ -254,6 +289,6 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     third = per_stage / 3
     flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, 0.0, 0.0, 0.0)
     passes = lay.microbatches * mean if lay.pp == 1 else closed_form_step(lay, [mean] * lay.pp, flat)[0]
-    share = work.census.at(lay.tp)
+    share = work.census.at(lay.tp, lay.ep)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     return passes + data_parallel_seconds(work, lay, cluster, elements, mean) + optimizer_seconds(work, lay, cluster, elements)

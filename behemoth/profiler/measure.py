@@ -23,6 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from behemoth.topology import ParallelDims
+
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages operators allocate while active, live now and at their peak (freed storages leave
@@ -56,9 +58,9 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def random_micro_batches(cfg: Any, dp: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One data-parallel rank's micro-batches of random tokens, shaped as the plan's batch layout cuts a step."""
-    layout = cfg.batch_layout(dp)
+def random_micro_batches(cfg: Any, dims: ParallelDims, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One data rank's micro-batches of random tokens, shaped as the plan's batch layout cuts a step on `dims`."""
+    layout = cfg.batch_layout(dims)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(layout.accum):
@@ -97,7 +99,7 @@ def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> d
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     try:
         engine = build_engine(cfg, rt)
-        batches = random_micro_batches(cfg, rt.dims.dp, seed=rt.coordinate("dp"))
+        batches = random_micro_batches(cfg, rt.dims, seed=rt.coordinate("dp"))
         times = []
         for _ in range(warmup + steps):
             synchronize(rt.device)

@@ -8,8 +8,8 @@ layout.py (a rank's part of a stacked expert weight, checkpoint views), comm.py 
 autograd functions), dispatch.py (the two layouts), apply.py (apply_expert_parallel), adapt.py (run-time choice).
 """
 
-from behemoth.parallel.expert.apply import LAYOUTS, ExpertParallel, ExpertPolicy, apply_expert_parallel
+from behemoth.parallel.expert.apply import LAYOUTS, ExpertParallel, ExpertPolicy, apply_expert_parallel, plan_expert_parallel
 from behemoth.parallel.expert.comm import EPComm
 from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard
 
-__all__ = ["EPComm", "EXPERT_LAYOUT", "ExpertParallel", "ExpertPolicy", "ExpertShard", "LAYOUTS", "apply_expert_parallel"]
+__all__ = ["EPComm", "EXPERT_LAYOUT", "ExpertParallel", "ExpertPolicy", "ExpertShard", "LAYOUTS", "apply_expert_parallel", "plan_expert_parallel"]

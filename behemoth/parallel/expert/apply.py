@@ -111,3 +111,10 @@ def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *,
             raise BehemothError(f"{name} is a {type(layer).__name__}, not an MoE layer", "list only the model's MoE layers")
         shard_experts(layer, name, ep, tp)
     return ExpertParallel(held, ep, tp, policy)
+
+
+def plan_expert_parallel(model: nn.Module, degree: int, *, layers: tuple[str, ...], tp: int = 1) -> ExpertParallel:
+    """The experts `apply_expert_parallel` keeps on a rank of a `degree`-wide ep group (widths split over `tp`), without
+    the groups: for the planner, on the meta device (every ep rank holds equal shapes; the result runs no collective)."""
+    return apply_expert_parallel(model, EPComm(None, degree, 0), ExpertPolicy(), layers=layers,  # type: ignore[arg-type]
+                                 tp=TPComm(None, tp, 0) if tp > 1 else None)  # type: ignore[arg-type]  # size and rank only

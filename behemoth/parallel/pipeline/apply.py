@@ -29,7 +29,7 @@ from behemoth.models.layered import LayeredView
 from behemoth.parallel.deferred import make_deferrable
 from behemoth.parallel.pipeline.analysis.simulate import peak_stash
 from behemoth.parallel.pipeline.executor import SYNC_TAG, Activations, Autocast, Batch, LossFn, PipeComm, PipelineExecutor, StepTrace
-from behemoth.parallel.pipeline.partition import cut_model
+from behemoth.parallel.pipeline.partition import PipelineStage, cut_model
 from behemoth.parallel.pipeline.schedules import Schedule, build_schedule
 from behemoth.parallel.recompute import RecomputePolicy, recompute_ranks
 
@@ -70,8 +70,7 @@ class PipelineParallel:
     def stage_parameters(self) -> dict[int, list[nn.Parameter]]:
         """Stage -> the parameters its passes use, which ZeRO buckets per stage. The tied embedding shared with another
         rank is left out: ZeRO reduces it at the step, after the two stages summed it."""
-        tied = self.model.get_submodule(self.layers.embedding).weight if self._tied_peer() is not None else None
-        return {stage: [p for p in part.parameters() if p is not tied] for stage, part in self.stages.items()}
+        return stage_parameters(self.model, self.stages, self.layers, shared=self._tied_peer() is not None)
 
     def start(self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None) -> None:
         """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist."""
@@ -107,13 +106,7 @@ class PipelineParallel:
 
     def _tied_peer(self) -> int | None:
         """The rank whose copy of the tied embedding this rank's must be summed with, if any."""
-        s = self.schedule
-        if not self.tied or len(s.stage_ranks[0]) > 1:  # Chimera's GRAD_SYNC covers both copies
-            return None
-        first, last = s.stage_ranks[0][0], s.stage_ranks[-1][0]
-        if first == last or self.rank not in (first, last):
-            return None
-        return last if self.rank == first else first
+        return tied_peer(self.schedule, self.rank, self.tied)
 
     def sum_tied_grads(self) -> None:
         """Sum the first and last stages' copies of a tied embedding's gradient (before the data-parallel reduction)."""
@@ -133,6 +126,22 @@ class PipelineParallel:
             block = int(name[len(blocks) + 1:].split(".")[0])
             return next(s for s in range(len(bounds) - 1) if bounds[s] <= block < bounds[s + 1])
         return 0 if name.startswith(tuple(f"{m}." for m in self.layers.first)) else len(bounds) - 2
+
+
+def tied_peer(schedule: Schedule, rank: int, tied: bool) -> int | None:
+    """The rank whose copy of a tied embedding rank `rank`'s is summed with, if any (pure: the planner asks it too)."""
+    if not tied or len(schedule.stage_ranks[0]) > 1:  # Chimera's GRAD_SYNC covers both copies
+        return None
+    first, last = schedule.stage_ranks[0][0], schedule.stage_ranks[-1][0]
+    if first == last or rank not in (first, last):
+        return None
+    return last if rank == first else first
+
+
+def stage_parameters(model: nn.Module, stages: dict[int, PipelineStage], layers: LayeredView, *, shared: bool) -> dict[int, list[nn.Parameter]]:
+    """Stage -> the parameters its passes use, less the tied embedding when it is `shared` with another rank."""
+    tied = model.get_submodule(layers.embedding).weight if shared else None
+    return {stage: [p for p in part.parameters() if p is not tied] for stage, part in stages.items()}
 
 
 def apply_pipeline(model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, *, layers: LayeredView,

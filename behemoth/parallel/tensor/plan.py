@@ -133,6 +133,12 @@ def apply_tensor_parallel(model: nn.Module, tp: TPComm, policy: TensorPolicy) ->
     return TensorParallel(model, tp, sequence_parallel, vocab)
 
 
+def plan_tensor_parallel(model: nn.Module, degree: int, policy: TensorPolicy) -> TensorParallel:
+    """The split `apply_tensor_parallel` makes on a rank of a `degree`-wide group, without the group: for the planner, on
+    the meta device (every tp rank holds equal shapes; the result runs no collective)."""
+    return apply_tensor_parallel(model, TPComm(None, degree, 0), policy)  # type: ignore[arg-type]  # construction reads size and rank only
+
+
 @dataclass
 class Build:
     """What every module's replacement needs: the group, SP, whether the embedding is reduce-scattered, tied weights."""

@@ -119,6 +119,18 @@ class ZeroSync(GradSync):
         return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups)}
 
 
+def plan_stage_buckets(params: list[nn.Parameter], stage_params: dict[int, list[nn.Parameter]], bucket_bytes: int
+                       ) -> tuple[dict[int, list[list[nn.Parameter]]], list[list[nn.Parameter]]]:
+    """Under a pipeline: each stage's buckets (backward order) of the `params` only it uses, and a bucket apiece for
+    those two stages share or none lists. Pure (shapes only): the planner lays the buckets out with it too."""
+    mine = {id(p) for p in params}
+    stage_params = {stage: [p for p in ps if id(p) in mine] for stage, ps in stage_params.items()}
+    uses = Counter(id(p) for ps in stage_params.values() for p in {id(q): q for q in ps}.values())
+    per_stage = {stage: plan_buckets(reversed([p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]), bucket_bytes)
+                 for stage, ps in sorted(stage_params.items())}
+    return per_stage, [[p] for p in params if uses[id(p)] != 1]
+
+
 class ZeroStage1(ZeroSync):
     """Optimizer state sharded; full gradients accumulate in buckets and are reduce-scattered on the last micro-batch."""
 
@@ -163,13 +175,9 @@ class ZeroStage1(ZeroSync):
                     p.register_post_accumulate_grad_hook(self._grad_ready(g, i))
                 groups.append(g)
             return groups
-        mine = {id(p) for p in params}
-        stage_params = {stage: [p for p in ps if id(p) in mine] for stage, ps in stage_params.items()}
-        uses = Counter(id(p) for ps in stage_params.values() for p in {id(q): q for q in ps}.values())
-        for stage, ps in sorted(stage_params.items()):
-            own = [p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]
-            self.stage_buckets[stage] = [bucket(b) for b in plan_buckets(reversed(own), bucket_bytes)]
-        self.deferred = [bucket([p]) for p in params if uses[id(p)] != 1]
+        per_stage, shared = plan_stage_buckets(params, stage_params, bucket_bytes)
+        self.stage_buckets = {stage: [bucket(b) for b in buckets] for stage, buckets in per_stage.items()}
+        self.deferred = [bucket(b) for b in shared]
         return [g for stage in sorted(self.stage_buckets) for g in self.stage_buckets[stage]] + self.deferred
 
     def _grad_ready(self, g: ReplicatedGroup, index: int) -> Callable[[torch.Tensor], None]:
