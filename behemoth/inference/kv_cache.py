@@ -11,7 +11,7 @@ The cache is split in two, so that several ranks can share one scheduler:
 `plan_step` turns "these sequences, these new tokens" into a `StepBatch`: plain tensors (token ids,
 positions, the slot of each new token, the slots every row attends to) that any rank can run against
 its storage without knowing the block tables. `CacheStep` is that batch bound to a rank's storage; it
-is the `KVCacheStep` the models' cached forward hands its keys and values to (models/decoding.py).
+is the `KVCacheStep` the models' cached forward hands its keys and values to (models/layered.py).
 """
 
 from __future__ import annotations

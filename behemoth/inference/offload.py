@@ -269,13 +269,12 @@ def offloaded_generator(source: Source, policy: OffloadPolicy, cache: "CachePoli
     from behemoth.inference.runner import ModelRunner, cache_layout
     from behemoth.inference.text import tokenizer_for
     from behemoth.models.causal_lm import build_causal_lm
-    from behemoth.models.decoding import decode_view_of
 
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     cfg = source.config
     lm = build_causal_lm(cfg.model, cfg.hf)
     lm.weights = None
-    blocks = decode_view_of(lm.arch).blocks
+    blocks = lm.layers.blocks
     parts, reader = parts_of(lm, blocks), SourceReader(source, lm)
     folder = Path(policy.folder) if policy.folder else None
     if policy.tier == "disk" and folder is None:

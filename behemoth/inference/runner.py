@@ -9,6 +9,7 @@ holds when the model spans several processes: it sends every step to the other r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +19,6 @@ from torch import nn
 from behemoth.comm import all_gather, broadcast_object
 from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
 from behemoth.models.causal_lm import CausalLM
-from behemoth.models.decoding import decode_view_of
 from behemoth.parallel.tensor import TensorParallel
 
 STOP = "stop"
@@ -53,7 +53,7 @@ class ModelRunner:
     def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None,
                  stream: Any = None) -> None:
         self.lm, self.storage, self.tp, self.stream = lm, storage, tp, stream  # stream: an offload LayerStreamer
-        self.view = decode_view_of(lm.arch)
+        self.view = lm.layers  # the model's own blocks, run against the cache
         self.blocks = lm.module.get_submodule(self.view.blocks)
         self.layers = storage.layout.layers
         self.vocab_size = lm.shape.vocab_size
@@ -61,17 +61,18 @@ class ModelRunner:
         lm.module.eval()
 
     @torch.no_grad()
-    def hidden(self, batch: StepBatch, h: torch.Tensor | None = None) -> torch.Tensor:
-        """Embed the batch's tokens (or take the hidden states `h` from an earlier stage) and run this rank's blocks."""
+    def hidden(self, batch: StepBatch, h: torch.Tensor | None = None, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Embed the batch's tokens (or take the hidden states `h` from an earlier stage) and run `layers` (default: this
+        rank's blocks)."""
         step = self.storage.step(batch)
         model, positions = self.lm.module, step.batch.positions
         if h is None:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
-        for i in self.layers:
+        for i in self.layers if layers is None else layers:
             if self.stream is not None:
                 self.stream.load(i)
-            h = self.view.block(self.blocks[i], i, h, ctx)
+            h = self.view.block(self.blocks[i], h, ctx)
             if self.stream is not None:
                 self.stream.release(i)
         return h

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from behemoth.models.init import InitSpec
+from behemoth.models.layered import KVCacheStep
 from behemoth.models.moe import ExpertSpec, MoEConfig, MoELayer, RouterStats, StackedExperts, init_std, moe_params
 from behemoth.models.shape import ModelShape
 
@@ -116,17 +117,24 @@ class GPTConfig(BaseModel):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Causal multi-head attention over the sequence, or over a KV cache's keys and values of earlier tokens too."""
+
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.layer_idx = cfg.head_dim, layer_idx  # layer_idx: which layer's keys and values a cache holds
         self.dropout = cfg.dropout_p
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.has_bias)  # output laid out [q | k | v]
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.has_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCacheStep | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # B, H, T, hd
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            k, v = cache.update(k, v, self.layer_idx)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.attention_mask, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -149,16 +157,17 @@ def moe_mlp(cfg: GPTConfig, experts: int, index: int, stats: RouterStats) -> MoE
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, moe: tuple[int, int, RouterStats] | None = None) -> None:
+    def __init__(self, cfg: GPTConfig, moe: tuple[int, int, RouterStats] | None = None, layer_idx: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.mlp = MLP(cfg) if moe is None else moe_mlp(cfg, *moe)
         self.drop = nn.Dropout(cfg.dropout_p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCacheStep | None = None) -> torch.Tensor:
+        """The block over a whole sequence, or over new tokens against `cache` (cached decoding)."""
+        x = x + self.drop(self.attn(self.ln_1(x), cache))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -174,12 +183,14 @@ class GPT(nn.Module):
         experts = cfg.moe.experts_per_block(cfg.n_layer)
         self.routers = RouterStats([e for e in experts if e]) if cfg.moe.enabled else None
         moe_index = {block: i for i, block in enumerate(cfg.moe.moe_blocks(cfg.n_layer))}
-        self.blocks = nn.ModuleList(Block(cfg, (experts[i], moe_index[i], self.routers) if experts[i] else None) for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, (experts[i], moe_index[i], self.routers) if experts[i] else None, layer_idx=i)
+                                    for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token + position embeddings; `positions` [B, T] (cached decoding) or None: 0 .. T-1."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
