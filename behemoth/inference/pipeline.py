@@ -1,10 +1,11 @@
 """Pipeline-parallel generation: a step's requests cut into micro-batches that flow through the stages.
 
-Every rank holds its stage's blocks and their part of the KV cache. A step's rows (requests) are cut
-into up to `pp` micro-batches; stage s runs micro-batch j while stage s+1 runs micro-batch j-1, each
-stage sending its hidden states on as soon as they exist (non-blocking sends, bounded receives). The
-last stage turns each micro-batch's last hidden states into logits (gathered over tensor parallelism
-within the stage) and sends the step's logits back to the first stage, where the scheduler samples.
+Every rank holds its stages' blocks and their part of the KV cache. A step's rows (requests) are cut
+into up to `pp` micro-batches that run through the pipeline executor's forward-only pass (`flow`, the
+one evaluation uses): stage s runs micro-batch j while stage s+1 runs micro-batch j-1, each stage
+sending its hidden states on as soon as they exist (bounded waits). The last stage turns each
+micro-batch's last hidden states into logits (gathered over tensor parallelism within the stage) and
+sends the step's logits back to the first stage, where the scheduler samples.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import P2P, Pending, batch_p2p
+from behemoth.comm import P2P, batch_p2p
 from behemoth.inference.kv_cache import StepBatch
-from behemoth.inference.runner import ModelRunner, module_dtype
+from behemoth.inference.runner import ModelRunner
+from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallelize import ParallelModel
 
 LOGITS_TAG = 1 << 20
@@ -37,50 +39,40 @@ def split_rows(batch: StepBatch, parts: int) -> list[StepBatch]:
 
 
 class PipelineRunner:
-    """This rank's stage of a pipelined model; `forward` is collective over the pipeline (every rank calls it)."""
+    """This rank's stages of a pipelined model; `forward` is collective over the pipeline (every rank calls it)."""
 
     def __init__(self, model: ParallelModel, local: ModelRunner, *, timeout_s: float = 300.0) -> None:
         pipe = model.pipeline
-        self.local, self.group, self.timeout_s = local, pipe.group, timeout_s
-        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.is_first, self.is_last = self.rank == 0, self.rank == self.size - 1
+        self.local, self.group, self.timeout_s, self.executor = local, pipe.group, timeout_s, pipe.executor
+        self.size = dist.get_world_size(self.group)
+        owners = self.executor.schedule.stage_ranks
+        self.first, self.last = owners[0][0], owners[-1][0]  # the pipeline ranks of the embedding and of the head
+        self.is_first, self.is_last = self.executor.rank == self.first, self.executor.rank == self.last
         self.sends_logits = model.rt.coordinate("tp") == 0  # one copy of the step's logits goes back per pipeline
-        self.d_model, self.dtype, self.device = model.lm.shape.d_model, module_dtype(model.module), model.rt.device
-        self.vocab_size = local.vocab_size
+        self.vocab_size, self.device = local.vocab_size, model.rt.device
 
     def forward(self, batch: StepBatch) -> torch.Tensor | None:
         """Logits [B, vocab] of each row's last new token on the first stage; None on the others."""
         parts = split_rows(batch, min(self.size, batch.ids.shape[0]))
-        sends: list[Pending] = []
-        logits = []
-        for j, mb in enumerate(parts):
-            h = None if self.is_first else self._receive(mb, j)
-            h = self.local.hidden(mb, h)
-            if self.is_last:
-                logits.append(self.local.head(h, mb.lengths))
-            else:
-                sends += batch_p2p([P2P(True, h.contiguous(), self.rank + 1, j)], self.group)
-        for pending in sends:
-            pending.wait(self.timeout_s)
-        return self._logits_home(logits, batch)
 
-    def _receive(self, mb: StepBatch, tag: int) -> torch.Tensor:
-        h = torch.empty((*mb.ids.shape, self.d_model), dtype=self.dtype, device=self.device)
-        for pending in batch_p2p([P2P(False, h, self.rank - 1, tag)], self.group):
-            pending.wait(self.timeout_s)
-        return h
+        def stage_forward(stage: PipelineStage, j: int, x: torch.Tensor) -> torch.Tensor:
+            h = self.local.hidden(parts[j], None if stage.is_first else x, layers=stage.blocks)
+            return self.local.head(h, parts[j].lengths) if stage.is_last else h
+
+        logits = self.executor.flow([mb.ids for mb in parts], stage_forward)
+        return self._logits_home([logits[j] for j in sorted(logits)], batch)
 
     def _logits_home(self, logits: list[torch.Tensor], batch: StepBatch) -> torch.Tensor | None:
         """The last stage's logits, sent to the first (a one-stage pipeline keeps them)."""
         if self.is_first and self.is_last:
             return torch.cat(logits)
         if self.is_last and self.sends_logits:
-            for pending in batch_p2p([P2P(True, torch.cat(logits).contiguous(), 0, LOGITS_TAG)], self.group):
+            for pending in batch_p2p([P2P(True, torch.cat(logits).contiguous(), self.first, LOGITS_TAG)], self.group):
                 pending.wait(self.timeout_s)
             return None
         if self.is_first and self.sends_logits:
             out = torch.empty((batch.ids.shape[0], self.vocab_size), dtype=torch.float32, device=self.device)
-            for pending in batch_p2p([P2P(False, out, self.size - 1, LOGITS_TAG)], self.group):
+            for pending in batch_p2p([P2P(False, out, self.last, LOGITS_TAG)], self.group):
                 pending.wait(self.timeout_s)
             return out
         return None

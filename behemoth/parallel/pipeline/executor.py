@@ -12,8 +12,8 @@ posted, so receives posted one at a time ahead of sends deadlock (1F1B's steady 
 `validate` proves every schedule's groups deadlock-free and matched in order under those rules
 (`rendezvous.py`). Tested on gloo (which runs a group's ops one by one, matched by tag) and by that
 model, not on GPUs. Chimera's gradient sync exchanges in one group too (`pair_all_reduce`), and
-the evaluation pass issues each transfer as a group of one, in (batch, stage) order on every rank.
-Every wait is bounded by `timeout_s` and fails with an error naming this rank, the action and the peer.
+the forward-only pass (`flow`: evaluation and generation) issues each transfer as a group of one,
+in (batch, stage) order on every rank. Every wait is bounded by `timeout_s` and fails with an error naming this rank, the action and the peer.
 
 The executor runs passes and transfers and stops at OPT_STEP: finishing the gradients, clipping,
 the optimizer step and the loss reduction are the engine's, for every layout.
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +52,12 @@ from behemoth.parallel.pipeline.stage import StashMeter, Stashed, backward_full,
 ACT, GRAD = "act", "grad"
 PAYLOAD = {Kind.SEND_ACT: ACT, Kind.RECV_ACT: ACT, Kind.SEND_GRAD: GRAD, Kind.RECV_GRAD: GRAD}
 SYNC_TAG = 1 << 22  # tags of gradient syncs between replicas; activations and gradients use 1 .. SYNC_TAG-1
-EVAL_TAG = 1 << 23  # tags of the forward-only evaluation pass
+EVAL_TAG = 1 << 23  # tags of the forward-only pass (evaluation, generation)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 Autocast = Callable[[], contextlib.AbstractContextManager]
+StageForward = Callable[[PipelineStage, int, torch.Tensor], torch.Tensor]  # (stage, batch index, its input) -> its output
 
 
 @dataclass(frozen=True)
@@ -163,14 +164,14 @@ class PipelineExecutor:
             raise self.wait_error(err, index, a, what) from None
 
     def wait_error(self, err: RuntimeError | HangError, index: int, a: Action, what: str) -> PipelineWaitError:
-        """One line naming this rank, the action (index -1: the evaluation pass), the peer and why (the flight
+        """One line naming this rank, the action (index -1: the forward-only pass), the peer and why (the flight
         recorder's diagnosis: which ranks never arrived; or c10d's reason)."""
         if isinstance(err, HangError):
             detail = err.diagnosis
         else:
             detail = str(err).strip().splitlines()[0][-160:] if str(err).strip() else type(err).__name__
         me, peer = dist.get_rank(), dist.get_global_rank(self.comm.group, a.peer)
-        where = f"action {index} {a}" if index >= 0 else f"{a} of the evaluation pass"
+        where = f"action {index} {a}" if index >= 0 else f"{a} of the forward-only pass"
         return PipelineWaitError(
             f"pipeline rank {self.rank} (global rank {me}) waited {what} at {where} "
             f"with pipeline rank {a.peer} (global rank {peer}) and gave up after run.timeout_s={self.comm.timeout_s:g} s ({detail})",
@@ -183,33 +184,50 @@ class PipelineExecutor:
     @torch.no_grad()
     def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
         """[summed token loss, token count] of the batches whose last stage runs here (first replica of every stage)."""
+
+        def stage_forward(part: PipelineStage, b: int, x: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                out = part.forward(x)
+            if not part.is_last:
+                return out
+            targets = batches[b][1].to(self.device)
+            return torch.stack([loss_sum(out, targets).double(), torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)])
+
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for out in self.flow([inputs for inputs, _ in batches], stage_forward).values():
+            stats += out
+        return stats
+
+    @torch.no_grad()
+    def flow(self, inputs: Sequence[torch.Tensor], stage_forward: StageForward) -> dict[int, torch.Tensor]:
+        """Batches forward through the stages, no backward (evaluation, generation): each stage runs on its first replica,
+        `stage_forward(stage, batch index, input)` on token ids (first stage) or the previous stage's output; returns the
+        last stage's outputs of the batches whose last stage runs here. Each transfer is a group of one, in (batch, stage)
+        order on every rank, so stage s runs batch b while stage s+1 runs batch b-1."""
         owner = [ranks[0] for ranks in self.schedule.stage_ranks]
-        sends, local = [], {}
-        for b, (inputs, targets) in enumerate(batches):
+        sends, local, outputs = [], {}, {}
+        for b, ids in enumerate(inputs):
             for stage in (s for s in range(len(owner)) if owner[s] == self.rank):
                 part, tag = self.stages[stage], EVAL_TAG + b * len(owner) + stage
                 if part.is_first:
-                    x = inputs.to(self.device)
+                    x = ids.to(self.device)
                 elif owner[stage - 1] == self.rank:
                     x = local.pop(stage - 1)
                 else:
-                    x = torch.empty(self.activations.shape(inputs), dtype=self.activations.dtype, device=self.device)
+                    x = torch.empty(self.activations.shape(ids), dtype=self.activations.dtype, device=self.device)
                     a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
-                    self.wait(self.send_recv(P2P(False, x, a.peer, tag - 1)), -1, a, "for an evaluation activation")
-                with autocast():
-                    out = part.forward(x)
+                    self.wait(self.send_recv(P2P(False, x, a.peer, tag - 1)), -1, a, "for a forward-only activation")
+                out = stage_forward(part, b, x)
                 if part.is_last:
-                    stats += torch.stack([loss_sum(out, targets.to(self.device)).double(),
-                                          torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)])
+                    outputs[b] = out
                 elif owner[stage + 1] == self.rank:
                     local[stage] = out
                 else:
-                    a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.activations.dtype)
+                    a, out = Action(Kind.SEND_ACT, stage, b, peer=owner[stage + 1]), out.to(self.activations.dtype).contiguous()
                     sends.append((self.send_recv(P2P(True, out, a.peer, tag)), a, out))  # keep `out` alive until sent
         for pending, a, _ in sends:
-            self.wait(pending, -1, a, "for an evaluation send")
-        return stats
+            self.wait(pending, -1, a, "for a forward-only send")
+        return outputs
 
 
 class _Step:
