@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from behemoth.comm import P2P, batch_p2p
+from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import StepBatch
 from behemoth.inference.runner import ModelRunner
 from behemoth.parallel.pipeline.partition import PipelineStage
@@ -43,6 +44,8 @@ class PipelineRunner:
 
     def __init__(self, model: ParallelModel, local: ModelRunner, *, timeout_s: float = 300.0) -> None:
         pipe = model.pipeline
+        if pipe is None or pipe.executor is None:
+            raise BehemothError("pipelined generation of a model laid out without a pipeline", "load the model with pp > 1")
         self.local, self.group, self.timeout_s, self.executor = local, pipe.group, timeout_s, pipe.executor
         self.size = dist.get_world_size(self.group)
         owners = self.executor.schedule.stage_ranks

@@ -205,7 +205,9 @@ class PipelineExecutor:
         last stage's outputs of the batches whose last stage runs here. Each transfer is a group of one, in (batch, stage)
         order on every rank, so stage s runs batch b while stage s+1 runs batch b-1."""
         owner = [ranks[0] for ranks in self.schedule.stage_ranks]
-        sends, local, outputs = [], {}, {}
+        sends: list[tuple[Pending, Action, torch.Tensor]] = []
+        local: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
         for b, ids in enumerate(inputs):
             for stage in (s for s in range(len(owner)) if owner[s] == self.rank):
                 part, tag = self.stages[stage], EVAL_TAG + b * len(owner) + stage
