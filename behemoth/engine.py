@@ -109,8 +109,9 @@ class Engine:
         loss = self.forward_backward(micro_batches)
         model.finish_grads()
         grad_norm = model.clip_grads(self.train.grad_clip, self.device)
-        if not math.isfinite(grad_norm):  # never applied (every rank sees the same norm, so all skip alike); offload's fused
-            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)  # step excepted
+        if not math.isfinite(grad_norm):  # not applied (every rank sees the same norm, so all skip alike); a step fused into
+            # backward applied its finite part already, which only train.nonfinite=stop accepts (problems() refuses skip)
+            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)
         for optimizer in self.optimizers:
             optimizer.step()
         metrics = model.router_metrics() | (model.offload.step_metrics() if model.offload is not None else {})

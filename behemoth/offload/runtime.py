@@ -71,7 +71,7 @@ class OffloadPolicy:
     @classmethod
     def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> "OffloadPolicy":
         """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
-        fused = offload.step == "fused" or (offload.step == "auto" and grad_clip == 0)
+        fused = steps_in_backward(offload.step, grad_clip)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
         return cls(offload.params, offload.grads_tier, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
                    offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits, budget)
@@ -83,6 +83,11 @@ class OffloadPolicy:
     @property
     def uses_disk(self) -> bool:
         return "disk" in self.tiers.values()
+
+
+def steps_in_backward(step: str, grad_clip: float) -> bool:
+    """Whether offload.step (with train.grad_clip) fuses the optimizer step into backward: `fused`, or `auto` unclipped."""
+    return step == "fused" or (step == "auto" and grad_clip == 0)
 
 
 def fit_budget(policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str,
@@ -115,6 +120,10 @@ class OffloadSync(GradSync):
 
     sharded = True
 
+    @property
+    def steps_in_backward(self) -> bool:  # type: ignore[override]
+        return self.policy.fused
+
     def __init__(self, lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, value: ValueSource,
                  activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
@@ -138,6 +147,7 @@ class OffloadSync(GradSync):
         self.specs = units
         self.stores: list[UnitStore] = []
         self.step_count, self.norm_sq, self.coef = 0, torch.zeros((), dtype=torch.float32, device=rt.device), 1.0
+        self.nonfinite = False  # a gradient of this step was not finite: no fused step from then on
         self.completed: list[UnitStore] = []
         self.optimizer: OffloadOptimizer | None = None
         self.staging: list[str] = []
@@ -185,6 +195,7 @@ class OffloadSync(GradSync):
         """A new step: no gradient norm yet; the counters start again."""
         self._drop_staging()
         self.norm_sq.zero_()
+        self.nonfinite = False
         self.completed = []
         self.counted = self._counters()
 
@@ -288,8 +299,12 @@ class OffloadSync(GradSync):
         """A unit's gradient is whole (summed over micro-batches and ranks): count its norm, then step it or keep it."""
         if self.tp is not None:
             self.tp.finish_grads([(store.layout.names[pc.index], grad[pc.shard_offset:pc.shard_offset + pc.numel]) for pc in store.raw_pieces])
-        self.norm_sq += self._weighted_square(store, grad)
+        square = self._weighted_square(store, grad)
+        self.norm_sq += square
         if self.policy.fused:
+            self.nonfinite = self.nonfinite or not bool(torch.isfinite(square))
+            if self.nonfinite:  # the step's norm will not be finite: it applies to no further unit (the engine skips it)
+                return
             step = PendingStep(self.optimizer.lr, 1.0, self.step_count + 1)
             self.io.submit(store.index, store.apply_step, shard, grad, step)
         else:

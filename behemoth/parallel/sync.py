@@ -72,6 +72,9 @@ class GradSync(abc.ABC):
 
     group: dist.ProcessGroup
     sharded: bool  # True: after finish() each rank holds only its shard of the summed gradients
+    # True: the optimizer steps during backward (offload's fused step), before the global norm is known, so a step
+    # cannot be skipped; such a sync steps no part whose gradient is not finite, so the weights stay finite
+    steps_in_backward: bool = False
 
     @property
     def replicas(self) -> int:
