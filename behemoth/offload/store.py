@@ -17,7 +17,7 @@ import torch
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
-from behemoth.offload.adam import Adam8bit, AdamFP32, ShardPiece
+from behemoth.offload.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.offload.tiers import Tier
 from behemoth.parallel.chunked import ChunkedTensor, chunked
 from behemoth.parallel.zero.layout import FlatLayout
@@ -54,7 +54,7 @@ class UnitStore:
         self.index, self.spec, self.tiers = index, spec, tiers
         self.layout = FlatLayout(spec.names, spec.shapes, world)
         self.raw_pieces = self.layout.pieces(rank)
-        self.pieces = [ShardPiece(pc.shard_offset, pc.numel, len(self.layout.shapes[pc.index]) >= 2) for pc in self.raw_pieces]
+        self.pieces = shard_pieces(self.layout, rank)
         self.shard_size = self.layout.shard_size
         self.p_key, self.g_key = f"p.{index}", f"g.{index}"
         self.adam: AdamFP32 | Adam8bit | None = None

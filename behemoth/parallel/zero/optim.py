@@ -14,7 +14,7 @@ from torch import nn
 
 from behemoth.comm import Pending
 from behemoth.parallel.chunked import ChunkedTensor, chunked
-from behemoth.parallel.sync import AdamWSettings, Optimizer, adamw_with_state
+from behemoth.parallel.sync import AdamWSettings, Optimizer, adamw_with_state, decays
 from behemoth.parallel.zero.groups import FlatGroup
 from behemoth.parallel.zero.layout import Piece
 
@@ -30,7 +30,7 @@ class ShardedAdamW(Optimizer):
         for g in groups:
             for piece in g.layout.pieces(g.rank):
                 p = nn.Parameter(g.master[piece.shard_offset:piece.shard_offset + piece.numel])  # aliases the master
-                (decay if len(g.layout.shapes[piece.index]) >= 2 else no_decay).append(p)
+                (decay if decays(g.layout.shapes[piece.index]) else no_decay).append(p)
                 self.entries.append((g, piece, p))
         self.inner = adamw_with_state(decay, no_decay, settings)  # state created now so that checkpoints load into it
         self.param_groups: list[dict] = self.inner.param_groups if self.inner else []
