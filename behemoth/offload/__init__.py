@@ -10,6 +10,6 @@ drives), budget.py (the memory model), scratch.py (the disk tier's directory), c
 compute rates measured, for the predicted step time).
 """
 
-from behemoth.offload.runtime import OffloadOptimizer, OffloadPolicy, OffloadSync, apply_offload
+from behemoth.offload.runtime import OffloadOptimizer, OffloadPolicy, OffloadSync, StreamedSteps, apply_offload
 
-__all__ = ["OffloadOptimizer", "OffloadPolicy", "OffloadSync", "apply_offload"]
+__all__ = ["OffloadOptimizer", "OffloadPolicy", "OffloadSync", "StreamedSteps", "apply_offload"]
