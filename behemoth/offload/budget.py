@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from behemoth.offload.adam import CHUNK, shard_pieces, state_bytes
+from behemoth.parallel.zero.adam import CHUNK, shard_pieces, state_bytes
 from behemoth.parallel.zero.layout import FlatLayout
 
 F32 = 4

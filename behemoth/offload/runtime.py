@@ -37,7 +37,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
-from behemoth.offload.adam import make_adam
+from behemoth.parallel.zero.adam import make_adam
 from behemoth.offload.budget import ActivationShape, MemoryPeak, fit_prefetch, in_memory_state_bytes, peak_bytes, unit_sizes
 from behemoth.offload.executor import Batch, Streamer
 from behemoth.offload.io import IOPool
