@@ -4,8 +4,8 @@
     engine = Engine(model, cfg.train, tokens_per_step)              # the optimizers, on top of the model's syncs
     engine.train_step(micro_batches, lr)
 
-A step: forward and backward of every micro-batch (through the pipeline executor when there is one,
-which stops after its passes), then, once, here: finish the gradients (pipeline copies, data-parallel
+A step: forward and backward of every micro-batch (by the model's executor: the plain micro-batch loop, the
+pipeline, or offload's streamer; parallel/executor.py), then, once, here: finish the gradients (pipeline copies, data-parallel
 or ZeRO reductions, sequence-parallel partial sums), clip by the global norm, step the optimizers, and
 reduce the loss. `micro_loss` is the one place the loss is scaled (a mixture of experts' auxiliary losses get
 the same scale, from the engine, for the backward their layers start; see models/moe.py). Between steps an MoE
@@ -78,24 +78,8 @@ class Engine:
         return self.model.loss_sum(logits, targets) / self.tokens_per_step
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
-        """Every micro-batch's forward and backward; this rank's share of the scaled loss."""
-        model = self.model
-        if model.offload is not None:  # every micro-batch, unit by unit, in the offload order
-            return model.offload.run(micro_batches, self.micro_loss, self.autocast)
-        if model.pipeline is not None:
-            for sync in model.syncs:  # the data-parallel sums run once, in finish_grads
-                sync.begin_micro_batch(last=False)
-            return model.pipeline.run(micro_batches, self.micro_loss, self.autocast)
-        total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            for sync in model.syncs:
-                sync.begin_micro_batch(last=i == len(micro_batches) - 1)
-            with self.autocast():
-                logits = model.logits(inputs)
-            loss = self.micro_loss(logits, targets.to(self.device))
-            loss.backward()
-            total += loss.detach()
-        return total
+        """Every micro-batch's forward and backward, by the model's executor; this rank's share of the scaled loss."""
+        return self.model.executor.run(micro_batches, self.micro_loss, self.autocast)
 
     def train_step(self, micro_batches: Batch, lr: float) -> StepResult:
         """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss."""
@@ -109,11 +93,12 @@ class Engine:
         loss = self.forward_backward(micro_batches)
         model.finish_grads()
         grad_norm = model.clip_grads(self.train.grad_clip, self.device)
-        if not math.isfinite(grad_norm):  # never applied (every rank sees the same norm, so all skip alike); offload's fused
-            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)  # step excepted
+        if not math.isfinite(grad_norm):  # not applied (every rank sees the same norm, so all skip alike); a step fused into
+            # backward applied its finite part already, which only train.nonfinite=stop accepts (problems() refuses skip)
+            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)
         for optimizer in self.optimizers:
             optimizer.step()
-        metrics = model.router_metrics() | (model.offload.step_metrics() if model.offload is not None else {})
+        metrics = model.step_metrics()
         if model.adapter is not None:
             synchronize(self.device)
             model.adapter.after_step(time.perf_counter() - started, metrics, self.device)
@@ -133,17 +118,7 @@ class Engine:
         """Mean token loss over the batches (each rank its share), summed over every rank that saw a part of them."""
         model = self.model
         model.module.eval()
-        if model.offload is not None:
-            stats = model.offload.forward_only(batches, model.loss_sum, self.autocast)
-        elif model.pipeline is not None:
-            stats = model.pipeline.forward_only(batches, model.loss_sum, self.autocast)
-        else:
-            stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-            for inputs, targets in batches:
-                with self.autocast():
-                    logits = model.logits(inputs)
-                stats[0] += model.loss_sum(logits, targets.to(self.device)).double()
-                stats[1] += targets.numel()
+        stats = model.executor.forward_only(batches, model.loss_sum, self.autocast)
         model.reduce_over_batch(stats)
         return float(stats[0] / stats[1])
 

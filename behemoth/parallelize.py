@@ -17,8 +17,8 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
 
 With offload (`offload=` a policy), steps 5-7 are the offload runtime's: ZeRO-3's units are cut on meta as in
 step 5, then each unit is drawn (or loaded) one at a time straight onto its tier, never the whole model in memory,
-and the runtime is the model's gradient sync. It recomputes every block from its kept input by itself, so step 4
-is skipped.
+the runtime is the model's gradient sync, and its streamer is the model's executor. It recomputes every block from its
+kept input by itself, so step 4 is skipped.
 
 Transforms that change which parameters a rank holds come first, on meta, so nothing is allocated for
 parameters this rank will not keep.
@@ -39,10 +39,11 @@ from behemoth.data import BatchLayout
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
-from behemoth.offload import OffloadPolicy, OffloadSync, apply_offload
+from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
-from behemoth.parallel.clip import clip_grad_norm
+from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
+from behemoth.parallel.executor import Executor, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
 from behemoth.parallel.expert.comm import two_level_groups
 from behemoth.parallel.expert.adapt import ExpertAdapter, build_adapter
@@ -60,7 +61,8 @@ GradTerms = list[tuple[torch.Tensor, float]]
 
 @dataclass
 class ParallelModel:
-    """This rank's part of a model under a plan: the module, its pipeline and tensor-parallel parts, its syncs."""
+    """This rank's part of a model under a plan: the module, its pipeline and tensor-parallel parts, its syncs, and the
+    executor that runs a step's micro-batches through it (parallel/executor.py)."""
 
     lm: CausalLM
     rt: Runtime
@@ -70,7 +72,12 @@ class ParallelModel:
     meter: CommMeter = field(default_factory=CommMeter)
     experts: ExpertParallel | None = None
     adapter: ExpertAdapter | None = None
-    offload: OffloadSync | None = None  # model states streamed from tiers (offload/); it is also the one sync
+    executor: Executor | None = None  # None: the plain micro-batch loop (or the pipeline's, under one)
+
+    def __post_init__(self) -> None:
+        if self.executor is None:
+            self.executor = (PipelineSteps(self.pipeline, self.syncs) if self.pipeline is not None
+                             else MicroBatchLoop(self.lm, self.syncs, self.rt.device))
 
     @property
     def module(self) -> nn.Module:
@@ -82,11 +89,7 @@ class ParallelModel:
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """The model's logits (this rank's vocabulary shard under TP); a pipeline runs stage by stage instead."""
-        if self.pipeline is not None:
-            raise RuntimeError("a pipelined model has no whole forward on one rank; run its stages through the pipeline")
-        if self.offload is not None:
-            raise RuntimeError("an offloaded model is never whole in memory; stream it: model.offload.logits(inputs)")
-        return self.lm.logits(idx.to(self.rt.device))
+        return self.executor.logits([idx])[0]
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank quantity of the batch (a loss, token counts) over the ranks that see different parts of it:
@@ -114,7 +117,7 @@ class ParallelModel:
             self.pipeline.sum_tied_grads()
         for sync in self.syncs:
             sync.finish()
-        if self.tp is not None and self.offload is None:  # offload sums them unit by unit, as each gradient completes
+        if self.tp is not None:  # gradients kept on a tier (offload) were summed unit by unit, as each completed
             self.tp.finish_grads(self.grad_slices())
 
     def grad_norm_terms(self) -> tuple[GradTerms, dist.ProcessGroup | None]:
@@ -136,16 +139,26 @@ class ParallelModel:
             return 1
         return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
     def clip_grads(self, max_norm: float, device: torch.device) -> float:
-        """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (offload: at each unit's step)."""
-        if self.offload is not None:
-            return self.offload.clip(max_norm)
+        """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (gradients a sync keeps
+        on a tier: at each unit's step)."""
         terms, group = self.grad_norm_terms()
-        return clip_grad_norm(terms, max_norm, group=group, meter=self.meter, device=device)
+        held = tuple(sq for sync in self.syncs if (sq := sync.held_grad_square()) is not None)
+        norm = clip_grad_norm(terms, max_norm, group=group, meter=self.meter, device=device, squares=held)
+        for sync in self.syncs:
+            sync.clip_held_grads(float(clip_coefficient(norm, max_norm)), max_norm)
+        return norm
+
+    def step_metrics(self) -> dict[str, Any]:
+        """The step's measurements: an MoE's losses and expert usage, a sync's own (offload's bytes per tier)."""
+        out = self.router_metrics()
+        for sync in self.syncs:
+            out |= sync.step_metrics()
+        return out
 
     def close(self) -> None:
-        """Release what outlives a step: the offload runtime's I/O threads and scratch directory."""
-        if self.offload is not None:
-            self.offload.close()
+        """Release what outlives a step (offload's I/O threads and scratch directory)."""
+        for sync in self.syncs:
+            sync.close()
 
     def model_state(self) -> dict[str, Any]:
         """Parameters (or this rank's shards of them) by single-process name, for DCP."""
@@ -244,7 +257,7 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
                              activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
-        return ParallelModel(lm, rt, [sync], None, tp, meter, offload=sync)
+        return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
     recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
     apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
     units = None

@@ -61,14 +61,13 @@ def test_an_unclipped_deferred_step_would_be_caught(reference, tmp_path):
 def _train_ignoring_clip(cfg_dict):
     from behemoth.offload.runtime import OffloadSync
 
-    clip = OffloadSync.clip
+    clip = OffloadSync.clip_held_grads
 
-    def unclipped(self, max_norm):
-        norm = clip(self, max_norm)
+    def unclipped(self, coef, max_norm):
+        clip(self, coef, max_norm)
         self.coef = 1.0
-        return norm
 
-    OffloadSync.clip = unclipped
+    OffloadSync.clip_held_grads = unclipped
     return train_body(cfg_dict)
 
 
@@ -133,7 +132,7 @@ def _orders_body(variants):
             tokens = torch.randint(0, 256, (m, 33), generator=torch.Generator().manual_seed(0))
             batch = [(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(m)]
             losses = [engine.train_step(batch, lr=1e-3).loss for _ in range(3)]
-            sync = engine.model.offload
+            sync = engine.model.syncs[0]
             counted = {k: list(v) for k, v in sync.step_bytes().items()}
             sizes = unit_sizes([s.layout for s in sync.stores], 0, 32)
             plan = plan_residencies(make_order(order, len(sync.stores) - 2, m), {})
@@ -243,7 +242,7 @@ def _logits_body(run_dir):
     rt = init_runtime(timeout_s=60)
     model = build_model(cfg, rt)
     inputs = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    streamed = model.offload.logits(inputs)
+    streamed = model.executor.logits(inputs)
     plain = build_causal_lm(cfg.model)
     materialize(plain.module, seed=cfg.train.seed, device=torch.device("cpu"), init_spec=plain.init_spec)
     err = max(float((plain.logits(x) - s).abs().max()) for x, s in zip(inputs, streamed))

@@ -47,7 +47,7 @@ def _budget_body(run_dir: str) -> dict:
     losses = [engine.train_step(batch, lr=1e-3).loss for _ in range(3)]
     engine.evaluate(batch)
     growth = (_status_kb("VmHWM") - base) / 1024
-    states = sum(s.shard_size for s in engine.model.offload.stores) * 16 / 2**20
+    states = sum(s.shard_size for s in engine.model.syncs[0].stores) * 16 / 2**20
     engine.close()
     rt.close()
     return {"growth_mb": growth, "states_mb": states, "losses": losses}

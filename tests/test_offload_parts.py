@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from behemoth.offload.adam import BLOCK, AdamFP32, ShardPiece, block_offsets, state_bytes
+from behemoth.parallel.zero.adam import BLOCK, AdamFP32, ShardPiece, block_offsets, state_bytes
 from behemoth.offload.budget import ActivationShape, UnitSize, fit_prefetch, peak_bytes
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import StateSizes, harmony_order, naive_order, plan_residencies, swap_bytes
@@ -243,7 +243,7 @@ def test_estimate_prints_the_plan_and_refuses_a_disk_too_small(tmp_path, capsys)
 
 def test_chunked_steps_change_no_value():
     """Stepping in chunks (bounded temporaries) gives exactly the unchunked step, float32 and 8-bit."""
-    from behemoth.offload import adam as adam_module
+    from behemoth.parallel.zero import adam as adam_module
 
     settings = AdamWSettings(1e-2, (0.9, 0.95), 0.1)
     pieces = [ShardPiece(0, 3 * BLOCK + 40, True), ShardPiece(3 * BLOCK + 40, 100, False), ShardPiece(3 * BLOCK + 140, 2 * BLOCK, True)]

@@ -44,9 +44,9 @@ def test_missing_reduce_scatter_would_be_caught(reference, tmp_path):
 
 def _train_without_reduce_scatter(cfg_dict):
     from behemoth.comm import Pending
-    from behemoth.parallel.zero import sharded
+    from behemoth.parallel.zero import units  # ZeRO-3's reduce-scatter (reduce_scatter_unit, shared with offload)
 
-    sharded.reduce_scatter = lambda output, input, group, meter=None, async_op=False: Pending(None)
+    units.reduce_scatter = lambda output, input, group, meter=None, async_op=False: Pending(None)
     return train_body(cfg_dict)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from behemoth.offload.adam import CHUNK, ShardPiece, state_bytes
+from behemoth.parallel.zero.adam import CHUNK, shard_pieces, state_bytes
 from behemoth.parallel.zero.layout import FlatLayout
 
 F32 = 4
@@ -112,8 +112,7 @@ def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int) -> list[UnitSize
     """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits)."""
     out = []
     for lay in layouts:
-        pieces = [ShardPiece(pc.shard_offset, pc.numel, len(lay.shapes[pc.index]) >= 2) for pc in lay.pieces(rank)]
-        out.append(UnitSize(lay.padded, lay.shard_size, state_bytes(pieces, lay.shard_size, bits)))
+        out.append(UnitSize(lay.padded, lay.shard_size, state_bytes(shard_pieces(lay, rank), lay.shard_size, bits)))
     return out
 
 

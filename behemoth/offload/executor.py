@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import CommMeter, all_gather, reduce_scatter
+from behemoth.comm import CommMeter
 from behemoth.models.layered import LayeredView
 from behemoth.offload.io import IOPool
-from behemoth.offload.order import Action, Residency, makes_grads, needs, plan_residencies
+from behemoth.offload.order import Action, Residency, needs, plan_residencies
 from behemoth.offload.store import PendingStep, UnitStore
+from behemoth.parallel.zero.units import gather_unit, reduce_scatter_unit
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -219,27 +220,17 @@ class Streamer:
         self.fetching.discard(stay.unit)
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
-        full = shard
-        if self.world > 1:
-            full = torch.empty(store.layout.padded, dtype=shard.dtype, device=self.device)
-            all_gather(full, shard, self.group, self.meter)
+        full = gather_unit(shard, store.layout, self.group, self.meter)[0] if self.world > 1 else shard
         self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads), waiting)
 
     def install(self, action: Action) -> None:
         """Fresh views of the flat parameters wherever the model reads them (fresh: each backward graph its own)."""
         for unit in needs(action, self.reads):
             loaded = self.resident[unit]
-            store = loaded.store
-            views = loaded.flat.split(store.layout.split_sizes())
-            for view, shape, locations in zip(views, store.layout.shapes, store.spec.locations):
-                for module, attr in locations:
-                    setattr(module, attr, view.view(shape))
+            loaded.store.spec.install(loaded.store.layout, loaded.flat)
 
     def uninstall(self, unit: int) -> None:
-        for locations in self.stores[unit].spec.locations:
-            for module, attr in locations:
-                if attr in module.__dict__:
-                    delattr(module, attr)
+        self.stores[unit].spec.uninstall()
 
     def end(self, stay: Residency) -> None:
         """Evict: views removed; the stay's gradient summed over ranks to this rank's shard and handed on."""
@@ -252,8 +243,9 @@ class Streamer:
             grad = torch.zeros(store.layout.padded, dtype=torch.float32, device=self.device)
         loaded.flat.grad = None
         if self.world > 1:
-            lo, hi = store.layout.shard_range(dist.get_rank(self.group))
-            reduce_scatter(grad[lo:hi], grad, self.group, self.meter)
+            rank = dist.get_rank(self.group)
+            reduce_scatter_unit(grad, store.layout, rank, self.group, self.meter)
+            lo, hi = store.layout.shard_range(rank)
             grad = grad[lo:hi].clone()
         if loaded.waiting is not None:
             grad.add_(loaded.waiting)

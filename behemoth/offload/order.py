@@ -97,9 +97,6 @@ class ResidencyPlan:
     stays: list[Residency]
     by_action: list[list[Residency]] = field(default_factory=list)  # stays that start at each action
 
-    def evicted_after(self, i: int) -> list[Residency]:
-        return [s for s in self.stays if s.last == i]
-
 
 def plan_residencies(actions: list[Action], reads: dict[int, tuple[int, ...]]) -> ResidencyPlan:
     """Stays of every unit: a run of consecutive actions needing it is one stay. Marks where gradients complete."""

@@ -3,8 +3,8 @@
     units = shard_parameters(model, dp_group, layers=lm.layers)          # ZeRO-3's units, on meta
     sync = apply_offload(lm, units, rt, policy, seed=seed)                # a GradSync (parallel/sync.py)
     optimizer = sync.build_optimizer(settings)                            # the engine's, as for any sync
-    loss = sync.run(micro_batches, loss_fn, autocast)                     # the engine's forward_backward
-    norm = sync.clip(max_norm)                                            # the engine's clipping
+    loss = StreamedSteps(sync).run(micro_batches, loss_fn, autocast)      # the model's executor (parallel/executor.py)
+    sync.clip_held_grads(coef, max_norm)                                  # after parallel/clip.py's global norm
 
 Each rank keeps its 1/dp shard of every unit (the ZeRO-3 partition) on the tiers the policy names and
 streams only that shard; the model is all-gathered unit by unit for compute.
@@ -15,7 +15,7 @@ the whole gradient before any unit may step, so there are two ways (offload.step
 - fused (train.grad_clip = 0): a unit steps on an I/O thread as soon as its gradient is complete, during
   backward; no gradient outlives its unit's stay.
 - deferred (exact clipping): a complete gradient goes to the gradient tier and its squared norm into a sum;
-  after backward the engine's clip turns the all-reduced sum into the clipping coefficient, and each unit
+  after backward the model's clip (parallel/clip.py) turns the all-reduced sum into the clipping coefficient, and each unit
   takes its step (with that coefficient and the step's learning rate) when it is next fetched: at the next
   step's forward, at an evaluation, or at a flush before a checkpoint. No extra pass over the parameters:
   the cost is one write and one read of the gradient shard. The step is the same arithmetic as in memory
@@ -32,19 +32,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import CommMeter, all_reduce, barrier, broadcast_object
+from behemoth.comm import CommMeter, barrier, broadcast_object
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
-from behemoth.offload.adam import make_adam
+from behemoth.parallel.zero.adam import make_adam
 from behemoth.offload.budget import ActivationShape, MemoryPeak, fit_prefetch, in_memory_state_bytes, peak_bytes, unit_sizes
 from behemoth.offload.executor import Batch, Streamer
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import forward_order, make_order, plan_residencies, stores_grads
 from behemoth.offload.store import PendingStep, Tiers, UnitStore, ValueSource, initial_shard, safetensors_source
 from behemoth.offload.tiers import make_tier
-from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer
+from behemoth.parallel.clip import weighted_square
+from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, with_tied_names
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
@@ -71,7 +72,7 @@ class OffloadPolicy:
     @classmethod
     def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> "OffloadPolicy":
         """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
-        fused = offload.step == "fused" or (offload.step == "auto" and grad_clip == 0)
+        fused = steps_in_backward(offload.step, grad_clip)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
         return cls(offload.params, offload.grads_tier, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
                    offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits, budget)
@@ -83,6 +84,11 @@ class OffloadPolicy:
     @property
     def uses_disk(self) -> bool:
         return "disk" in self.tiers.values()
+
+
+def steps_in_backward(step: str, grad_clip: float) -> bool:
+    """Whether offload.step (with train.grad_clip) fuses the optimizer step into backward: `fused`, or `auto` unclipped."""
+    return step == "fused" or (step == "auto" and grad_clip == 0)
 
 
 def fit_budget(policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str,
@@ -115,6 +121,10 @@ class OffloadSync(GradSync):
 
     sharded = True
 
+    @property
+    def steps_in_backward(self) -> bool:  # type: ignore[override]
+        return self.policy.fused
+
     def __init__(self, lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, value: ValueSource,
                  activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
@@ -138,6 +148,7 @@ class OffloadSync(GradSync):
         self.specs = units
         self.stores: list[UnitStore] = []
         self.step_count, self.norm_sq, self.coef = 0, torch.zeros((), dtype=torch.float32, device=rt.device), 1.0
+        self.nonfinite = False  # a gradient of this step was not finite: no fused step from then on
         self.completed: list[UnitStore] = []
         self.optimizer: OffloadOptimizer | None = None
         self.staging: list[str] = []
@@ -185,11 +196,9 @@ class OffloadSync(GradSync):
         """A new step: no gradient norm yet; the counters start again."""
         self._drop_staging()
         self.norm_sq.zero_()
+        self.nonfinite = False
         self.completed = []
         self.counted = self._counters()
-
-    def begin_micro_batch(self, last: bool) -> None:
-        """The streamer runs every micro-batch itself (`run`)."""
 
     def finish(self) -> None:
         """Every write-back and fused step of this step done."""
@@ -212,9 +221,7 @@ class OffloadSync(GradSync):
         out: dict[str, Any] = {}
         for store in self.stores:
             out.update(store.param_chunks())
-        for name, others in self.aliases.items():
-            out.update(dict.fromkeys(others, out[name]))
-        return out
+        return with_tied_names(out, self.aliases)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank keeps in memory (what is on disk is in `tier_bytes`)."""
@@ -229,52 +236,18 @@ class OffloadSync(GradSync):
         if self.optimizer is not None:
             self.optimizer.after_load()
 
-    # --- what the engine calls instead of a plain forward/backward ---
+    # --- clipping: the norm of gradients that live on their tier ---
 
-    def run(self, micro_batches: Batch, loss_fn: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-        """Forward and backward of every micro-batch, streaming the units in the policy's order."""
-        if self.optimizer is None:
-            raise RuntimeError("build the optimizer before training: the offload runtime steps units during the step")
-        actions = make_order(self.policy.order, len(self.stores) - 2, len(micro_batches))
-        return self.streamer.train(actions, micro_batches, loss_fn, autocast)
+    def held_grad_square(self) -> torch.Tensor:
+        """The squared gradient norm summed as each unit's gradient completed (tensor-parallel copies weighted)."""
+        return self.norm_sq
 
-    def forward_only(self, batches: Batch, loss_sum: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-        """[summed token loss, tokens] over `batches`, streaming each unit once (owed steps are applied as units arrive)."""
-        stats = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
-
-        def add(i: int, logits: torch.Tensor) -> None:
-            targets = batches[i][1].to(self.rt.device)
-            stats[0] += loss_sum(logits, targets).double()
-            stats[1] += targets.numel()
-
-        self.streamer.forward_only(forward_order(len(self.stores) - 2, len(batches)), [x for x, _ in batches], add, autocast)
-        self.io.drain()
-        return stats
-
-    def logits(self, inputs: list[torch.Tensor], autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-               ) -> list[torch.Tensor]:
-        """The logits of each input (this rank's vocabulary shard under TP), every unit streamed once for all of them:
-        a forward pass of a model that is never whole in memory (what offloaded inference needs)."""
-        out: list[torch.Tensor | None] = [None] * len(inputs)
-
-        def keep(i: int, logits: torch.Tensor) -> None:
-            out[i] = logits
-
-        self.streamer.forward_only(forward_order(len(self.stores) - 2, len(inputs)), inputs, keep, autocast)
-        self.io.drain()
-        return out
-
-    def clip(self, max_norm: float) -> float:
-        """The global gradient norm (the squares summed over ranks); its clipping coefficient applies at each unit's step."""
+    def clip_held_grads(self, coef: float, max_norm: float) -> None:
+        """The clipping coefficient each unit's deferred step applies."""
         if self.policy.fused and max_norm > 0:
             raise BehemothError(f"train.grad_clip={max_norm} with a fused offload step: units stepped before the norm was known",
                                 "set offload.step=deferred (or auto), or train.grad_clip=0")
-        total = self.norm_sq.clone()
-        if self.rt.world_size > 1:
-            all_reduce(total, self.rt.world_group, self.meter)
-        norm = float(total.sqrt())
-        self.coef = float(torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)) if max_norm > 0 else 1.0
-        return norm
+        self.coef = coef if max_norm > 0 else 1.0
 
     # --- hooks of the streamer ---
 
@@ -288,8 +261,12 @@ class OffloadSync(GradSync):
         """A unit's gradient is whole (summed over micro-batches and ranks): count its norm, then step it or keep it."""
         if self.tp is not None:
             self.tp.finish_grads([(store.layout.names[pc.index], grad[pc.shard_offset:pc.shard_offset + pc.numel]) for pc in store.raw_pieces])
-        self.norm_sq += self._weighted_square(store, grad)
+        square = self._weighted_square(store, grad)
+        self.norm_sq += square
         if self.policy.fused:
+            self.nonfinite = self.nonfinite or not bool(torch.isfinite(square))
+            if self.nonfinite:  # the step's norm will not be finite: it applies to no further unit (the engine skips it)
+                return
             step = PendingStep(self.optimizer.lr, 1.0, self.step_count + 1)
             self.io.submit(store.index, store.apply_step, shard, grad, step)
         else:
@@ -298,14 +275,11 @@ class OffloadSync(GradSync):
             self.io.submit(store.index, store.save_grad, grad)
 
     def _weighted_square(self, store: UnitStore, grad: torch.Tensor) -> torch.Tensor:
-        """|g|^2 of this rank's shard, each piece weighted 1 / (tensor-parallel ranks holding a copy of it)."""
+        """|g|^2 of this rank's shard, each piece weighted 1 / (tensor-parallel ranks holding a copy of it), as clip weighs."""
         if self.tp is None:
-            return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        total = torch.zeros((), dtype=torch.float32, device=grad.device)
-        for pc in store.raw_pieces:
-            piece = grad[pc.shard_offset:pc.shard_offset + pc.numel]
-            total += torch.linalg.vector_norm(piece, dtype=torch.float32).square() / self.tp.copies(store.layout.names[pc.index])
-        return total
+            return weighted_square([(grad, 1.0)])
+        return weighted_square([(grad[pc.shard_offset:pc.shard_offset + pc.numel], 1.0 / self.tp.copies(store.layout.names[pc.index]))
+                                for pc in store.raw_pieces], grad.device)
 
     # --- the optimizer's side ---
 
@@ -369,6 +343,52 @@ class OffloadSync(GradSync):
                 barrier(self.rt.world_group)
                 if self.rt.rank == 0:
                     scratch.release(self.root)
+
+
+class StreamedSteps:
+    """The streamer as the model's executor (parallel/executor.py): every micro-batch through each unit while it is
+    resident, the units in the policy's order."""
+
+    def __init__(self, sync: OffloadSync) -> None:
+        self.sync = sync
+
+    def run(self, micro_batches: Batch, loss_fn: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+        """Forward and backward of every micro-batch, streaming the units in the policy's order."""
+        sync = self.sync
+        if sync.optimizer is None:
+            raise RuntimeError("build the optimizer before training: the offload runtime steps units during the step")
+        actions = make_order(sync.policy.order, len(sync.stores) - 2, len(micro_batches))
+        return sync.streamer.train(actions, micro_batches, loss_fn, autocast)
+
+    def forward_only(self, batches: Batch, loss_sum: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+        """[summed token loss, tokens] over `batches`, streaming each unit once (owed steps are applied as units arrive)."""
+        device = self.sync.rt.device
+        stats = torch.zeros(2, dtype=torch.float64, device=device)
+
+        def add(i: int, logits: torch.Tensor) -> None:
+            targets = batches[i][1].to(device)
+            stats[0] += loss_sum(logits, targets).double()
+            stats[1] += targets.numel()
+
+        self._stream([x for x, _ in batches], add, autocast)
+        return stats
+
+    def logits(self, inputs: list[torch.Tensor], autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+               ) -> list[torch.Tensor]:
+        """The logits of each input (this rank's vocabulary shard under TP), every unit streamed once for all of them:
+        a forward pass of a model that is never whole in memory (what offloaded inference needs)."""
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+
+        def keep(i: int, logits: torch.Tensor) -> None:
+            out[i] = logits
+
+        self._stream(inputs, keep, autocast)
+        return out
+
+    def _stream(self, inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None], autocast: Callable) -> None:
+        sync = self.sync
+        sync.streamer.forward_only(forward_order(len(sync.stores) - 2, len(inputs)), inputs, on_logits, autocast)
+        sync.io.drain()
 
 
 class OffloadOptimizer(Optimizer):

@@ -17,10 +17,11 @@ import torch
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
-from behemoth.offload.adam import Adam8bit, AdamFP32, ShardPiece
+from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.offload.tiers import Tier
-from behemoth.parallel.chunked import ChunkedTensor, chunked
+from behemoth.parallel.chunked import ChunkedTensor
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.optim import moment_chunks, shard_chunks
 from behemoth.parallel.zero.units import UnitSpec
 
 ValueSource = Callable[[str, tuple[int, ...]], torch.Tensor]  # (single-process name, full shape) -> full float32 tensor
@@ -51,10 +52,10 @@ class UnitStore:
     """A unit's shard of parameters, gradients and optimizer state on their tiers, by key."""
 
     def __init__(self, index: int, spec: UnitSpec, world: int, rank: int, tiers: Tiers) -> None:
-        self.index, self.spec, self.tiers = index, spec, tiers
+        self.index, self.spec, self.tiers, self.rank = index, spec, tiers, rank
         self.layout = FlatLayout(spec.names, spec.shapes, world)
         self.raw_pieces = self.layout.pieces(rank)
-        self.pieces = [ShardPiece(pc.shard_offset, pc.numel, len(self.layout.shapes[pc.index]) >= 2) for pc in self.raw_pieces]
+        self.pieces = shard_pieces(self.layout, rank)
         self.shard_size = self.layout.shard_size
         self.p_key, self.g_key = f"p.{index}", f"g.{index}"
         self.adam: AdamFP32 | Adam8bit | None = None
@@ -102,20 +103,11 @@ class UnitStore:
 
     def param_chunks(self) -> dict[str, ChunkedTensor]:
         """Every parameter of the unit as this rank's chunks of its full tensor, aliasing the stored shard."""
-        return self._chunks(self.tiers.params.view(self.p_key))
-
-    def _chunks(self, flat: torch.Tensor) -> dict[str, ChunkedTensor]:
-        held = {pc.index: pc for pc in self.raw_pieces}
-        out = {}
-        for i, (name, shape) in enumerate(zip(self.layout.names, self.layout.shapes)):
-            pc = held.get(i)
-            out[name] = chunked(flat[:0], 0, 0, shape) if pc is None else chunked(flat[pc.shard_offset:pc.shard_offset + pc.numel], pc.start, pc.stop, shape)
-        return out
+        return shard_chunks(self.layout, self.rank, self.tiers.params.view(self.p_key))
 
     def moment_chunks(self, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
         """Adam state by parameter name (float32 moments as chunks), as the in-memory optimizers write it."""
-        ms, vs = self._chunks(m), self._chunks(v)
-        return {name: {"step": step, "exp_avg": ms[name], "exp_avg_sq": vs[name]} for name in ms}
+        return moment_chunks(self.layout, self.rank, m, v, step)
 
     def close(self) -> None:
         for tier in self.tiers.all().values():

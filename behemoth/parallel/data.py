@@ -19,7 +19,7 @@ from torch import nn
 from behemoth.comm import CommMeter, Pending, all_reduce, plan_buckets
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
-from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, adamw_with_state
+from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, adamw_with_state, decays, with_tied_names
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ReplicatedAdamW(Optimizer):
     def __init__(self, named: list[tuple[str, nn.Parameter]], settings: AdamWSettings) -> None:
         self.names = {p: name for name, p in named}
         params = list(self.names)
-        self.inner = adamw_with_state([p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2], settings)
+        self.inner = adamw_with_state([p for p in params if decays(p.shape)], [p for p in params if not decays(p.shape)], settings)
         self.param_groups = self.inner.param_groups if self.inner else []
 
     def step(self) -> None:
@@ -117,11 +117,7 @@ class DataParallel(GradSync):
         return ReplicatedAdamW(self.named, settings)
 
     def model_state(self) -> dict[str, Any]:
-        state = {name: p.detach() for name, p in self.named}
-        for name, others in self.aliases.items():  # a tied weight under each of its names, as in module.state_dict()
-            if name in state:
-                state.update(dict.fromkeys(others, state[name]))
-        return state
+        return with_tied_names({name: p.detach() for name, p in self.named}, self.aliases)
 
     def state_bytes(self) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for _, p in self.named)

@@ -4,7 +4,7 @@ The engine holds a list of syncs, each over its own group and its own parameters
 dp x ep and expert parameters over dp, for a mixture of experts), and drives every layout's step through
 the same calls:
 
-    zero_grad()                      before the first micro-batch
+    zero_grad()                      before the first micro-batch (an executor, parallel/executor.py, runs them)
     begin_micro_batch(last)          reduce during the coming backward (the last micro-batch) or accumulate
     stage_done(stage)                under a pipeline: a backward or weight-gradient pass of pipeline stage
                                      `stage` has written its gradients for one micro-batch
@@ -33,6 +33,19 @@ class AdamWSettings:
     lr: float
     betas: tuple[float, float]
     weight_decay: float
+
+
+def decays(shape: tuple[int, ...] | torch.Size) -> bool:
+    """The single-process weight-decay rule: matrices and embeddings decay, biases and norms do not."""
+    return len(shape) >= 2
+
+
+def with_tied_names(state: dict[str, Any], aliases: dict[str, list[str]]) -> dict[str, Any]:
+    """`state` with each tied weight also under its other names (as in module.state_dict()); returns `state`."""
+    for name, others in aliases.items():
+        if name in state:
+            state.update(dict.fromkeys(others, state[name]))
+    return state
 
 
 def adamw_with_state(decay: list[nn.Parameter], no_decay: list[nn.Parameter], settings: AdamWSettings) -> torch.optim.AdamW | None:
@@ -72,6 +85,9 @@ class GradSync(abc.ABC):
 
     group: dist.ProcessGroup
     sharded: bool  # True: after finish() each rank holds only its shard of the summed gradients
+    # True: the optimizer steps during backward (offload's fused step), before the global norm is known, so a step
+    # cannot be skipped; such a sync steps no part whose gradient is not finite, so the weights stay finite
+    steps_in_backward: bool = False
 
     @property
     def replicas(self) -> int:
@@ -81,8 +97,8 @@ class GradSync(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self) -> None: ...
 
-    @abc.abstractmethod
-    def begin_micro_batch(self, last: bool) -> None: ...
+    def begin_micro_batch(self, last: bool) -> None:
+        """Reduce during the coming backward (the last micro-batch) or accumulate (syncs that reduce later need nothing)."""
 
     def stage_done(self, stage: int) -> None:
         """Under a pipeline, pipeline stage `stage` wrote its gradients for one micro-batch (most syncs wait for finish)."""
@@ -109,3 +125,17 @@ class GradSync(abc.ABC):
 
     def after_load(self, optimizer: Optimizer) -> None:
         """A checkpoint was loaded into `model_state()` and the optimizer's state: make the compute parameters agree."""
+
+    def held_grad_square(self) -> torch.Tensor | None:
+        """The weighted squared norm of gradients this sync keeps out of `grad_slices` (offload's, on their tier), or None."""
+        return None
+
+    def clip_held_grads(self, coef: float, max_norm: float) -> None:
+        """The clipping coefficient for those gradients (`grad_slices` are clipped in place by the caller)."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """Measurements of the step just taken (offload's bytes per tier); empty for most syncs."""
+        return {}
+
+    def close(self) -> None:
+        """Release what outlives a step (offload's I/O threads and scratch directory)."""

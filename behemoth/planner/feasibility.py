@@ -19,6 +19,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
+from behemoth.offload.runtime import steps_in_backward
 from behemoth.planner.offload import offload_launch_problems, offload_problems
 from behemoth.topology import ParallelDims
 
@@ -39,10 +40,19 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)
-    out += offload_problems(cfg, dims.dp, fit=not out)
+    out += offload_problems(cfg, dims.dp, fit=not out) + fused_step_problems(cfg)
     if not out and not cfg.offload.enabled:  # sizing the memory builds the model (on meta): only for a plan that can otherwise run
         out += fit_problems(cfg, dims.dp, world)
     return out
+
+
+def fused_step_problems(cfg: Config) -> list[Problem]:
+    """train.nonfinite=skip cannot skip a step that is applied during backward (offload's fused step)."""
+    if cfg.train.nonfinite != "skip" or not cfg.offload.enabled or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
+        return []
+    return [Problem.of("train.nonfinite", f"train.nonfinite=skip with offload.step={cfg.offload.step} and train.grad_clip="
+                       f"{cfg.train.grad_clip}: each unit steps during backward, before the step is known to be finite, so it "
+                       "cannot be skipped", "set offload.step=deferred (the step waits for the norm) or train.nonfinite=stop")]
 
 
 def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | None) -> list[Problem]:

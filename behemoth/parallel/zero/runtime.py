@@ -34,7 +34,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.expert.layout import EXPERT_LAYOUT
-from behemoth.parallel.sync import AdamWSettings, GradSync
+from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.tensor.layers import TP_LAYOUT
 from behemoth.parallel.zero.groups import AccumulatingBucket, BufferMeter, FlatGroup, ReplicatedGroup, StreamingBucket
 from behemoth.parallel.zero.optim import ShardedAdamW, master_chunks
@@ -102,10 +102,7 @@ class ZeroSync(GradSync):
 
     def model_state(self) -> dict[str, Any]:
         """Master weights as this rank's chunks, by every name a parameter has (a tied weight under each)."""
-        model = master_chunks(self.groups)
-        for name, others in self.aliases.items():
-            model.update(dict.fromkeys(others, model[name]))
-        return model
+        return with_tied_names(master_chunks(self.groups), self.aliases)
 
     def after_load(self, optimizer: Any) -> None:
         """A checkpoint filled the master shards: rebuild the compute parameters from them."""

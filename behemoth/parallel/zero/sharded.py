@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import CommMeter, Pending, all_gather, reduce_scatter
+from behemoth.comm import CommMeter, Pending
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup
-from behemoth.parallel.zero.units import UnitSpec
+from behemoth.parallel.zero.units import UnitSpec, gather_unit, reduce_scatter_unit
 
 
 class SavedView:
@@ -87,9 +87,8 @@ class ShardedUnit(FlatGroup):
         """Issue the all-gather of this unit's parameters (no-op if gathered or in flight)."""
         if self.buffer is not None:
             return
-        self.buffer = torch.empty(self.layout.padded, dtype=self.compute_dtype, device=self.shard.device)
+        self.buffer, self.pending = gather_unit(self.shard, self.layout, self.group, self.meter, async_op=True)
         self.stage3.gathered_bytes.add(self.buffer)
-        self.pending = all_gather(self.buffer, self.shard, self.group, self.meter, async_op=True)
 
     def gathered(self) -> torch.Tensor:
         """The full flat parameters, waiting for the all-gather if needed."""
@@ -102,19 +101,13 @@ class ShardedUnit(FlatGroup):
 
     def install(self, full: torch.Tensor) -> None:
         """Register each parameter as a view of the gathered buffer wherever the model expects it."""
-        views = full.split(self.layout.split_sizes())
-        for view, shape, locations in zip(views, self.layout.shapes, self.spec.locations):
-            for module, attr in locations:
-                setattr(module, attr, view.view(shape))
+        self.spec.install(self.layout, full)
         self.installed = True
 
     def uninstall(self) -> None:
-        if not self.installed:
-            return
-        for locations in self.spec.locations:
-            for module, attr in locations:
-                delattr(module, attr)
-        self.installed = False
+        if self.installed:
+            self.spec.uninstall()
+            self.installed = False
 
     def release(self) -> None:
         """Drop this unit's gathered buffer; its memory returns once no view of it is left."""
@@ -143,7 +136,7 @@ class ShardedUnit(FlatGroup):
 
     def start_reduce_scatter(self, grad: torch.Tensor) -> None:
         """Sum the full gradient over ranks, asynchronously; at most one other unit's stays in flight."""
-        pending = reduce_scatter(grad[self.lo:self.hi], grad, self.group, self.meter, async_op=True)
+        pending = reduce_scatter_unit(grad, self.layout, self.rank, self.group, self.meter, async_op=True)
         self.stage3.in_flight.append((pending, self, grad))
         self.stage3.drain(keep=1)
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from behemoth.comm import CommMeter, Pending, all_gather, reduce_scatter
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL, mark_partial
 from behemoth.parallel.zero.layout import FlatLayout
 
@@ -58,6 +59,34 @@ class UnitSpec:
     reads: list["UnitSpec"] = field(default_factory=list)
     group: dist.ProcessGroup | None = None                     # sharded over this group (None: the sync's group)
     callers: list[nn.Module] = field(default_factory=list)     # modules whose forward reads these parameters (default: their owners)
+
+    def install(self, layout: FlatLayout, full: torch.Tensor) -> None:
+        """Every parameter registered as a view of the unit's gathered flat buffer `full`, wherever the model reads it
+        (fresh views: each backward graph its own). In-memory ZeRO-3 and offload's streamer install units this way."""
+        for view, shape, locations in zip(full.split(layout.split_sizes()), layout.shapes, self.locations):
+            for module, attr in locations:
+                setattr(module, attr, view.view(shape))
+
+    def uninstall(self) -> None:
+        """The views `install` registered removed (the parameters exist only as the unit's shard again)."""
+        for locations in self.locations:
+            for module, attr in locations:
+                if attr in module.__dict__:
+                    delattr(module, attr)
+
+
+def gather_unit(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
+                async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+    """A unit's full flat parameters, all-gathered from every rank's shard into a new buffer, and the gather."""
+    full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
+    return full, all_gather(full, shard, group, meter, async_op=async_op)
+
+
+def reduce_scatter_unit(grad: torch.Tensor, layout: FlatLayout, rank: int, group: dist.ProcessGroup,
+                        meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
+    """A unit's full flat gradient summed over ranks, in place: this rank's shard lands in grad[lo:hi]."""
+    lo, hi = layout.shard_range(rank)
+    return reduce_scatter(grad[lo:hi], grad, group, meter, async_op=async_op)
 
 
 @dataclass(frozen=True)

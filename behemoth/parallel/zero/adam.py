@@ -26,7 +26,8 @@ import torch
 from torch.optim.adamw import adamw
 
 from behemoth.errors import BehemothError
-from behemoth.parallel.sync import AdamWSettings
+from behemoth.parallel.sync import AdamWSettings, decays
+from behemoth.parallel.zero.layout import FlatLayout
 
 EPS = 1e-8  # torch.optim.AdamW's default
 BLOCK = 256  # elements per quantization block (bitsandbytes' blockwise optimizers)
@@ -41,6 +42,11 @@ class ShardPiece:
     offset: int   # first element in the shard
     numel: int
     decay: bool   # weight decay applies (matrices, embeddings)
+
+
+def shard_pieces(layout: FlatLayout, rank: int) -> list[ShardPiece]:
+    """`rank`'s shard of a unit as the pieces AdamW steps, each decaying by the single-process rule."""
+    return [ShardPiece(pc.shard_offset, pc.numel, decays(layout.shapes[pc.index])) for pc in layout.pieces(rank)]
 
 
 def chunks(pieces: list[ShardPiece], size: int | None = None) -> list[tuple[ShardPiece, int]]:
