@@ -19,11 +19,14 @@ from behemoth.config import Config, load_config
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError, Refused
 from behemoth.models.causal_lm import build_causal_lm, tied_names
-from behemoth.models.init import FULL_NAME
+from behemoth.models.init import FULL_NAME, InitSpec
 from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.plan import ParallelPlan
 from behemoth.planner.feasibility import problems
 from behemoth.topology import Runtime
+
+
+ZEROS = InitSpec("zeros")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,8 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
     lm = build_causal_lm(cfg.model, cfg.hf)
     if source.checkpoint is not None:
         lm.weights = None  # the checkpoint holds the weights (a run started from hf.weights overwrote them)
+    if source.checkpoint is not None or lm.weights:
+        lm.init_spec = lambda name: ZEROS  # every value is read from the files: drawing them first is time and a transient copy
     if quantize not in (None, "int8"):
         raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
     model = parallelize(lm, cfg.parallel, rt, batch=BatchLayout(pp, 1, 1), seq_len=cfg.model.context, seed=cfg.train.seed,
