@@ -322,7 +322,7 @@ def load_weights(model: nn.Module, weights: str) -> int:
     for key in direct:
         read_into(index[key], params[key].data)
     loaded = set(direct)
-    for key, full in stored_tensors(files, set(params) - direct, getattr(model.config, "model_type", None), frozenset(direct)):
+    for key, full in stored_tensors(files, set(params) - direct, getattr(model.config, "model_type", None)):
         p = params[key]
         p.copy_(getattr(p, TAKE_LOCAL, lambda t: t)(full).to(p.dtype))
         loaded.add(key)
@@ -338,13 +338,16 @@ def _takes_whole(p: torch.Tensor, entry: StoredTensor) -> bool:
             and tuple(p.shape) == entry.shape)
 
 
-def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None,
-                   have: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every wanted parameter in the files; a Mixtral's per-expert tensors are stacked first
-    (every tensor but those already loaded, `have`, is read: a legacy name is not a parameter's)."""
-    tensors = read_tensors(files, (lambda k: k not in have) if model_type == "mixtral" else wanted.__contains__)
+    (only those of the layers whose experts are wanted are read)."""
+    keep = wanted.__contains__
     if model_type == "mixtral":
-        from behemoth.models.hf_moe import from_legacy
+        from behemoth.models.hf_moe import LEGACY, from_legacy
 
+        layers = {w[:w.index(".mlp.")] for w in wanted if ".mlp." in w}
+        keep = lambda k: k in wanted or ((m := LEGACY.match(k)) is not None and m.group(1) in layers)  # noqa: E731
+    tensors = read_tensors(files, keep)
+    if model_type == "mixtral":
         tensors = from_legacy(tensors)
     return ((k, t) for k, t in tensors if k in wanted)
