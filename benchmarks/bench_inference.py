@@ -333,6 +333,12 @@ folder, ids, new, *rest = sys.argv[1:]
 main(["generate", folder, "--prompt-ids", ids, "--max-tokens", new, "--ignore-eos", "--json", *rest])
 """,
     "imports": "import torch, transformers; transformers.GPT2LMHeadModel",
+    "loaded": """
+import sys
+from behemoth.inference.loading import load_model, resolve_source
+from behemoth.topology import init_runtime
+model = load_model(resolve_source(sys.argv[1]), init_runtime(), quantize=(sys.argv[2:] or [None])[0])  # alive at the end
+""",
 }
 RSS_AT_END = "\nprint('RSS', open('/proc/self/statm').read().split()[1])"
 
@@ -383,16 +389,19 @@ def memory_table(args: argparse.Namespace) -> list[str]:
         runs = {"python + torch + transformers imported": peak_of_child("imports", []),
                 "transformers from_pretrained + generate": peak_of_child("transformers", [folder, ids, new]),
                 "behemoth generate": peak_of_child("behemoth", [folder, ids, new]),
-                "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"])}
+                "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"]),
+                "behemoth load_model, float32": peak_of_child("loaded", [folder]),
+                "behemoth load_model, int8": peak_of_child("loaded", [folder, "int8"])}
     peer = runs["transformers from_pretrained + generate"]
     mb = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
     rows = [f"GPT-2 ({weights / 2**20:.0f} MiB of float32 weights, random, save_pretrained), prompt of 8 tokens + {new} greedy "
-            f"tokens, one process each; peak = the child's ru_maxrss (wait4), end = its resident memory after generating.", "",
+            f"tokens, one process each; peak = the child's ru_maxrss; end = its resident memory as it exits (generate has let "
+            f"its model go by then; load_model's rows still hold theirs: what the weights keep resident).", "",
             "| run | peak RSS MiB | resident at end MiB | peak / transformers | same tokens as transformers |", "|---|---:|---:|---:|---|"]
     for name, r in runs.items():
         same = "-" if r["tokens"] is None or name == "transformers from_pretrained + generate" else ("yes" if r["tokens"] == peer["tokens"] else "NO")
         rows.append(f"| {name} | {mb(r['peak'])} | {mb(r['end'])} | {r['peak'] / peer['peak']:.2f} | {same} |")
-        if name.startswith("behemoth"):
+        if name.startswith("behemoth generate"):
             ROWS.append(ratio("inference", f"{name}, GPT-2 {weights / 2**20:.0f} MiB", "transformers generate", "peak resident memory",
                               r["peak"], peer["peak"], higher_is_better=False))
     return rows
