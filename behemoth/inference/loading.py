@@ -14,17 +14,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
 from behemoth.config import Config, load_config
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError, Refused
+from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
 from behemoth.models.causal_lm import build_causal_lm, tied_names
 from behemoth.models.init import FULL_NAME, InitSpec
 from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.plan import ParallelPlan
 from behemoth.planner.feasibility import problems
 from behemoth.topology import Runtime
-
 
 ZEROS = InitSpec("zeros")
 

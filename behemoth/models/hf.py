@@ -346,7 +346,7 @@ def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None) 
         from behemoth.models.hf_moe import LEGACY, from_legacy
 
         layers = {w[:w.index(".mlp.")] for w in wanted if ".mlp." in w}
-        keep = lambda k: k in wanted or ((m := LEGACY.match(k)) is not None and m.group(1) in layers)  # noqa: E731
+        keep = lambda k: k in wanted or ((m := LEGACY.match(k)) is not None and m.group(1) in layers)
     tensors = read_tensors(files, keep)
     if model_type == "mixtral":
         tensors = from_legacy(tensors)
