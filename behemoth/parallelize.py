@@ -1,6 +1,7 @@
 """parallelize(lm, plan, runtime): a model laid out over the mesh with its gradient syncs, and no optimizer.
 
-The result serves training (the engine builds the optimizer on top of its syncs) and inference alike.
+The result serves training (the engine builds the optimizer on top of its syncs) or, with `for_training=False`,
+inference: no syncs, no gradient buffers, no recomputation, `requires_grad` off (`inference_model`).
 Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in this order (DESIGN.md):
 
 1. pipeline cut, on the meta device: it decides which blocks, embedding and head this rank holds at all;
@@ -234,10 +235,20 @@ def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int)
     return ActivationShape(batch.micro_batch, seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
 
 
+def inference_model(lm: CausalLM, rt: Runtime, pipeline: PipelineParallel | None, tp: TensorParallel | None, meter: CommMeter,
+                    experts: ExpertParallel | None) -> ParallelModel:
+    """The laid-out model for inference: no gradient syncs, no gradient buffers, no pipeline executor, no expert
+    adapter, `requires_grad` off everywhere; nothing but the module references a parameter (quantization frees them)."""
+    for p in lm.module.parameters():
+        p.requires_grad_(False)
+    return ParallelModel(lm, rt, [], pipeline, tp, meter, experts)
+
+
 def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
-                timeout_s: float = 300.0, offload: OffloadPolicy | None = None) -> ParallelModel:
+                timeout_s: float = 300.0, offload: OffloadPolicy | None = None, for_training: bool = True) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
-    with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's)."""
+    with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
+    for inference, steps 4 and 7 are skipped (`inference_model`)."""
     model, meter = lm.module, CommMeter()
     pipeline = None
     if rt.dims.pp > 1:
@@ -252,20 +263,25 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         lm.after_tensor_parallel(rt.dims.tp)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
     if offload is not None:
+        if not for_training:
+            raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
         if pipeline is not None or experts is not None:
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
                              activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
-    recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
-    apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
+    if for_training:
+        recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
+        apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
     units = None
-    if plan.zero_stage == 3:
+    if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
         expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
         units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
+    if not for_training:
+        return inference_model(lm, rt, pipeline, tp, meter, experts)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)

@@ -19,6 +19,10 @@ compared and the table says whether they agree). Run:
    two blocks + KV cache within the budget; its folder needs free disk space, checked first and removed after).
    Both generate; measured: tokens/s, seconds per forward, and the bound (streamed bytes / the disk's measured
    sequential read bandwidth with the page cache dropped), peak bytes of blocks held, peak RSS.
+5. Memory: a random GPT-2 124M save_pretrained folder; the peak resident memory (the kernel's ru_maxrss of each child
+   process) of `behemoth generate` (float32 and int8) and of transformers' from_pretrained + generate, the same prompt
+   and tokens, each in a child process of this one; PYTHONPATH passes to them, so `PYTHONPATH=/path/to/other/tree`
+   measures another version of behemoth (the parent only saves the folder).
 """
 
 from __future__ import annotations
@@ -313,6 +317,96 @@ def int8_table(args: argparse.Namespace) -> list[str]:
             f"{q['tok_s']:.0f} | {100 * r['agreement']:.0f}% |"]
 
 
+MEMORY_CHILD = {  # what each child process of the memory comparison runs; it prints its tokens, then its resident memory
+    "transformers": """
+import json, sys, torch, transformers
+folder, ids, new = sys.argv[1], [int(t) for t in sys.argv[2].split(",")], int(sys.argv[3])
+model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+print(json.dumps(out[0, len(ids):].tolist()))
+""",
+    "behemoth": """
+import json, sys
+from behemoth.cli import main
+folder, ids, new, *rest = sys.argv[1:]
+main(["generate", folder, "--prompt-ids", ids, "--max-tokens", new, "--ignore-eos", "--json", *rest])
+""",
+    "imports": "import torch, transformers; transformers.GPT2LMHeadModel",
+    "loaded": """
+import sys
+from behemoth.inference.loading import load_model, resolve_source
+from behemoth.topology import init_runtime
+model = load_model(resolve_source(sys.argv[1]), init_runtime(), quantize=(sys.argv[2:] or [None])[0])  # alive at the end
+""",
+}
+RSS_AT_END = "\nprint('RSS', open('/proc/self/statm').read().split()[1])"
+
+
+def save_gpt2(folder: str, quick: bool) -> int:
+    """A random-weight GPT-2 (124M; quick: a 4-layer, 256-wide one) saved with save_pretrained; its weight bytes."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4) if quick else transformers.GPT2Config()
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(folder)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+LAUNCHER = """
+import resource, subprocess, sys
+out = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+print(out.stdout + f"MAXRSS {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss} {out.returncode}")
+"""
+
+
+def peak_of_child(kind: str, argv: list[str]) -> dict[str, Any]:
+    """Run one child; its peak resident memory (ru_maxrss), its resident memory at the end, and its tokens. A small
+    launcher process starts it: a child counts the resident memory of the process it was forked from into its
+    ru_maxrss, which must not be this one's. PYTHONPATH passes to the child (PYTHONPATH=/work/main: main's code)."""
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parent.parent)}
+    code = MEMORY_CHILD[kind] + RSS_AT_END
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, env=env,
+                         text=True, check=True).stdout.strip().splitlines()
+    maxrss, status = map(int, out[-1].split()[1:])
+    if status != 0:
+        raise RuntimeError(f"the {kind} child failed (status {status}); run it alone to see why")
+    tokens = [json.loads(line)["tokens"] if line.startswith("{") else json.loads(line) for line in out if line[:1] in "[{"]
+    end = int(out[-2].split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"peak": maxrss * 1024, "end": end, "tokens": tokens[0] if tokens else None}
+
+
+def memory_table(args: argparse.Namespace) -> list[str]:
+    """Peak resident memory of `behemoth generate` (float32, int8) vs transformers' from_pretrained + generate."""
+    with tempfile.TemporaryDirectory(prefix="behemoth-bench-memory-") as folder:
+        weights = save_gpt2(folder, args.quick)
+        ids, new = ",".join(str(1 + i) for i in range(8)), str(args.new_tokens)
+        runs = {"python + torch + transformers imported": peak_of_child("imports", []),
+                "transformers from_pretrained + generate": peak_of_child("transformers", [folder, ids, new]),
+                "behemoth generate": peak_of_child("behemoth", [folder, ids, new]),
+                "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"]),
+                "behemoth load_model, float32": peak_of_child("loaded", [folder]),
+                "behemoth load_model, int8": peak_of_child("loaded", [folder, "int8"])}
+    peer = runs["transformers from_pretrained + generate"]
+    mb = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    rows = [f"GPT-2 ({weights / 2**20:.0f} MiB of float32 weights, random, save_pretrained), prompt of 8 tokens + {new} greedy "
+            f"tokens, one process each; peak = the child's ru_maxrss; end = its resident memory as it exits (generate has let "
+            f"its model go by then; load_model's rows still hold theirs: what the weights keep resident).", "",
+            "| run | peak RSS MiB | resident at end MiB | peak / transformers | same tokens as transformers |", "|---|---:|---:|---:|---|"]
+    for name, r in runs.items():
+        same = "-" if r["tokens"] is None or name == "transformers from_pretrained + generate" else ("yes" if r["tokens"] == peer["tokens"] else "NO")
+        rows.append(f"| {name} | {mb(r['peak'])} | {mb(r['end'])} | {r['peak'] / peer['peak']:.2f} | {same} |")
+        if name.startswith("behemoth generate"):
+            ROWS.append(ratio("inference", f"{name}, GPT-2 {weights / 2**20:.0f} MiB", "transformers generate", "peak resident memory",
+                              r["peak"], peer["peak"], higher_is_better=False))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small model and few tokens (a minute or two)")
@@ -320,7 +414,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads of the one-process runs (default 2; quick 1)")
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget of the offload comparison (default 4; quick 0.1)")
     p.add_argument("--max-disk-gb", type=float, default=40.0, help="disk the offloaded model may take at most (default 40)")
-    p.add_argument("--skip", action="append", default=[], choices=["generation", "tp", "offload", "int8"], help="leave a section out")
+    p.add_argument("--skip", action="append", default=[], choices=["generation", "tp", "offload", "int8", "memory"], help="leave a section out")
     p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = p.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
@@ -339,6 +433,8 @@ def main() -> int:
             print("\n".join(generation_table(folder, args)) + "\n", flush=True)
         if "tp" not in args.skip:
             print("## Tensor parallelism: tp=2 vs one process\n\n" + "\n".join(tensor_parallel_table(folder, args)) + "\n", flush=True)
+    if "memory" not in args.skip:
+        print("## Peak memory: behemoth generate vs transformers\n\n" + "\n".join(memory_table(args)) + "\n", flush=True)
     if "int8" not in args.skip:
         print("## int8 weight-only vs float32\n\n" + "\n".join(int8_table(args)) + "\n", flush=True)
     if "offload" not in args.skip:

@@ -4,6 +4,8 @@ preemption; tensor- and pipeline-parallel generation equals single-process; `beh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -324,3 +326,70 @@ def test_a_missing_source_is_refused_in_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err
+
+
+def live_cpu_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive in this process (each storage once), found through the garbage collector:
+    what is really held, not what a counter says."""
+    import gc
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def resident_kib(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_a_model_loaded_for_inference_holds_its_weights_once_and_int8_frees_the_floats(runtime):
+    """No gradient buffer, no sync, no float copy after int8: the tensors alive grow by the weights' bytes, then by the
+    int8 bytes; and the process's resident memory shrinks by most of what int8 saves (the freed floats go back)."""
+    from behemoth.config import load_config
+    from behemoth.inference.loading import Source, load_model
+    from behemoth.inference.quantize import quantize_int8
+
+    source = Source(load_config(None, ["model=gpt-tiny", "model.d_model=512", "model.n_head=8", "model.n_layer=2",
+                                       "model.context=64"]), None, None)
+    before = live_cpu_tensor_bytes()
+    model = load_model(source, runtime)
+    weights = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    assert model.syncs == [] and not any(p.requires_grad or p.grad is not None for p in model.module.parameters())
+    assert live_cpu_tensor_bytes() - before < 1.05 * weights  # a gradient buffer would double it
+    rss = resident_kib()
+    stats = quantize_int8(model.module, transposed=model.lm.transposed)
+    kept_float = sum(p.numel() * p.element_size() for p in model.module.parameters())
+    assert stats.float_bytes > 0.6 * weights
+    assert live_cpu_tensor_bytes() - before < 1.05 * (kept_float + stats.int8_bytes)  # a float copy referenced would stay
+    if Path("/proc/self/status").exists():
+        assert (rss - resident_kib()) * 1024 > 0.5 * (stats.float_bytes - stats.int8_bytes)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak resident memory is read from Linux's /proc")
+def test_loading_an_hf_folder_peaks_at_one_copy_of_its_weights(runtime, tmp_path):
+    """The safetensors are read straight into the parameters: the load's peak resident memory grows by the weights'
+    bytes once (a mapped file read whole, or a gradient buffer, would make it about twice)."""
+    import gc
+
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.inference.quantize import release_freed_memory
+
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    source = resolve_source(tmp_path)
+    first = load_model(source, runtime)  # once untimed: the modules this imports and the caches it fills are not the weights
+    weights = sum(p.numel() * p.element_size() for p in first.module.parameters())
+    del first
+    gc.collect()
+    release_freed_memory()  # what this process freed before is not there to be reused
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current resident size
+    start = resident_kib()
+    model = load_model(source, runtime)
+    assert (resident_kib("VmHWM") - start) * 1024 < 1.3 * weights
+    assert weights > 30e6 and not any(p.requires_grad for p in model.module.parameters())

@@ -40,7 +40,7 @@ def sources(checkpoint_run, llama_folder):
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "hf", "seed"])
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_offloaded_generation_equals_in_memory(runtime, checkpoint_run, llama_folder, tmp_path, kind, tier):  # noqa: F811
     from behemoth.inference.offload import OffloadPolicy, offloaded_generator
 

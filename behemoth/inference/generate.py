@@ -12,7 +12,7 @@ Under tensor or pipeline parallelism the scheduling rank's runner sends every st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,11 +36,18 @@ class CachePolicy:
 
     block_size: int = 16
     memory_mb: float = 256.0
+    max_blocks: int | None = None  # at most this many blocks (None: as many as memory_mb holds)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or not self.memory_mb > 0:
             raise BehemothError(f"a KV cache of {self.memory_mb} MiB in blocks of {self.block_size} tokens",
                                 "use a positive --kv-cache-mb and a --block-size of at least 1")
+
+    def for_batch(self, prompt_lengths: list[int], max_tokens: list[int]) -> "CachePolicy":
+        """This cache capped at the blocks these prompts fill together when every one runs to max_tokens: a one-shot
+        batch then allocates (and keeps resident) no block it cannot use, and is never preempted."""
+        need = sum(-(-(n + m) // self.block_size) for n, m in zip(prompt_lengths, max_tokens))
+        return replace(self, max_blocks=max(1, need))
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ def local_runner(model: ParallelModel, cache: CachePolicy) -> ModelRunner:
     layers = held_layers(model)
     probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1,
                          dtype=module_dtype(model.module))
-    blocks = blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block)
+    blocks = min(blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block), cache.max_blocks or 1 << 62)
     layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks,
                           dtype=probe.dtype)
     return ModelRunner(model.lm, KVStorage(layout, model.rt.device), tp=model.tp, device=model.rt.device)
@@ -165,12 +172,17 @@ def generate_on_ranks(path: str, overrides: list[str], prompts: list[Any], param
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
     model = load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
+    sampling = [SamplingParams.model_validate(p) for p in params]
+    vocab = model.lm.shape.vocab_size
+    tokenizer = tokenizer_for(vocab, source.folder) if any(isinstance(p, str) for p in prompts) else None
+    lengths = [len(encode_prompt(p, tokenizer, vocab)) for p in prompts]  # on every rank: their caches must agree
+    cache = cache.for_batch(lengths, [sp.max_tokens for sp in sampling])
     if rt.rank != 0:
         follow_model(model, cache)
         return None
     gen = generator_for(model, source, cache)
     try:
-        return gen.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=ignore_eos)
+        return gen.generate(prompts, sampling, ignore_eos=ignore_eos)
     finally:
         gen.close()
 

@@ -2,8 +2,8 @@
 
 A source is a run directory (its latest checkpoint), a checkpoint folder, or a local `save_pretrained`
 folder. Checkpoints keep single-process names and full shapes, so the model is laid out for inference
-(`parallelize` with tensor and pipeline degrees, no data parallelism, no optimizer) whatever layout
-trained it, and DCP reads each rank's part of every tensor.
+(`parallelize(..., for_training=False)` with tensor and pipeline degrees: no data parallelism, no gradient syncs or
+buffers, no optimizer) whatever layout trained it, and DCP reads each rank's part of every tensor.
 """
 
 from __future__ import annotations
@@ -11,15 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
+import torch
+from torch import nn
+
 from behemoth.config import Config, load_config
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError, Refused
-from behemoth.models.causal_lm import build_causal_lm
+from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
+from behemoth.models.causal_lm import build_causal_lm, tied_names
+from behemoth.models.init import FULL_NAME, InitSpec
 from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.plan import ParallelPlan
 from behemoth.planner.feasibility import problems
 from behemoth.topology import Runtime
+
+ZEROS = InitSpec("zeros")
 
 
 @dataclass(frozen=True)
@@ -93,15 +99,27 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
     lm = build_causal_lm(cfg.model, cfg.hf)
     if source.checkpoint is not None:
         lm.weights = None  # the checkpoint holds the weights (a run started from hf.weights overwrote them)
+    if source.checkpoint is not None or lm.weights:
+        lm.init_spec = lambda name: ZEROS  # every value is read from the files: drawing them first is time and a transient copy
+    if quantize not in (None, "int8"):
+        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
     model = parallelize(lm, cfg.parallel, rt, batch=BatchLayout(pp, 1, 1), seq_len=cfg.model.context, seed=cfg.train.seed,
-                        timeout_s=cfg.run.timeout_s)
+                        timeout_s=cfg.run.timeout_s, for_training=False)
     if source.checkpoint is not None:
-        load_checkpoint(model.checkpoint_views({"model": model.model_state()}), source.checkpoint, rt.world_group)
+        load_checkpoint(model.checkpoint_views({"model": parameter_state(model.module)}), source.checkpoint, rt.world_group)
     model.module.eval()
     if quantize == "int8":
         from behemoth.inference.quantize import quantize_int8
 
         quantize_int8(model.module, transposed=model.lm.transposed)
-    elif quantize is not None:
-        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
     return model
+
+
+def parameter_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (this rank's part) by its single-process name, a tied one under each of its names: what DCP
+    reads a checkpoint into, in place (a model laid out for inference has no syncs to ask)."""
+    state = {getattr(p, FULL_NAME, n): p.detach() for n, p in module.named_parameters()}
+    for name, others in tied_names(module).items():
+        if name in state:
+            state.update(dict.fromkeys(others, state[name]))
+    return state

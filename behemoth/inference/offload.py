@@ -1,7 +1,7 @@
 """Offloaded inference (ZeRO-Inference style): a model larger than memory generates with its blocks' weights streamed.
 
 The embedding, final norm and head stay resident; each transformer block's weights live in host memory
-or on disk, in a folder of one safetensors file per block, and are read just before the block runs and
+(tier `cpu`) or on disk (`disk`; training's tier names), in a folder of one safetensors file per block, and are read just before the block runs and
 dropped right after, while a background thread reads the next `prefetch` blocks. So memory holds the
 resident parts, `prefetch + 1` blocks, the KV cache and the activations, whatever the depth. Every
 forward reads every block once for the whole batch, so a larger batch amortises each read: the time of
@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,22 +32,28 @@ from behemoth.errors import BehemothError
 from behemoth.inference.loading import Source
 from behemoth.models.causal_lm import CausalLM
 from behemoth.models.init import draw_full
+from behemoth.offload.tiers import TIER_NAMES
 
 if TYPE_CHECKING:
     from behemoth.inference.generate import CachePolicy, Generator
 
 
+STREAM_TIERS = tuple(t for t in TIER_NAMES if t != "none")  # where blocks wait: the tiers training's offload.params names
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Where the blocks' weights wait (`host` memory or `disk`), the folder on disk, and how many blocks to read ahead."""
+    """Where the blocks' weights wait (`cpu`: host memory, or `disk`: training's tier names), the folder on disk, and how
+    many blocks to read ahead."""
 
-    tier: Literal["host", "disk"] = "disk"
+    tier: str = "disk"
     folder: str | None = None
     prefetch: int = 1
 
     def __post_init__(self) -> None:
-        if self.tier not in ("host", "disk") or self.prefetch < 0:
-            raise BehemothError(f"offload tier {self.tier!r} with prefetch {self.prefetch}", "use tier host or disk and prefetch >= 0")
+        if self.tier not in STREAM_TIERS or self.prefetch < 0:
+            raise BehemothError(f"offload tier {self.tier!r} with prefetch {self.prefetch}",
+                                f"use a tier of {', '.join(STREAM_TIERS)} (host memory, files) and prefetch >= 0")
 
 
 def parts_of(lm: CausalLM, blocks: str) -> dict[str, dict[str, nn.Parameter]]:
@@ -87,12 +93,12 @@ class SourceReader:
         return state
 
     def _from_safetensors(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
+        """The HF folder's tensors through the one reader models/hf.py loads with (a Mixtral's legacy per-expert
+        tensors stacked as they are there)."""
+        from behemoth.models.hf import stored_tensors
 
-        out = {}
-        for f in self.files:
-            with safe_open(str(f), framework="pt") as st:
-                out.update({k: st.get_tensor(k).to(params[k].dtype) for k in st.keys() if k in params})
+        model_type = getattr(getattr(self.lm.module, "config", None), "model_type", None)
+        out = {k: t.to(params[k].dtype) for k, t in stored_tensors(self.files, set(params), model_type)}
         missing = sorted(set(params) - set(out))
         if missing:
             raise BehemothError(f"hf.weights={self.source.config.hf.weights} lacks {missing[0]}", "save the whole model")

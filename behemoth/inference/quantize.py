@@ -5,7 +5,8 @@ transposed linears such as GPT-2's Conv1D, behemoth's tensor-parallel column/row
 tensor and its per-output-channel scales (symmetric: scale = max |w| / 127 over the channel). Just before
 the layer runs, a forward pre-hook rebuilds its floating-point weight from them, and a forward hook drops
 it again after, so the model holds 1 byte per weight (plus the scales) and one layer's float weight at a
-time. Embeddings and norms stay in floating point; a head tied to the embedding stays with it.
+time. Embeddings and norms stay in floating point; a head tied to the embedding stays with it. The float weights are
+freed (a model laid out for inference holds no other reference to them) and given back to the system.
 
 Weight-only int8 saves memory (and, on accelerators with int8 kernels, bandwidth); on a CPU the rebuild
 costs time. torchao 0.18's int8 weight-only tensors install and run here on nn.Linear (and on layers that call
@@ -15,6 +16,7 @@ tensor-parallel layers built from it, so behemoth writes this small version that
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,7 +101,19 @@ def quantize_int8(module: nn.Module, *, transposed: frozenset[str] = frozenset()
         stats.weights += w.numel()
         stats.float_bytes += w.numel() * w.element_size()
         stats.int8_bytes += q.numel() + scale.numel() * scale.element_size()
+    del w
+    release_freed_memory()
     return stats
+
+
+def release_freed_memory() -> int:
+    """Give the float weights just freed back to the system. glibc's malloc keeps freed chunks inside its heap (a weight
+    allocated after a larger buffer was freed comes from the heap, not its own mapping), so without a trim the process
+    stays as large as before quantization. 1 if memory was returned, 0 if not (or no glibc)."""
+    try:
+        return int(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc (musl, macOS): its allocator returns memory its own way
+        return 0
 
 
 @torch.no_grad()

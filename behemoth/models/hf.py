@@ -29,6 +29,7 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
+from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_tensors
 from behemoth.models.shape import ModelShape
 
 ARCHS = ("llama", "gpt2", "mixtral")
@@ -310,13 +311,18 @@ def hf_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: str) -> int:
-    """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters."""
+    """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters; a parameter
+    that takes a whole stored tensor of its dtype is read straight into its storage (the weights are resident once)."""
     files = sorted(Path(weights).expanduser().glob("*.safetensors"))
     if not files:
         raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
     params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters()}
-    loaded = set()
-    for key, full in stored_tensors(files, set(params), getattr(model.config, "model_type", None)):
+    index = read_index(files)
+    direct = {k for k, p in params.items() if k in index and _takes_whole(p, index[k])}
+    for key in direct:
+        read_into(index[key], params[key].data)
+    loaded = set(direct)
+    for key, full in stored_tensors(files, set(params) - direct, getattr(model.config, "model_type", None)):
         p = params[key]
         p.copy_(getattr(p, TAKE_LOCAL, lambda t: t)(full).to(p.dtype))
         loaded.add(key)
@@ -326,20 +332,22 @@ def load_weights(model: nn.Module, weights: str) -> int:
     return len(loaded)
 
 
+def _takes_whole(p: torch.Tensor, entry: StoredTensor) -> bool:
+    """A CPU parameter holding the whole stored tensor in its dtype (no split, no cast): read into it directly."""
+    return (not hasattr(p, TAKE_LOCAL) and p.device.type == "cpu" and p.dtype == entry.dtype and p.is_contiguous()
+            and tuple(p.shape) == entry.shape)
+
+
 def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every wanted parameter in the files; a Mixtral's per-expert tensors are stacked first."""
-    from safetensors import safe_open
-
-    def read() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    if key in wanted or model_type == "mixtral":
-                        yield key, st.get_tensor(key)
-
-    tensors = read()
+    """(name, full tensor) for every wanted parameter in the files; a Mixtral's per-expert tensors are stacked first
+    (only those of the layers whose experts are wanted are read)."""
+    keep = wanted.__contains__
     if model_type == "mixtral":
-        from behemoth.models.hf_moe import from_legacy
+        from behemoth.models.hf_moe import LEGACY, from_legacy
 
+        layers = {w[:w.index(".mlp.")] for w in wanted if ".mlp." in w}
+        keep = lambda k: k in wanted or ((m := LEGACY.match(k)) is not None and m.group(1) in layers)
+    tensors = read_tensors(files, keep)
+    if model_type == "mixtral":
         tensors = from_legacy(tensors)
     return ((k, t) for k, t in tensors if k in wanted)
