@@ -237,10 +237,13 @@ def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int)
 
 def inference_model(lm: CausalLM, rt: Runtime, pipeline: PipelineParallel | None, tp: TensorParallel | None, meter: CommMeter,
                     experts: ExpertParallel | None) -> ParallelModel:
-    """The laid-out model for inference: no gradient syncs, no gradient buffers, no pipeline executor, no expert
-    adapter, `requires_grad` off everywhere; nothing but the module references a parameter (quantization frees them)."""
+    """The laid-out model for inference: no gradient syncs, no gradient buffers, no expert adapter, `requires_grad` off
+    everywhere; nothing but the module references a parameter (quantization frees them). A pipeline gets its executor
+    with nothing to tell of gradients: generation runs its forward-only pass (`flow`)."""
     for p in lm.module.parameters():
         p.requires_grad_(False)
+    if pipeline is not None:
+        pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[], meter=meter)
     return ParallelModel(lm, rt, [], pipeline, tp, meter, experts)
 
 
