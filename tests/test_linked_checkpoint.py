@@ -65,7 +65,7 @@ def test_checkpoint_links_the_scratch_and_keeps_its_bytes(tmp_path, bits):
         assert got["linked_bytes"]["optimizer"] < 2.5 * params, got["linked_bytes"]
     else:
         assert got["linked_bytes"]["optimizer"] >= 8 * params
-    assert {Path(f).suffix for f in got["written"]} <= {".metadata", ".json", ".pt", ".distcp"}, got["written"]
+    assert got["written"] == [".metadata", "__0_0.distcp", "meta.json", "rng/rank_0.pt"], got["written"]
     assert got["distcp_bytes"] < 64 * 1024, "besides the index, meta.json and RNG states, only step counts are written"
     assert got["new_inodes"], "the step after the checkpoint wrote new files (copy-on-write)"
     assert got["unchanged"] and got["verified"] == 2, "the checkpoint's bytes did not change and its digests verify"
@@ -103,6 +103,17 @@ def test_an_in_memory_layout_loads_the_linked_checkpoint(offloaded, tmp_path):
 
 
 def test_an_offloaded_run_exports_only_when_asked(offloaded, tmp_path):
-    run_dir, _ = offloaded
-    assert not (run_dir / "model.safetensors").exists(), "checkpoint.export=auto: an offloaded run exports nothing"
-    assert not Path(run_dir, "offload-scratch").exists(), "the scratch is gone; the checkpoints' links keep their bytes"
+    """checkpoint.export=auto exports unless offloaded; the disk check counts the export only when one is made, and an
+    offloaded run's checkpoints as links (its scratch plus the kept versions), not as copies."""
+    from behemoth.config import Config
+    from behemoth.faults.preflight import checkpoint_bytes, exports
+
+    def cfg(*options: str) -> Config:
+        return Config.model_validate(tiny_config(tmp_path, *options))
+
+    assert exports(cfg()) and not exports(cfg(*ON_DISK)) and exports(cfg(*ON_DISK, "checkpoint.export=true"))
+    assert not exports(cfg("checkpoint.export=false"))
+    params = cfg().model.num_params()
+    assert checkpoint_bytes(cfg(), params) == (0, 12 * params, 0)
+    assert checkpoint_bytes(cfg(*ON_DISK, "train.grad_clip=0"), params) == (12 * params, 0, 12 * params)
+    assert not Path(offloaded[0], "offload-scratch").exists(), "the scratch is gone; the checkpoints' links keep their bytes"
