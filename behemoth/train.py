@@ -15,19 +15,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from behemoth.faults import checkpoint as ckpt_io
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
+from behemoth.faults import checkpoint as ckpt_io
+from behemoth.faults.preflight import exports
+from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist
 from behemoth.offload.runtime import EIGHT_BIT, OffloadSync
 from behemoth.planner.feasibility import refuse
-from behemoth.faults.preflight import exports
-from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1

@@ -23,8 +23,9 @@ import io
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index

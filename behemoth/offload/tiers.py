@@ -206,7 +206,6 @@ class FileTier(Tier):
     def adopt(self, key: str, source: Path) -> None:
         """Make the committed file `source` (a checkpoint's, of this key's size) the key's file, by a hard link: the
         state is restored without reading it, and the first write goes to a new file."""
-        fd, numel, dtype = self.files[key]
         if source.stat().st_size != self.nbytes(key):
             raise ValueError(f"{source} has {source.stat().st_size} bytes, {key} needs {self.nbytes(key)}")
         tmp = self.path(key).with_suffix(".new")
