@@ -55,6 +55,8 @@ class CheckpointConfig(Section):
     every: int = Field(200, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
     async_save: bool = Field(True, description="write checkpoints in the background (training waits only for a copy of the state)")
+    export: Literal["auto"] | bool = Field("auto", description="write consolidated weights (model.safetensors) at the end: true, "
+                                          "false, or auto (unless offloaded: a model streamed from disk is never gathered whole)")
 
 
 class RunConfig(Section):

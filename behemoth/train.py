@@ -14,17 +14,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from behemoth.faults import checkpoint as ckpt_io
-from behemoth.comm import barrier
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
+from behemoth.comm import barrier
 from behemoth.errors import BehemothError
+from behemoth.faults import checkpoint as ckpt_io
+from behemoth.faults.preflight import exports
+from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.offload import persist
+from behemoth.offload.runtime import EIGHT_BIT, OffloadSync
 from behemoth.planner.feasibility import refuse
-from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -62,9 +65,16 @@ class Trainer:
 
     def load(self, ckpt: Path) -> int:
         t0 = time.perf_counter()
-        state = self.engine.state_dict()
+        state, sync = self.engine.state_dict(), self.offload_sync()
+        across = bool(sync and persist.missing_8bit(state, ckpt, EIGHT_BIT))
+        if sync is not None:
+            state = self.restore_offloaded(state, ckpt, sync, across)
         ckpt_io.load_checkpoint(state, ckpt, self.rt.world_group)
         self.engine.after_load()
+        if across:
+            persist.load_8bit_across_layouts(sync, ckpt, EIGHT_BIT)
+        if sync is not None:
+            persist.forget_views(sync)
         meta = ckpt_io.read_meta(ckpt)
         ckpt_io.restore_rng(ckpt, self.rt.rank, self.rt.world_size, meta["world_size"])
         self.last_saved = meta["step"]
@@ -74,6 +84,20 @@ class Trainer:
                             "saved_world_size": meta["world_size"], "restart": restart_count(), "load_s": time.perf_counter() - t0,
                             "time": time.time()})
         return meta["step"]
+
+    def offload_sync(self) -> OffloadSync | None:
+        return next((s for s in self.engine.model.syncs if isinstance(s, OffloadSync)), None)
+
+    def restore_offloaded(self, state: dict[str, Any], ckpt: Path, sync: OffloadSync, across: bool) -> dict[str, Any]:
+        """The part of `state` DCP must still load: a checkpoint that linked this layout's scratch files gives them back as
+        the scratch (hard links: nothing read, copied or mapped); 8-bit state of another layout is converted after."""
+        if across:
+            state = {**state, "optim": {k: v for k, v in state["optim"].items() if k not in persist.eight_bit_keys(state, EIGHT_BIT)}}
+        files = persist.adoptable(sync, state, ckpt)
+        if not files:
+            return state
+        persist.adopt(files, ckpt)
+        return persist.without_backed(state, sync)
 
     def measure_peak(self) -> float:
         """Sum over ranks of each rank's measured float32 matmul rate (all ranks measure at once)."""
@@ -163,7 +187,11 @@ class Trainer:
         """Checkpoint step `step` (in the background with checkpoint.async_save); how long training stalled for it."""
         if step == self.last_saved:
             return {}
-        stall = self.saver.save(self.engine.state_dict(), step, {"config": self.cfg.model_dump(mode="json")})
+        sync = self.offload_sync()
+        backing = persist.backing(sync) if sync is not None and sync.policy.uses_disk else None
+        stall = self.saver.save(self.engine.state_dict(), step, {"config": self.cfg.model_dump(mode="json")}, backing=backing)
+        if sync is not None:
+            persist.forget_views(sync)
         self.last_saved = step
         return {"ckpt_stall_s": stall}
 
@@ -175,21 +203,27 @@ class Trainer:
         # the log continues from where the model stands: a resume (or a restart from scratch) drops what came after it
         return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.start_step)
 
+    @property
+    def exports(self) -> bool:
+        """checkpoint.export: true, false, or auto (unless offloaded)."""
+        return exports(self.cfg)
+
     def finish(self, log: MetricsLog | None) -> dict[str, Any]:
-        """Plot, export consolidated weights from the final checkpoint, summarize."""
+        """Plot, export consolidated weights from the final checkpoint when asked (tensor by tensor), summarize."""
         self.saver.wait()
         RECORDER.disarm()
         summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir),
                    "rank": self.rt.rank, "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
                    "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
-                   "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s)}
+                   "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s), "exported": self.exports}
         if log is None:
             barrier(self.rt.world_group)
             return summary
         log.close()
         plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-        ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
-        ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
+        if self.exports:
+            ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
+            ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
         barrier(self.rt.world_group)
         return summary
 

@@ -41,10 +41,17 @@ def train_body(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str,
 
 
 def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
-    """The single-process view of the model's weights (read back from the exported file)."""
+    """The single-process view of the model's weights (read back from the exported file; an offloaded run, which exports
+    only when asked, is exported from its final checkpoint here)."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(trainer.run_dir) / "model.safetensors"))
+    from behemoth.faults.checkpoint import export_safetensors, resolve_checkpoint
+    from behemoth.models.causal_lm import build_causal_lm
+
+    path = Path(trainer.run_dir) / "model.safetensors"
+    if not path.exists():
+        export_safetensors(resolve_checkpoint(trainer.run_dir), path, build_causal_lm(trainer.cfg.model, trainer.cfg.hf).module)
+    return load_file(str(path))
 
 
 def assert_close_runs(ref: dict[str, Any], got: dict[str, Any], *, loss_rtol: float = 1e-5, weight_rtol: float = 1e-4, weight_atol: float = 1e-5) -> None:

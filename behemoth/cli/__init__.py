@@ -52,6 +52,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
         "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
         "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
         "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
+        "    (an offloaded run's checkpoints link its scratch files, not copy them; it exports weights only with checkpoint.export=true)",
         "  behemoth train --nproc 4 --max-restarts 3 checkpoint.every=50  # self-healing: a failed worker restarts and resumes",
         "  behemoth train --nproc 2:4 --max-restarts 3     # elastic: continues on 2 or 3 processes if some are lost",
         "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
@@ -270,7 +271,8 @@ def report(summary: dict[str, Any], seconds: float) -> None:
     if "mfu" in summary:
         print(f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
               f"({summary['peak_source']})")
-    print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/ model.safetensors")
+    exported = " model.safetensors" if summary.get("exported", True) else " (no model.safetensors: checkpoint.export=true, or behemoth export)"
+    print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/{exported}")
 
 
 def run_export(args: argparse.Namespace) -> int:

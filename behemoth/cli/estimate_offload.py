@@ -56,8 +56,8 @@ def offload_report(cfg: Any, dp: int, nproc: int, rates: Rates | None, device_ty
              f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; order {p.order}, "
              f"{cfg.batch_layout(rank_dims(cfg, dp)).accum} micro-batch(es) per rank, step {step}", *placement_lines(est)]
     root = p.root or scratch.default_scratch(None, cfg.run.dir)
-    lines.append(f"disk: {size(est.disk_bytes())} needed under offload.dir={root} for {nproc} rank(s) "
-                 f"(8-bit moments are staged as float32 at checkpoints), {size(scratch.free_bytes(root))} free")
+    lines.append(f"disk: {size(est.disk_bytes())} needed under offload.dir={root} for {nproc} rank(s), "
+                 f"{size(scratch.free_bytes(root))} free")
     pk = est.peak
     budget = f"offload.max_memory_gb={cfg.offload.max_memory_gb}" if cfg.offload.max_memory_gb else "no budget set"
     lines.append(f"memory peak per rank: {size(pk.total)} = states in memory {size(pk.in_memory_states)} + resident unit "

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from behemoth.comm import barrier, gather_object
 from behemoth.errors import BehemothError
-from behemoth.faults.integrity import (CheckpointDamage, DigestingWriter, SafeFileSystemReader, SafeLoadPlanner, digest_files,
-                                file_digest, read_dcp_metadata, seal, verify)
+from behemoth.faults.integrity import (Backing, CheckpointDamage, DigestingWriter, LinkingWriter, SafeFileSystemReader, SafeLoadPlanner,
+                                       digest_files, file_digest, read_dcp_metadata, seal, verify)
 from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
@@ -63,9 +63,10 @@ def step_name(step: int) -> str:
 
 
 def save_checkpoint(state: dict[str, Any], run_dir: str | Path, step: int, meta: dict[str, Any], *, keep: int,
-                    group: dist.ProcessGroup, rng: dict[str, Any] | None = None) -> Path:
+                    group: dist.ProcessGroup, rng: dict[str, Any] | None = None, backing: Backing | None = None) -> Path:
     """Write `state` (a DCP state dict) as checkpoint `step`; collective over `group`, every rank of the job.
-    `rng`: this rank's RNG state as it was when the state was taken (default: now)."""
+    `rng`: this rank's RNG state as it was when the state was taken (default: now). `backing`: where tensors already
+    lie in files (an offloaded run's scratch), which are linked into the checkpoint instead of written."""
     root = checkpoint_root(run_dir)
     final = root / step_name(step)
     partial = final.with_name(final.name + ".partial")
@@ -74,7 +75,7 @@ def save_checkpoint(state: dict[str, Any], run_dir: str | Path, step: int, meta:
         shutil.rmtree(partial, ignore_errors=True)
         (partial / "rng").mkdir(parents=True)
     barrier(group)
-    writer = DigestingWriter(partial)
+    writer = LinkingWriter(partial, backing) if backing is not None else DigestingWriter(partial)
     dcp.save(state, storage_writer=writer, process_group=group)
     rng_file = f"rng/rank_{rank}.pt"
     with open(partial / rng_file, "wb") as f:
@@ -118,12 +119,13 @@ class CheckpointSaver:
         self.write_s: list[float] = []
         self.reported = 0
 
-    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any]) -> float:
-        """Checkpoint `state` as of now; the seconds the caller was held (waiting for the previous save, copying)."""
+    def save(self, state: dict[str, Any], step: int, meta: dict[str, Any], *, backing: Backing | None = None) -> float:
+        """Checkpoint `state` as of now; the seconds the caller was held (waiting for the previous save, copying).
+        A save with `backing` (files linked, not copied) is never in the background: the files must not change first."""
         t0 = time.perf_counter()
         self.wait()
-        if not self.background:
-            save_checkpoint(state, self.run_dir, step, meta, keep=self.keep, group=self.group)
+        if not self.background or backing is not None:
+            save_checkpoint(state, self.run_dir, step, meta, keep=self.keep, group=self.group, backing=backing)
             self.write_s.append(time.perf_counter() - t0)
             return self.write_s[-1]
         staged, rng = stage(state), rng_state()
@@ -332,18 +334,48 @@ def load_consolidated(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Ten
     return state
 
 
-def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
-    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout)."""
-    from safetensors.torch import save_file
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float64: "F64"}
 
-    state = load_consolidated(ckpt, model)
+
+def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
+    """Consolidated weights of checkpoint `ckpt` as one safetensors file (single process, any layout), written tensor by
+    tensor: `model` (on meta) only names the tensors, and memory holds one tensor at a time, whatever the model's size."""
     meta = read_meta(ckpt)
-    tmp = out.with_suffix(".tmp")
     again = {name for others in tied_names(model).values() for name in others}  # a tied weight is written once, first name
-    tensors = {k: v.contiguous() for k, v in state.items() if k not in again}
-    save_file(tensors, str(tmp), metadata={"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))})
+    specs = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in again}
+    header: dict[str, Any] = {"__metadata__": {"config": json.dumps(meta.get("config", {}).get("model", {})), "step": str(meta.get("step"))}}
+    at = 0
+    for name, t in specs.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for name, t in specs.items():
+            f.write(load_tensor(ckpt, name, t).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out)
     return out
+
+
+def load_tensor(ckpt: Path, name: str, like: torch.Tensor) -> torch.Tensor:
+    """One consolidated model tensor of checkpoint `ckpt` (saved under any layout), in one process."""
+    value = torch.empty(like.shape, dtype=like.dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load({"model": {name: value}}, ckpt, no_dist=True)
+    except BehemothError:
+        raise
+    except (Exception, CheckpointException) as err:
+        first = (str(err).strip().splitlines() or [err.__class__.__name__])[0][:200]
+        raise BehemothError(f"checkpoint {ckpt} does not hold this model's {name} ({first})", "export with the run's own config") from None
+    return value
 
 
 def export_pretrained(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:

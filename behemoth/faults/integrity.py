@@ -9,6 +9,11 @@ DCP's `.metadata` is a pickle. `read_dcp_metadata` unpickles it with an allow-li
 torch's sizes, dtypes and layouts), so a planted `.metadata` cannot run code; `SafeFileSystemReader` makes
 `dcp.load` read it that way, and `SafeLoadPlanner` refuses the one other pickle path DCP has (non-tensor entries,
 which behemoth never writes).
+
+`LinkingWriter` commits tensors that already lie in a file (an offloaded run's scratch) by linking the file into the
+checkpoint instead of writing their bytes: DCP's index points at the linked file and the tensor's byte offset, marked
+`RAW` (raw bytes, not a torch.save record), and `SafeFileSystemReader` reads such entries itself, so the checkpoint
+still loads under any layout. The linked files are hashed and sealed like every other file.
 """
 
 from __future__ import annotations
@@ -16,20 +21,30 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from behemoth.errors import BehemothError
 
 DIGEST = "sha256"
 META_SEAL = "meta_sha256"  # meta.json's digest of its own other fields
 CHUNK = 1 << 22
+RAW = "behemoth-raw/1"  # a storage entry's transform descriptor: its bytes are the tensor's, row-major, no header
+# where a tensor's bytes already lie: (file name inside the checkpoint, byte offset, a function that commits the file there)
+Backing = Callable[[torch.Tensor], "tuple[str, int, Callable[[Path], None]] | None"]
 ALLOWED = {  # module -> names a DCP `.metadata` may refer to
     "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                               "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
@@ -146,7 +161,26 @@ def read_dcp_metadata(ckpt: Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, reading `.metadata` through the allow-list instead of plain pickle."""
+    """DCP's file reader, reading `.metadata` through the allow-list instead of plain pickle, and entries a
+    `LinkingWriter` linked (raw bytes at an offset) straight into their destination."""
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        raw = [r for r in plan.items if RAW in (self.storage_data[r.storage_index].transform_descriptors or ())]
+        rest = [r for r in plan.items if RAW not in (self.storage_data[r.storage_index].transform_descriptors or ())]
+        for req in raw:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            target = planner.resolve_tensor(req).detach()
+            stored = self.stored_shapes[(req.storage_index.fqn, tuple(req.storage_index.offset or ()))]
+            tensor = torch.empty(stored, dtype=target.dtype)
+            read_exactly(Path(self.path) / info.relative_path, info.offset, tensor)
+            target.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+            planner.commit_tensor(req, target)
+        return super().read_data(LoadPlan(rest, plan.storage_data, plan.planner_data), planner)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.stored_shapes = {(fqn, tuple(c.offsets)): tuple(c.sizes) for fqn, entry in metadata.state_dict_metadata.items()
+                              if isinstance(entry, TensorStorageMetadata) for c in entry.chunks}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -176,3 +210,44 @@ class DigestingWriter(FileSystemWriter):
         future = super().write_data(plan, planner)
         self.written = sorted({str(r.storage_data.relative_path) for r in future.wait()})
         return future
+
+
+def read_exactly(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` from `offset` (pread, no memory map)."""
+    buf = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(f.fileno(), [buf[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointDamage(Path(path).parent, Path(path).name, f"ends before byte {offset + len(buf)}")
+            done += n
+
+
+class LinkingWriter(DigestingWriter):
+    """A DigestingWriter that links the files tensors already lie in (`backing`) instead of writing their bytes."""
+
+    def __init__(self, path: str | Path, backing: Backing) -> None:
+        super().__init__(path)
+        self.backing = backing
+        self.linked: list[str] = []
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Any:
+        results, rest = [], []
+        for item in plan.items:
+            found = self.backing(planner.resolve_data(item)) if item.type != WriteItemType.BYTE_IO else None
+            if found is None:
+                rest.append(item)
+                continue
+            name, offset, commit = found
+            if name not in self.linked:
+                commit(Path(self.path) / name)
+                self.linked.append(name)
+            length = item.tensor_data.chunk.sizes.numel() * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length, [RAW])))
+        future = super().write_data(SavePlan(rest, storage_data=plan.storage_data, planner_data=plan.planner_data, usable=plan.usable), planner)
+        written = future.wait()
+        self.written = sorted({*self.written, *self.linked})
+        done: Future = Future()
+        done.set_result([*written, *results])
+        return done

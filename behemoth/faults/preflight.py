@@ -65,22 +65,51 @@ def probe_writable(path: Path) -> str | None:
 
 
 def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
-    """Too little free disk for the checkpoints the run keeps (checkpoint.keep, one more while a new one is written)
-    and the exported weights; what is already in the run directory counts as space it will reuse."""
+    """Too little free disk for the checkpoints the run keeps (checkpoint.keep, one more while a new one is written),
+    an offloaded run's scratch, and the exported weights when the run exports them; what is already in the run
+    directory counts as space it will reuse."""
     path = Path(run_dir).expanduser()
     params = cfg.model.num_params()
-    per_checkpoint = CHECKPOINT_BYTES_PER_PARAM * params
-    need = (cfg.checkpoint.keep + 1) * per_checkpoint + 4 * params - used_bytes(path)
+    linked, copied, scratch = checkpoint_bytes(cfg, params)
+    export = 4 * params if exports(cfg) else 0
+    # a new checkpoint links the scratch (metadata only); once the run writes on, each kept one holds its own bytes
+    need = cfg.checkpoint.keep * (linked + copied) + copied + scratch + export - used_bytes(path)
     anchor = path
     while not anchor.exists():
         anchor = anchor.parent
     free = shutil.disk_usage(anchor if anchor.is_dir() else anchor.parent).free
     if free >= need:
         return []
-    return [Problem.of("checkpoint.keep", f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but the run keeps checkpoint.keep="
-                       f"{cfg.checkpoint.keep} checkpoints of ~{per_checkpoint / GIB:.2f} GiB (one more while a new one is written) "
-                       f"and {4 * params / GIB:.2f} GiB of exported weights: about {need / GIB:.2f} GiB",
-                       "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk")]
+    if linked:
+        what = (f"an offloaded run whose scratch takes {scratch / GIB:.2f} GiB keeps checkpoint.keep={cfg.checkpoint.keep} "
+                f"checkpoint(s) that link it ({linked / GIB:.2f} GiB each once the run writes on, copy-on-write"
+                + (f", plus {copied / GIB:.2f} GiB written" if copied else "") + ")")
+    else:
+        what = (f"the run keeps checkpoint.keep={cfg.checkpoint.keep} checkpoints of ~{copied / GIB:.2f} GiB (one more while a new one "
+                "is written)")
+    exported = f" and {export / GIB:.2f} GiB of exported weights" if export else ""
+    return [Problem.of("checkpoint.keep", f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but {what}{exported}: about {need / GIB:.2f} GiB",
+                       "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk"
+                       + (", or use offload.optimizer_bits=8" if linked and cfg.offload.optimizer_bits == 32 else ""))]
+
+
+def checkpoint_bytes(cfg: Config, params: int) -> tuple[int, int, int]:
+    """(bytes a checkpoint links from the disk tier, bytes it writes, bytes of the scratch itself) for `params` parameters:
+    float32 weights, and Adam's two float32 moments or 8-bit ones (a byte each plus a float32 scale per 256)."""
+    off = cfg.offload
+    optimizer = 8 * params if off.optimizer_bits == 32 else 2 * params + 8 * params // 256
+    if not off.enabled:
+        return 0, CHECKPOINT_BYTES_PER_PARAM * params, 0
+    on_disk = {"params": off.params == "disk", "optimizer": off.optimizer == "disk"}
+    sizes = {"params": 4 * params, "optimizer": optimizer}
+    linked = sum(n for k, n in sizes.items() if on_disk[k])
+    grads = 4 * params if off.grads_tier == "disk" and not (off.step == "fused" or (off.step == "auto" and cfg.train.grad_clip == 0)) else 0
+    return linked, sum(n for k, n in sizes.items() if not on_disk[k]), linked + grads
+
+
+def exports(cfg: Config) -> bool:
+    """checkpoint.export: true, false, or auto (unless offloaded)."""
+    return not cfg.offload.enabled if cfg.checkpoint.export == "auto" else bool(cfg.checkpoint.export)
 
 
 def used_bytes(run_dir: Path) -> int:

@@ -51,6 +51,7 @@ from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
 
 MiB = 2**20
+EIGHT_BIT = "adam8bit"  # the optimizer entries of 8-bit state in a checkpoint: loadable by the same offload layout only
 
 
 @dataclass(frozen=True)
@@ -407,34 +408,26 @@ class OffloadOptimizer(Optimizer):
         self.sync.optimizer_step(self.lr)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Adam state by single-process name: float32 moments as chunks (8-bit ones dequantized into staging)."""
+        """Adam state by single-process name: float32 moments as chunks; 8-bit state as it is stored (codes and block
+        scales of this rank's shard, keyed by the data-parallel layout, `EIGHT_BIT`), so it stays 8-bit on disk."""
         sync = self.sync
         sync.flush()
         self.step_tensor.fill_(float(sync.step_count))
         out: dict[str, dict[str, torch.Tensor]] = {}
+        world, rank = dist.get_world_size(sync.group), dist.get_rank(sync.group)
         for store in sync.stores:
             if store.adam.bits == 32:
                 m, v = (sync.tiers.optimizer.view(store.state_keys[k]) for k in ("m", "v"))
+                out.update(store.moment_chunks(m, v, self.step_tensor))
             else:
-                m, v = (sync.staging_tensor(f"{k}32.{store.index}", store.shard_size) for k in ("m", "v"))
-                fetched = {name: sync.tiers.optimizer.fetch(key) for name, key in store.state_keys.items()}
-                m32, v32 = store.adam.moments(fetched, store.pieces)
-                m.copy_(m32.cpu())
-                v.copy_(v32.cpu())
-            out.update(store.moment_chunks(m, v, self.step_tensor))
+                out[EIGHT_BIT] = {"step": self.step_tensor}
+                out[f"{EIGHT_BIT}.dp{world}.rank{rank}.unit{store.index}"] = {k: sync.tiers.optimizer.view(key) for k, key in store.state_keys.items()}
         return out
 
     def after_load(self) -> None:
-        """The step count, and 8-bit moments quantized from the float32 ones the checkpoint filled in."""
+        """The step count (moments were loaded where they are stored, 8-bit ones as 8-bit)."""
         sync = self.sync
         sync.step_count = int(self.step_tensor.item())
-        for store in sync.stores:
-            if store.adam.bits == 8:
-                m, v = (sync.tiers.optimizer.view(f"{k}32.{store.index}").to(sync.rt.device) for k in ("m", "v"))
-                state = {name: sync.tiers.optimizer.fetch(key) for name, key in store.state_keys.items()}
-                store.adam.load_moments(state, m, v, store.pieces)
-                for name, key in store.state_keys.items():
-                    sync.tiers.optimizer.store(key, state[name])
         sync._drop_staging()
 
     def state_bytes(self) -> int:

@@ -10,15 +10,19 @@
 - `cpu` (`HostTier`): on a GPU, host memory (pinned) copied to and from the device; on a CPU-only machine
   host memory *is* device memory, so it behaves as `none` (no copies, nothing counted).
 - `disk` (`FileTier`): one raw file per key under a scratch directory, read with `preadv` into a fresh
-  buffer and written with `pwrite` (the calls release the GIL, so I/O threads overlap compute).
+  buffer and written with `pwrite` (the calls release the GIL, so I/O threads overlap compute). A checkpoint
+  commits a file by hard-linking it (`link`); the next write of a linked file goes to a new file renamed over
+  the name (copy-on-write), so the checkpoint keeps the bytes it linked and nothing is copied to save it.
 
 Every tier counts the bytes it moves (`read_bytes`, `written_bytes`), from any thread.
-`view(key)` is a CPU tensor aliasing the stored data (a memory map for files), for checkpoints.
+`view(key)` is a CPU tensor aliasing the stored data (a memory map for files), for checkpoints; `backing(t)` says
+which file and byte offset a view's bytes are, so a checkpoint can link the file instead of writing the bytes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -125,6 +129,7 @@ class FileTier(Tier):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.files: dict[str, tuple[int, int, torch.dtype]] = {}  # key -> (fd, numel, dtype)
+        self.mapped: dict[int, tuple[str, torch.Tensor]] = {}     # storage address of a view -> (key, the view)
 
     @property
     def moves(self) -> bool:
@@ -158,22 +163,79 @@ class FileTier(Tier):
         return host if self.device.type == "cpu" else host.to(self.device, non_blocking=False)
 
     def store(self, key: str, t: torch.Tensor) -> None:
+        """Write the whole of `key`; a file a checkpoint links is left to it, and the bytes go to a new file."""
         fd, numel, dtype = self.files[key]
         if t.numel() != numel or t.dtype != dtype:
             raise ValueError(f"{key}: storing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
         host = t.detach().contiguous().cpu()
         buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        linked = os.fstat(fd).st_nlink > 1
+        if linked:
+            fd = self._new_file(key, len(buf))
         done = 0
         while done < len(buf):
             done += os.pwrite(fd, buf[done:], done)
+        if linked:
+            self._replace(key, fd)
         self.count(written=done)
 
+    def _new_file(self, key: str, nbytes: int) -> int:
+        fd = os.open(self.path(key).with_suffix(".new"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+        return fd
+
+    def _replace(self, key: str, fd: int) -> None:
+        """Make the new file `fd` (written beside it) the key's file; the linked one keeps its bytes and its other names."""
+        os.replace(self.path(key).with_suffix(".new"), self.path(key))
+        old, numel, dtype = self.files[key]
+        self.files[key] = (fd, numel, dtype)
+        os.close(old)
+
+    def link(self, key: str, dest: Path) -> None:
+        """Commit `key`'s file as `dest` (a hard link, or a copy across file systems), flushed to the disk; the next
+        write of `key` then goes to a new file."""
+        fd = self.files[key][0]
+        os.fsync(fd)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(self.path(key), dest)
+        except OSError:  # another file system (or one without hard links): a copy, still a checkpoint of its own
+            shutil.copyfile(self.path(key), dest)
+
+    def adopt(self, key: str, source: Path) -> None:
+        """Make the committed file `source` (a checkpoint's, of this key's size) the key's file, by a hard link: the
+        state is restored without reading it, and the first write goes to a new file."""
+        if source.stat().st_size != self.nbytes(key):
+            raise ValueError(f"{source} has {source.stat().st_size} bytes, {key} needs {self.nbytes(key)}")
+        tmp = self.path(key).with_suffix(".new")
+        tmp.unlink(missing_ok=True)
+        os.link(source, tmp)
+        self._replace(key, os.open(tmp, os.O_RDWR))
+
     def view(self, key: str) -> torch.Tensor:
-        """The file as a shared memory map (writes go to the file), for checkpoints."""
-        _, numel, dtype = self.files[key]
+        """The file as a shared memory map (writes go to the file), for checkpoints; a file a checkpoint links is first
+        copied, so that writes through the map never reach the checkpoint."""
+        fd, numel, dtype = self.files[key]
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        return torch.from_file(str(self.path(key)), shared=True, size=numel, dtype=dtype)
+        if os.fstat(fd).st_nlink > 1:
+            shutil.copyfile(self.path(key), self.path(key).with_suffix(".new"))
+            self._replace(key, os.open(self.path(key).with_suffix(".new"), os.O_RDWR))
+        t = torch.from_file(str(self.path(key)), shared=True, size=numel, dtype=dtype)
+        self.mapped[t.untyped_storage().data_ptr()] = (key, t)
+        return t
+
+    def backing(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """(key, byte offset) of the file holding a contiguous view `t` this tier handed out, or None."""
+        found = self.mapped.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
+        if found is None or not t.is_contiguous():
+            return None
+        return found[0], t.storage_offset() * t.element_size()
+
+    def forget_views(self) -> None:
+        """The views handed out are no longer used (a checkpoint was written or loaded): unmap them."""
+        self.mapped.clear()
 
     def nbytes(self, key: str) -> int:
         _, numel, dtype = self.files[key]
@@ -181,6 +243,7 @@ class FileTier(Tier):
 
     def drop(self, key: str) -> None:
         entry = self.files.pop(key, None)
+        self.mapped = {ptr: kv for ptr, kv in self.mapped.items() if kv[0] != key}
         if entry is not None:
             os.close(entry[0])
             self.path(key).unlink(missing_ok=True)

@@ -47,10 +47,8 @@ class OffloadEstimate:
         return getattr(self.policy, kind)
 
     def disk_bytes(self) -> int:
-        """Bytes the disk tier holds for all local ranks, with the float32 staging of 8-bit moments at checkpoints."""
+        """Bytes the disk tier holds for all local ranks (checkpoints link these files; 8-bit moments stay 8-bit)."""
         per_rank = sum(n for kind, n in self.stored.items() if self.tier_of(kind) == "disk")
-        if self.policy.bits == 8 and self.policy.optimizer == "disk":
-            per_rank += self.stored["params"] * 2  # m and v as float32, as large as the float32 parameter shard each
         return per_rank * self.ranks
 
     def moved_per_tier(self, device_type: str) -> dict[str, tuple[int, int]]:
