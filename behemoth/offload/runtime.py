@@ -152,7 +152,6 @@ class OffloadSync(GradSync):
         self.nonfinite = False  # a gradient of this step was not finite: no fused step from then on
         self.completed: list[UnitStore] = []
         self.optimizer: OffloadOptimizer | None = None
-        self.staging: list[str] = []
         self._materialize(value)
         reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
         self.streamer = Streamer(self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch,
@@ -195,7 +194,6 @@ class OffloadSync(GradSync):
 
     def zero_grad(self) -> None:
         """A new step: no gradient norm yet; the counters start again."""
-        self._drop_staging()
         self.norm_sq.zero_()
         self.nonfinite = False
         self.completed = []
@@ -299,17 +297,6 @@ class OffloadSync(GradSync):
             if step is not None:
                 self.io.submit(store.index, store.load, step, False)
         self.io.drain()
-
-    def _drop_staging(self) -> None:
-        for key in self.staging:
-            self.tiers.optimizer.drop(key)
-        self.staging = []
-
-    def staging_tensor(self, key: str, numel: int) -> torch.Tensor:
-        """A float32 buffer on the optimizer tier for checkpoint moments (8-bit state is saved as float32), until the next step."""
-        self.tiers.optimizer.allocate(key, numel, torch.float32)
-        self.staging.append(key)
-        return self.tiers.optimizer.view(key)
 
     # --- measurements ---
 
@@ -428,7 +415,6 @@ class OffloadOptimizer(Optimizer):
         """The step count (moments were loaded where they are stored, 8-bit ones as 8-bit)."""
         sync = self.sync
         sync.step_count = int(self.step_tensor.item())
-        sync._drop_staging()
 
     def state_bytes(self) -> int:
         return self.sync.tiers.optimizer.resident_bytes()
