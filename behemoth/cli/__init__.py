@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -36,7 +37,7 @@ def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list
     return rows
 
 
-def train_parser(sub: argparse._SubParsersAction) -> None:
+def train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from behemoth.models.gpt import PRESETS
 
     epilog = "\n".join([
@@ -72,7 +73,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. train.steps=100 (listed below)")
 
 
-def export_parser(sub: argparse._SubParsersAction) -> None:
+def export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file",
                        description="Consolidate a checkpoint (any process count) into a safetensors file.")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
@@ -109,7 +110,8 @@ def run_delegated(name: str, argv: list[str]) -> int:
 
     target, _ = delegated_commands()[name]
     module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)(argv)
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return entry(argv)
 
 
 def default_nproc() -> int:

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from behemoth.cli import default_nproc
 from behemoth.errors import BehemothError, exit_code
 from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 from behemoth.parallel.zero import comm_volume
-
-if TYPE_CHECKING:
-    from behemoth.config import Config
+from behemoth.config import Config
 
 MEASURE_FRACTION = 0.5  # measure only if all local ranks together need less than this share of RAM
 

@@ -3,15 +3,11 @@ before launch if the disk lacks it), the memory peak, and a step time predicted 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused
 from behemoth.offload import scratch
 from behemoth.offload.calibrate import Rates
 from behemoth.planner.offload import OffloadEstimate, offload_estimate, offload_problems, rank_dims
-
-if TYPE_CHECKING:
-    from behemoth.config import Config
 
 GiB = 2**30
 ORDERS_SHOWN = ((1, 4, 16), ("harmony", "naive"))

@@ -157,7 +157,8 @@ def plan_yaml(cfg: Config, cost: PlanCost) -> str:
     lay = cost.layout
     note = (f"# behemoth plan: {lay.describe()}; predicted {cost.peak_memory / 2**30:.2f} GiB per rank, "
             f"{cost.step_seconds * 1e3:.1f} ms per step, MFU {cost.mfu:.1%}\n")
-    return note + yaml.safe_dump(data, sort_keys=False)
+    text: str = yaml.safe_dump(data, sort_keys=False)
+    return note + text
 
 
 def auto_overrides(overrides: list[str], config: str | None, nproc: int) -> list[str]:
