@@ -66,7 +66,7 @@ def read_tokens(f: Path) -> np.ndarray:
     """One file as a 1-D token array: .npy integers, raw uint16 .bin, or text as UTF-8 bytes."""
     if f.suffix == ".npy":
         try:
-            arr = np.load(f, allow_pickle=False)
+            arr: np.ndarray = np.load(f, allow_pickle=False)
         except (ValueError, OSError) as err:
             raise BehemothError(f"{f} is not a readable .npy array ({err})", "save tokens with numpy.save") from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):

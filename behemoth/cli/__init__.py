@@ -7,12 +7,16 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel
 
-from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
+from behemoth.errors import ERROR_PREFIX, BehemothError, Problem, exit_code
+
+if TYPE_CHECKING:  # the config module is imported by the commands that use it (a fast --help)
+    from behemoth.config import Config
 
 
 def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
@@ -33,7 +37,7 @@ def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list
     return rows
 
 
-def train_parser(sub: argparse._SubParsersAction) -> None:
+def train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from behemoth.models.gpt import PRESETS
 
     epilog = "\n".join([
@@ -70,7 +74,7 @@ def train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. train.steps=100 (listed below)")
 
 
-def export_parser(sub: argparse._SubParsersAction) -> None:
+def export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file",
                        description="Consolidate a checkpoint (any process count) into a safetensors file.")
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
@@ -107,7 +111,8 @@ def run_delegated(name: str, argv: list[str]) -> int:
 
     target, _ = delegated_commands()[name]
     module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)(argv)
+    entry: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
+    return entry(argv)
 
 
 def default_nproc() -> int:
@@ -123,7 +128,7 @@ def newest_run(root: Path = Path("runs")) -> Path:
     return runs[-1]
 
 
-def resolve_train_config(args: argparse.Namespace) -> tuple[Any, Path | None]:
+def resolve_train_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
     """The validated config and, with --resume, the checkpoint to start from."""
     from behemoth.faults.checkpoint import resolve_checkpoint
     from behemoth.config import default_run_dir, load_config
@@ -160,7 +165,7 @@ def fail_fast(err: BaseException, code: int = 1) -> NoReturn:
 
     from behemoth.flight import HangError
 
-    lines = err.lines if isinstance(err, BehemothError) else [l for l in traceback.format_exception(err) if l.strip()]
+    lines = err.lines if isinstance(err, BehemothError) else [text for text in traceback.format_exception(err) if text.strip()]
     prefix = ERROR_PREFIX if isinstance(err, BehemothError) else ""
     if isinstance(err, HangError) and not err.timed_out:
         time.sleep(1.0)  # a peer went away first: let the launcher see its failure (the cause) before this one
@@ -187,14 +192,13 @@ def parse_nproc(text: str | None) -> int | tuple[int, int]:
         raise BehemothError(f"--nproc {text} is not a process count or a range", "write --nproc N, or --nproc MIN:MAX with 1 <= MIN <= MAX") from None
 
 
-def elastic_problems(cfg: Any, nproc: tuple[int, int], max_restarts: int) -> list[Any]:
+def elastic_problems(cfg: Config, nproc: tuple[int, int], max_restarts: int) -> list[Problem]:
     """An elastic range the plan cannot run on at every size, or one that cannot continue because nothing restarts."""
-    from behemoth.errors import Problem
     from behemoth.planner.feasibility import problems
     from behemoth.faults.recovery import plan_for_world
 
     low, high = nproc
-    out = []
+    out: list[Problem] = []
     if max_restarts < 1:
         out.append(Problem.of("--max-restarts", f"--nproc {low}:{high} continues on fewer processes by restarting the survivors, "
                               "but --max-restarts is 0", "add --max-restarts 3 (or any number above 0)"))
@@ -206,7 +210,7 @@ def elastic_problems(cfg: Any, nproc: tuple[int, int], max_restarts: int) -> lis
     return out
 
 
-def launch_line(cfg: Any, nproc: int | tuple[int, int]) -> str:
+def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
     """What is about to run: the model, its size, the plan, the batch, the steps, where it goes; and any field of a
     Hugging Face config.json an option overrides."""
     from behemoth.models.hf import config_overrides

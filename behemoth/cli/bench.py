@@ -82,7 +82,8 @@ def run_script(script: Path, quick: bool, timeout: float, log: Path) -> list[dic
             proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=script.parents[1])
         if proc.returncode != 0:
             return [{"family": family, "peer": "(the whole benchmark)", "error": f"exited with {proc.returncode}: {tail(log)}"}]
-        return json.loads(result.read_text())
+        rows: list[dict[str, Any]] = json.loads(result.read_text())
+        return rows
     except subprocess.TimeoutExpired:
         return [{"family": family, "peer": "(the whole benchmark)", "error": f"ran past {timeout:.0f} s"}]
     except (OSError, ValueError) as err:

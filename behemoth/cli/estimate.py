@@ -14,6 +14,7 @@ from behemoth.cli import default_nproc
 from behemoth.errors import BehemothError, exit_code
 from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 from behemoth.parallel.zero import comm_volume
+from behemoth.config import Config
 
 MEASURE_FRACTION = 0.5  # measure only if all local ranks together need less than this share of RAM
 
@@ -83,14 +84,14 @@ def device_memory(nproc: int) -> float:
 
 def size(b: float) -> str:
     """Bytes readable at any size, binary and decimal: `1.85 GiB (1.99 GB)`."""
-    for unit, step in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(b) >= step:
-            break
-    dec_unit, dec = next(((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if abs(b) >= s), ("B", 1))
-    return f"{b / step:.3g} {unit} ({b / dec:.3g} {dec_unit})" if abs(b) >= 1024 else f"{b:.0f} B"
+    if abs(b) < 1024:
+        return f"{b:.0f} B"
+    unit, step = next((u, s) for u, s in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if abs(b) >= s)
+    dec_unit, dec = next((u, s) for u, s in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if abs(b) >= s)
+    return f"{b / step:.3g} {unit} ({b / dec:.3g} {dec_unit})"
 
 
-def header(cfg: Any, world: int) -> str:
+def header(cfg: Config, world: int) -> str:
     """The resolved model (its shape, whatever the preset), Ψ, and the plan's degrees."""
     from behemoth.planner.census import ModelCensus
 
@@ -105,7 +106,7 @@ def header(cfg: Any, world: int) -> str:
             f"{f', {plan.schedule}' if dims.pp > 1 else ''}; micro-batch {cfg.batch_layout(dims).micro_batch} x {cfg.seq_len} tokens")
 
 
-def measure(cfg: Any, world: int, ests: list[StageEstimate]) -> dict[int, dict[str, int]]:
+def measure(cfg: Config, world: int, ests: list[StageEstimate]) -> dict[int, dict[str, int]]:
     """Rank 0's measured bytes per ZeRO stage, from real builds on `world` local processes (stages that fit in RAM;
     without a pipeline: a pipelined step needs the plan's micro-batches, which `plan_table` measures)."""
     from behemoth.faults.launch import launch
@@ -144,7 +145,7 @@ def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str
     return out
 
 
-def state_table(cfg: Any, dp: int, ests: list[StageEstimate], measured: dict[int, dict[str, int]]) -> str:
+def state_table(cfg: Config, dp: int, ests: list[StageEstimate], measured: dict[int, dict[str, int]]) -> str:
     """Per ZeRO stage: components, formula vs exact vs measured totals, buffers (pipeline rank 0's share, dp rank 0)."""
     dtype = cfg.parallel.param_dtype
     p, g, k = BYTES_PER_PARAM[dtype]
@@ -176,7 +177,7 @@ def _gib(b: float) -> str:
     return f"{v:.4f}" if v < 0.1 else f"{v:.3f}" if v < 100 else f"{v:,.1f}"
 
 
-def plan_table(cfg: Any, world: int, measure_it: bool) -> str:
+def plan_table(cfg: Config, world: int, measure_it: bool) -> str:
     """The plan's memory on each pipeline rank: states, buffers, activations, working set, peak (and measured peaks)."""
     from behemoth.planner.cost import price
     from behemoth.planner.cluster import load_cluster
@@ -193,7 +194,7 @@ def plan_table(cfg: Any, world: int, measure_it: bool) -> str:
     return "\n".join(lines)
 
 
-def measure_peaks(cfg: Any, world: int) -> dict[int, dict[str, Any]]:
+def measure_peaks(cfg: Config, world: int) -> dict[int, dict[str, Any]]:
     """Measured memory of every pipeline rank (its busiest data- and tensor-parallel rank), from real processes."""
     from behemoth.profiler.measure import measure_plan
     from behemoth.faults.launch import launch
@@ -211,7 +212,7 @@ def measure_peaks(cfg: Any, world: int) -> dict[int, dict[str, Any]]:
     return out
 
 
-def fit_table(cfg: Any, dp: int, memory: float) -> str:
+def fit_table(cfg: Config, dp: int, memory: float) -> str:
     """The largest Ψ whose model states fit `memory` per rank at each stage, and the largest preset that does."""
     from behemoth.models.gpt import PRESETS, GPTConfig
 

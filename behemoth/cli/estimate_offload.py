@@ -3,8 +3,7 @@ before launch if the disk lacks it), the memory peak, and a step time predicted 
 
 from __future__ import annotations
 
-from typing import Any
-
+from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused
 from behemoth.offload import scratch
 from behemoth.offload.calibrate import Rates
@@ -32,7 +31,7 @@ def placement_lines(est: OffloadEstimate) -> list[str]:
     return lines
 
 
-def traffic_lines(cfg: Any, dp: int, device_type: str) -> list[str]:
+def traffic_lines(cfg: Config, dp: int, device_type: str) -> list[str]:
     """Bytes moved per step per rank for each order and number of micro-batches (all tiers that move bytes)."""
     mb = cfg.batch_layout(rank_dims(cfg, dp)).micro_batch
     lines = [f"bytes moved per step per rank (read + written, tiers that move bytes) with m micro-batches of {mb} per rank:"]
@@ -47,7 +46,7 @@ def traffic_lines(cfg: Any, dp: int, device_type: str) -> list[str]:
     return lines
 
 
-def offload_report(cfg: Any, dp: int, nproc: int, rates: Rates | None, device_type: str) -> str:
+def offload_report(cfg: Config, dp: int, nproc: int, rates: Rates | None, device_type: str) -> str:
     """The whole offload section of `behemoth estimate`."""
     est = offload_estimate(cfg, dp, ranks=nproc, device_type=device_type)
     p = est.policy
@@ -76,7 +75,7 @@ def offload_report(cfg: Any, dp: int, nproc: int, rates: Rates | None, device_ty
     return "\n".join(lines)
 
 
-def run_offload_estimate(cfg: Any, nproc: int, *, calibrate: bool) -> int:
+def run_offload_estimate(cfg: Config, nproc: int, *, calibrate: bool) -> int:
     """Print the offload section; refuse (exit 2) with every problem, the disk's free space among them."""
     import torch
 

@@ -6,11 +6,18 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from behemoth.errors import BehemothError, exit_code
+
+if TYPE_CHECKING:  # the planner is imported by the commands that use it
+    from behemoth.config import Config
+    from behemoth.planner.cluster import ClusterSpec
+    from behemoth.planner.cost import PlanCost
+    from behemoth.planner.layout import Workload
+    from behemoth.planner.search import Space
 
 AUTO = "parallel=auto"
 
@@ -46,7 +53,7 @@ def plan_main(argv: list[str] | None = None) -> int:
     return exit_code(run_plan, plan_parser().parse_args(argv))
 
 
-def cluster_and_world(args: argparse.Namespace) -> tuple[Any, int]:
+def cluster_and_world(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
     """The cluster to plan on and the number of devices: a file or preset (and --world), or this machine's processes."""
     from behemoth.planner.calibrate import local_cluster
     from behemoth.planner.cluster import load_cluster
@@ -64,7 +71,7 @@ def cluster_and_world(args: argparse.Namespace) -> tuple[Any, int]:
     return cluster.with_nodes(world), world
 
 
-def space_of(cfg: Any) -> Any:
+def space_of(cfg: Config) -> Space:
     """The search space a config leaves open: every parallel option it sets explicitly is pinned."""
     from behemoth.planner.search import Space
 
@@ -88,7 +95,7 @@ def space_of(cfg: Any) -> Any:
     return Space(**pins)
 
 
-def header(cfg: Any, work: Any, cluster: Any, world: int) -> str:
+def header(cfg: Config, work: Workload, cluster: ClusterSpec, world: int) -> str:
     """The model as resolved (its shape, not only its preset name), the batch, the cluster."""
     s, name = work.census.shape, (f"hf:{cfg.hf.arch}" if cfg.hf.arch else "gpt")
     return (f"behemoth plan: {name} {s.n_layer} layers x d_model {s.d_model}, {s.n_head} heads ({s.kv_heads} KV), MLP {s.ffn}, "
@@ -123,7 +130,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def devices_that_fit(work: Any, cluster: Any, world: int, space: Any) -> int | None:
+def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Space) -> int | None:
     """The smallest multiple of `world` (up to 64x) on which some plan fits."""
     from behemoth.planner.search import search
 
@@ -133,7 +140,7 @@ def devices_that_fit(work: Any, cluster: Any, world: int, space: Any) -> int | N
     return None
 
 
-def plan_overrides(cost: Any, cfg: Any) -> list[str]:
+def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
     """The best plan as `parallel.*` options (what a user would type)."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
     keys = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
@@ -141,7 +148,7 @@ def plan_overrides(cost: Any, cfg: Any) -> list[str]:
             if getattr(plan, k) is not None]
 
 
-def plan_yaml(cfg: Any, cost: Any) -> str:
+def plan_yaml(cfg: Config, cost: PlanCost) -> str:
     """The config with the best plan as its `parallel:` section, in the YAML a user writes (defaults left out)."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
     train = cfg.train.model_copy(update={"micro_batch": None})
@@ -150,7 +157,8 @@ def plan_yaml(cfg: Any, cost: Any) -> str:
     lay = cost.layout
     note = (f"# behemoth plan: {lay.describe()}; predicted {cost.peak_memory / 2**30:.2f} GiB per rank, "
             f"{cost.step_seconds * 1e3:.1f} ms per step, MFU {cost.mfu:.1%}\n")
-    return note + yaml.safe_dump(data, sort_keys=False)
+    text: str = yaml.safe_dump(data, sort_keys=False)
+    return note + text
 
 
 def auto_overrides(overrides: list[str], config: str | None, nproc: int) -> list[str]:

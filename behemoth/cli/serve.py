@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from behemoth.cli.generate import add_model_options, check_plan, world_size
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
+
+if TYPE_CHECKING:  # the serving stack is imported when the server starts
+    from behemoth.inference.scheduler import SchedulerPolicy
 
 EXAMPLES = """examples:
   behemoth serve runs/20261130-075637 --port 8000
@@ -33,7 +37,8 @@ def serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def policy_of(args: argparse.Namespace, context: int):
+def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
+    """The scheduler's limits from the command line (each a positive count)."""
     from behemoth.inference.scheduler import SchedulerPolicy
 
     for name in ("max_batch", "max_waiting", "max_tokens"):
@@ -72,6 +77,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
 
 def serve_worker(args: argparse.Namespace) -> None:
+    """One launched server process; its refusal is printed before it propagates to the launcher."""
     try:
         serve_on_ranks(args)
     except BehemothError as err:
@@ -80,6 +86,7 @@ def serve_worker(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """`behemoth serve`: check the plan, then serve on one process or launch one per rank."""
     from behemoth.inference.app import require_serving_stack
     from behemoth.faults.launch import launch
 
