@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,8 +118,14 @@ def barrier(group: dist.ProcessGroup) -> None:
             dist.barrier(group=group)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False,
-               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    meter: CommMeter | None = None,
+    *,
+    async_op: bool = False,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> Pending:
     """Reduce `tensor` in place over `group`, summing unless `op` says otherwise (a group of one has nothing to add)."""
     if dist.get_world_size(group) == 1:
         return Pending(None)
@@ -128,22 +134,34 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter 
     return issue("all_reduce", group, tensor, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op=async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False
+) -> Pending:
     """Sum `input` (world x shard) over `group`; this rank's shard lands in `output`."""
     if meter is not None:
         meter.record("reduce_scatter", input)
     return issue("reduce_scatter", group, input, lambda: dist.reduce_scatter_single(output, input, group=group, async_op=True), async_op=async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False
+) -> Pending:
     """Concatenate every rank's `input` into `output` (world x shard)."""
     if meter is not None:
         meter.record("all_gather", output)
     return issue("all_gather", group, output, lambda: dist.all_gather_single(output, input, group=group, async_op=True), async_op=async_op)
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
-               output_splits: list[int] | None = None, input_splits: list[int] | None = None, async_op: bool = False) -> Pending:
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    meter: CommMeter | None = None,
+    *,
+    output_splits: list[int] | None = None,
+    input_splits: list[int] | None = None,
+    async_op: bool = False,
+) -> Pending:
     """Rank r's `input` rows [sum(input_splits[:j]), + input_splits[j]) go to rank j, which receives them as its
     `output_splits[r]` rows from r (even splits when None). The meter counts what this rank sends to the other ranks."""
     world = dist.get_world_size(group)
@@ -155,8 +173,13 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         splits = input_splits or [rows // world] * world
         per_row = input.numel() // rows if rows else 0
         meter.record_elements("all_to_all", (rows - splits[dist.get_rank(group)]) * per_row, input.element_size())
-    return issue("all_to_all", group, input, lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
-                                                                           async_op=True), async_op=async_op)
+    return issue(
+        "all_to_all",
+        group,
+        input,
+        lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group, async_op=True),
+        async_op=async_op,
+    )
 
 
 def broadcast_object(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:
@@ -232,8 +255,9 @@ def batch_p2p(ops: list[P2P], group: dist.ProcessGroup, meter: CommMeter | None 
         if meter is not None:
             meter.record("send" if op.send else "recv", op.tensor)
         p2p.append(dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=group, tag=op.tag, group_peer=op.peer))
-        records.append(RECORDER.begin("send" if op.send else "recv", group, peer_in_group=op.peer,
-                                      nbytes=op.tensor.numel() * op.tensor.element_size()))
+        records.append(
+            RECORDER.begin("send" if op.send else "recv", group, peer_in_group=op.peer, nbytes=op.tensor.numel() * op.tensor.element_size())
+        )
     try:
         works = dist.batch_isend_irecv(p2p)
     except RuntimeError as err:
@@ -245,8 +269,9 @@ def batch_p2p(ops: list[P2P], group: dist.ProcessGroup, meter: CommMeter | None 
     return [Pending(work, record) for work, record in zip(works, records)]
 
 
-def pair_all_reduce(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
-                    tag: int = 0, timeout_s: float | None = None) -> None:
+def pair_all_reduce(
+    tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, tag: int = 0, timeout_s: float | None = None
+) -> None:
     """Sum `tensor` in place with its copy on `peer` (one exchange; both ranks get bitwise equal sums).
 
     The send and the receive form one batched group, so NCCL's rendezvous cannot deadlock it (a lone

@@ -55,8 +55,11 @@ class CheckpointConfig(Section):
     every: int = Field(200, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
     async_save: bool = Field(True, description="write checkpoints in the background (training waits only for a copy of the state)")
-    export: Literal["auto"] | bool = Field("auto", description="write consolidated weights (model.safetensors) at the end: true, "
-                                          "false, or auto (unless offloaded: a model streamed from disk is never gathered whole)")
+    export: Literal["auto"] | bool = Field(
+        "auto",
+        description="write consolidated weights (model.safetensors) at the end: true, "
+        "false, or auto (unless offloaded: a model streamed from disk is never gathered whole)",
+    )
 
 
 class RunConfig(Section):
@@ -69,16 +72,23 @@ class OffloadConfig(Section):
     """Where model states live (offload/): each of parameters, gradients and optimizer state on a tier, streamed per unit."""
 
     params: Literal["none", "cpu", "disk"] = Field("none", description="parameters: none (device memory), cpu (host memory), disk (offload.dir)")
-    grads: Literal["auto", "none", "cpu", "disk"] = Field("auto", description="gradients kept between micro-batches or until a deferred "
-                                                          "step (auto: the parameters' tier)")
+    grads: Literal["auto", "none", "cpu", "disk"] = Field(
+        "auto", description="gradients kept between micro-batches or until a deferred step (auto: the parameters' tier)"
+    )
     optimizer: Literal["none", "cpu", "disk"] = Field("none", description="Adam moments")
     dir: str | None = Field(None, description="scratch directory of the disk tier (default <run.dir>/offload-scratch); never a checkpoint")
     prefetch: int = Field(2, ge=0, description="units read ahead by the I/O threads")
     io_threads: int = Field(2, ge=1, description="background threads that read, write back and step units")
-    order: Literal["harmony", "naive"] = Field("harmony", description="harmony: every micro-batch through a resident unit before "
-                                               "it is evicted (bytes per step independent of micro-batches); naive: micro-batch by micro-batch")
-    step: Literal["auto", "fused", "deferred"] = Field("auto", description="fused: a unit steps as soon as its gradient is complete "
-                                                       "(needs train.grad_clip=0); deferred: at its next fetch, once the clipped norm is known; auto")
+    order: Literal["harmony", "naive"] = Field(
+        "harmony",
+        description="harmony: every micro-batch through a resident unit before "
+        "it is evicted (bytes per step independent of micro-batches); naive: micro-batch by micro-batch",
+    )
+    step: Literal["auto", "fused", "deferred"] = Field(
+        "auto",
+        description="fused: a unit steps as soon as its gradient is complete "
+        "(needs train.grad_clip=0); deferred: at its next fetch, once the clipped norm is known; auto",
+    )
     optimizer_bits: Literal[32, 8] = Field(32, description="8: Adam moments in 8-bit blocks (bitsandbytes; pip install -e .[offload])")
     max_memory_gb: float | None = Field(None, gt=0, description="memory budget per rank for states, buffers and activations (GiB)")
 
@@ -116,25 +126,29 @@ class Config(Section):
         arch, model, hf = shape_from_weights(weights)
         model_given = _as_dict(data.get("model"))
         moe_given = _as_dict(model_given.get("moe"))  # model.moe: the experts the weights have, the routing the user asks
-        for section, theirs, ours in (("hf", {"arch": arch, **hf}, given), ("model", model, model_given), ("model.moe", model.pop("moe", {}), moe_given)):
+        for section, theirs, ours in (
+            ("hf", {"arch": arch, **hf}, given),
+            ("model", model, model_given),
+            ("model.moe", model.pop("moe", {}), moe_given),
+        ):
             for key, value in theirs.items():
                 if ours.get(key) is not None and ours[key] != value:
-                    raise BehemothError(f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}",
-                                        f"set {section}.{key}={value} or drop it")
+                    raise BehemothError(
+                        f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}", f"set {section}.{key}={value} or drop it"
+                    )
             if section == "model.moe" and theirs:
                 model["moe"] = {**moe_given, **theirs}
         return {**data, "model": {**model_given, **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")
-    def _check_lengths(self) -> "Config":
+    def _check_lengths(self) -> Config:
         if self.train.seq_len is not None and self.train.seq_len > self.model.context:
             raise ValueError(
-                f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; "
-                "lower train.seq_len or raise model.context"
+                f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; lower train.seq_len or raise model.context"
             )
         return self
 
-    def replace(self, **sections: Any) -> "Config":
+    def replace(self, **sections: Any) -> Config:
         """A copy with the given sections (instances or dicts of the fields to set) replaced, validated as a whole."""
         data = {k: _as_dict(getattr(self, k)) for k in type(self).model_fields}
         for name, value in sections.items():
@@ -233,7 +247,7 @@ def check_key(parts: list[str]) -> None:
         annotation = fields[part].annotation
         if depth < len(parts) - 1:
             if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-                raise BehemothError(f"unknown option {'.'.join(parts)}: {'.'.join(parts[:depth + 1])} is not a section")
+                raise BehemothError(f"unknown option {'.'.join(parts)}: {'.'.join(parts[: depth + 1])} is not a section")
             model = annotation
 
 

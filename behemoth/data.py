@@ -20,7 +20,7 @@ import torch
 
 from behemoth.errors import BehemothError
 
-CHUNK_TOKENS = 1 << 16   # the split assigns whole chunks of up to this many tokens to train or validation
+CHUNK_TOKENS = 1 << 16  # the split assigns whole chunks of up to this many tokens to train or validation
 TOKEN_SUFFIXES = {".npy", ".bin"}
 
 
@@ -122,7 +122,9 @@ def prepare_corpus(path: str | None, val_fraction: float, cache_dir: str | None)
     tmp.mkdir(parents=True, exist_ok=True)
     train.tofile(tmp / "train.bin")
     val.tofile(tmp / "val.bin")
-    (tmp / "meta.json").write_text(json.dumps({"vocab_size": vocab, "files": len(files), "train_tokens": int(train.size), "val_tokens": int(val.size)}))
+    (tmp / "meta.json").write_text(
+        json.dumps({"vocab_size": vocab, "files": len(files), "train_tokens": int(train.size), "val_tokens": int(val.size)})
+    )
     try:
         os.replace(tmp, folder)
     except OSError:  # another process finished first
@@ -143,7 +145,7 @@ def split_train_val(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray
         return tokens[:cut], tokens[cut:]
     is_val = [i % every == every - 1 for i in range(n_chunks)]
     is_val[-1] = is_val[-1] or not any(is_val)
-    chunks = [tokens[i * chunk:(i + 1) * chunk] for i in range(n_chunks)]
+    chunks = [tokens[i * chunk : (i + 1) * chunk] for i in range(n_chunks)]
     train = [c for c, v in zip(chunks, is_val) if not v]
     val = [c for c, v in zip(chunks, is_val) if v]
     return np.concatenate(train), np.concatenate(val)
@@ -162,7 +164,7 @@ class BatchLayout:
         return self.global_batch // (self.micro_batch * self.dp)
 
     @classmethod
-    def resolve(cls, global_batch: int, micro_batch: int | None, dp: int) -> "BatchLayout":
+    def resolve(cls, global_batch: int, micro_batch: int | None, dp: int) -> BatchLayout:
         if micro_batch is None:
             if global_batch % dp:
                 raise BehemothError(
@@ -181,7 +183,9 @@ class BatchLayout:
 def sample_offsets(n_tokens: int, seq_len: int, count: int, seed: int, step: int, stream: int = 0) -> np.ndarray:
     """`count` start offsets for step `step`; depends on (seed, stream, step) only."""
     if n_tokens < seq_len + 1:
-        raise BehemothError(f"the corpus split has {n_tokens} tokens, fewer than seq_len+1={seq_len + 1}", "use a larger corpus or a shorter train.seq_len")
+        raise BehemothError(
+            f"the corpus split has {n_tokens} tokens, fewer than seq_len+1={seq_len + 1}", "use a larger corpus or a shorter train.seq_len"
+        )
     rng = np.random.default_rng([seed, stream, step])
     return rng.integers(0, n_tokens - seq_len, size=count)
 
@@ -203,5 +207,5 @@ class BatchSampler:
         lay = self.layout
         offsets = sample_offsets(len(self.tokens), self.seq_len, lay.global_batch, self.seed, step, self.stream)
         per_rank = lay.global_batch // lay.dp
-        mine = offsets[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-        return [gather_batch(self.tokens, mine[i:i + lay.micro_batch], self.seq_len) for i in range(0, per_rank, lay.micro_batch)]
+        mine = offsets[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        return [gather_batch(self.tokens, mine[i : i + lay.micro_batch], self.seq_len) for i in range(0, per_rank, lay.micro_batch)]

@@ -26,8 +26,8 @@ from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import OffloadPolicy
-from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.parallel.sync import AdamWSettings
+from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.topology import Runtime
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
@@ -35,8 +35,8 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class StepResult:
-    loss: float        # mean token loss over the global batch
-    grad_norm: float   # global norm before clipping
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # global norm before clipping
     metrics: dict[str, Any] = field(default_factory=dict)  # layout-specific: an MoE's losses and expert usage, offload's bytes per tier
     skipped: bool = False  # the gradient was not finite, so the optimizers did not step
 
@@ -144,8 +144,16 @@ class Engine:
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
     offload = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip) if cfg.offload.enabled else None
-    return parallelize(build_causal_lm(cfg.model, cfg.hf), cfg.parallel, rt, batch=cfg.batch_layout(rt.dims),
-                       seq_len=cfg.seq_len, seed=cfg.train.seed, timeout_s=cfg.run.timeout_s, offload=offload)
+    return parallelize(
+        build_causal_lm(cfg.model, cfg.hf),
+        cfg.parallel,
+        rt,
+        batch=cfg.batch_layout(rt.dims),
+        seq_len=cfg.seq_len,
+        seed=cfg.train.seed,
+        timeout_s=cfg.run.timeout_s,
+        offload=offload,
+    )
 
 
 def build_engine(cfg: Config, rt: Runtime) -> Engine:

@@ -33,11 +33,11 @@ class Problem:
     message: str
 
     @classmethod
-    def of(cls, option: str, what: str, fix: str | None = None) -> "Problem":
+    def of(cls, option: str, what: str, fix: str | None = None) -> Problem:
         return cls(option, what if fix is None else f"{what}; {fix}")
 
     @classmethod
-    def from_error(cls, option: str, err: BehemothError) -> "Problem":
+    def from_error(cls, option: str, err: BehemothError) -> Problem:
         return cls(option, str(err))
 
     def __str__(self) -> str:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from behemoth.comm import watched
 
-
 PEAK_SIZE, PEAK_RUNS = 2048, 5  # the matmul every MFU figure is measured against, and how many tries
 
 

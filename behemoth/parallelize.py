@@ -46,8 +46,8 @@ from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.executor import Executor, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
-from behemoth.parallel.expert.comm import two_level_groups
 from behemoth.parallel.expert.adapt import ExpertAdapter, build_adapter
+from behemoth.parallel.expert.comm import two_level_groups
 from behemoth.parallel.pipeline.apply import PipelineParallel, PipelinePolicy, apply_pipeline
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.recompute import apply_recompute, recompute_ranks
@@ -77,8 +77,9 @@ class ParallelModel:
 
     def __post_init__(self) -> None:
         if self.executor is None:
-            self.executor = (PipelineSteps(self.pipeline, self.syncs) if self.pipeline is not None
-                             else MicroBatchLoop(self.lm, self.syncs, self.rt.device))
+            self.executor = (
+                PipelineSteps(self.pipeline, self.syncs) if self.pipeline is not None else MicroBatchLoop(self.lm, self.syncs, self.rt.device)
+            )
 
     @property
     def module(self) -> nn.Module:
@@ -139,6 +140,7 @@ class ParallelModel:
         if self.tp is None:
             return 1
         return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
+
     def clip_grads(self, max_norm: float, device: torch.device) -> float:
         """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (gradients a sync keeps
         on a tier: at each unit's step)."""
@@ -200,8 +202,16 @@ def planned_layer_costs(plan: ParallelPlan, shape: Any, seq_len: int) -> LayerCo
     return uniform_layer_costs(shape) if plan.balance == "layers" else layer_flops(shape, seq_len)
 
 
-def build_syncs(model: nn.Module, plan: ParallelPlan, rt: Runtime, *, units: Any, pipeline: PipelineParallel | None,
-                meter: CommMeter, experts: ExpertParallel | None = None) -> list[GradSync]:
+def build_syncs(
+    model: nn.Module,
+    plan: ParallelPlan,
+    rt: Runtime,
+    *,
+    units: Any,
+    pipeline: PipelineParallel | None,
+    meter: CommMeter,
+    experts: ExpertParallel | None = None,
+) -> list[GradSync]:
     """Replicated data parallelism (zero_stage 0) or ZeRO 1-3, for every parameter: over dp, or with ep > 1 dense
     parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group)."""
     split = experts is not None and rt.dims.ep > 1
@@ -225,8 +235,13 @@ def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMete
     ep_groups = rt.mesh.mesh.movedim(MESH_DIMS.index("ep"), -1).reshape(-1, rt.dims.ep).tolist()
     whole_world = rt.world_size == dist.get_world_size()  # subgroups are created by every rank of the world
     levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world else None
-    return apply_expert_parallel(lm.module, EPComm.of(rt.group("ep"), meter, timeout_s, levels),
-                                 ExpertPolicy(plan.expert_layout, plan.expert_chunks), layers=lm.moe_layers, tp=tp)
+    return apply_expert_parallel(
+        lm.module,
+        EPComm.of(rt.group("ep"), meter, timeout_s, levels),
+        ExpertPolicy(plan.expert_layout, plan.expert_chunks),
+        layers=lm.moe_layers,
+        tp=tp,
+    )
 
 
 def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int) -> ActivationShape:
@@ -235,8 +250,9 @@ def offload_activations(lm: CausalLM, batch: BatchLayout, seq_len: int, tp: int)
     return ActivationShape(batch.micro_batch, seq_len, shape.d_model, shape.ffn // tp, -(-shape.vocab_size // tp), shape.n_layer, batch.accum)
 
 
-def inference_model(lm: CausalLM, rt: Runtime, pipeline: PipelineParallel | None, tp: TensorParallel | None, meter: CommMeter,
-                    experts: ExpertParallel | None) -> ParallelModel:
+def inference_model(
+    lm: CausalLM, rt: Runtime, pipeline: PipelineParallel | None, tp: TensorParallel | None, meter: CommMeter, experts: ExpertParallel | None
+) -> ParallelModel:
     """The laid-out model for inference: no gradient syncs, no gradient buffers, no expert adapter, `requires_grad` off
     everywhere; nothing but the module references a parameter (quantization frees them). A pipeline gets its executor
     with nothing to tell of gradients: generation runs its forward-only pass (`flow`)."""
@@ -247,8 +263,18 @@ def inference_model(lm: CausalLM, rt: Runtime, pipeline: PipelineParallel | None
     return ParallelModel(lm, rt, [], pipeline, tp, meter, experts)
 
 
-def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLayout, seq_len: int, seed: int,
-                timeout_s: float = 300.0, offload: OffloadPolicy | None = None, for_training: bool = True) -> ParallelModel:
+def parallelize(
+    lm: CausalLM,
+    plan: ParallelPlan,
+    rt: Runtime,
+    *,
+    batch: BatchLayout,
+    seq_len: int,
+    seed: int,
+    timeout_s: float = 300.0,
+    offload: OffloadPolicy | None = None,
+    for_training: bool = True,
+) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
     with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
     for inference, steps 4 and 7 are skipped (`inference_model`)."""
@@ -256,8 +282,9 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
     pipeline = None
     if rt.dims.pp > 1:
         bounds = resolve_stage_boundaries(plan, lm, seq_len, batch.micro_batch, rt)
-        policy = PipelinePolicy(plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute,
-                                plan.tp if plan.sequence_parallel else 1, timeout_s)
+        policy = PipelinePolicy(
+            plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute, plan.tp if plan.sequence_parallel else 1, timeout_s
+        )
         pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
     tp = None
     if rt.dims.tp > 1:
@@ -271,8 +298,7 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
         if pipeline is not None or experts is not None:
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
-        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter,
-                             activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
+        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
@@ -288,6 +314,9 @@ def parallelize(lm: CausalLM, plan: ParallelPlan, rt: Runtime, *, batch: BatchLa
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
-    adapter = build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(),
-                            data_ranks=rt.dims.data_ranks) if experts else None
+    adapter = (
+        build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(), data_ranks=rt.dims.data_ranks)
+        if experts
+        else None
+    )
     return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter)

@@ -31,7 +31,8 @@ class ParallelPlan(BaseModel):
     stage_boundaries: list[int] | None = Field(None, description="first block of every stage, then n_layer, e.g. [0,3,8] (default: balanced)")
     balance: Literal["flops", "time", "layers"] = Field("flops", description="what stages balance when stage_boundaries is unset")
     recompute: Literal["none", "full", "early"] | list[int] = Field(
-        "none", description="activation recomputation: none, full, early (stage-aware: ranks that stash most), or pipeline ranks")
+        "none", description="activation recomputation: none, full, early (stage-aware: ranks that stash most), or pipeline ranks"
+    )
     tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron-style, innermost mesh dimension)")
     sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
     zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")
@@ -44,8 +45,9 @@ class ParallelPlan(BaseModel):
     expert_chunks: int = Field(1, ge=1, description="all-to-all pipelining degree: expert compute overlaps the next chunk's transfer")
     expert_adapt: Literal["off", "probe", "cost"] = Field("off", description="switch expert layouts at run time: measured probe or cost model")
     expert_probe_every: int = Field(50, ge=1, description="steps between probes (expert_adapt=probe) or cost-model choices (cost)")
-    expert_node_size: int | None = Field(None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two "
-                                         "levels (default: torchrun's LOCAL_WORLD_SIZE)")
+    expert_node_size: int | None = Field(
+        None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two levels (default: torchrun's LOCAL_WORLD_SIZE)"
+    )
 
     @field_validator("zero_stage")
     @classmethod
@@ -76,12 +78,17 @@ class ParallelPlan(BaseModel):
         if self.microbatches is None:
             return micro_batch
         if global_batch % (dp * self.microbatches):
-            raise BehemothError(f"train.global_batch={global_batch} does not split into dp={dp} x parallel.microbatches={self.microbatches}",
-                                f"use a global_batch that is a multiple of {dp * self.microbatches}")
+            raise BehemothError(
+                f"train.global_batch={global_batch} does not split into dp={dp} x parallel.microbatches={self.microbatches}",
+                f"use a global_batch that is a multiple of {dp * self.microbatches}",
+            )
         size = global_batch // (dp * self.microbatches)
         if micro_batch is not None and micro_batch != size:
-            raise BehemothError(f"train.micro_batch={micro_batch} contradicts parallel.microbatches={self.microbatches} "
-                                f"(global_batch {global_batch} / dp {dp} / {self.microbatches} = {size} sequences)", "set only one of them")
+            raise BehemothError(
+                f"train.micro_batch={micro_batch} contradicts parallel.microbatches={self.microbatches} "
+                f"(global_batch {global_batch} / dp {dp} / {self.microbatches} = {size} sequences)",
+                "set only one of them",
+            )
         return size
 
     def degrees(self) -> dict[str, int | None]:
@@ -102,14 +109,30 @@ class ParallelPlan(BaseModel):
         """Settings that cannot go together, whatever the model and world."""
         out = []
         if self.param_dtype != "fp32" and self.zero_stage == 0:
-            out.append(Problem.of("parallel.param_dtype", f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO "
-                                  "keeps", "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)"))
+            out.append(
+                Problem.of(
+                    "parallel.param_dtype",
+                    f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO keeps",
+                    "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)",
+                )
+            )
         if self.zero_stage == 3 and self.pp > 1:
-            out.append(Problem.of("parallel.zero_stage", f"parallel.zero_stage=3 with pp={self.pp}: ZeRO-3 would gather every stage's "
-                                  "parameters again for each of the schedule's passes", "use parallel.zero_stage=1 or 2 with a pipeline"))
+            out.append(
+                Problem.of(
+                    "parallel.zero_stage",
+                    f"parallel.zero_stage=3 with pp={self.pp}: ZeRO-3 would gather every stage's parameters again for each of the schedule's passes",
+                    "use parallel.zero_stage=1 or 2 with a pipeline",
+                )
+            )
         if self.zero_stage == 2 and self.pp > 1 and self.schedule == "chimera":
-            out.append(Problem.of("parallel.zero_stage", "parallel.zero_stage=2 with parallel.schedule=chimera: Chimera sums each stage's "
-                                  "full gradient between its two replicas, which ZeRO-2 does not keep", "use parallel.zero_stage=1"))
+            out.append(
+                Problem.of(
+                    "parallel.zero_stage",
+                    "parallel.zero_stage=2 with parallel.schedule=chimera: Chimera sums each stage's "
+                    "full gradient between its two replicas, which ZeRO-2 does not keep",
+                    "use parallel.zero_stage=1",
+                )
+            )
         return out
 
     def tensor_parallel_problems(self, sizes: dict[str, int], seq_len: int) -> list[Problem]:
@@ -121,5 +144,10 @@ class ParallelPlan(BaseModel):
         bad = [f"{name}={value}" for name, value in sizes.items() if value % t]
         if not bad:
             return []
-        return [Problem.of("parallel.tp", f"parallel.tp={t} does not divide {', '.join(bad)}",
-                           f"choose a tp that divides each of them (e.g. tp={math.gcd(*sizes.values())} or a divisor of it)")]
+        return [
+            Problem.of(
+                "parallel.tp",
+                f"parallel.tp={t} does not divide {', '.join(bad)}",
+                f"choose a tp that divides each of them (e.g. tp={math.gcd(*sizes.values())} or a divisor of it)",
+            )
+        ]

@@ -62,8 +62,8 @@ class ParallelDims:
 class Runtime:
     """What one process knows about its job: its rank in it, device, mesh, degrees and the group of all its ranks."""
 
-    rank: int           # rank within this job (0 .. world_size-1)
-    world_size: int     # processes of this job
+    rank: int  # rank within this job (0 .. world_size-1)
+    world_size: int  # processes of this job
     local_rank: int
     device: torch.device
     dims: ParallelDims
@@ -147,8 +147,13 @@ def join_process_group(device: torch.device, timeout_s: float) -> bool:
         return False
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:  # with a CUDA device_id, NCCL creates its communicator now, not at first use
-        dist.init_process_group(backend_for(device), rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                                timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend_for(device),
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
     else:
         dist.init_process_group(backend_for(device), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True

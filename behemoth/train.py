@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from behemoth.comm import barrier
 from behemoth.config import Config
 from behemoth.data import BatchSampler, prepare_corpus
 from behemoth.engine import StepResult, build_engine, lr_at
-from behemoth.comm import barrier
 from behemoth.errors import BehemothError
 from behemoth.faults import checkpoint as ckpt_io
 from behemoth.faults.preflight import exports
@@ -41,7 +41,10 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir or "runs/unnamed")
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
-            raise BehemothError(f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more")
+            raise BehemothError(
+                f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}",
+                f"set model.vocab_size={corpus.vocab_size} or more",
+            )
         self.layout = cfg.batch_layout(rt.dims)  # the batch splits over dp x ep (experts route different tokens)
         dp_rank = rt.data_rank()
         self.engine = build_engine(cfg, rt)
@@ -55,8 +58,9 @@ class Trainer:
         self.last_saved = -1
         self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
         # in the background unless offloaded: a host copy of the state is what offloading avoids
-        self.saver = ckpt_io.CheckpointSaver(self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group,
-                                             background=cfg.checkpoint.async_save and not cfg.offload.enabled)
+        self.saver = ckpt_io.CheckpointSaver(
+            self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group, background=cfg.checkpoint.async_save and not cfg.offload.enabled
+        )
         self.peak_tflops = cfg.train.peak_tflops * rt.world_size if cfg.train.peak_tflops else self.measure_peak()
         self.peak_source = "train.peak_tflops" if cfg.train.peak_tflops else peak_source(rt.device)
         if resume is not None:  # last: nothing may draw from the RNG between restoring it and the first step
@@ -80,9 +84,18 @@ class Trainer:
         self.last_saved = meta["step"]
         if self.rt.is_main and ckpt.parent == ckpt_io.checkpoint_root(self.run_dir):
             ckpt_io.point_latest(ckpt)  # the run now stands on this checkpoint: a restart resumes from it, not a later one
-        self.events.append({"step": meta["step"], "event": "resume", "from": ckpt.name, "world_size": self.rt.world_size,
-                            "saved_world_size": meta["world_size"], "restart": restart_count(), "load_s": time.perf_counter() - t0,
-                            "time": time.time()})
+        self.events.append(
+            {
+                "step": meta["step"],
+                "event": "resume",
+                "from": ckpt.name,
+                "world_size": self.rt.world_size,
+                "saved_world_size": meta["world_size"],
+                "restart": restart_count(),
+                "load_s": time.perf_counter() - t0,
+                "time": time.time(),
+            }
+        )
         return meta["step"]
 
     def offload_sync(self) -> OffloadSync | None:
@@ -108,8 +121,15 @@ class Trainer:
         cfg, main = self.cfg, self.rt.is_main
         log = self.open_log()
         tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
-        bar = tqdm(total=cfg.train.steps, initial=self.start_step, desc="train", unit="step", file=sys.stderr,
-                   disable=not (main and cfg.run.progress), dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.start_step,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            disable=not (main and cfg.run.progress),
+            dynamic_ncols=True,
+        )
         flops_per_token = self.engine.model.lm.flops_per_token(cfg.seq_len)
         flops_per_step = flops_per_token * cfg.train.global_batch * cfg.seq_len
         # the curve starts from the untrained model, or a resumed one from the restored model (a check of the restore)
@@ -130,8 +150,9 @@ class Trainer:
             if log:
                 log.write(record)
             bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
         bar.close()
         try:
             return self.finish(log)
@@ -150,21 +171,31 @@ class Trainer:
             self.stop_nonfinite(step + 1, result)
         self.history.append(result)
         self.mfus.append(flops_per_step / dt / (self.peak_tflops * 1e12))
-        record = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "step_time_s": dt,
-                  "tokens_per_s": self.engine.tokens_per_step / dt, "mfu": self.mfus[-1]}
+        record = {
+            "step": step + 1,
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "step_time_s": dt,
+            "tokens_per_s": self.engine.tokens_per_step / dt,
+            "mfu": self.mfus[-1],
+        }
         written = self.saver.poll()
         record |= ({"skipped": True} if result.skipped else {}) | ({"ckpt_write_s": written[-1]} if written else {})
-        return record | layout_record(result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps
-                                      or (step + 1) % self.cfg.train.log_every == 0)
+        return record | layout_record(
+            result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps or (step + 1) % self.cfg.train.log_every == 0
+        )
 
     def stop_nonfinite(self, step: int, result: StepResult) -> None:
         """train.nonfinite=stop: end the run in one line; the update was not applied and nothing more is saved."""
         self.saver.wait()  # a save already in flight holds the last good state: let it finish
         last = ckpt_io.checkpoint_root(self.run_dir) / ckpt_io.step_name(self.last_saved) if self.last_saved >= 0 else None
-        raise BehemothError(f"step {step}: the loss is {result.loss} and the gradient norm {result.grad_norm}: training stopped "
-                            f"without applying the update or writing a checkpoint",
-                            (f"resume from {last} " if last else "start again ") + "with a lower train.lr or train.grad_clip, "
-                            "or set train.nonfinite=skip to skip such steps")
+        raise BehemothError(
+            f"step {step}: the loss is {result.loss} and the gradient norm {result.grad_norm}: training stopped "
+            f"without applying the update or writing a checkpoint",
+            (f"resume from {last} " if last else "start again ") + "with a lower train.lr or train.grad_clip, "
+            "or set train.nonfinite=skip to skip such steps",
+        )
 
     def memory_per_rank(self) -> dict[str, list[float]]:
         """Every rank's memory, MiB, in one all-gather: peak resident (`memory_mb`), on GPUs peak allocated, the model
@@ -212,10 +243,19 @@ class Trainer:
         """Plot, export consolidated weights from the final checkpoint when asked (tensor by tensor), summarize."""
         self.saver.wait()
         RECORDER.disarm()
-        summary = {"steps": self.cfg.train.steps, "losses": [r.loss for r in self.history], "val": self.val_history, "run_dir": str(self.run_dir),
-                   "rank": self.rt.rank, "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
-                   "peak_tflops": self.peak_tflops, "peak_source": self.peak_source,
-                   "world_size": self.rt.world_size, "checkpoint_write_s": list(self.saver.write_s), "exported": self.exports}
+        summary = {
+            "steps": self.cfg.train.steps,
+            "losses": [r.loss for r in self.history],
+            "val": self.val_history,
+            "run_dir": str(self.run_dir),
+            "rank": self.rt.rank,
+            "mfu": statistics.median(self.mfus[1:] or self.mfus or [0.0]),
+            "peak_tflops": self.peak_tflops,
+            "peak_source": self.peak_source,
+            "world_size": self.rt.world_size,
+            "checkpoint_write_s": list(self.saver.write_s),
+            "exported": self.exports,
+        }
         if log is None:
             barrier(self.rt.world_group)
             return summary

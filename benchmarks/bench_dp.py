@@ -60,9 +60,9 @@ def peer_step(kind: str, cfg: Any, rt: Any):
     """A training step written the way a PyTorch user writes it, with DDP when there are ranks."""
     import torch
     import torch.nn.functional as F
+    from peers import plain_adamw
 
     from behemoth.models.gpt import build_gpt
-    from peers import plain_adamw
     from behemoth.models.init import materialize
 
     model = build_gpt(cfg.model)
@@ -81,6 +81,7 @@ def peer_step(kind: str, cfg: Any, rt: Any):
         for g in opt.param_groups:
             g["lr"] = lr
         opt.step()
+
     return step
 
 
@@ -92,9 +93,17 @@ def run(model: str, steps: int, warmup: int) -> list[dict[str, Any]]:
     for ours, peer, world, threads in [("behemoth", "ddp", 2, 1), ("behemoth", "plain", 1, 2)]:
         a = run_ranks(world, bench_rank, ours, cfg, steps, warmup, threads=threads, timeout=1800)
         b = run_ranks(world, bench_rank, peer, cfg, steps, warmup, threads=threads, timeout=1800)
-        rows.append({"model": model, "procs": world, "peer": "DDP" if peer == "ddp" else "plain PyTorch loop",
-                     "ours": a[0]["tokens_per_s"], "theirs": b[0]["tokens_per_s"],
-                     "mem_ours": max(r["rss_peak_mb"] for r in a), "mem_theirs": max(r["rss_peak_mb"] for r in b)})
+        rows.append(
+            {
+                "model": model,
+                "procs": world,
+                "peer": "DDP" if peer == "ddp" else "plain PyTorch loop",
+                "ours": a[0]["tokens_per_s"],
+                "theirs": b[0]["tokens_per_s"],
+                "mem_ours": max(r["rss_peak_mb"] for r in a),
+                "mem_theirs": max(r["rss_peak_mb"] for r in b),
+            }
+        )
     return rows
 
 
@@ -114,11 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for model in args.models.split(","):
         for r in run(model, args.steps, args.warmup):
-            print(f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
-                  f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |", flush=True)
+            print(
+                f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
+                f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |",
+                flush=True,
+            )
             case = f"{r['model']}, {r['procs']} process(es)"
-            out += [ratio("data parallel", case, r["peer"], "tokens/s", r["ours"], r["theirs"]),
-                    ratio("data parallel", case, r["peer"], "peak RSS per rank", r["mem_ours"], r["mem_theirs"], higher_is_better=False)]
+            out += [
+                ratio("data parallel", case, r["peer"], "tokens/s", r["ours"], r["theirs"]),
+                ratio("data parallel", case, r["peer"], "peak RSS per rank", r["mem_ours"], r["mem_theirs"], higher_is_better=False),
+            ]
     write_rows(args.json, out)
     return 0
 

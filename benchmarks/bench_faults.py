@@ -30,8 +30,10 @@ ROWS: list = []  # comparisons for `behemoth bench` (--json)
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-MODELS = {"gpt-20m": ["model=gpt-20m", "train.global_batch=4", "train.seq_len=128"],
-          "gpt2-124m": ["model=gpt2-124m", "train.global_batch=2", "train.seq_len=128"]}
+MODELS = {
+    "gpt-20m": ["model=gpt-20m", "train.global_batch=4", "train.seq_len=128"],
+    "gpt2-124m": ["model=gpt2-124m", "train.global_batch=2", "train.seq_len=128"],
+}
 
 
 def stall_rank(cfg_dict: dict[str, Any], folder: str, saves: int) -> dict[str, list[float]]:
@@ -40,10 +42,10 @@ def stall_rank(cfg_dict: dict[str, Any], folder: str, saves: int) -> dict[str, l
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from behemoth.faults.checkpoint import CheckpointSaver
     from behemoth.config import Config
     from behemoth.data import BatchSampler, prepare_corpus
     from behemoth.engine import build_engine
+    from behemoth.faults.checkpoint import CheckpointSaver
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
@@ -108,13 +110,34 @@ def stall_table(models: list[str], saves: int, nproc: int) -> None:
             cfg = load_config(None, [*MODELS[model], "run.progress=false"]).model_dump(mode="json")
             r = run_ranks(nproc, stall_rank, cfg, folder, saves, timeout=3600)[0]
         med = {k: statistics.median(v) for k, v in r.items()}
-        ROWS.extend([ratio("fault tolerance", f"{model}, {nproc} processes", "dcp.save", "checkpoint stall (synchronous)",
-                           med["behemoth sync"], med["dcp.save"], higher_is_better=False),
-                     ratio("fault tolerance", f"{model}, {nproc} processes", "dcp.async_save", "checkpoint stall (background)",
-                           med["behemoth background"], med["dcp.async_save"], higher_is_better=False)])
-        print(f"| {model} | {nproc} | {checkpoint_gib(model):.2f} | {med['behemoth sync']:.3f} | {med['behemoth background']:.3f} | "
-              f"{med['behemoth background'] / med['behemoth sync']:.3f} | {med['behemoth background write']:.3f} | "
-              f"{med['dcp.save']:.3f} | {med['dcp.async_save']:.3f} |", flush=True)
+        ROWS.extend(
+            [
+                ratio(
+                    "fault tolerance",
+                    f"{model}, {nproc} processes",
+                    "dcp.save",
+                    "checkpoint stall (synchronous)",
+                    med["behemoth sync"],
+                    med["dcp.save"],
+                    higher_is_better=False,
+                ),
+                ratio(
+                    "fault tolerance",
+                    f"{model}, {nproc} processes",
+                    "dcp.async_save",
+                    "checkpoint stall (background)",
+                    med["behemoth background"],
+                    med["dcp.async_save"],
+                    higher_is_better=False,
+                ),
+            ]
+        )
+        print(
+            f"| {model} | {nproc} | {checkpoint_gib(model):.2f} | {med['behemoth sync']:.3f} | {med['behemoth background']:.3f} | "
+            f"{med['behemoth background'] / med['behemoth sync']:.3f} | {med['behemoth background write']:.3f} | "
+            f"{med['dcp.save']:.3f} | {med['dcp.async_save']:.3f} |",
+            flush=True,
+        )
 
 
 def rows(run_dir: Path) -> list[str]:
@@ -126,8 +149,22 @@ def rows(run_dir: Path) -> list[str]:
 
 def launch(run_dir: Path, nproc: int, model: list[str], *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "behemoth", "train", "--nproc", str(nproc), *extra, f"run.dir={run_dir}", "train.steps=100000",
-           "checkpoint.every=5", "run.progress=false", "train.peak_tflops=1", "train.eval_every=0", *model]
+    cmd = [
+        sys.executable,
+        "-m",
+        "behemoth",
+        "train",
+        "--nproc",
+        str(nproc),
+        *extra,
+        f"run.dir={run_dir}",
+        "train.steps=100000",
+        "checkpoint.every=5",
+        "run.progress=false",
+        "train.peak_tflops=1",
+        "train.eval_every=0",
+        *model,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, cwd=ROOT)
 
 
@@ -142,8 +179,11 @@ def wait_rows(run_dir: Path, at_least: int, proc: subprocess.Popen | None = None
 
 def kill_a_worker(proc: subprocess.Popen) -> float:
     kids = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()]
-    workers = sorted(c for c in kids if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
-                     and b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes())
+    workers = sorted(
+        c
+        for c in kids
+        if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes() and b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()
+    )
     os.kill(workers[-1], signal.SIGKILL)
     return time.monotonic()
 
@@ -182,14 +222,18 @@ def wait_rows_after_resume(run_dir: Path, since: float, timeout: float = 600) ->
     while time.monotonic() < deadline:
         lines = rows(run_dir)
         resumes = [i for i, line in enumerate(lines) if '"event": "resume"' in line]
-        if resumes and any('"loss"' in line for line in lines[resumes[-1]:]):
+        if resumes and any('"loss"' in line for line in lines[resumes[-1] :]):
             return
         time.sleep(0.02)
     raise RuntimeError(f"{run_dir}: no training step after a resume within {timeout:.0f} s")
 
 
 def recovery_table(nprocs: list[int], trials: int, model_name: str) -> None:
-    model = ["model=gpt-1m", "train.global_batch=8", "train.seq_len=64"] if model_name == "gpt-1m" else ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32"]
+    model = (
+        ["model=gpt-1m", "train.global_batch=8", "train.seq_len=64"]
+        if model_name == "gpt-1m"
+        else ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32"]
+    )
     print(f"\n### From a killed worker to training again ({model_name}; median of {trials})\n")
     print("| processes | behemoth --max-restarts (s) | stop + `--resume` by hand (s) | ratio |")
     print("|---|---|---|---|")
@@ -201,8 +245,17 @@ def recovery_table(nprocs: list[int], trials: int, model_name: str) -> None:
             autos.append(a)
             manuals.append(m)
         a, m = statistics.median(autos), statistics.median(manuals)
-        ROWS.append(ratio("fault tolerance", f"{model_name}, {nproc} processes", "stop + --resume by hand", "kill to training again", a, m,
-                          higher_is_better=False))
+        ROWS.append(
+            ratio(
+                "fault tolerance",
+                f"{model_name}, {nproc} processes",
+                "stop + --resume by hand",
+                "kill to training again",
+                a,
+                m,
+                higher_is_better=False,
+            )
+        )
         print(f"| {nproc} | {a:.1f} | {m:.1f} | {a / m:.2f} |", flush=True)
 
 

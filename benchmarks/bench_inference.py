@@ -113,18 +113,24 @@ def ours_vs_transformers(folder: str, batch: int, prompt_len: int, new: int, rou
 def generation_table(folder: str, args: argparse.Namespace) -> list[str]:
     from behemoth.faults.ranks import run_ranks
 
-    rows = ["| batch | prompt + new tokens | behemoth tok/s | transformers tok/s | ratio | behemoth TTFT ms | transformers TTFT ms | "
-            "same tokens |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| batch | prompt + new tokens | behemoth tok/s | transformers tok/s | ratio | behemoth TTFT ms | transformers TTFT ms | same tokens |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
     for batch in (1, 16):
-        r = run_ranks(1, ours_vs_transformers, folder, batch, args.prompt_len, args.new_tokens, args.rounds, threads=args.threads,
-                      timeout=3600)[0]
+        r = run_ranks(1, ours_vs_transformers, folder, batch, args.prompt_len, args.new_tokens, args.rounds, threads=args.threads, timeout=3600)[0]
         ours, theirs = r["tokens"] / r["ours_s"], r["tokens"] / r["hf_s"]
         case = f"batch {batch}, {args.prompt_len} + {args.new_tokens} tokens"
-        ROWS.extend([ratio("inference", case, "transformers generate", "tokens/s", ours, theirs),
-                     ratio("inference", case, "transformers generate", "time to first token", r["ours_ttft"], r["hf_ttft"],
-                           higher_is_better=False)])
-        rows.append(f"| {batch} | {args.prompt_len} + {args.new_tokens} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} | "
-                    f"{1000 * r['ours_ttft']:.1f} | {1000 * r['hf_ttft']:.1f} | {'yes' if r['same'] else 'NO'} |")
+        ROWS.extend(
+            [
+                ratio("inference", case, "transformers generate", "tokens/s", ours, theirs),
+                ratio("inference", case, "transformers generate", "time to first token", r["ours_ttft"], r["hf_ttft"], higher_is_better=False),
+            ]
+        )
+        rows.append(
+            f"| {batch} | {args.prompt_len} + {args.new_tokens} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} | "
+            f"{1000 * r['ours_ttft']:.1f} | {1000 * r['hf_ttft']:.1f} | {'yes' if r['same'] else 'NO'} |"
+        )
     return rows
 
 
@@ -164,8 +170,7 @@ def tensor_parallel_table(folder: str, args: argparse.Namespace) -> list[str]:
         tp2 = run_ranks(2, timed_generation, *call, 2, args.rounds, threads=1, timeout=3600)[0]
         tokens = batch * args.new_tokens
         for name, r in (("1 process, 1 thread", one), ("1 process, 2 threads", two_threads), ("tp=2, 2 processes x 1 thread", tp2)):
-            rows.append(f"| {batch} | {name} | {tokens / r['s']:.0f} | {one['s'] / r['s']:.2f} | "
-                        f"{'yes' if r['tokens'] == one['tokens'] else 'NO'} |")
+            rows.append(f"| {batch} | {name} | {tokens / r['s']:.0f} | {one['s'] / r['s']:.2f} | {'yes' if r['tokens'] == one['tokens'] else 'NO'} |")
     return rows
 
 
@@ -253,19 +258,25 @@ def offload_table(args: argparse.Namespace) -> list[str]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     gb = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
-    rows = [f"Memory budget {args.memory_gb} GiB; a block is {block / 2**20:.1f} MiB, the resident parts {resident / 2**20:.1f} MiB, "
-            f"the KV cache {args.kv_mb} MiB. Largest that fits in memory: {fit} blocks ({gb(resident + fit * block)} GiB). "
-            f"Largest that generates offloaded from disk: {disk_limit} blocks ({gb(resident + disk_limit * block)} GiB, bounded by disk "
-            f"space, not memory); measured at {run} blocks. Disk read bandwidth (page cache dropped): {off['bandwidth'] / 2**30:.2f} GiB/s.",
-            "", "| model | weights GiB | batch | tok/s | s per forward | bound: streamed bytes / disk bandwidth (s) | "
-            "peak blocks held MiB | peak RSS growth MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        f"Memory budget {args.memory_gb} GiB; a block is {block / 2**20:.1f} MiB, the resident parts {resident / 2**20:.1f} MiB, "
+        f"the KV cache {args.kv_mb} MiB. Largest that fits in memory: {fit} blocks ({gb(resident + fit * block)} GiB). "
+        f"Largest that generates offloaded from disk: {disk_limit} blocks ({gb(resident + disk_limit * block)} GiB, bounded by disk "
+        f"space, not memory); measured at {run} blocks. Disk read bandwidth (page cache dropped): {off['bandwidth'] / 2**30:.2f} GiB/s.",
+        "",
+        "| model | weights GiB | batch | tok/s | s per forward | bound: streamed bytes / disk bandwidth (s) | "
+        "peak blocks held MiB | peak RSS growth MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r, layers in (("in memory", mem, fit), ("offloaded (disk)", off, run)):
         for x in r["runs"]:
             bound = f"{off['streamed'] / off['bandwidth']:.3f}" if r is off else "-"
             held = f"{off['peak_held'] / 2**20:.0f}" if r is off else "-"
-            rows.append(f"| {name}, {layers} blocks | {gb(resident + layers * block)} | {x['batch']} | "
-                        f"{x['batch'] * args.offload_tokens / x['s']:.1f} | {x['s'] / x['forwards']:.3f} | {bound} | {held} | "
-                        f"{r['rss_growth'] / 2**20:.0f} |")
+            rows.append(
+                f"| {name}, {layers} blocks | {gb(resident + layers * block)} | {x['batch']} | "
+                f"{x['batch'] * args.offload_tokens / x['s']:.1f} | {x['s'] / x['forwards']:.3f} | {bound} | {held} | "
+                f"{r['rss_growth'] / 2**20:.0f} |"
+            )
     return rows
 
 
@@ -304,17 +315,36 @@ def int8_table(args: argparse.Namespace) -> list[str]:
 
     steps, model = (30, "gpt-tiny") if args.quick else (300, "gpt-1m")
     with tempfile.TemporaryDirectory(prefix="behemoth-bench-int8-") as run:
-        subprocess.run([sys.executable, "-m", "behemoth", "train", "--nproc", "1", f"model={model}", f"train.steps={steps}",
-                        f"checkpoint.every={steps}", f"run.dir={run}", "run.progress=false"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "behemoth",
+                "train",
+                "--nproc",
+                "1",
+                f"model={model}",
+                f"train.steps={steps}",
+                f"checkpoint.every={steps}",
+                f"run.dir={run}",
+                "run.progress=false",
+            ],
+            check=True,
+            capture_output=True,
+        )
         r = run_ranks(1, int8_vs_float, run, 16, args.new_tokens, threads=args.threads, timeout=3600)[0]
     st = r["int8"]["stats"]
     f, q = r["float32"], r["int8"]
-    return [f"{model} trained {steps} steps on the default corpus; validation loss over 8 batches of 8 x seq_len tokens; "
-            f"generation: batch 16, {r['shape'][0]} + {r['shape'][1]} tokens, greedy.", "",
-            "| weights | linear-weight MiB | validation loss | change | tok/s | greedy tokens equal to float32 |", "|---|---:|---:|---:|---:|---:|",
-            f"| float32 | {st.float_bytes / 2**20:.2f} | {f['loss']:.4f} | - | {f['tok_s']:.0f} | - |",
-            f"| int8 (per-channel) | {st.int8_bytes / 2**20:.2f} | {q['loss']:.4f} | {100 * (q['loss'] - f['loss']) / f['loss']:+.2f}% | "
-            f"{q['tok_s']:.0f} | {100 * r['agreement']:.0f}% |"]
+    return [
+        f"{model} trained {steps} steps on the default corpus; validation loss over 8 batches of 8 x seq_len tokens; "
+        f"generation: batch 16, {r['shape'][0]} + {r['shape'][1]} tokens, greedy.",
+        "",
+        "| weights | linear-weight MiB | validation loss | change | tok/s | greedy tokens equal to float32 |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| float32 | {st.float_bytes / 2**20:.2f} | {f['loss']:.4f} | - | {f['tok_s']:.0f} | - |",
+        f"| int8 (per-channel) | {st.int8_bytes / 2**20:.2f} | {q['loss']:.4f} | {100 * (q['loss'] - f['loss']) / f['loss']:+.2f}% | "
+        f"{q['tok_s']:.0f} | {100 * r['agreement']:.0f}% |",
+    ]
 
 
 MEMORY_CHILD = {  # what each child process of the memory comparison runs; it prints its tokens, then its resident memory
@@ -371,8 +401,11 @@ def peak_of_child(kind: str, argv: list[str]) -> dict[str, Any]:
 
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parent.parent)}
     code = MEMORY_CHILD[kind] + RSS_AT_END
-    out = subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, env=env,
-                         text=True, check=True).stdout.strip().splitlines()
+    out = (
+        subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, env=env, text=True, check=True)
+        .stdout.strip()
+        .splitlines()
+    )
     maxrss, status = map(int, out[-1].split()[1:])
     if status != 0:
         raise RuntimeError(f"the {kind} child failed (status {status}); run it alone to see why")
@@ -386,24 +419,39 @@ def memory_table(args: argparse.Namespace) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="behemoth-bench-memory-") as folder:
         weights = save_gpt2(folder, args.quick)
         ids, new = ",".join(str(1 + i) for i in range(8)), str(args.new_tokens)
-        runs = {"python + torch + transformers imported": peak_of_child("imports", []),
-                "transformers from_pretrained + generate": peak_of_child("transformers", [folder, ids, new]),
-                "behemoth generate": peak_of_child("behemoth", [folder, ids, new]),
-                "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"]),
-                "behemoth load_model, float32": peak_of_child("loaded", [folder]),
-                "behemoth load_model, int8": peak_of_child("loaded", [folder, "int8"])}
+        runs = {
+            "python + torch + transformers imported": peak_of_child("imports", []),
+            "transformers from_pretrained + generate": peak_of_child("transformers", [folder, ids, new]),
+            "behemoth generate": peak_of_child("behemoth", [folder, ids, new]),
+            "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"]),
+            "behemoth load_model, float32": peak_of_child("loaded", [folder]),
+            "behemoth load_model, int8": peak_of_child("loaded", [folder, "int8"]),
+        }
     peer = runs["transformers from_pretrained + generate"]
     mb = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    rows = [f"GPT-2 ({weights / 2**20:.0f} MiB of float32 weights, random, save_pretrained), prompt of 8 tokens + {new} greedy "
-            f"tokens, one process each; peak = the child's ru_maxrss; end = its resident memory as it exits (generate has let "
-            f"its model go by then; load_model's rows still hold theirs: what the weights keep resident).", "",
-            "| run | peak RSS MiB | resident at end MiB | peak / transformers | same tokens as transformers |", "|---|---:|---:|---:|---|"]
+    rows = [
+        f"GPT-2 ({weights / 2**20:.0f} MiB of float32 weights, random, save_pretrained), prompt of 8 tokens + {new} greedy "
+        f"tokens, one process each; peak = the child's ru_maxrss; end = its resident memory as it exits (generate has let "
+        f"its model go by then; load_model's rows still hold theirs: what the weights keep resident).",
+        "",
+        "| run | peak RSS MiB | resident at end MiB | peak / transformers | same tokens as transformers |",
+        "|---|---:|---:|---:|---|",
+    ]
     for name, r in runs.items():
         same = "-" if r["tokens"] is None or name == "transformers from_pretrained + generate" else ("yes" if r["tokens"] == peer["tokens"] else "NO")
         rows.append(f"| {name} | {mb(r['peak'])} | {mb(r['end'])} | {r['peak'] / peer['peak']:.2f} | {same} |")
         if name.startswith("behemoth generate"):
-            ROWS.append(ratio("inference", f"{name}, GPT-2 {weights / 2**20:.0f} MiB", "transformers generate", "peak resident memory",
-                              r["peak"], peer["peak"], higher_is_better=False))
+            ROWS.append(
+                ratio(
+                    "inference",
+                    f"{name}, GPT-2 {weights / 2**20:.0f} MiB",
+                    "transformers generate",
+                    "peak resident memory",
+                    r["peak"],
+                    peer["peak"],
+                    higher_is_better=False,
+                )
+            )
     return rows
 
 

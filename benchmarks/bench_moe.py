@@ -42,15 +42,43 @@ ROWS: list[dict[str, Any]] = []  # the comparisons, for `behemoth bench` (--json
 
 BEGIN, END = "<!-- bench_moe:begin -->", "<!-- bench_moe:end -->"
 MiB = 2**20
-FULL = {"model": ["model=gpt-moe-1m", "model.d_model=256", "model.n_head=8", "model.context=256", "model.moe.experts=8"],
-        "batch": 16, "seq": 256, "steps": 6, "warmup": 2, "nprocs": [2, 4], "shift_steps": 24, "probe_every": 8}
-QUICK = {"model": ["model=gpt-moe-1m", "model.n_layer=2", "model.context=64", "model.moe.experts=8"],
-         "batch": 8, "seq": 64, "steps": 3, "warmup": 1, "nprocs": [2], "shift_steps": 10, "probe_every": 4}
-GATING = ["model.moe.top_k=2", "model.moe.capacity_factor=1.25", "model.moe.group=null", "model.moe.normalize=kept",
-          "model.moe.min_capacity=4", "model.moe.aux_coef=0.01", "model.moe.z_coef=0"]
-LAYOUTS = {"alltoall/1": ["parallel.expert_layout=alltoall"], "alltoall/2": ["parallel.expert_chunks=2"],
-           "alltoall/4": ["parallel.expert_chunks=4"], "gather": ["parallel.expert_layout=gather"],
-           "adaptive-probe": ["parallel.expert_adapt=probe"], "adaptive-cost": ["parallel.expert_adapt=cost"]}
+FULL = {
+    "model": ["model=gpt-moe-1m", "model.d_model=256", "model.n_head=8", "model.context=256", "model.moe.experts=8"],
+    "batch": 16,
+    "seq": 256,
+    "steps": 6,
+    "warmup": 2,
+    "nprocs": [2, 4],
+    "shift_steps": 24,
+    "probe_every": 8,
+}
+QUICK = {
+    "model": ["model=gpt-moe-1m", "model.n_layer=2", "model.context=64", "model.moe.experts=8"],
+    "batch": 8,
+    "seq": 64,
+    "steps": 3,
+    "warmup": 1,
+    "nprocs": [2],
+    "shift_steps": 10,
+    "probe_every": 4,
+}
+GATING = [
+    "model.moe.top_k=2",
+    "model.moe.capacity_factor=1.25",
+    "model.moe.group=null",
+    "model.moe.normalize=kept",
+    "model.moe.min_capacity=4",
+    "model.moe.aux_coef=0.01",
+    "model.moe.z_coef=0",
+]
+LAYOUTS = {
+    "alltoall/1": ["parallel.expert_layout=alltoall"],
+    "alltoall/2": ["parallel.expert_chunks=2"],
+    "alltoall/4": ["parallel.expert_chunks=4"],
+    "gather": ["parallel.expert_layout=gather"],
+    "adaptive-probe": ["parallel.expert_adapt=probe"],
+    "adaptive-cost": ["parallel.expert_adapt=cost"],
+}
 
 
 def peak_rss_mib() -> float:
@@ -60,8 +88,18 @@ def peak_rss_mib() -> float:
 def config(args: dict, extra: list[str]) -> Any:
     from behemoth.config import load_config
 
-    return load_config(None, [*args["model"], f"train.global_batch={args['batch']}", f"train.seq_len={args['seq']}",
-                              "train.seed=1234", f"train.lr={args['lr']}", "run.progress=false", *extra])
+    return load_config(
+        None,
+        [
+            *args["model"],
+            f"train.global_batch={args['batch']}",
+            f"train.seq_len={args['seq']}",
+            "train.seed=1234",
+            f"train.lr={args['lr']}",
+            "run.progress=false",
+            *extra,
+        ],
+    )
 
 
 def local_batch(args: dict, rank: int, world: int) -> tuple[Any, Any]:
@@ -69,7 +107,7 @@ def local_batch(args: dict, rank: int, world: int) -> tuple[Any, Any]:
 
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, 256, (args["batch"], args["seq"] + 1), generator=g)
-    mine = tokens[rank * args["batch"] // world:(rank + 1) * args["batch"] // world]
+    mine = tokens[rank * args["batch"] // world : (rank + 1) * args["batch"] // world]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -89,6 +127,7 @@ def behemoth_system(args: dict, extra: list[str]) -> tuple[Any, Any]:
         result = engine.train_step(batch, args["lr"])
         state["metrics"] = result.metrics
         return result.loss
+
     sent = lambda: engine.model.meter.ops["all_to_all"].bytes if "all_to_all" in engine.model.meter.ops else 0  # noqa: E731
     return step, {"sent": sent, "engine": engine, "state": state}
 
@@ -106,9 +145,19 @@ class DeepSpeedMLP:
         w_in, w_out = layer.expert_weights()
         ffn, d = w_in.shape[1], w_in.shape[2]
         expert = nn.Sequential(nn.Linear(d, ffn, bias=False), nn.GELU(approximate="tanh"), nn.Linear(ffn, d, bias=False))
-        moe = MoE(d, expert, num_experts=E, ep_size=ep, k=layer.policy.top_k, capacity_factor=layer.policy.capacity_factor,
-                  eval_capacity_factor=layer.policy.capacity_factor, min_capacity=layer.policy.min_capacity, drop_tokens=True,
-                  use_rts=False, top2_2nd_expert_sampling=False)
+        moe = MoE(
+            d,
+            expert,
+            num_experts=E,
+            ep_size=ep,
+            k=layer.policy.top_k,
+            capacity_factor=layer.policy.capacity_factor,
+            eval_capacity_factor=layer.policy.capacity_factor,
+            min_capacity=layer.policy.min_capacity,
+            drop_tokens=True,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         with torch.no_grad():
             moe.deepspeed_moe.gate.wg.weight.copy_(layer.router.weight)
             local = E // ep
@@ -158,9 +207,16 @@ def deepspeed_system(args: dict, extra: list[str]) -> tuple[Any, Any]:
     def metered(output, tensor, *a, **kw):  # rows leaving this rank, as behemoth's meter counts them
         counted["bytes"] += tensor.numel() * tensor.element_size() * (world - 1) // world
         return inner(output, tensor, *a, **kw)
+
     ds_comm.all_to_all_single = metered
-    ds_config = {"train_micro_batch_size_per_gpu": args["batch"] // world, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-                 "zero_optimization": {"stage": 0}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args["batch"] // world,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=plain_adamw(model, cfg.train), config=ds_config)
     x, y = local_batch(args, rank, world)
 
@@ -172,6 +228,7 @@ def deepspeed_system(args: dict, extra: list[str]) -> tuple[Any, Any]:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         return float(mean) / world
+
     return step, {"sent": lambda: counted["bytes"]}
 
 
@@ -183,12 +240,13 @@ def shift_routing(engine: Any, args: dict) -> Any:
     for layer in engine.model.experts.layers.values():
         E = layer.spec.num_experts
         skew = torch.zeros(E)
-        skew[:E // engine.model.experts.ep.size] = 3.0
+        skew[: E // engine.model.experts.ep.size] = 3.0
         original = layer.router_logits
         layer.router_logits = lambda t, original=original, skew=skew: original(t) + (skew if bias["value"] else 0.0)
 
     def at_step(i: int) -> None:
         bias["value"] = i >= args["shift_steps"] // 2
+
     return at_step
 
 
@@ -210,9 +268,15 @@ def run_system(kind: str, args: dict, extra: list[str]) -> dict:
         sent.append(info["sent"]() - before)
         if "state" in info:
             dropped.append(info["state"]["metrics"].get("dropped_fraction", 0.0))
-    timed = times if kind == "shifting" else times[args["warmup"]:]
-    out = {"step_s": statistics.median(timed), "total_s": sum(timed), "losses": losses, "sent_mib": statistics.median(sent) / MiB,
-           "peak_rss_mib": peak_rss_mib(), "dropped": statistics.mean(dropped) if dropped else None}
+    timed = times if kind == "shifting" else times[args["warmup"] :]
+    out = {
+        "step_s": statistics.median(timed),
+        "total_s": sum(timed),
+        "losses": losses,
+        "sent_mib": statistics.median(sent) / MiB,
+        "peak_rss_mib": peak_rss_mib(),
+        "dropped": statistics.mean(dropped) if dropped else None,
+    }
     adapter = info["engine"].model.adapter if "engine" in info else None
     if adapter is not None:
         out["chosen"] = [f"{c[0]}/{c[1]}@{s}" for s, c in adapter.history]
@@ -223,35 +287,65 @@ def measure(kind: str, nproc: int, args: dict, extra: list[str], label: str) -> 
     from behemoth.faults.ranks import run_ranks
 
     ranks = run_ranks(nproc, run_system, kind, args, extra, timeout=3600.0, threads=args["threads"])
-    row = {"label": label, "nproc": nproc, "tokens_per_s": args["batch"] * args["seq"] / max(r["step_s"] for r in ranks),
-           "run_tokens_per_s": args["batch"] * args["seq"] * len(ranks[0]["losses"]) / max(r["total_s"] for r in ranks),
-           "sent_mib": max(r["sent_mib"] for r in ranks), "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
-           "losses": ranks[0]["losses"], "dropped": ranks[0]["dropped"], "chosen": ranks[0].get("chosen")}
-    print(f"{label:<34} {row['tokens_per_s']:>9.0f} tokens/s  a2a {row['sent_mib']:.2f} MiB/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
-          f"first loss {row['losses'][0]:.5f}" + (f"  dropped {row['dropped']:.3f}" if row["dropped"] is not None else ""), flush=True)
+    row = {
+        "label": label,
+        "nproc": nproc,
+        "tokens_per_s": args["batch"] * args["seq"] / max(r["step_s"] for r in ranks),
+        "run_tokens_per_s": args["batch"] * args["seq"] * len(ranks[0]["losses"]) / max(r["total_s"] for r in ranks),
+        "sent_mib": max(r["sent_mib"] for r in ranks),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
+        "losses": ranks[0]["losses"],
+        "dropped": ranks[0]["dropped"],
+        "chosen": ranks[0].get("chosen"),
+    }
+    print(
+        f"{label:<34} {row['tokens_per_s']:>9.0f} tokens/s  a2a {row['sent_mib']:.2f} MiB/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
+        f"first loss {row['losses'][0]:.5f}" + (f"  dropped {row['dropped']:.3f}" if row["dropped"] is not None else ""),
+        flush=True,
+    )
     return row
 
 
 def versus_deepspeed(args: dict) -> str:
-    rows = ["| processes (ep) | system | tokens/s | tokens/s ratio (behemoth / DeepSpeed) | all-to-all MiB sent per rank per step | "
-            "peak RSS per rank (MiB) | first-step loss |", "|---|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| processes (ep) | system | tokens/s | tokens/s ratio (behemoth / DeepSpeed) | all-to-all MiB sent per rank per step | "
+        "peak RSS per rank (MiB) | first-step loss |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for n in args["nprocs"]:
         ours = measure("behemoth", n, args, [*GATING, f"parallel.ep={n}"], f"behemoth ep={n}")
         peer = measure("deepspeed", n, args, GATING, f"deepspeed ep={n}")
         for r in (ours, peer):
             value = f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}" if r is ours else ""
-            rows.append(f"| {n} | {r['label'].split()[0]} | {r['tokens_per_s']:.0f} | {value} | {r['sent_mib']:.2f} | "
-                        f"{r['peak_rss_mib']:.0f} | {r['losses'][0]:.6f} |")
+            rows.append(
+                f"| {n} | {r['label'].split()[0]} | {r['tokens_per_s']:.0f} | {value} | {r['sent_mib']:.2f} | "
+                f"{r['peak_rss_mib']:.0f} | {r['losses'][0]:.6f} |"
+            )
         case = f"{' '.join(args['model'])}, ep={n}"
-        ROWS.extend([ratio("mixture of experts", case, "DeepSpeed-MoE", "tokens/s", ours["tokens_per_s"], peer["tokens_per_s"]),
-                     ratio("mixture of experts", case, "DeepSpeed-MoE", "peak RSS per rank", ours["peak_rss_mib"], peer["peak_rss_mib"],
-                           higher_is_better=False)])
+        ROWS.extend(
+            [
+                ratio("mixture of experts", case, "DeepSpeed-MoE", "tokens/s", ours["tokens_per_s"], peer["tokens_per_s"]),
+                ratio(
+                    "mixture of experts",
+                    case,
+                    "DeepSpeed-MoE",
+                    "peak RSS per rank",
+                    ours["peak_rss_mib"],
+                    peer["peak_rss_mib"],
+                    higher_is_better=False,
+                ),
+            ]
+        )
     return "\n".join(rows) + "\n"
 
 
 def dropless_vs_capacity(args: dict) -> str:
     rows = ["| routing (ep=2) | tokens/s | assignments dropped | all-to-all MiB sent per rank per step |", "|---|---:|---:|---:|"]
-    for label, extra in (("dropless", []), ("capacity 1.0", ["model.moe.capacity_factor=1.0"]), ("capacity 1.25", ["model.moe.capacity_factor=1.25"])):
+    for label, extra in (
+        ("dropless", []),
+        ("capacity 1.0", ["model.moe.capacity_factor=1.0"]),
+        ("capacity 1.25", ["model.moe.capacity_factor=1.25"]),
+    ):
         r = measure("behemoth", 2, args, ["parallel.ep=2", *extra], label)
         rows.append(f"| {label} | {r['tokens_per_s']:.0f} | {r['dropped']:.3f} | {r['sent_mib']:.2f} |")
     return "\n".join(rows) + "\n"
@@ -262,17 +356,21 @@ def adaptive_vs_fixed(args: dict) -> str:
     extra = ["parallel.ep=2", f"parallel.expert_probe_every={args['probe_every']}"]
     results = {name: measure("shifting", 2, shifting, [*extra, *flags], name) for name, flags in LAYOUTS.items()}
     first = results["alltoall/1"]["losses"]
-    rows = [f"{args['shift_steps']} steps, routing skewed to rank 0's experts from step {args['shift_steps'] // 2}, ep=2\n",
-            "| layout | tokens/s over the run | ratio to the best fixed layout | largest loss difference from alltoall/1 (relative) | layouts chosen (layout/chunks@step) |",
-            "|---|---:|---:|---|---|"]
+    rows = [
+        f"{args['shift_steps']} steps, routing skewed to rank 0's experts from step {args['shift_steps'] // 2}, ep=2\n",
+        "| layout | tokens/s over the run | ratio to the best fixed layout | largest loss difference from alltoall/1 (relative) | layouts chosen (layout/chunks@step) |",
+        "|---|---:|---:|---|---|",
+    ]
     best = max(r["run_tokens_per_s"] for name, r in results.items() if not name.startswith("adaptive"))
     for name in (n for n in results if n.startswith("adaptive")):
-        ROWS.append(ratio("mixture of experts", f"shifting routing, ep=2, {name}", "best fixed layout", "tokens/s",
-                          results[name]["run_tokens_per_s"], best))
+        ROWS.append(
+            ratio("mixture of experts", f"shifting routing, ep=2, {name}", "best fixed layout", "tokens/s", results[name]["run_tokens_per_s"], best)
+        )
     for name, r in results.items():
         drift = max(abs(a - b) / abs(a) for a, b in zip(first, r["losses"]))
-        rows.append(f"| {name} | {r['run_tokens_per_s']:.0f} | {r['run_tokens_per_s'] / best:.2f} | {drift:.1e} | "
-                    f"{' '.join(r['chosen'] or []) or '-'} |")
+        rows.append(
+            f"| {name} | {r['run_tokens_per_s']:.0f} | {r['run_tokens_per_s'] / best:.2f} | {drift:.1e} | {' '.join(r['chosen'] or []) or '-'} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -282,7 +380,7 @@ def write_readme(text: str, command: str) -> Path:
     body = f"{BEGIN}\nCommand: `{command}`\n\n{text}{END}"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     if BEGIN in old:
-        new = old[:old.index(BEGIN)] + body + old[old.index(END) + len(END):]
+        new = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END) :]
     else:
         new = old.rstrip("\n") + "\n\n## Mixture of experts: behemoth vs DeepSpeed-MoE (`bench_moe.py`)\n\n" + body + "\n"
     path.write_text(new)
@@ -299,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     args = {**(QUICK if a.quick else FULL), "threads": a.threads, "lr": 1e-3}
     parts = a.parts.split(",")
-    head = (f"float32, {' '.join(args['model'])}, batch {args['batch']} x {args['seq']} tokens per step, median of {args['steps']} steps "
-            f"after {args['warmup']}, {a.threads} thread(s) per process\n\n")
+    head = (
+        f"float32, {' '.join(args['model'])}, batch {args['batch']} x {args['seq']} tokens per step, median of {args['steps']} steps "
+        f"after {args['warmup']}, {a.threads} thread(s) per process\n\n"
+    )
     text = head
     if "deepspeed" in parts:
         text += "### behemoth vs DeepSpeed-MoE (same weights, gating and capacity)\n\n" + versus_deepspeed(args) + "\n"

@@ -48,6 +48,7 @@ RESULT = "RESULT "
 
 # --- workers: run in a subprocess, print one RESULT line ---
 
+
 def status_kb(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
 
@@ -68,7 +69,7 @@ def batch(seq: int, m: int = 1) -> list[tuple[Any, Any]]:
     import torch
 
     tokens = torch.randint(0, 256, (m, seq + 1), generator=torch.Generator().manual_seed(0))
-    return [(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(m)]
+    return [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(m)]
 
 
 def plain_worker(spec: dict) -> dict:
@@ -101,14 +102,29 @@ def offload_worker(spec: dict) -> dict:
     from behemoth.topology import init_runtime
 
     m = spec.get("m", 1)
-    cfg = Config.model_validate({
-        "model": gpt(spec["n_layer"], spec["d"], spec["heads"], spec["seq"]),
-        "train": {"global_batch": m, "micro_batch": 1, "grad_clip": spec.get("grad_clip", 0.0), "lr": spec.get("lr", 1e-4)},
-        "offload": {"params": "disk", "optimizer": "disk", "grads": spec.get("grads", "none"), "dir": spec["dir"],
-                    "optimizer_bits": spec["bits"], "order": spec.get("order", "harmony"), "max_memory_gb": spec.get("budget_gb")},
-        "run": {"dir": spec["dir"] + "-run", "timeout_s": 3600}})
-    rates = (calibrate(Path(spec["dir"]), torch.device("cpu"), disk_bytes=spec["calibration_mb"] * 2**20,
-                       matmul=(spec["seq"] * m, spec["d"], 4 * spec["d"])) if spec.get("calibrate") else None)
+    cfg = Config.model_validate(
+        {
+            "model": gpt(spec["n_layer"], spec["d"], spec["heads"], spec["seq"]),
+            "train": {"global_batch": m, "micro_batch": 1, "grad_clip": spec.get("grad_clip", 0.0), "lr": spec.get("lr", 1e-4)},
+            "offload": {
+                "params": "disk",
+                "optimizer": "disk",
+                "grads": spec.get("grads", "none"),
+                "dir": spec["dir"],
+                "optimizer_bits": spec["bits"],
+                "order": spec.get("order", "harmony"),
+                "max_memory_gb": spec.get("budget_gb"),
+            },
+            "run": {"dir": spec["dir"] + "-run", "timeout_s": 3600},
+        }
+    )
+    rates = (
+        calibrate(
+            Path(spec["dir"]), torch.device("cpu"), disk_bytes=spec["calibration_mb"] * 2**20, matmul=(spec["seq"] * m, spec["d"], 4 * spec["d"])
+        )
+        if spec.get("calibrate")
+        else None
+    )
     rt = init_runtime(timeout_s=3600)
     Path("/proc/self/clear_refs").write_text("5")
     base = status_kb("VmRSS")
@@ -123,9 +139,17 @@ def offload_worker(spec: dict) -> dict:
         steps.append({"loss": r.loss, "seconds": time.perf_counter() - t0, "bytes": sync.step_bytes(), "io_wait_s": r.metrics["offload_io_wait_s"]})
     after = engine.evaluate(batch(spec["seq"], 1)) if spec.get("evaluate", True) else None
     flops = engine.model.lm.flops_per_token(spec["seq"]) * spec["seq"] * m * 4 / 3
-    out = {"params": cfg.model.num_params(), "init_s": init_s, "steps": steps, "loss_after": after, "flops": flops,
-           "peak_rss_gib": status_kb("VmHWM") / 2**20, "rss_growth_gib": (status_kb("VmHWM") - base) / 2**20,
-           "prefetch": sync.prefetch, "rates": None if rates is None else vars(rates)}
+    out = {
+        "params": cfg.model.num_params(),
+        "init_s": init_s,
+        "steps": steps,
+        "loss_after": after,
+        "flops": flops,
+        "peak_rss_gib": status_kb("VmHWM") / 2**20,
+        "rss_growth_gib": (status_kb("VmHWM") - base) / 2**20,
+        "prefetch": sync.prefetch,
+        "rates": None if rates is None else vars(rates),
+    }
     engine.close()
     rt.close()
     return out
@@ -148,9 +172,13 @@ def deepspeed_worker(spec: dict) -> dict:
     materialize(model, seed=0, device=torch.device("cpu"), init_spec=model.init_spec)
     where = {"device": spec["device"]} if spec["device"] == "cpu" else {"device": "nvme", "nvme_path": spec["dir"]}
     zero = {"stage": 3, "offload_optimizer": where, **({"offload_param": where} if spec["device"] == "nvme" else {})}
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-              "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "steps_per_print": 10**9,
+    }
     if spec["device"] == "nvme":
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -177,16 +205,19 @@ def worker_main(kind: str, spec_json: str) -> int:
 
 # --- the parent: subprocesses, searches, tables ---
 
+
 def run_worker(kind: str, spec: dict, *, threads: int, limit_bytes: int | None = None, timeout: float = 36000) -> dict | None:
     """A worker in a fresh process (address space limited to `limit_bytes`); its result, or None if it failed."""
+
     def limit() -> None:
         if limit_bytes is not None:
             resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
     try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", kind, json.dumps(spec)], capture_output=True, text=True,
-                              env=env, preexec_fn=limit, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", kind, json.dumps(spec)], capture_output=True, text=True, env=env, preexec_fn=limit, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return None
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
@@ -194,14 +225,15 @@ def run_worker(kind: str, spec: dict, *, threads: int, limit_bytes: int | None =
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         print(f"  {kind} worker failed ({proc.returncode}): {tail[:200]}", flush=True)
         return None
-    return json.loads(lines[-1][len(RESULT):])
+    return json.loads(lines[-1][len(RESULT) :])
 
 
 def bare_torch_vsz(threads: int) -> int:
     """Bytes of address space a process that imported torch and behemoth holds before any model exists."""
     code = "import torch, behemoth.engine, re; print(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads),
-                                                                                             "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    )
     return int(out.stdout.strip()) * 1024
 
 
@@ -234,10 +266,19 @@ def offload_size(a: argparse.Namespace, d: int, bits: int, target: int) -> tuple
     free = shutil.disk_usage(a.dir).free
     need, room = disk_layers(free, per_layer, bytes_per_param, target)
     n = max(1, min(need, room))
-    note = "" if room >= need else (f"target {target / 1e9:.1f}B needs {need * per_layer * bytes_per_param / GiB:.0f} GiB of disk, "
-                                    f"{free / GiB:.0f} GiB free: ran {n * per_layer / 1e9:.2f}B")
-    print(f"  disk: {n} layers x d {d} at {bytes_per_param:.2f} bytes/parameter need {n * per_layer * bytes_per_param / GiB:.1f} GiB; "
-          f"{free / GiB:.1f} GiB free{'; ' + note if note else ''}", flush=True)
+    note = (
+        ""
+        if room >= need
+        else (
+            f"target {target / 1e9:.1f}B needs {need * per_layer * bytes_per_param / GiB:.0f} GiB of disk, "
+            f"{free / GiB:.0f} GiB free: ran {n * per_layer / 1e9:.2f}B"
+        )
+    )
+    print(
+        f"  disk: {n} layers x d {d} at {bytes_per_param:.2f} bytes/parameter need {n * per_layer * bytes_per_param / GiB:.1f} GiB; "
+        f"{free / GiB:.1f} GiB free{'; ' + note if note else ''}",
+        flush=True,
+    )
     return n, note
 
 
@@ -245,9 +286,22 @@ def offload_run(a: argparse.Namespace, d: int, heads: int, bits: int, target: in
     n, note = offload_size(a, d, bits, target)
     scratch = Path(tempfile.mkdtemp(prefix="bench-offload-", dir=a.dir))
     try:
-        got = run_worker("offload", {"n_layer": n, "d": d, "heads": heads, "seq": a.seq, "bits": bits, "dir": str(scratch / "s"),
-                                     "budget_gb": a.budget_gb, "calibrate": True, "calibration_mb": a.calibration_mb,
-                                     "lr": step_lr(n, d)}, threads=a.threads)
+        got = run_worker(
+            "offload",
+            {
+                "n_layer": n,
+                "d": d,
+                "heads": heads,
+                "seq": a.seq,
+                "bits": bits,
+                "dir": str(scratch / "s"),
+                "budget_gb": a.budget_gb,
+                "calibrate": True,
+                "calibration_mb": a.calibration_mb,
+                "lr": step_lr(n, d),
+            },
+            threads=a.threads,
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return None if got is None else {**got, "note": note, "bits": bits, "lr": step_lr(n, d)}
@@ -264,9 +318,13 @@ def bound(run: dict) -> tuple[float, float, float]:
 
 
 def offload_table(plain: dict, runs: list[dict]) -> str:
-    rows = ["| system | parameters | x plain ceiling | peak RSS (GiB) | read / written per step (GiB) | step time (s) | bound (s): I/O, compute | step / bound | losses (step 1, 2, after) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    rows.append(f"| plain PyTorch float32 AdamW (limit {plain['limit_gb']:g} GiB) | {plain['params'] / 1e9:.3f}B | 1.0 | {plain['peak_rss_gib']:.2f} | - | - | - | - | {plain.get('loss', float('nan')):.4f} |")
+    rows = [
+        "| system | parameters | x plain ceiling | peak RSS (GiB) | read / written per step (GiB) | step time (s) | bound (s): I/O, compute | step / bound | losses (step 1, 2, after) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    rows.append(
+        f"| plain PyTorch float32 AdamW (limit {plain['limit_gb']:g} GiB) | {plain['params'] / 1e9:.3f}B | 1.0 | {plain['peak_rss_gib']:.2f} | - | - | - | - | {plain.get('loss', float('nan')):.4f} |"
+    )
     for run in runs:
         io, compute, b = bound(run)
         last = run["steps"][-1]
@@ -276,13 +334,29 @@ def offload_table(plain: dict, runs: list[dict]) -> str:
         name = f"behemoth disk offload, {'float32' if run['bits'] == 32 else '8-bit'} moments (lr {run['lr']:.1g})"
         times = run["params"] / plain["params"] if plain["params"] else float("nan")
         if plain["params"]:
-            ROWS.append(ratio("offload", f"{'float32' if run['bits'] == 32 else '8-bit'} moments", "plain PyTorch float32 AdamW",
-                              "largest model trained", run["params"], plain["params"]))
-        rows.append(f"| {name} | {run['params'] / 1e9:.3f}B | {times:.1f} | {run['peak_rss_gib']:.2f} | {read:.2f} / {written:.2f} | "
-                    f"{last['seconds']:.1f} | {b:.1f}: {io:.1f}, {compute:.1f} | {last['seconds'] / b:.2f} | {losses} |")
+            ROWS.append(
+                ratio(
+                    "offload",
+                    f"{'float32' if run['bits'] == 32 else '8-bit'} moments",
+                    "plain PyTorch float32 AdamW",
+                    "largest model trained",
+                    run["params"],
+                    plain["params"],
+                )
+            )
+        rows.append(
+            f"| {name} | {run['params'] / 1e9:.3f}B | {times:.1f} | {run['peak_rss_gib']:.2f} | {read:.2f} / {written:.2f} | "
+            f"{last['seconds']:.1f} | {b:.1f}: {io:.1f}, {compute:.1f} | {last['seconds'] / b:.2f} | {losses} |"
+        )
     rates = runs[0]["rates"] if runs else None
-    tail = "" if rates is None else (f"\ncalibration: disk read {rates['disk_read'] / 1e9:.2f} GB/s, write {rates['disk_write'] / 1e9:.2f} GB/s, "
-                                     f"compute {rates['compute'] / 1e12:.3f} TFLOP/s")
+    tail = (
+        ""
+        if rates is None
+        else (
+            f"\ncalibration: disk read {rates['disk_read'] / 1e9:.2f} GB/s, write {rates['disk_write'] / 1e9:.2f} GB/s, "
+            f"compute {rates['compute'] / 1e12:.3f} TFLOP/s"
+        )
+    )
     return "\n".join(rows) + tail + "\n" + "".join(f"\nnote: {r['note']}" for r in runs if r["note"])
 
 
@@ -294,9 +368,24 @@ def orders_table(a: argparse.Namespace) -> str:
         for m in a.ms:
             scratch = Path(tempfile.mkdtemp(prefix="bench-orders-", dir=a.dir))
             try:
-                got = run_worker("offload", {"n_layer": a.orders_layers, "d": a.orders_d, "heads": 4, "seq": a.seq, "bits": 32, "m": m,
-                                             "order": order, "grads": "disk", "grad_clip": 1.0, "dir": str(scratch / "s"), "steps": 3,
-                                             "evaluate": False}, threads=a.threads)
+                got = run_worker(
+                    "offload",
+                    {
+                        "n_layer": a.orders_layers,
+                        "d": a.orders_d,
+                        "heads": 4,
+                        "seq": a.seq,
+                        "bits": 32,
+                        "m": m,
+                        "order": order,
+                        "grads": "disk",
+                        "grad_clip": 1.0,
+                        "dir": str(scratch / "s"),
+                        "steps": 3,
+                        "evaluate": False,
+                    },
+                    threads=a.threads,
+                )
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             total = sum(r + w for r, w in got["steps"][-1]["bytes"].values()) / 2**20 if got else float("nan")
@@ -311,14 +400,16 @@ def deepspeed_table(a: argparse.Namespace) -> str:
     try:
         import deepspeed  # noqa: F401
     except ImportError:
-        return "DeepSpeed is not installed (pip install -e \".[bench]\"): section skipped.\n"
+        return 'DeepSpeed is not installed (pip install -e ".[bench]"): section skipped.\n'
     shape = {"n_layer": a.ds_layers, "d": a.ds_d, "heads": a.ds_heads, "seq": a.seq}
     rows = ["| system | parameters | tokens/s (step 2) | peak RSS (GiB) | note |", "|---|---:|---:|---:|---|"]
     scratch = Path(tempfile.mkdtemp(prefix="bench-ds-", dir=a.dir))
     try:
         ours = run_worker("offload", {**shape, "bits": 32, "dir": str(scratch / "b"), "evaluate": False}, threads=a.threads)
         if ours:
-            rows.append(f"| behemoth disk offload | {ours['params'] / 1e6:.1f}M | {a.seq / ours['steps'][-1]['seconds']:.1f} | {ours['peak_rss_gib']:.2f} | |")
+            rows.append(
+                f"| behemoth disk offload | {ours['params'] / 1e6:.1f}M | {a.seq / ours['steps'][-1]['seconds']:.1f} | {ours['peak_rss_gib']:.2f} | |"
+            )
         for device, port in (("cpu", 29731), ("nvme", 29732)):
             if device == "nvme" and not a.nvme:
                 rows.append("| DeepSpeed ZeRO-Infinity (NVMe) | - | - | - | skipped: --nvme not given (needs libaio-dev for its async_io op) |")
@@ -326,12 +417,23 @@ def deepspeed_table(a: argparse.Namespace) -> str:
             got = run_worker("deepspeed", {**shape, "device": device, "dir": str(scratch / "ds"), "port": port}, threads=a.threads)
             name = "DeepSpeed ZeRO-Offload (CPU Adam)" if device == "cpu" else "DeepSpeed ZeRO-Infinity (NVMe)"
             if got and ours:
-                ROWS.append(ratio("offload", f"{ours['params'] / 1e6:.0f}M GPT, one sequence of {a.seq}", name, "tokens/s",
-                                  a.seq / ours["steps"][-1]["seconds"], a.seq / got["seconds"][-1]))
+                ROWS.append(
+                    ratio(
+                        "offload",
+                        f"{ours['params'] / 1e6:.0f}M GPT, one sequence of {a.seq}",
+                        name,
+                        "tokens/s",
+                        a.seq / ours["steps"][-1]["seconds"],
+                        a.seq / got["seconds"][-1],
+                    )
+                )
             elif not got:
                 ROWS.append(failure("offload", name, "its worker failed (see the benchmark's log)"))
-            rows.append(f"| {name} | {got['params'] / 1e6:.1f}M | {a.seq / got['seconds'][-1]:.1f} | {got['peak_rss_gib']:.2f} | |" if got
-                        else f"| {name} | - | - | - | failed: see the line above |")
+            rows.append(
+                f"| {name} | {got['params'] / 1e6:.1f}M | {a.seq / got['seconds'][-1]:.1f} | {got['peak_rss_gib']:.2f} | |"
+                if got
+                else f"| {name} | - | - | - | failed: see the line above |"
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return "\n".join(rows) + "\n"
@@ -361,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where scratch files go (its disk is the one measured)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--limit-gb", type=float, help="address space for plain PyTorch above a bare torch process (default: the "
-                                                  "memory available now less 3 GiB, at most 20)")
+    p.add_argument(
+        "--limit-gb",
+        type=float,
+        help="address space for plain PyTorch above a bare torch process (default: the memory available now less 3 GiB, at most 20)",
+    )
     p.add_argument("--plain-d", type=int, default=2048)
     p.add_argument("--plain-heads", type=int, default=16)
     p.add_argument("--fp32-params", type=float, default=5e9)
@@ -381,9 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme", action="store_true", help="also run DeepSpeed ZeRO-Infinity on NVMe (its async_io op needs libaio-dev)")
     p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     a = settings(p.parse_args(argv))
-    print(f"bench_offload{' --quick' if a.quick else ''}: scratch under {a.dir} ({shutil.disk_usage(a.dir).free / GiB:.1f} GiB free), "
-          f"{a.threads} thread(s), one sequence of {a.seq} tokens; plain PyTorch limited to {a.limit_gb:.1f} GiB, "
-          f"offload.max_memory_gb={a.budget_gb:.1f}", flush=True)
+    print(
+        f"bench_offload{' --quick' if a.quick else ''}: scratch under {a.dir} ({shutil.disk_usage(a.dir).free / GiB:.1f} GiB free), "
+        f"{a.threads} thread(s), one sequence of {a.seq} tokens; plain PyTorch limited to {a.limit_gb:.1f} GiB, "
+        f"offload.max_memory_gb={a.budget_gb:.1f}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     section("1. plain PyTorch's ceiling", t0)
     plain = plain_ceiling(a)

@@ -24,8 +24,18 @@ from typing import Any
 
 import torch
 
-MODEL = ["model=gpt-1m", "model.n_layer=8", "model.d_model=128", "model.n_head=4", "model.context=128", "train.seq_len=128",
-         "train.global_batch=16", "parallel.microbatches=8", "run.progress=false", "run.timeout_s=300"]
+MODEL = [
+    "model=gpt-1m",
+    "model.n_layer=8",
+    "model.d_model=128",
+    "model.n_head=4",
+    "model.context=128",
+    "train.seq_len=128",
+    "train.global_batch=16",
+    "parallel.microbatches=8",
+    "run.progress=false",
+    "run.timeout_s=300",
+]
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
 README = Path(__file__).with_name("README.md")
 BEGIN, END = "<!-- bench_pipeline: begin -->", "<!-- bench_pipeline: end -->"
@@ -99,10 +109,17 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
     times, cpu = timed_steps(engine.train_step, sampler, steps, warmup, lambda: timelines.append(gather_timelines(pipe.last_trace, pipe.group)))
     s, best = pipe.schedule, timelines[min(range(len(times)), key=times.__getitem__)]  # the least disturbed step
     simulated = simulate(s, measured_costs([best], s, latency))
-    return {"tokens_per_s": cfg.train.global_batch * cfg.seq_len / min(times), "cpu_s": cpu,
-            "bubble": measured_bubble(best), "simulated": simulated.bubble_fraction, "replayed": replayed_bubble(best, s, latency),
-            "closed_form": closed_form_bubble(schedule, s.ranks, s.microbatches, s.chunks).bubble_fraction,
-            "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20, "p2p_ms": latency * 1e3, "m": s.microbatches}
+    return {
+        "tokens_per_s": cfg.train.global_batch * cfg.seq_len / min(times),
+        "cpu_s": cpu,
+        "bubble": measured_bubble(best),
+        "simulated": simulated.bubble_fraction,
+        "replayed": replayed_bubble(best, s, latency),
+        "closed_form": closed_form_bubble(schedule, s.ranks, s.microbatches, s.chunks).bubble_fraction,
+        "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20,
+        "p2p_ms": latency * 1e3,
+        "m": s.microbatches,
+    }
 
 
 def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
@@ -124,8 +141,8 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
 
     from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.init import materialize
-    from behemoth.parallelize import resolve_stage_boundaries
     from behemoth.parallel.pipeline.partition import cut_model
+    from behemoth.parallelize import resolve_stage_boundaries
     from behemoth.topology import init_runtime
 
     cfg = make_config(world, schedule)
@@ -168,9 +185,9 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
+    from behemoth.models.causal_lm import summed_token_loss
     from behemoth.models.gpt import build_gpt
     from behemoth.models.init import materialize
-    from behemoth.models.causal_lm import summed_token_loss
     from behemoth.topology import init_runtime
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -181,10 +198,16 @@ def deepspeed_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[s
     model = build_gpt(cfg.model)
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
     layers = [Embedding(model), *model.blocks, Head(model)]
-    net = PipelineModule(layers=layers, num_stages=world, partition_method="type:Block",
-                         loss_fn=lambda out, y: summed_token_loss(out, y) / tokens * m)  # DeepSpeed divides by m itself
-    ds_config = {"train_micro_batch_size_per_gpu": cfg.train.global_batch // m, "gradient_accumulation_steps": m,
-                 "gradient_clipping": cfg.train.grad_clip, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    net = PipelineModule(
+        layers=layers, num_stages=world, partition_method="type:Block", loss_fn=lambda out, y: summed_token_loss(out, y) / tokens * m
+    )  # DeepSpeed divides by m itself
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg.train.global_batch // m,
+        "gradient_accumulation_steps": m,
+        "gradient_clipping": cfg.train.grad_clip,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     from peers import plain_adamw
 
     engine, *_ = deepspeed.initialize(model=net, optimizer=plain_adamw(net, cfg.train), config=ds_config)
@@ -249,34 +272,53 @@ def run(worlds: list[int], steps: int, warmup: int, rounds: int) -> tuple[list[d
                     best[key] = result
                 best[key]["cpu_s"] = cpu  # the least CPU work any round needed for a step
                 print(f"  round {round_ + 1}: p={world} {runtime} {schedule}: {result['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
-    throughput = [{"world": w, "schedule": s, **{f"{side}{k}": best[(w, name, s)][key] if (w, name, s) in best else None
-                                                 for side, name in (("ours", "behemoth"), ("torch", "torch"), ("deepspeed", "deepspeed"))
-                                                 for k, key in (("", "tokens_per_s"), ("_cpu", "cpu_s"))}}
-                  for w in worlds for s in ("gpipe", "1f1b")]
+    throughput = [
+        {
+            "world": w,
+            "schedule": s,
+            **{
+                f"{side}{k}": best[(w, name, s)][key] if (w, name, s) in best else None
+                for side, name in (("ours", "behemoth"), ("torch", "torch"), ("deepspeed", "deepspeed"))
+                for k, key in (("", "tokens_per_s"), ("_cpu", "cpu_s"))
+            },
+        }
+        for w in worlds
+        for s in ("gpipe", "1f1b")
+    ]
     bubbles = [{"world": w, "schedule": s, **best[(w, "behemoth", s)]} for w in worlds for s in SCHEDULES]
     return throughput, bubbles
 
 
 def format_tables(throughput: list[dict], bubbles: list[dict], command: str) -> str:
-    lines = [f"`{command}` — GPT with 8 blocks, d_model 128, 4 heads, 128 tokens, 16 sequences per step in 8 micro-batches "
-             "of 2, float32, one thread per process; tokens/s of the fastest step over all rounds, CPU seconds of the "
-             "least-work round's median step summed over ranks.", "",
-             "| processes | schedule | behemoth tok/s | torch.distributed.pipelining tok/s | ratio | DeepSpeed PipelineModule tok/s | ratio "
-             "| CPU s/step, all ranks: behemoth / torch / DeepSpeed | CPU ratio torch / behemoth | DeepSpeed / behemoth |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}` — GPT with 8 blocks, d_model 128, 4 heads, 128 tokens, 16 sequences per step in 8 micro-batches "
+        "of 2, float32, one thread per process; tokens/s of the fastest step over all rounds, CPU seconds of the "
+        "least-work round's median step summed over ranks.",
+        "",
+        "| processes | schedule | behemoth tok/s | torch.distributed.pipelining tok/s | ratio | DeepSpeed PipelineModule tok/s | ratio "
+        "| CPU s/step, all ranks: behemoth / torch / DeepSpeed | CPU ratio torch / behemoth | DeepSpeed / behemoth |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in throughput:
         ds = f"{r['deepspeed']:.0f} | {r['ours'] / r['deepspeed']:.2f}" if r["deepspeed"] else "— | —"
         cpu = f"{r['ours_cpu']:.2f} / {r['torch_cpu']:.2f} / " + (f"{r['deepspeed_cpu']:.2f}" if r["deepspeed"] else "—")
         ds_cpu = f"{r['deepspeed_cpu'] / r['ours_cpu']:.2f}" if r["deepspeed"] else "—"
-        lines.append(f"| {r['world']} | {r['schedule']} | {r['ours']:.0f} | {r['torch']:.0f} | {r['ours'] / r['torch']:.2f} | {ds} "
-                     f"| {cpu} | {r['torch_cpu'] / r['ours_cpu']:.2f} | {ds_cpu} |")
-    lines += ["", "| processes | schedule | m | tok/s | measured bubble | simulated (median pass times) | measured - simulated "
-              "| replayed (each pass's own time) | closed form (uniform) | p2p ms | peak stash MB per rank |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['world']} | {r['schedule']} | {r['ours']:.0f} | {r['torch']:.0f} | {r['ours'] / r['torch']:.2f} | {ds} "
+            f"| {cpu} | {r['torch_cpu'] / r['ours_cpu']:.2f} | {ds_cpu} |"
+        )
+    lines += [
+        "",
+        "| processes | schedule | m | tok/s | measured bubble | simulated (median pass times) | measured - simulated "
+        "| replayed (each pass's own time) | closed form (uniform) | p2p ms | peak stash MB per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in bubbles:
         stash = " / ".join(f"{x:.1f}" for x in r["stash"])
-        lines.append(f"| {r['world']} | {r['schedule']} | {r['m']} | {r['tokens_per_s']:.0f} | {r['bubble']:.3f} | {r['simulated']:.3f} "
-                     f"| {r['bubble'] - r['simulated']:+.3f} | {r['replayed']:.3f} | {r['closed_form']:.3f} | {r['p2p_ms']:.3f} | {stash} |")
+        lines.append(
+            f"| {r['world']} | {r['schedule']} | {r['m']} | {r['tokens_per_s']:.0f} | {r['bubble']:.3f} | {r['simulated']:.3f} "
+            f"| {r['bubble'] - r['simulated']:+.3f} | {r['replayed']:.3f} | {r['closed_form']:.3f} | {r['p2p_ms']:.3f} | {stash} |"
+        )
     return "\n".join(lines)
 
 
@@ -323,13 +365,23 @@ def ratio_rows(throughput: list[dict], bubbles: list[dict]) -> list[dict]:
         case = f"{r['schedule']}, p={r['world']}"
         for peer, name in (("torch", "torch.distributed.pipelining"), ("deepspeed", "DeepSpeed PipelineModule")):
             if r[peer]:
-                out += [ratio("pipeline", case, name, "tokens/s", r["ours"], r[peer]),
-                        ratio("pipeline", case, name, "CPU s per step", r["ours_cpu"], r[f"{peer}_cpu"], higher_is_better=False)]
+                out += [
+                    ratio("pipeline", case, name, "tokens/s", r["ours"], r[peer]),
+                    ratio("pipeline", case, name, "CPU s per step", r["ours_cpu"], r[f"{peer}_cpu"], higher_is_better=False),
+                ]
     base = {b["world"]: b for b in bubbles if b["schedule"] == "1f1b"}
     for b in bubbles:
         if b["schedule"] != "1f1b":
-            out.append(ratio("pipeline schedules", f"{b['schedule']}, p={b['world']}", "behemoth 1f1b", "tokens/s",
-                             b["tokens_per_s"], base[b["world"]]["tokens_per_s"]))
+            out.append(
+                ratio(
+                    "pipeline schedules",
+                    f"{b['schedule']}, p={b['world']}",
+                    "behemoth 1f1b",
+                    "tokens/s",
+                    b["tokens_per_s"],
+                    base[b["world"]]["tokens_per_s"],
+                )
+            )
     return out
 
 

@@ -40,16 +40,22 @@ MODELS = {  # name: (options, ~parameters)
 }
 BATCH = ["train.global_batch=16", "train.seq_len=128"]
 MEGATRON = [  # Narayanan et al. 2021, Table 1: heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, % of peak
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 0.44), ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 0.44),
-    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 0.46), ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43),
-    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44), ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45),
-    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47), ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50),
-    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52), ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52),
+    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 0.44),
+    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 0.44),
+    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 0.46),
+    ("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43),
+    ("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44),
+    ("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45),
+    ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47),
+    ("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50),
+    ("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52),
+    ("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52),
 ]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation (average ranks for ties)."""
+
     def ranks(v: list[float]) -> list[float]:
         order = sorted(range(len(v)), key=lambda i: v[i])
         out = [0.0] * len(v)
@@ -62,6 +68,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
                 out[order[k]] = (i + j) / 2
             i = j + 1
         return out
+
     rx, ry = ranks(xs), ranks(ys)
     return statistics.correlation(rx, ry) if len(xs) > 2 else float("nan")
 
@@ -86,12 +93,12 @@ def candidate_plans(cfg, world: int, cluster, limit: int, seed: int = 0):
 
 
 def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
-    from behemoth.profiler.measure import measure_plan
     from behemoth.config import load_config
+    from behemoth.faults.ranks import run_ranks
     from behemoth.planner.calibrate import local_cluster
     from behemoth.planner.cost import price
     from behemoth.planner.layout import Workload
-    from behemoth.faults.ranks import run_ranks
+    from behemoth.profiler.measure import measure_plan
 
     run_dir = tempfile.mkdtemp(prefix="bench-planner-")
     cfg = load_config(None, MODELS[name] + BATCH + ["run.progress=false", "run.timeout_s=120", f"run.dir={run_dir}"])
@@ -106,10 +113,21 @@ def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
         ranks = run_ranks(world, measure_plan, plan_cfg.model_dump(mode="json"), steps, 1, timeout=600)
         measured_time = max(r["step_time"] for r in ranks)
         measured_peak = max(r["peak"] for r in ranks)
-        rows.append({"plan": lay.describe(), "pred_time": exact.step_seconds, "time": measured_time, "pred_mem": exact.peak_memory,
-                     "mem": measured_peak, "chosen": lay.describe() == chosen.layout.describe()})
-        print(f"  {name} x{world}: {lay.describe():48s} predicted {exact.step_seconds * 1e3:8.1f} ms {exact.peak_memory / 2**20:8.1f} MiB"
-              f"   measured {measured_time * 1e3:8.1f} ms {measured_peak / 2**20:8.1f} MiB", flush=True)
+        rows.append(
+            {
+                "plan": lay.describe(),
+                "pred_time": exact.step_seconds,
+                "time": measured_time,
+                "pred_mem": exact.peak_memory,
+                "mem": measured_peak,
+                "chosen": lay.describe() == chosen.layout.describe(),
+            }
+        )
+        print(
+            f"  {name} x{world}: {lay.describe():48s} predicted {exact.step_seconds * 1e3:8.1f} ms {exact.peak_memory / 2**20:8.1f} MiB"
+            f"   measured {measured_time * 1e3:8.1f} ms {measured_peak / 2**20:8.1f} MiB",
+            flush=True,
+        )
     return {"model": name, "world": world, "rows": rows, "planning": planning, "params": work.census.psi}
 
 
@@ -122,10 +140,21 @@ def report_a(cases: list[dict]) -> None:
         mem_err = statistics.median(abs(r["pred_mem"] / r["mem"] - 1) for r in rows)
         best = min(r["time"] for r in rows)
         chosen = next(r["time"] for r in rows if r["chosen"])
-        print(f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms"
-              f"{chosen / best:>12.2f}{c['planning']:>9.2f}s")
-        ROWS.append(ratio("planner", f"{c['model']}, {c['world']} processes, {len(rows)} plans", "best measured plan",
-                          "step time of the chosen plan", chosen, best, higher_is_better=False))
+        print(
+            f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms"
+            f"{chosen / best:>12.2f}{c['planning']:>9.2f}s"
+        )
+        ROWS.append(
+            ratio(
+                "planner",
+                f"{c['model']}, {c['world']} processes, {len(rows)} plans",
+                "best measured plan",
+                "step time of the chosen plan",
+                chosen,
+                best,
+                higher_is_better=False,
+            )
+        )
 
 
 def part_b() -> None:
@@ -138,9 +167,21 @@ def part_b() -> None:
     print("\n(b) on paper: Megatron-LM's GPT shapes on the A100-80GB preset, sequence 2048, bf16 (parameters bf16 under ZeRO)")
     print(f"{'model':>8}{'GPUs':>6}{'batch':>6}  {'chosen plan':<46}{'GiB/GPU':>8}{'MFU':>7}{'HFU':>7}{'plan s':>8}   Megatron-LM (tp, pp, HFU)")
     for name, heads, hidden, layers, tp, pp, gpus, batch, _tflops, frac in MEGATRON:
-        cfg = load_config(None, [f"model.n_layer={layers}", f"model.d_model={hidden}", f"model.n_head={heads}", "model.vocab_size=51200",
-                                 "model.context=2048", "train.seq_len=2048", f"train.global_batch={batch}", "train.precision=bf16",
-                                 "parallel.param_dtype=bf16", "parallel.zero_stage=1"])  # (a stage >= 1 makes bf16 valid; all are searched)
+        cfg = load_config(
+            None,
+            [
+                f"model.n_layer={layers}",
+                f"model.d_model={hidden}",
+                f"model.n_head={heads}",
+                "model.vocab_size=51200",
+                "model.context=2048",
+                "train.seq_len=2048",
+                f"train.global_batch={batch}",
+                "train.precision=bf16",
+                "parallel.param_dtype=bf16",
+                "parallel.zero_stage=1",
+            ],
+        )  # (a stage >= 1 makes bf16 valid; all are searched)
         t0 = time.perf_counter()
         result = search(Workload.of(cfg), cluster, gpus, Space(), cfg=cfg, top=1)
         seconds = time.perf_counter() - t0

@@ -32,17 +32,35 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ratios import write_rows  # noqa: E402
+
 from behemoth.faults.launch import free_port  # noqa: E402
 from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
-from ratios import write_rows  # noqa: E402
 
 LEVELS = (1, 8, 32, 128)
 
 
 def start_server(folder: str, batching: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "behemoth", "serve", folder, "--port", str(port), "--batching", batching, "--max-batch",
-           str(args.max_batch), "--max-waiting", "4096", "--max-tokens", "512", "--kv-cache-mb", str(args.kv_cache_mb)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "behemoth",
+        "serve",
+        folder,
+        "--port",
+        str(port),
+        "--batching",
+        batching,
+        "--max-batch",
+        str(args.max_batch),
+        "--max-waiting",
+        "4096",
+        "--max-tokens",
+        "512",
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -65,8 +83,15 @@ def workload(n: int, args: argparse.Namespace, seed: int) -> list[dict[str, Any]
     """`n` requests with prompt and output lengths drawn uniformly from the ranges, greedy."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz      "
-    return [{"prompt": "".join(rng.choice(letters) for _ in range(rng.randint(*args.prompt_chars))),
-             "max_tokens": rng.randint(*args.output_tokens), "temperature": 0, "stream": True} for _ in range(n)]
+    return [
+        {
+            "prompt": "".join(rng.choice(letters) for _ in range(rng.randint(*args.prompt_chars))),
+            "max_tokens": rng.randint(*args.output_tokens),
+            "temperature": 0,
+            "stream": True,
+        }
+        for _ in range(n)
+    ]
 
 
 async def one_request(client: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +125,7 @@ async def run_level(url: str, clients: int, requests: list[dict[str, Any]]) -> d
     results: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
         async def worker() -> None:
             while not queue.empty():
                 results.append(await one_request(client, queue.get_nowait()))
@@ -109,10 +135,18 @@ async def run_level(url: str, clients: int, requests: list[dict[str, Any]]) -> d
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
     pct = lambda xs, q: statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else (xs[0] if xs else float("nan"))  # noqa: E731
-    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "wall": wall,
-            "tok_s": sum(r["tokens"] for r in ok) / wall, "req_s": len(ok) / wall,
-            "p50": pct([r["latency"] for r in ok], 50), "p99": pct([r["latency"] for r in ok], 99),
-            "ttft50": pct([r["ttft"] for r in ok], 50), "ttft99": pct([r["ttft"] for r in ok], 99)}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "wall": wall,
+        "tok_s": sum(r["tokens"] for r in ok) / wall,
+        "req_s": len(ok) / wall,
+        "p50": pct([r["latency"] for r in ok], 50),
+        "p99": pct([r["latency"] for r in ok], 99),
+        "ttft50": pct([r["ttft"] for r in ok], 50),
+        "ttft99": pct([r["ttft"] for r in ok], 99),
+    }
 
 
 def measure(folder: str, batching: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -135,19 +169,26 @@ def ratio_rows(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
     out = []
     for r, other in zip(results["continuous"], results["static"]):
         case = f"{r['clients']} concurrent clients"
-        out += [ratio("serving", case, "static batching", "output tokens/s", r["tok_s"], other["tok_s"]),
-                ratio("serving", case, "static batching", "p99 time to first token", r["ttft99"], other["ttft99"], higher_is_better=False)]
+        out += [
+            ratio("serving", case, "static batching", "output tokens/s", r["tok_s"], other["tok_s"]),
+            ratio("serving", case, "static batching", "p99 time to first token", r["ttft99"], other["ttft99"], higher_is_better=False),
+        ]
     return out
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    rows = ["| batching | clients | requests | output tok/s | req/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | errors |"
-            " continuous / static tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| batching | clients | requests | output tok/s | req/s | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | errors |"
+        " continuous / static tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for mode in ("continuous", "static"):
         for r, other in zip(results[mode], results["static"]):
             ratio = f"{r['tok_s'] / other['tok_s']:.2f}" if mode == "continuous" else "-"
-            rows.append(f"| {mode} | {r['clients']} | {r['requests']} | {r['tok_s']:.0f} | {r['req_s']:.2f} | {r['p50']:.2f} | "
-                        f"{r['p99']:.2f} | {r['ttft50']:.3f} | {r['ttft99']:.3f} | {r['errors']} | {ratio} |")
+            rows.append(
+                f"| {mode} | {r['clients']} | {r['requests']} | {r['tok_s']:.0f} | {r['req_s']:.2f} | {r['p50']:.2f} | "
+                f"{r['p99']:.2f} | {r['ttft50']:.3f} | {r['ttft99']:.3f} | {r['errors']} | {ratio} |"
+            )
     return rows
 
 
@@ -176,9 +217,11 @@ def main() -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"## Serving under load ({'quick' if args.quick else 'full'} run)\n")
-    print(f"Llama {params / 1e6:.1f}M parameters, float32, server with {args.threads} thread(s), max batch {args.max_batch}; "
-          f"prompts {args.prompt_chars[0]}-{args.prompt_chars[1]} characters (byte tokens), outputs {args.output_tokens[0]}-"
-          f"{args.output_tokens[1]} tokens, greedy, streamed; {args.per_client} request(s) per client per level (at least 8).\n")
+    print(
+        f"Llama {params / 1e6:.1f}M parameters, float32, server with {args.threads} thread(s), max batch {args.max_batch}; "
+        f"prompts {args.prompt_chars[0]}-{args.prompt_chars[1]} characters (byte tokens), outputs {args.output_tokens[0]}-"
+        f"{args.output_tokens[1]} tokens, greedy, streamed; {args.per_client} request(s) per client per level (at least 8).\n"
+    )
     print("\n".join(table(results)))
     write_rows(args.json, ratio_rows(results))
     print("\nvLLM: not run. " + __doc__.split("Peer serving engines: ")[1].strip().replace("\n", " "))

@@ -103,10 +103,14 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
         cpu.append(time.process_time() - c0)
         losses.append(loss)
         act = measured or act
-    median = statistics.median(times[max(1, warmup):])
-    return {"tokens_per_s": cfg.train.global_batch * cfg.seq_len / median, "losses": losses[:3],
-            "cpu_s": statistics.median(cpu[max(1, warmup):]),
-            "activation_mb": act / 2**20, "state_mb": runner.state_bytes() / 2**20}
+    median = statistics.median(times[max(1, warmup) :])
+    return {
+        "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median,
+        "losses": losses[:3],
+        "cpu_s": statistics.median(cpu[max(1, warmup) :]),
+        "activation_mb": act / 2**20,
+        "state_mb": runner.state_bytes() / 2**20,
+    }
 
 
 class BehemothRunner:
@@ -128,6 +132,7 @@ class BehemothRunner:
         def forward_backward(micro_batches):
             loss, measured["bytes"] = saved_activation_bytes(lambda: original(micro_batches), params)
             return loss
+
         self.engine.forward_backward = forward_backward
         result = self.engine.train_step(batches, lr)
         self.engine.forward_backward = original
@@ -201,9 +206,17 @@ def clip_mixed(params: list, max_norm: float, group: Any) -> float:
     from torch.distributed.tensor import DTensor
 
     sharded = [p.grad._local_tensor for p in params if isinstance(p, DTensor) and p.grad is not None and any(pl.is_shard() for pl in p.placements)]
-    whole = [(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None
-             and not (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))]
-    sq = torch.stack([torch.stack(torch._foreach_norm(sharded)).square().sum(), torch.stack(torch._foreach_norm(whole)).square().sum() / dist.get_world_size(group)])
+    whole = [
+        (p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        for p in params
+        if p.grad is not None and not (isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+    ]
+    sq = torch.stack(
+        [
+            torch.stack(torch._foreach_norm(sharded)).square().sum(),
+            torch.stack(torch._foreach_norm(whole)).square().sum() / dist.get_world_size(group),
+        ]
+    )
     total = sq.sum()
     dist.all_reduce(total, group=group)
     norm = total.sqrt()
@@ -227,9 +240,7 @@ def permute_qkv_rows(model: Any, tp: int) -> None:
 def dtensor_plan(model: Any, sp: bool) -> dict[str, Any]:
     """behemoth's GPT plan in torch's styles (torchtitan's recipe for sequence parallelism)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     seq = Shard(1) if sp else Replicate()
     plan: dict[str, Any] = {
@@ -241,12 +252,23 @@ def dtensor_plan(model: Any, sp: bool) -> dict[str, Any]:
         plan["ln_f"] = SequenceParallel()
     for i in range(len(model.blocks)):
         b = f"blocks.{i}"
-        plan.update({f"{b}.attn.qkv": ColwiseParallel(), f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
-                     f"{b}.mlp.fc": ColwiseParallel(), f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq)})
+        plan.update(
+            {
+                f"{b}.attn.qkv": ColwiseParallel(),
+                f"{b}.attn.proj": RowwiseParallel(output_layouts=seq),
+                f"{b}.mlp.fc": ColwiseParallel(),
+                f"{b}.mlp.proj": RowwiseParallel(output_layouts=seq),
+            }
+        )
         if sp:
-            plan.update({f"{b}.ln_1": SequenceParallel(), f"{b}.ln_2": SequenceParallel(),
-                         f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                         f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+            plan.update(
+                {
+                    f"{b}.ln_1": SequenceParallel(),
+                    f"{b}.ln_2": SequenceParallel(),
+                    f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
     return plan
 
 
@@ -264,15 +286,25 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
                 res = run_ranks(2, bench_rank, kind, cfg, steps, warmup, timeout=3600)
                 if kind not in best or res[0]["tokens_per_s"] > best[kind][0]["tokens_per_s"]:
                     best[kind] = res
-        rows.append({"model": model, "sp": sp, "ours": best["behemoth"], "peer": best["dtensor"],
-                     "formula_mb": predicted_activation_mb(cfg, 2, sp), "t1_mb": predicted_activation_mb(cfg, 1, False)})
+        rows.append(
+            {
+                "model": model,
+                "sp": sp,
+                "ours": best["behemoth"],
+                "peer": best["dtensor"],
+                "formula_mb": predicted_activation_mb(cfg, 2, sp),
+                "t1_mb": predicted_activation_mb(cfg, 1, False),
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("| model | tp | SP | behemoth tok/s | DTensor tok/s | ratio | CPU s/step/rank behemoth / DTensor "
-          "| activations MiB/rank behemoth / DTensor | formula (t=1) | model states MiB/rank behemoth / DTensor "
-          "| first losses (behemoth / DTensor) |")
+    print(
+        "| model | tp | SP | behemoth tok/s | DTensor tok/s | ratio | CPU s/step/rank behemoth / DTensor "
+        "| activations MiB/rank behemoth / DTensor | formula (t=1) | model states MiB/rank behemoth / DTensor "
+        "| first losses (behemoth / DTensor) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, b = r["ours"][0], r["peer"][0]
@@ -281,10 +313,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         pair = lambda res: ", ".join(f"{x:.4f}" for x in res["losses"][:3:2])  # noqa: E731  (first and third step)
         losses = f"{pair(a)} / {pair(b)}"
         cpu = lambda res: max(x["cpu_s"] for x in res)  # noqa: E731
-        print(f"| {r['model']} | 2 | {'yes' if r['sp'] else 'no'} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} "
-              f"| {a['tokens_per_s'] / b['tokens_per_s']:.3f} | {cpu(r['ours']):.3f} / {cpu(r['peer']):.3f} "
-              f"| {act(r['ours']):.1f} / {act(r['peer']):.1f} | {r['formula_mb']:.1f} ({r['t1_mb']:.1f}) "
-              f"| {st(r['ours']):.1f} / {st(r['peer']):.1f} | {losses} |", flush=True)
+        print(
+            f"| {r['model']} | 2 | {'yes' if r['sp'] else 'no'} | {a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} "
+            f"| {a['tokens_per_s'] / b['tokens_per_s']:.3f} | {cpu(r['ours']):.3f} / {cpu(r['peer']):.3f} "
+            f"| {act(r['ours']):.1f} / {act(r['peer']):.1f} | {r['formula_mb']:.1f} ({r['t1_mb']:.1f}) "
+            f"| {st(r['ours']):.1f} / {st(r['peer']):.1f} | {losses} |",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,11 +347,21 @@ def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         case, a, b = f"{r['model']}, tp=2{' + SP' if r['sp'] else ''}", r["ours"], r["peer"]
-        out += [ratio("tensor parallel", case, "DTensor", "tokens/s", a[0]["tokens_per_s"], b[0]["tokens_per_s"]),
-                ratio("tensor parallel", case, "DTensor", "CPU s per step", max(x["cpu_s"] for x in a), max(x["cpu_s"] for x in b),
-                      higher_is_better=False),
-                ratio("tensor parallel", case, "DTensor", "activations per rank", max(x["activation_mb"] for x in a),
-                      max(x["activation_mb"] for x in b), higher_is_better=False)]
+        out += [
+            ratio("tensor parallel", case, "DTensor", "tokens/s", a[0]["tokens_per_s"], b[0]["tokens_per_s"]),
+            ratio(
+                "tensor parallel", case, "DTensor", "CPU s per step", max(x["cpu_s"] for x in a), max(x["cpu_s"] for x in b), higher_is_better=False
+            ),
+            ratio(
+                "tensor parallel",
+                case,
+                "DTensor",
+                "activations per rank",
+                max(x["activation_mb"] for x in a),
+                max(x["activation_mb"] for x in b),
+                higher_is_better=False,
+            ),
+        ]
     return out
 
 

@@ -24,8 +24,9 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ratios import add_report_args, command_line, failure, ratio, write_rows
 
@@ -33,8 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SYSTEMS = ["behemoth-0", "torch-ddp", "behemoth-1", "deepspeed-1", "behemoth-2", "deepspeed-2", "behemoth-3", "fsdp2", "deepspeed-3"]
-PEERS = {"behemoth-0": ["torch-ddp"], "behemoth-1": ["deepspeed-1", "torch-ddp"], "behemoth-2": ["deepspeed-2", "torch-ddp"],
-         "behemoth-3": ["fsdp2", "deepspeed-3"]}
+PEERS = {
+    "behemoth-0": ["torch-ddp"],
+    "behemoth-1": ["deepspeed-1", "torch-ddp"],
+    "behemoth-2": ["deepspeed-2", "torch-ddp"],
+    "behemoth-3": ["fsdp2", "deepspeed-3"],
+}
 BEGIN, END = "<!-- bench_zero:begin -->", "<!-- bench_zero:end -->"
 FAILED: dict[str, str] = {}  # system -> why it could not run
 MiB = 2**20
@@ -62,7 +67,7 @@ def local_batch(args: dict, rank: int, world: int, vocab: int) -> tuple[Any, Any
 
     g = torch.Generator().manual_seed(args["seed"])
     tokens = torch.randint(0, vocab, (args["batch"], args["seq"] + 1), generator=g)
-    mine = tokens[rank * args["batch"] // world:(rank + 1) * args["batch"] // world]
+    mine = tokens[rank * args["batch"] // world : (rank + 1) * args["batch"] // world]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -95,13 +100,22 @@ def behemoth_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
     from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 
-    cfg = load_config(None, [f"model={args['preset']}", f"train.global_batch={args['batch']}", f"train.seq_len={args['seq']}",
-                             f"train.seed={args['seed']}", f"parallel.zero_stage={stage}"])
+    cfg = load_config(
+        None,
+        [
+            f"model={args['preset']}",
+            f"train.global_batch={args['batch']}",
+            f"train.seq_len={args['seq']}",
+            f"train.seed={args['seed']}",
+            f"parallel.zero_stage={stage}",
+        ],
+    )
     engine = build_engine(cfg, init_runtime(timeout_s=600))
     batch = [local_batch(args, dist.get_rank(), dist.get_world_size(), cfg.model.vocab_size)]
 
     def step() -> float:
         return engine.train_step(batch, args["lr"]).loss
+
     return step, {"model_states_mib": lambda: sum(v for k, v in engine.model_state_bytes().items() if k in ("params", "grads", "optimizer")) / MiB}
 
 
@@ -130,6 +144,7 @@ def torch_step(args: dict, kind: str) -> tuple[Callable[[], float], dict]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return global_mean(loss)
+
     return step, {}
 
 
@@ -141,8 +156,14 @@ def deepspeed_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = build_model(args["preset"], args["seed"])
-    config = {"train_micro_batch_size_per_gpu": args["batch"] // dist.get_world_size(), "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    config = {
+        "train_micro_batch_size_per_gpu": args["batch"] // dist.get_world_size(),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), args), config=config)
     x, y = local_batch(args, dist.get_rank(), dist.get_world_size(), 256)
 
@@ -151,6 +172,7 @@ def deepspeed_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
         engine.backward(loss)
         engine.step()
         return global_mean(loss)
+
     return step, {}
 
 
@@ -174,10 +196,15 @@ def run_system(name: str, args: dict) -> dict:
         dist.barrier()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    step_s = statistics.median(times[args["warmup"]:])
-    out = {"tokens_per_s": args["batch"] * args["seq"] / step_s, "step_s": step_s, "first_loss": losses[0],
-           "cpu_s": statistics.median(cpu[args["warmup"]:]),
-           "peak_rss_mib": proc_status_kb("VmHWM") / 1024, "rss_growth_mib": (proc_status_kb("VmHWM") - rss0) / 1024}
+    step_s = statistics.median(times[args["warmup"] :])
+    out = {
+        "tokens_per_s": args["batch"] * args["seq"] / step_s,
+        "step_s": step_s,
+        "first_loss": losses[0],
+        "cpu_s": statistics.median(cpu[args["warmup"] :]),
+        "peak_rss_mib": proc_status_kb("VmHWM") / 1024,
+        "rss_growth_mib": (proc_status_kb("VmHWM") - rss0) / 1024,
+    }
     out.update({k: f() for k, f in extra.items()})
     return out
 
@@ -198,11 +225,17 @@ def measure(systems: list[str], args: dict) -> dict[str, dict]:
                 FAILED[name] = str(err)
                 print(f"{name} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
                 continue
-            row = {"tokens_per_s": min(x["tokens_per_s"] for x in ranks), "first_loss": ranks[0]["first_loss"],
-                   "cpu_s": max(x["cpu_s"] for x in ranks),
-                   **{k: max(x[k] for x in ranks) for k in ranks[0] if k.endswith("_mib")}}
-            print(f"round {r + 1}: {name:<12} {row['tokens_per_s']:>9.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
-                  f"loss {row['first_loss']:.4f}", flush=True)
+            row = {
+                "tokens_per_s": min(x["tokens_per_s"] for x in ranks),
+                "first_loss": ranks[0]["first_loss"],
+                "cpu_s": max(x["cpu_s"] for x in ranks),
+                **{k: max(x[k] for x in ranks) for k in ranks[0] if k.endswith("_mib")},
+            }
+            print(
+                f"round {r + 1}: {name:<12} {row['tokens_per_s']:>9.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
+                f"loss {row['first_loss']:.4f}",
+                flush=True,
+            )
             cpu = min(row["cpu_s"], best[name]["cpu_s"]) if name in best else row["cpu_s"]
             if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = row
@@ -212,22 +245,33 @@ def measure(systems: list[str], args: dict) -> dict[str, dict]:
 
 def table(results: dict[str, dict], args: dict) -> str:
     """Markdown: every system's throughput and memory, and behemoth's ratio to the peers it is compared with."""
-    head = (f"{args['nproc']} processes x {args['threads']} thread(s), float32, {args['preset']}, batch {args['batch']} x {args['seq']} tokens "
-            f"per step, median of {args['steps']} steps after {args['warmup']}, best of {args['rounds']} round(s) (tokens/s: fastest round; CPU: least)"
-            f"{'' if args['glibc_default'] else ', MALLOC_MMAP_THRESHOLD_=1 MiB'}\n\n")
-    rows = ["| system | tokens/s | CPU s per step (rank max) | peak RSS per rank (MiB) | RSS growth per rank (MiB) | model states counted (MiB) | first-step loss |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    head = (
+        f"{args['nproc']} processes x {args['threads']} thread(s), float32, {args['preset']}, batch {args['batch']} x {args['seq']} tokens "
+        f"per step, median of {args['steps']} steps after {args['warmup']}, best of {args['rounds']} round(s) (tokens/s: fastest round; CPU: least)"
+        f"{'' if args['glibc_default'] else ', MALLOC_MMAP_THRESHOLD_=1 MiB'}\n\n"
+    )
+    rows = [
+        "| system | tokens/s | CPU s per step (rank max) | peak RSS per rank (MiB) | RSS growth per rank (MiB) | model states counted (MiB) | first-step loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         states = f"{r['model_states_mib']:.1f}" if "model_states_mib" in r else "-"
-        rows.append(f"| {name} | {r['tokens_per_s']:.0f} | {r['cpu_s']:.2f} | {r['peak_rss_mib']:.0f} | {r['rss_growth_mib']:.0f} | {states} | {r['first_loss']:.4f} |")
-    ratios = ["", "| behemoth | vs peer | tokens/s ratio (behemoth / peer) | CPU time ratio (peer / behemoth) | RSS growth ratio (behemoth / peer) |",
-              "|---|---|---:|---:|---:|"]
+        rows.append(
+            f"| {name} | {r['tokens_per_s']:.0f} | {r['cpu_s']:.2f} | {r['peak_rss_mib']:.0f} | {r['rss_growth_mib']:.0f} | {states} | {r['first_loss']:.4f} |"
+        )
+    ratios = [
+        "",
+        "| behemoth | vs peer | tokens/s ratio (behemoth / peer) | CPU time ratio (peer / behemoth) | RSS growth ratio (behemoth / peer) |",
+        "|---|---|---:|---:|---:|",
+    ]
     for ours, peers in PEERS.items():
         for peer in peers:
             if ours in results and peer in results:
                 a, b = results[ours], results[peer]
-                ratios.append(f"| {ours} | {peer} | {a['tokens_per_s'] / b['tokens_per_s']:.2f} | {b['cpu_s'] / a['cpu_s']:.2f} | "
-                              f"{a['rss_growth_mib'] / b['rss_growth_mib']:.2f} |")
+                ratios.append(
+                    f"| {ours} | {peer} | {a['tokens_per_s'] / b['tokens_per_s']:.2f} | {b['cpu_s'] / a['cpu_s']:.2f} | "
+                    f"{a['rss_growth_mib'] / b['rss_growth_mib']:.2f} |"
+                )
     return head + "\n".join(rows + ratios) + "\n"
 
 
@@ -238,9 +282,11 @@ def ratio_rows(results: dict[str, dict], args: dict) -> list[dict]:
     for ours, peers in PEERS.items():
         for peer in (p for p in peers if ours in results and p in results):
             a, b = results[ours], results[peer]
-            rows += [ratio("ZeRO", f"{ours}, {case}", peer, "tokens/s", a["tokens_per_s"], b["tokens_per_s"]),
-                     ratio("ZeRO", f"{ours}, {case}", peer, "CPU s per step", a["cpu_s"], b["cpu_s"], higher_is_better=False),
-                     ratio("ZeRO", f"{ours}, {case}", peer, "RSS growth per rank", a["rss_growth_mib"], b["rss_growth_mib"], higher_is_better=False)]
+            rows += [
+                ratio("ZeRO", f"{ours}, {case}", peer, "tokens/s", a["tokens_per_s"], b["tokens_per_s"]),
+                ratio("ZeRO", f"{ours}, {case}", peer, "CPU s per step", a["cpu_s"], b["cpu_s"], higher_is_better=False),
+                ratio("ZeRO", f"{ours}, {case}", peer, "RSS growth per rank", a["rss_growth_mib"], b["rss_growth_mib"], higher_is_better=False),
+            ]
     return rows
 
 
@@ -250,7 +296,7 @@ def write_readme(text: str, command: str) -> Path:
     body = f"{BEGIN}\nCommand: `{command}`\n\n{text}{END}"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
     if BEGIN in old:
-        new = old[:old.index(BEGIN)] + body + old[old.index(END) + len(END):]
+        new = old[: old.index(BEGIN)] + body + old[old.index(END) + len(END) :]
     else:
         new = old.rstrip("\n") + "\n\n## ZeRO: behemoth vs DDP, FSDP2, DeepSpeed (`bench_zero.py`)\n\n" + body + "\n"
     path.write_text(new)

@@ -24,7 +24,7 @@ def command_line(script: str, argv: list[str] | None) -> str:
     args = list(argv if argv is not None else sys.argv[1:])
     if "--json" in args:
         i = args.index("--json")
-        del args[i:i + 2]
+        del args[i : i + 2]
     return " ".join([f"python benchmarks/{script}", *args])
 
 

@@ -25,8 +25,17 @@ from pathlib import Path
 
 from tests.common import CACHE
 
-TINY = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval_every=8", "train.eval_batches=1", "train.warmup_steps=2",
-        "train.peak_tflops=1", "run.progress=false", f"data.cache_dir={CACHE}"]
+TINY = [
+    "model=gpt-tiny",
+    "train.global_batch=8",
+    "train.seq_len=32",
+    "train.eval_every=8",
+    "train.eval_batches=1",
+    "train.warmup_steps=2",
+    "train.peak_tflops=1",
+    "run.progress=false",
+    f"data.cache_dir={CACHE}",
+]
 
 
 @contextlib.contextmanager
@@ -44,8 +53,22 @@ def reaped(*procs: subprocess.Popen) -> Iterator[None]:
 def start(run_dir: Path, *args: str, nproc: str = "2", restarts: int = 3, steps: int = 24, timeout_s: float = 30) -> subprocess.Popen:
     """`behemoth train` in the background: a tiny model checkpointing every 4 steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "behemoth", "train", "--nproc", nproc, "--max-restarts", str(restarts), f"train.steps={steps}",
-           "checkpoint.every=4", f"run.timeout_s={timeout_s}", f"run.dir={run_dir}", *TINY, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "behemoth",
+        "train",
+        "--nproc",
+        nproc,
+        "--max-restarts",
+        str(restarts),
+        f"train.steps={steps}",
+        "checkpoint.every=4",
+        f"run.timeout_s={timeout_s}",
+        f"run.dir={run_dir}",
+        *TINY,
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
@@ -66,7 +89,10 @@ def workers(pid: int) -> list[int]:
     found = []
     for child in descendants(pid):
         try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes() and b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+            if (
+                b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+                and b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()
+            ):
                 found.append(child)
         except OSError:
             continue
@@ -111,11 +137,11 @@ def listening_addresses(pids: list[int]) -> list[str]:
 def decode_address(field: str) -> str:
     """/proc/net/tcp's little-endian hex address as text (IPv4, or IPv6 as eight groups)."""
     host, port = field.split(":")
-    words = [bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8)]
+    words = [bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8)]
     raw = b"".join(words)
     if len(raw) == 4:
         return f"{'.'.join(str(b) for b in raw)}:{int(port, 16)}"
-    return f"[{':'.join(raw[i:i + 2].hex() for i in range(0, 16, 2))}]:{int(port, 16)}"
+    return f"[{':'.join(raw[i : i + 2].hex() for i in range(0, 16, 2))}]:{int(port, 16)}"
 
 
 def is_loopback(address: str) -> bool:

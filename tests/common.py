@@ -16,10 +16,21 @@ def tiny_config(run_dir: str | Path, *overrides: str) -> dict[str, Any]:
     from behemoth.config import load_config
 
     base = [
-        "model=gpt-tiny", "train.steps=12", "train.global_batch=8", "train.seq_len=32", "train.lr=3e-3",
-        "train.warmup_steps=2", "train.eval_every=6", "train.eval_batches=1", "train.log_every=4",
-        "train.peak_tflops=1", "checkpoint.every=0", "run.progress=false", "run.timeout_s=60",
-        f"run.dir={run_dir}", f"data.cache_dir={CACHE}",
+        "model=gpt-tiny",
+        "train.steps=12",
+        "train.global_batch=8",
+        "train.seq_len=32",
+        "train.lr=3e-3",
+        "train.warmup_steps=2",
+        "train.eval_every=6",
+        "train.eval_batches=1",
+        "train.log_every=4",
+        "train.peak_tflops=1",
+        "checkpoint.every=0",
+        "run.progress=false",
+        "run.timeout_s=60",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={CACHE}",
     ]
     return load_config(None, base + list(overrides)).model_dump(mode="json")
 
@@ -54,7 +65,9 @@ def full_weights(trainer: Any) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def assert_close_runs(ref: dict[str, Any], got: dict[str, Any], *, loss_rtol: float = 1e-5, weight_rtol: float = 1e-4, weight_atol: float = 1e-5) -> None:
+def assert_close_runs(
+    ref: dict[str, Any], got: dict[str, Any], *, loss_rtol: float = 1e-5, weight_rtol: float = 1e-4, weight_atol: float = 1e-5
+) -> None:
     """Per-step losses within `loss_rtol`; every final weight within `weight_rtol` of its tensor's scale.
 
     The small absolute floor is for the attention key bias: its gradient is analytically zero, so

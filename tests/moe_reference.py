@@ -31,9 +31,21 @@ def expert_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, gated: 
     return h @ w_out.T
 
 
-def reference_moe(x: torch.Tensor, router: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, *, k: int, factor: float | None,
-                  group: int | None = 1, definition: str = "deepspeed", min_capacity: int = 4, normalize: str = "chosen",
-                  aux: str = "switch", gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
+def reference_moe(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    *,
+    k: int,
+    factor: float | None,
+    group: int | None = 1,
+    definition: str = "deepspeed",
+    min_capacity: int = 4,
+    normalize: str = "chosen",
+    aux: str = "switch",
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]:
     """(output [B, T, d], aux_sum, z_sum, kept flags in (group, token, choice) order) of sequences x [B, T, d]."""
     B, T, d = x.shape
     E = router.shape[0]
@@ -41,7 +53,7 @@ def reference_moe(x: torch.Tensor, router: torch.Tensor, w_in: torch.Tensor, w_o
     outputs, kept_all = [], []
     aux_sum = z_sum = x.new_zeros(())
     for g in range(B // size):
-        tokens = x[g * size:(g + 1) * size].reshape(-1, d)
+        tokens = x[g * size : (g + 1) * size].reshape(-1, d)
         logits = (tokens @ router.T).float()
         probs = torch.softmax(logits, dim=-1)
         choices = logits.topk(k, dim=-1).indices.tolist()

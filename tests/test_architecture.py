@@ -22,8 +22,7 @@ def _two_jobs(cfg_a: dict, cfg_b: dict) -> dict:
     rt = init_runtime(timeout_s=mine.run.timeout_s, models=2, **mine.parallel.degrees())
     trainer = Trainer(mine, rt)
     summary = trainer.run()
-    return {"losses": summary["losses"], "job_rank": rt.rank, "world": rt.world_size,
-            "weights": full_weights(trainer) if rt.is_main else None}
+    return {"losses": summary["losses"], "job_rank": rt.rank, "world": rt.world_size, "weights": full_weights(trainer) if rt.is_main else None}
 
 
 def test_two_models_train_side_by_side_on_disjoint_sub_meshes(tmp_path):
@@ -48,8 +47,16 @@ def test_problems_names_every_fault_at_once(tmp_path, capsys):
     from behemoth.config import load_config
     from behemoth.planner.feasibility import problems
 
-    faults = ["model.n_head=3", "model.d_model=48", "parallel.pp=2", "parallel.tp=2", "parallel.zero_stage=3",
-              "parallel.recompute=[5]", "parallel.microbatches=4", "train.global_batch=6"]
+    faults = [
+        "model.n_head=3",
+        "model.d_model=48",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.zero_stage=3",
+        "parallel.recompute=[5]",
+        "parallel.microbatches=4",
+        "train.global_batch=6",
+    ]
     cfg = load_config(None, ["model=gpt-tiny", *faults])
     found = problems(cfg, 4)
     messages = [p.message for p in found]
@@ -100,4 +107,3 @@ def test_parallelize_without_an_optimizer_gives_the_training_models_logits(tmp_p
         assert "gathered_peak" not in states and "grad_buffers_peak" not in states  # buffer meters count only when asked
         expected = single.chunk(2, dim=-1)[rank] if "parallel.tp=2" in plan else single
         torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-6)
-

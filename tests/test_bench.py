@@ -4,14 +4,15 @@ family, and lists what could not run (a script that fails, or runs past its time
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
 from behemoth.cli.bench import benchmark_scripts, draw_charts, markdown, run_script
 
-ROWS = [{"family": "toy", "case": "one", "peer": "plain", "metric": "tokens/s", "behemoth": 12.0, "peer_value": 10.0, "ratio": 1.2},
-        {"family": "toy", "peer": "missing peer", "error": "ModuleNotFoundError: No module named 'peer'"}]
+ROWS = [
+    {"family": "toy", "case": "one", "peer": "plain", "metric": "tokens/s", "behemoth": 12.0, "peer_value": 10.0, "ratio": 1.2},
+    {"family": "toy", "peer": "missing peer", "error": "ModuleNotFoundError: No module named 'peer'"},
+]
 
 
 def script(tmp_path: Path, body: str) -> Path:
@@ -21,14 +22,17 @@ def script(tmp_path: Path, body: str) -> Path:
 
 
 def test_rows_of_a_script_are_gathered(tmp_path):
-    path = script(tmp_path, f"""
+    path = script(
+        tmp_path,
+        f"""
         import json, sys
         quick = "--quick" in sys.argv
         rows = {json.dumps(ROWS)}
         rows[0]["case"] = "quick" if quick else "full"
         json.dump(rows, open(sys.argv[sys.argv.index("--json") + 1], "w"))
         print("ran")
-        """)
+        """,
+    )
     got = run_script(path, True, 60, tmp_path / "toy.log")
     assert got[0]["case"] == "quick" and got[1]["error"].startswith("ModuleNotFoundError")
     assert (tmp_path / "toy.log").read_text().strip() == "ran"

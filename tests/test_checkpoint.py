@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.errors import BehemothError
+from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.metrics import read_metrics
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
@@ -74,6 +74,7 @@ def _train_crashing_on_second_save(cfg_dict):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("simulated crash after the tensors were written")
+
     checkpoint.dcp.save = save
     return train_body(cfg_dict)
 
@@ -81,9 +82,11 @@ def _train_crashing_on_second_save(cfg_dict):
 def test_corrupt_checkpoint_is_refused(uninterrupted, tmp_path):
     run_dir, _ = uninterrupted
     model = tiny_config(run_dir)["model"]
-    damages = [(lambda c: next(c.glob("*.distcp")).write_bytes(next(c.glob("*.distcp")).read_bytes()[:100]), r"is damaged: .*distcp has 100 bytes"),
-               (lambda c: (c / ".metadata").write_bytes(b"garbage"), r"is damaged: .metadata has 7 bytes"),
-               (lambda c: (c / "meta.json").write_text("{"), "meta.json is not readable JSON")]
+    damages = [
+        (lambda c: next(c.glob("*.distcp")).write_bytes(next(c.glob("*.distcp")).read_bytes()[:100]), r"is damaged: .*distcp has 100 bytes"),
+        (lambda c: (c / ".metadata").write_bytes(b"garbage"), r"is damaged: .metadata has 7 bytes"),
+        (lambda c: (c / "meta.json").write_text("{"), "meta.json is not readable JSON"),
+    ]
     for i, (harm, message) in enumerate(damages):
         copy = tmp_path / f"ckpt{i}"
         shutil.copytree(run_dir / CKPT6, copy)

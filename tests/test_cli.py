@@ -15,8 +15,16 @@ import pytest
 from behemoth.cli import main
 from tests.common import CACHE
 
-TINY = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval_every=4", "train.eval_batches=1",
-        "train.peak_tflops=1", "run.progress=false", f"data.cache_dir={CACHE}"]
+TINY = [
+    "model=gpt-tiny",
+    "train.global_batch=8",
+    "train.seq_len=32",
+    "train.eval_every=4",
+    "train.eval_batches=1",
+    "train.peak_tflops=1",
+    "run.progress=false",
+    f"data.cache_dir={CACHE}",
+]
 
 
 def behemoth(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -28,21 +36,34 @@ def test_help_documents_every_option(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     out = capsys.readouterr().out
-    for key in ["--nproc", "--resume", "--config", "train.global_batch", "train.micro_batch", "data.path", "parallel.bucket_mb",
-                "checkpoint.every", "model.n_layer", "gpt2-1.5b"]:
+    for key in [
+        "--nproc",
+        "--resume",
+        "--config",
+        "train.global_batch",
+        "train.micro_batch",
+        "data.path",
+        "parallel.bucket_mb",
+        "checkpoint.every",
+        "model.n_layer",
+        "gpt2-1.5b",
+    ]:
         assert key in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["train.stpes=5"], "unknown option train.stpes; did you mean train.steps?"),
-    (["train.steps=five"], "train.steps='five': Input should be a valid integer"),
-    (["--nproc", "3", "train.global_batch=8"], "train.global_batch=8 does not divide over 3 data-parallel ranks"),
-    (["--nproc", "2", "train.global_batch=8", "train.micro_batch=3"], "is not a multiple of train.micro_batch=3 x dp=2"),
-    (["--nproc", "0"], "--nproc 0 is not a process count"),
-    (["data.path=/no/such/corpus"], "data.path=/no/such/corpus does not exist"),
-    (["--config", "/no/such.yaml"], "config file /no/such.yaml does not exist"),
-    (["--resume", "/no/such/run"], "no checkpoint found at /no/such/run"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["train.stpes=5"], "unknown option train.stpes; did you mean train.steps?"),
+        (["train.steps=five"], "train.steps='five': Input should be a valid integer"),
+        (["--nproc", "3", "train.global_batch=8"], "train.global_batch=8 does not divide over 3 data-parallel ranks"),
+        (["--nproc", "2", "train.global_batch=8", "train.micro_batch=3"], "is not a multiple of train.micro_batch=3 x dp=2"),
+        (["--nproc", "0"], "--nproc 0 is not a process count"),
+        (["data.path=/no/such/corpus"], "data.path=/no/such/corpus does not exist"),
+        (["--config", "/no/such.yaml"], "config file /no/such.yaml does not exist"),
+        (["--resume", "/no/such/run"], "no checkpoint found at /no/such/run"),
+    ],
+)
 def test_bad_input_is_one_line_before_launch(argv, message, capsys, tmp_path):
     assert main(["train", *argv, f"run.dir={tmp_path}/run", *TINY]) == 2
     err = capsys.readouterr().err.strip()
@@ -100,8 +121,20 @@ def test_resume_on_four_processes_and_export(trained, tmp_path, capsys):
 def test_torchrun_launches_workers(tmp_path):
     run_dir = tmp_path / "tr"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "behemoth", "train", "train.steps=2", f"run.dir={run_dir}", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "behemoth",
+        "train",
+        "train.steps=2",
+        f"run.dir={run_dir}",
+        *TINY,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "checkpoints" / "step_0000002").is_dir() and "behemoth: done" in proc.stdout
@@ -110,8 +143,13 @@ def test_torchrun_launches_workers(tmp_path):
 def test_a_dying_worker_stops_the_others_promptly(tmp_path):
     run_dir = tmp_path / "die"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "behemoth", "train", "--nproc", "2", "train.steps=100000",
-                             f"run.dir={run_dir}", *TINY], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "behemoth", "train", "--nproc", "2", "train.steps=100000", f"run.dir={run_dir}", *TINY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         workers = _wait_for_workers(proc.pid, run_dir / "metrics.jsonl")
         os.kill(workers[-1], signal.SIGKILL)

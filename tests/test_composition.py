@@ -50,12 +50,16 @@ class Setting:
 def _settings() -> dict[str, Setting]:
     out = {"dp": Setting("dp", ("parallel.dp=2", "parallel.zero_stage=0"), 2, ("parallel.dp",), "zero_stage")}
     for k in (1, 2, 3):
-        out[f"zero{k}"] = Setting(f"ZeRO {k}", ("parallel.dp=2", f"parallel.zero_stage={k}"), 2, (f"parallel.zero_stage={k}",),
-                                  "zero_stage")
+        out[f"zero{k}"] = Setting(f"ZeRO {k}", ("parallel.dp=2", f"parallel.zero_stage={k}"), 2, (f"parallel.zero_stage={k}",), "zero_stage")
     out["tp+sp"] = Setting("tp+sp", ("parallel.tp=2", "parallel.sequence_parallel=true"), 2, ("parallel.tp", "parallel.sequence_parallel"))
     for name in SCHEDULES:
-        out[f"pp-{name}"] = Setting(f"pp {name}", ("parallel.pp=2", f"parallel.schedule={name}", "parallel.microbatches=4"), 2,
-                                    ("parallel.pp", "pp=", "parallel.schedule"), "schedule")
+        out[f"pp-{name}"] = Setting(
+            f"pp {name}",
+            ("parallel.pp=2", f"parallel.schedule={name}", "parallel.microbatches=4"),
+            2,
+            ("parallel.pp", "pp=", "parallel.schedule"),
+            "schedule",
+        )
     out["ep"] = Setting("ep", (*MOE, "parallel.ep=2"), 2, ("parallel.ep", "MoE", "experts"))
     out["host"] = Setting("offload host", ("offload.params=cpu", "offload.optimizer=cpu"), 1, ("offload",))
     out["disk"] = Setting("offload disk", ("offload.params=disk", "offload.optimizer=disk"), 1, ("offload",))
@@ -75,29 +79,67 @@ OFFLOAD_EXPERTS = ("expert units are not streamed",)
 
 # Every pair and its expected outcome: TRAINS, or the reason it is refused. Making a pair compose changes its entry.
 PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
-    ("dp", "tp+sp", TRAINS), ("zero1", "tp+sp", TRAINS), ("zero2", "tp+sp", TRAINS), ("zero3", "tp+sp", TRAINS),
-    ("dp", "pp-gpipe", TRAINS), ("dp", "pp-1f1b", TRAINS), ("dp", "pp-interleaved", TRAINS), ("dp", "pp-zb-h1", TRAINS),
+    ("dp", "tp+sp", TRAINS),
+    ("zero1", "tp+sp", TRAINS),
+    ("zero2", "tp+sp", TRAINS),
+    ("zero3", "tp+sp", TRAINS),
+    ("dp", "pp-gpipe", TRAINS),
+    ("dp", "pp-1f1b", TRAINS),
+    ("dp", "pp-interleaved", TRAINS),
+    ("dp", "pp-zb-h1", TRAINS),
     ("dp", "pp-chimera", TRAINS),
-    ("zero1", "pp-gpipe", TRAINS), ("zero1", "pp-1f1b", TRAINS), ("zero1", "pp-interleaved", TRAINS), ("zero1", "pp-zb-h1", TRAINS),
+    ("zero1", "pp-gpipe", TRAINS),
+    ("zero1", "pp-1f1b", TRAINS),
+    ("zero1", "pp-interleaved", TRAINS),
+    ("zero1", "pp-zb-h1", TRAINS),
     ("zero1", "pp-chimera", TRAINS),
-    ("zero2", "pp-gpipe", TRAINS), ("zero2", "pp-1f1b", TRAINS), ("zero2", "pp-interleaved", TRAINS), ("zero2", "pp-zb-h1", TRAINS),
+    ("zero2", "pp-gpipe", TRAINS),
+    ("zero2", "pp-1f1b", TRAINS),
+    ("zero2", "pp-interleaved", TRAINS),
+    ("zero2", "pp-zb-h1", TRAINS),
     ("zero2", "pp-chimera", CHIMERA_ZERO2),
-    ("zero3", "pp-gpipe", ZERO3_PIPELINE), ("zero3", "pp-1f1b", ZERO3_PIPELINE), ("zero3", "pp-interleaved", ZERO3_PIPELINE),
-    ("zero3", "pp-zb-h1", ZERO3_PIPELINE), ("zero3", "pp-chimera", ZERO3_PIPELINE),
-    ("dp", "ep", TRAINS), ("zero1", "ep", TRAINS), ("zero2", "ep", TRAINS), ("zero3", "ep", TRAINS),
-    ("dp", "host", TRAINS), ("dp", "disk", TRAINS), ("zero3", "host", TRAINS), ("zero3", "disk", TRAINS),
-    ("zero1", "host", OFFLOAD_ZERO12), ("zero1", "disk", OFFLOAD_ZERO12),
-    ("zero2", "host", OFFLOAD_ZERO12), ("zero2", "disk", OFFLOAD_ZERO12),
-    ("tp+sp", "pp-gpipe", TRAINS), ("tp+sp", "pp-1f1b", TRAINS), ("tp+sp", "pp-interleaved", TRAINS), ("tp+sp", "pp-zb-h1", TRAINS),
+    ("zero3", "pp-gpipe", ZERO3_PIPELINE),
+    ("zero3", "pp-1f1b", ZERO3_PIPELINE),
+    ("zero3", "pp-interleaved", ZERO3_PIPELINE),
+    ("zero3", "pp-zb-h1", ZERO3_PIPELINE),
+    ("zero3", "pp-chimera", ZERO3_PIPELINE),
+    ("dp", "ep", TRAINS),
+    ("zero1", "ep", TRAINS),
+    ("zero2", "ep", TRAINS),
+    ("zero3", "ep", TRAINS),
+    ("dp", "host", TRAINS),
+    ("dp", "disk", TRAINS),
+    ("zero3", "host", TRAINS),
+    ("zero3", "disk", TRAINS),
+    ("zero1", "host", OFFLOAD_ZERO12),
+    ("zero1", "disk", OFFLOAD_ZERO12),
+    ("zero2", "host", OFFLOAD_ZERO12),
+    ("zero2", "disk", OFFLOAD_ZERO12),
+    ("tp+sp", "pp-gpipe", TRAINS),
+    ("tp+sp", "pp-1f1b", TRAINS),
+    ("tp+sp", "pp-interleaved", TRAINS),
+    ("tp+sp", "pp-zb-h1", TRAINS),
     ("tp+sp", "pp-chimera", TRAINS),
-    ("tp+sp", "ep", SP_EXPERTS), ("tp+sp", "host", TRAINS), ("tp+sp", "disk", TRAINS),
-    ("pp-gpipe", "ep", TRAINS), ("pp-1f1b", "ep", TRAINS), ("pp-interleaved", "ep", TRAINS), ("pp-zb-h1", "ep", TRAINS),
+    ("tp+sp", "ep", SP_EXPERTS),
+    ("tp+sp", "host", TRAINS),
+    ("tp+sp", "disk", TRAINS),
+    ("pp-gpipe", "ep", TRAINS),
+    ("pp-1f1b", "ep", TRAINS),
+    ("pp-interleaved", "ep", TRAINS),
+    ("pp-zb-h1", "ep", TRAINS),
     ("pp-chimera", "ep", TRAINS),
-    ("pp-gpipe", "host", OFFLOAD_PIPELINE), ("pp-1f1b", "host", OFFLOAD_PIPELINE), ("pp-interleaved", "host", OFFLOAD_PIPELINE),
-    ("pp-zb-h1", "host", OFFLOAD_PIPELINE), ("pp-chimera", "host", OFFLOAD_PIPELINE),
-    ("pp-gpipe", "disk", OFFLOAD_PIPELINE), ("pp-1f1b", "disk", OFFLOAD_PIPELINE), ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
-    ("pp-zb-h1", "disk", OFFLOAD_PIPELINE), ("pp-chimera", "disk", OFFLOAD_PIPELINE),
-    ("ep", "host", OFFLOAD_EXPERTS), ("ep", "disk", OFFLOAD_EXPERTS),
+    ("pp-gpipe", "host", OFFLOAD_PIPELINE),
+    ("pp-1f1b", "host", OFFLOAD_PIPELINE),
+    ("pp-interleaved", "host", OFFLOAD_PIPELINE),
+    ("pp-zb-h1", "host", OFFLOAD_PIPELINE),
+    ("pp-chimera", "host", OFFLOAD_PIPELINE),
+    ("pp-gpipe", "disk", OFFLOAD_PIPELINE),
+    ("pp-1f1b", "disk", OFFLOAD_PIPELINE),
+    ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
+    ("pp-zb-h1", "disk", OFFLOAD_PIPELINE),
+    ("pp-chimera", "disk", OFFLOAD_PIPELINE),
+    ("ep", "host", OFFLOAD_EXPERTS),
+    ("ep", "disk", OFFLOAD_EXPERTS),
     ("host", "disk", TRAINS),  # parameters and gradients in host memory, Adam moments on disk
 ]
 
@@ -153,8 +195,9 @@ def train_plan(cfg_dict: dict[str, Any]) -> dict[str, Any]:
         trainer.saver.wait()
         weights = None
         if dist.get_rank() == 0:
-            ckpt_io.export_safetensors(ckpt_io.resolve_checkpoint(trainer.run_dir), trainer.run_dir / "model.safetensors",
-                                       build_causal_lm(cfg.model, cfg.hf).module)
+            ckpt_io.export_safetensors(
+                ckpt_io.resolve_checkpoint(trainer.run_dir), trainer.run_dir / "model.safetensors", build_causal_lm(cfg.model, cfg.hf).module
+            )
             weights = full_weights(trainer)
         dist.barrier()
     finally:
@@ -179,8 +222,12 @@ def pairs_expected(outcome: str) -> list[tuple[str, str]]:
 def test_the_list_holds_every_pair_once():
     """Every two settings that are not alternatives of one option appear exactly once (in either order)."""
     names = list(SETTINGS)
-    expected = {frozenset((a, b)) for i, a in enumerate(names) for b in names[i + 1:]
-                if not (SETTINGS[a].option and SETTINGS[a].option == SETTINGS[b].option)}
+    expected = {
+        frozenset((a, b))
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if not (SETTINGS[a].option and SETTINGS[a].option == SETTINGS[b].option)
+    }
     listed = [frozenset((a, b)) for a, b, _ in PAIRS]
     assert len(listed) == len(set(listed)) and set(listed) == expected, sorted(map(sorted, expected ^ set(listed)))
 
@@ -216,8 +263,11 @@ def run_pairs(world: int, pairs: list[tuple[str, str]], tmp: Path) -> list[dict[
 def references(tmp_path_factory) -> dict[str, dict[str, Any]]:
     """The single-process curves of the dense and the MoE model (and the one-process pair, trained alongside)."""
     tmp = tmp_path_factory.mktemp("reference")
-    cfgs = [reference_config(False, tmp / "dense"), reference_config(True, tmp / "moe"), *[pair_config(a, b, tmp / f"{a}-{b}")
-                                                                                          for a, b in trained_on(1)]]
+    cfgs = [
+        reference_config(False, tmp / "dense"),
+        reference_config(True, tmp / "moe"),
+        *[pair_config(a, b, tmp / f"{a}-{b}") for a, b in trained_on(1)],
+    ]
     dense, moe, *pairs = run_ranks(1, train_plans, cfgs, timeout=60 + 30 * len(cfgs))[0]
     return {"dense": dense, "moe": moe, **{f"{a}-{b}": got for (a, b), got in zip(trained_on(1), pairs)}}
 
@@ -272,7 +322,7 @@ def matrix_table() -> str:
 
 def readme_table() -> str:
     text = README.read_text()
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip("\n")
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip("\n")
 
 
 def test_readme_table_is_the_generated_one():

@@ -27,16 +27,19 @@ def test_yaml_round_trip(tmp_path):
     assert load_config(path) == cfg
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.stpes=5", "unknown option train.stpes; did you mean train.steps?"),
-    ("trian.steps=5", "unknown option trian.steps; did you mean train?"),
-    ("train.steps=abc", "train.steps='abc': Input should be a valid integer"),
-    ("train.steps=0", "train.steps=0: Input should be greater than or equal to 1"),
-    ("model=gpt-9000", "unknown model preset 'gpt-9000'"),
-    ("train.precision=fp8", "train.precision='fp8'"),
-    ("steps", "is not key=value"),
-    ("train.seq_len=4096", "train.seq_len=4096 exceeds model.context=128"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.stpes=5", "unknown option train.stpes; did you mean train.steps?"),
+        ("trian.steps=5", "unknown option trian.steps; did you mean train?"),
+        ("train.steps=abc", "train.steps='abc': Input should be a valid integer"),
+        ("train.steps=0", "train.steps=0: Input should be greater than or equal to 1"),
+        ("model=gpt-9000", "unknown model preset 'gpt-9000'"),
+        ("train.precision=fp8", "train.precision='fp8'"),
+        ("steps", "is not key=value"),
+        ("train.seq_len=4096", "train.seq_len=4096 exceeds model.context=128"),
+    ],
+)
 def test_bad_options_are_one_clear_line(override, message):
     with pytest.raises(BehemothError) as err:
         load_config(None, [override])
@@ -80,15 +83,28 @@ def test_replacing_a_section_validates_it_again(tmp_path):
     assert [p.message for p in found if "parallel.zero_stage=3 with pp=2" in p.message], found
     weights = tmp_path / "weights"
     weights.mkdir()
-    (weights / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 2,
-                                                     "hidden_size": 16, "max_position_embeddings": 64, "vocab_size": 100,
-                                                     "intermediate_size": 48, "num_key_value_heads": 2}))
+    (weights / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 3,
+                "num_attention_heads": 2,
+                "hidden_size": 16,
+                "max_position_embeddings": 64,
+                "vocab_size": 100,
+                "intermediate_size": 48,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     cfg = Config(hf=HFConfig(weights=str(weights)))  # the model takes the shape the weights' config.json describes
     assert (cfg.hf.arch, cfg.hf.kv_heads, cfg.hf.ffn, cfg.model.n_layer, cfg.model.d_model) == ("llama", 2, 48, 3, 16)
     assert load_config(None, [f"hf.weights={weights}", "hf.ffn=48", "hf.arch=llama"]).hf.ffn == 48  # agreeing is fine
-    for option, message in [("hf.ffn=64", f"hf.ffn=64 but hf.weights={weights} has ffn=48"),
-                            ("hf.kv_heads=1", f"hf.kv_heads=1 but hf.weights={weights} has kv_heads=2"),
-                            ("hf.arch=gpt2", f"hf.arch=gpt2 but hf.weights={weights} has arch=llama"),
-                            ("model.n_layer=4", f"model.n_layer=4 but hf.weights={weights} has n_layer=3")]:
+    for option, message in [
+        ("hf.ffn=64", f"hf.ffn=64 but hf.weights={weights} has ffn=48"),
+        ("hf.kv_heads=1", f"hf.kv_heads=1 but hf.weights={weights} has kv_heads=2"),
+        ("hf.arch=gpt2", f"hf.arch=gpt2 but hf.weights={weights} has arch=llama"),
+        ("model.n_layer=4", f"model.n_layer=4 but hf.weights={weights} has n_layer=3"),
+    ]:
         with pytest.raises(BehemothError, match=re.escape(message)):
             load_config(None, [f"hf.weights={weights}", option])

@@ -78,13 +78,16 @@ def _bad_corpus(root, kind):
     return path
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("missing", "does not exist"),
-    ("empty_folder", "empty folder"),
-    ("empty.txt", "holds 0 tokens"),
-    ("matrix.npy", "save a 1-D integer"),
-    ("odd.bin", "odd number of bytes"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("missing", "does not exist"),
+        ("empty_folder", "empty folder"),
+        ("empty.txt", "holds 0 tokens"),
+        ("matrix.npy", "save a 1-D integer"),
+        ("odd.bin", "odd number of bytes"),
+    ],
+)
 def test_bad_corpora_are_refused(tmp_path, kind, message):
     with pytest.raises(BehemothError, match=message):
         prepare_corpus(str(_bad_corpus(tmp_path, kind)), 0.1, str(tmp_path / "cache"))

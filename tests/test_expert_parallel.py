@@ -24,8 +24,9 @@ def make_layer(k: int, factor: float | None, group: int | None):
     from behemoth.models.gpt import GPTConfig, moe_mlp
     from behemoth.models.moe import RouterStats
 
-    cfg = GPTConfig(preset="gpt-moe-tiny", moe=dict(experts=E, top_k=k, capacity_factor=factor, group=group, min_capacity=1,
-                                                    aux_coef=0.1, z_coef=0.01))
+    cfg = GPTConfig(
+        preset="gpt-moe-tiny", moe=dict(experts=E, top_k=k, capacity_factor=factor, group=group, min_capacity=1, aux_coef=0.1, z_coef=0.01)
+    )
     stats = RouterStats([E])
     with torch.device("meta"):
         holder = nn.ModuleDict({"mlp": moe_mlp(cfg, E, 0, stats)})
@@ -64,11 +65,11 @@ def ep_body(cases: list[tuple]) -> list[dict]:
         stats.loss_scale = 1.0 / (B * T)
         x, probe = batch()
         per_rank = B // world
-        x = x[rank * per_rank:(rank + 1) * per_rank].clone().requires_grad_(True)
+        x = x[rank * per_rank : (rank + 1) * per_rank].clone().requires_grad_(True)
         loss = torch.zeros(())
         for mb in range(2):  # gradient accumulation over two micro-batches
             part = slice(mb * per_rank // 2, (mb + 1) * per_rank // 2)
-            piece = (layer(x[part]) * probe[rank * per_rank:(rank + 1) * per_rank][part]).sum() / (B * T)
+            piece = (layer(x[part]) * probe[rank * per_rank : (rank + 1) * per_rank][part]).sum() / (B * T)
             piece.backward()
             loss += piece.detach()
         router = layer.router.weight.grad.clone()
@@ -76,9 +77,18 @@ def ep_body(cases: list[tuple]) -> list[dict]:
         dist.all_reduce(loss)
         flat = stats.packed(torch.device("cpu"))
         dist.all_reduce(flat)
-        out.append({"loss": float(loss), "stats": stats.summary(flat), "router": router, "w_in": layer.experts.w_in.grad.clone(),
-                    "w_out": layer.experts.w_out.grad.clone(), "x": x.grad.clone(), "a2a": meter.ops.get("all_to_all"),
-                    "layout": ep.layout})
+        out.append(
+            {
+                "loss": float(loss),
+                "stats": stats.summary(flat),
+                "router": router,
+                "w_in": layer.experts.w_in.grad.clone(),
+                "w_out": layer.experts.w_out.grad.clone(),
+                "x": x.grad.clone(),
+                "a2a": meter.ops.get("all_to_all"),
+                "layout": ep.layout,
+            }
+        )
     return out
 
 
@@ -93,13 +103,21 @@ def reference(k: int, factor: float | None, group: int | None, world: int) -> di
     x, probe = batch()
     x.requires_grad_(True)
     size = group or B // world // 2
-    y, aux_sum, z_sum, kept = reference_moe(x, params["router.weight"], params["experts.w_in"], params["experts.w_out"], k=k,
-                                            factor=factor, group=size, min_capacity=1)
+    y, aux_sum, z_sum, kept = reference_moe(
+        x, params["router.weight"], params["experts.w_in"], params["experts.w_out"], k=k, factor=factor, group=size, min_capacity=1
+    )
     loss = (y * probe).sum() / (B * T)
     (loss + (0.1 * aux_sum + 0.01 * z_sum) / (B * T)).backward()
-    return {"loss": float(loss.detach()), "aux": float(aux_sum.detach()) / (B * T), "z": float(z_sum.detach()) / (B * T),
-            "dropped": kept.count(False) / len(kept), "router": params["router.weight"].grad, "w_in": params["experts.w_in"].grad,
-            "w_out": params["experts.w_out"].grad, "x": x.grad}
+    return {
+        "loss": float(loss.detach()),
+        "aux": float(aux_sum.detach()) / (B * T),
+        "z": float(z_sum.detach()) / (B * T),
+        "dropped": kept.count(False) / len(kept),
+        "router": params["router.weight"].grad,
+        "w_in": params["experts.w_in"].grad,
+        "w_out": params["experts.w_out"].grad,
+        "x": x.grad,
+    }
 
 
 def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
@@ -117,9 +135,12 @@ def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
                     out.append(f"{name}: {key} {got['stats'][key]} vs {want}")
             if got["loss"] != pytest.approx(ref["loss"], rel=1e-5, abs=1e-7):
                 out.append(f"{name}: loss {got['loss']} vs {ref['loss']}")
-            pieces = {"router": (got["router"], ref["router"]), "w_in": (got["w_in"], ref["w_in"][rank * local:(rank + 1) * local]),
-                      "w_out": (got["w_out"], ref["w_out"][rank * local:(rank + 1) * local]),
-                      "x": (got["x"], ref["x"][rank * per_rank:(rank + 1) * per_rank])}
+            pieces = {
+                "router": (got["router"], ref["router"]),
+                "w_in": (got["w_in"], ref["w_in"][rank * local : (rank + 1) * local]),
+                "w_out": (got["w_out"], ref["w_out"][rank * local : (rank + 1) * local]),
+                "x": (got["x"], ref["x"][rank * per_rank : (rank + 1) * per_rank]),
+            }
             for key, (a, b) in pieces.items():
                 try:
                     assert_close_scaled(a, b, f"{name} {key}")
@@ -133,12 +154,23 @@ def mismatches(cases: list[tuple], results: list[list[dict]]) -> list[str]:
 
 
 CASES_EP2 = [
-    (1, None, 1, "alltoall", 1), (2, None, 1, "alltoall", 2), (2, 1.0, 1, "alltoall", 1), (1, 0.5, 1, "alltoall", 1),
-    (2, 0.5, None, "alltoall", 2), (2, None, None, "gather", 1), (2, 0.75, 1, "gather", 1),
-    (2, None, 1, "alltoall", 4), (1, 0.5, None, "alltoall", 4),
+    (1, None, 1, "alltoall", 1),
+    (2, None, 1, "alltoall", 2),
+    (2, 1.0, 1, "alltoall", 1),
+    (1, 0.5, 1, "alltoall", 1),
+    (2, 0.5, None, "alltoall", 2),
+    (2, None, None, "gather", 1),
+    (2, 0.75, 1, "gather", 1),
+    (2, None, 1, "alltoall", 4),
+    (1, 0.5, None, "alltoall", 4),
 ]
-CASES_EP4 = [(2, None, 1, "alltoall", 1), (2, 0.5, 1, "alltoall", 2), (1, 1.0, 1, "gather", 1),
-             (2, 0.5, 1, "alltoall", 1, 2), (2, None, 1, "alltoall", 1, 2)]  # two levels: 2 simulated nodes of 2 ranks
+CASES_EP4 = [
+    (2, None, 1, "alltoall", 1),
+    (2, 0.5, 1, "alltoall", 2),
+    (1, 1.0, 1, "gather", 1),
+    (2, 0.5, 1, "alltoall", 1, 2),
+    (2, None, 1, "alltoall", 1, 2),
+]  # two levels: 2 simulated nodes of 2 ranks
 
 
 def test_expert_parallel_layer_ep2() -> None:

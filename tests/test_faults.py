@@ -22,8 +22,8 @@ import pytest
 
 from behemoth.config import load_config
 from behemoth.faults.launch import free_port
-from tests.chaos import (TINY, descendants, is_loopback, listening_addresses, main as chaos_main, reaped, start, training_rows,
-                         wait_for_step, workers)
+from tests.chaos import TINY, descendants, is_loopback, listening_addresses, reaped, start, training_rows, wait_for_step, workers
+from tests.chaos import main as chaos_main
 from tests.common import train_body
 from tests.dist import run_ranks
 
@@ -101,10 +101,35 @@ def test_torchrun_two_nodes_survive_losing_one(tmp_path):
     agent and its worker); the other restarts its worker, which resumes from the newest intact checkpoint on 1 process."""
     run_dir, port = tmp_path / "run", free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_GLOO_LAZY_INIT": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lose-a-node", "--max-restarts", "3", "--monitor-interval", "0.2",
-           "--rdzv-conf", "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
-           "-m", "behemoth", "train", f"run.dir={run_dir}", "train.steps=200", "checkpoint.every=10", "run.timeout_s=20", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "lose-a-node",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-conf",
+        "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+        "-m",
+        "behemoth",
+        "train",
+        f"run.dir={run_dir}",
+        "train.steps=200",
+        "checkpoint.every=10",
+        "run.timeout_s=20",
+        *TINY,
+    ]
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)]
     time.sleep(2)  # the first node hosts the rendezvous store
     nodes.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True))

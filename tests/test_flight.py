@@ -53,8 +53,11 @@ def test_a_hang_names_the_rank_at_the_end_of_the_chain(tmp_path):
     results = run_ranks(3, _chain, str(tmp_path), timeout=60)
     line = results[0]
     assert line.startswith("rank 0: all_reduce #2 on group left (ranks 0,1) waited "), line
-    assert re.search(r"rank 1 never arrived: it waits in all_reduce #2 on group right \(ranks 1,2\), where rank 2 never arrived "
-                     r"\(its last op there: #1; no heartbeat for \d+ s: stopped, hung or dead\)", line), line
+    assert re.search(
+        r"rank 1 never arrived: it waits in all_reduce #2 on group right \(ranks 1,2\), where rank 2 never arrived "
+        r"\(its last op there: #1; no heartbeat for \d+ s: stopped, hung or dead\)",
+        line,
+    ), line
     assert f"rings in {tmp_path / 'hang'}" in line
     assert results[1] == "ok" and results[2] == "ok"  # rank 2, woken, completed the op rank 1 waited in
     rings = {p.name: json.loads(p.read_text()) for p in (tmp_path / "hang").glob("rank_*.json")}
@@ -78,8 +81,7 @@ def _op(op: str, group: str, ranks: list[int], seq: int, start: float, *, peer: 
 def _snap(rank: int, age: float, counters: dict[str, int], waiting: list | None = None) -> dict:
     from dataclasses import asdict
 
-    return {"rank": rank, "pid": 100 + rank, "host": "h", "t": NOW - age, "counters": counters,
-            "ring": [asdict(r) for r in waiting or []]}
+    return {"rank": rank, "pid": 100 + rank, "host": "h", "t": NOW - age, "counters": counters, "ring": [asdict(r) for r in waiting or []]}
 
 
 def test_diagnose_names_a_stopped_peer_and_one_that_stopped_inside_the_op():
@@ -99,15 +101,18 @@ def test_diagnose_follows_a_chain_of_waits_to_its_end():
     waits_right = _op("all_reduce", "right", [1, 2], 2, NOW - 5)
     published = {1: _snap(1, 0.5, {LEFT: 1, RIGHT: 2}, [waits_right]), 2: _snap(2, 7.0, {RIGHT: 1})}
     culprits = diagnose(rec, published, me=0, now=NOW, stale_s=STALE_S)
-    assert culprits == ["rank 1 never arrived: it waits in all_reduce #2 on group right (ranks 1,2), where rank 2 never "
-                        "arrived (its last op there: #1; no heartbeat for 7 s: stopped, hung or dead)"]
+    assert culprits == [
+        "rank 1 never arrived: it waits in all_reduce #2 on group right (ranks 1,2), where rank 2 never "
+        "arrived (its last op there: #1; no heartbeat for 7 s: stopped, hung or dead)"
+    ]
     line = hang_line(rec, culprits, waited=3.2, limit_s=3, timed_out=True, err=None)
     assert line == "all_reduce #2 on group left (ranks 0,1) waited 3.2 s (run.timeout_s=3): " + culprits[0]
     # a chain that loops back (rank 2 waits for rank 1) stops at the rank already named
     loop = {1: published[1], 2: _snap(2, 0.5, {RIGHT: 1}, [_op("all_reduce", "right", [1, 2], 1, NOW - 4)])}
     assert diagnose(rec, loop, me=0, now=NOW, stale_s=STALE_S) == [
         "rank 1 never arrived: it waits in all_reduce #2 on group right (ranks 1,2), where rank 2 never arrived: it waits "
-        "in all_reduce #1 on group right (ranks 1,2)"]
+        "in all_reduce #1 on group right (ranks 1,2)"
+    ]
 
 
 def test_diagnose_names_a_peer_that_went_away_and_one_that_never_started():
@@ -116,11 +121,16 @@ def test_diagnose_names_a_peer_that_went_away_and_one_that_never_started():
     recv = _op("recv", "pp", [0, 1], 3, NOW - 0.4, peer=1, key="pp:0,1:1->0")
     gone = diagnose(recv, {1: _snap(1, 0.5, {"pp:0,1:1->0": 2})}, me=0, now=NOW, stale_s=STALE_S, timed_out=False)
     assert gone == ["rank 1 had not arrived (its last op there: #2; it failed or died, see its line)"]
-    line = hang_line(recv, gone, waited=0.4, limit_s=300, timed_out=False,
-                     err=RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    line = hang_line(
+        recv,
+        gone,
+        waited=0.4,
+        limit_s=300,
+        timed_out=False,
+        err=RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"),
+    )
     assert line == f"recv #3 from rank 1 on group pp (ranks 0,1) failed after 0.4 s (Connection closed by peer): {gone[0]}"
-    never = diagnose(_op("barrier", "world", [0, 1, 2], 1, NOW - 9), {1: None, 2: _snap(2, 0.1, {"world:0,1,2": 1})}, me=0,
-                     now=NOW, stale_s=STALE_S)
+    never = diagnose(_op("barrier", "world", [0, 1, 2], 1, NOW - 9), {1: None, 2: _snap(2, 0.1, {"world:0,1,2": 1})}, me=0, now=NOW, stale_s=STALE_S)
     assert never == ["rank 1 never published a heartbeat (it may not have started)"]
 
 
@@ -130,4 +140,5 @@ def test_diagnose_finds_nobody_when_every_rank_arrived():
     rec = _op("all_gather", "dp", [0, 1], 5, NOW - 6)
     assert diagnose(rec, {1: _snap(1, 0.2, {"dp:0,1": 5})}, me=0, now=NOW, stale_s=STALE_S) == []
     assert hang_line(rec, [], waited=6, limit_s=5, timed_out=True, err=None).endswith(
-        ": every rank of the group had arrived; the transfer itself stalled")
+        ": every rank of the group had arrived; the transfer itself stalled"
+    )

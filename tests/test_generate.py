@@ -22,9 +22,9 @@ PROMPT_LENGTHS = (5, 11, 2, 8)
 @pytest.fixture(scope="module")
 def runtime():
     """The single-process runtime the in-process tests share (torn down with the module)."""
-    from behemoth.topology import init_runtime
-
     import torch.distributed as dist
+
+    from behemoth.topology import init_runtime
 
     rt = init_runtime()
     yield rt
@@ -95,8 +95,7 @@ def test_cached_decoding_equals_recomputing_the_prefix(runtime, arch):
     from behemoth.inference.kv_cache import BlockAllocator, plan_step
     from behemoth.inference.loading import Source, load_model
 
-    over = {"gpt": ["model=gpt-tiny", "model.context=64"], "llama": LLAMA, "gpt2": GPT2,
-            "gpt-moe": ["model=gpt-moe-tiny", "model.context=64"]}[arch]
+    over = {"gpt": ["model=gpt-tiny", "model.context=64"], "llama": LLAMA, "gpt2": GPT2, "gpt-moe": ["model=gpt-moe-tiny", "model.context=64"]}[arch]
     model = load_model(Source(load_config(None, over), None, None), runtime)
     runner = local_runner(model, CachePolicy(block_size=4, memory_mb=1))
     alloc = BlockAllocator(runner.storage.layout.num_blocks, 4)
@@ -104,14 +103,14 @@ def test_cached_decoding_equals_recomputing_the_prefix(runtime, arch):
     steps = [[(0, 7, 0)], [(0, 1, 7), (1, 3, 0)], [(1, 1, 3), (2, 9, 0), (0, 1, 8)], [(0, 1, 9), (1, 1, 4), (2, 1, 9)]]
     worst = 0.0
     for step in steps:
-        rows = [(i, seqs[i][start:start + n], start) for i, n, start in step]
+        rows = [(i, seqs[i][start : start + n], start) for i, n, start in step]
         for i, new, start in rows:
             alloc.grow(i, start + len(new))
         logits = runner.forward(plan_step(alloc, rows))
         for b, (i, new, start) in enumerate(rows):
-            ref = reference_logits(model, seqs[i][:start + len(new)])
+            ref = reference_logits(model, seqs[i][: start + len(new)])
             worst = max(worst, float((logits[b] - ref).abs().max() / ref.abs().max()))
-            seqs[i] = seqs[i][:start + len(new)] + [int(logits[b].argmax())]
+            seqs[i] = seqs[i][: start + len(new)] + [int(logits[b].argmax())]
     assert worst < 1e-5, worst
 
 
@@ -175,9 +174,9 @@ def test_stop_string_and_token_in_generation(runtime):
     full = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=1.0, seed=3))[0]
     stop = full.text[12:14]
     cut = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=1.0, seed=3, stop=[stop]))[0]
-    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.index(stop)]
     by_token = gen.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=1.0, seed=3, stop_token_ids=[full.tokens[6]]))[0]
-    assert by_token.finish_reason == "stop" and by_token.tokens == full.tokens[:full.tokens.index(full.tokens[6])]
+    assert by_token.finish_reason == "stop" and by_token.tokens == full.tokens[: full.tokens.index(full.tokens[6])]
 
 
 def test_preemption_when_blocks_run_out_changes_no_token(runtime, hf_folders):
@@ -212,6 +211,7 @@ def single_process(hf_folders):
         if arch not in cache:
             cache[arch] = run_ranks(1, _generate_sharded, hf_folders[arch], [], prompts(), SHARDED_PARAMS, 1, 1)[0]
         return cache[arch]
+
     return of
 
 
@@ -258,22 +258,41 @@ def test_checkpoint_of_another_layout_loads_and_generates_alike(trained_run):
     params = [dict(max_tokens=8), dict(max_tokens=8, temperature=0.9, seed=2)]
     single = run_ranks(1, _generate_sharded, str(trained_run), [], batch, params, 1, 1)[0]
     assert run_ranks(2, _generate_sharded, str(trained_run), [], batch, params, 1, 2)[0] == single
-    cli = subprocess.run([sys.executable, "-m", "behemoth", "generate", str(trained_run), "--json", "--max-tokens", "8",
-                          "--prompt-ids", ",".join(map(str, batch[0])), "--prompt-ids", ",".join(map(str, batch[1]))],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "behemoth",
+            "generate",
+            str(trained_run),
+            "--json",
+            "--max-tokens",
+            "8",
+            "--prompt-ids",
+            ",".join(map(str, batch[0])),
+            "--prompt-ids",
+            ",".join(map(str, batch[1])),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0, cli.stderr
     assert [json.loads(line)["tokens"] for line in cli.stdout.splitlines()][0] == single[0]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--prompt", "x", "--tp", "3"], "--tp 3 does not divide model.n_head=2"),
-    (["--prompt", "x", "--pp", "3"], "--pp 3 makes 3 pipeline stages but model.n_layer=2"),
-    (["--prompt", "x", "--nproc", "3", "--tp", "2"], "--nproc 3 but --tp 2 x --pp 1 = 2"),
-    (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not a comma-separated list of integers"),
-    (["--prompt", "x", "--top-p", "2"], "--top-p: Input should be less than or equal to 1"),
-    ([], "no prompt given"),
-    (["--prompt", "x", "model.n_layer=3"], "saved from a different model (model.n_layer: checkpoint 2, config 3)"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--prompt", "x", "--tp", "3"], "--tp 3 does not divide model.n_head=2"),
+        (["--prompt", "x", "--pp", "3"], "--pp 3 makes 3 pipeline stages but model.n_layer=2"),
+        (["--prompt", "x", "--nproc", "3", "--tp", "2"], "--nproc 3 but --tp 2 x --pp 1 = 2"),
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not a comma-separated list of integers"),
+        (["--prompt", "x", "--top-p", "2"], "--top-p: Input should be less than or equal to 1"),
+        ([], "no prompt given"),
+        (["--prompt", "x", "model.n_layer=3"], "saved from a different model (model.n_layer: checkpoint 2, config 3)"),
+    ],
+)
 def test_generate_refuses_bad_input_in_one_line(trained_run, capsys, argv, message):
     from behemoth.cli import main
 
@@ -296,8 +315,10 @@ def test_a_request_the_whole_cache_cannot_hold_is_refused(runtime):
     from behemoth.inference.loading import Source
 
     per_block = CacheLayout(tuple(range(2)), 2, 16, 4, 1).bytes_per_block
-    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=64"]), None, None),
-               cache=CachePolicy(block_size=4, memory_mb=5 * per_block / 2**20))
+    gen = load(
+        Source(load_config(None, ["model=gpt-tiny", "model.context=64"]), None, None),
+        cache=CachePolicy(block_size=4, memory_mb=5 * per_block / 2**20),
+    )
     assert gen.num_blocks == 5
     assert len(gen.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16))[0].tokens) == 16  # 20 tokens: exactly 5 blocks
     with pytest.raises(BehemothError, match="needs 6 KV-cache blocks, the cache has 5"):
@@ -307,19 +328,40 @@ def test_a_request_the_whole_cache_cannot_hold_is_refused(runtime):
 def test_generate_and_serve_document_their_options(capsys):
     from behemoth.cli import main
 
-    for command, keys in (("generate", ["--prompt", "--max-tokens", "--temperature", "--top-k", "--top-p", "--repetition-penalty",
-                                        "--stop", "--seed", "--tp", "--pp", "--offload", "--quantize", "--kv-cache-mb"]),
-                          ("serve", ["--port", "--max-batch", "--max-waiting", "--max-tokens", "--batching", "--tp", "/v1/completions"])):
+    for command, keys in (
+        (
+            "generate",
+            [
+                "--prompt",
+                "--max-tokens",
+                "--temperature",
+                "--top-k",
+                "--top-p",
+                "--repetition-penalty",
+                "--stop",
+                "--seed",
+                "--tp",
+                "--pp",
+                "--offload",
+                "--quantize",
+                "--kv-cache-mb",
+            ],
+        ),
+        ("serve", ["--port", "--max-batch", "--max-waiting", "--max-tokens", "--batching", "--tp", "/v1/completions"]),
+    ):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out
         assert all(key in out for key in keys), command
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["serve", "/no/such/run"], "/no/such/run does not exist"),
-    (["generate", "/no/such/run", "--prompt", "x"], "/no/such/run does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "/no/such/run"], "/no/such/run does not exist"),
+        (["generate", "/no/such/run", "--prompt", "x"], "/no/such/run does not exist"),
+    ],
+)
 def test_a_missing_source_is_refused_in_one_line(capsys, argv, message):
     from behemoth.cli import main
 
@@ -354,8 +396,7 @@ def test_a_model_loaded_for_inference_holds_its_weights_once_and_int8_frees_the_
     from behemoth.inference.loading import Source, load_model
     from behemoth.inference.quantize import quantize_int8
 
-    source = Source(load_config(None, ["model=gpt-tiny", "model.d_model=512", "model.n_head=8", "model.n_layer=2",
-                                       "model.context=64"]), None, None)
+    source = Source(load_config(None, ["model=gpt-tiny", "model.d_model=512", "model.n_head=8", "model.n_layer=2", "model.context=64"]), None, None)
     before = live_cpu_tensor_bytes()
     model = load_model(source, runtime)
     weights = sum(p.numel() * p.element_size() for p in model.module.parameters())
@@ -379,8 +420,15 @@ def test_loading_an_hf_folder_peaks_at_one_copy_of_its_weights(runtime, tmp_path
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.inference.quantize import release_freed_memory
 
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     source = resolve_source(tmp_path)
     first = load_model(source, runtime)  # once untimed: the modules this imports and the caches it fills are not the weights

@@ -11,8 +11,8 @@ from tests.dist import run_ranks
 
 pytest.importorskip("transformers")
 
-LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]        # grouped-query attention, 2 KV heads
-GPT2 = ["model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"]    # tied head, vocabulary t does not divide
+LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]  # grouped-query attention, 2 KV heads
+GPT2 = ["model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"]  # tied head, vocabulary t does not divide
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +43,9 @@ def test_llama_dp2_tp2_zero3_matches_single_process(llama_reference, tmp_path):
     embedding, each decoder layer and the head, so a rank never gathers more than half of its tp part at once."""
     from tests.test_tensor_parallel import _train_reporting_states
 
-    got = run_ranks(4, _train_reporting_states, tiny_config(tmp_path, *LLAMA, "parallel.tp=2", "parallel.zero_stage=3",
-                                                             "parallel.sequence_parallel=true"))
+    got = run_ranks(
+        4, _train_reporting_states, tiny_config(tmp_path, *LLAMA, "parallel.tp=2", "parallel.zero_stage=3", "parallel.sequence_parallel=true")
+    )
     assert_close_runs(llama_reference, got[0])
     full = sum(t.numel() * 4 for t in llama_reference["weights"].values())  # float32 bytes of the single-process model
     assert all(r["states"]["gathered_peak"] < 0.3 * full and r["states"]["params"] < 0.27 * full for r in got), [r["states"] for r in got]
@@ -59,9 +60,10 @@ def test_gpt2_zero3_matches_single_process(gpt2_reference, tmp_path):
 
 def _save_pretrained(arch: str, folder: str) -> None:
     """A tiny transformers model with random weights, written as safetensors (no download)."""
+    import transformers
+
     from behemoth.config import load_config
     from behemoth.models.hf import transformers_config
-    import transformers
 
     cfg = load_config(None, ["model=gpt-tiny", *(LLAMA if arch == "llama" else GPT2)])
     cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.GPT2LMHeadModel
@@ -122,15 +124,29 @@ def _loss_of_loaded(cfg_dict, folder):
 
 def test_cli_trains_hf_llama_with_tensor_parallel(tmp_path):
     """`behemoth train model=hf:llama --nproc 2 parallel.tp=2`: trains, checkpoints, exports HF-named weights."""
-    from safetensors.torch import load_file
     import transformers
+    from safetensors.torch import load_file
 
     from tests.test_cli import behemoth
 
     run = tmp_path / "run"
-    args = ["train", "--nproc", "2", *LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true", "train.steps=4",
-            "train.global_batch=4", "train.seq_len=32", "train.eval_every=4", "train.eval_batches=1", "train.peak_tflops=1",
-            "run.progress=false", f"data.cache_dir={CACHE}", f"run.dir={run}"]
+    args = [
+        "train",
+        "--nproc",
+        "2",
+        *LLAMA,
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "train.steps=4",
+        "train.global_batch=4",
+        "train.seq_len=32",
+        "train.eval_every=4",
+        "train.eval_batches=1",
+        "train.peak_tflops=1",
+        "run.progress=false",
+        f"data.cache_dir={CACHE}",
+        f"run.dir={run}",
+    ]
     out = behemoth(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "validation loss" in out.stdout
@@ -157,10 +173,10 @@ def test_mfu_counts_the_model_that_is_built(options):
     if cfg.hf.arch == "llama":
         kv, ffn = cfg.hf.kv_heads * m.head_dim, cfg.hf.ffn
         per_block = d * d * 2 + 2 * d * kv + 3 * d * ffn + 2 * d  # q, o; k, v; gate, up, down; two RMSNorm weights
-        expected = m.vocab_size * d + L * per_block + d           # the untied head (the embedding is a lookup), final norm
+        expected = m.vocab_size * d + L * per_block + d  # the untied head (the embedding is a lookup), final norm
     else:
         gpt = cfg.model.model_copy(update={"bias": True})
-        expected = gpt.num_params() - m.context * d                # GPT-2 has behemoth GPT's shape (biases, tied head)
+        expected = gpt.num_params() - m.context * d  # GPT-2 has behemoth GPT's shape (biases, tied head)
     assert lm.matmul_params == expected
     assert lm.flops_per_token(32) == 6 * expected + 12 * L * d * 32
 
@@ -182,16 +198,51 @@ def test_tied_weight_stays_one_parameter():
 
 
 UNUSUAL = {  # a value other than transformers' default for every config.json field behemoth reads or passes through
-    "llama": dict(model_type="llama", num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=48, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
-                  attention_bias=True, mlp_bias=True, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
-                  attention_dropout=0.1, initializer_range=0.05,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "gpt2": dict(model_type="gpt2", n_layer=2, n_embd=32, n_head=4, n_inner=48, vocab_size=256, n_positions=64,
-                 activation_function="gelu", layer_norm_epsilon=1e-3, scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True,
-                 reorder_and_upcast_attn=True, tie_word_embeddings=False, resid_pdrop=0.05, embd_pdrop=0.05, attn_pdrop=0.05,
-                 initializer_range=0.05),
+    "llama": dict(
+        model_type="llama",
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=48,
+        vocab_size=256,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        mlp_bias=True,
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        attention_dropout=0.1,
+        initializer_range=0.05,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "gpt2": dict(
+        model_type="gpt2",
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        n_inner=48,
+        vocab_size=256,
+        n_positions=64,
+        activation_function="gelu",
+        layer_norm_epsilon=1e-3,
+        scale_attn_weights=False,
+        scale_attn_by_inverse_layer_idx=True,
+        reorder_and_upcast_attn=True,
+        tie_word_embeddings=False,
+        resid_pdrop=0.05,
+        embd_pdrop=0.05,
+        attn_pdrop=0.05,
+        initializer_range=0.05,
+    ),
 }
 
 
@@ -249,8 +300,9 @@ def test_config_json_fields_behemoth_cannot_honour_are_refused(tmp_path, capsys)
     folder = tmp_path / "weights"
     _save_unusual("gpt2", str(folder))
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "add_cross_attention": True, "flash_mode": "fast",
-                                                    "architectures": ["GPT2ForSequenceClassification"]}))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "add_cross_attention": True, "flash_mode": "fast", "architectures": ["GPT2ForSequenceClassification"]})
+    )
     tiny = ["train.seq_len=32", "run.progress=false", f"data.cache_dir={CACHE}", f"run.dir={tmp_path}/run"]
     capsys.readouterr()
     assert main(["train", "--nproc", "1", f"hf.weights={folder}", *tiny]) == 2
@@ -281,14 +333,14 @@ def _cached_logits_error(folder: str, lengths: tuple[int, ...] = (7, 3, 9)) -> f
     steps = [[(0, 7, 0)], [(0, 1, 7), (1, 3, 0)], [(1, 1, 3), (2, 9, 0), (0, 1, 8)], [(0, 1, 9), (1, 1, 4), (2, 1, 9)]]
     worst = 0.0
     for step in steps:
-        rows = [(i, seqs[i][start:start + n], start) for i, n, start in step]
+        rows = [(i, seqs[i][start : start + n], start) for i, n, start in step]
         for i, new, start in rows:
             alloc.grow(i, start + len(new))
         logits = runner.forward(plan_step(alloc, rows))
         for b, (i, new, start) in enumerate(rows):
-            ref = reference_logits(model, seqs[i][:start + len(new)])
+            ref = reference_logits(model, seqs[i][: start + len(new)])
             worst = max(worst, float((logits[b] - ref).abs().max() / ref.abs().max()))
-            seqs[i] = seqs[i][:start + len(new)] + [int(logits[b].argmax())]
+            seqs[i] = seqs[i][: start + len(new)] + [int(logits[b].argmax())]
     return worst
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.cli import main
 from behemoth.errors import BehemothError
+from behemoth.faults.checkpoint import resolve_checkpoint, validate_checkpoint
 from behemoth.faults.integrity import file_digest, seal, verify
 from tests.common import tiny_config, train_body
 from tests.dist import run_ranks
@@ -53,14 +53,19 @@ DAMAGE = {  # name -> (how to damage a run's latest checkpoint, what the refusal
     "flipped bytes at the start of a shard": (lambda c: flip(largest_shard(c), "start"), r"__\d_0\.distcp does not match its sha256"),
     "flipped bytes in the middle of a shard": (lambda c: flip(largest_shard(c), "middle"), r"__\d_0\.distcp does not match its sha256"),
     "flipped bytes at the end of a shard": (lambda c: flip(largest_shard(c), "end"), r"__\d_0\.distcp does not match its sha256"),
-    "truncated shard": (lambda c: largest_shard(c).write_bytes(largest_shard(c).read_bytes()[:100]), r"distcp has 100 bytes, the checkpoint wrote \d+"),
+    "truncated shard": (
+        lambda c: largest_shard(c).write_bytes(largest_shard(c).read_bytes()[:100]),
+        r"distcp has 100 bytes, the checkpoint wrote \d+",
+    ),
     "missing shard": (lambda c: largest_shard(c).unlink(), r"__\d_0\.distcp is missing"),
     "missing .metadata": (lambda c: (c / ".metadata").unlink(), r"\.metadata is missing"),
     "damaged .metadata": (lambda c: flip(c / ".metadata", "middle", 16), r"\.metadata does not match its sha256"),
     "missing meta.json": (lambda c: (c / "meta.json").unlink(), r"meta\.json is missing"),
-    "damaged meta.json": (lambda c: (c / "meta.json").write_text("{\"step\": 8,"), r"meta\.json is not readable JSON"),
-    "edited meta.json": (lambda c: (c / "meta.json").write_text(json.dumps({**json.loads((c / "meta.json").read_text()), "step": 7})),
-                         r"meta\.json was altered after it was written"),
+    "damaged meta.json": (lambda c: (c / "meta.json").write_text('{"step": 8,'), r"meta\.json is not readable JSON"),
+    "edited meta.json": (
+        lambda c: (c / "meta.json").write_text(json.dumps({**json.loads((c / "meta.json").read_text()), "step": 7})),
+        r"meta\.json was altered after it was written",
+    ),
     "missing rng/": (lambda c: shutil.rmtree(c / "rng"), r"rng/rank_0\.pt is missing"),
     "flipped bytes in an RNG state": (lambda c: flip(c / "rng" / "rank_1.pt", "middle", 8), r"rng/rank_1\.pt does not match its sha256"),
 }
@@ -76,6 +81,7 @@ def test_damage_is_refused_by_resume_and_export_in_one_line(run, damage, capsys)
         assert err.startswith("behemoth: error:") and "\n" not in err, err
         assert "Traceback" not in err
         import re
+
         assert re.search(names, err), err
         use = "--resume" if argv[0] == "train" else "behemoth export"
         assert f"the newest intact checkpoint is {run / 'checkpoints' / EARLIER}: {use} {run / 'checkpoints' / EARLIER}" in err, err
@@ -126,8 +132,8 @@ def plant(ckpt: Path, marker: Path) -> None:
 
 
 def test_a_planted_metadata_pickle_is_refused_and_never_runs(run, tmp_path, capsys):
-    from behemoth.faults.checkpoint import export_safetensors
     from behemoth.config import Config
+    from behemoth.faults.checkpoint import export_safetensors
     from behemoth.models.causal_lm import build_causal_lm
 
     marker = tmp_path / "pwned.txt"

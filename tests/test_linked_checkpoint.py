@@ -96,8 +96,9 @@ def test_an_in_memory_layout_loads_the_linked_checkpoint(offloaded, tmp_path):
     run_dir, full = offloaded
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
-    resumed = run_ranks(2, train_body, tiny_config(copy, "train.steps=8", "checkpoint.every=4", "checkpoint.export=true"),
-                        str(copy / "checkpoints" / "step_0000004"))[0]
+    resumed = run_ranks(
+        2, train_body, tiny_config(copy, "train.steps=8", "checkpoint.every=4", "checkpoint.export=true"), str(copy / "checkpoints" / "step_0000004")
+    )[0]
     assert resumed["start"] == 4
     assert_close_runs({"losses": full["losses"][4:], "weights": full["weights"]}, resumed)
 

@@ -8,13 +8,13 @@ import re
 
 import pytest
 
+from behemoth.cli.estimate import estimate_main, measure_worker
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
-from behemoth.cli.estimate import estimate_main, measure_worker
-from behemoth.planner.feasibility import problems
-from behemoth.planner.memory import STAGES, fit_problems, formula_bytes, formula_text, stage_estimate
 from behemoth.models.gpt import build_gpt
 from behemoth.parallel.zero import comm_volume
+from behemoth.planner.feasibility import problems
+from behemoth.planner.memory import STAGES, fit_problems, formula_bytes, formula_text, stage_estimate
 from tests.common import tiny_config
 from tests.dist import run_ranks
 
@@ -31,16 +31,27 @@ def _measure_all(cfg_fp32, cfg_bf16, cfg_tied):
 @pytest.fixture(scope="module", params=[2, 4])
 def measured(request, tmp_path_factory):
     world, run_dir = request.param, tmp_path_factory.mktemp("mem")
-    cfgs = [tiny_config(run_dir, *LAYOUT), tiny_config(run_dir, *LAYOUT, "parallel.zero_stage=1", "parallel.param_dtype=bf16"),
-            tiny_config(run_dir, *LAYOUT, *TIED)]
+    cfgs = [
+        tiny_config(run_dir, *LAYOUT),
+        tiny_config(run_dir, *LAYOUT, "parallel.zero_stage=1", "parallel.param_dtype=bf16"),
+        tiny_config(run_dir, *LAYOUT, *TIED),
+    ]
     return world, cfgs[0], run_ranks(world, _measure_all, *cfgs)
 
 
 def _expected(cfg, world, stage, rank):
     model_cfg = load_config(None, ["model=gpt-tiny", *(f"model.{k}={cfg['model'][k]}" for k in ("n_layer", "vocab_size", "tie_embeddings"))]).model
     dtype = cfg["parallel"]["param_dtype"] if stage else "fp32"
-    return stage_estimate(build_gpt(model_cfg), stage, world, param_dtype=dtype, bucket_mb=cfg["parallel"]["bucket_mb"], prefetch=1, rank=rank,
-                          tie_embeddings=model_cfg.tie_embeddings)
+    return stage_estimate(
+        build_gpt(model_cfg),
+        stage,
+        world,
+        param_dtype=dtype,
+        bucket_mb=cfg["parallel"]["bucket_mb"],
+        prefetch=1,
+        rank=rank,
+        tie_embeddings=model_cfg.tie_embeddings,
+    )
 
 
 def test_measured_bytes_equal_the_formula(measured):
@@ -54,7 +65,9 @@ def test_measured_bytes_equal_the_formula(measured):
                 formula = formula_bytes(exact.psi, world, stage, dtype)[part]
                 # padding: each of the G groups gets < N elements, and a rank's share of a group differs from 1/N by < N elements
                 padding = bytes_per * world * exact.groups
-                assert abs(got["bytes"][part] - formula) <= 0.02 * formula + padding, f"stage {stage} {dtype} rank {rank} {part}: {got['bytes'][part]} vs formula {formula}"
+                assert abs(got["bytes"][part] - formula) <= 0.02 * formula + padding, (
+                    f"stage {stage} {dtype} rank {rank} {part}: {got['bytes'][part]} vs formula {formula}"
+                )
                 assert got["bytes"][part] == getattr(exact, part), f"stage {stage} {dtype} rank {rank} {part}: measured != exact estimate"
             for name, size in exact.buffers.items():
                 assert got["bytes"][name] == size, f"stage {stage} {dtype} rank {rank} {name}: {got['bytes'][name]} != {size}"
@@ -85,9 +98,9 @@ def test_communication_volume(measured):
             embedding = 32 * (cfg["model"]["vocab_size"] + 32)
             embedding += -embedding % world  # padded to split evenly
             if got["stage"] == 0:
-                assert ops == {"all_reduce": exact.psi}, ops                       # 2Ψ
+                assert ops == {"all_reduce": exact.psi}, ops  # 2Ψ
             elif got["stage"] < 3:
-                assert ops == {"reduce_scatter": psi_padded, "all_gather": psi_padded, "all_reduce": 1}, ops   # 2Ψ (+ the norm)
+                assert ops == {"reduce_scatter": psi_padded, "all_gather": psi_padded, "all_reduce": 1}, ops  # 2Ψ (+ the norm)
             else:
                 again = embedding if cfg["model"]["tie_embeddings"] else -embedding
                 assert ops == {"all_gather": 2 * psi_padded + again, "reduce_scatter": psi_padded, "all_reduce": 1}, ops  # (+ the norm)
@@ -104,10 +117,13 @@ def test_formulas_match_the_zero_paper():
     assert [formula_text(s, "bf16") for s in STAGES] == ["16Ψ", "4Ψ + 12Ψ/N", "2Ψ + 14Ψ/N", "16Ψ/N"]
 
 
-@pytest.mark.parametrize("option, message", [
-    ("parallel.zero_stage=4", r"parallel.zero_stage=4: ZeRO stages are 0 .* choose one"),
-    ("parallel.bucket_mb=0", r"parallel.bucket_mb=0: a gradient bucket must hold more than 0 MiB; use e.g. parallel.bucket_mb=25"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("parallel.zero_stage=4", r"parallel.zero_stage=4: ZeRO stages are 0 .* choose one"),
+        ("parallel.bucket_mb=0", r"parallel.bucket_mb=0: a gradient bucket must hold more than 0 MiB; use e.g. parallel.bucket_mb=25"),
+    ],
+)
 def test_impossible_plans_are_refused(option, message, tmp_path):
     with pytest.raises(BehemothError, match=message):
         load_config(None, [option])
@@ -121,8 +137,11 @@ def test_a_setting_that_needs_zero_is_a_problem_of_the_plan():
 def test_model_that_does_not_fit_is_refused_before_launch(tmp_path, capsys):
     cfg = load_config(None, ["model=gpt2-124m", "parallel.memory_gb=1.5"])
     [found] = fit_problems(cfg, 2)
-    assert re.search(r"\(124.4M parameters\) needs 1.85 GiB per rank for model states at parallel.zero_stage=0 on dp=2 "
-                     r".* more than parallel.memory_gb=1.5; use parallel.zero_stage=1 \(1.39 GiB\)$", found.message), found
+    assert re.search(
+        r"\(124.4M parameters\) needs 1.85 GiB per rank for model states at parallel.zero_stage=0 on dp=2 "
+        r".* more than parallel.memory_gb=1.5; use parallel.zero_stage=1 \(1.39 GiB\)$",
+        found.message,
+    ), found
     from behemoth.cli import main
 
     code = main(["train", "--nproc", "2", "model=gpt2-124m", "parallel.memory_gb=0.75", f"run.dir={tmp_path / 'run'}"])

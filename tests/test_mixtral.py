@@ -72,8 +72,19 @@ def test_mixtral_weights_from_and_to_the_hf_layout(tmp_path):
     with safe_open(str(tmp_path / "weights" / "model.safetensors"), "pt") as f:
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in f.keys()  # the layout being read
     run = tmp_path / "run"
-    run_ranks(2, train_body, tiny_config(run, f"hf.weights={tmp_path / 'weights'}", "model.moe.experts=4", "parallel.ep=2",
-                                         "train.steps=2", "train.lr=1e-9", "train.warmup_steps=0"))
+    run_ranks(
+        2,
+        train_body,
+        tiny_config(
+            run,
+            f"hf.weights={tmp_path / 'weights'}",
+            "model.moe.experts=4",
+            "parallel.ep=2",
+            "train.steps=2",
+            "train.lr=1e-9",
+            "train.warmup_steps=0",
+        ),
+    )
     assert main(["export", str(run), "--hf", str(tmp_path / "exported")]) == 0
     back = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from behemoth.models.gpt import GPTConfig, PRESETS, build_gpt
-from behemoth.models.init import InitSpec, ROWS_PER_BLOCK, draw_full, mark_partial, materialize
+from behemoth.models.gpt import PRESETS, GPTConfig, build_gpt
+from behemoth.models.init import ROWS_PER_BLOCK, InitSpec, draw_full, mark_partial, materialize
 
 
 def test_presets_count_their_parameters():

@@ -27,8 +27,10 @@ def crafted_logits(groups: int, tokens: int, experts: int) -> torch.Tensor:
     return torch.arange(experts, 0, -1, dtype=torch.float32).expand(groups, tokens, experts).clone()
 
 
-@pytest.mark.parametrize("definition,factor,min_capacity,expected", [
-    ("deepspeed", 0.5, 4, 4), ("deepspeed", 0.3, 4, 4), ("deepspeed", 0.3, 0, 3), ("tutel", 0.5, 0, 4), ("tutel", 0.3, 0, 2)])
+@pytest.mark.parametrize(
+    "definition,factor,min_capacity,expected",
+    [("deepspeed", 0.5, 4, 4), ("deepspeed", 0.3, 4, 4), ("deepspeed", 0.3, 0, 3), ("tutel", 0.5, 0, 4), ("tutel", 0.3, 0, 2)],
+)
 def test_all_tokens_to_one_expert(definition: str, factor: float, min_capacity: int, expected: int) -> None:
     """16 tokens, 4 experts, top-2, all choosing experts 0 then 1: each keeps its first C assignments, in token order."""
     policy = RoutingPolicy(2, factor, capacity_def=definition, min_capacity=min_capacity)
@@ -43,17 +45,28 @@ def test_all_tokens_to_one_expert(definition: str, factor: float, min_capacity: 
 def test_second_choices_queue_after_first_choices() -> None:
     """An expert's slots go to every first choice of the group before any second choice (GShard's priority)."""
     logits = torch.zeros(1, 4, 3)
-    logits[0, :2] = torch.tensor([3.0, 2.0, 1.0])   # tokens 0, 1: expert 0, then 1
-    logits[0, 2:] = torch.tensor([2.0, 3.0, 1.0])   # tokens 2, 3: expert 1, then 0
+    logits[0, :2] = torch.tensor([3.0, 2.0, 1.0])  # tokens 0, 1: expert 0, then 1
+    logits[0, 2:] = torch.tensor([2.0, 3.0, 1.0])  # tokens 2, 3: expert 1, then 0
     r = route(logits, RoutingPolicy(2, 0.75, min_capacity=0), training=True)  # C = ceil(2 * 4 / 3 * 0.75) = 2
     assert r.capacity == 2
     assert r.kept[0, :, 0].all() and not r.kept[0, :, 1].any()  # the first choices fill both experts' two slots
 
 
-def moe_layer(k: int, factor: float | None, group: int | None, definition: str = "deepspeed", aux: str = "switch",
-              normalize: str = "chosen"):
-    cfg = GPTConfig(preset="gpt-moe-tiny", moe=dict(top_k=k, capacity_factor=factor, group=group, capacity=definition, aux_loss=aux,
-                                                    min_capacity=2, aux_coef=0.1, z_coef=0.01, normalize=normalize))
+def moe_layer(k: int, factor: float | None, group: int | None, definition: str = "deepspeed", aux: str = "switch", normalize: str = "chosen"):
+    cfg = GPTConfig(
+        preset="gpt-moe-tiny",
+        moe=dict(
+            top_k=k,
+            capacity_factor=factor,
+            group=group,
+            capacity=definition,
+            aux_loss=aux,
+            min_capacity=2,
+            aux_coef=0.1,
+            z_coef=0.01,
+            normalize=normalize,
+        ),
+    )
     stats = RouterStats([4])
     with torch.device("meta"):
         layer = moe_mlp(cfg, 4, 0, stats)
@@ -61,9 +74,15 @@ def moe_layer(k: int, factor: float | None, group: int | None, definition: str =
     return layer, stats
 
 
-CASES = [(1, None, 1, "deepspeed", "chosen"), (2, None, None, "deepspeed", "chosen"), (1, 1.0, 1, "deepspeed", "chosen"),
-         (2, 0.5, 1, "deepspeed", "chosen"), (2, 0.5, 1, "deepspeed", "kept"), (2, 0.75, None, "tutel", "chosen"),
-         (3, 1.0, 2, "tutel", "none")]
+CASES = [
+    (1, None, 1, "deepspeed", "chosen"),
+    (2, None, None, "deepspeed", "chosen"),
+    (1, 1.0, 1, "deepspeed", "chosen"),
+    (2, 0.5, 1, "deepspeed", "chosen"),
+    (2, 0.5, 1, "deepspeed", "kept"),
+    (2, 0.75, None, "tutel", "chosen"),
+    (3, 1.0, 2, "tutel", "none"),
+]
 
 
 @pytest.mark.parametrize("k,factor,group,definition,normalize", CASES)
@@ -78,9 +97,19 @@ def test_layer_matches_plain_loop(k: int, factor: float | None, group: int | Non
 
     params = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
     xr = x.detach().clone().requires_grad_(True)
-    out, aux_sum, z_sum, kept = reference_moe(xr, params["router.weight"], params["experts.w_in"], params["experts.w_out"], k=k,
-                                              factor=factor, group=group, definition=definition, min_capacity=2,
-                                              aux="topk" if k == 3 else "switch", normalize=normalize)
+    out, aux_sum, z_sum, kept = reference_moe(
+        xr,
+        params["router.weight"],
+        params["experts.w_in"],
+        params["experts.w_out"],
+        k=k,
+        factor=factor,
+        group=group,
+        definition=definition,
+        min_capacity=2,
+        aux="topk" if k == 3 else "switch",
+        normalize=normalize,
+    )
     ((out * probe).sum() + 0.1 * aux_sum + 0.01 * z_sum).backward()
     want = {n: p.grad for n, p in params.items()} | {"x": xr.grad}
 
@@ -110,7 +139,7 @@ def test_dropped_tokens_pass_through_unchanged() -> None:
 @pytest.mark.parametrize("noise", ["jitter", "gumbel"])
 def test_noisy_gating_only_while_training(noise: str) -> None:
     """Noisy gating changes some choices while training (from the process RNG, like dropout), none at evaluation."""
-    from behemoth.models.routing import RoutingPolicy, route
+    from behemoth.models.routing import route
 
     torch.manual_seed(0)
     cfg = GPTConfig(preset="gpt-moe-tiny", moe=dict(noise=noise, noise_eps=0.5))

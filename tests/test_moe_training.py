@@ -32,15 +32,18 @@ def capacity_reference(tmp_path_factory):
     return {**run_ranks(1, train_body, tiny_config(run_dir, *CAPACITY))[0], "run_dir": run_dir}
 
 
-@pytest.mark.parametrize("plan", [
-    ("parallel.ep=2",),
-    ("parallel.ep=2", "parallel.zero_stage=1", "train.micro_batch=2"),
-    ("parallel.ep=2", "parallel.zero_stage=2"),
-    ("parallel.ep=2", "parallel.expert_layout=gather"),
-    ("parallel.ep=2", "parallel.expert_chunks=2", "train.micro_batch=2"),
-    ("parallel.ep=2", "parallel.expert_chunks=4"),
-    ("parallel.tp=2",),
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ("parallel.ep=2",),
+        ("parallel.ep=2", "parallel.zero_stage=1", "train.micro_batch=2"),
+        ("parallel.ep=2", "parallel.zero_stage=2"),
+        ("parallel.ep=2", "parallel.expert_layout=gather"),
+        ("parallel.ep=2", "parallel.expert_chunks=2", "train.micro_batch=2"),
+        ("parallel.ep=2", "parallel.expert_chunks=4"),
+        ("parallel.tp=2",),
+    ],
+)
 def test_gpt_moe_matches_single_process(moe_reference, tmp_path, plan):
     """ep = 2 (dense parameters synced over dp x ep, experts over dp) with replicated data parallelism, ZeRO-1 with
     accumulation, ZeRO-2, the gather layout, a pipelined all-to-all; tp = 2 slicing every expert's width."""
@@ -107,8 +110,12 @@ def adaptive_body(cfg_dict: dict) -> dict:
     trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
     summary = trainer.run()
     adapter = trainer.engine.model.adapter
-    return {"losses": summary["losses"], "weights": train_body_weights(trainer), "tried": sorted({c for _, c, _ in adapter.trials}),
-            "history": adapter.history}
+    return {
+        "losses": summary["losses"],
+        "weights": train_body_weights(trainer),
+        "tried": sorted({c for _, c, _ in adapter.trials}),
+        "history": adapter.history,
+    }
 
 
 def train_body_weights(trainer) -> dict | None:
@@ -121,8 +128,17 @@ def train_body_weights(trainer) -> dict | None:
 def test_layout_switches_keep_the_curve(moe_reference, tmp_path, mode):
     """Switching expert layouts between steps (probe: a round of 4 timed candidates every 4 steps; cost model: every
     2 steps) trains the curve of a run that never switches."""
-    got = run_ranks(2, adaptive_body, tiny_config(tmp_path, *MOE, "parallel.ep=2", f"parallel.expert_adapt={mode}",
-                                                  "parallel.expert_probe_every=4" if mode == "probe" else "parallel.expert_probe_every=2"))
+    got = run_ranks(
+        2,
+        adaptive_body,
+        tiny_config(
+            tmp_path,
+            *MOE,
+            "parallel.ep=2",
+            f"parallel.expert_adapt={mode}",
+            "parallel.expert_probe_every=4" if mode == "probe" else "parallel.expert_probe_every=2",
+        ),
+    )
     assert_close_runs(moe_reference, got[0])
     assert got[0]["history"] == got[1]["history"] and got[0]["history"], "every rank chose the same layouts"
     if mode == "probe":
@@ -149,12 +165,13 @@ def test_ep4_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
 
 FOUR = [
     ("parallel.ep=2", "parallel.dp=2", "parallel.zero_stage=3"),  # ZeRO-3: dense units over dp x ep, expert units over dp
-    ("parallel.ep=2", "parallel.tp=2"),                           # experts sliced over tp inside each ep rank
+    ("parallel.ep=2", "parallel.tp=2"),  # experts sliced over tp inside each ep rank
     ("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2"),  # MoE layers on both pipeline stages (1F1B)
     pytest.param(("parallel.ep=2", "parallel.dp=2"), marks=pytest.mark.slow),
     pytest.param(("parallel.ep=2", "parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch=1"), marks=pytest.mark.slow),
-    pytest.param(("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1", "parallel.schedule=gpipe"),
-                 marks=pytest.mark.slow),
+    pytest.param(
+        ("parallel.ep=2", "parallel.pp=2", "parallel.microbatches=2", "parallel.zero_stage=1", "parallel.schedule=gpipe"), marks=pytest.mark.slow
+    ),
     pytest.param(("parallel.ep=4", "parallel.expert_layout=gather"), marks=pytest.mark.slow),
     pytest.param(("parallel.ep=4", "parallel.expert_node_size=2"), marks=pytest.mark.slow),  # two-level all-to-all, 2 x 2 ranks
 ]
@@ -168,19 +185,22 @@ def test_gpt_moe_4_processes_matches_single_process(moe_reference, tmp_path, pla
     assert_close_runs(moe_reference, got)
 
 
-@pytest.mark.parametrize("overrides,world,key,words", [
-    (("model=gpt-moe-tiny", "model.moe.experts=6", "parallel.ep=4"), 4, "parallel.ep", "does not divide the 6 experts"),
-    (("model=gpt-moe-tiny", "parallel.ep=2", "parallel.tp=2"), 2, "parallel", "does not divide the world size 2"),
-    (("model=gpt-moe-tiny", "parallel.ep=2", "parallel.dp=2"), 2, "parallel", "= 4, but the world size is 2"),
-    (("model=gpt-moe-tiny", "model.moe.top_k=5"), 1, "model.moe.top_k", "exceeds the 4 experts"),
-    (("model=gpt-moe-tiny", "model.moe.capacity_factor=0"), 1, "model.moe.capacity_factor", "must be positive"),
-    (("model=gpt-moe-tiny", "model.moe.eval_capacity_factor=-1"), 1, "model.moe.eval_capacity_factor", "must be positive"),
-    (("model=gpt-tiny", "parallel.ep=2"), 2, "parallel.ep", "has no experts"),
-    (("model=hf:llama", "parallel.ep=2"), 2, "parallel.ep", "has no experts"),
-    (("model=gpt-moe-tiny", "parallel.tp=2", "parallel.sequence_parallel=true"), 2, "parallel.sequence_parallel", "route a different part"),
-    (("model=gpt-moe-tiny", "model.moe.group=3"), 1, "model.moe.group", "does not divide a micro-batch of 8"),
-    (("model=hf:mixtral", "model.moe.every=2", "model.moe.experts=4"), 1, "hf", "every Mixtral layer has experts"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,key,words",
+    [
+        (("model=gpt-moe-tiny", "model.moe.experts=6", "parallel.ep=4"), 4, "parallel.ep", "does not divide the 6 experts"),
+        (("model=gpt-moe-tiny", "parallel.ep=2", "parallel.tp=2"), 2, "parallel", "does not divide the world size 2"),
+        (("model=gpt-moe-tiny", "parallel.ep=2", "parallel.dp=2"), 2, "parallel", "= 4, but the world size is 2"),
+        (("model=gpt-moe-tiny", "model.moe.top_k=5"), 1, "model.moe.top_k", "exceeds the 4 experts"),
+        (("model=gpt-moe-tiny", "model.moe.capacity_factor=0"), 1, "model.moe.capacity_factor", "must be positive"),
+        (("model=gpt-moe-tiny", "model.moe.eval_capacity_factor=-1"), 1, "model.moe.eval_capacity_factor", "must be positive"),
+        (("model=gpt-tiny", "parallel.ep=2"), 2, "parallel.ep", "has no experts"),
+        (("model=hf:llama", "parallel.ep=2"), 2, "parallel.ep", "has no experts"),
+        (("model=gpt-moe-tiny", "parallel.tp=2", "parallel.sequence_parallel=true"), 2, "parallel.sequence_parallel", "route a different part"),
+        (("model=gpt-moe-tiny", "model.moe.group=3"), 1, "model.moe.group", "does not divide a micro-batch of 8"),
+        (("model=hf:mixtral", "model.moe.every=2", "model.moe.experts=4"), 1, "hf", "every Mixtral layer has experts"),
+    ],
+)
 def test_moe_plans_refused_before_launch(tmp_path, overrides, world, key, words):
     from behemoth.config import Config
     from behemoth.planner.feasibility import problems

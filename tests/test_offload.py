@@ -80,9 +80,14 @@ def test_fused_step_matches_in_memory_training_without_clipping(tmp_path):
     assert all(r["offload_written_mb_grads_disk"] == 0 and r["offload_read_mb_params_disk"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("world, extra", [(2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
-                                          (2, ("model.tie_embeddings=true", "offload.order=naive", "offload.params=cpu")),
-                                          (1, ("model=hf:llama", "hf.kv_heads=1"))])
+@pytest.mark.parametrize(
+    "world, extra",
+    [
+        (2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+        (2, ("model.tie_embeddings=true", "offload.order=naive", "offload.params=cpu")),
+        (1, ("model=hf:llama", "hf.kv_heads=1")),
+    ],
+)
 def test_offload_composes(world, extra, tmp_path):
     """With tensor and sequence parallelism; a tied head in the naive order with parameters on the host tier; a
     transformers Llama: the in-memory curve, offloaded."""
@@ -125,12 +130,13 @@ def _orders_body(variants):
     out = []
     for order, m in variants:
         with tempfile.TemporaryDirectory() as run_dir:
-            cfg = Config.model_validate(tiny_config(run_dir, f"train.global_batch={m}", "train.micro_batch=1", f"offload.order={order}",
-                                                    *PLACEMENTS["all"]))
+            cfg = Config.model_validate(
+                tiny_config(run_dir, f"train.global_batch={m}", "train.micro_batch=1", f"offload.order={order}", *PLACEMENTS["all"])
+            )
             rt = init_runtime(timeout_s=60)
             engine = build_engine(cfg, rt)
             tokens = torch.randint(0, 256, (m, 33), generator=torch.Generator().manual_seed(0))
-            batch = [(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(m)]
+            batch = [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(m)]
             losses = [engine.train_step(batch, lr=1e-3).loss for _ in range(3)]
             sync = engine.model.syncs[0]
             counted = {k: list(v) for k, v in sync.step_bytes().items()}
@@ -139,8 +145,18 @@ def _orders_body(variants):
             expected = swap_bytes(plan, [StateSizes(4 * u.shard, 4 * u.shard, u.state_bytes) for u in sizes], deferred=True)
             engine.close()
             rt.close()
-            out.append((order, m, {"losses": losses, "counted": counted, "expected": {k: list(v) for k, v in expected.items()},
-                                   "total": sum(r + w for r, w in counted.values())}))
+            out.append(
+                (
+                    order,
+                    m,
+                    {
+                        "losses": losses,
+                        "counted": counted,
+                        "expected": {k: list(v) for k, v in expected.items()},
+                        "total": sum(r + w for r, w in counted.values()),
+                    },
+                )
+            )
     return out
 
 
@@ -166,14 +182,17 @@ def test_8bit_moments_follow_float32_adamw_and_resume_on_another_layout(tmp_path
     pytest.importorskip("bitsandbytes")
     steps = ["train.steps=30", "train.eval_every=0", "checkpoint.every=15"]
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "fp32", ACCUMULATE[1], *steps))[0]
-    eight = run_ranks(1, train_body, tiny_config(tmp_path / "8bit", ACCUMULATE[1], *steps, "offload.optimizer=disk",
-                                                 "offload.optimizer_bits=8"))[0]
+    eight = run_ranks(1, train_body, tiny_config(tmp_path / "8bit", ACCUMULATE[1], *steps, "offload.optimizer=disk", "offload.optimizer_bits=8"))[0]
     gaps = [abs(a - b) / a for a, b in zip(ref["losses"], eight["losses"])]
     assert max(gaps) < EIGHT_BIT_TOLERANCE, max(gaps)
     assert max(gaps) > 0, "8-bit moments are not float32 ones: some difference must show"
     assert eight["losses"][-1] < 0.9 * eight["losses"][0], "the 8-bit run trains"
-    resumed = run_ranks(2, train_body, tiny_config(tmp_path / "8bit", ACCUMULATE[2], *steps, "offload.optimizer=disk", "offload.params=disk",
-                                                   "offload.optimizer_bits=8"), str(tmp_path / "8bit" / "checkpoints/step_0000015"))[0]
+    resumed = run_ranks(
+        2,
+        train_body,
+        tiny_config(tmp_path / "8bit", ACCUMULATE[2], *steps, "offload.optimizer=disk", "offload.params=disk", "offload.optimizer_bits=8"),
+        str(tmp_path / "8bit" / "checkpoints/step_0000015"),
+    )[0]
     assert resumed["start"] == 15
     assert max(abs(a - b) / a for a, b in zip(eight["losses"][15:], resumed["losses"])) < EIGHT_BIT_TOLERANCE
 

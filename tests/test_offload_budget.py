@@ -35,12 +35,22 @@ def _budget_body(run_dir: str) -> dict:
     from behemoth.models.causal_lm import build_causal_lm
     from behemoth.topology import init_runtime
 
-    cfg = Config.model_validate(tiny_config(run_dir, *MODEL, "train.global_batch=2", "train.micro_batch=1", "offload.params=disk",
-                                            "offload.grads=disk", "offload.optimizer=disk", f"offload.max_memory_gb={BUDGET_MB / 1024}"))
+    cfg = Config.model_validate(
+        tiny_config(
+            run_dir,
+            *MODEL,
+            "train.global_batch=2",
+            "train.micro_batch=1",
+            "offload.params=disk",
+            "offload.grads=disk",
+            "offload.optimizer=disk",
+            f"offload.max_memory_gb={BUDGET_MB / 1024}",
+        )
+    )
     rt = init_runtime(timeout_s=60)
     build_causal_lm(cfg.model, cfg.hf)  # torch's one-time set-up for building modules (tens of MiB) is not the run's memory
     tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
-    batch = [(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(2)]
+    batch = [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(2)]
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again from here
     base = _status_kb("VmRSS")
     engine = build_engine(cfg, rt)

@@ -35,8 +35,11 @@ def sources(checkpoint_run, llama_folder):
     from behemoth.config import load_config
     from behemoth.inference.loading import Source, resolve_source
 
-    return {"checkpoint": resolve_source(str(checkpoint_run)), "hf": resolve_source(llama_folder),
-            "seed": Source(load_config(None, ["model=gpt-tiny", "model.n_layer=3", "model.context=64"]), None, None)}
+    return {
+        "checkpoint": resolve_source(str(checkpoint_run)),
+        "hf": resolve_source(llama_folder),
+        "seed": Source(load_config(None, ["model=gpt-tiny", "model.n_layer=3", "model.context=64"]), None, None),
+    }
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "hf", "seed"])
@@ -76,8 +79,9 @@ def test_int8_weights_stay_within_tolerance(runtime, checkpoint_run):  # noqa: F
     before, after = validation_loss(plain, source.config), validation_loss(quant, source.config)
     assert abs(after - before) <= 0.01 * before, (before, after)
     greedy = SamplingParams(max_tokens=12)
-    same = sum(a == b for a, b in zip(load(source).generate([tokens], greedy)[0].tokens,
-                                       load(source, quantize="int8").generate([tokens], greedy)[0].tokens))
+    same = sum(
+        a == b for a, b in zip(load(source).generate([tokens], greedy)[0].tokens, load(source, quantize="int8").generate([tokens], greedy)[0].tokens)
+    )
     assert same >= 6, same
 
 

@@ -32,8 +32,10 @@ def test_skipping_a_step_fused_into_backward_is_refused_before_launch_in_one_lin
     assert len(refused) == 1 and "\n" not in refused[0] and "offload.step=deferred" in refused[0]
 
 
-@pytest.mark.parametrize("overrides", [[*DISK, "offload.step=deferred", "train.nonfinite=skip"], ["train.nonfinite=skip"],
-                                       [*DISK, "offload.step=fused", "train.nonfinite=stop"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [[*DISK, "offload.step=deferred", "train.nonfinite=skip"], ["train.nonfinite=skip"], [*DISK, "offload.step=fused", "train.nonfinite=stop"]],
+)
 def test_steps_that_can_be_skipped_or_stop_are_not_refused(overrides):
     assert not [m for m in _problems(*BLOW_UP, *overrides) if "train.nonfinite" in m]
 

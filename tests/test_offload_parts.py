@@ -12,12 +12,12 @@ import time
 import pytest
 import torch
 
-from behemoth.parallel.zero.adam import BLOCK, AdamFP32, ShardPiece, block_offsets, state_bytes
 from behemoth.offload.budget import ActivationShape, UnitSize, fit_prefetch, peak_bytes
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import StateSizes, harmony_order, naive_order, plan_residencies, swap_bytes
 from behemoth.offload.tiers import make_tier
 from behemoth.parallel.sync import AdamWSettings
+from behemoth.parallel.zero.adam import BLOCK, AdamFP32, ShardPiece, block_offsets, state_bytes
 
 CPU = torch.device("cpu")
 
@@ -97,8 +97,12 @@ def test_tied_head_keeps_the_embedding_gradient_on_the_gradient_tier_until_the_e
 
 def _torch_adamw_reference(p, g, decay_mask, settings, lr, coef, steps):
     ref_p = [torch.nn.Parameter(p[m].clone()) for m in decay_mask]
-    opt = torch.optim.AdamW([{"params": [ref_p[0]], "weight_decay": settings.weight_decay}, {"params": [ref_p[1]], "weight_decay": 0.0}],
-                            lr=lr, betas=settings.betas, foreach=True)
+    opt = torch.optim.AdamW(
+        [{"params": [ref_p[0]], "weight_decay": settings.weight_decay}, {"params": [ref_p[1]], "weight_decay": 0.0}],
+        lr=lr,
+        betas=settings.betas,
+        foreach=True,
+    )
     for _ in range(steps):
         for rp, m in zip(ref_p, decay_mask):
             rp.grad = g[m].clone()
@@ -132,7 +136,7 @@ def test_8bit_quantization_round_trip_is_within_half_a_code_step_of_each_block()
     x = torch.randn(10 * BLOCK + 17, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 1, 10 * BLOCK + 17)
     q, qs = bnb_f.quantize_blockwise(x, code=code, blocksize=BLOCK)
     back = bnb_f.dequantize_blockwise(q, absmax=qs.absmax, code=code, blocksize=BLOCK)
-    per_block = torch.repeat_interleave(qs.absmax, BLOCK)[:x.numel()]
+    per_block = torch.repeat_interleave(qs.absmax, BLOCK)[: x.numel()]
     err = (back - x).abs()
     assert q.dtype == torch.uint8 and bool((err <= per_block * gap / 2 * 1.001 + 1e-12).all())
     assert float(err.max()) > 0, "8 bits cannot be exact: the bound is the one being tested"
@@ -193,13 +197,16 @@ def _cfg(*overrides):
     return load_config(None, ["model=gpt-tiny", "train.global_batch=4", "train.seq_len=32", *overrides])
 
 
-@pytest.mark.parametrize("overrides, option, words", [
-    (["offload.params=disk", "parallel.pp=2"], "parallel.pp", "pipelines are not streamed"),
-    (["offload.params=disk", "parallel.zero_stage=2"], "parallel.zero_stage", "ZeRO-3's shards"),
-    (["offload.optimizer=disk", "offload.step=fused"], "offload.step", "before the global norm is known"),
-    (["offload.max_memory_gb=1"], "offload.max_memory_gb", "no state is offloaded"),
-    (["offload.params=disk", "offload.max_memory_gb=0.0001"], "offload.max_memory_gb", "smaller than one unit plus activations"),
-])
+@pytest.mark.parametrize(
+    "overrides, option, words",
+    [
+        (["offload.params=disk", "parallel.pp=2"], "parallel.pp", "pipelines are not streamed"),
+        (["offload.params=disk", "parallel.zero_stage=2"], "parallel.zero_stage", "ZeRO-3's shards"),
+        (["offload.optimizer=disk", "offload.step=fused"], "offload.step", "before the global norm is known"),
+        (["offload.max_memory_gb=1"], "offload.max_memory_gb", "no state is offloaded"),
+        (["offload.params=disk", "offload.max_memory_gb=0.0001"], "offload.max_memory_gb", "smaller than one unit plus activations"),
+    ],
+)
 def test_refused_before_launch_in_one_line(overrides, option, words):
     from behemoth.planner.feasibility import problems
 
@@ -222,8 +229,9 @@ def test_launch_refuses_an_unwritable_directory_and_a_disk_too_small(tmp_path):
         (tmp_path / "a-file").write_text("")
         found = offload_launch_problems(_cfg("offload.params=disk", f"offload.dir={where}"), 1)
         assert len(found) == 1 and "cannot be written" in found[0].message, found
-    huge = _cfg("offload.params=disk", "offload.optimizer=disk", f"offload.dir={tmp_path / 's'}", "model.n_layer=64", "model.d_model=65536",
-                "model.n_head=64")
+    huge = _cfg(
+        "offload.params=disk", "offload.optimizer=disk", f"offload.dir={tmp_path / 's'}", "model.n_layer=64", "model.d_model=65536", "model.n_head=64"
+    )
     found = offload_launch_problems(huge, 2)
     assert len(found) == 1 and "GiB of disk for 2 rank(s) but its disk has" in found[0].message
 
@@ -231,8 +239,17 @@ def test_launch_refuses_an_unwritable_directory_and_a_disk_too_small(tmp_path):
 def test_estimate_prints_the_plan_and_refuses_a_disk_too_small(tmp_path, capsys):
     from behemoth.cli import main
 
-    args = ["estimate", "--nproc", "1", "--no-calibrate", "model=gpt-tiny", "train.global_batch=2", "offload.params=disk",
-            "offload.optimizer=disk", f"offload.dir={tmp_path / 's'}"]
+    args = [
+        "estimate",
+        "--nproc",
+        "1",
+        "--no-calibrate",
+        "model=gpt-tiny",
+        "train.global_batch=2",
+        "offload.params=disk",
+        "offload.optimizer=disk",
+        f"offload.dir={tmp_path / 's'}",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     for words in ("where each state lives", "params     disk", "needed under offload.dir", "memory peak per rank", "harmony  m=1"):

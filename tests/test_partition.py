@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import measure_layer_costs
 from behemoth.models.gpt import GPTConfig, build_gpt
 from behemoth.models.init import materialize
+from behemoth.models.layered import view_of
+from behemoth.models.shape import LayerCosts, ModelShape, layer_flops
 from behemoth.parallel.pipeline import SCHEDULES, Costs, build_schedule, simulate
 from behemoth.parallel.pipeline.analysis.measure import TimedAction, measured_bubble, measured_costs, replayed_bubble
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, message_key, p2p_groups, reference_timeline
-from behemoth.models.causal_lm import measure_layer_costs
-from behemoth.models.layered import view_of
-from behemoth.models.shape import LayerCosts, ModelShape, layer_flops
 from behemoth.parallel.pipeline.partition import balance_stages, check_stage_boundaries, cut_model, even_boundaries, stage_costs
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
 from behemoth.parallel.recompute import recompute_ranks
@@ -65,13 +65,16 @@ def test_measured_costs_are_positive():
     assert costs.embed > 0 and costs.head > 0 and len(costs.blocks) == 2 and costs.blocks[0] > 0 and costs.unit == "s"
 
 
-@pytest.mark.parametrize("bounds,message", [
-    ([0, 4], "has 2 entries for 2 stages"),
-    ([1, 2, 4], "must start at 0 and end at model.n_layer=4"),
-    ([0, 2, 5], "must start at 0 and end at model.n_layer=4"),
-    ([0, 1, 2, 4], "has 4 entries"),
-    ([0, 0, 4], "is not strictly increasing"),
-])
+@pytest.mark.parametrize(
+    "bounds,message",
+    [
+        ([0, 4], "has 2 entries for 2 stages"),
+        ([1, 2, 4], "must start at 0 and end at model.n_layer=4"),
+        ([0, 2, 5], "must start at 0 and end at model.n_layer=4"),
+        ([0, 1, 2, 4], "has 4 entries"),
+        ([0, 0, 4], "is not strictly increasing"),
+    ],
+)
 def test_bad_boundaries_are_refused(bounds, message):
     with pytest.raises(BehemothError, match=message):
         check_stage_boundaries(bounds, 4, 2)
@@ -134,8 +137,12 @@ def test_transfers_are_grouped_once_in_message_order(name):
 def test_measured_bubble_arithmetic_matches_the_simulator(name):
     """Fed the simulator's own timeline as if measured, the measured bubble and per-stage costs come back exactly."""
     schedule = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
-    costs = Costs(forward=[1.0, 1.5, 1.0, 2.0] * (2 if name == "interleaved" else 1), backward=2.0,
-                  weight=1.0 if schedule.split_backward else 0.0, grad_sync=0.5 if name == "chimera" else 0.0)
+    costs = Costs(
+        forward=[1.0, 1.5, 1.0, 2.0] * (2 if name == "interleaved" else 1),
+        backward=2.0,
+        weight=1.0 if schedule.split_backward else 0.0,
+        grad_sync=0.5 if name == "chimera" else 0.0,
+    )
     sim = simulate(schedule, costs)
     timelines = [[TimedAction(i.action.kind, i.action.stage, i.action.microbatch, i.start, i.end) for i in row] for row in sim.timeline]
     assert measured_bubble(timelines) == pytest.approx(sim.bubble_fraction, abs=1e-12)
@@ -181,5 +188,7 @@ def test_flop_estimate_follows_the_block_shape():
     d, T = cfg.d_model, 32
     gpt = layer_flops(cfg.shape(), T).blocks[0]
     assert gpt == 2 * (4 * d * d + 2 * cfg.mlp_ratio * d * d) + 4 * T * d
-    llama = layer_flops(ModelShape("llama", cfg.n_layer, d, cfg.n_head, 2, cfg.head_dim, 3 * d, cfg.vocab_size, cfg.context, False, True), T).blocks[0]
+    llama = layer_flops(ModelShape("llama", cfg.n_layer, d, cfg.n_head, 2, cfg.head_dim, 3 * d, cfg.vocab_size, cfg.context, False, True), T).blocks[
+        0
+    ]
     assert llama == 2 * (2 * d * d + 2 * d * (d // 2) + 3 * d * 3 * d) + 4 * T * d

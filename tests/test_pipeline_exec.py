@@ -34,11 +34,17 @@ def train_and_report(cfg_dict: dict, resume: str | None = None) -> dict:
     trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()), resume=Path(resume) if resume else None)
     summary = trainer.run()
     pipe, module = trainer.engine.model.pipeline, trainer.engine.model.module
-    return {"losses": summary["losses"], "val": summary["val"], "start": trainer.start_step,
-            "weights": full_weights(trainer) if dist.get_rank() == 0 else None,
-            "stages": sorted(pipe.stages), "stash": pipe.last_trace.peak_stash_bytes, "recomputes": pipe.recomputes,
-            "params": sorted(n for n, _ in module.named_parameters()),
-            "grads_full": sum(p.grad is not None for p in module.parameters())}
+    return {
+        "losses": summary["losses"],
+        "val": summary["val"],
+        "start": trainer.start_step,
+        "weights": full_weights(trainer) if dist.get_rank() == 0 else None,
+        "stages": sorted(pipe.stages),
+        "stash": pipe.last_trace.peak_stash_bytes,
+        "recomputes": pipe.recomputes,
+        "params": sorted(n for n, _ in module.named_parameters()),
+        "grads_full": sum(p.grad is not None for p in module.parameters()),
+    }
 
 
 def assert_equivalent(ref: dict, got: list[dict]) -> None:
@@ -79,8 +85,7 @@ def test_schedule_matches_single_process(schedule, p, reference, tmp_path):
 @pytest.mark.parametrize("p,schedule", [(2, "1f1b"), (4, "interleaved"), (4, "chimera")])
 def test_tied_embeddings_stay_tied(p, schedule, tied_reference, tmp_path):
     """First and last stage both hold wte.weight; their gradients are summed, so both copies stay the single-process one."""
-    got = run_ranks(p, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", f"parallel.pp={p}",
-                                                          f"parallel.schedule={schedule}"))
+    got = run_ranks(p, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", f"parallel.pp={p}", f"parallel.schedule={schedule}"))
     assert_equivalent(tied_reference, got)
     holders = [r for r, res in enumerate(got) if "wte.weight" in res["params"]]
     assert holders == [0, p - 1] and "lm_head.weight" not in got[-1]["params"]
@@ -99,9 +104,19 @@ def test_three_dimensional_pp_dp_tp_on_eight_processes(zero_stage, tied_referenc
     gradients) sharded over the data-parallel pipelines; the tied, vocabulary-split embedding is summed between the
     first and last stage. (Stage 0 across pipelines: test_pipeline_times_data_parallel; ZeRO x tp without a
     pipeline: test_tensor_parallel.)"""
-    got = run_ranks(8, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
-                                                          "parallel.tp=2", f"parallel.zero_stage={zero_stage}",
-                                                          "parallel.microbatches=2"))
+    got = run_ranks(
+        8,
+        train_and_report,
+        pipeline_config(
+            tmp_path,
+            "model.tie_embeddings=true",
+            "parallel.pp=2",
+            "parallel.dp=2",
+            "parallel.tp=2",
+            f"parallel.zero_stage={zero_stage}",
+            "parallel.microbatches=2",
+        ),
+    )
     assert_equivalent(tied_reference, got)
     assert [r["stages"] for r in got] == [[0]] * 4 + [[1]] * 4
 
@@ -110,8 +125,19 @@ def test_three_dimensional_pp_dp_tp_on_eight_processes(zero_stage, tied_referenc
 def test_zero_stage_1_across_data_parallel_pipelines(schedule, tied_reference, tmp_path):
     """pp=2 x dp=2 with ZeRO-1 (optimizer state sharded over dp); tied embeddings and Chimera's replica sync
     act on the local gradient sums before ZeRO's reduce-scatter."""
-    got = run_ranks(4, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
-                                                          "parallel.zero_stage=1", "parallel.microbatches=2", f"parallel.schedule={schedule}"))
+    got = run_ranks(
+        4,
+        train_and_report,
+        pipeline_config(
+            tmp_path,
+            "model.tie_embeddings=true",
+            "parallel.pp=2",
+            "parallel.dp=2",
+            "parallel.zero_stage=1",
+            "parallel.microbatches=2",
+            f"parallel.schedule={schedule}",
+        ),
+    )
     assert_equivalent(tied_reference, got)
 
 
@@ -121,18 +147,31 @@ def test_zero_stage_2_across_data_parallel_pipelines(schedule, tied_reference, t
     weight-gradient pass under ZB-H1, which writes .grad without hooks), no full gradient is kept between
     micro-batches, and the tied embedding, in a bucket of its own, is summed over stages first. Interleaved: two
     stages per rank, each with its own buckets. 4 micro-batches per pipeline, so reductions really accumulate."""
-    got = run_ranks(4, train_and_report, pipeline_config(tmp_path, "model.tie_embeddings=true", "parallel.pp=2", "parallel.dp=2",
-                                                          "parallel.zero_stage=2", f"parallel.schedule={schedule}",
-                                                          "parallel.bucket_mb=0.05"))
+    got = run_ranks(
+        4,
+        train_and_report,
+        pipeline_config(
+            tmp_path,
+            "model.tie_embeddings=true",
+            "parallel.pp=2",
+            "parallel.dp=2",
+            "parallel.zero_stage=2",
+            f"parallel.schedule={schedule}",
+            "parallel.bucket_mb=0.05",
+        ),
+    )
     assert_equivalent(tied_reference, got)
     assert [r["stages"] for r in got] == ([[0, 2]] * 2 + [[1, 3]] * 2 if schedule == "interleaved" else [[0]] * 2 + [[1]] * 2)
     assert all(r["grads_full"] == 0 for r in got), "ZeRO-2 kept a full gradient after the step"
 
 
-@pytest.mark.parametrize("arch,options,schedule", [
-    ("llama", ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"], "1f1b"),
-    ("gpt2", ["model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"], "zb-h1"),
-])
+@pytest.mark.parametrize(
+    "arch,options,schedule",
+    [
+        ("llama", ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"], "1f1b"),
+        ("gpt2", ["model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"], "zb-h1"),
+    ],
+)
 def test_hugging_face_models_at_p2(arch, options, schedule, tmp_path):
     """Unmodified transformers Llama (grouped-query attention) and GPT-2 (tied head) cut into 2 stages."""
     pytest.importorskip("transformers")
@@ -213,8 +252,9 @@ def _step_with_a_lost_send(cfg_dict: dict) -> str:
     ex = engine.model.pipeline.executor
     if dist.get_rank() == 0:
         lost = next(j for j, a in enumerate(ex.actions) if a.kind is Kind.SEND_ACT and a.microbatch == 1)
-        ex.groups = {at: [dataclasses.replace(g, ops=tuple(j for j in g.ops if j != lost)) for g in groups]
-                     for at, groups in ex.groups.items()}  # out of its group; the SEND action itself issues nothing
+        ex.groups = {
+            at: [dataclasses.replace(g, ops=tuple(j for j in g.ops if j != lost)) for g in groups] for at, groups in ex.groups.items()
+        }  # out of its group; the SEND action itself issues nothing
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
     layout = BatchLayout.resolve(cfg.train.global_batch, 2, 1)
     try:
@@ -224,26 +264,43 @@ def _step_with_a_lost_send(cfg_dict: dict) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--nproc", "4", "parallel.pp=4"], "parallel.pp=4 makes 4 pipeline stages but model.n_layer=2: every stage needs at least one block"),
-    (["--nproc", "2", "parallel.pp=2", "parallel.schedule=interleaved", "model.n_layer=4", "parallel.microbatches=1"],
-     "parallel.microbatches=1: interleaved 1F1B needs micro-batches divisible by parallel.pp=2"),
-    (["--nproc", "2", "parallel.pp=2", "parallel.schedule=interleaved", "model.n_layer=2", "parallel.microbatches=2"],
-     "parallel.pp=2 x parallel.chunks=2 makes 4 pipeline stages but model.n_layer=2"),
-    (["--nproc", "3", "parallel.pp=3", "model.n_layer=3", "parallel.schedule=chimera", "parallel.microbatches=4"],
-     "parallel.pp=3: Chimera needs an even number of stages"),
-    (["--nproc", "2", "parallel.pp=2", "parallel.schedule=chimera", "parallel.microbatches=1"],
-     "parallel.microbatches=1: Chimera runs whole basic units of D=2 micro-batches"),
-    (["--nproc", "4", "parallel.pp=3"], "pp=3 x ep=1 x tp=1 = 3 does not divide the world size 4"),
-    (["--nproc", "4", "parallel.pp=2", "parallel.dp=3"], "= 6, but the world size is 4"),
-    (["--nproc", "2", "parallel.pp=2", "parallel.stage_boundaries=[0,2,2]", "model.n_layer=2"],
-     "parallel.stage_boundaries=[0, 2, 2] is not strictly increasing"),
-    (["--nproc", "2", "parallel.pp=2", "parallel.microbatches=4", "train.micro_batch=1"],
-     "train.micro_batch=1 contradicts parallel.microbatches=4"),
-    (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=3"], "parallel.zero_stage=3 with pp=2: ZeRO-3 would gather"),
-    (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=2", "parallel.schedule=chimera", "parallel.microbatches=2"],
-     "parallel.zero_stage=2 with parallel.schedule=chimera"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--nproc", "4", "parallel.pp=4"], "parallel.pp=4 makes 4 pipeline stages but model.n_layer=2: every stage needs at least one block"),
+        (
+            ["--nproc", "2", "parallel.pp=2", "parallel.schedule=interleaved", "model.n_layer=4", "parallel.microbatches=1"],
+            "parallel.microbatches=1: interleaved 1F1B needs micro-batches divisible by parallel.pp=2",
+        ),
+        (
+            ["--nproc", "2", "parallel.pp=2", "parallel.schedule=interleaved", "model.n_layer=2", "parallel.microbatches=2"],
+            "parallel.pp=2 x parallel.chunks=2 makes 4 pipeline stages but model.n_layer=2",
+        ),
+        (
+            ["--nproc", "3", "parallel.pp=3", "model.n_layer=3", "parallel.schedule=chimera", "parallel.microbatches=4"],
+            "parallel.pp=3: Chimera needs an even number of stages",
+        ),
+        (
+            ["--nproc", "2", "parallel.pp=2", "parallel.schedule=chimera", "parallel.microbatches=1"],
+            "parallel.microbatches=1: Chimera runs whole basic units of D=2 micro-batches",
+        ),
+        (["--nproc", "4", "parallel.pp=3"], "pp=3 x ep=1 x tp=1 = 3 does not divide the world size 4"),
+        (["--nproc", "4", "parallel.pp=2", "parallel.dp=3"], "= 6, but the world size is 4"),
+        (
+            ["--nproc", "2", "parallel.pp=2", "parallel.stage_boundaries=[0,2,2]", "model.n_layer=2"],
+            "parallel.stage_boundaries=[0, 2, 2] is not strictly increasing",
+        ),
+        (
+            ["--nproc", "2", "parallel.pp=2", "parallel.microbatches=4", "train.micro_batch=1"],
+            "train.micro_batch=1 contradicts parallel.microbatches=4",
+        ),
+        (["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=3"], "parallel.zero_stage=3 with pp=2: ZeRO-3 would gather"),
+        (
+            ["--nproc", "4", "parallel.pp=2", "parallel.zero_stage=2", "parallel.schedule=chimera", "parallel.microbatches=2"],
+            "parallel.zero_stage=2 with parallel.schedule=chimera",
+        ),
+    ],
+)
 def test_impossible_pipeline_refused_before_launch(argv, message, capsys, tmp_path):
     tiny = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "run.progress=false", f"data.cache_dir={CACHE}"]
     assert main(["train", *argv, f"run.dir={tmp_path}/run", *tiny]) == 2

@@ -10,13 +10,27 @@ import pytest
 
 from behemoth.errors import BehemothError
 from behemoth.parallel.pipeline import (
-    SCHEDULES, Action, Costs, Kind, Schedule, ScheduleError, build_schedule, chimera, closed_form_bubble, gpipe,
-    interleaved, one_f_one_b, run_timeline, simulate, validate, zb_h1,
+    SCHEDULES,
+    Action,
+    Costs,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    chimera,
+    closed_form_bubble,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    run_timeline,
+    simulate,
+    validate,
+    zb_h1,
 )
 from behemoth.parallel.pipeline.analysis.gantt import format_grid
-from behemoth.parallel.pipeline.p2p_groups import P2PGroup, message_key, p2p_groups
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.analysis.report import compare, schedule_main
+from behemoth.parallel.pipeline.p2p_groups import P2PGroup, message_key, p2p_groups
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS
 
 
@@ -41,7 +55,7 @@ def test_every_buildable_schedule_validates(name):
     built = 0
     for p in (1, 2, 3, 4, 8):
         for m in range(1, 17):
-            for v in ((2, 3, 4) if name == "interleaved" else (1,)):
+            for v in (2, 3, 4) if name == "interleaved" else (1,):
                 try:
                     schedule = build_schedule(name, p, m, v)
                 except ScheduleError:
@@ -80,8 +94,11 @@ def test_validator_catches_a_deadlock_from_a_late_send():
     rank0 = s.per_rank[0]
     send = rank0.pop(index_of(rank0, Kind.SEND_ACT, 0, 0))
     rank0.insert(index_of(rank0, Kind.BACKWARD, 0, 0) + 1, send)  # statically fine: still after its forward
-    with pytest.raises(ScheduleError, match=r"deadlocks: rank 0 waits at action \d+ RECV_GRAD\(stage=1, mb=0, from rank 1\); "
-                                            r"rank 1 waits at action 0 RECV_ACT\(stage=0, mb=0, from rank 0\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"deadlocks: rank 0 waits at action \d+ RECV_GRAD\(stage=1, mb=0, from rank 1\); "
+        r"rank 1 waits at action 0 RECV_ACT\(stage=0, mb=0, from rank 0\)",
+    ):
         validate(s)
 
 
@@ -155,8 +172,10 @@ def megatron_pairs(schedule: Schedule, rank: int) -> list[P2PGroup]:
     for j, a in enumerate(actions):
         if a.kind in RECVS or a.kind in SENDS:
             slots.setdefault(bisect.bisect(compute, j), []).append(j)
-    return [P2PGroup(compute[slot - 1] + 1 if slot else 0, tuple(sorted(js, key=lambda j: (actions[j].kind in RECVS, message_key(actions[j])))))
-            for slot, js in sorted(slots.items())]
+    return [
+        P2PGroup(compute[slot - 1] + 1 if slot else 0, tuple(sorted(js, key=lambda j: (actions[j].kind in RECVS, message_key(actions[j])))))
+        for slot, js in sorted(slots.items())
+    ]
 
 
 def test_nccl_model_catches_the_early_posting_deadlock():
@@ -164,11 +183,14 @@ def test_nccl_model_catches_the_early_posting_deadlock():
     rank's stream is stuck at a receive whose sender is stuck behind its own receive. The executor's groups finish."""
     s = one_f_one_b(2, 4)
     run_timeline(s)
-    with pytest.raises(ScheduleError, match=r"^schedule 1f1b deadlocks under NCCL's rendezvous p2p.*: rank 0 waits at action 4 "
-                       r"RECV_GRAD\(stage=1, mb=0, from rank 1\): its stream is stuck at RECV_GRAD\(stage=1, mb=0, from rank 1\), "
-                       r"which rank 1 has not issued yet; rank 1 waits at action 0 RECV_ACT\(stage=0, mb=0, from rank 0\): its "
-                       r"stream is stuck at RECV_ACT\(stage=0, mb=0, from rank 0\), whose match on rank 0 is queued behind "
-                       r"RECV_GRAD\(stage=1, mb=0, from rank 1\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^schedule 1f1b deadlocks under NCCL's rendezvous p2p.*: rank 0 waits at action 4 "
+        r"RECV_GRAD\(stage=1, mb=0, from rank 1\): its stream is stuck at RECV_GRAD\(stage=1, mb=0, from rank 1\), "
+        r"which rank 1 has not issued yet; rank 1 waits at action 0 RECV_ACT\(stage=0, mb=0, from rank 0\): its "
+        r"stream is stuck at RECV_ACT\(stage=0, mb=0, from rank 0\), whose match on rank 0 is queued behind "
+        r"RECV_GRAD\(stage=1, mb=0, from rank 1\)",
+    ):
         check_rendezvous(s, early_posting)
     check_rendezvous(s)
     for name in SCHEDULES:  # every schedule, the steady state included (m = 2p)
@@ -182,8 +204,11 @@ def test_pairing_by_gaps_alone_deadlocks_interleaved():
     """Megatron's send-with-receive pairing suffices for 1F1B but not at interleaving's chunk boundaries, where both
     ranks of a pair send a gradient before receiving the other's: why the groups follow the schedule's timeline."""
     check_rendezvous(one_f_one_b(4, 8), megatron_pairs)
-    with pytest.raises(ScheduleError, match=r"interleaved deadlocks .* rank 0 waits at action \d+ RECV_GRAD\(stage=3, mb=1, "
-                                            r"from rank 1\): its stream is stuck at SEND_GRAD\(stage=2, mb=0, to rank 1\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"interleaved deadlocks .* rank 0 waits at action \d+ RECV_GRAD\(stage=3, mb=1, "
+        r"from rank 1\): its stream is stuck at SEND_GRAD\(stage=2, mb=0, to rank 1\)",
+    ):
         check_rendezvous(interleaved(2, 4, 2), megatron_pairs)
     check_rendezvous(interleaved(2, 4, 2))
 
@@ -192,26 +217,36 @@ def test_nccl_model_catches_out_of_order_matching_swapped_syncs_and_early_sends(
     """NCCL pairs the k-th send of a pair with the k-th receive, whatever the tag: issued out of order, the wrong
     tensor would arrive. Chimera's syncs are exchange groups on the same stream: swapped on one rank, NCCL would pair
     one stage's gradients with the other's."""
+
     def swapped_receives(schedule: Schedule, rank: int) -> list[P2PGroup]:
         groups = p2p_groups(schedule, rank)
         return [groups[1], groups[0], *groups[2:]] if rank == 1 else groups
 
-    with pytest.raises(ScheduleError, match=r"gpipe mismatches under NCCL's in-order matching: rank 0's send #0 to rank 1 is "
-                                            r"SEND_ACT\(stage=0, mb=0, to rank 1\) but rank 1's receive #0 from rank 0 is "
-                                            r"RECV_ACT\(stage=0, mb=1, from rank 0\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"gpipe mismatches under NCCL's in-order matching: rank 0's send #0 to rank 1 is "
+        r"SEND_ACT\(stage=0, mb=0, to rank 1\) but rank 1's receive #0 from rank 0 is "
+        r"RECV_ACT\(stage=0, mb=1, from rank 0\)",
+    ):
         check_rendezvous(gpipe(2, 4), swapped_receives)
     s = editable(chimera(4, 4))
     s.per_rank[0][-3], s.per_rank[0][-2] = s.per_rank[0][-2], s.per_rank[0][-3]
-    with pytest.raises(ScheduleError, match=r"rank 3's send #0 to rank 0 is send of GRAD_SYNC\(stage=0, with rank 0\) but rank 0's "
-                                            r"receive #0 from rank 3 is receive of GRAD_SYNC\(stage=3, with rank 3\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 3's send #0 to rank 0 is send of GRAD_SYNC\(stage=0, with rank 0\) but rank 0's "
+        r"receive #0 from rank 3 is receive of GRAD_SYNC\(stage=3, with rank 3\)",
+    ):
         check_rendezvous(s, megatron_pairs)  # (the default groups need the buffered timeline, which already hangs)
 
     def send_too_early(schedule: Schedule, rank: int) -> list[P2PGroup]:
         groups = p2p_groups(schedule, rank)
         return [dataclasses.replace(groups[0], at=0), *groups[1:]] if rank == 0 else groups
 
-    with pytest.raises(ScheduleError, match=r"rank 0's action 1 SEND_ACT\(stage=0, mb=0, to rank 1\), grouped before action 0, "
-                                            r"is issued before the pass that produces it"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 0's action 1 SEND_ACT\(stage=0, mb=0, to rank 1\), grouped before action 0, "
+        r"is issued before the pass that produces it",
+    ):
         check_rendezvous(one_f_one_b(2, 2), send_too_early)
 
 
@@ -235,6 +270,7 @@ def test_every_schedule_is_nccl_safe_at_any_lookahead(name):
 def test_evaluation_order_is_nccl_safe():
     """forward_only: for each batch, every rank runs its stages (the first replicas) in stage order, a lone receive
     before and a lone send after each. Batched on the group's one stream, that (batch, stage) order cannot hang."""
+
     def lone(schedule: Schedule, rank: int) -> list[P2PGroup]:
         return [P2PGroup(j, (j,)) for j, a in enumerate(schedule.per_rank[rank]) if a.kind in SENDS or a.kind in RECVS]
 
@@ -361,12 +397,14 @@ def test_stash_counts():
 
 
 def test_grid_of_a_tiny_1f1b():
-    assert format_grid(one_f_one_b(2, 3)) == "\n".join([
-        "1f1b: p=2 m=3 v=1",
-        "slot   |  0  1  2  3  4  5  6  7",
-        "rank 0 | F0 F1  . B0 F2 B1  . B2",
-        "rank 1 |  . F0 B0 F1 B1 F2 B2  .",
-    ])
+    assert format_grid(one_f_one_b(2, 3)) == "\n".join(
+        [
+            "1f1b: p=2 m=3 v=1",
+            "slot   |  0  1  2  3  4  5  6  7",
+            "rank 0 | F0 F1  . B0 F2 B1  . B2",
+            "rank 1 |  . F0 B0 F1 B1 F2 B2  .",
+        ]
+    )
 
 
 def test_grid_marks_chunks_and_weight_passes():
@@ -381,16 +419,19 @@ def test_grid_marks_chunks_and_weight_passes():
 # ---------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("request_, message", [
-    (("interleaved", 4, 6, 2), r"^microbatches=6: interleaved 1F1B needs micro-batches divisible by stages=4 .*; use --microbatches 8$"),
-    (("interleaved", 4, 8, 1), r"^chunks=1: interleaved 1F1B needs at least 2 model chunks per rank; use --chunks 2"),
-    (("chimera", 3, 6, 1), r"^stages=3: Chimera needs an even number of stages .*; use --stages 4 or 2$"),
-    (("chimera", 4, 6, 1), r"^microbatches=6: Chimera runs whole basic units of D=4 micro-batches .*; use --microbatches 4 or 8$"),
-    (("1f1b", 4, 0, 1), r"^microbatches=0: a step needs at least one micro-batch; use --microbatches 4 or more"),
-    (("gpipe", 0, 4, 1), r"^stages=0: a pipeline needs at least one stage; use --stages 1 or more$"),
-    (("1f1b", 4, 8, 2), r"^chunks=2: only the interleaved schedule holds several model chunks per rank"),
-    (("pipedream", 4, 8, 1), r"^schedule='pipedream' is not one of gpipe, 1f1b, interleaved, zb-h1, chimera"),
-])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (("interleaved", 4, 6, 2), r"^microbatches=6: interleaved 1F1B needs micro-batches divisible by stages=4 .*; use --microbatches 8$"),
+        (("interleaved", 4, 8, 1), r"^chunks=1: interleaved 1F1B needs at least 2 model chunks per rank; use --chunks 2"),
+        (("chimera", 3, 6, 1), r"^stages=3: Chimera needs an even number of stages .*; use --stages 4 or 2$"),
+        (("chimera", 4, 6, 1), r"^microbatches=6: Chimera runs whole basic units of D=4 micro-batches .*; use --microbatches 4 or 8$"),
+        (("1f1b", 4, 0, 1), r"^microbatches=0: a step needs at least one micro-batch; use --microbatches 4 or more"),
+        (("gpipe", 0, 4, 1), r"^stages=0: a pipeline needs at least one stage; use --stages 1 or more$"),
+        (("1f1b", 4, 8, 2), r"^chunks=2: only the interleaved schedule holds several model chunks per rank"),
+        (("pipedream", 4, 8, 1), r"^schedule='pipedream' is not one of gpipe, 1f1b, interleaved, zb-h1, chimera"),
+    ],
+)
 def test_impossible_requests_are_refused_in_one_line(request_, message):
     with pytest.raises(BehemothError, match=message) as err:
         build_schedule(*request_)

@@ -10,10 +10,25 @@ from behemoth.planner.cluster import load_cluster
 from behemoth.planner.feasibility import problems
 from behemoth.planner.layout import Layout
 
-GPT_7B = ["model.n_layer=36", "model.d_model=4096", "model.n_head=32", "model.vocab_size=51200", "model.context=2048",
-          "train.seq_len=2048", "train.global_batch=512", "train.precision=bf16"]
-GPT_1T = ["model.n_layer=128", "model.d_model=25600", "model.n_head=160", "model.vocab_size=51200", "model.context=2048",
-          "train.global_batch=3072", "train.precision=bf16"]
+GPT_7B = [
+    "model.n_layer=36",
+    "model.d_model=4096",
+    "model.n_head=32",
+    "model.vocab_size=51200",
+    "model.context=2048",
+    "train.seq_len=2048",
+    "train.global_batch=512",
+    "train.precision=bf16",
+]
+GPT_1T = [
+    "model.n_layer=128",
+    "model.d_model=25600",
+    "model.n_head=160",
+    "model.vocab_size=51200",
+    "model.context=2048",
+    "train.global_batch=3072",
+    "train.precision=bf16",
+]
 
 
 def test_plan_prints_a_ranked_explained_table_and_writes_the_plan(tmp_path, capsys):
@@ -40,8 +55,11 @@ def test_pinned_options_are_not_searched(capsys):
 def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would(capsys):
     assert main(["plan", "--cluster", "a100-80gb", "--world", "64", *GPT_1T]) == 3
     out = capsys.readouterr().out
-    found = re.search(r"No plan fits 64 devices of ([\d.]+) GiB usable: the lightest, .*, needs ([\d.]+) GiB on pp rank \d+, "
-                      r"([\d.]+) GiB \((\d+)%\) more", out)
+    found = re.search(
+        r"No plan fits 64 devices of ([\d.]+) GiB usable: the lightest, .*, needs ([\d.]+) GiB on pp rank \d+, "
+        r"([\d.]+) GiB \((\d+)%\) more",
+        out,
+    )
     assert found, out
     usable, need, over = (float(found.group(i)) for i in (1, 2, 3))
     assert abs(need - usable - over) < 0.2
@@ -53,9 +71,28 @@ def test_estimate_sizes_a_layout_on_paper(capsys):
     """1,024 processes on paper, no process started: the resolved shape in the header, each pipeline rank's memory."""
     from behemoth.cli.estimate import estimate_main
 
-    assert estimate_main(["--world", "1024", "model.n_layer=80", "model.d_model=12288", "model.n_head=96", "model.vocab_size=51200",
-                          "model.context=2048", "train.global_batch=1024", "train.micro_batch=1", "parallel.tp=8", "parallel.pp=8",
-                          "parallel.zero_stage=1", "parallel.sequence_parallel=true", "train.precision=bf16", "parallel.param_dtype=bf16"]) == 0
+    assert (
+        estimate_main(
+            [
+                "--world",
+                "1024",
+                "model.n_layer=80",
+                "model.d_model=12288",
+                "model.n_head=96",
+                "model.vocab_size=51200",
+                "model.context=2048",
+                "train.global_batch=1024",
+                "train.micro_batch=1",
+                "parallel.tp=8",
+                "parallel.pp=8",
+                "parallel.zero_stage=1",
+                "parallel.sequence_parallel=true",
+                "train.precision=bf16",
+                "parallel.param_dtype=bf16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "gpt 80 layers x d_model 12288, 96 heads" in out and "dp=16 x tp=8 x pp=8, ZeRO-1, sequence parallel" in out
     ranks = re.findall(r"^\s+(\d+)\s+([\d.]+) GiB \(([\d.]+) GB\)", out, re.M)

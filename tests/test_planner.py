@@ -28,8 +28,19 @@ def test_model_states_per_rank_are_16_psi_over_t_p(tp, pp, zero, dp):
     built on meta) equals the planner's closed form to the padding, and both equal the formula within what t does not
     split (norm weights) and the first stage's embedding."""
     world = tp * pp * dp
-    cfg = load_config(None, ["model=gpt-tiny", *BIG, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.zero_stage={zero}",
-                             "train.global_batch=8", "train.seq_len=64", "parallel.bucket_mb=1000"])
+    cfg = load_config(
+        None,
+        [
+            "model=gpt-tiny",
+            *BIG,
+            f"parallel.tp={tp}",
+            f"parallel.pp={pp}",
+            f"parallel.zero_stage={zero}",
+            "train.global_batch=8",
+            "train.seq_len=64",
+            "parallel.bucket_mb=1000",
+        ],
+    )
     work = Workload.of(cfg)
     exact = estimate(cfg, world=world, stages=(zero,))[0]
     closed = price(work, Layout.of_config(cfg, world), load_cluster("a100-80gb")).memory[0]
@@ -49,8 +60,10 @@ def test_model_states_per_rank_are_16_psi_over_t_p(tp, pp, zero, dp):
 def test_the_issue_examples_are_sized_by_layout():
     """18.4B at t=8: ~37 GB of model states per rank (the tp-blind estimate said 295 GB); 145.6B at t=8, p=8: ~36 GB."""
     shape = ["model.vocab_size=51200", "model.context=2048", "train.global_batch=64"]
-    cases = [(["model.n_layer=40", "model.d_model=6144", "model.n_head=48", "parallel.tp=8"], 8),
-             (["model.n_layer=80", "model.d_model=12288", "model.n_head=96", "parallel.tp=8", "parallel.pp=8"], 64)]
+    cases = [
+        (["model.n_layer=40", "model.d_model=6144", "model.n_head=48", "parallel.tp=8"], 8),
+        (["model.n_layer=80", "model.d_model=12288", "model.n_head=96", "parallel.tp=8", "parallel.pp=8"], 64),
+    ]
     for opts, world in cases:
         states = estimate(load_config(None, shape + opts), world=world, stages=(0,))[0].states
         assert 35e9 < states < 39e9, states
@@ -93,10 +106,15 @@ def _saved_per_token(options: list[str], b: int = 2, s: int = 16) -> tuple[float
     return meter.total / 4 / (b * s), lm.shape
 
 
-@pytest.mark.parametrize("options", [["model.d_model=48", "model.n_head=4", "model.mlp_ratio=3"],
-                                     ["model=hf:llama", "model.d_model=64", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=96"],
-                                     ["model=hf:llama", "model.d_model=48", "model.n_head=6", "hf.kv_heads=6", "hf.ffn=40"],
-                                     ["model=hf:gpt2", "model.d_model=64", "model.n_head=8", "hf.ffn=80"]])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["model.d_model=48", "model.n_head=4", "model.mlp_ratio=3"],
+        ["model=hf:llama", "model.d_model=64", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=96"],
+        ["model=hf:llama", "model.d_model=48", "model.n_head=6", "hf.kv_heads=6", "hf.ffn=40"],
+        ["model=hf:gpt2", "model.d_model=64", "model.n_head=8", "hf.ffn=80"],
+    ],
+)
 def test_block_activations_match_what_autograd_saves(options):
     from behemoth.models.activations import block_activation_elements
 
@@ -150,8 +168,9 @@ def test_search_finds_the_brute_force_optimum(memory_gb):
     cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update={"memory_gb": memory_gb, "reserved_gb": 0.0})})
     everything = sorted(brute_force(cfg, 4, cluster), key=lambda c: c.step_seconds)
     best = next(c for c in everything if not refusals(cfg, c.layout, 4))
-    found = search(Workload.of(cfg), cluster, 4, Space(schedules=("1f1b", "gpipe", "zb-h1", "interleaved", "chimera"), chunks=(2,)),
-                   cfg=cfg, exact=0).ranked[0]
+    found = search(
+        Workload.of(cfg), cluster, 4, Space(schedules=("1f1b", "gpipe", "zb-h1", "interleaved", "chimera"), chunks=(2,)), cfg=cfg, exact=0
+    ).ranked[0]
     assert found.step_seconds == pytest.approx(best.step_seconds, rel=1e-9), (found.layout.describe(), best.layout.describe())
     if memory_gb < 0.01:  # tight: many plans fit only by recomputing (on some ranks, or with other boundaries)
         work = Workload.of(cfg)
@@ -162,8 +181,20 @@ def test_search_finds_the_brute_force_optimum(memory_gb):
 def test_a_trillion_parameters_on_3072_gpus_plan_in_seconds():
     """Megatron-LM's 1T GPT (128 layers, d_model 25600, 160 heads) on 3,072 A100s, global batch 3,072: under 10 s on one
     core, and the plan fits its 80 GB with tensor parallelism inside a node."""
-    cfg = load_config(None, ["model.n_layer=128", "model.d_model=25600", "model.n_head=160", "model.vocab_size=51200", "model.context=2048",
-                             "train.global_batch=3072", "train.precision=bf16", "parallel.param_dtype=bf16", "parallel.zero_stage=1"])
+    cfg = load_config(
+        None,
+        [
+            "model.n_layer=128",
+            "model.d_model=25600",
+            "model.n_head=160",
+            "model.vocab_size=51200",
+            "model.context=2048",
+            "train.global_batch=3072",
+            "train.precision=bf16",
+            "parallel.param_dtype=bf16",
+            "parallel.zero_stage=1",
+        ],
+    )
     t0 = time.perf_counter()
     result = search(Workload.of(cfg), load_cluster("a100-80gb"), 3072, cfg=cfg)
     seconds = time.perf_counter() - t0

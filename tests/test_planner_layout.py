@@ -55,8 +55,9 @@ def test_closed_form_of_experts_equals_the_exact_layout(opts, world):
     """The search's closed form (a one-block census, dense parameters over dp x ep, experts over dp) against the meta
     layout of the whole model at every ZeRO stage (an expert count over dp x ep, or experts kept whole, would differ)."""
     for zero in (0, 1, 2, 3):
-        cfg = load_config(None, ["model=gpt-moe-tiny", "train.global_batch=8", "train.seq_len=32", "parallel.bucket_mb=1000",
-                                 f"parallel.zero_stage={zero}", *opts])
+        cfg = load_config(
+            None, ["model=gpt-moe-tiny", "train.global_batch=8", "train.seq_len=32", "parallel.bucket_mb=1000", f"parallel.zero_stage={zero}", *opts]
+        )
         exact = estimate(cfg, world=world, stages=(zero,))[0]
         closed = price(Workload.of(cfg), Layout.of_config(cfg, world), load_cluster("a100-80gb")).memory[0]
         assert closed.states == pytest.approx(exact.states, rel=1e-12), (zero, closed.states, exact.states)

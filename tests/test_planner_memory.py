@@ -20,22 +20,36 @@ TOLERANCE = 0.05
 
 GRID = {  # world: plans (each one run by every rank of that world, one after another)
     1: [(), ("parallel.recompute=full",)],
-    2: [("parallel.zero_stage=1",), ("parallel.zero_stage=2",), ("parallel.zero_stage=3",),
+    2: [
+        ("parallel.zero_stage=1",),
+        ("parallel.zero_stage=2",),
+        ("parallel.zero_stage=3",),
         ("parallel.tp=2", "parallel.sequence_parallel=true"),
         ("parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"),
         ("parallel.pp=2", "parallel.schedule=interleaved", "train.micro_batch=2"),
         ("parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batch=2"),
-        ("parallel.pp=2", "parallel.schedule=chimera", "train.micro_batch=2", "parallel.recompute=early")],
+        ("parallel.pp=2", "parallel.schedule=chimera", "train.micro_batch=2", "parallel.recompute=early"),
+    ],
     4: [("parallel.pp=2", "parallel.tp=2", "train.micro_batch=2", "parallel.zero_stage=1")],
 }
 SLOW_GRID = {
     1: [("train.micro_batch=2",), ("model.tie_embeddings=true",)],
-    2: [("parallel.zero_stage=0",), ("parallel.tp=2",), ("parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batch=2"),
-        ("parallel.pp=2", "parallel.recompute=early", "train.micro_batch=2"), ("parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batch=1"),
-        ("parallel.zero_stage=3", "parallel.param_dtype=bf16"), ("parallel.tp=2", "parallel.recompute=full")],
-    4: [("parallel.tp=2", "parallel.zero_stage=1"), ("parallel.pp=4", "train.micro_batch=1", "parallel.schedule=1f1b"),
+    2: [
+        ("parallel.zero_stage=0",),
+        ("parallel.tp=2",),
+        ("parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batch=2"),
+        ("parallel.pp=2", "parallel.recompute=early", "train.micro_batch=2"),
+        ("parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batch=1"),
+        ("parallel.zero_stage=3", "parallel.param_dtype=bf16"),
+        ("parallel.tp=2", "parallel.recompute=full"),
+    ],
+    4: [
+        ("parallel.tp=2", "parallel.zero_stage=1"),
+        ("parallel.pp=4", "train.micro_batch=1", "parallel.schedule=1f1b"),
         ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=2", "parallel.schedule=interleaved"),
-        ("parallel.zero_stage=3",), ("parallel.pp=4", "train.micro_batch=2", "parallel.schedule=chimera")],
+        ("parallel.zero_stage=3",),
+        ("parallel.pp=4", "train.micro_batch=2", "parallel.schedule=chimera"),
+    ],
 }
 
 

@@ -13,25 +13,29 @@ from tests.common import tiny_config
 from tests.dist import run_ranks
 
 PLANS = {  # world: (options, the runtime refuses it)
-    2: [(("parallel.pp=2", "train.micro_batch=2"), False),
+    2: [
+        (("parallel.pp=2", "train.micro_batch=2"), False),
         (("parallel.tp=2", "parallel.sequence_parallel=true"), False),
-        (("parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=31"), True),       # SP splits the sequence
-        (("parallel.pp=2", "parallel.schedule=chimera", "train.micro_batch=8"), True),         # one micro-batch per step
-        (("parallel.pp=2", "parallel.zero_stage=3"), True),                                   # ZeRO-3 under a pipeline
-        (("parallel.pp=2", "parallel.schedule=interleaved", "train.micro_batch=2"), True),     # 4 stages of 2 blocks
-        (("train.global_batch=7",), True),                                                     # 7 sequences over dp=2
-        (("model.d_model=36", "model.n_head=3", "parallel.tp=2"), True),                       # 3 heads over tp=2
-        (("parallel.pp=2", "parallel.recompute=[3]", "train.micro_batch=2"), True)],           # no pipeline rank 3
-    4: [(("parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"), False),
-        (("parallel.pp=3",), True),                                                            # 3 does not divide 4
-        (("parallel.tp=4",), True)],                                                           # 2 heads over tp=4
+        (("parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=31"), True),  # SP splits the sequence
+        (("parallel.pp=2", "parallel.schedule=chimera", "train.micro_batch=8"), True),  # one micro-batch per step
+        (("parallel.pp=2", "parallel.zero_stage=3"), True),  # ZeRO-3 under a pipeline
+        (("parallel.pp=2", "parallel.schedule=interleaved", "train.micro_batch=2"), True),  # 4 stages of 2 blocks
+        (("train.global_batch=7",), True),  # 7 sequences over dp=2
+        (("model.d_model=36", "model.n_head=3", "parallel.tp=2"), True),  # 3 heads over tp=2
+        (("parallel.pp=2", "parallel.recompute=[3]", "train.micro_batch=2"), True),
+    ],  # no pipeline rank 3
+    4: [
+        (("parallel.tp=2", "parallel.pp=2", "train.micro_batch=2"), False),
+        (("parallel.pp=3",), True),  # 3 does not divide 4
+        (("parallel.tp=4",), True),
+    ],  # 2 heads over tp=4
 }
 
 
 def run_each(cfgs: list[dict]) -> list[str]:
     """Build each plan's engine and run one step; 'ok' or what the runtime raised."""
-    from behemoth.profiler.measure import random_micro_batches
     from behemoth.engine import build_engine
+    from behemoth.profiler.measure import random_micro_batches
     from behemoth.topology import init_runtime
 
     out = []
@@ -68,9 +72,22 @@ def test_train_parallel_auto_plans_and_runs_the_top_plan(tmp_path, capsys):
     from behemoth.cli import main
 
     run = tmp_path / "run"
-    options = [o for o in ["model=gpt-tiny", "train.steps=2", "train.global_batch=8", "train.seq_len=32", "train.eval_every=0",
-                           "train.eval_batches=1", "train.peak_tflops=1", "checkpoint.every=0", "run.progress=false", f"run.dir={run}",
-                           f"data.cache_dir={tmp_path / 'cache'}"]]
+    options = [
+        o
+        for o in [
+            "model=gpt-tiny",
+            "train.steps=2",
+            "train.global_batch=8",
+            "train.seq_len=32",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.peak_tflops=1",
+            "checkpoint.every=0",
+            "run.progress=false",
+            f"run.dir={run}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ]
+    ]
     assert main(["train", "--nproc", "2", "parallel=auto", *options]) == 0
     out = capsys.readouterr().out
     assert "parallel=auto planned for 2 process(es)" in out and " 1  dp=" in out

@@ -22,8 +22,10 @@ def refused(argv: list[str], capsys) -> list[str]:
 def test_a_run_dir_under_a_file_is_refused(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     lines = refused([f"run.dir={tmp_path}/file/run"], capsys)
-    assert lines == [f"behemoth: error: run.dir={tmp_path}/file/run cannot be written: {tmp_path}/file is a file, not a folder; "
-                     "choose a directory you can write to"]
+    assert lines == [
+        f"behemoth: error: run.dir={tmp_path}/file/run cannot be written: {tmp_path}/file is a file, not a folder; "
+        "choose a directory you can write to"
+    ]
 
 
 def test_the_probe_leaves_nothing_behind(tmp_path, capsys):
@@ -37,8 +39,10 @@ def test_a_run_dir_holding_another_run_is_refused(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
     (tmp_path / "config.yaml").write_text("{}\n")
     lines = refused([f"run.dir={tmp_path}"], capsys)
-    assert lines == [f"behemoth: error: run.dir={tmp_path} holds another run's files (config.yaml, metrics.jsonl); choose another "
-                     "run.dir (unset, each run gets a new one), remove them, or pass --resume to continue that run"]
+    assert lines == [
+        f"behemoth: error: run.dir={tmp_path} holds another run's files (config.yaml, metrics.jsonl); choose another "
+        "run.dir (unset, each run gets a new one), remove them, or pass --resume to continue that run"
+    ]
 
 
 def test_each_default_run_dir_is_new(tmp_path, monkeypatch):
@@ -57,18 +61,36 @@ def test_too_little_disk_for_the_kept_checkpoints(tmp_path, capsys):
 
 def gpt2_weights(folder, *, shards: list[str]) -> None:
     folder.mkdir()
-    folder.joinpath("config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64,
-                                                          "vocab_size": 300, "bos_token_id": 0, "eos_token_id": 0}))
+    folder.joinpath("config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 2,
+                "n_head": 2,
+                "n_embd": 32,
+                "n_positions": 64,
+                "vocab_size": 300,
+                "bos_token_id": 0,
+                "eos_token_id": 0,
+            }
+        )
+    )
     for name in shards:
         folder.joinpath(name).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
 
 
-@pytest.mark.parametrize("shards,index,message", [
-    ([], None, "holds no *.safetensors file; save the model with save_pretrained(..., safe_serialization=True)"),
-    (["model-00001-of-00002.safetensors"], ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
-     "model.safetensors.index.json lists model-00002-of-00002.safetensors, which is missing"),
-    (["model.safetensors"], None, None),
-])
+@pytest.mark.parametrize(
+    "shards,index,message",
+    [
+        ([], None, "holds no *.safetensors file; save the model with save_pretrained(..., safe_serialization=True)"),
+        (
+            ["model-00001-of-00002.safetensors"],
+            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+            "model.safetensors.index.json lists model-00002-of-00002.safetensors, which is missing",
+        ),
+        (["model.safetensors"], None, None),
+    ],
+)
 def test_incomplete_hf_weights_are_refused_before_launch(tmp_path, capsys, shards, index, message):
     pytest.importorskip("transformers")
     weights = tmp_path / "w"
@@ -82,11 +104,14 @@ def test_incomplete_hf_weights_are_refused_before_launch(tmp_path, capsys, shard
     assert len(lines) == 1 and message in lines[0], lines
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--nproc", "1:2"], "--nproc 1:2 continues on fewer processes by restarting the survivors, but --max-restarts is 0; add --max-restarts 3"),
-    (["--nproc", "2:4", "--max-restarts", "1"], "--nproc 2:4: the plan cannot run on 3 processes (train.global_batch=8 does not divide over 3"),
-    (["--nproc", "3:2"], "--nproc 3:2 is not a process count or a range; write --nproc N, or --nproc MIN:MAX with 1 <= MIN <= MAX"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--nproc", "1:2"], "--nproc 1:2 continues on fewer processes by restarting the survivors, but --max-restarts is 0; add --max-restarts 3"),
+        (["--nproc", "2:4", "--max-restarts", "1"], "--nproc 2:4: the plan cannot run on 3 processes (train.global_batch=8 does not divide over 3"),
+        (["--nproc", "3:2"], "--nproc 3:2 is not a process count or a range; write --nproc N, or --nproc MIN:MAX with 1 <= MIN <= MAX"),
+    ],
+)
 def test_an_elastic_range_is_refused_before_launch(tmp_path, capsys, argv, message):
     lines = refused([*argv, f"run.dir={tmp_path}/run"], capsys)
     assert len(lines) == 1 and message in lines[0], lines

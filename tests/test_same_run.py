@@ -15,8 +15,9 @@ from tests.common import tiny_config, train_body
 from tests.dist import run_ranks
 
 
-@pytest.mark.parametrize("extra", [["model.dropout=0.1"], ["model.dropout=0.1", "checkpoint.async_save=false"]],
-                         ids=["background-save", "synchronous-save"])
+@pytest.mark.parametrize(
+    "extra", [["model.dropout=0.1"], ["model.dropout=0.1", "checkpoint.async_save=false"]], ids=["background-save", "synchronous-save"]
+)
 def test_resume_with_dropout_is_bit_for_bit(tmp_path, extra):
     """12 steps with dropout 0.1 on 2 processes; resumed at step 6 on 2 processes: every loss and weight identical."""
     full_dir = tmp_path / "full"
@@ -46,8 +47,11 @@ def test_a_nonfinite_loss_stops_the_run_without_a_checkpoint(tmp_path):
     """A learning rate of 1e20 makes the loss non-finite at step 2: the run stops in one line naming the step, the update
     is not applied and the only checkpoint is step 1's."""
     run_dir = tmp_path / "nan"
-    with pytest.raises(AssertionError, match=r"BehemothError: step 2: the loss is (nan|inf) and the gradient norm (nan|inf): "
-                                             r"training stopped without applying the update or writing a checkpoint; resume from "):
+    with pytest.raises(
+        AssertionError,
+        match=r"BehemothError: step 2: the loss is (nan|inf) and the gradient norm (nan|inf): "
+        r"training stopped without applying the update or writing a checkpoint; resume from ",
+    ):
         run_ranks(2, train_body, tiny_config(run_dir, "train.lr=1e20", "train.warmup_steps=0", "checkpoint.every=1"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_0000001"
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_0000001"]

@@ -89,8 +89,19 @@ async def stream_text(client, body: dict) -> tuple[str, str]:
     return "".join(parts), reason
 
 
-REQUESTS = [dict(prompt=p, max_tokens=n) for p, n in [("def main(", 20), ("import os", 5), ("x", 33), ("class A:\n    ", 12),
-                                                           ("for i in range(", 27), ("#", 9), ("while True", 16), ("return", 3)]]
+REQUESTS = [
+    dict(prompt=p, max_tokens=n)
+    for p, n in [
+        ("def main(", 20),
+        ("import os", 5),
+        ("x", 33),
+        ("class A:\n    ", 12),
+        ("for i in range(", 27),
+        ("#", 9),
+        ("while True", 16),
+        ("return", 3),
+    ]
+]
 
 
 @pytest.mark.parametrize("policy", ["continuous", "static"])
@@ -179,8 +190,13 @@ def test_wrong_routes_and_methods_get_json_errors(shared_server):
     r = httpx.get(f"{shared_server}/v2/nothing")
     assert r.status_code == 404 and "error" in r.json()
     metrics = httpx.get(f"{shared_server}/metrics").text
-    for name in ("behemoth_http_responses_total{", "behemoth_kv_blocks_used ", 'behemoth_request_latency_seconds_bucket{le="+Inf"}',
-                 "behemoth_time_to_first_token_seconds_count ", "behemoth_generated_tokens_total "):
+    for name in (
+        "behemoth_http_responses_total{",
+        "behemoth_kv_blocks_used ",
+        'behemoth_request_latency_seconds_bucket{le="+Inf"}',
+        "behemoth_time_to_first_token_seconds_count ",
+        "behemoth_generated_tokens_total ",
+    ):
         assert name in metrics, name
 
 
@@ -192,6 +208,7 @@ def shared_server(generator):
 
 def test_a_full_queue_answers_429(generator):
     with server(generator, slow=0.02, max_batch=1, max_waiting=2) as url:
+
         async def burst():
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 return await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 10}) for _ in range(8)))
@@ -203,12 +220,21 @@ def test_a_full_queue_answers_429(generator):
 
 def test_survives_1000_requests_with_bad_ones_mixed_in(generator):
     rng = random.Random(0)
-    plan = [rng.choice(BAD) if rng.random() < 0.3 else ({"prompt": rng.choice(["a", "def ", "x = 1"]), "max_tokens": rng.randint(1, 4),
-                                                         "temperature": 0, "stream": rng.random() < 0.3}, 200, "") for _ in range(1000)]
+    plan = [
+        rng.choice(BAD)
+        if rng.random() < 0.3
+        else (
+            {"prompt": rng.choice(["a", "def ", "x = 1"]), "max_tokens": rng.randint(1, 4), "temperature": 0, "stream": rng.random() < 0.3},
+            200,
+            "",
+        )
+        for _ in range(1000)
+    ]
 
     async def run(url: str) -> list[int]:
         limit = asyncio.Semaphore(32)
         async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=32)) as client:
+
             async def one(body):
                 content = body if isinstance(body, bytes) else json.dumps(body).encode()
                 async with limit:
@@ -243,6 +269,7 @@ def _serve_and_ask(folder: str, tp: int, bodies: list[dict]) -> list[tuple[str, 
     gen.tokenizer = Latin1()
     engine = gen.engine(SchedulerPolicy(max_batch=4, context=gen.context))
     with ServerThread(engine, gen.limits("llama", 32), gen.tokenizer) as url:
+
         async def ask():
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 return await asyncio.gather(*(stream_text(client, body) for body in bodies))
@@ -255,8 +282,10 @@ def test_tensor_parallel_server_answers_as_one_process(tmp_path):
     from tests.test_generate import save_hf
 
     save_hf("llama", str(tmp_path))
-    bodies = [{"prompt": p, "max_tokens": n, "temperature": 0} for p, n in [("abc", 12), ("hello there", 7), ("x", 20), ("q", 3),
-                                                                             ("zz top", 9), ("12345", 14)]]
+    bodies = [
+        {"prompt": p, "max_tokens": n, "temperature": 0}
+        for p, n in [("abc", 12), ("hello there", 7), ("x", 20), ("q", 3), ("zz top", 9), ("12345", 14)]
+    ]
     bodies.append({"prompt": "seeded", "max_tokens": 10, "temperature": 0.8, "seed": 3})
     single = run_ranks(1, _serve_and_ask, str(tmp_path), 1, bodies)[0]
     sharded = run_ranks(2, _serve_and_ask, str(tmp_path), 2, bodies)

@@ -31,8 +31,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _check_column(tp, sp: bool, transposed: bool, parts: int) -> None:
-    from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, enter_tp_region
     from behemoth.parallel.tensor.comm import split_sequence
+    from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, enter_tp_region
 
     torch.manual_seed(0)
     full = Conv1D(parts * F_, D) if transposed else nn.Linear(D, parts * F_)
@@ -94,7 +94,7 @@ def _check_vocab_embedding(tp, vocab: int) -> None:
     _close(out, full(ids).detach(), "embedding output")
     (out * probe).sum().backward()
     _close(emb.weight.grad, layout.take_local(full.weight.grad), "embedding weight grad")
-    assert emb.weight.shape[0] * tp.size >= vocab and not emb.weight.grad[emb.vocab.real:].any()
+    assert emb.weight.shape[0] * tp.size >= vocab and not emb.weight.grad[emb.vocab.real :].any()
 
 
 def _check_vocab_cross_entropy(tp, vocab: int) -> None:
@@ -111,7 +111,7 @@ def _check_vocab_cross_entropy(tp, vocab: int) -> None:
     (ref * weights).sum().backward()
     layout = ShardLayout.padded((B, T, vocab), 2, tp)
     local = layout.take_local(logits.detach()).requires_grad_(True)
-    local.data[..., VocabShard.of(layout).real:] = 123.0  # padding logits must not count
+    local.data[..., VocabShard.of(layout).real :] = 123.0  # padding logits must not count
     loss = vocab_parallel_cross_entropy(local, targets, VocabShard.of(layout), tp)
     _close(loss, ref.detach(), "cross-entropy")
     (loss * weights).sum().backward()
@@ -165,10 +165,15 @@ def test_gpt_plan_splits_and_marks_the_right_parameters():
     lm = build_causal_lm(GPTConfig(preset="gpt-tiny", n_layer=1))
     model = lm.module
     tp = apply_tensor_parallel(model, TPComm(None, 2, 1), TensorPolicy(lm.tp_plan, sequence_parallel=True, norms=lm.norms))
-    assert set(tp.layouts) == {"wte.weight", "lm_head.weight"} | {f"blocks.0.{m}.{p}" for m in ("attn.qkv", "mlp.fc") for p in ("weight", "bias")} \
-        | {"blocks.0.attn.proj.weight", "blocks.0.mlp.proj.weight"}
-    assert tp.partial == {f"{m}.{p}" for m in ("blocks.0.ln_1", "blocks.0.ln_2", "ln_f") for p in ("weight", "bias")} \
-        | {"blocks.0.attn.proj.bias", "blocks.0.mlp.proj.bias", "wpe.weight"}
+    assert set(tp.layouts) == {"wte.weight", "lm_head.weight"} | {f"blocks.0.{m}.{p}" for m in ("attn.qkv", "mlp.fc") for p in ("weight", "bias")} | {
+        "blocks.0.attn.proj.weight",
+        "blocks.0.mlp.proj.weight",
+    }
+    assert tp.partial == {f"{m}.{p}" for m in ("blocks.0.ln_1", "blocks.0.ln_2", "ln_f") for p in ("weight", "bias")} | {
+        "blocks.0.attn.proj.bias",
+        "blocks.0.mlp.proj.bias",
+        "wpe.weight",
+    }
     assert model.blocks[0].attn.qkv.weight.shape == (48, 32) and model.blocks[0].mlp.proj.weight.shape == (32, 64)
     # the embedding's partial sums are reduce-scattered by block 0; wpe is added by tp rank 0 only, so its gradient is partial
     assert not model.wte.reduce_output and "wpe.weight" not in tp.layouts
@@ -282,8 +287,8 @@ def test_sequence_parallel_divides_block_activations_by_t(saved_bytes):
     Saving the all-gathered norm output instead of its shard (the behaviour before) measures 148480 B at t=2+SP
     (0.56), which the exact comparison rejects (test below). The whole model (embedding, head and loss included)
     matches `gpt_activation_bytes` too."""
-    from behemoth.models.gpt import GPTConfig
     from behemoth.models.activations import gpt_activation_bytes, gpt_block_activation_bytes
+    from behemoth.models.gpt import GPTConfig
 
     cfg = GPTConfig(preset="gpt-tiny", n_layer=2, n_head=ACT["a"], d_model=ACT["h"], context=ACT["s"], vocab_size=256)
     for name, t, sp, want in (("t1", 1, False, 264192), ("t2", 2, False, 165376), ("t2+sp", 2, True, 132096)):

@@ -11,7 +11,6 @@ import shutil
 import pytest
 
 from behemoth.config import load_config
-from behemoth.errors import BehemothError
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 
@@ -49,8 +48,9 @@ def test_vocabulary_not_divisible_by_tp(tmp_path):
     assert_close_runs(ref, got)
 
 
-@pytest.mark.parametrize("world,extra", [(1, []), (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-                                         (4, ["parallel.tp=2", "parallel.zero_stage=2"])])
+@pytest.mark.parametrize(
+    "world,extra", [(1, []), (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]), (4, ["parallel.tp=2", "parallel.zero_stage=2"])]
+)
 def test_tp_checkpoint_resumes_on_another_layout(reference, tp2_run, tmp_path, world, extra):
     """A tp=2 checkpoint of step 6 continues the single-process curve on 1 process, on tp=2 with SP, and on
     dp=2 x tp=2 with ZeRO-2 (loaded into flat shards of the tp pieces)."""
@@ -82,12 +82,15 @@ def _train_broken(cfg_dict, broken):
     return train_body(cfg_dict)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["parallel.tp=4", "model.n_head=2"], "parallel.tp=4 does not divide model.n_head=2"),
-    (["model=hf:llama", "hf.ffn=63", "parallel.tp=2"], "parallel.tp=2 does not divide the MLP width=63"),
-    (["model=hf:llama", "model.n_head=4", "hf.kv_heads=1", "parallel.tp=2"], "parallel.tp=2 does not divide hf.kv_heads=1"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=31"], "does not divide sequence length (train.seq_len)=31"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["parallel.tp=4", "model.n_head=2"], "parallel.tp=4 does not divide model.n_head=2"),
+        (["model=hf:llama", "hf.ffn=63", "parallel.tp=2"], "parallel.tp=2 does not divide the MLP width=63"),
+        (["model=hf:llama", "model.n_head=4", "hf.kv_heads=1", "parallel.tp=2"], "parallel.tp=2 does not divide hf.kv_heads=1"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=31"], "does not divide sequence length (train.seq_len)=31"),
+    ],
+)
 def test_unsplittable_model_is_refused(tmp_path, overrides, message):
     from behemoth.planner.feasibility import problems
 
@@ -133,10 +136,13 @@ def test_pp2_tp2_sequence_parallel_matches_single_process(reference, tmp_path):
     assert all(r["losses"] == got[0]["losses"] for r in got), "ranks disagree on the loss"
 
 
-@pytest.mark.parametrize("options,schedule", [
-    (["model.tie_embeddings=true", "model.vocab_size=257"], "zb-h1"),
-    (["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"], "1f1b"),
-])
+@pytest.mark.parametrize(
+    "options,schedule",
+    [
+        (["model.tie_embeddings=true", "model.vocab_size=257"], "zb-h1"),
+        (["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"], "1f1b"),
+    ],
+)
 def test_pp2_tp2_sequence_parallel_variants(tmp_path, options, schedule):
     """Zero-bubble split backward (weight gradients from the re-gathered shard in the weight pass) with a tied,
     padded vocabulary on both end stages; Hugging Face Llama, whose stage 1 builds rotary embeddings and the causal

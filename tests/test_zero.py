@@ -60,14 +60,17 @@ def test_stage3_with_activation_recomputation(reference, tmp_path):
 def test_bf16_mixed_precision_trains(stage, reference, tmp_path):
     """bf16 parameters and gradients with float32 master weights (tiny: bf16 is slow on this CPU):
     the curve follows float32 closely and the checkpoint holds float32 master weights."""
-    got = run_ranks(2, train_body, tiny_config(tmp_path, ACCUMULATE[2], "train.steps=3", f"parallel.zero_stage={stage}",
-                                               "parallel.param_dtype=bf16"))[0]
+    got = run_ranks(
+        2, train_body, tiny_config(tmp_path, ACCUMULATE[2], "train.steps=3", f"parallel.zero_stage={stage}", "parallel.param_dtype=bf16")
+    )[0]
     for step, (a, b) in enumerate(zip(reference["losses"], got["losses"]), 1):
         assert abs(a - b) < 2e-3 * a, f"step {step}: bf16 loss {b} vs float32 {a}"
     assert {str(w.dtype) for w in got["weights"].values()} == {"torch.float32"}
 
 
-@pytest.mark.parametrize("model, stage", [(("model.tie_embeddings=true",), 3), (("model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"), 2)])
+@pytest.mark.parametrize(
+    "model, stage", [(("model.tie_embeddings=true",), 3), (("model=hf:gpt2", "model.tie_embeddings=true", "model.vocab_size=257"), 2)]
+)
 def test_tied_head(model, stage, tmp_path):
     """A weight used twice (embedding and LM head): one shard, one summed gradient, saved under each of its names."""
     if "model=hf:gpt2" in model:

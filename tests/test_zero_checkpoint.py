@@ -60,8 +60,9 @@ def test_checkpoint_is_sharded_under_single_process_names(stage3_on_4, tmp_path)
     big = metadata["model.blocks.0.mlp.fc.weight"]
     assert tuple(big.size) == (128, 32) and len(big.chunks) >= 2, "a large weight is stored as chunks from several ranks"
     assert len(list(ckpt.glob("*.distcp"))) == 4, "every rank wrote its own shard"
-    from behemoth.cli import main
     from safetensors.torch import load_file
+
+    from behemoth.cli import main
 
     assert main(["export", str(ckpt), "--out", str(tmp_path / "w.safetensors")]) == 0
     exported = load_file(str(tmp_path / "w.safetensors"))

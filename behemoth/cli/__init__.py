@@ -40,53 +40,84 @@ def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list
 def train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from behemoth.models.gpt import PRESETS
 
-    epilog = "\n".join([
-        "options (key=value, as many as you like; `model=NAME` picks a preset):",
-        *option_table(),
-        "",
-        f"model presets: {', '.join(PRESETS)}",
-        "examples:",
-        "  behemoth train                                   # gpt-1m on the Python stdlib, 2 processes on a CPU",
-        "  behemoth train --nproc 4 train.steps=100 data.path=~/notes",
-        "  behemoth train --resume                          # continue the newest run under runs/",
-        "  behemoth train --nproc 4 parallel.zero_stage=3 model=gpt-20m          # ZeRO-3: parameters sharded over 4",
-        "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
-        "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
-        "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
-        "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
-        "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
-        "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
-        "    (an offloaded run's checkpoints link its scratch files, not copy them; it exports weights only with checkpoint.export=true)",
-        "  behemoth train --nproc 4 --max-restarts 3 checkpoint.every=50  # self-healing: a failed worker restarts and resumes",
-        "  behemoth train --nproc 2:4 --max-restarts 3     # elastic: continues on 2 or 3 processes if some are lost",
-        "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
-    ])
-    p = sub.add_parser("train", help="train a model", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train a GPT (or a transformers Llama / GPT-2) on N local processes with data, ZeRO, tensor and "
-                                   "pipeline parallelism, writing metrics, a loss plot and checkpoints.")
+    epilog = "\n".join(
+        [
+            "options (key=value, as many as you like; `model=NAME` picks a preset):",
+            *option_table(),
+            "",
+            f"model presets: {', '.join(PRESETS)}",
+            "examples:",
+            "  behemoth train                                   # gpt-1m on the Python stdlib, 2 processes on a CPU",
+            "  behemoth train --nproc 4 train.steps=100 data.path=~/notes",
+            "  behemoth train --resume                          # continue the newest run under runs/",
+            "  behemoth train --nproc 4 parallel.zero_stage=3 model=gpt-20m          # ZeRO-3: parameters sharded over 4",
+            "  behemoth train --nproc 4 parallel.tp=2 parallel.sequence_parallel=true  # tensor x data parallel, 2 x 2",
+            "  behemoth train --nproc 4 parallel.pp=4 parallel.schedule=zb-h1 train.micro_batch=2  # 4-stage pipeline",
+            "  behemoth train model=hf:llama hf.weights=./my-llama parallel.tp=2      # a transformers Llama from local weights",
+            "  behemoth train --nproc 2 model=gpt-moe-1m parallel.ep=2               # 8 experts every 2nd block, 4 per rank",
+            "  behemoth train --nproc 4 parallel=auto model=gpt-20m  # plan for 4 processes (behemoth plan), run the best plan",
+            "  behemoth train --nproc 1 model=gpt2-1.5b offload.params=disk offload.optimizer=disk offload.max_memory_gb=4  # out of core",
+            "    (an offloaded run's checkpoints link its scratch files, not copy them; it exports weights only with checkpoint.export=true)",
+            "  behemoth train --nproc 4 --max-restarts 3 checkpoint.every=50  # self-healing: a failed worker restarts and resumes",
+            "  behemoth train --nproc 2:4 --max-restarts 3     # elastic: continues on 2 or 3 processes if some are lost",
+            "  torchrun --nproc-per-node 8 -m behemoth train model=gpt2-124m   # many GPUs or machines",
+        ]
+    )
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a GPT (or a transformers Llama / GPT-2) on N local processes with data, ZeRO, tensor and "
+        "pipeline parallelism, writing metrics, a loss plot and checkpoints.",
+    )
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
-    p.add_argument("--nproc", metavar="N|MIN:MAX", help="local worker processes (default: every GPU, or 2 on a CPU-only machine); "
-                   "MIN:MAX runs MAX elastic single-process nodes that continue on as few as MIN when some are lost")
-    p.add_argument("--resume", nargs="?", const="newest", metavar="PATH",
-                   help="continue a run: a run directory, a checkpoint folder, or nothing for the newest run under runs/")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart failed workers up to N times, each time resuming from the newest intact checkpoint (default 0)")
+    p.add_argument(
+        "--nproc",
+        metavar="N|MIN:MAX",
+        help="local worker processes (default: every GPU, or 2 on a CPU-only machine); "
+        "MIN:MAX runs MAX elastic single-process nodes that continue on as few as MIN when some are lost",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="newest",
+        metavar="PATH",
+        help="continue a run: a run directory, a checkpoint folder, or nothing for the newest run under runs/",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart failed workers up to N times, each time resuming from the newest intact checkpoint (default 0)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. train.steps=100 (listed below)")
 
 
 def export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file",
-                       description="Consolidate a checkpoint (any process count) into a safetensors file.")
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint's weights as one safetensors file",
+        description="Consolidate a checkpoint (any process count) into a safetensors file.",
+    )
     p.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--out", metavar="FILE", help="output file (default: model.safetensors next to the checkpoints)")
-    p.add_argument("--hf", metavar="DIR", help="instead, a transformers save_pretrained folder (config.json + safetensors in the "
-                                               "Hugging Face layout, e.g. Mixtral's per-expert weights) of a model=hf:* run")
+    p.add_argument(
+        "--hf",
+        metavar="DIR",
+        help="instead, a transformers save_pretrained folder (config.json + safetensors in the "
+        "Hugging Face layout, e.g. Mixtral's per-expert weights) of a model=hf:* run",
+    )
 
 
 def delegated_commands() -> dict[str, tuple[str, str]]:
     """Commands whose own module parses their arguments: name -> (module:function, help)."""
     return {
-        "schedule": ("behemoth.parallel.pipeline.analysis.report:schedule_main", "compare pipeline schedules: bubble, step time, memory, Gantt chart"),
+        "schedule": (
+            "behemoth.parallel.pipeline.analysis.report:schedule_main",
+            "compare pipeline schedules: bubble, step time, memory, Gantt chart",
+        ),
         "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank of one plan (any layout, any world size): states, activations, peak"),
         "plan": ("behemoth.cli.plan:plan_main", "search the parallel plans of a model on a cluster: ranked, explained, written as YAML"),
         "calibrate": ("behemoth.cli.plan:calibrate_main", "measure this machine (matmul, collectives, memory, disk) into a cluster file"),
@@ -130,9 +161,8 @@ def newest_run(root: Path = Path("runs")) -> Path:
 
 def resolve_train_config(args: argparse.Namespace) -> tuple[Config, Path | None]:
     """The validated config and, with --resume, the checkpoint to start from."""
-    from behemoth.faults.checkpoint import resolve_checkpoint
     from behemoth.config import default_run_dir, load_config
-
+    from behemoth.faults.checkpoint import resolve_checkpoint
     from behemoth.faults.launch import launched_by_torchrun
 
     if args.resume is None:
@@ -194,19 +224,29 @@ def parse_nproc(text: str | None) -> int | tuple[int, int]:
 
 def elastic_problems(cfg: Config, nproc: tuple[int, int], max_restarts: int) -> list[Problem]:
     """An elastic range the plan cannot run on at every size, or one that cannot continue because nothing restarts."""
-    from behemoth.planner.feasibility import problems
     from behemoth.faults.recovery import plan_for_world
+    from behemoth.planner.feasibility import problems
 
     low, high = nproc
     out: list[Problem] = []
     if max_restarts < 1:
-        out.append(Problem.of("--max-restarts", f"--nproc {low}:{high} continues on fewer processes by restarting the survivors, "
-                              "but --max-restarts is 0", "add --max-restarts 3 (or any number above 0)"))
+        out.append(
+            Problem.of(
+                "--max-restarts",
+                f"--nproc {low}:{high} continues on fewer processes by restarting the survivors, but --max-restarts is 0",
+                "add --max-restarts 3 (or any number above 0)",
+            )
+        )
     for world in range(low, high):  # the largest size is checked with the launch's other problems
         found = problems(plan_for_world(cfg, world), world)
         if found:
-            out.append(Problem.of("--nproc", f"--nproc {low}:{high}: the plan cannot run on {world} processes ({found[0].message})",
-                                  "choose a range whose every process count can run it"))
+            out.append(
+                Problem.of(
+                    "--nproc",
+                    f"--nproc {low}:{high}: the plan cannot run on {world} processes ({found[0].message})",
+                    "choose a range whose every process count can run it",
+                )
+            )
     return out
 
 
@@ -219,12 +259,16 @@ def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
     most = nproc[1] if isinstance(nproc, tuple) else nproc
     count = f"{nproc[0]}-{most} elastic" if isinstance(nproc, tuple) else str(most)
-    line = (f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
-            f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}")
+    line = (
+        f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
+        f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}"
+    )
     if cfg.offload.enabled:
         off = cfg.offload
-        line += (f"\nbehemoth: offload: params {off.params}, grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
-                 f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else ""))
+        line += (
+            f"\nbehemoth: offload: params {off.params}, grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
+            f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else "")
+        )
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
     if changed:
         fields = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
@@ -262,8 +306,15 @@ def run_train(args: argparse.Namespace) -> int:
     if nproc == 1 and args.max_restarts == 0:
         summary = train(cfg, resume=ckpt, verified=True)
     else:
-        summary = launch(nproc, worker, cfg.model_dump(mode="json"), str(ckpt) if ckpt else None, uuid.uuid4().hex,
-                         timeout_s=cfg.run.timeout_s, max_restarts=args.max_restarts)[0]
+        summary = launch(
+            nproc,
+            worker,
+            cfg.model_dump(mode="json"),
+            str(ckpt) if ckpt else None,
+            uuid.uuid4().hex,
+            timeout_s=cfg.run.timeout_s,
+            max_restarts=args.max_restarts,
+        )[0]
     report(summary, time.time() - t0)
     return 0
 
@@ -273,8 +324,10 @@ def report(summary: dict[str, Any], seconds: float) -> None:
     curve = f"validation loss {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})" if val else ""
     print(f"behemoth: done in {seconds:.0f} s; {curve}")
     if "mfu" in summary:
-        print(f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
-              f"({summary['peak_source']})")
+        print(
+            f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
+            f"({summary['peak_source']})"
+        )
     exported = " model.safetensors" if summary.get("exported", True) else " (no model.safetensors: checkpoint.export=true, or behemoth export)"
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/{exported}")
 

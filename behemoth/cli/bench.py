@@ -41,8 +41,9 @@ def benchmark_scripts(only: str | None) -> list[Path]:
     """The checkout's benchmark scripts, by name (`bench_dp.py` is `dp`)."""
     folder = Path(__file__).resolve().parents[2] / "benchmarks"
     if not folder.is_dir():
-        raise BehemothError(f"no benchmarks/ folder beside this behemoth ({folder})",
-                            "run behemoth bench from a source checkout installed with pip install -e .")
+        raise BehemothError(
+            f"no benchmarks/ folder beside this behemoth ({folder})", "run behemoth bench from a source checkout installed with pip install -e ."
+        )
     scripts = {p.stem.removeprefix("bench_"): p for p in sorted(folder.glob("bench_*.py")) if p.name not in HELPERS}
     names = only.split(",") if only else list(scripts)
     unknown = [n for n in names if n not in scripts]
@@ -100,11 +101,14 @@ def tail(log: Path) -> str:
 def markdown(rows: list[dict[str, Any]], quick: bool) -> str:
     """One table of every ratio (above 1.0: behemoth better), then what could not run."""
     ok = [r for r in rows if "error" not in r]
-    head = (f"# behemoth bench{' (quick)' if quick else ''}\n\nMeasured on this machine; each ratio is behemoth against the peer, "
-            "oriented so that above 1.0 means behemoth did better (faster, or less memory or CPU time).\n\n")
+    head = (
+        f"# behemoth bench{' (quick)' if quick else ''}\n\nMeasured on this machine; each ratio is behemoth against the peer, "
+        "oriented so that above 1.0 means behemoth did better (faster, or less memory or CPU time).\n\n"
+    )
     lines = ["| family | case | peer | metric | behemoth | peer | ratio |", "|---|---|---|---|---:|---:|---:|"]
-    lines += [f"| {r['family']} | {r['case']} | {r['peer']} | {r['metric']} | {r['behemoth']:.4g} | {r['peer_value']:.4g} | {r['ratio']:.2f} |"
-              for r in ok]
+    lines += [
+        f"| {r['family']} | {r['case']} | {r['peer']} | {r['metric']} | {r['behemoth']:.4g} | {r['peer_value']:.4g} | {r['ratio']:.2f} |" for r in ok
+    ]
     failed = [f"- {r['family']}: {r['peer']}: {r['error']}" for r in rows if "error" in r]
     return head + "\n".join(lines) + ("\n\nCould not run:\n\n" + "\n".join(failed) if failed else "") + "\n"
 

@@ -11,20 +11,24 @@ import os
 from typing import Any
 
 from behemoth.cli import default_nproc
-from behemoth.errors import BehemothError, exit_code
-from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
-from behemoth.parallel.zero import comm_volume
 from behemoth.config import Config
+from behemoth.errors import BehemothError, exit_code
+from behemoth.parallel.zero import comm_volume
+from behemoth.planner.memory import BYTES_PER_PARAM, STAGES, GiB, StageEstimate, estimate, formula_text, largest_fitting
 
 MEASURE_FRACTION = 0.5  # measure only if all local ranks together need less than this share of RAM
 
 
 def estimate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth estimate", description=(
-        "Memory per rank of one plan (dp, tp, pp, ZeRO stage, sequence parallelism, recompute, schedule), for any world "
-        "size on paper: model states at ZeRO stages 0-3 (formula and behemoth's exact layout), each pipeline rank's "
-        "states, buffers, activations and peak, in GB and GiB; then the largest model whose states fit a memory per rank. "
-        "behemoth plan searches the plans; this prices the one you give."))
+    p = argparse.ArgumentParser(
+        prog="behemoth estimate",
+        description=(
+            "Memory per rank of one plan (dp, tp, pp, ZeRO stage, sequence parallelism, recompute, schedule), for any world "
+            "size on paper: model states at ZeRO stages 0-3 (formula and behemoth's exact layout), each pipeline rank's "
+            "states, buffers, activations and peak, in GB and GiB; then the largest model whose states fit a memory per rank. "
+            "behemoth plan searches the plans; this prices the one you give."
+        ),
+    )
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
     p.add_argument("--world", type=int, metavar="N", help="processes the plan runs on, on paper (default: --nproc)")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes (default: every GPU, or 2 on a CPU-only machine)")
@@ -99,11 +103,13 @@ def header(cfg: Config, world: int) -> str:
     s, plan = census.shape, cfg.parallel
     dims = plan.dims(world)
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else "gpt"
-    return (f"behemoth estimate: {name} {s.n_layer} layers x d_model {s.d_model}, {s.n_head} heads ({s.kv_heads} KV), MLP {s.ffn}, "
-            f"vocabulary {s.vocab_size}{', tied' if s.tied else ''}; Ψ = {census.psi:,} parameters\n"
-            f"  plan on {world} processes: dp={dims.dp} x tp={dims.tp} x pp={dims.pp}, ZeRO-{plan.zero_stage}"
-            f"{', sequence parallel' if plan.sequence_parallel and dims.tp > 1 else ''}, recompute {plan.recompute}"
-            f"{f', {plan.schedule}' if dims.pp > 1 else ''}; micro-batch {cfg.batch_layout(dims).micro_batch} x {cfg.seq_len} tokens")
+    return (
+        f"behemoth estimate: {name} {s.n_layer} layers x d_model {s.d_model}, {s.n_head} heads ({s.kv_heads} KV), MLP {s.ffn}, "
+        f"vocabulary {s.vocab_size}{', tied' if s.tied else ''}; Ψ = {census.psi:,} parameters\n"
+        f"  plan on {world} processes: dp={dims.dp} x tp={dims.tp} x pp={dims.pp}, ZeRO-{plan.zero_stage}"
+        f"{', sequence parallel' if plan.sequence_parallel and dims.tp > 1 else ''}, recompute {plan.recompute}"
+        f"{f', {plan.schedule}' if dims.pp > 1 else ''}; micro-batch {cfg.batch_layout(dims).micro_batch} x {cfg.seq_len} tokens"
+    )
 
 
 def measure(cfg: Config, world: int, ests: list[StageEstimate]) -> dict[int, dict[str, int]]:
@@ -151,21 +157,27 @@ def state_table(cfg: Config, dp: int, ests: list[StageEstimate], measured: dict[
     p, g, k = BYTES_PER_PARAM[dtype]
     psi, pad = ests[0].psi, max(e.padding for e in ests)
     share = "" if cfg.parallel.tp == cfg.parallel.pp == 1 else " on pipeline rank 0, one tensor-parallel rank's share"
-    lines = [f"model states per rank{share}: Ψ = {psi:,} parameters, N = dp = {dp}, Adam, stages 1-3 {dtype} "
-             f"(bytes per parameter: {p} param + {g} grad + {k} optimizer; stage 0 is float32)",
-             f"exact = behemoth's layout, padded by at most N-1 elements per group ({pad} here); traffic = elements a rank moves "
-             "in one step of one micro-batch (all-reduce counted twice its size)",
-             f"{'stage':<6}{'formula':<13}{'params':>11}{'grads':>11}{'optim':>11} | {'formula':>11}{'exact':>11}{'measured':>11} | "
-             f"{'traffic':<18}{'measured':>14} | buffers exact / measured"]
+    lines = [
+        f"model states per rank{share}: Ψ = {psi:,} parameters, N = dp = {dp}, Adam, stages 1-3 {dtype} "
+        f"(bytes per parameter: {p} param + {g} grad + {k} optimizer; stage 0 is float32)",
+        f"exact = behemoth's layout, padded by at most N-1 elements per group ({pad} here); traffic = elements a rank moves "
+        "in one step of one micro-batch (all-reduce counted twice its size)",
+        f"{'stage':<6}{'formula':<13}{'params':>11}{'grads':>11}{'optim':>11} | {'formula':>11}{'exact':>11}{'measured':>11} | "
+        f"{'traffic':<18}{'measured':>14} | buffers exact / measured",
+    ]
     for e in ests:
         m = measured.get(e.stage)
         got = f"{_gib(m['params'] + m['grads'] + m['optimizer']):>11}" if m else f"{'-':>11}"
-        buffers = ", ".join(f"{name} {_gib(size_)} / {_gib(m[name])}" if m and name in m else f"{name} {_gib(size_)}"
-                            for name, size_ in e.buffers.items()) or "-"
+        buffers = (
+            ", ".join(f"{name} {_gib(size_)} / {_gib(m[name])}" if m and name in m else f"{name} {_gib(size_)}" for name, size_ in e.buffers.items())
+            or "-"
+        )
         traffic = f"{3 if e.stage == 3 else 2}Ψ: {e.traffic:,}"
         moved = f"{m['comm_volume']:>14,}" if m else f"{'-':>14}"
-        lines.append(f"{e.stage:<6}{formula_text(e.stage, dtype if e.stage else 'fp32'):<13}{_gib(e.params):>11}{_gib(e.grads):>11}"
-                     f"{_gib(e.optimizer):>11} | {_gib(sum(e.formula.values())):>11}{_gib(e.states):>11}{got} | {traffic:<18}{moved} | {buffers}")
+        lines.append(
+            f"{e.stage:<6}{formula_text(e.stage, dtype if e.stage else 'fp32'):<13}{_gib(e.params):>11}{_gib(e.grads):>11}"
+            f"{_gib(e.optimizer):>11} | {_gib(sum(e.formula.values())):>11}{_gib(e.states):>11}{got} | {traffic:<18}{moved} | {buffers}"
+        )
     why = "--measure builds each stage on local processes, without a pipeline" if cfg.parallel.pp == 1 else "a pipelined plan is measured below"
     lines.append("(GiB; 1 GiB = 1.074 GB)" + ("" if measured else f"; not measured ({why})"))
     return "\n".join(lines)
@@ -179,15 +191,17 @@ def _gib(b: float) -> str:
 
 def plan_table(cfg: Config, world: int, measure_it: bool) -> str:
     """The plan's memory on each pipeline rank: states, buffers, activations, working set, peak (and measured peaks)."""
-    from behemoth.planner.cost import price
     from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.cost import price
     from behemoth.planner.layout import Layout, Workload
 
     work, lay = Workload.of(cfg), Layout.of_config(cfg, world)
     cost = price(work, lay, load_cluster("a100-80gb").with_nodes(world))  # memory does not depend on the cluster
     got = measure_peaks(cfg, world) if measure_it else {}
-    lines = [f"memory per rank under this plan ({lay.describe()}), predicted" + (" / measured" if got else "") + ":",
-             f"{'pp rank':>7}  {'states':>22}  {'buffers':>22}  {'activations':>22}  {'working set':>22}  {'peak':>22}"]
+    lines = [
+        f"memory per rank under this plan ({lay.describe()}), predicted" + (" / measured" if got else "") + ":",
+        f"{'pp rank':>7}  {'states':>22}  {'buffers':>22}  {'activations':>22}  {'working set':>22}  {'peak':>22}",
+    ]
     for m in cost.memory:
         peak = size(m.peak) + (f" / {size(got[m.rank]['peak'])}" if m.rank in got else "")
         lines.append(f"{m.rank:>7}  {size(m.states):>22}  {size(m.buffers):>22}  {size(m.stash):>22}  {size(m.working + m.deferred):>22}  {peak:>22}")
@@ -196,13 +210,15 @@ def plan_table(cfg: Config, world: int, measure_it: bool) -> str:
 
 def measure_peaks(cfg: Config, world: int) -> dict[int, dict[str, Any]]:
     """Measured memory of every pipeline rank (its busiest data- and tensor-parallel rank), from real processes."""
-    from behemoth.profiler.measure import measure_plan
     from behemoth.faults.launch import launch
+    from behemoth.profiler.measure import measure_plan
 
     room = MEASURE_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if world * estimate(cfg, world=world, stages=(cfg.parallel.zero_stage,))[0].total > room:
-        raise BehemothError(f"--measure: {world} processes of this plan need more than half of this machine's memory",
-                            "estimate without --measure, or measure a smaller model")
+        raise BehemothError(
+            f"--measure: {world} processes of this plan need more than half of this machine's memory",
+            "estimate without --measure, or measure a smaller model",
+        )
     results = launch(world, measure_plan, cfg.model_dump(mode="json"), 1, 1, timeout_s=cfg.run.timeout_s)
     out: dict[int, dict[str, Any]] = {}
     for r in results.values():

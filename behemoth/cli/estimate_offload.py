@@ -21,10 +21,13 @@ def size(n: float) -> str:
 def placement_lines(est: OffloadEstimate) -> list[str]:
     """What lives where, per rank."""
     p = est.policy
-    notes = {"params": "float32 shard",
-             "grads": "never stored (each unit steps as its gradient completes)" if not est.stored["grads"] else
-                      "float32 shard: deferred step (exact clipping) or gradients kept between micro-batches",
-             "optimizer": "8-bit blockwise moments (bitsandbytes)" if p.bits == 8 else "float32 Adam moments"}
+    notes = {
+        "params": "float32 shard",
+        "grads": "never stored (each unit steps as its gradient completes)"
+        if not est.stored["grads"]
+        else "float32 shard: deferred step (exact clipping) or gradients kept between micro-batches",
+        "optimizer": "8-bit blockwise moments (bitsandbytes)" if p.bits == 8 else "float32 Adam moments",
+    }
     lines = ["where each state lives, per rank:"]
     for kind in ("params", "grads", "optimizer"):
         lines.append(f"  {kind:<10} {getattr(p, kind):<5} {size(est.stored[kind]):>12}   {notes[kind]}")
@@ -51,27 +54,37 @@ def offload_report(cfg: Config, dp: int, nproc: int, rates: Rates | None, device
     est = offload_estimate(cfg, dp, ranks=nproc, device_type=device_type)
     p = est.policy
     step = "fused (no clipping)" if p.fused else "deferred (exact clipping)"
-    lines = [f"behemoth estimate (offload): {cfg.model.preset if not cfg.hf.arch else 'hf:' + cfg.hf.arch}, Ψ = {est.psi:,} parameters "
-             f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; order {p.order}, "
-             f"{cfg.batch_layout(rank_dims(cfg, dp)).accum} micro-batch(es) per rank, step {step}", *placement_lines(est)]
+    lines = [
+        f"behemoth estimate (offload): {cfg.model.preset if not cfg.hf.arch else 'hf:' + cfg.hf.arch}, Ψ = {est.psi:,} parameters "
+        f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; order {p.order}, "
+        f"{cfg.batch_layout(rank_dims(cfg, dp)).accum} micro-batch(es) per rank, step {step}",
+        *placement_lines(est),
+    ]
     root = p.root or scratch.default_scratch(None, cfg.run.dir)
-    lines.append(f"disk: {size(est.disk_bytes())} needed under offload.dir={root} for {nproc} rank(s), "
-                 f"{size(scratch.free_bytes(root))} free")
+    lines.append(f"disk: {size(est.disk_bytes())} needed under offload.dir={root} for {nproc} rank(s), {size(scratch.free_bytes(root))} free")
     pk = est.peak
     budget = f"offload.max_memory_gb={cfg.offload.max_memory_gb}" if cfg.offload.max_memory_gb else "no budget set"
-    lines.append(f"memory peak per rank: {size(pk.total)} = states in memory {size(pk.in_memory_states)} + resident unit "
-                 f"{size(pk.resident)} + prefetched (depth {est.prefetch}) {size(pk.prefetched)} + jobs in flight {size(pk.jobs)} + "
-                 f"activations {size(pk.activations)} ({budget})")
+    lines.append(
+        f"memory peak per rank: {size(pk.total)} = states in memory {size(pk.in_memory_states)} + resident unit "
+        f"{size(pk.resident)} + prefetched (depth {est.prefetch}) {size(pk.prefetched)} + jobs in flight {size(pk.jobs)} + "
+        f"activations {size(pk.activations)} ({budget})"
+    )
     moved = est.moved_per_tier(device_type)
-    lines.append("bytes moved per step per rank: " + (", ".join(f"{t} read {size(r)}, written {size(w)}" for t, (r, w) in moved.items())
-                                                       or "none (every tier is device memory here)"))
+    lines.append(
+        "bytes moved per step per rank: "
+        + (", ".join(f"{t} read {size(r)}, written {size(w)}" for t, (r, w) in moved.items()) or "none (every tier is device memory here)")
+    )
     lines += traffic_lines(cfg, dp, device_type)
     if rates is not None:
         io, compute, bound = est.step_time(rates, device_type)
-        lines.append(f"calibration (this machine, now): disk read {rates.disk_read / 1e9:.2f} GB/s, write {rates.disk_write / 1e9:.2f} GB/s, "
-                     f"host copy {rates.host_copy / 1e9:.1f} GB/s, compute {rates.compute / 1e12:.3f} TFLOP/s")
-        lines.append(f"predicted step: I/O {io:.2f} s (local ranks share the disk) and compute {compute:.2f} s "
-                     f"({est.flops / 1e12:.2f} TFLOP per rank) overlap: bound max = {bound:.2f} s")
+        lines.append(
+            f"calibration (this machine, now): disk read {rates.disk_read / 1e9:.2f} GB/s, write {rates.disk_write / 1e9:.2f} GB/s, "
+            f"host copy {rates.host_copy / 1e9:.1f} GB/s, compute {rates.compute / 1e12:.3f} TFLOP/s"
+        )
+        lines.append(
+            f"predicted step: I/O {io:.2f} s (local ranks share the disk) and compute {compute:.2f} s "
+            f"({est.flops / 1e12:.2f} TFLOP per rank) overlap: bound max = {bound:.2f} s"
+        )
     return "\n".join(lines)
 
 

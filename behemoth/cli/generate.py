@@ -32,9 +32,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 def generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth generate", epilog=EXAMPLES_GENERATE, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Generate text from a checkpoint saved under any layout, or from a Hugging Face folder, "
-                                            "with a paged KV cache; several prompts are batched.")
+    p = argparse.ArgumentParser(
+        prog="behemoth generate",
+        epilog=EXAMPLES_GENERATE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate text from a checkpoint saved under any layout, or from a Hugging Face folder, "
+        "with a paged KV cache; several prompts are batched.",
+    )
     add_model_options(p)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="I,J,K", help="a prompt as comma-separated token ids")
@@ -46,8 +50,12 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="a string that ends the generation (repeatable)")
     p.add_argument("--seed", type=int, default=None, help="random seed: prompt i samples with seed + i")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
-    p.add_argument("--offload", choices=["cpu", "disk"], default=None,  # the tier names of offload.params (offload/tiers.py)
-                   help="stream weights layer by layer from host memory (cpu) or disk")
+    p.add_argument(
+        "--offload",
+        choices=["cpu", "disk"],
+        default=None,  # the tier names of offload.params (offload/tiers.py)
+        help="stream weights layer by layer from host memory (cpu) or disk",
+    )
     p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, text, finish reason, timings")
@@ -55,8 +63,15 @@ def generate_parser() -> argparse.ArgumentParser:
 
 
 def sampling_dicts(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
-    one = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-               repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)
+    one = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        seed=args.seed,
+    )
     from behemoth.inference.sampling import SamplingParams
 
     try:
@@ -79,14 +94,25 @@ def prompts_of(args: argparse.Namespace) -> list[Any]:
     return prompts
 
 
-def worker(source: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], tp: int, pp: int,
-           block_size: int, memory_mb: float, ignore_eos: bool, quantize: str | None) -> Any:
+def worker(
+    source: str,
+    overrides: list[str],
+    prompts: list[Any],
+    params: list[dict[str, Any]],
+    tp: int,
+    pp: int,
+    block_size: int,
+    memory_mb: float,
+    ignore_eos: bool,
+    quantize: str | None,
+) -> Any:
     """One launched process of a sharded generation."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
-        return generate_on_ranks(source, overrides, prompts, params, tp=tp, pp=pp, cache=CachePolicy(block_size, memory_mb),
-                                 ignore_eos=ignore_eos, quantize=quantize)
+        return generate_on_ranks(
+            source, overrides, prompts, params, tp=tp, pp=pp, cache=CachePolicy(block_size, memory_mb), ignore_eos=ignore_eos, quantize=quantize
+        )
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
         raise
@@ -109,8 +135,7 @@ def check_plan(args: argparse.Namespace, nproc: int) -> None:
     try:
         check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp), nproc)
     except Refused as err:  # in the words of this command's options
-        raise Refused(Problem(p.option, p.message.replace("parallel.tp=", "--tp ").replace("parallel.pp=", "--pp "))
-                      for p in err.problems) from None
+        raise Refused(Problem(p.option, p.message.replace("parallel.tp=", "--tp ").replace("parallel.pp=", "--pp ")) for p in err.problems) from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,8 +146,7 @@ def run_generate(args: argparse.Namespace) -> int:
     check_plan(args, nproc)
     if args.offload:
         return print_completions(generate_offloaded(args, prompts, params, nproc), args.json)
-    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos,
-            args.quantize)
+    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
     out = worker(*call) if nproc == 1 else launch(nproc, worker, *call)[0]
     return print_completions(out, args.json)
 
@@ -141,8 +165,9 @@ def generate_offloaded(args: argparse.Namespace, prompts: list[Any], params: lis
         raise BehemothError("--offload runs in one process and with float weights", "drop --nproc/--tp/--pp and --quantize")
     folder = args.offload_dir or (tempfile.mkdtemp(prefix="behemoth-offload-") if args.offload == "disk" else None)
     try:
-        off = offloaded_generator(resolve_source(args.source, args.overrides), OffloadPolicy(args.offload, folder),
-                                  CachePolicy(args.block_size, args.kv_cache_mb))
+        off = offloaded_generator(
+            resolve_source(args.source, args.overrides), OffloadPolicy(args.offload, folder), CachePolicy(args.block_size, args.kv_cache_mb)
+        )
         try:
             return off.generator.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=args.ignore_eos)
         finally:
@@ -155,8 +180,18 @@ def generate_offloaded(args: argparse.Namespace, prompts: list[Any], params: lis
 def print_completions(completions: list[Any], as_json: bool) -> int:
     for c in completions:
         if as_json:
-            print(json.dumps({"prompt_tokens": c.prompt_tokens, "tokens": c.tokens, "text": c.text, "finish_reason": c.finish_reason,
-                              "time_to_first_token_s": round(c.time_to_first_token_s, 4), "latency_s": round(c.latency_s, 4)}))
+            print(
+                json.dumps(
+                    {
+                        "prompt_tokens": c.prompt_tokens,
+                        "tokens": c.tokens,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                        "time_to_first_token_s": round(c.time_to_first_token_s, 4),
+                        "latency_s": round(c.latency_s, 4),
+                    }
+                )
+            )
         else:
             print(c.text if c.text or not c.tokens else " ".join(map(str, c.tokens)))
     return 0

@@ -23,20 +23,28 @@ AUTO = "parallel=auto"
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth plan", formatter_class=argparse.RawDescriptionHelpFormatter, description=(
-        "Search every parallel layout of a model on a cluster (dp, tp, pp, ZeRO stage, sequence parallelism, micro-batch "
-        "size and count, schedule, per-stage recomputation, stage boundaries), price each with the cost model (memory per "
-        "rank, step time), and print the best ones with what binds them and why the first beats the second."),
-        epilog="\n".join([
-            "options pinned on the command line (parallel.tp=2, parallel.schedule=zb-h1, train.micro_batch=4, ...) are not",
-            "searched; everything else is. examples:",
-            "  behemoth plan --nproc 4 model=gpt-20m train.global_batch=32",
-            "  behemoth plan --cluster a100-80gb --world 1024 model.n_layer=96 model.d_model=12288 model.n_head=96 \\",
-            "      model.vocab_size=51200 model.context=2048 train.seq_len=2048 train.global_batch=1536 train.precision=bf16",
-            "  behemoth plan --cluster my-cluster.yaml model=hf:llama hf.weights=./llama --out plan.yaml",
-            "  behemoth train --config plan.yaml                   # run it",
-            f"  behemoth train --nproc 4 {AUTO} model=gpt-20m     # plan for 4 processes and run the best plan",
-            "cluster presets: a100-80gb, h100-sxm (one 8-GPU server each; --world N spans N GPUs of them)"]))
+    p = argparse.ArgumentParser(
+        prog="behemoth plan",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Search every parallel layout of a model on a cluster (dp, tp, pp, ZeRO stage, sequence parallelism, micro-batch "
+            "size and count, schedule, per-stage recomputation, stage boundaries), price each with the cost model (memory per "
+            "rank, step time), and print the best ones with what binds them and why the first beats the second."
+        ),
+        epilog="\n".join(
+            [
+                "options pinned on the command line (parallel.tp=2, parallel.schedule=zb-h1, train.micro_batch=4, ...) are not",
+                "searched; everything else is. examples:",
+                "  behemoth plan --nproc 4 model=gpt-20m train.global_batch=32",
+                "  behemoth plan --cluster a100-80gb --world 1024 model.n_layer=96 model.d_model=12288 model.n_head=96 \\",
+                "      model.vocab_size=51200 model.context=2048 train.seq_len=2048 train.global_batch=1536 train.precision=bf16",
+                "  behemoth plan --cluster my-cluster.yaml model=hf:llama hf.weights=./llama --out plan.yaml",
+                "  behemoth train --config plan.yaml                   # run it",
+                f"  behemoth train --nproc 4 {AUTO} model=gpt-20m     # plan for 4 processes and run the best plan",
+                "cluster presets: a100-80gb, h100-sxm (one 8-GPU server each; --world N spans N GPUs of them)",
+            ]
+        ),
+    )
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--cluster", metavar="FILE|PRESET", help="cluster file (behemoth calibrate writes one) or a preset name")
@@ -98,11 +106,13 @@ def space_of(cfg: Config) -> Space:
 def header(cfg: Config, work: Workload, cluster: ClusterSpec, world: int) -> str:
     """The model as resolved (its shape, not only its preset name), the batch, the cluster."""
     s, name = work.census.shape, (f"hf:{cfg.hf.arch}" if cfg.hf.arch else "gpt")
-    return (f"behemoth plan: {name} {s.n_layer} layers x d_model {s.d_model}, {s.n_head} heads ({s.kv_heads} KV), MLP {s.ffn}, "
-            f"vocabulary {s.vocab_size}{', tied' if s.tied else ''}: {work.census.psi / 1e9:.3f}B parameters\n"
-            f"  batch {work.global_batch} x {work.seq_len} tokens, {work.precision}"
-            f"{', bf16 compute parameters' if work.param_dtype == 'bf16' else ''}; {world} devices of {cluster.name} "
-            f"({cluster.device.name}, {cluster.device.memory_gb:.1f} GB, {cluster.devices_per_node} per node; {cluster.kind})")
+    return (
+        f"behemoth plan: {name} {s.n_layer} layers x d_model {s.d_model}, {s.n_head} heads ({s.kv_heads} KV), MLP {s.ffn}, "
+        f"vocabulary {s.vocab_size}{', tied' if s.tied else ''}: {work.census.psi / 1e9:.3f}B parameters\n"
+        f"  batch {work.global_batch} x {work.seq_len} tokens, {work.precision}"
+        f"{', bf16 compute parameters' if work.param_dtype == 'bf16' else ''}; {world} devices of {cluster.name} "
+        f"({cluster.device.name}, {cluster.device.memory_gb:.1f} GB, {cluster.devices_per_node} per node; {cluster.kind})"
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -122,8 +132,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 3
     print(table(result.ranked, cluster))
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
-    print(f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
-          f"{len(result.refused)} refused by problems(); step times of the first {min(4, len(result.ranked))} from the schedule simulator")
+    print(
+        f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
+        f"{len(result.refused)} refused by problems(); step times of the first {min(4, len(result.ranked))} from the schedule simulator"
+    )
     if args.out:
         Path(args.out).write_text(plan_yaml(cfg, result.ranked[0]))
         print(f"wrote {args.out}: behemoth train --config {args.out}")
@@ -144,8 +156,11 @@ def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
     """The best plan as `parallel.*` options (what a user would type)."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
     keys = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
-    return [f"parallel.{k}={yaml.safe_dump(getattr(plan, k), default_flow_style=True).strip().removesuffix('...').strip()}" for k in keys
-            if getattr(plan, k) is not None]
+    return [
+        f"parallel.{k}={yaml.safe_dump(getattr(plan, k), default_flow_style=True).strip().removesuffix('...').strip()}"
+        for k in keys
+        if getattr(plan, k) is not None
+    ]
 
 
 def plan_yaml(cfg: Config, cost: PlanCost) -> str:
@@ -155,8 +170,10 @@ def plan_yaml(cfg: Config, cost: PlanCost) -> str:
     full = cfg.model_copy(update={"parallel": plan, "train": train})
     data = full.model_dump(mode="json", exclude_defaults=True)
     lay = cost.layout
-    note = (f"# behemoth plan: {lay.describe()}; predicted {cost.peak_memory / 2**30:.2f} GiB per rank, "
-            f"{cost.step_seconds * 1e3:.1f} ms per step, MFU {cost.mfu:.1%}\n")
+    note = (
+        f"# behemoth plan: {lay.describe()}; predicted {cost.peak_memory / 2**30:.2f} GiB per rank, "
+        f"{cost.step_seconds * 1e3:.1f} ms per step, MFU {cost.mfu:.1%}\n"
+    )
     text: str = yaml.safe_dump(data, sort_keys=False)
     return note + text
 
@@ -177,18 +194,24 @@ def auto_overrides(overrides: list[str], config: str | None, nproc: int) -> list
     if not result.ranked:
         light = result.unfit[0] if result.unfit else None
         need = f": the lightest plan needs {light.peak_memory / 2**30:.2f} GiB per process, {light.limit / 2**30:.2f} GiB usable" if light else ""
-        raise BehemothError(f"{AUTO} found no plan that fits {nproc} process(es){need}",
-                            "run behemoth plan for the details, use more processes, or a smaller model or batch")
+        raise BehemothError(
+            f"{AUTO} found no plan that fits {nproc} process(es){need}",
+            "run behemoth plan for the details, use more processes, or a smaller model or batch",
+        )
     print(f"behemoth: {AUTO} planned for {nproc} process(es) on {cluster.name} in {result.seconds:.2f} s; running the first plan:")
     print(table(result.ranked, cluster))
     return given + plan_overrides(result.ranked[0], cfg)
 
 
 def calibrate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth calibrate", description=(
-        "Measure this machine over N local processes — matrix-multiply rate by size and dtype; all-reduce, all-gather, "
-        "reduce-scatter, all-to-all and p2p latency and bandwidth; memory and disk bandwidth — and write a cluster file "
-        "for behemoth plan (kept in the cache for --nproc N and parallel=auto)."))
+    p = argparse.ArgumentParser(
+        prog="behemoth calibrate",
+        description=(
+            "Measure this machine over N local processes — matrix-multiply rate by size and dtype; all-reduce, all-gather, "
+            "reduce-scatter, all-to-all and p2p latency and bandwidth; memory and disk bandwidth — and write a cluster file "
+            "for behemoth plan (kept in the cache for --nproc N and parallel=auto)."
+        ),
+    )
     p.add_argument("--nproc", type=int, metavar="N", help="processes (default: every GPU, or 2 on a CPU-only machine)")
     p.add_argument("--full", action="store_true", help="more sizes (a few minutes); default: a quick pass")
     p.add_argument("--out", metavar="FILE", help="also write the cluster file here")
@@ -213,10 +236,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for path in filter(None, [args.out]):
         Path(path).write_text(text)
     dev, link = spec.device, spec.intra_node
-    print(f"behemoth calibrate: {nproc} process(es), {time.perf_counter() - t0:.0f} s: {dev.name}, matmul up to "
-          f"{max(dev.peak_tflops.values()):.3g} TFLOP/s, memory {dev.memory_bandwidth_gbs:.1f} GB/s, operator {dev.op_overhead_us:.1f} us, "
-          f"a block reaches {dev.block_efficiency:.0%} of the matrix rate, "
-          f"{dev.comm_overlap:.0%} of a collective hides behind compute")
+    print(
+        f"behemoth calibrate: {nproc} process(es), {time.perf_counter() - t0:.0f} s: {dev.name}, matmul up to "
+        f"{max(dev.peak_tflops.values()):.3g} TFLOP/s, memory {dev.memory_bandwidth_gbs:.1f} GB/s, operator {dev.op_overhead_us:.1f} us, "
+        f"a block reaches {dev.block_efficiency:.0%} of the matrix rate, "
+        f"{dev.comm_overlap:.0%} of a collective hides behind compute"
+    )
     for op, (latency, bandwidth) in link.ops.items():
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")
     print(f"  disk {spec.host.disk_bandwidth_gbs:.2f} GB/s; wrote {cached}" + (f" and {args.out}" if args.out else ""))

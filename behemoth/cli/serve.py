@@ -22,9 +22,13 @@ EXAMPLES = """examples:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="behemoth serve", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Serve a model over HTTP: OpenAI-compatible /v1/completions (streaming or not), /health, "
-                                            "/metrics; continuous batching over a paged KV cache, 429 when the queue is full.")
+    p = argparse.ArgumentParser(
+        prog="behemoth serve",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a model over HTTP: OpenAI-compatible /v1/completions (streaming or not), /health, "
+        "/metrics; continuous batching over a paged KV cache, 429 when the queue is full.",
+    )
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -32,8 +36,12 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; more get 429 (default 256)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
-    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="continuous (default): requests join and leave at every step; static: a batch runs until all of it ends")
+    p.add_argument(
+        "--batching",
+        choices=["continuous", "static"],
+        default="continuous",
+        help="continuous (default): requests join and leave at every step; static: a batch runs until all of it ends",
+    )
     return p
 
 
@@ -68,8 +76,11 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     limits = gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens)
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
     engine.start()
-    print(f"behemoth: serving {limits.model_name} ({gen.num_blocks} KV blocks of {gen.block_size} tokens, {args.batching} batching) "
-          f"on http://{args.host}:{args.port}/v1/completions", flush=True)
+    print(
+        f"behemoth: serving {limits.model_name} ({gen.num_blocks} KV blocks of {gen.block_size} tokens, {args.batching} batching) "
+        f"on http://{args.host}:{args.port}/v1/completions",
+        flush=True,
+    )
     try:
         server.run()
     finally:
@@ -87,8 +98,8 @@ def serve_worker(args: argparse.Namespace) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """`behemoth serve`: check the plan, then serve on one process or launch one per rank."""
-    from behemoth.inference.app import require_serving_stack
     from behemoth.faults.launch import launch
+    from behemoth.inference.app import require_serving_stack
 
     require_serving_stack()
     nproc = world_size(args)

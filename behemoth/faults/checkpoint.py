@@ -36,8 +36,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from behemoth.comm import barrier, gather_object
 from behemoth.errors import BehemothError
-from behemoth.faults.integrity import (Backing, CheckpointDamage, DigestingWriter, LinkingWriter, SafeFileSystemReader, SafeLoadPlanner,
-                                       digest_files, file_digest, read_dcp_metadata, seal, verify)
+from behemoth.faults.integrity import (
+    Backing,
+    CheckpointDamage,
+    DigestingWriter,
+    LinkingWriter,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    digest_files,
+    file_digest,
+    read_dcp_metadata,
+    seal,
+    verify,
+)
 from behemoth.models.causal_lm import tied_names
 
 LATEST = "latest"
@@ -62,8 +73,17 @@ def step_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def save_checkpoint(state: dict[str, Any], run_dir: str | Path, step: int, meta: dict[str, Any], *, keep: int,
-                    group: dist.ProcessGroup, rng: dict[str, Any] | None = None, backing: Backing | None = None) -> Path:
+def save_checkpoint(
+    state: dict[str, Any],
+    run_dir: str | Path,
+    step: int,
+    meta: dict[str, Any],
+    *,
+    keep: int,
+    group: dist.ProcessGroup,
+    rng: dict[str, Any] | None = None,
+    backing: Backing | None = None,
+) -> Path:
     """Write `state` (a DCP state dict) as checkpoint `step`; collective over `group`, every rank of the job.
     `rng`: this rank's RNG state as it was when the state was taken (default: now). `backing`: where tensors already
     lie in files (an offloaded run's scratch), which are linked into the checkpoint instead of written."""
@@ -145,7 +165,7 @@ class CheckpointSaver:
         """Seconds each background save published since the last poll took (a failed one is raised here)."""
         if self.thread is not None and not self.thread.is_alive():
             self.wait()
-        fresh, self.reported = self.write_s[self.reported:], len(self.write_s)
+        fresh, self.reported = self.write_s[self.reported :], len(self.write_s)
         return fresh
 
     def wait(self) -> None:
@@ -156,8 +176,10 @@ class CheckpointSaver:
         if self.error is not None:
             err, self.error = self.error, None
             first = (str(err).strip().splitlines() or [err.__class__.__name__])[0][:300]
-            raise BehemothError(f"saving a checkpoint in the background failed: {first}", "check the run directory's disk, "
-                                "or set checkpoint.async_save=false to save in the training loop")
+            raise BehemothError(
+                f"saving a checkpoint in the background failed: {first}",
+                "check the run directory's disk, or set checkpoint.async_save=false to save in the training loop",
+            )
 
 
 def write_json(path: Path, value: dict[str, Any]) -> None:
@@ -286,8 +308,11 @@ def validate_checkpoint(ckpt: Path, model_config: dict[str, Any] | None, *, use:
     except CheckpointDamage as err:
         raise BehemothError(str(err), offer(ckpt.parent, use, besides=ckpt)) from None
     saved = meta.get("config", {}).get("model", {})
-    diffs = [f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}" for k, v in (model_config or {}).items()
-             if k in SHAPE_FIELDS and shape_value(k, saved.get(k)) != shape_value(k, v)]
+    diffs = [
+        f"model.{k}: checkpoint {saved.get(k)!r}, config {v!r}"
+        for k, v in (model_config or {}).items()
+        if k in SHAPE_FIELDS and shape_value(k, saved.get(k)) != shape_value(k, v)
+    ]
     if diffs:
         raise BehemothError(f"checkpoint {ckpt} was saved from a different model ({'; '.join(diffs)})", "resume with the checkpoint's model settings")
     return meta
@@ -314,7 +339,9 @@ def load_checkpoint(state: dict[str, Any], ckpt: Path, group: dist.ProcessGroup)
         raise
     except (Exception, CheckpointException) as err:  # surface DCP's failure as one line naming the checkpoint
         first = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-        raise BehemothError(f"checkpoint {ckpt} could not be loaded: {first[:300]}", "check that it matches this model, or resume from an earlier checkpoint") from None
+        raise BehemothError(
+            f"checkpoint {ckpt} could not be loaded: {first[:300]}", "check that it matches this model, or resume from an earlier checkpoint"
+        ) from None
 
 
 def load_consolidated(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -334,8 +361,16 @@ def load_consolidated(ckpt: Path, model: torch.nn.Module) -> dict[str, torch.Ten
     return state
 
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32",
-                      torch.uint8: "U8", torch.bool: "BOOL", torch.float64: "F64"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float64: "F64",
+}
 
 
 def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:

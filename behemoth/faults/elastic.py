@@ -28,9 +28,9 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
@@ -51,14 +51,15 @@ class ElasticPolicy:
     max_restarts: int = 0
     grace_s: float = 3.0
     join_timeout_s: float = 300.0
-    last_call_s: float = 10.0     # once MIN nodes are in, how long to wait for more
-    keep_alive_s: float = 1.0     # a node whose agent misses 3 heartbeats is gone
+    last_call_s: float = 10.0  # once MIN nodes are in, how long to wait for more
+    keep_alive_s: float = 1.0  # a node whose agent misses 3 heartbeats is gone
 
 
 def describe_failures(failures: dict[int, Any]) -> str:
     """One line for failed workers: the root cause first (a worker killed by a signal, then one that failed on its own,
     then one whose collective failed because of another), and what it said (its behemoth line, its signal, or the
     last line of its error)."""
+
     def cause(item: tuple[int, Any]) -> tuple[int, int]:
         rank, failure = item
         killed = failure.exitcode is not None and failure.exitcode < 0
@@ -100,8 +101,15 @@ def loopback_store(port: int = 0, *, timeout_s: float = 300.0) -> dist.TCPStore:
     sock.bind((LOOPBACK, port))
     sock.listen(128)
     bound = sock.getsockname()[1]
-    return dist.TCPStore(LOOPBACK, bound, is_master=True, master_listen_fd=sock.detach(), wait_for_workers=False,
-                         multi_tenant=True, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        LOOPBACK,
+        bound,
+        is_master=True,
+        master_listen_fd=sock.detach(),
+        wait_for_workers=False,
+        multi_tenant=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 class LoopbackRendezvousHandler(DynamicRendezvousHandler):
@@ -119,10 +127,22 @@ class LoopbackRendezvousHandler(DynamicRendezvousHandler):
 
 def rendezvous(store: dist.Store, run_id: str, nodes: tuple[int, int], policy: ElasticPolicy) -> LoopbackRendezvousHandler:
     """A handler for this agent over `store` (the c10d rendezvous backend), between nodes[0] and nodes[1] agents."""
-    timeout = RendezvousTimeout(join=datetime.timedelta(seconds=policy.join_timeout_s), last_call=datetime.timedelta(seconds=policy.last_call_s),
-                                close=datetime.timedelta(seconds=10))
-    return LoopbackRendezvousHandler.from_backend(run_id, store, C10dRendezvousBackend(store, run_id), nodes[0], nodes[1], LOOPBACK, timeout,
-                                                  keep_alive_interval=max(1, int(policy.keep_alive_s)), keep_alive_max_attempt=3)
+    timeout = RendezvousTimeout(
+        join=datetime.timedelta(seconds=policy.join_timeout_s),
+        last_call=datetime.timedelta(seconds=policy.last_call_s),
+        close=datetime.timedelta(seconds=10),
+    )
+    return LoopbackRendezvousHandler.from_backend(
+        run_id,
+        store,
+        C10dRendezvousBackend(store, run_id),
+        nodes[0],
+        nodes[1],
+        LOOPBACK,
+        timeout,
+        keep_alive_interval=max(1, int(policy.keep_alive_s)),
+        keep_alive_max_attempt=3,
+    )
 
 
 class BehemothAgent(LocalElasticAgent):
@@ -152,8 +172,12 @@ class BehemothAgent(LocalElasticAgent):
         spec = worker_group.spec
         done = spec.max_restarts - self._remaining_restarts
         if self.last_failure is not None:
-            print(f"behemoth: {describe_failures(self.last_failure.failures)}; restarting the workers "
-                  f"(restart {done} of {spec.max_restarts}) to resume from the newest intact checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"behemoth: {describe_failures(self.last_failure.failures)}; restarting the workers "
+                f"(restart {done} of {spec.max_restarts}) to resume from the newest intact checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             self.last_failure = None
         super()._restart_workers(worker_group)
 
@@ -180,8 +204,16 @@ def wake_if_peer_died(pids: list[int]) -> None:
 
 def run_agent(entrypoint: Callable[..., Any], args: tuple, *, nproc: int, handler: Any, policy: ElasticPolicy, log_dir: str) -> dict[int, Any]:
     """Run `nproc` workers under one agent until they succeed or the restarts are spent; {global rank: return value}."""
-    spec = WorkerSpec(role="behemoth", local_world_size=nproc, entrypoint=entrypoint, args=args, rdzv_handler=handler,
-                      max_restarts=policy.max_restarts, monitor_interval=0.2, local_addr=LOOPBACK)
+    spec = WorkerSpec(
+        role="behemoth",
+        local_world_size=nproc,
+        entrypoint=entrypoint,
+        args=args,
+        rdzv_handler=handler,
+        max_restarts=policy.max_restarts,
+        monitor_interval=0.2,
+        local_addr=LOOPBACK,
+    )
     agent = BehemothAgent(spec, grace_s=policy.grace_s, log_dir=log_dir)
     try:
         result = agent.run()
@@ -240,8 +272,10 @@ def launch_nodes(nodes: tuple[int, int], entrypoint: Callable[..., Any], args: t
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         run_id = uuid.uuid4().hex
-        agents = [ctx.Process(target=_node_main, args=(i, store.port, run_id, nodes, policy, folder, entrypoint, args, results), daemon=False)
-                  for i in range(nodes[1])]
+        agents = [
+            ctx.Process(target=_node_main, args=(i, store.port, run_id, nodes, policy, folder, entrypoint, args, results), daemon=False)
+            for i in range(nodes[1])
+        ]
         for p in agents:
             p.start()
         outcomes = []
@@ -255,8 +289,17 @@ def launch_nodes(nodes: tuple[int, int], entrypoint: Callable[..., Any], args: t
     raise BehemothError(errors[0] if errors else "every node of the run was lost before it finished", "start it again with --resume")
 
 
-def _node_main(index: int, port: int, run_id: str, nodes: tuple[int, int], policy: ElasticPolicy, folder: str,
-               entrypoint: Callable[..., Any], args: tuple, results: Any) -> None:
+def _node_main(
+    index: int,
+    port: int,
+    run_id: str,
+    nodes: tuple[int, int],
+    policy: ElasticPolicy,
+    folder: str,
+    entrypoint: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
     """One node's agent process: join the loopback rendezvous as a client, run one worker, report back."""
     quiet_launcher_logs()
     store = dist.TCPStore(LOOPBACK, port, is_master=False, timeout=datetime.timedelta(seconds=policy.join_timeout_s))

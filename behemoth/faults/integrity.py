@@ -46,8 +46,15 @@ RAW = "behemoth-raw/1"  # a storage entry's transform descriptor: its bytes are 
 # where a tensor's bytes already lie: (file name inside the checkpoint, byte offset, a function that commits the file there)
 Backing = Callable[[torch.Tensor], "tuple[str, int, Callable[[Path], None]] | None"]
 ALLOWED = {  # module -> names a DCP `.metadata` may refer to
-    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                              "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
@@ -128,8 +135,11 @@ def check_storage(ckpt: Path, metadata: Metadata, files: dict[str, dict[str, Any
     for info in (metadata.storage_data or {}).values():
         listed = files.get(str(info.relative_path))
         if listed is None or info.offset + info.length > listed["bytes"]:
-            raise CheckpointDamage(ckpt, ".metadata", f"points at bytes {info.offset}..{info.offset + info.length} of "
-                                   f"{info.relative_path}, which the checkpoint did not write")
+            raise CheckpointDamage(
+                ckpt,
+                ".metadata",
+                f"points at bytes {info.offset}..{info.offset + info.length} of {info.relative_path}, which the checkpoint did not write",
+            )
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -179,8 +189,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.stored_shapes = {(fqn, tuple(c.offsets)): tuple(c.sizes) for fqn, entry in metadata.state_dict_metadata.items()
-                              if isinstance(entry, TensorStorageMetadata) for c in entry.chunks}
+        self.stored_shapes = {
+            (fqn, tuple(c.offsets)): tuple(c.sizes)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+            for c in entry.chunks
+        }
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:

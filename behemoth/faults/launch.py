@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from behemoth.faults.elastic import ElasticPolicy, describe_failures, launch_local, launch_nodes, quiet_launcher_logs
 
@@ -26,8 +27,9 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def launch(nproc: int | tuple[int, int], entrypoint: Callable[..., Any], *args: Any, timeout_s: float = 300.0,
-           max_restarts: int = 0) -> dict[int, Any]:
+def launch(
+    nproc: int | tuple[int, int], entrypoint: Callable[..., Any], *args: Any, timeout_s: float = 300.0, max_restarts: int = 0
+) -> dict[int, Any]:
     """Run `entrypoint(*args)` in `nproc` local processes (or, for (MIN, MAX), MAX single-process elastic nodes that can
     shrink to MIN); if one fails, the rest are stopped, and started again up to `max_restarts` times.
 

@@ -27,10 +27,17 @@ def run_dir_problems(run_dir: str, *, resuming: bool) -> list[Problem]:
     if not resuming and path.is_dir():
         found = [name for name in RUN_FILES if (path / name).exists()]
         if (path / "checkpoints" / "latest").exists():
-            out.append(Problem.of("run.dir", f"run.dir={run_dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir"))
+            out.append(
+                Problem.of("run.dir", f"run.dir={run_dir} already holds checkpoints", "pass --resume to continue it, or choose another run.dir")
+            )
         elif found:
-            out.append(Problem.of("run.dir", f"run.dir={run_dir} holds another run's files ({', '.join(found)})",
-                                  "choose another run.dir (unset, each run gets a new one), remove them, or pass --resume to continue that run"))
+            out.append(
+                Problem.of(
+                    "run.dir",
+                    f"run.dir={run_dir} holds another run's files ({', '.join(found)})",
+                    "choose another run.dir (unset, each run gets a new one), remove them, or pass --resume to continue that run",
+                )
+            )
     reason = probe_writable(path)
     if reason:
         out.append(Problem.of("run.dir", f"run.dir={run_dir} cannot be written: {reason}", "choose a directory you can write to"))
@@ -81,16 +88,23 @@ def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
     if free >= need:
         return []
     if linked:
-        what = (f"an offloaded run whose scratch takes {scratch / GIB:.2f} GiB keeps checkpoint.keep={cfg.checkpoint.keep} "
-                f"checkpoint(s) that link it ({linked / GIB:.2f} GiB each once the run writes on, copy-on-write"
-                + (f", plus {copied / GIB:.2f} GiB written" if copied else "") + ")")
+        what = (
+            f"an offloaded run whose scratch takes {scratch / GIB:.2f} GiB keeps checkpoint.keep={cfg.checkpoint.keep} "
+            f"checkpoint(s) that link it ({linked / GIB:.2f} GiB each once the run writes on, copy-on-write"
+            + (f", plus {copied / GIB:.2f} GiB written" if copied else "")
+            + ")"
+        )
     else:
-        what = (f"the run keeps checkpoint.keep={cfg.checkpoint.keep} checkpoints of ~{copied / GIB:.2f} GiB (one more while a new one "
-                "is written)")
+        what = f"the run keeps checkpoint.keep={cfg.checkpoint.keep} checkpoints of ~{copied / GIB:.2f} GiB (one more while a new one is written)"
     exported = f" and {export / GIB:.2f} GiB of exported weights" if export else ""
-    return [Problem.of("checkpoint.keep", f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but {what}{exported}: about {need / GIB:.2f} GiB",
-                       "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk"
-                       + (", or use offload.optimizer_bits=8" if linked and cfg.offload.optimizer_bits == 32 else ""))]
+    return [
+        Problem.of(
+            "checkpoint.keep",
+            f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but {what}{exported}: about {need / GIB:.2f} GiB",
+            "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk"
+            + (", or use offload.optimizer_bits=8" if linked and cfg.offload.optimizer_bits == 32 else ""),
+        )
+    ]
 
 
 def checkpoint_bytes(cfg: Config, params: int) -> tuple[int, int, int]:
@@ -126,24 +140,40 @@ def weights_problems(weights: str) -> list[Problem]:
     folder = Path(weights).expanduser()
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        return [Problem.of("hf.weights", f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")]
+        return [
+            Problem.of(
+                "hf.weights", f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)"
+            )
+        ]
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
             listed = set(json.loads(index.read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return [Problem.of("hf.weights", f"hf.weights={weights}: {index.name} is not a readable index", "save the model again with save_pretrained")]
+            return [
+                Problem.of("hf.weights", f"hf.weights={weights}: {index.name} is not a readable index", "save the model again with save_pretrained")
+            ]
         missing = sorted(listed - {f.name for f in files})
         if missing:
-            return [Problem.of("hf.weights", f"hf.weights={weights}: {index.name} lists {missing[0]}, which is missing",
-                               "copy every shard of the model, or save it again with save_pretrained")]
+            return [
+                Problem.of(
+                    "hf.weights",
+                    f"hf.weights={weights}: {index.name} lists {missing[0]}, which is missing",
+                    "copy every shard of the model, or save it again with save_pretrained",
+                )
+            ]
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
                 handle.keys()
         except Exception as err:  # safetensors raises its own types for a damaged header
-            return [Problem.of("hf.weights", f"hf.weights={weights}: {f.name} is not a readable safetensors file ({err.__class__.__name__})",
-                               "copy the file again, or save the model again with save_pretrained")]
+            return [
+                Problem.of(
+                    "hf.weights",
+                    f"hf.weights={weights}: {f.name} is not a readable safetensors file ({err.__class__.__name__})",
+                    "copy the file again, or save the model again with save_pretrained",
+                )
+            ]
     return []
 
 

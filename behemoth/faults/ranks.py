@@ -19,8 +19,9 @@ import pickle
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 PRELOAD = ["torch", "torch.distributed", "behemoth.train", "matplotlib.pyplot"]  # imported once by the fork server
 COLLECTIVE_TIMEOUT_S = 60
@@ -45,8 +46,7 @@ def _rank_main(rank: int, world: int, folder: str, threads: int, body: Callable[
     out = Path(folder) / f"rank{rank}.pkl"
     try:
         store = dist.FileStore(str(Path(folder) / "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         result = ("ok", body(*args))
     except BaseException:  # report everything, including assertion failures, to the parent
         result = ("error", traceback.format_exc())

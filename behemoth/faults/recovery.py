@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from behemoth.faults import checkpoint as ckpt_io
 from behemoth.comm import broadcast_object
 from behemoth.config import Config, default_run_dir
 from behemoth.errors import BehemothError
+from behemoth.faults import checkpoint as ckpt_io
 from behemoth.faults.integrity import verify
 from behemoth.topology import Runtime
 
@@ -95,8 +95,14 @@ def torchrun_restart_warning() -> str | None:
     """Under torchrun with restarts, the one setting that keeps restarted gloo workers from reading the previous
     attempt's addresses out of the agent's shared store (torch keeps one store for every round; behemoth's own
     launcher makes a new one each round, and marks its workers with BEHEMOTH_LAUNCHER)."""
-    if (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1" and "BEHEMOTH_LAUNCHER" not in os.environ):
-        return ("behemoth: warning: torchrun --max-restarts shares one store across restarts, where a restarted worker can find a "
-                "dead one's address; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (and TORCH_GLOO_LAZY_INIT=1) in torchrun's environment")
+    if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"
+        and "BEHEMOTH_LAUNCHER" not in os.environ
+    ):
+        return (
+            "behemoth: warning: torchrun --max-restarts shares one store across restarts, where a restarted worker can find a "
+            "dead one's address; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (and TORCH_GLOO_LAZY_INIT=1) in torchrun's environment"
+        )
     return None

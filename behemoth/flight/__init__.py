@@ -19,5 +19,20 @@ from behemoth.flight.heartbeat import Heartbeat, heartbeat_store
 from behemoth.flight.recorder import GRACE_S, RECORDER, FlightRecorder, HangError, nccl_flight_env
 from behemoth.flight.ring import RING, OpRecord, Ring, Snapshot, group_info
 
-__all__ = ["GRACE_S", "RECORDER", "RING", "FlightRecorder", "HangError", "Heartbeat", "OpRecord", "Ring", "Snapshot",
-           "c10d_reason", "diagnose", "group_info", "hang_line", "heartbeat_store", "nccl_flight_env"]
+__all__ = [
+    "GRACE_S",
+    "RECORDER",
+    "RING",
+    "FlightRecorder",
+    "HangError",
+    "Heartbeat",
+    "OpRecord",
+    "Ring",
+    "Snapshot",
+    "c10d_reason",
+    "diagnose",
+    "group_info",
+    "hang_line",
+    "heartbeat_store",
+    "nccl_flight_env",
+]

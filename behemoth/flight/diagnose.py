@@ -27,8 +27,7 @@ class _Walk:
     seen: set[int] = field(default_factory=set)
 
 
-def diagnose(rec: OpRecord, published: Mapping[int, Snapshot | None], *, me: int, now: float, stale_s: float,
-             timed_out: bool = True) -> list[str]:
+def diagnose(rec: OpRecord, published: Mapping[int, Snapshot | None], *, me: int, now: float, stale_s: float, timed_out: bool = True) -> list[str]:
     """One clause per rank that `rec` (issued by rank `me`) waits for and that has not completed it, following busy
     ranks' own waits. `published[r]`: rank r's last snapshot, None if it never published one (asked for every rank
     `rec` or a chain awaits); `stale_s`: the age after which a heartbeat counts as stopped. Empty: every rank arrived."""
@@ -67,8 +66,7 @@ def _busy(r: int, snap: Snapshot, key: str, walk: _Walk, depth: int) -> str:
     return f"rank {r} never arrived: it waits in {op.describe()}" + (f", where {'; '.join(inner)}" if inner else "")
 
 
-def hang_line(rec: OpRecord, culprits: list[str], *, waited: float, limit_s: float, timed_out: bool,
-              err: BaseException | None) -> str:
+def hang_line(rec: OpRecord, culprits: list[str], *, waited: float, limit_s: float, timed_out: bool, err: BaseException | None) -> str:
     """The diagnosis in one line: the operation, how long it waited (or how it failed), and who never arrived."""
     how = f"waited {waited:.1f} s (run.timeout_s={limit_s:g})" if timed_out else f"failed after {waited:.1f} s ({c10d_reason(err)})"
     who = "; ".join(culprits) if culprits else "every rank of the group had arrived; the transfer itself stalled"

@@ -11,7 +11,8 @@ import datetime
 import json
 import os
 import threading
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -25,8 +26,9 @@ def heartbeat_store(timeout_s: float) -> Any:
     unique to this attempt of the run."""
     base: Any
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=max(5.0, timeout_s)))
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=max(5.0, timeout_s))
+        )
     else:
         base = dist.distributed_c10d._get_default_store()
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"

@@ -146,8 +146,11 @@ def nccl_flight_env(run_dir: str | Path) -> dict[str, str]:
 
     if not torch.cuda.is_available():
         return {}
-    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": str(Path(run_dir) / "hang" / "nccl_trace_rank_")}
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(Path(run_dir) / "hang" / "nccl_trace_rank_"),
+    }
 
 
 RECORDER = FlightRecorder()

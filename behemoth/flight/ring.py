@@ -24,11 +24,11 @@ class OpRecord:
     """One collective or transfer as this rank issued it (ranks are global ranks)."""
 
     op: str
-    group: str           # the group's name: dp, tp, pp, world, ...
-    ranks: list[int]     # its members
-    key: str             # what the sequence number counts: the group, or a sender -> receiver path in it
-    seq: int             # the how-many-th operation on `key` this is, counted alike on every rank involved
-    start: float         # time.time() when issued
+    group: str  # the group's name: dp, tp, pp, world, ...
+    ranks: list[int]  # its members
+    key: str  # what the sequence number counts: the group, or a sender -> receiver path in it
+    seq: int  # the how-many-th operation on `key` this is, counted alike on every rank involved
+    start: float  # time.time() when issued
     peer: int | None = None
     nbytes: int = 0
     end: float | None = None
@@ -122,5 +122,4 @@ class Ring:
     def stuck(self, now: float, limit_s: float) -> list[OpRecord]:
         """Operations waited for longer than `limit_s` whose work has not completed."""
         with self.lock:
-            return [rec for rec, work in self.inflight.values()
-                    if now - rec.start > limit_s and not (work is not None and work.is_completed())]
+            return [rec for rec, work in self.inflight.values() if now - rec.start > limit_s and not (work is not None and work.is_completed())]

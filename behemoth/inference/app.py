@@ -5,7 +5,6 @@ objects; `serving.py` runs the engine. `ServerThread` runs the whole server insi
 (the tests, the serving benchmark) on a free port.
 """
 
-
 import threading
 import time
 from typing import Any
@@ -55,8 +54,11 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def completions(request: Request) -> Any:
         try:
             req = parse_request(await read_body(request, limits.max_body_bytes), limits)
-            completion = Completion(engine, prompt_tokens(req, tokenizer, limits), req.sampling().model_copy(
-                update={"stop_token_ids": [] if req.ignore_eos else list(limits.eos_token_ids)}))
+            completion = Completion(
+                engine,
+                prompt_tokens(req, tokenizer, limits),
+                req.sampling().model_copy(update={"stop_token_ids": [] if req.ignore_eos else list(limits.eos_token_ids)}),
+            )
         except ApiError as err:
             return error(err)
         metrics.response(200)
@@ -69,8 +71,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{"id": limits.model_name, "object": "model", "owned_by": "behemoth",
-                                            "max_model_len": limits.context}]}
+        return {"object": "list", "data": [{"id": limits.model_name, "object": "model", "owned_by": "behemoth", "max_model_len": limits.context}]}
 
     @app.get("/health")
     async def health() -> Any:
@@ -80,8 +81,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
 
     @app.get("/metrics")
     async def prometheus() -> Any:
-        return PlainTextResponse(metrics.render(engine.scheduler.gauges(), engine.scheduler.stats),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(engine.scheduler.gauges(), engine.scheduler.stats), media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -40,10 +40,12 @@ class CachePolicy:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or not self.memory_mb > 0:
-            raise BehemothError(f"a KV cache of {self.memory_mb} MiB in blocks of {self.block_size} tokens",
-                                "use a positive --kv-cache-mb and a --block-size of at least 1")
+            raise BehemothError(
+                f"a KV cache of {self.memory_mb} MiB in blocks of {self.block_size} tokens",
+                "use a positive --kv-cache-mb and a --block-size of at least 1",
+            )
 
-    def for_batch(self, prompt_lengths: list[int], max_tokens: list[int]) -> "CachePolicy":
+    def for_batch(self, prompt_lengths: list[int], max_tokens: list[int]) -> CachePolicy:
         """This cache capped at the blocks these prompts fill together when every one runs to max_tokens: a one-shot
         batch then allocates (and keeps resident) no block it cannot use, and is never preempted."""
         need = sum(-(-(n + m) // self.block_size) for n, m in zip(prompt_lengths, max_tokens))
@@ -72,19 +74,26 @@ def held_layers(model: ParallelModel) -> tuple[int, ...]:
 def local_runner(model: ParallelModel, cache: CachePolicy) -> ModelRunner:
     """This rank's runner: its layers, its heads of the KV cache, as many blocks as `cache.memory_mb` holds."""
     layers = held_layers(model)
-    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1,
-                         dtype=module_dtype(model.module))
+    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1, dtype=module_dtype(model.module))
     blocks = min(blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block), cache.max_blocks or 1 << 62)
-    layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks,
-                          dtype=probe.dtype)
+    layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks, dtype=probe.dtype)
     return ModelRunner(model.lm, KVStorage(layout, model.rt.device), tp=model.tp, device=model.rt.device)
 
 
 class Generator:
     """Prompts in, completions out, on the scheduling rank of a loaded model."""
 
-    def __init__(self, runner: Runner, *, num_blocks: int, block_size: int, context: int, tokenizer: Tokenizer | None,
-                 eos_token_ids: list[int] = (), max_batch: int = 64) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        num_blocks: int,
+        block_size: int,
+        context: int,
+        tokenizer: Tokenizer | None,
+        eos_token_ids: list[int] = (),
+        max_batch: int = 64,
+    ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, list(eos_token_ids)
         self.num_blocks, self.block_size, self.context, self.max_batch = num_blocks, block_size, context, max_batch
         self.stats: dict[str, int] = {}  # the last generate()'s scheduler counters (steps, tokens, preemptions)
@@ -103,8 +112,9 @@ class Generator:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return encode_prompt(prompt, self.tokenizer, self.runner.vocab_size)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None, *,
-                 ignore_eos: bool = False) -> list[Completion]:
+    def generate(
+        self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None, *, ignore_eos: bool = False
+    ) -> list[Completion]:
         """Generate for every prompt (text or token ids), batched; one Completion per prompt, in order."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -142,9 +152,15 @@ def generator_for(model: ParallelModel, source: Source, cache: CachePolicy = Cac
         runner = PipelineRunner(model, local)
     if model.rt.world_size > 1:
         runner = DistributedRunner(runner, model.rt.world_group)
-    return Generator(runner, num_blocks=local.storage.layout.num_blocks, block_size=cache.block_size, context=model.lm.shape.context,
-                     tokenizer=tokenizer_for(model.lm.shape.vocab_size, source.folder), eos_token_ids=source.eos_token_ids,
-                     max_batch=max_batch)
+    return Generator(
+        runner,
+        num_blocks=local.storage.layout.num_blocks,
+        block_size=cache.block_size,
+        context=model.lm.shape.context,
+        tokenizer=tokenizer_for(model.lm.shape.vocab_size, source.folder),
+        eos_token_ids=source.eos_token_ids,
+        max_batch=max_batch,
+    )
 
 
 def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
@@ -157,17 +173,28 @@ def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
     return follow(local, model.rt.world_group)
 
 
-def load(path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64,
-         quantize: str | None = None) -> Generator:
+def load(
+    path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64, quantize: str | None = None
+) -> Generator:
     """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this process."""
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
     return generator_for(load_model(source, rt, quantize=quantize), source, cache, max_batch=max_batch)
 
 
-def generate_on_ranks(path: str, overrides: list[str], prompts: list[Any], params: list[dict[str, Any]], *, tp: int, pp: int,
-                      cache: CachePolicy = CachePolicy(), ignore_eos: bool = False, quantize: str | None = None,
-                      rt: Runtime | None = None) -> list[Completion] | None:
+def generate_on_ranks(
+    path: str,
+    overrides: list[str],
+    prompts: list[Any],
+    params: list[dict[str, Any]],
+    *,
+    tp: int,
+    pp: int,
+    cache: CachePolicy = CachePolicy(),
+    ignore_eos: bool = False,
+    quantize: str | None = None,
+    rt: Runtime | None = None,
+) -> list[Completion] | None:
     """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)

@@ -30,7 +30,7 @@ class CacheLayout:
     """The shape of one rank's paged cache."""
 
     layers: tuple[int, ...]  # the layer indices this rank runs
-    kv_heads: int            # key/value heads this rank holds
+    kv_heads: int  # key/value heads this rank holds
     head_dim: int
     block_size: int
     num_blocks: int
@@ -38,8 +38,9 @@ class CacheLayout:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
-            raise BehemothError(f"a paged KV cache of {self.num_blocks} blocks of {self.block_size} tokens",
-                                "use a block size and a block count of at least 1")
+            raise BehemothError(
+                f"a paged KV cache of {self.num_blocks} blocks of {self.block_size} tokens", "use a block size and a block count of at least 1"
+            )
 
     @property
     def bytes_per_block(self) -> int:
@@ -107,11 +108,11 @@ class StepBatch:
     position 0, write nothing and attend to position 0 only; their outputs are never read.
     """
 
-    ids: torch.Tensor        # [B, T] token ids
+    ids: torch.Tensor  # [B, T] token ids
     positions: torch.Tensor  # [B, T]
-    lengths: torch.Tensor    # [B] new tokens per row
-    slots: torch.Tensor      # [N] the slot of every real new token, row by row
-    gather: torch.Tensor     # [B, L] the slot of every position a row attends to (0 past its end)
+    lengths: torch.Tensor  # [B] new tokens per row
+    slots: torch.Tensor  # [N] the slot of every real new token, row by row
+    gather: torch.Tensor  # [B, L] the slot of every position a row attends to (0 past its end)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -122,7 +123,7 @@ class StepBatch:
         keys = torch.arange(self.gather.shape[1], device=device)
         return (keys <= self.positions.to(device).unsqueeze(-1)).unsqueeze(1)
 
-    def to(self, device: torch.device) -> "StepBatch":
+    def to(self, device: torch.device) -> StepBatch:
         return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather)))
 
 
@@ -160,7 +161,7 @@ class KVStorage:
         self.keys = {layer: torch.zeros(shape, dtype=layout.dtype, device=device) for layer in layout.layers}
         self.values = {layer: torch.zeros(shape, dtype=layout.dtype, device=device) for layer in layout.layers}
 
-    def step(self, batch: StepBatch) -> "CacheStep":
+    def step(self, batch: StepBatch) -> CacheStep:
         return CacheStep(batch.to(self.device), self)
 
 

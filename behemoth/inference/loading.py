@@ -103,8 +103,16 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         lm.init_spec = lambda name: ZEROS  # every value is read from the files: drawing them first is time and a transient copy
     if quantize not in (None, "int8"):
         raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
-    model = parallelize(lm, cfg.parallel, rt, batch=BatchLayout(pp, 1, 1), seq_len=cfg.model.context, seed=cfg.train.seed,
-                        timeout_s=cfg.run.timeout_s, for_training=False)
+    model = parallelize(
+        lm,
+        cfg.parallel,
+        rt,
+        batch=BatchLayout(pp, 1, 1),
+        seq_len=cfg.model.context,
+        seed=cfg.train.seed,
+        timeout_s=cfg.run.timeout_s,
+        for_training=False,
+    )
     if source.checkpoint is not None:
         load_checkpoint(model.checkpoint_views({"model": parameter_state(model.module)}), source.checkpoint, rt.world_group)
     model.module.eval()

@@ -52,8 +52,10 @@ class OffloadPolicy:
 
     def __post_init__(self) -> None:
         if self.tier not in STREAM_TIERS or self.prefetch < 0:
-            raise BehemothError(f"offload tier {self.tier!r} with prefetch {self.prefetch}",
-                                f"use a tier of {', '.join(STREAM_TIERS)} (host memory, files) and prefetch >= 0")
+            raise BehemothError(
+                f"offload tier {self.tier!r} with prefetch {self.prefetch}",
+                f"use a tier of {', '.join(STREAM_TIERS)} (host memory, files) and prefetch >= 0",
+            )
 
 
 def parts_of(lm: CausalLM, blocks: str) -> dict[str, dict[str, nn.Parameter]]:
@@ -61,7 +63,7 @@ def parts_of(lm: CausalLM, blocks: str) -> dict[str, dict[str, nn.Parameter]]:
     parts: dict[str, dict[str, nn.Parameter]] = {"resident": {}}
     for name, p in lm.module.named_parameters():
         if name.startswith(blocks + "."):
-            index = int(name[len(blocks) + 1:].split(".")[0])
+            index = int(name[len(blocks) + 1 :].split(".")[0])
             parts.setdefault(f"block.{index}", {})[name] = p
         else:
             parts["resident"][name] = p
@@ -180,16 +182,22 @@ class StreamStats:
 class LayerStreamer:
     """Block weights in just before a block runs and out right after; the next `prefetch` blocks read on a thread."""
 
-    def __init__(self, model: nn.Module, blocks: str, layers: tuple[int, ...], store: HostStore | DiskStore, device: torch.device,
-                 prefetch: int) -> None:
+    def __init__(
+        self, model: nn.Module, blocks: str, layers: tuple[int, ...], store: HostStore | DiskStore, device: torch.device, prefetch: int
+    ) -> None:
         self.layers, self.store, self.device, self.prefetch = layers, store, device, prefetch
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="behemoth-prefetch")
         self.pending: dict[int, Future] = {}
         self.stats = StreamStats()
         modules = model.get_submodule(blocks)
-        self.slots = {i: [(owner, pname, f"{blocks}.{i}.{mname}.{pname}".replace("..", "."), p.shape, p.dtype)
-                          for mname, owner in modules[i].named_modules() for pname, p in owner.named_parameters(recurse=False)]
-                      for i in layers}
+        self.slots = {
+            i: [
+                (owner, pname, f"{blocks}.{i}.{mname}.{pname}".replace("..", "."), p.shape, p.dtype)
+                for mname, owner in modules[i].named_modules()
+                for pname, p in owner.named_parameters(recurse=False)
+            ]
+            for i in layers
+        }
 
     def _fetch(self, i: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
@@ -258,7 +266,7 @@ def install_resident(lm: CausalLM, tensors: dict[str, torch.Tensor], device: tor
 class Offloaded:
     """A generator over an offloaded model, its streamer (with measured statistics) and the bytes it streams per forward."""
 
-    generator: "Generator"
+    generator: Generator
     streamer: LayerStreamer
     streamed_bytes: int
     resident_bytes: int
@@ -268,7 +276,7 @@ class Offloaded:
         self.streamer.close()
 
 
-def offloaded_generator(source: Source, policy: OffloadPolicy, cache: "CachePolicy", *, device: torch.device | None = None) -> Offloaded:
+def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolicy, *, device: torch.device | None = None) -> Offloaded:
     """A single-process Generator whose blocks stream from `policy.tier`; the resident parts and the KV cache on `device`."""
     from behemoth.inference.generate import Generator
     from behemoth.inference.kv_cache import KVStorage, blocks_for_memory
@@ -292,10 +300,22 @@ def offloaded_generator(source: Source, policy: OffloadPolicy, cache: "CachePoli
     streamer = LayerStreamer(lm.module, blocks, layers, store, device, policy.prefetch)
     dtype = next(iter(parts["resident"].values())).dtype
     probe = cache_layout(lm, layers=layers, tp=1, block_size=cache.block_size, num_blocks=1, dtype=dtype)
-    layout = cache_layout(lm, layers=layers, tp=1, block_size=cache.block_size, dtype=dtype,
-                          num_blocks=blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block))
+    layout = cache_layout(
+        lm,
+        layers=layers,
+        tp=1,
+        block_size=cache.block_size,
+        dtype=dtype,
+        num_blocks=blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block),
+    )
     runner = ModelRunner(lm, KVStorage(layout, device), device=device, stream=streamer)
-    gen = Generator(runner, num_blocks=layout.num_blocks, block_size=cache.block_size, context=lm.shape.context,
-                    tokenizer=tokenizer_for(lm.shape.vocab_size, source.folder), eos_token_ids=source.eos_token_ids)
+    gen = Generator(
+        runner,
+        num_blocks=layout.num_blocks,
+        block_size=cache.block_size,
+        context=lm.shape.context,
+        tokenizer=tokenizer_for(lm.shape.vocab_size, source.folder),
+        eos_token_ids=source.eos_token_ids,
+    )
     resident = sum(p.numel() * p.element_size() for p in lm.module.parameters() if not p.is_meta)
     return Offloaded(gen, streamer, streamed, resident, folder)

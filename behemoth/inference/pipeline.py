@@ -34,8 +34,15 @@ def split_rows(batch: StepBatch, parts: int) -> list[StepBatch]:
             continue
         T = int(batch.lengths[lo:hi].max())
         L = int((batch.positions[lo:hi].max(dim=1).values + 1).max())
-        out.append(StepBatch(batch.ids[lo:hi, :T], batch.positions[lo:hi, :T], batch.lengths[lo:hi],
-                             batch.slots[offsets[lo]:offsets[hi]], batch.gather[lo:hi, :L]))
+        out.append(
+            StepBatch(
+                batch.ids[lo:hi, :T],
+                batch.positions[lo:hi, :T],
+                batch.lengths[lo:hi],
+                batch.slots[offsets[lo] : offsets[hi]],
+                batch.gather[lo:hi, :L],
+            )
+        )
     return out
 
 

@@ -117,7 +117,7 @@ def release_freed_memory() -> int:
 
 
 @torch.no_grad()
-def validation_loss(model: "ParallelModel", cfg: "Config", *, batches: int = 4, batch_size: int = 8) -> float:
+def validation_loss(model: ParallelModel, cfg: Config, *, batches: int = 4, batch_size: int = 8) -> float:
     """Mean token loss of a (single-process) model on its run's validation split: the number quantization may change."""
     from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
 

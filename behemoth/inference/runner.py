@@ -50,8 +50,9 @@ def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: in
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
-    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None,
-                 stream: Any = None) -> None:
+    def __init__(
+        self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None, stream: Any = None
+    ) -> None:
         self.lm, self.storage, self.tp, self.stream = lm, storage, tp, stream  # stream: an offload LayerStreamer
         self.view = lm.layers  # the model's own blocks, run against the cache
         self.blocks = lm.module.get_submodule(self.view.blocks)
@@ -94,8 +95,7 @@ class ModelRunner:
         pass
 
 
-def cache_layout(lm: CausalLM, *, layers: tuple[int, ...], tp: int, block_size: int, num_blocks: int,
-                 dtype: torch.dtype) -> CacheLayout:
+def cache_layout(lm: CausalLM, *, layers: tuple[int, ...], tp: int, block_size: int, num_blocks: int, dtype: torch.dtype) -> CacheLayout:
     """The paged cache of `layers` with this rank's share of the key/value heads (`CausalLM.kv_cache_shape`)."""
     _, _, kv_heads, _, head_dim = lm.kv_cache_shape(1, block_size, tp)
     return CacheLayout(layers, kv_heads, head_dim, block_size, num_blocks, dtype)

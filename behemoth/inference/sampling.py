@@ -70,8 +70,7 @@ def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]],
-                  generators: list[torch.Generator | None]) -> list[int]:
+def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]], generators: list[torch.Generator | None]) -> list[int]:
     """The next token of each row: argmax for greedy rows, a draw from the processed distribution otherwise."""
     logits = logits.float()
     penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)

@@ -18,8 +18,9 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -77,7 +78,7 @@ class SchedulerPolicy:
     max_batch: int = 32
     max_waiting: int = 256
     max_prefill_tokens: int = 4096  # prompt tokens admitted into one prefill forward
-    context: int = 1024             # positions a sequence may occupy (the model's context)
+    context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
 
 
@@ -96,14 +97,25 @@ class Scheduler:
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
         if len(prompt) + params.max_tokens > self.policy.context:
-            raise BehemothError(f"a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds the context of "
-                                f"{self.policy.context}", f"ask for at most {max(0, self.policy.context - len(prompt))} tokens")
+            raise BehemothError(
+                f"a prompt of {len(prompt)} tokens plus max_tokens={params.max_tokens} exceeds the context of {self.policy.context}",
+                f"ask for at most {max(0, self.policy.context - len(prompt))} tokens",
+            )
         blocks = -(-(len(prompt) + params.max_tokens) // self.alloc.block_size)
         if blocks > self.alloc.num_blocks:  # it could never finish, even alone (preemption would cycle)
-            raise BehemothError(f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {blocks} KV-cache blocks, "
-                                f"the cache has {self.alloc.num_blocks}", "give the cache more memory or ask for fewer tokens")
-        req = Request(next(self.ids), list(prompt), params, TextTracker(self.tokenizer, params.stop), sink,
-                      generator=None if params.greedy else request_generator(params.seed))
+            raise BehemothError(
+                f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {blocks} KV-cache blocks, "
+                f"the cache has {self.alloc.num_blocks}",
+                "give the cache more memory or ask for fewer tokens",
+            )
+        req = Request(
+            next(self.ids),
+            list(prompt),
+            params,
+            TextTracker(self.tokenizer, params.stop),
+            sink,
+            generator=None if params.greedy else request_generator(params.seed),
+        )
         with self.lock:
             if len(self.waiting) >= self.policy.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting, the bound is {self.policy.max_waiting}", "retry later")
@@ -185,7 +197,7 @@ class Scheduler:
         self.stats["preemptions"] += 1
 
     def _run(self, group: list[Request], prefill: bool) -> list[Request]:
-        rows = [(r.id, r.tokens[r.cached:], r.cached) for r in group]
+        rows = [(r.id, r.tokens[r.cached :], r.cached) for r in group]
         logits = self.runner.forward(plan_step(self.alloc, rows))
         for r, (_, new, _) in zip(group, rows):
             r.cached += len(new)
@@ -230,5 +242,9 @@ class Scheduler:
             self.step()
 
     def gauges(self) -> dict[str, Any]:
-        return {"running": len(self.running), "waiting": len(self.waiting), "kv_blocks_used": self.alloc.used_blocks,
-                "kv_blocks_total": self.alloc.num_blocks}
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "kv_blocks_used": self.alloc.used_blocks,
+            "kv_blocks_total": self.alloc.num_blocks,
+        }

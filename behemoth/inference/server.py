@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -72,8 +73,15 @@ class CompletionRequest(BaseModel):
 
     def sampling(self) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              repetition_penalty=self.repetition_penalty, stop=stops, seed=self.seed)
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            stop=stops,
+            seed=self.seed,
+        )
 
 
 class ApiError(Exception):
@@ -105,11 +113,13 @@ def parse_request(raw: bytes, limits: ServeLimits) -> CompletionRequest:
         param = ".".join(str(p) for p in first["loc"]) or None
         raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param, code=first["type"]) from None
     if req.model is not None and req.model != limits.model_name:
-        raise ApiError(404, f"model {req.model!r} is not served here; this server serves {limits.model_name!r}", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            404, f"model {req.model!r} is not served here; this server serves {limits.model_name!r}", param="model", code="model_not_found"
+        )
     if req.max_tokens > limits.max_tokens:
-        raise ApiError(400, f"max_tokens={req.max_tokens} exceeds this server's limit of {limits.max_tokens}", param="max_tokens",
-                       code="max_tokens_too_large")
+        raise ApiError(
+            400, f"max_tokens={req.max_tokens} exceeds this server's limit of {limits.max_tokens}", param="max_tokens", code="max_tokens_too_large"
+        )
     return req
 
 
@@ -120,15 +130,25 @@ def prompt_tokens(req: CompletionRequest, tokenizer: Tokenizer | None, limits: S
     except BehemothError as err:
         raise ApiError(400, str(err), param="prompt", code="invalid_prompt") from None
     if len(ids) + req.max_tokens > limits.context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens={req.max_tokens}: {len(ids) + req.max_tokens} exceeds "
-                       f"the model's context of {limits.context}", param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens and max_tokens={req.max_tokens}: {len(ids) + req.max_tokens} exceeds "
+            f"the model's context of {limits.context}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     return ids
 
 
 def chunk(request_id: int, model: str, text: str, finish_reason: str | None, usage: dict[str, int] | None = None) -> dict[str, Any]:
     """One completion (or streamed piece of one), OpenAI's `text_completion` object."""
-    out: dict[str, Any] = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
-                           "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+    out: dict[str, Any] = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+    }
     if usage is not None:
         out["usage"] = usage
     return out

@@ -13,7 +13,8 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from behemoth.inference.runner import Runner
 from behemoth.inference.sampling import SamplingParams
@@ -67,8 +68,11 @@ class ServeMetrics:
         lines = ["# TYPE behemoth_http_responses_total counter"]
         with self.lock:
             lines += [f'behemoth_http_responses_total{{status="{s}"}} {n}' for s, n in sorted(self.responses.items())]
-            counters = {"prompt_tokens_total": self.prompt_tokens, "generated_tokens_total": self.generated_tokens,
-                        **{f"scheduler_{k}_total": v for k, v in stats.items()}}
+            counters = {
+                "prompt_tokens_total": self.prompt_tokens,
+                "generated_tokens_total": self.generated_tokens,
+                **{f"scheduler_{k}_total": v for k, v in stats.items()},
+            }
             for name, value in counters.items():
                 lines += [f"# TYPE behemoth_{name} counter", f"behemoth_{name} {value}"]
             for name, hist in (("time_to_first_token_seconds", self.ttft), ("request_latency_seconds", self.latency)):
@@ -89,7 +93,7 @@ class EngineLoop:
         self.error: str | None = None
         self.thread = threading.Thread(target=self._loop, name="behemoth-engine", daemon=True)
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self.thread.start()
         return self
 

@@ -48,21 +48,24 @@ def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_si
     """Token ids of a prompt given as text or as ids, each id checked against the vocabulary."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise BehemothError(f"this model has a vocabulary of {vocab_size} tokens and no tokenizer, so a text prompt cannot be encoded",
-                                "pass the prompt as a list of token ids")
+            raise BehemothError(
+                f"this model has a vocabulary of {vocab_size} tokens and no tokenizer, so a text prompt cannot be encoded",
+                "pass the prompt as a list of token ids",
+            )
         try:
             ids = tokenizer.encode(prompt)
         except (ValueError, UnicodeError) as err:
-            raise BehemothError(f"the prompt cannot be encoded by this model's tokenizer ({err.__class__.__name__}: {str(err)[:80]})",
-                                "send text the tokenizer covers, or token ids") from None
+            raise BehemothError(
+                f"the prompt cannot be encoded by this model's tokenizer ({err.__class__.__name__}: {str(err)[:80]})",
+                "send text the tokenizer covers, or token ids",
+            ) from None
     else:
         ids = list(prompt)
     if not ids:
         raise BehemothError("the prompt is empty", "give at least one token")
     bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise BehemothError(f"prompt token {bad[0]!r} is not an id of this model's vocabulary of {vocab_size}",
-                            f"use ids in [0, {vocab_size})")
+        raise BehemothError(f"prompt token {bad[0]!r} is not an id of this model's vocabulary of {vocab_size}", f"use ids in [0, {vocab_size})")
     return ids
 
 
@@ -96,7 +99,7 @@ class TextTracker:
         if cut >= 0:
             text, final = text[:cut], True
         safe = len(text) if final else len(text) - held_back(text, self.stops)
-        delta = text[self.sent:safe] if safe > self.sent else ""
+        delta = text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
-        self.text = text[:self.sent]
+        self.text = text[: self.sent]
         return delta, cut >= 0

@@ -36,8 +36,9 @@ from behemoth.models.gpt import GPTConfig
 from behemoth.models.shape import ModelShape
 
 
-def gpt_block_activation_bytes(*, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, mlp_ratio: int = 4,
-                               dtype: torch.dtype = torch.float32) -> float:
+def gpt_block_activation_bytes(
+    *, b: int, s: int, h: int, a: int, t: int = 1, sp: bool = False, mlp_ratio: int = 4, dtype: torch.dtype = torch.float32
+) -> float:
     """Bytes one rank saves for backward in one behemoth GPT block (dropout 0, fused attention), per the module docstring."""
     split = (3 + 1 + 2 * mlp_ratio) * s * b * h + a * b * s  # qkv output, attention output (= proj input), MLP; log-sum-exp
     whole = 4 * s * b * h + 4 * b * s  # LayerNorm inputs, qkv and fc inputs; LayerNorm statistics

@@ -9,8 +9,9 @@ its KV-cache shape — and never look at the model's classes themselves.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,13 +40,13 @@ class CausalLM:
     init_spec: Callable[[str], InitSpec]
     tp_plan: dict[str, str]
     transposed: frozenset[str] = frozenset()  # linear modules whose weight is [in, out] (GPT-2's Conv1D)
-    norms: frozenset[str] = frozenset()       # every normalization module (sequence parallelism must style each)
+    norms: frozenset[str] = frozenset()  # every normalization module (sequence parallelism must style each)
     logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     weights: str | None = None
     matmul_params: int = 0  # parameters a token's forward multiplies by (not position tables, not an untied input embedding: a lookup)
     on_tensor_parallel: Callable[[nn.Module, int], None] | None = field(default=None, repr=False)
     time_layers: Callable[[int, int, torch.device], LayerCosts] | None = field(default=None, repr=False)  # (seq_len, micro_batch, device)
-    moe_layers: tuple[str, ...] = ()        # module names of the MoE MLPs (models/moe.py's MoELayer)
+    moe_layers: tuple[str, ...] = ()  # module names of the MoE MLPs (models/moe.py's MoELayer)
     routers: RouterStats | None = field(default=None, repr=False)  # their auxiliary losses and expert usage
 
     def moe_costs(self) -> list[MoELayerCost]:
@@ -99,10 +100,19 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
     if hf is None or hf.arch is None:
         gpt = build_gpt(model_cfg)
         norms = frozenset(n for n, m in gpt.named_modules() if isinstance(m, nn.LayerNorm))
-        return CausalLM(gpt, model_cfg.shape(), view_of("gpt"), gpt.init_spec, gpt_tp_plan(model_cfg), norms=norms,
-                        matmul_params=model_cfg.num_params(active=True) - model_cfg.context * model_cfg.d_model
-                        - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model),  # a lookup, not a matmul
-                        moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)), routers=gpt.routers)
+        return CausalLM(
+            gpt,
+            model_cfg.shape(),
+            view_of("gpt"),
+            gpt.init_spec,
+            gpt_tp_plan(model_cfg),
+            norms=norms,
+            matmul_params=model_cfg.num_params(active=True)
+            - model_cfg.context * model_cfg.d_model
+            - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model),  # a lookup, not a matmul
+            moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)),
+            routers=gpt.routers,
+        )
     from behemoth.models import hf as hf_models
 
     hf_models.require_transformers()
@@ -117,12 +127,21 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         moe_layers, routers = adopt_moe_blocks(model, model_cfg.moe)
         inactive = sum(c.experts - c.top_k for c in moe_layer_costs(shape)) * 3 * shape.d_model * shape.ffn
     lookup = 0 if shape.tied else model.get_input_embeddings().weight.numel()  # an untied input embedding is a lookup, not a matmul
-    return CausalLM(model, shape, view_of(hf.arch), hf_models.hf_init_spec(model, hf.arch),
-                    hf_models.hf_tp_plan(model, hf.arch), transposed=hf_models.transposed_linears(model),
-                    norms=hf_models.norm_modules(model), logits_fn=hf_models.hf_logits, weights=hf.weights,
-                    matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive - lookup,
-                    on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None,
-                    moe_layers=moe_layers, routers=routers)
+    return CausalLM(
+        model,
+        shape,
+        view_of(hf.arch),
+        hf_models.hf_init_spec(model, hf.arch),
+        hf_models.hf_tp_plan(model, hf.arch),
+        transposed=hf_models.transposed_linears(model),
+        norms=hf_models.norm_modules(model),
+        logits_fn=hf_models.hf_logits,
+        weights=hf.weights,
+        matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive - lookup,
+        on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None,
+        moe_layers=moe_layers,
+        routers=routers,
+    )
 
 
 def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:

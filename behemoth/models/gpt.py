@@ -22,8 +22,8 @@ from behemoth.models.shape import ModelShape
 
 PRESETS: dict[str, dict[str, Any]] = {
     # name: shape                                                         ~parameters
-    "gpt-tiny": dict(n_layer=2, n_head=2, d_model=32, context=32, vocab_size=256),   # 30K, tests
-    "gpt-1m": dict(n_layer=4, n_head=4, d_model=128, context=128, vocab_size=256),   # 0.8M
+    "gpt-tiny": dict(n_layer=2, n_head=2, d_model=32, context=32, vocab_size=256),  # 30K, tests
+    "gpt-1m": dict(n_layer=4, n_head=4, d_model=128, context=128, vocab_size=256),  # 0.8M
     "gpt-20m": dict(n_layer=6, n_head=8, d_model=512, context=256, vocab_size=256),  # 19M
     "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, context=1024, vocab_size=50257, tie_embeddings=True),
     "gpt2-350m": dict(n_layer=24, n_head=16, d_model=1024, context=1024, vocab_size=50257, tie_embeddings=True),
@@ -71,9 +71,11 @@ class GPTConfig(BaseModel):
         return {**PRESETS[preset], **given}
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "GPTConfig":
+    def _check_heads(self) -> GPTConfig:
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; pick a d_model that is a multiple of n_head")
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; pick a d_model that is a multiple of n_head"
+            )
         try:
             self.moe.experts_per_block(self.n_layer)
         except Exception as err:  # a list of expert counts that does not match the MoE layers
@@ -94,10 +96,21 @@ class GPTConfig(BaseModel):
         return self.dropout or 0.0
 
     def shape(self) -> ModelShape:
-        return ModelShape("gpt", self.n_layer, self.d_model, self.n_head, self.n_head, self.head_dim, self.mlp_ratio * self.d_model,
-                          self.vocab_size, self.context, self.tie_embeddings, gated=False,
-                          experts=tuple(self.moe.experts_per_block(self.n_layer)) if self.moe.enabled else (),
-                          top_k=self.moe.top_k if self.moe.enabled else 0)
+        return ModelShape(
+            "gpt",
+            self.n_layer,
+            self.d_model,
+            self.n_head,
+            self.n_head,
+            self.head_dim,
+            self.mlp_ratio * self.d_model,
+            self.vocab_size,
+            self.context,
+            self.tie_embeddings,
+            gated=False,
+            experts=tuple(self.moe.experts_per_block(self.n_layer)) if self.moe.enabled else (),
+            top_k=self.moe.top_k if self.moe.enabled else 0,
+        )
 
     def num_params(self, *, active: bool = False) -> int:
         """Parameters of the model; `active`: only those one token's forward uses (k experts of each MoE MLP)."""
@@ -152,8 +165,16 @@ def moe_mlp(cfg: GPTConfig, experts: int, index: int, stats: RouterStats) -> MoE
     """An MoE MLP of `experts` experts as wide as the dense MLP (plus PR-MoE's dense residual MLP when asked)."""
     d, ffn = cfg.d_model, cfg.mlp_ratio * cfg.d_model
     shared = MLP(cfg) if cfg.moe.shared_expert else None
-    return MoELayer(ExpertSpec(experts), cfg.moe.policy(), index=index, stats=stats, router=nn.Linear(d, experts, bias=False),
-                    experts=StackedExperts(experts, d, ffn), shared=shared, mix=nn.Linear(d, 2) if shared is not None else None)
+    return MoELayer(
+        ExpertSpec(experts),
+        cfg.moe.policy(),
+        index=index,
+        stats=stats,
+        router=nn.Linear(d, experts, bias=False),
+        experts=StackedExperts(experts, d, ffn),
+        shared=shared,
+        mix=nn.Linear(d, 2) if shared is not None else None,
+    )
 
 
 class Block(nn.Module):
@@ -183,8 +204,9 @@ class GPT(nn.Module):
         experts = cfg.moe.experts_per_block(cfg.n_layer)
         self.routers = RouterStats([e for e in experts if e]) if cfg.moe.enabled else None
         moe_index = {block: i for i, block in enumerate(cfg.moe.moe_blocks(cfg.n_layer))}
-        self.blocks = nn.ModuleList(Block(cfg, (experts[i], moe_index[i], self.routers) if experts[i] else None, layer_idx=i)
-                                    for i in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(cfg, (experts[i], moe_index[i], self.routers) if experts[i] else None, layer_idx=i) for i in range(cfg.n_layer)
+        )
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -35,8 +35,15 @@ from behemoth.models.shape import ModelShape
 ARCHS = ("llama", "gpt2", "mixtral")
 LLAMA_LIKE = ("llama", "mixtral")  # the same embedding, decoder layers, norms and head
 # transformers' style names -> behemoth's (see parallel/tensor/plan.py)
-HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "embedding_rowwise": "vocab", "colwise_gather_output": "vocab",
-             "sequence_parallel": "sequence_norm", "packed_colwise": "packed_colwise:2", "replicate": "replicate"}
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "embedding_rowwise": "vocab",
+    "colwise_gather_output": "vocab",
+    "sequence_parallel": "sequence_norm",
+    "packed_colwise": "packed_colwise:2",
+    "replicate": "replicate",
+}
 GPT2_TP_PLAN = {
     "transformer.wte": "vocab",
     "transformer.wpe": "position_embedding",
@@ -59,9 +66,26 @@ LLAMA_EXTRA_PLAN = {  # what Llama's own plan leaves out: embedding, head, norms
     "lm_head": "vocab",
 }
 # config.json keys that say nothing about the model's computation (bookkeeping, generation, outputs)
-NOT_MODEL = {"_name_or_path", "architectures", "transformers_version", "model_type", "dtype", "torch_dtype", "use_cache",
-             "bos_token_id", "eos_token_id", "pad_token_id", "output_attentions", "output_hidden_states", "return_dict",
-             "id2label", "label2id", "problem_type", "task_specific_params", "attn_implementation"}
+NOT_MODEL = {
+    "_name_or_path",
+    "architectures",
+    "transformers_version",
+    "model_type",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "task_specific_params",
+    "attn_implementation",
+}
 DROPOUT_KEYS = {"llama": ("attention_dropout",), "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "mixtral": ("attention_dropout",)}
 BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "gpt2": (), "mixtral": ()}
 
@@ -84,11 +108,15 @@ def read_weights_config(weights: str) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise BehemothError(f"hf.weights={weights} has no readable config.json ({err.__class__.__name__})",
-                            "point hf.weights at a directory written by save_pretrained") from None
+        raise BehemothError(
+            f"hf.weights={weights} has no readable config.json ({err.__class__.__name__})",
+            "point hf.weights at a directory written by save_pretrained",
+        ) from None
     if not isinstance(config, dict):
-        raise BehemothError(f"hf.weights={weights}: config.json holds a {type(config).__name__}, not a mapping",
-                            "point hf.weights at a directory written by save_pretrained")
+        raise BehemothError(
+            f"hf.weights={weights}: config.json holds a {type(config).__name__}, not a mapping",
+            "point hf.weights at a directory written by save_pretrained",
+        )
     return config
 
 
@@ -102,16 +130,28 @@ def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     """(model-section fields, hf-section fields) that a config.json's shape sets; a missing key names itself."""
     try:
         if arch in LLAMA_LIKE:
-            model = dict(n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"], d_model=c["hidden_size"],
-                         context=c["max_position_embeddings"], vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", False))
+            model = dict(
+                n_layer=c["num_hidden_layers"],
+                n_head=c["num_attention_heads"],
+                d_model=c["hidden_size"],
+                context=c["max_position_embeddings"],
+                vocab_size=c["vocab_size"],
+                tie_embeddings=c.get("tie_word_embeddings", False),
+            )
             hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
             if arch == "mixtral":
                 from behemoth.models.hf_moe import mixtral_moe_fields
 
                 model["moe"] = mixtral_moe_fields(c)
             return model, hf
-        model = dict(n_layer=c["n_layer"], n_head=c["n_head"], d_model=c["n_embd"], context=c["n_positions"],
-                     vocab_size=c["vocab_size"], tie_embeddings=c.get("tie_word_embeddings", True))
+        model = dict(
+            n_layer=c["n_layer"],
+            n_head=c["n_head"],
+            d_model=c["n_embd"],
+            context=c["n_positions"],
+            vocab_size=c["vocab_size"],
+            tie_embeddings=c.get("tie_word_embeddings", True),
+        )
         return model, dict(ffn=c.get("n_inner") or 4 * c["n_embd"])
     except KeyError as err:
         raise BehemothError(f"a {arch} config.json without {err.args[0]!r}", "save the model's config with save_pretrained") from None
@@ -138,8 +178,11 @@ def config_problems(weights: str) -> list[str]:
     if arch not in ARCHS:
         return [f"hf.weights={weights} holds a {arch!r} model; use one of {', '.join(ARCHS)}"]
     known = set(config_class(arch)().to_dict()) | NOT_MODEL
-    out = [f"hf.weights={weights}: config.json field {k}={c[k]!r} is not a {arch} setting transformers knows; "
-           "remove it or use the transformers version that wrote it" for k in sorted(set(c) - known)]
+    out = [
+        f"hf.weights={weights}: config.json field {k}={c[k]!r} is not a {arch} setting transformers knows; "
+        "remove it or use the transformers version that wrote it"
+        for k in sorted(set(c) - known)
+    ]
     heads = [a for a in c.get("architectures") or [] if not a.endswith(("ForCausalLM", "LMHeadModel"))]
     if heads:
         out.append(f"hf.weights={weights} is a {heads[0]}, not a causal language model; behemoth trains next-token prediction")
@@ -155,8 +198,14 @@ def base_config(model_cfg: Any, hf: HFConfig) -> dict[str, Any]:
     """The transformers config as a dict: the weights' config.json, or one made from behemoth's model section."""
     if hf.weights:
         return read_weights_config(hf.weights)
-    common = dict(vocab_size=model_cfg.vocab_size, tie_word_embeddings=model_cfg.tie_embeddings,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None, **dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout_p))
+    common = dict(
+        vocab_size=model_cfg.vocab_size,
+        tie_word_embeddings=model_cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout_p),
+    )
     if model_cfg.bias is not None:
         common.update(dict.fromkeys(BIAS_KEYS[hf.arch], model_cfg.bias))
     ffn = hf.ffn or model_cfg.mlp_ratio * model_cfg.d_model
@@ -166,12 +215,18 @@ def base_config(model_cfg: Any, hf: HFConfig) -> dict[str, Any]:
             from behemoth.models.hf_moe import mixtral_config_fields
 
             extra = mixtral_config_fields(model_cfg.moe)
-        return dict(hidden_size=model_cfg.d_model, intermediate_size=ffn, num_hidden_layers=model_cfg.n_layer,
-                    num_attention_heads=model_cfg.n_head, num_key_value_heads=hf.kv_heads or model_cfg.n_head,
-                    max_position_embeddings=model_cfg.context, rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta},
-                    **common, **extra)
-    return dict(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn,
-                n_positions=model_cfg.context, **common)
+        return dict(
+            hidden_size=model_cfg.d_model,
+            intermediate_size=ffn,
+            num_hidden_layers=model_cfg.n_layer,
+            num_attention_heads=model_cfg.n_head,
+            num_key_value_heads=hf.kv_heads or model_cfg.n_head,
+            max_position_embeddings=model_cfg.context,
+            rope_parameters={"rope_type": "default", "rope_theta": hf.rope_theta},
+            **common,
+            **extra,
+        )
+    return dict(n_embd=model_cfg.d_model, n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_inner=ffn, n_positions=model_cfg.context, **common)
 
 
 def config_overrides(model_cfg: Any, hf: HFConfig) -> dict[str, tuple[Any, Any]]:
@@ -217,12 +272,34 @@ def hf_shape(config: Any, arch: str) -> ModelShape:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         experts = getattr(config, "num_local_experts", 0) if arch == "mixtral" else 0
-        return ModelShape(arch, config.num_hidden_layers, config.hidden_size, heads, config.num_key_value_heads or heads, head_dim,
-                          config.intermediate_size, config.vocab_size, config.max_position_embeddings, bool(config.tie_word_embeddings), gated=True,
-                          experts=(experts,) * config.num_hidden_layers if experts else (),
-                          top_k=config.num_experts_per_tok if experts else 0)
-    return ModelShape("gpt2", config.n_layer, config.n_embd, config.n_head, config.n_head, config.n_embd // config.n_head,
-                      config.n_inner or 4 * config.n_embd, config.vocab_size, config.n_positions, bool(config.tie_word_embeddings), gated=False)
+        return ModelShape(
+            arch,
+            config.num_hidden_layers,
+            config.hidden_size,
+            heads,
+            config.num_key_value_heads or heads,
+            head_dim,
+            config.intermediate_size,
+            config.vocab_size,
+            config.max_position_embeddings,
+            bool(config.tie_word_embeddings),
+            gated=True,
+            experts=(experts,) * config.num_hidden_layers if experts else (),
+            top_k=config.num_experts_per_tok if experts else 0,
+        )
+    return ModelShape(
+        "gpt2",
+        config.n_layer,
+        config.n_embd,
+        config.n_head,
+        config.n_head,
+        config.n_embd // config.n_head,
+        config.n_inner or 4 * config.n_embd,
+        config.vocab_size,
+        config.n_positions,
+        bool(config.tie_word_embeddings),
+        gated=False,
+    )
 
 
 def require_transformers() -> None:
@@ -267,6 +344,7 @@ def hf_init_spec(model: nn.Module, arch: str):
         if arch == "gpt2" and name.endswith("c_proj.weight"):
             return InitSpec("normal", std / math.sqrt(2 * n_layer))
         return InitSpec("normal", std)
+
     return spec
 
 
@@ -334,19 +412,26 @@ def load_weights(model: nn.Module, weights: str) -> int:
 
 def _takes_whole(p: torch.Tensor, entry: StoredTensor) -> bool:
     """A CPU parameter holding the whole stored tensor in its dtype (no split, no cast): read into it directly."""
-    return (not hasattr(p, TAKE_LOCAL) and p.device.type == "cpu" and p.dtype == entry.dtype and p.is_contiguous()
-            and tuple(p.shape) == entry.shape)
+    return not hasattr(p, TAKE_LOCAL) and p.device.type == "cpu" and p.dtype == entry.dtype and p.is_contiguous() and tuple(p.shape) == entry.shape
 
 
 def stored_tensors(files: list[Path], wanted: set[str], model_type: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every wanted parameter in the files; a Mixtral's per-expert tensors are stacked first
     (only those of the layers whose experts are wanted are read)."""
-    keep = wanted.__contains__
-    if model_type == "mixtral":
-        from behemoth.models.hf_moe import LEGACY, from_legacy
+    layers = {w[: w.index(".mlp.")] for w in wanted if ".mlp." in w}
 
-        layers = {w[:w.index(".mlp.")] for w in wanted if ".mlp." in w}
-        keep = lambda k: k in wanted or ((m := LEGACY.match(k)) is not None and m.group(1) in layers)
+    def keep(k: str) -> bool:
+        if k in wanted:
+            return True
+        if model_type != "mixtral":
+            return False
+        from behemoth.models.hf_moe import LEGACY
+
+        m = LEGACY.match(k)
+        return m is not None and m.group(1) in layers
+
+    if model_type == "mixtral":
+        from behemoth.models.hf_moe import from_legacy
     tensors = read_tensors(files, keep)
     if model_type == "mixtral":
         tensors = from_legacy(tensors)

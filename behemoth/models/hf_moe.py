@@ -37,8 +37,13 @@ def mixtral_moe_fields(c: dict[str, Any]) -> dict[str, Any]:
 
 def mixtral_config_fields(moe: MoEConfig) -> dict[str, Any]:
     """Mixtral config fields from the model.moe section (a Mixtral built from behemoth's options)."""
-    return {"num_local_experts": moe.experts, "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_coef,
-            "router_jitter_noise": moe.noise_eps if moe.noise == "jitter" else 0.0, "sliding_window": None}
+    return {
+        "num_local_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_coef,
+        "router_jitter_noise": moe.noise_eps if moe.noise == "jitter" else 0.0,
+        "sliding_window": None,
+    }
 
 
 def moe_model_problems(moe: MoEConfig, arch: str) -> list[str]:
@@ -58,8 +63,15 @@ def moe_model_problems(moe: MoEConfig, arch: str) -> list[str]:
 def mixtral_policy(moe: MoEConfig, config: Any) -> Any:
     """The routing policy: model.moe's capacity settings, with Mixtral's k, auxiliary loss and jitter."""
     jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
-    return dataclasses.replace(moe.policy(), top_k=config.num_experts_per_tok, aux_coef=float(config.router_aux_loss_coef),
-                               aux="topk", normalize="chosen", noise="jitter" if jitter else moe.noise, noise_eps=jitter or moe.noise_eps)
+    return dataclasses.replace(
+        moe.policy(),
+        top_k=config.num_experts_per_tok,
+        aux_coef=float(config.router_aux_loss_coef),
+        aux="topk",
+        normalize="chosen",
+        noise="jitter" if jitter else moe.noise,
+        noise_eps=jitter or moe.noise_eps,
+    )
 
 
 def adopt_moe_blocks(model: nn.Module, moe: MoEConfig) -> tuple[tuple[str, ...], RouterStats]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -20,9 +21,9 @@ from torch import nn
 ROWS_PER_BLOCK = 1024
 
 # Attribute names a parallel transform sets on a parameter whose storage is a part of a full tensor.
-FULL_NAME = "_behemoth_full_name"      # the parameter's name in the single-process model
-FULL_SHAPE = "_behemoth_full_shape"    # its shape there
-TAKE_LOCAL = "_behemoth_take_local"    # full tensor -> this rank's part
+FULL_NAME = "_behemoth_full_name"  # the parameter's name in the single-process model
+FULL_SHAPE = "_behemoth_full_shape"  # its shape there
+TAKE_LOCAL = "_behemoth_take_local"  # full tensor -> this rank's part
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,15 @@ def _gpt_context(model: nn.Module, h: torch.Tensor, positions: Positions = None,
 def _llama_context(model: nn.Module, h: torch.Tensor, positions: Positions = None, cache: KVCacheStep | None = None) -> dict[str, Any]:
     """Llama's (and Mixtral's) positions, mask and rotary embedding."""
     positions = _positions(h, positions)
-    return _with_cache({"attention_mask": _mask(model, h, positions, cache), "position_ids": positions,
-                        "position_embeddings": model.model.rotary_emb(h, position_ids=positions), "use_cache": False}, cache)
+    return _with_cache(
+        {
+            "attention_mask": _mask(model, h, positions, cache),
+            "position_ids": positions,
+            "position_embeddings": model.model.rotary_emb(h, position_ids=positions),
+            "use_cache": False,
+        },
+        cache,
+    )
 
 
 def _gpt2_embed(model: nn.Module, idx: torch.Tensor, positions: Positions = None) -> torch.Tensor:
@@ -107,18 +114,38 @@ def _gpt2_context(model: nn.Module, h: torch.Tensor, positions: Positions = None
 
 
 def _llama_like(context: Callable[..., dict[str, Any]]) -> LayeredView:
-    return LayeredView("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "model.embed_tokens",
-                       embed=lambda m, idx, positions=None: m.model.embed_tokens(idx), context=context,
-                       head=lambda m, h: m.lm_head(m.model.norm(h)))
+    return LayeredView(
+        "model.layers",
+        ("model.embed_tokens",),
+        ("model.norm", "lm_head"),
+        "model.embed_tokens",
+        embed=lambda m, idx, positions=None: m.model.embed_tokens(idx),
+        context=context,
+        head=lambda m, h: m.lm_head(m.model.norm(h)),
+    )
 
 
 VIEWS: dict[str, LayeredView] = {
-    "gpt": LayeredView("blocks", ("wte", "wpe"), ("ln_f", "lm_head"), "wte", embed=lambda m, idx, positions=None: m.embed(idx, positions),
-                       context=_gpt_context, head=lambda m, h: m.head(h)),
+    "gpt": LayeredView(
+        "blocks",
+        ("wte", "wpe"),
+        ("ln_f", "lm_head"),
+        "wte",
+        embed=lambda m, idx, positions=None: m.embed(idx, positions),
+        context=_gpt_context,
+        head=lambda m, h: m.head(h),
+    ),
     "llama": _llama_like(_llama_context),
     "mixtral": _llama_like(_llama_context),
-    "gpt2": LayeredView("transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head"), "transformer.wte",
-                        embed=_gpt2_embed, context=_gpt2_context, head=lambda m, h: m.lm_head(m.transformer.ln_f(h))),
+    "gpt2": LayeredView(
+        "transformer.h",
+        ("transformer.wte", "transformer.wpe"),
+        ("transformer.ln_f", "lm_head"),
+        "transformer.wte",
+        embed=_gpt2_embed,
+        context=_gpt2_context,
+        head=lambda m, h: m.lm_head(m.transformer.ln_f(h)),
+    ),
 }
 
 

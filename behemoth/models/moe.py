@@ -47,8 +47,10 @@ class MoEConfig(BaseModel):
     group: int | None = Field(1, ge=1, description="sequences sharing one capacity (unset: a rank's micro-batch, as DeepSpeed)")
     noise: Literal["none", "jitter", "gumbel"] = Field("none", description="noisy gating while training")
     noise_eps: float = Field(0.01, ge=0, lt=1, description="jitter: router input times U(1-eps, 1+eps)")
-    normalize: Literal["chosen", "kept", "none"] = Field("chosen", description="k > 1: gates over their sum for the k chosen "
-                                                         "experts (GShard, Tutel, Mixtral) or those kept within capacity (DeepSpeed)")
+    normalize: Literal["chosen", "kept", "none"] = Field(
+        "chosen",
+        description="k > 1: gates over their sum for the k chosen experts (GShard, Tutel, Mixtral) or those kept within capacity (DeepSpeed)",
+    )
     aux_loss: Literal["switch", "topk"] = Field("switch", description="load balance over first choices, or all k (Mixtral)")
     aux_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
     z_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
@@ -74,16 +76,30 @@ class MoEConfig(BaseModel):
         blocks = self.moe_blocks(n_layer)
         counts = self.experts if isinstance(self.experts, list) else [self.experts] * len(blocks)
         if len(counts) != len(blocks):
-            raise BehemothError(f"model.moe.experts lists {len(counts)} layers but model.n_layer={n_layer} with moe.every={self.every} "
-                                f"has {len(blocks)} MoE layers", f"give {len(blocks)} counts or change moe.every")
+            raise BehemothError(
+                f"model.moe.experts lists {len(counts)} layers but model.n_layer={n_layer} with moe.every={self.every} has {len(blocks)} MoE layers",
+                f"give {len(blocks)} counts or change moe.every",
+            )
         out = [0] * n_layer
         for block, e in zip(blocks, counts):
             out[block] = e
         return out
 
     def policy(self) -> RoutingPolicy:
-        return RoutingPolicy(self.top_k, self.capacity_factor, self.eval_capacity_factor, self.capacity, self.min_capacity,
-                             self.group, self.noise, self.noise_eps, self.normalize, self.aux_loss, self.aux_coef, self.z_coef)
+        return RoutingPolicy(
+            self.top_k,
+            self.capacity_factor,
+            self.eval_capacity_factor,
+            self.capacity,
+            self.min_capacity,
+            self.group,
+            self.noise,
+            self.noise_eps,
+            self.normalize,
+            self.aux_loss,
+            self.aux_coef,
+            self.z_coef,
+        )
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -95,17 +111,19 @@ class ExpertSpec:
     """Where one family keeps an MoE MLP's parameters (child and attribute names) and how one expert computes."""
 
     num_experts: int
-    router: str = "router"      # child whose `.weight` [E, d] gives the router logits
-    experts: str = "experts"    # child holding the stacked expert weights
-    w_in: str = "w_in"          # [E, F, d], or [E, 2F, d] = [gate | up] when gated
-    w_out: str = "w_out"        # [E, d, F]
+    router: str = "router"  # child whose `.weight` [E, d] gives the router logits
+    experts: str = "experts"  # child holding the stacked expert weights
+    w_in: str = "w_in"  # [E, F, d], or [E, 2F, d] = [gate | up] when gated
+    w_out: str = "w_out"  # [E, d, F]
     gated: bool = False
     act: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh
 
 
-def expert_ffn(rows: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor, *, gated: bool,
-               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def expert_ffn(
+    rows: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor, *, gated: bool, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
     """Expert e's MLP on its `counts[e]` consecutive rows, for every expert of `w_in` / `w_out` (a grouped matmul)."""
+
     def hidden(h: torch.Tensor) -> torch.Tensor:
         if not gated:
             return act(h)
@@ -124,7 +142,7 @@ def expert_ffn(rows: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out:
 class ExpertRunner(Protocol):
     """Computes the expert outputs of expert-major rows (`counts[e]` rows for expert e) for one MoE layer."""
 
-    def __call__(self, layer: "MoELayer", rows: torch.Tensor, counts: list[int]) -> torch.Tensor: ...
+    def __call__(self, layer: MoELayer, rows: torch.Tensor, counts: list[int]) -> torch.Tensor: ...
 
 
 STAT_FIELDS = ("aux_sum", "z_sum", "tokens", "assignments", "dropped")
@@ -147,8 +165,14 @@ class RouterStats:
         if torch._C._current_graph_task_id() != -1:
             return
         sizes = torch.tensor([tokens, r.kept.numel()], dtype=torch.float64, device=r.kept.device)  # no wait on the device
-        row = torch.cat([torch.stack([r.aux_sum.detach(), r.z_sum.detach()]).double(), sizes, (~r.kept).sum().double().view(1),
-                         r.expert_counts(self.experts[index]).double()])
+        row = torch.cat(
+            [
+                torch.stack([r.aux_sum.detach(), r.z_sum.detach()]).double(),
+                sizes,
+                (~r.kept).sum().double().view(1),
+                r.expert_counts(self.experts[index]).double(),
+            ]
+        )
         self.sums[index] = row if index not in self.sums else self.sums[index] + row
 
     def packed(self, device: torch.device) -> torch.Tensor:
@@ -163,8 +187,8 @@ class RouterStats:
         dropped = assignments = 0.0
         offset = 0
         for e in self.experts:
-            aux, z, tokens, n_assign, n_drop = flat[offset:offset + len(STAT_FIELDS)].tolist()
-            counts = flat[offset + len(STAT_FIELDS):offset + len(STAT_FIELDS) + e]
+            aux, z, tokens, n_assign, n_drop = flat[offset : offset + len(STAT_FIELDS)].tolist()
+            counts = flat[offset + len(STAT_FIELDS) : offset + len(STAT_FIELDS) + e]
             offset += len(STAT_FIELDS) + e
             if tokens:
                 out["aux_loss"] += aux / tokens
@@ -194,8 +218,18 @@ class MoELayer(nn.Module):
     Children are registered under the family's own names (`spec.router`, `spec.experts`), so parameter
     names are the family's (a Mixtral's `mlp.gate.weight`, `mlp.experts.gate_up_proj`)."""
 
-    def __init__(self, spec: ExpertSpec, policy: RoutingPolicy, *, index: int, stats: RouterStats, router: nn.Module,
-                 experts: nn.Module, shared: nn.Module | None = None, mix: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        spec: ExpertSpec,
+        policy: RoutingPolicy,
+        *,
+        index: int,
+        stats: RouterStats,
+        router: nn.Module,
+        experts: nn.Module,
+        shared: nn.Module | None = None,
+        mix: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.spec, self.policy, self.index, self.stats = spec, policy, index, stats
         self.add_module(spec.router, router)
@@ -223,8 +257,10 @@ class MoELayer(nn.Module):
         """Routing groups in a batch of `batch` sequences (outside training, a batch they do not divide is one group)."""
         size = self.policy.group or batch
         if batch % size and self.training:
-            raise BehemothError(f"a micro-batch of {batch} sequences does not split into routing groups of model.moe.group={size}",
-                                f"use a group size that divides {batch}")
+            raise BehemothError(
+                f"a micro-batch of {batch} sequences does not split into routing groups of model.moe.group={size}",
+                f"use a group size that divides {batch}",
+            )
         return 1 if batch % size else batch // size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -34,14 +34,14 @@ class RoutingPolicy:
 
     top_k: int
     capacity_factor: float | None = None
-    eval_capacity_factor: float | None = None   # at evaluation (default: capacity_factor)
+    eval_capacity_factor: float | None = None  # at evaluation (default: capacity_factor)
     capacity_def: CapacityDefinition = "deepspeed"
-    min_capacity: int = 4                       # deepspeed's floor on C
-    group: int | None = 1                       # sequences per routing group; None: all of a micro-batch
+    min_capacity: int = 4  # deepspeed's floor on C
+    group: int | None = 1  # sequences per routing group; None: all of a micro-batch
     noise: Literal["none", "jitter", "gumbel"] = "none"
-    noise_eps: float = 0.01                     # jitter: router input times U(1 - eps, 1 + eps)
+    noise_eps: float = 0.01  # jitter: router input times U(1 - eps, 1 + eps)
     normalize: Literal["chosen", "kept", "none"] = "chosen"  # k > 1: gates divided by the sum over the chosen (or kept) experts
-    aux: Literal["switch", "topk"] = "switch"   # load balance over first choices (Switch, GShard) or all k (Mixtral)
+    aux: Literal["switch", "topk"] = "switch"  # load balance over first choices (Switch, GShard) or all k (Mixtral)
     aux_coef: float = 0.01
     z_coef: float = 0.0
 
@@ -52,8 +52,7 @@ class RoutingPolicy:
         return self.eval_capacity_factor
 
 
-def expert_capacity(tokens: int, experts: int, top_k: int, factor: float, definition: CapacityDefinition = "deepspeed",
-                    min_capacity: int = 4) -> int:
+def expert_capacity(tokens: int, experts: int, top_k: int, factor: float, definition: CapacityDefinition = "deepspeed", min_capacity: int = 4) -> int:
     """Slots per expert for a group of `tokens` tokens (see the module docstring for both definitions)."""
     if definition == "deepspeed":
         return max(math.ceil(top_k * tokens / experts * factor), min_capacity)
@@ -66,13 +65,13 @@ def expert_capacity(tokens: int, experts: int, top_k: int, factor: float, defini
 class Routing:
     """One layer's routing of G groups of T tokens: k assignments per token, [G, T, k] each."""
 
-    experts: torch.Tensor   # chosen expert of each assignment (long)
-    gates: torch.Tensor     # its gate value (differentiable)
-    slots: torch.Tensor     # its place among its expert's assignments in its group, in priority order
-    kept: torch.Tensor      # whether it is within capacity (all True when dropless)
-    capacity: int | None    # slots per expert and group; None: dropless
-    aux_sum: torch.Tensor   # sum over groups of (tokens in the group x the group's load-balancing loss)
-    z_sum: torch.Tensor     # sum over tokens of logsumexp(logits)^2 (router z-loss, ST-MoE)
+    experts: torch.Tensor  # chosen expert of each assignment (long)
+    gates: torch.Tensor  # its gate value (differentiable)
+    slots: torch.Tensor  # its place among its expert's assignments in its group, in priority order
+    kept: torch.Tensor  # whether it is within capacity (all True when dropless)
+    capacity: int | None  # slots per expert and group; None: dropless
+    aux_sum: torch.Tensor  # sum over groups of (tokens in the group x the group's load-balancing loss)
+    z_sum: torch.Tensor  # sum over tokens of logsumexp(logits)^2 (router z-loss, ST-MoE)
 
     def expert_counts(self, num_experts: int) -> torch.Tensor:
         """Assignments each expert receives (kept ones)."""
@@ -89,7 +88,7 @@ def assign_slots(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Each assignment's place in its expert's queue within its group: first choices in token order, then second..."""
     G, T, k = experts.shape
     onehot = F.one_hot(experts.permute(0, 2, 1).reshape(G, k * T), num_experts)  # [G, kT, E] in priority order
-    place = (onehot.cumsum(1) - 1).mul_(onehot).sum(-1)                          # [G, kT]
+    place = (onehot.cumsum(1) - 1).mul_(onehot).sum(-1)  # [G, kT]
     return place.view(G, k, T).permute(0, 2, 1)
 
 
@@ -98,8 +97,8 @@ def load_balancing_sum(probs: torch.Tensor, experts: torch.Tensor, kind: str) ->
     all k summed), P the mean router probability of e. Each group's loss is 1 (k for `topk`) when balanced."""
     G, T, E = probs.shape
     chosen = experts[..., :1] if kind == "switch" else experts
-    f = F.one_hot(chosen, E).sum(2).float().mean(1)      # [G, E]
-    per_group = E * (probs.mean(1) * f).sum(-1)          # [G]
+    f = F.one_hot(chosen, E).sum(2).float().mean(1)  # [G, E]
+    per_group = E * (probs.mean(1) * f).sum(-1)  # [G]
     return per_group.sum() * T
 
 
@@ -108,7 +107,7 @@ def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Rou
     G, T, E = logits.shape
     probs = torch.softmax(logits, dim=-1)
     select = logits + gumbel_like(logits) if training and policy.noise == "gumbel" else logits
-    experts = select.topk(policy.top_k, dim=-1).indices                # [G, T, k]
+    experts = select.topk(policy.top_k, dim=-1).indices  # [G, T, k]
     slots = assign_slots(experts, E)
     factor = policy.factor(training)
     capacity = None if factor is None else expert_capacity(T, E, policy.top_k, factor, policy.capacity_def, policy.min_capacity)
@@ -125,9 +124,9 @@ def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Rou
 class Dispatch:
     """Where each row of the experts' input comes from: expert-major rows, `counts[e]` of them for expert e."""
 
-    source: torch.Tensor   # [S] the token each row reads (N: an empty capacity slot, reading a zero row)
+    source: torch.Tensor  # [S] the token each row reads (N: an empty capacity slot, reading a zero row)
     assignment: torch.Tensor  # [S] the assignment (index into gates.flatten()) whose gate weighs the row (N * k: none)
-    counts: list[int]      # rows per expert
+    counts: list[int]  # rows per expert
 
     @property
     def rows(self) -> int:
@@ -142,6 +141,7 @@ def dispatch_plan(r: Routing, num_experts: int) -> Dispatch:
     assignment = torch.arange(G * T * k, device=device).view(G, T, k)
     token = assignment // k
     if r.capacity is None:
+
         def order(t: torch.Tensor) -> torch.Tensor:  # priority order within each group
             return t.permute(0, 2, 1).reshape(-1)
 

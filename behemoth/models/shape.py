@@ -20,19 +20,19 @@ import torch
 class ModelShape:
     """The shape of one causal LM: transformer blocks of one kind between an embedding and a head."""
 
-    arch: str          # "gpt", "llama", "gpt2": the family, for messages only
+    arch: str  # "gpt", "llama", "gpt2": the family, for messages only
     n_layer: int
     d_model: int
     n_head: int
-    kv_heads: int      # key/value heads (grouped-query attention when fewer than n_head)
+    kv_heads: int  # key/value heads (grouped-query attention when fewer than n_head)
     head_dim: int
-    ffn: int           # MLP width
+    ffn: int  # MLP width
     vocab_size: int
     context: int
-    tied: bool         # the LM head reads the embedding's weight
-    gated: bool        # three MLP matrices (SwiGLU) instead of two
+    tied: bool  # the LM head reads the embedding's weight
+    gated: bool  # three MLP matrices (SwiGLU) instead of two
     experts: tuple[int, ...] = ()  # experts of each block's MLP (0: a dense MLP); empty for a dense model
-    top_k: int = 0                 # experts each token visits in an MoE MLP
+    top_k: int = 0  # experts each token visits in an MoE MLP
 
     @property
     def q_width(self) -> int:

@@ -51,8 +51,8 @@ def activation_bytes(a: ActivationShape) -> int:
     token = a.micro_batch * a.seq_len
     boundaries = (a.n_layer + 1) * a.microbatches * token * a.d_model * F32
     grads = a.microbatches * token * a.d_model * F32
-    block = 2 * token * (8 * a.d_model + 2 * a.ffn) * F32   # saved tensors and their gradients during one backward
-    head = 3 * token * a.vocab * F32                          # logits, their float32 copy in the loss, their gradient
+    block = 2 * token * (8 * a.d_model + 2 * a.ffn) * F32  # saved tensors and their gradients during one backward
+    head = 3 * token * a.vocab * F32  # logits, their float32 copy in the loss, their gradient
     return boundaries + grads + block + head
 
 
@@ -82,8 +82,17 @@ class MemoryPeak:
         return self.in_memory_states + self.resident + self.prefetched + self.jobs + self.activations
 
 
-def peak_bytes(units: list[UnitSize], act: ActivationShape, *, prefetch: int, in_flight: int, sharded: bool,
-               in_memory_states: int = 0, tied: bool = False, io_threads: int = 2) -> MemoryPeak:
+def peak_bytes(
+    units: list[UnitSize],
+    act: ActivationShape,
+    *,
+    prefetch: int,
+    in_flight: int,
+    sharded: bool,
+    in_memory_states: int = 0,
+    tied: bool = False,
+    io_threads: int = 2,
+) -> MemoryPeak:
     """The step's peak: see the module docstring. `sharded`: more than one data-parallel rank (a shard is kept apart);
     of `in_flight` jobs, `io_threads` run and the others wait with their inputs."""
     per_unit = [u.full * F32 * 2 + (u.shard * F32 if sharded else 0) for u in units]
@@ -95,14 +104,24 @@ def peak_bytes(units: list[UnitSize], act: ActivationShape, *, prefetch: int, in
     return MemoryPeak(in_memory_states, resident, prefetched, jobs, activation_bytes(act))
 
 
-def fit_prefetch(units: list[UnitSize], act: ActivationShape, budget: float, *, prefetch: int, io_threads: int, sharded: bool,
-                 in_memory_states: int = 0, tied: bool = False) -> tuple[int, int, MemoryPeak] | None:
+def fit_prefetch(
+    units: list[UnitSize],
+    act: ActivationShape,
+    budget: float,
+    *,
+    prefetch: int,
+    io_threads: int,
+    sharded: bool,
+    in_memory_states: int = 0,
+    tied: bool = False,
+) -> tuple[int, int, MemoryPeak] | None:
     """The deepest prefetch (at most the asked one) and the jobs in flight whose peak fits `budget` bytes; None when even
     no prefetch and one job do not fit (the budget is smaller than one unit plus activations)."""
     for depth in range(prefetch, -1, -1):
         for in_flight in range(depth + io_threads + 1, 0, -1):
-            peak = peak_bytes(units, act, prefetch=depth, in_flight=in_flight, sharded=sharded,
-                              in_memory_states=in_memory_states, tied=tied, io_threads=io_threads)
+            peak = peak_bytes(
+                units, act, prefetch=depth, in_flight=in_flight, sharded=sharded, in_memory_states=in_memory_states, tied=tied, io_threads=io_threads
+            )
             if peak.total <= budget:
                 return depth, in_flight, peak
     return None

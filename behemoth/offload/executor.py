@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,20 @@ class PassState:
 class Streamer:
     """Executes orders over a model's units, streaming them from their tiers."""
 
-    def __init__(self, model: nn.Module, view: LayeredView, stores: list[UnitStore], reads: dict[int, tuple[int, ...]], *,
-                 group: dist.ProcessGroup, io: IOPool, prefetch: int, device: torch.device, hooks: StepHooks,
-                 meter: CommMeter | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        view: LayeredView,
+        stores: list[UnitStore],
+        reads: dict[int, tuple[int, ...]],
+        *,
+        group: dist.ProcessGroup,
+        io: IOPool,
+        prefetch: int,
+        device: torch.device,
+        hooks: StepHooks,
+        meter: CommMeter | None = None,
+    ) -> None:
         self.model, self.view, self.stores, self.reads = model, view, stores, reads
         self.blocks = list(model.get_submodule(view.blocks))
         self.group, self.io, self.prefetch, self.device, self.hooks, self.meter = group, io, prefetch, device, hooks, meter
@@ -81,8 +93,13 @@ class Streamer:
 
     # --- one step ---
 
-    def train(self, actions: list[Action], micro_batches: Batch, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+    def train(
+        self,
+        actions: list[Action],
+        micro_batches: Batch,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of `actions`; the sum of their (scaled) losses."""
         state, total = PassState(), torch.zeros((), device=self.device)
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
@@ -102,8 +119,13 @@ class Streamer:
         return total
 
     @torch.no_grad()
-    def forward_only(self, actions: list[Action], inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None],
-                     autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+    def forward_only(
+        self,
+        actions: list[Action],
+        inputs: list[torch.Tensor],
+        on_logits: Callable[[int, torch.Tensor], None],
+        autocast: Callable[[], contextlib.AbstractContextManager],
+    ) -> None:
         """Every input through each unit in turn (forward order); `on_logits(i, logits)` as the head produces each."""
         state = PassState()
         moved = [x.to(self.device) for x in inputs]
@@ -179,8 +201,8 @@ class Streamer:
         for stay in plan.stays:
             ends[stay.last].append(stay)
         self.queue, self.next = plan.stays, 0  # stays in begin order; the first not begun yet
-        self.fetches: dict[int, Any] = {}    # id(stay) -> its fetch job, for stays submitted and not begun
-        self.fetching: set[int] = set()      # units with such a stay
+        self.fetches: dict[int, Any] = {}  # id(stay) -> its fetch job, for stays submitted and not begun
+        self.fetching: set[int] = set()  # units with such a stay
         try:
             for i, action in enumerate(actions):
                 for stay in plan.by_action[i]:
@@ -199,7 +221,7 @@ class Streamer:
     def fill(self) -> None:
         """Submit the fetches of the next stays, up to `prefetch` ahead, in order; a unit's next stay is not read
         before its current one is evicted (the eviction may write what it reads)."""
-        for stay in self.queue[self.next:self.next + self.prefetch]:
+        for stay in self.queue[self.next : self.next + self.prefetch]:
             if id(stay) in self.fetches:
                 continue
             if stay.unit in self.resident or stay.unit in self.fetching:

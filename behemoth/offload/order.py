@@ -85,7 +85,7 @@ class Residency:
     unit: int
     first: int
     last: int
-    grads: bool = False      # some action of this stay produces gradients for the unit
+    grads: bool = False  # some action of this stay produces gradients for the unit
     completes: bool = False  # the unit's last gradient of the step is produced in this stay
     partial_in: bool = False  # a partial gradient waits on the gradient tier when this stay ends
 

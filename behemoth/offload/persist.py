@@ -20,8 +20,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from behemoth.errors import BehemothError
 from behemoth.faults.integrity import RAW, Backing, read_dcp_metadata
-from behemoth.parallel.zero.adam import ShardPiece
 from behemoth.offload.tiers import FileTier
+from behemoth.parallel.zero.adam import ShardPiece
 from behemoth.parallel.zero.layout import FlatLayout
 
 SCRATCH = "scratch"  # the folder of a checkpoint that holds the linked scratch files
@@ -123,8 +123,10 @@ def load_8bit_across_layouts(sync: Any, ckpt: Path, prefix: str) -> None:
     saved = read_dcp_metadata(ckpt).state_dict_metadata
     worlds = {int(k.split(".")[2][2:]) for k in saved if k.startswith(f"optim.{prefix}.dp")}
     if len(worlds) != 1:
-        raise BehemothError(f"checkpoint {ckpt} holds no 8-bit Adam state (offload.optimizer_bits=8) to resume from",
-                            "resume with the optimizer settings it was saved with")
+        raise BehemothError(
+            f"checkpoint {ckpt} holds no 8-bit Adam state (offload.optimizer_bits=8) to resume from",
+            "resume with the optimizer settings it was saved with",
+        )
     world = worlds.pop()
     for store in sync.stores:
         m, v = torch.zeros(store.shard_size), torch.zeros(store.shard_size)
@@ -134,8 +136,7 @@ def load_8bit_across_layouts(sync: Any, ckpt: Path, prefix: str) -> None:
             if not any(q.index == pc.index for q in theirs for pc in store.raw_pieces):
                 continue
             fqn = f"{prefix}.dp{world}.rank{rank}.unit{store.index}"
-            part = {k: torch.empty(tuple(saved[f"optim.{fqn}.{k}"].size), dtype=saved[f"optim.{fqn}.{k}"].properties.dtype)
-                    for k in store.state_keys}
+            part = {k: torch.empty(tuple(saved[f"optim.{fqn}.{k}"].size), dtype=saved[f"optim.{fqn}.{k}"].properties.dtype) for k in store.state_keys}
             dcp_load({"optim": {fqn: part}}, ckpt, no_dist=True)
             pieces = [ShardPiece(q.shard_offset, q.numel, False) for q in theirs]
             m_r, v_r = store.adam.moments({k: t.to(sync.rt.device) for k, t in part.items()}, pieces)
@@ -143,7 +144,10 @@ def load_8bit_across_layouts(sync: Any, ckpt: Path, prefix: str) -> None:
                 for pc in store.raw_pieces:
                     lo, hi = max(q.start, pc.start), min(q.stop, pc.stop)
                     if pc.index == q.index and lo < hi:
-                        mine, src = slice(pc.shard_offset + lo - pc.start, pc.shard_offset + hi - pc.start), slice(q.shard_offset + lo - q.start, q.shard_offset + hi - q.start)
+                        mine, src = (
+                            slice(pc.shard_offset + lo - pc.start, pc.shard_offset + hi - pc.start),
+                            slice(q.shard_offset + lo - q.start, q.shard_offset + hi - q.start),
+                        )
                         m[mine], v[mine] = m_r[src].cpu(), v_r[src].cpu()
         state = {k: sync.tiers.optimizer.fetch(key) for k, key in store.state_keys.items()}
         store.adam.load_moments(state, m.to(sync.rt.device), v.to(sync.rt.device), store.pieces)

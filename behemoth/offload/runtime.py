@@ -25,9 +25,10 @@ the whole gradient before any unit may step, so there are two ways (offload.step
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,6 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
-from behemoth.parallel.zero.adam import make_adam
 from behemoth.offload.budget import ActivationShape, MemoryPeak, fit_prefetch, in_memory_state_bytes, peak_bytes, unit_sizes
 from behemoth.offload.executor import Batch, Streamer
 from behemoth.offload.io import IOPool
@@ -46,6 +46,7 @@ from behemoth.offload.store import PendingStep, Tiers, UnitStore, ValueSource, i
 from behemoth.offload.tiers import make_tier
 from behemoth.parallel.clip import weighted_square
 from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, with_tied_names
+from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
@@ -61,22 +62,33 @@ class OffloadPolicy:
     params: str = "none"
     grads: str = "none"
     optimizer: str = "none"
-    root: Path | None = None       # the scratch directory of the disk tier
-    run_dir: str | None = None     # the run that claims it
+    root: Path | None = None  # the scratch directory of the disk tier
+    run_dir: str | None = None  # the run that claims it
     prefetch: int = 2
     io_threads: int = 2
     order: str = "harmony"
-    fused: bool = False            # step during backward (no clipping) or deferred to the next fetch
+    fused: bool = False  # step during backward (no clipping) or deferred to the next fetch
     bits: int = 32
     max_memory_bytes: float | None = None  # the budget the prefetch depth and the jobs in flight must fit
 
     @classmethod
-    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> "OffloadPolicy":
+    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> OffloadPolicy:
         """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
         fused = steps_in_backward(offload.step, grad_clip)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
-        return cls(offload.params, offload.grads_tier, offload.optimizer, scratch.default_scratch(offload.dir, run_dir), run_dir,
-                   offload.prefetch, offload.io_threads, offload.order, fused, offload.optimizer_bits, budget)
+        return cls(
+            offload.params,
+            offload.grads_tier,
+            offload.optimizer,
+            scratch.default_scratch(offload.dir, run_dir),
+            run_dir,
+            offload.prefetch,
+            offload.io_threads,
+            offload.order,
+            fused,
+            offload.optimizer_bits,
+            budget,
+        )
 
     @property
     def tiers(self) -> dict[str, str]:
@@ -92,19 +104,29 @@ def steps_in_backward(step: str, grad_clip: float) -> bool:
     return step == "fused" or (step == "auto" and grad_clip == 0)
 
 
-def fit_budget(policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str,
-               tied: bool) -> tuple[int, int, MemoryPeak]:
+def fit_budget(
+    policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str, tied: bool
+) -> tuple[int, int, MemoryPeak]:
     """(prefetch depth, jobs in flight, peak) for the policy within its budget; a one-line refusal when nothing fits."""
     sizes = unit_sizes(layouts, rank, policy.bits)
     plan = plan_residencies(make_order(policy.order, act.n_layer, act.microbatches), {len(layouts) - 1: (0,)} if tied else {})
     held = in_memory_state_bytes(sizes, policy.tiers, device_type, grads_stored=stores_grads(plan, deferred=not policy.fused))
     sharded = layouts[0].world > 1 if layouts else False
-    unbounded = peak_bytes(sizes, act, prefetch=policy.prefetch, in_flight=policy.prefetch + policy.io_threads + 1,
-                           sharded=sharded, in_memory_states=held, tied=tied, io_threads=policy.io_threads)
+    unbounded = peak_bytes(
+        sizes,
+        act,
+        prefetch=policy.prefetch,
+        in_flight=policy.prefetch + policy.io_threads + 1,
+        sharded=sharded,
+        in_memory_states=held,
+        tied=tied,
+        io_threads=policy.io_threads,
+    )
     if policy.max_memory_bytes is None:
         return policy.prefetch, policy.prefetch + policy.io_threads + 1, unbounded
-    fit = fit_prefetch(sizes, act, policy.max_memory_bytes, prefetch=policy.prefetch, io_threads=policy.io_threads,
-                       sharded=sharded, in_memory_states=held, tied=tied)
+    fit = fit_prefetch(
+        sizes, act, policy.max_memory_bytes, prefetch=policy.prefetch, io_threads=policy.io_threads, sharded=sharded, in_memory_states=held, tied=tied
+    )
     if fit is None:
         least = peak_bytes(sizes, act, prefetch=0, in_flight=1, sharded=sharded, in_memory_states=held, tied=tied, io_threads=1)
         mib = 2**20
@@ -113,7 +135,8 @@ def fit_budget(policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act:
             f"{least.total / mib:.1f} MiB at least (largest unit {least.resident / mib:.1f} + its step "
             f"{least.jobs / mib:.1f} + activations {least.activations / mib:.1f} + states kept in memory "
             f"{least.in_memory_states / mib:.1f} MiB)",
-            "raise offload.max_memory_gb, put more states on disk, shorten train.micro_batch, or split layers with parallel.tp")
+            "raise offload.max_memory_gb, put more states on disk, shorten train.micro_batch, or split layers with parallel.tp",
+        )
     return fit
 
 
@@ -126,25 +149,41 @@ class OffloadSync(GradSync):
     def steps_in_backward(self) -> bool:  # type: ignore[override]
         return self.policy.fused
 
-    def __init__(self, lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, value: ValueSource,
-                 activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> None:
+    def __init__(
+        self,
+        lm: CausalLM,
+        units: list[UnitSpec],
+        rt: Runtime,
+        policy: OffloadPolicy,
+        *,
+        value: ValueSource,
+        activation: ActivationShape,
+        tp: Any = None,
+        meter: CommMeter | None = None,
+    ) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
         self.group = rt.group("dp")
         self.aliases = tied_names(self.model)
         roles = [u.role for u in units]
         if "root" in roles:
             names = units[roles.index("root")].names
-            raise BehemothError(f"offload streams the embedding, blocks and head; {names[0]} belongs to none of them",
-                                "train this model without offload")
+            raise BehemothError(
+                f"offload streams the embedding, blocks and head; {names[0]} belongs to none of them", "train this model without offload"
+            )
         world = dist.get_world_size(self.group)
         layouts = [FlatLayout(u.names, u.shapes, world) for u in units]
-        self.prefetch, in_flight, self.peak = fit_budget(policy, layouts, dist.get_rank(self.group), activation,
-                                                         device_type=rt.device.type, tied=bool(units[-1].reads))
+        self.prefetch, in_flight, self.peak = fit_budget(
+            policy, layouts, dist.get_rank(self.group), activation, device_type=rt.device.type, tied=bool(units[-1].reads)
+        )
         if rt.device.type == "cpu":
             return_freed_memory()
         self.root = self._claim_scratch()
-        self.tiers = Tiers(*(make_tier(name, rt.device, root=self.root / f"rank{rt.rank}" / kind)
-                             for name, kind in ((policy.params, "params"), (policy.grads, "grads"), (policy.optimizer, "optimizer"))))
+        self.tiers = Tiers(
+            *(
+                make_tier(name, rt.device, root=self.root / f"rank{rt.rank}" / kind)
+                for name, kind in ((policy.params, "params"), (policy.grads, "grads"), (policy.optimizer, "optimizer"))
+            )
+        )
         self.io = IOPool(policy.io_threads, max_in_flight=in_flight)
         self.specs = units
         self.stores: list[UnitStore] = []
@@ -154,8 +193,9 @@ class OffloadSync(GradSync):
         self.optimizer: OffloadOptimizer | None = None
         self._materialize(value)
         reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
-        self.streamer = Streamer(self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch,
-                                 device=rt.device, hooks=self, meter=meter)
+        self.streamer = Streamer(
+            self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self, meter=meter
+        )
         self.counted = self._counters()
 
     def _claim_scratch(self) -> Path:
@@ -206,7 +246,7 @@ class OffloadSync(GradSync):
     def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
         return []  # gradients live on their tier: the norm comes from `clip`
 
-    def build_optimizer(self, settings: AdamWSettings) -> "OffloadOptimizer":
+    def build_optimizer(self, settings: AdamWSettings) -> OffloadOptimizer:
         """AdamW over the shards (its zero state allocated on the optimizer tier now)."""
         adam = make_adam(settings, self.policy.bits, self.rt.device)
         for store in self.stores:
@@ -244,8 +284,10 @@ class OffloadSync(GradSync):
     def clip_held_grads(self, coef: float, max_norm: float) -> None:
         """The clipping coefficient each unit's deferred step applies."""
         if self.policy.fused and max_norm > 0:
-            raise BehemothError(f"train.grad_clip={max_norm} with a fused offload step: units stepped before the norm was known",
-                                "set offload.step=deferred (or auto), or train.grad_clip=0")
+            raise BehemothError(
+                f"train.grad_clip={max_norm} with a fused offload step: units stepped before the norm was known",
+                "set offload.step=deferred (or auto), or train.grad_clip=0",
+            )
         self.coef = coef if max_norm > 0 else 1.0
 
     # --- hooks of the streamer ---
@@ -259,7 +301,7 @@ class OffloadSync(GradSync):
     def gradient_complete(self, store: UnitStore, shard: torch.Tensor, grad: torch.Tensor) -> None:
         """A unit's gradient is whole (summed over micro-batches and ranks): count its norm, then step it or keep it."""
         if self.tp is not None:
-            self.tp.finish_grads([(store.layout.names[pc.index], grad[pc.shard_offset:pc.shard_offset + pc.numel]) for pc in store.raw_pieces])
+            self.tp.finish_grads([(store.layout.names[pc.index], grad[pc.shard_offset : pc.shard_offset + pc.numel]) for pc in store.raw_pieces])
         square = self._weighted_square(store, grad)
         self.norm_sq += square
         if self.policy.fused:
@@ -277,8 +319,10 @@ class OffloadSync(GradSync):
         """|g|^2 of this rank's shard, each piece weighted 1 / (tensor-parallel ranks holding a copy of it), as clip weighs."""
         if self.tp is None:
             return weighted_square([(grad, 1.0)])
-        return weighted_square([(grad[pc.shard_offset:pc.shard_offset + pc.numel], 1.0 / self.tp.copies(store.layout.names[pc.index]))
-                                for pc in store.raw_pieces], grad.device)
+        return weighted_square(
+            [(grad[pc.shard_offset : pc.shard_offset + pc.numel], 1.0 / self.tp.copies(store.layout.names[pc.index])) for pc in store.raw_pieces],
+            grad.device,
+        )
 
     # --- the optimizer's side ---
 
@@ -317,8 +361,9 @@ class OffloadSync(GradSync):
 
     def step_bytes(self) -> dict[str, tuple[int, int]]:
         """(read, written) bytes per kind of state since the step began."""
-        return {kind: (tier.read_bytes - self.counted[kind][0], tier.written_bytes - self.counted[kind][1])
-                for kind, tier in self.tiers.all().items()}
+        return {
+            kind: (tier.read_bytes - self.counted[kind][0], tier.written_bytes - self.counted[kind][1]) for kind, tier in self.tiers.all().items()
+        }
 
     def close(self) -> None:
         """Stop the I/O threads and remove the scratch directory (it is never a checkpoint)."""
@@ -361,8 +406,9 @@ class StreamedSteps:
         self._stream([x for x, _ in batches], add, autocast)
         return stats
 
-    def logits(self, inputs: list[torch.Tensor], autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-               ) -> list[torch.Tensor]:
+    def logits(
+        self, inputs: list[torch.Tensor], autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    ) -> list[torch.Tensor]:
         """The logits of each input (this rank's vocabulary shard under TP), every unit streamed once for all of them:
         a forward pass of a model that is never whole in memory (what offloaded inference needs)."""
         out: list[torch.Tensor | None] = [None] * len(inputs)
@@ -408,7 +454,9 @@ class OffloadOptimizer(Optimizer):
                 out.update(store.moment_chunks(m, v, self.step_tensor))
             else:
                 out[EIGHT_BIT] = {"step": self.step_tensor}
-                out[f"{EIGHT_BIT}.dp{world}.rank{rank}.unit{store.index}"] = {k: sync.tiers.optimizer.view(key) for k, key in store.state_keys.items()}
+                out[f"{EIGHT_BIT}.dp{world}.rank{rank}.unit{store.index}"] = {
+                    k: sync.tiers.optimizer.view(key) for k, key in store.state_keys.items()
+                }
         return out
 
     def after_load(self) -> None:
@@ -446,14 +494,24 @@ def move_buffers(model: torch.nn.Module, device: torch.device) -> None:
                 owner._buffers[name] = buf.to(device)
 
 
-def apply_offload(lm: CausalLM, units: list[UnitSpec], rt: Runtime, policy: OffloadPolicy, *, seed: int,
-                  activation: ActivationShape, tp: Any = None, meter: CommMeter | None = None) -> OffloadSync:
+def apply_offload(
+    lm: CausalLM,
+    units: list[UnitSpec],
+    rt: Runtime,
+    policy: OffloadPolicy,
+    *,
+    seed: int,
+    activation: ActivationShape,
+    tp: Any = None,
+    meter: CommMeter | None = None,
+) -> OffloadSync:
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
     (seed, name) or read from the model's weights one unit at a time."""
     if lm.weights:
         value = safetensors_source(lm.weights)
     else:
+
         def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return draw_full(lm.init_spec(name), tuple(shape), seed, name)
-    return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, meter=meter)
 
+    return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, meter=meter)

@@ -86,8 +86,7 @@ def scratch_state(path: Path, run_dir: str | None) -> tuple[str, str]:
         return "refused", f"offload.dir={path} is in use by {owner}; choose another offload.dir"
     if run_dir is not None and marker.get("run_dir") == str(Path(run_dir).resolve()):
         return "stale-own", f"offload.dir={path}: removed the stale scratch of an earlier attempt of this run ({owner})"
-    return "refused", (f"offload.dir={path} holds the stale scratch of another {owner}; remove it (rm -r {path}) "
-                       "or choose another offload.dir")
+    return "refused", (f"offload.dir={path} holds the stale scratch of another {owner}; remove it (rm -r {path}) or choose another offload.dir")
 
 
 def claim(path: Path, run_dir: str | None) -> str | None:
@@ -98,8 +97,12 @@ def claim(path: Path, run_dir: str | None) -> str | None:
     if state == "stale-own":
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
-    marker = {"run_dir": str(Path(run_dir).resolve()) if run_dir else None, "host": socket.gethostname(), "pid": os.getpid(),
-              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    marker = {
+        "run_dir": str(Path(run_dir).resolve()) if run_dir else None,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (path / MARKER).write_text(json.dumps(marker))
     return why or None
 

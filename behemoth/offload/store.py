@@ -9,17 +9,17 @@ because the I/O pool orders a unit's jobs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
-from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.offload.tiers import Tier
 from behemoth.parallel.chunked import ChunkedTensor
+from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.optim import moment_chunks, shard_chunks
 from behemoth.parallel.zero.units import UnitSpec
@@ -45,7 +45,7 @@ class PendingStep:
 
     lr: float
     coef: float  # the global-norm clipping coefficient of that step
-    step: int    # the optimizer's step count after it
+    step: int  # the optimizer's step count after it
 
 
 class UnitStore:
@@ -60,7 +60,7 @@ class UnitStore:
         self.p_key, self.g_key = f"p.{index}", f"g.{index}"
         self.adam: AdamFP32 | Adam8bit | None = None
         self.state_keys: dict[str, str] = {}
-        self.grad_waiting = False         # a gradient (partial, or complete and deferred) is on the gradient tier
+        self.grad_waiting = False  # a gradient (partial, or complete and deferred) is on the gradient tier
         self.pending: PendingStep | None = None
 
     def allocate_params(self, initial: torch.Tensor) -> None:
@@ -123,7 +123,7 @@ def initial_shard(spec: UnitSpec, layout: FlatLayout, rank: int, value: ValueSou
         meta = getattr(*spec.locations[pc.index][0])
         name = getattr(meta, FULL_NAME, spec.names[pc.index])
         full = value(name, getattr(meta, FULL_SHAPE, spec.shapes[pc.index]))
-        shard[pc.shard_offset:pc.shard_offset + pc.numel] = getattr(meta, TAKE_LOCAL, lambda t: t)(full).reshape(-1)
+        shard[pc.shard_offset : pc.shard_offset + pc.numel] = getattr(meta, TAKE_LOCAL, lambda t: t)(full).reshape(-1)
     return shard
 
 

@@ -129,7 +129,7 @@ class FileTier(Tier):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.files: dict[str, tuple[int, int, torch.dtype]] = {}  # key -> (fd, numel, dtype)
-        self.mapped: dict[int, tuple[str, torch.Tensor]] = {}     # storage address of a view -> (key, the view)
+        self.mapped: dict[int, tuple[str, torch.Tensor]] = {}  # storage address of a view -> (key, the view)
 
     @property
     def moves(self) -> bool:

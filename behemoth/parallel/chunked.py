@@ -60,14 +60,15 @@ def flat_range_boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tupl
     return boxes
 
 
-
 class ChunkedTensor(torch.Tensor):
     """A global tensor's shape and dtype, plus this rank's chunks of it (views into its shard)."""
 
     _chunks: list[tuple[torch.Size, torch.Tensor]]
 
     @staticmethod
-    def __new__(cls, shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device) -> "ChunkedTensor":
+    def __new__(
+        cls, shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], torch.Tensor]], *, dtype: torch.dtype, device: torch.device
+    ) -> ChunkedTensor:
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r._chunks = [(torch.Size(offsets), t) for offsets, t in chunks]
         return r
@@ -80,9 +81,14 @@ class ChunkedTensor(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         props = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, t.shape), properties=props, size=self.shape))
-                for offsets, t in self._chunks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, t.shape), properties=props, size=self.shape),
+            )
+            for offsets, t in self._chunks
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets, t.shape) for offsets, t in self._chunks]
@@ -104,7 +110,7 @@ def chunked(flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...]) -
     chunks, pos = [], 0
     for offsets, sizes in flat_range_boxes(start, stop, shape):
         n = math.prod(sizes)
-        chunks.append((offsets, flat[pos:pos + n].view(sizes)))
+        chunks.append((offsets, flat[pos : pos + n].view(sizes)))
         pos += n
     return ChunkedTensor(shape, chunks, dtype=flat.dtype, device=flat.device)
 
@@ -163,10 +169,10 @@ def sharded_view(tensor: Any, layout: ShardedLayout | None) -> Any:
 def checkpoint_views(state: dict[str, Any], layouts: Mapping[str, ShardedLayout]) -> dict[str, Any]:
     """Engine state (`{"model": {name: t}, "optim": {name: {key: t}}}`) with the tensors of the parameters `layouts`
     names as full-shape views; everything else as it is."""
+
     def wrap(name: str, value: Any) -> Any:
         if isinstance(value, dict):
             return {k: wrap(name, v) for k, v in value.items()}
         return sharded_view(value, layouts.get(name))
 
-    return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part
-            for section, part in state.items()}
+    return {section: {name: wrap(name, v) for name, v in part.items()} if isinstance(part, dict) else part for section, part in state.items()}

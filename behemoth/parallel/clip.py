@@ -24,9 +24,15 @@ def weighted_square(terms: list[tuple[torch.Tensor, float]], device: torch.devic
 
 
 @torch.no_grad()
-def clip_grad_norm(terms: list[tuple[torch.Tensor, float]], max_norm: float, *, group: dist.ProcessGroup | None = None,
-                   meter: CommMeter | None = None, device: torch.device | None = None,
-                   squares: tuple[torch.Tensor, ...] = ()) -> float:
+def clip_grad_norm(
+    terms: list[tuple[torch.Tensor, float]],
+    max_norm: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    meter: CommMeter | None = None,
+    device: torch.device | None = None,
+    squares: tuple[torch.Tensor, ...] = (),
+) -> float:
     """Global gradient norm; every gradient in `terms` is scaled by max_norm / norm when that is below 1 (max_norm > 0).
 
     `terms`: (a gradient or this rank's piece of one, its weight). The squared norm is the sum over `group`'s ranks

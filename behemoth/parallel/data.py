@@ -38,7 +38,7 @@ class GradBucket:
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         offset = 0
         for p in params:
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.ready = 0
         self.pending: Pending | None = None
@@ -70,8 +70,15 @@ class DataParallel(GradSync):
 
     sharded = False
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, *, bucket_bytes: int,
-                 aliases: dict[str, list[str]] | None = None, meter: CommMeter | None = None) -> None:
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        group: dist.ProcessGroup,
+        *,
+        bucket_bytes: int,
+        aliases: dict[str, list[str]] | None = None,
+        meter: CommMeter | None = None,
+    ) -> None:
         self.group, self.meter, self.aliases = group, meter, aliases or {}
         self.named = [(getattr(p, FULL_NAME, n), p) for n, p in named if p.requires_grad]
         self.buckets = [GradBucket(b) for b in plan_buckets(reversed([p for _, p in self.named]), bucket_bytes)]
@@ -87,6 +94,7 @@ class DataParallel(GradSync):
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._launch(bucket)
+
         return hook
 
     def _launch(self, bucket: GradBucket) -> None:
@@ -124,8 +132,14 @@ class DataParallel(GradSync):
         return {"params": params, "grads": sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)}
 
 
-def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, policy: DataParallelPolicy, *,
-                        select: Callable[[str], bool] | None = None, meter: CommMeter | None = None) -> DataParallel:
+def apply_data_parallel(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    policy: DataParallelPolicy,
+    *,
+    select: Callable[[str], bool] | None = None,
+    meter: CommMeter | None = None,
+) -> DataParallel:
     """Attach bucketed, overlapped gradient all-reduce over `group` to `model`'s parameters (those `select` accepts)."""
     named = [(n, p) for n, p in model.named_parameters() if select is None or select(n)]
     return DataParallel(named, group, bucket_bytes=int(policy.bucket_mb * 2**20), aliases=tied_names(model), meter=meter)

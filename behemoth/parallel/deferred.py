@@ -70,8 +70,7 @@ class _DeferrableLinear(torch.autograd.Function):
     slot holds a queue."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot,
-                transposed: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.slot, ctx.transposed, ctx.params = slot, transposed, (weight, bias)  # the Parameter objects, whose .grad W adds to
         if not transposed:
@@ -94,8 +93,7 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot,
-                      transposed: bool = False) -> torch.Tensor:
+def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot, transposed: bool = False) -> torch.Tensor:
     """A linear layer whose weight gradient the slot's current pass may defer."""
     return _DeferrableLinear.apply(x, weight, bias, slot, transposed)
 
@@ -116,4 +114,5 @@ def make_deferrable(model: nn.Module, transposed: Iterable[str] = ()) -> Deferra
 def _forward_of(module: nn.Module, slot: DeferralSlot, transposed: bool):
     def forward(x: torch.Tensor) -> torch.Tensor:
         return deferrable_linear(x, module.weight, getattr(module, "bias", None), slot, transposed)
+
     return forward

@@ -13,7 +13,8 @@ micro-batch at once). The engine calls `run` and `forward_only` and nothing else
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -74,7 +75,7 @@ class PipelineSteps:
     """A pipeline's executor (run, forward_only) with the syncs told to reduce once, after all its passes: the schedule
     interleaves micro-batches, so none of them is the last to reach a parameter."""
 
-    def __init__(self, pipeline: "PipelinedRun", syncs: list[GradSync]) -> None:
+    def __init__(self, pipeline: PipelinedRun, syncs: list[GradSync]) -> None:
         self.pipeline, self.syncs = pipeline, syncs
 
     def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:

@@ -29,8 +29,10 @@ def recompute_ranks(policy: RecomputePolicy, peak_stash: Sequence[int]) -> set[i
     if isinstance(policy, list):
         bad = [r for r in policy if not 0 <= r < ranks]
         if bad:
-            raise BehemothError(f"parallel.recompute={policy} names pipeline ranks {bad}, but there are {ranks} (0..{ranks - 1})",
-                                "name ranks in that range, or use none, full or early")
+            raise BehemothError(
+                f"parallel.recompute={policy} names pipeline ranks {bad}, but there are {ranks} (0..{ranks - 1})",
+                "name ranks in that range, or use none, full or early",
+            )
         return set(policy)
     if policy == "none":
         return set()

@@ -146,8 +146,15 @@ def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2
     return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
 
 
-def block_efficiency(device: torch.device, group: dist.ProcessGroup, matmul: list[tuple[int, float]], bandwidth: float,
-                     overhead_us: float, d: int = 256, tokens: int = 512) -> float:
+def block_efficiency(
+    device: torch.device,
+    group: dist.ProcessGroup,
+    matmul: list[tuple[int, float]],
+    bandwidth: float,
+    overhead_us: float,
+    d: int = 256,
+    tokens: int = 512,
+) -> float:
     """The share of the matrix rate a GPT block's forward and backward reach (every rank at once): its FLOPs at the
     measured matrix rate, over its measured time less what the cost model counts apart (elementwise traffic at the
     memory bandwidth, a launch cost per operator)."""
@@ -213,21 +220,41 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
     world = m["world"]
     memory = m["device_memory"] or host_memory_bytes() / world
     ops = {op: fit_link(op, curve, 2 if op == "p2p" else world) for op, curve in m["collectives"].items()}
-    link = LinkSpec(latency_us=statistics.median(o[0] for o in ops.values()) if ops else 1.0,
-                    bandwidth_gbs=statistics.median(o[1] for o in ops.values()) if ops else m["memory_bandwidth_gbs"], ops=ops)
+    link = LinkSpec(
+        latency_us=statistics.median(o[0] for o in ops.values()) if ops else 1.0,
+        bandwidth_gbs=statistics.median(o[1] for o in ops.values()) if ops else m["memory_bandwidth_gbs"],
+        ops=ops,
+    )
     peak = {dtype: max(v for _, v in curve) for dtype, curve in m["matmul"].items() if curve}
-    device = DeviceSpec(name=m["device_name"], memory_gb=memory / 1e9, reserved_gb=0.05 * memory / 1e9, peak_tflops=peak,
-                        matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
-                        memory_bandwidth_gbs=m["memory_bandwidth_gbs"], op_overhead_us=m["op_overhead_us"],
-                        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
-                        block_efficiency=m.get("block_efficiency", 0.8))
-    host = HostSpec(memory_gb=host_memory_bytes() / 1e9, memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
-                    disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1)
+    device = DeviceSpec(
+        name=m["device_name"],
+        memory_gb=memory / 1e9,
+        reserved_gb=0.05 * memory / 1e9,
+        peak_tflops=peak,
+        matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
+        memory_bandwidth_gbs=m["memory_bandwidth_gbs"],
+        op_overhead_us=m["op_overhead_us"],
+        comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
+        block_efficiency=m.get("block_efficiency", 0.8),
+    )
+    host = HostSpec(
+        memory_gb=host_memory_bytes() / 1e9,
+        memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
+        disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1,
+    )
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
     measured.update({f"matmul_{k}_tflops_by_n": [tuple(p) for p in v] for k, v in m["matmul"].items()})
-    return ClusterSpec(name=name, nodes=1, devices_per_node=world, device=device, intra_node=link, host=host, kind="calibrated",
-                       source=f"behemoth calibrate on {world} local {m['device']} process(es), {time.strftime('%Y-%m-%d %H:%M')}",
-                       measured=measured)
+    return ClusterSpec(
+        name=name,
+        nodes=1,
+        devices_per_node=world,
+        device=device,
+        intra_node=link,
+        host=host,
+        kind="calibrated",
+        source=f"behemoth calibrate on {world} local {m['device']} process(es), {time.strftime('%Y-%m-%d %H:%M')}",
+        measured=measured,
+    )
 
 
 def cache_folder(cache_dir: str | None = None) -> Path:
@@ -266,8 +293,10 @@ def probe_spec(nproc: int) -> ClusterSpec:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
-        curve = [(n, 2 * n**3 / timed(lambda n=n: torch.ones(n, n, device=device) @ torch.ones(n, n, device=device), 3, device) / 1e12)
-                 for n in (128, 256, 512)]
+        curve = [
+            (n, 2 * n**3 / timed(lambda n=n: torch.ones(n, n, device=device) @ torch.ones(n, n, device=device), 3, device) / 1e12)
+            for n in (128, 256, 512)
+        ]
         src = torch.ones(2**24, device=device)
         dst = torch.empty_like(src)
         bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 3, device) / 1e9 / (nproc if device.type == "cpu" else 1)
@@ -275,15 +304,27 @@ def probe_spec(nproc: int) -> ClusterSpec:
     finally:
         torch.set_num_threads(threads)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes() / nproc
-    m = {"world": nproc, "device": device.type, "device_memory": memory if device.type == "cuda" else None,
-         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)",
-         "matmul": {"fp32": curve}, "collectives": {}, "memory_bandwidth_gbs": bandwidth, "op_overhead_us": overhead,
-         "comm_overlap": 0.9 if device.type == "cuda" else (0.0 if nproc >= (os.cpu_count() or 1) else 0.5),
-         "disk_bandwidth_gbs": None}
+    m = {
+        "world": nproc,
+        "device": device.type,
+        "device_memory": memory if device.type == "cuda" else None,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)",
+        "matmul": {"fp32": curve},
+        "collectives": {},
+        "memory_bandwidth_gbs": bandwidth,
+        "op_overhead_us": overhead,
+        "comm_overlap": 0.9 if device.type == "cuda" else (0.0 if nproc >= (os.cpu_count() or 1) else 0.5),
+        "disk_bandwidth_gbs": None,
+    }
     spec = spec_from(m, name="local (probed)")
     link = LinkSpec(latency_us=100.0, bandwidth_gbs=bandwidth / 10)
-    return spec.model_copy(update={"intra_node": link, "kind": "described",
-                                   "source": f"probed in one process for {nproc} processes; links assumed (run behemoth calibrate)"})
+    return spec.model_copy(
+        update={
+            "intra_node": link,
+            "kind": "described",
+            "source": f"probed in one process for {nproc} processes; links assumed (run behemoth calibrate)",
+        }
+    )
 
 
 def local_cluster(nproc: int, cache_dir: str | None = None) -> ClusterSpec:

@@ -27,15 +27,15 @@ class TPShare:
     and the per-token widths of what its weight-gradient passes need (the output gradient of every op that has a weight)."""
 
     tp: int
-    embed: int          # first-stage modules: token (and position) embedding
-    block: int          # one block
-    head: int           # last-stage modules: final norm and an untied head
-    tied: int           # the embedding weight a tied head reads (0 when untied); the last stage holds it too when pp > 1
-    vocab: int          # vocabulary rows of the head (or tied embedding) on this rank, padding included
+    embed: int  # first-stage modules: token (and position) embedding
+    block: int  # one block
+    head: int  # last-stage modules: final norm and an untied head
+    tied: int  # the embedding weight a tied head reads (0 when untied); the last stage holds it too when pp > 1
+    vocab: int  # vocabulary rows of the head (or tied embedding) on this rank, padding included
     block_weight_outputs: int  # per token: outputs of a block's linear layers plus its norms' widths
-    head_weight_outputs: int   # per token: the head's logits plus the final norm's width
+    head_weight_outputs: int  # per token: the head's logits plus the final norm's width
     ep: int = 1
-    experts: int = 0    # of `block`: its expert weights (E / ep experts), synchronised over dp alone
+    experts: int = 0  # of `block`: its expert weights (E / ep experts), synchronised over dp alone
 
     def stage_elements(self, blocks: int, *, first: bool, last: bool, pp: int) -> int:
         """Parameters of one pipeline stage of `blocks` blocks; with a tied head the last stage keeps the embedding too."""
@@ -50,13 +50,13 @@ class ModelCensus:
     model_cfg: Any
     hf: Any
     shape: ModelShape
-    psi: int                 # parameters of the whole model
-    matmul_params: int       # parameters a token is multiplied by (the MFU count)
+    psi: int  # parameters of the whole model
+    matmul_params: int  # parameters a token is multiplied by (the MFU count)
     activations: BlockActivations
     _shares: dict[tuple[int, int], TPShare] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, model_cfg: Any, hf: Any = None) -> "ModelCensus":
+    def of(cls, model_cfg: Any, hf: Any = None) -> ModelCensus:
         """Count the model `model_cfg` (and `hf`) describe, from a one-block copy on the meta device."""
         one = build_causal_lm(model_cfg.model_copy(update={"n_layer": 1}), hf)
         share = _share(one, 1)
@@ -99,9 +99,18 @@ def _share(lm: CausalLM, tp: int, ep: int = 1) -> TPShare:
     tied = embedding.numel() if lm.shape.tied else 0
     head = sum(p.numel() for p in parts["last"].values() if p is not embedding)
     experts = sum(p.numel() for name, p in block.named_parameters() if is_expert is not None and is_expert(f"{view.blocks}.0.{name}"))
-    return TPShare(tp, sum(p.numel() for p in parts["first"].values()), _count(block), head, tied, vocab=embedding.shape[0],
-                   block_weight_outputs=_weight_outputs(block, lm.transposed, f"{view.blocks}.0"),
-                   head_weight_outputs=embedding.shape[0] + lm.shape.d_model, ep=ep, experts=experts)
+    return TPShare(
+        tp,
+        sum(p.numel() for p in parts["first"].values()),
+        _count(block),
+        head,
+        tied,
+        vocab=embedding.shape[0],
+        block_weight_outputs=_weight_outputs(block, lm.transposed, f"{view.blocks}.0"),
+        head_weight_outputs=embedding.shape[0] + lm.shape.d_model,
+        ep=ep,
+        experts=experts,
+    )
 
 
 def _params_under(model: nn.Module, names: tuple[str, ...]) -> dict[int, nn.Parameter]:

@@ -62,14 +62,23 @@ class DeviceSpec(Spec):
     peak_tflops: dict[str, float] = Field(..., description="dense matrix-multiply peak by dtype (fp32, tf32, bf16)")
     matmul_efficiency: list[tuple[int, float]] = Field(
         default_factory=lambda: [(256, 0.25), (1024, 0.6), (4096, 0.8), (16384, 0.85)],
-        description="(square matrix size n, achieved fraction of peak): the curve the compute time interpolates")
+        description="(square matrix size n, achieved fraction of peak): the curve the compute time interpolates",
+    )
     matmul_tflops: dict[str, list[tuple[int, float]]] = Field(default_factory=dict, description="measured (n, TFLOP/s) by dtype")
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
-    block_efficiency: float = Field(0.8, gt=0, le=1, description="share of the matrix rate a transformer block's forward and "
-                                    "backward reach (attention, transposed products in backward)")
-    comm_overlap: float = Field(0.9, ge=0, le=1, description="share of a collective that can hide behind computation "
-                                "(GPUs: NCCL beside the kernels; CPUs whose cores all compute: little)")
+    block_efficiency: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="share of the matrix rate a transformer block's forward and backward reach (attention, transposed products in backward)",
+    )
+    comm_overlap: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="share of a collective that can hide behind computation (GPUs: NCCL beside the kernels; CPUs whose cores all compute: little)",
+    )
 
     @property
     def usable_bytes(self) -> float:
@@ -131,7 +140,7 @@ class ClusterSpec(Spec):
     def world(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def with_nodes(self, devices: int) -> "ClusterSpec":
+    def with_nodes(self, devices: int) -> ClusterSpec:
         """The same hardware with enough nodes for `devices` devices (a preset names one server; a plan may span many)."""
         nodes = max(1, math.ceil(devices / self.devices_per_node))
         return self.model_copy(update={"nodes": nodes})
@@ -152,8 +161,10 @@ def load_cluster(path_or_name: str | Path) -> ClusterSpec:
     if not path.is_file():
         preset = PRESET_DIR / f"{path_or_name}.yaml"
         if not preset.is_file():
-            raise BehemothError(f"--cluster {path_or_name} is neither a file nor a preset",
-                                f"pass a YAML file written by behemoth calibrate, or one of: {', '.join(preset_names())}")
+            raise BehemothError(
+                f"--cluster {path_or_name} is neither a file nor a preset",
+                f"pass a YAML file written by behemoth calibrate, or one of: {', '.join(preset_names())}",
+            )
         path = preset
     try:
         raw = yaml.safe_load(path.read_text())

@@ -27,10 +27,10 @@ class PlanCost:
     bounds: tuple[int, ...]
     memory: list[RankMemory]
     time: StepTime
-    limit: float                 # usable bytes per device
-    model_flops: float           # per step, the MFU count
-    hardware_flops: float        # per step, with recomputation
-    peak_flops: float            # per device, for the compute dtype
+    limit: float  # usable bytes per device
+    model_flops: float  # per step, the MFU count
+    hardware_flops: float  # per step, with recomputation
+    peak_flops: float  # per device, for the compute dtype
 
     @property
     def peak_memory(self) -> float:
@@ -72,9 +72,16 @@ class PlanCost:
         t = self.time
         total = t.total
         compute = t.passes - t.bubble - t.tp_comm - t.recompute
-        return {"compute": max(compute, 0.0) / total, "bubble": t.bubble / total, "recompute": t.recompute / total,
-                "tp_comm": t.tp_comm / total, "dp_comm": t.dp_comm / total, "optimizer": t.optimizer / total,
-                "ep_comm": t.ep_comm / total, "offload": t.offload / total}
+        return {
+            "compute": max(compute, 0.0) / total,
+            "bubble": t.bubble / total,
+            "recompute": t.recompute / total,
+            "tp_comm": t.tp_comm / total,
+            "dp_comm": t.dp_comm / total,
+            "optimizer": t.optimizer / total,
+            "ep_comm": t.ep_comm / total,
+            "offload": t.offload / total,
+        }
 
     def binding(self, cluster: ClusterSpec) -> str:
         """What limits this plan: memory when the busiest rank is near full, else the largest cost besides compute."""
@@ -88,9 +95,15 @@ class PlanCost:
         lay = self.layout
         span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.data_ranks, "ep_comm": lay.tp * lay.ep}.get(name)
         where = "" if span is None else (" (intra-node link)" if cluster.link(span) is cluster.intra_node else " (inter-node link)")
-        label = {"tp_comm": "tensor-parallel traffic", "dp_comm": "data-parallel traffic", "bubble": "pipeline bubble",
-                 "recompute": "recomputation", "optimizer": "optimizer step", "ep_comm": "expert all-to-all",
-                 "offload": "offload traffic"}[name]
+        label = {
+            "tp_comm": "tensor-parallel traffic",
+            "dp_comm": "data-parallel traffic",
+            "bubble": "pipeline bubble",
+            "recompute": "recomputation",
+            "optimizer": "optimizer step",
+            "ep_comm": "expert all-to-all",
+            "offload": "offload traffic",
+        }[name]
         return f"{label}{where} {share:.0%}"
 
 

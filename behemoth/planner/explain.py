@@ -8,9 +8,16 @@ from collections.abc import Callable
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import GiB, PlanCost
 
-PARTS = {"compute": "compute", "bubble": "pipeline bubble", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
-         "dp_comm": "exposed data-parallel traffic", "optimizer": "optimizer step", "ep_comm": "expert all-to-all",
-         "offload": "exposed offload traffic"}
+PARTS = {
+    "compute": "compute",
+    "bubble": "pipeline bubble",
+    "recompute": "recomputation",
+    "tp_comm": "tensor-parallel traffic",
+    "dp_comm": "exposed data-parallel traffic",
+    "optimizer": "optimizer step",
+    "ep_comm": "expert all-to-all",
+    "offload": "exposed offload traffic",
+}
 
 
 def seconds(t: float) -> str:
@@ -34,8 +41,10 @@ def table(costs: list[PlanCost], cluster: ClusterSpec) -> str:
     width = max([len("plan")] + [len(p) for p in plans])
     lines = [f"{'#':>2}  {'plan':<{width}}  {'GiB/rank':>9}  {'step':>9}  {'tokens/s':>9}  {'MFU':>6}  {'HFU':>6}  binding constraint"]
     for i, (cost, plan) in enumerate(zip(costs, plans), 1):
-        lines.append(f"{i:>2}  {plan:<{width}}  {gib(cost.peak_memory):>9}  {seconds(cost.step_seconds):>9}  {rate(cost.tokens_per_s):>9}  "
-                     f"{cost.mfu:>6.1%}  {cost.hfu:>6.1%}  {cost.binding(cluster)}")
+        lines.append(
+            f"{i:>2}  {plan:<{width}}  {gib(cost.peak_memory):>9}  {seconds(cost.step_seconds):>9}  {rate(cost.tokens_per_s):>9}  "
+            f"{cost.mfu:>6.1%}  {cost.hfu:>6.1%}  {cost.binding(cluster)}"
+        )
     return "\n".join(lines)
 
 
@@ -52,8 +61,10 @@ def why(best: PlanCost, runner: PlanCost | None, cluster: ClusterSpec) -> str:
     diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
     gains = [f"{PARTS[k]} {seconds(d)} less" for d, k in diffs if d > 0.02 * gap and d > 0][:2]
     losses = [f"{PARTS[k]} {seconds(-d)} more" for d, k in diffs if -d > 0.02 * gap and d < 0][:1]
-    text = (f"{best.layout.describe()} beats {runner.layout.describe()} by {gap / runner.step_seconds:.1%} "
-            f"({seconds(best.step_seconds)} against {seconds(runner.step_seconds)} per step)")
+    text = (
+        f"{best.layout.describe()} beats {runner.layout.describe()} by {gap / runner.step_seconds:.1%} "
+        f"({seconds(best.step_seconds)} against {seconds(runner.step_seconds)} per step)"
+    )
     if gains:
         text += ": " + ", ".join(gains) + (f", for {losses[0]}" if losses else "")
     elif gap <= 1e-12 * runner.step_seconds:
@@ -70,16 +81,20 @@ def unfit_advice(unfit: list[PlanCost], cluster: ClusterSpec, world: int, fits_o
     light = unfit[0]
     mem = light.busiest
     over = light.peak_memory - light.limit
-    lines = [f"No plan fits {world} devices of {gib(light.limit)} GiB usable: the lightest, {light.layout.describe()}, needs "
-             f"{gib(light.peak_memory)} GiB on pp rank {mem.rank}, {gib(over)} GiB ({over / light.limit:.0%}) more "
-             f"(model states {gib(mem.states)}, activations {gib(mem.stash)}, working set {gib(mem.working + mem.deferred + mem.buffers)})."]
+    lines = [
+        f"No plan fits {world} devices of {gib(light.limit)} GiB usable: the lightest, {light.layout.describe()}, needs "
+        f"{gib(light.peak_memory)} GiB on pp rank {mem.rank}, {gib(over)} GiB ({over / light.limit:.0%}) more "
+        f"(model states {gib(mem.states)}, activations {gib(mem.stash)}, working set {gib(mem.working + mem.deferred + mem.buffers)})."
+    ]
     more = fits_on(world)
     if more is not None:
         lines.append(f"What would: {more} devices ({more // max(1, cluster.devices_per_node)} nodes of {cluster.devices_per_node}) fit a plan.")
     host = cluster.host.memory_gb * 1e9 / cluster.devices_per_node
     if mem.optimizer > over:
-        lines.append(f"Offloading the optimizer state ({gib(mem.optimizer)} GiB per device) to host memory ({gib(host)} GiB per device) "
-                     "would make room: offload.optimizer=cpu (the search does not try offload yet).")
+        lines.append(
+            f"Offloading the optimizer state ({gib(mem.optimizer)} GiB per device) to host memory ({gib(host)} GiB per device) "
+            "would make room: offload.optimizer=cpu (the search does not try offload yet)."
+        )
     if light.layout.micro_batch > 1 or not light.layout.recompute:
         lines.append("A smaller micro-batch or recomputation would not be enough: the search tried micro-batch 1 and full recomputation.")
     return "\n".join(lines)

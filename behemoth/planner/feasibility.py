@@ -15,11 +15,11 @@ from typing import Any
 from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
+from behemoth.offload.runtime import steps_in_backward
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
-from behemoth.offload.runtime import steps_in_backward
 from behemoth.planner.offload import offload_launch_problems, offload_problems
 from behemoth.topology import ParallelDims
 
@@ -50,9 +50,15 @@ def fused_step_problems(cfg: Config) -> list[Problem]:
     """train.nonfinite=skip cannot skip a step that is applied during backward (offload's fused step)."""
     if cfg.train.nonfinite != "skip" or not cfg.offload.enabled or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
         return []
-    return [Problem.of("train.nonfinite", f"train.nonfinite=skip with offload.step={cfg.offload.step} and train.grad_clip="
-                       f"{cfg.train.grad_clip}: each unit steps during backward, before the step is known to be finite, so it "
-                       "cannot be skipped", "set offload.step=deferred (the step waits for the norm) or train.nonfinite=stop")]
+    return [
+        Problem.of(
+            "train.nonfinite",
+            f"train.nonfinite=skip with offload.step={cfg.offload.step} and train.grad_clip="
+            f"{cfg.train.grad_clip}: each unit steps during backward, before the step is known to be finite, so it "
+            "cannot be skipped",
+            "set offload.step=deferred (the step waits for the norm) or train.nonfinite=stop",
+        )
+    ]
 
 
 def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | None) -> list[Problem]:
@@ -67,8 +73,13 @@ def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | No
     stages = plan.num_stages
     if stages > n_layer:
         times = f" x parallel.chunks={plan.chunks}" if plan.schedule_chunks > 1 else ""
-        out.append(Problem.of("parallel.pp", f"parallel.pp={plan.pp}{times} makes {stages} pipeline stages but model.n_layer={n_layer}: "
-                              "every stage needs at least one block", f"use at most {n_layer} stages or a deeper model"))
+        out.append(
+            Problem.of(
+                "parallel.pp",
+                f"parallel.pp={plan.pp}{times} makes {stages} pipeline stages but model.n_layer={n_layer}: every stage needs at least one block",
+                f"use at most {n_layer} stages or a deeper model",
+            )
+        )
     if microbatches is not None:
         try:
             check_request(plan.schedule, plan.pp, microbatches, plan.schedule_chunks)
@@ -86,25 +97,48 @@ def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
     experts = sorted({e for e in shape.experts if e})
     if not experts:
         if plan.ep > 1:
-            return [Problem.of("parallel.ep", f"parallel.ep={plan.ep} but the model has no experts",
-                               "set model.moe.experts (or use an MoE preset such as model=gpt-moe-1m, or model=hf:mixtral), or parallel.ep=1")]
+            return [
+                Problem.of(
+                    "parallel.ep",
+                    f"parallel.ep={plan.ep} but the model has no experts",
+                    "set model.moe.experts (or use an MoE preset such as model=gpt-moe-1m, or model=hf:mixtral), or parallel.ep=1",
+                )
+            ]
         return []
     out = []
     bad = [e for e in experts if e % plan.ep]
     if bad:
-        out.append(Problem.of("parallel.ep", f"parallel.ep={plan.ep} does not divide the {bad[0]} experts of an MoE layer",
-                              f"choose an ep that divides {', '.join(map(str, experts))}"))
+        out.append(
+            Problem.of(
+                "parallel.ep",
+                f"parallel.ep={plan.ep} does not divide the {bad[0]} experts of an MoE layer",
+                f"choose an ep that divides {', '.join(map(str, experts))}",
+            )
+        )
     if shape.top_k > min(experts):
-        out.append(Problem.of("model.moe.top_k", f"model.moe.top_k={shape.top_k} exceeds the {min(experts)} experts of an MoE layer",
-                              f"use top_k <= {min(experts)}"))
+        out.append(
+            Problem.of(
+                "model.moe.top_k", f"model.moe.top_k={shape.top_k} exceeds the {min(experts)} experts of an MoE layer", f"use top_k <= {min(experts)}"
+            )
+        )
     for key in ("capacity_factor", "eval_capacity_factor"):
         value = getattr(moe, key)
         if value is not None and value <= 0:
-            out.append(Problem.of(f"model.moe.{key}", f"model.moe.{key}={value}: a capacity must be positive",
-                                  f"set a factor > 0 (e.g. 1.25), or leave it unset for dropless routing"))
+            out.append(
+                Problem.of(
+                    f"model.moe.{key}",
+                    f"model.moe.{key}={value}: a capacity must be positive",
+                    "set a factor > 0 (e.g. 1.25), or leave it unset for dropless routing",
+                )
+            )
     if plan.sequence_parallel and plan.tp > 1:
-        out.append(Problem.of("parallel.sequence_parallel", "parallel.sequence_parallel=true with MoE layers: each tp rank would route a "
-                              "different part of the sequence to the experts it shares", "set parallel.sequence_parallel=false"))
+        out.append(
+            Problem.of(
+                "parallel.sequence_parallel",
+                "parallel.sequence_parallel=true with MoE layers: each tp rank would route a different part of the sequence to the experts it shares",
+                "set parallel.sequence_parallel=false",
+            )
+        )
     return out
 
 
@@ -114,16 +148,24 @@ def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
     experts = sorted({e for e in shape.experts if e})
     if not cfg.offload.enabled or not experts:
         return []
-    return [Problem.of("offload", f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}): "
-                       "expert units are not streamed, offload holds dense ZeRO-3 units only",
-                       "keep the model states in memory (offload.params=none, offload.optimizer=none) or train a dense model")]
+    return [
+        Problem.of(
+            "offload",
+            f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}): "
+            "expert units are not streamed, offload holds dense ZeRO-3 units only",
+            "keep the model states in memory (offload.params=none, offload.optimizer=none) or train a dense model",
+        )
+    ]
 
 
 def offload_placement(cfg: Config) -> str:
     """`offload.params=cpu, offload.optimizer=disk`: the offload options a plan sets, for a refusal's first words."""
     off = cfg.offload
-    placed = [f"offload.{key}={value}" for key, value in (("params", off.params), ("grads", off.grads), ("optimizer", off.optimizer))
-              if value not in ("none", "auto")]
+    placed = [
+        f"offload.{key}={value}"
+        for key, value in (("params", off.params), ("grads", off.grads), ("optimizer", off.optimizer))
+        if value not in ("none", "auto")
+    ]
     return ", ".join(placed + ([f"offload.optimizer_bits={off.optimizer_bits}"] if off.optimizer_bits != 32 else []))
 
 
@@ -134,8 +176,13 @@ def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:
         return []
     micro = cfg.batch_layout(dims).micro_batch
     if micro % group:
-        return [Problem.of("model.moe.group", f"model.moe.group={group} sequences does not divide a micro-batch of {micro} sequences "
-                           f"(global_batch / (dp x ep) / accumulation)", f"use a group that divides {micro}")]
+        return [
+            Problem.of(
+                "model.moe.group",
+                f"model.moe.group={group} sequences does not divide a micro-batch of {micro} sequences (global_batch / (dp x ep) / accumulation)",
+                f"use a group that divides {micro}",
+            )
+        ]
     return []
 
 
@@ -150,16 +197,21 @@ def as_plan_keys(message: str) -> str:
 def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
     """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume (every file
     verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.faults.preflight`)."""
-    from behemoth.faults.checkpoint import read_meta, validate_checkpoint
     from behemoth.data import prepare_corpus
+    from behemoth.faults.checkpoint import read_meta, validate_checkpoint
     from behemoth.faults.preflight import environment_problems
 
     out = problems(cfg, world)
     try:
         corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
         if corpus.vocab_size > cfg.model.vocab_size:
-            out.append(Problem.of("model.vocab_size", f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size="
-                                  f"{cfg.model.vocab_size}", f"set model.vocab_size={corpus.vocab_size} or more"))
+            out.append(
+                Problem.of(
+                    "model.vocab_size",
+                    f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}",
+                    f"set model.vocab_size={corpus.vocab_size} or more",
+                )
+            )
     except BehemothError as err:
         out.append(Problem.from_error("data.path", err))
     if ckpt is not None:
@@ -167,8 +219,13 @@ def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]
         out += damaged
         step = None if damaged else read_meta(ckpt)["step"]
         if step is not None and step >= cfg.train.steps:
-            out.append(Problem.of("train.steps", f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
-                                  f"raise train.steps above {step} to train further"))
+            out.append(
+                Problem.of(
+                    "train.steps",
+                    f"checkpoint {ckpt} is at step {step} and train.steps={cfg.train.steps}",
+                    f"raise train.steps above {step} to train further",
+                )
+            )
     out += environment_problems(cfg, resuming=ckpt is not None)
     if not out:  # the scratch directory and the disk space the offloaded states need
         out += offload_launch_problems(cfg, world)
@@ -184,8 +241,8 @@ def refuse(cfg: Config, world: int, ckpt: Path | None = None, *, launch: bool = 
 
 def describe_plan(cfg: Config, world: int) -> str:
     """`pp=4 (1f1b, 8 micro-batches, blocks [0, 2, 4, 6, 8]) x dp=2 x tp=2` for the launch line."""
-    from behemoth.parallelize import planned_layer_costs
     from behemoth.parallel.pipeline.partition import balance_stages
+    from behemoth.parallelize import planned_layer_costs
 
     plan, dims = cfg.parallel, cfg.parallel.dims(world)
     degrees = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "") + (f" x tp={dims.tp}" if dims.tp > 1 else "")

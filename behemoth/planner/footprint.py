@@ -45,11 +45,11 @@ class RankMemory:
     buffers: float = 0.0
     stash: float = 0.0
     working: float = 0.0
-    deferred: float = 0.0           # zb-h1: the output gradients its split backward keeps until the weight pass
+    deferred: float = 0.0  # zb-h1: the output gradients its split backward keeps until the weight pass
     optimizer_step: float = 0.0
     elements: int = 0
-    host: float = 0.0               # model states offloaded to host memory (offload.*=cpu), not on the device
-    disk: float = 0.0               # model states offloaded to disk (offload.*=disk)
+    host: float = 0.0  # model states offloaded to host memory (offload.*=cpu), not on the device
+    disk: float = 0.0  # model states offloaded to disk (offload.*=disk)
 
     @property
     def states(self) -> float:
@@ -258,6 +258,17 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
     opt_elements = elements / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "none" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
-    return RankMemory(rank, params, grads, optimizer, zero_buffers(share, elements, lay, work, blocks), stash,
-                      working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
-                      deferred_gradients(share, lay, work, rank, stages, tokens), step, elements, sum(tiers["cpu"]), sum(tiers["disk"]))
+    return RankMemory(
+        rank,
+        params,
+        grads,
+        optimizer,
+        zero_buffers(share, elements, lay, work, blocks),
+        stash,
+        working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
+        deferred_gradients(share, lay, work, rank, stages, tokens),
+        step,
+        elements,
+        sum(tiers["cpu"]),
+        sum(tiers["disk"]),
+    )

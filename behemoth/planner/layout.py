@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from behemoth.offload.runtime import OffloadPolicy
-from behemoth.planner.census import ModelCensus
 from behemoth.plan import ParallelPlan
+from behemoth.planner.census import ModelCensus
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera")
 
@@ -27,16 +27,23 @@ class Workload:
     census: ModelCensus
     seq_len: int
     global_batch: int
-    precision: str = "fp32"        # train.precision: bf16 autocast computes (and keeps activations) in bf16
-    param_dtype: str = "fp32"      # parallel.param_dtype, the compute parameters under ZeRO 1-3
+    precision: str = "fp32"  # train.precision: bf16 autocast computes (and keeps activations) in bf16
+    param_dtype: str = "fp32"  # parallel.param_dtype, the compute parameters under ZeRO 1-3
     bucket_mb: float = 25.0
     prefetch: int = 1
 
     @classmethod
-    def of(cls, cfg: Any, census: ModelCensus | None = None) -> "Workload":
+    def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
         plan = cfg.parallel
-        return cls(census or ModelCensus.of(cfg.model, cfg.hf), cfg.seq_len, cfg.train.global_batch, cfg.train.precision,
-                   plan.param_dtype, plan.bucket_mb, plan.prefetch)
+        return cls(
+            census or ModelCensus.of(cfg.model, cfg.hf),
+            cfg.seq_len,
+            cfg.train.global_batch,
+            cfg.train.precision,
+            plan.param_dtype,
+            plan.bucket_mb,
+            plan.prefetch,
+        )
 
     @property
     def act_bytes(self) -> int:
@@ -69,7 +76,7 @@ class Offload:
     fused: bool = False
 
     @classmethod
-    def of(cls, cfg: Any) -> "Offload":
+    def of(cls, cfg: Any) -> Offload:
         """The placement a config's `offload:` section states, as the runtime's policy resolves it (gradients on the
         parameters' tier when `auto`; the fused step when unclipped)."""
         if not cfg.offload.enabled:
@@ -94,8 +101,14 @@ class Offload:
 
     def to_config(self, base: Any) -> dict[str, Any]:
         """The `offload:` fields a user would write for this placement (others kept from `base`, a config section)."""
-        return {**base.model_dump(), "params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "optimizer_bits": self.bits, "prefetch": self.prefetch}
+        return {
+            **base.model_dump(),
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "optimizer_bits": self.bits,
+            "prefetch": self.prefetch,
+        }
 
 
 @dataclass(frozen=True)
@@ -107,14 +120,14 @@ class Layout:
     pp: int = 1
     zero: int = 0
     sp: bool = False
-    micro_batch: int = 1              # sequences per micro-batch
-    microbatches: int = 1             # micro-batches per step and data rank (dp x ep; accumulation, or the pipeline's m)
+    micro_batch: int = 1  # sequences per micro-batch
+    microbatches: int = 1  # micro-batches per step and data rank (dp x ep; accumulation, or the pipeline's m)
     schedule: str = "1f1b"
-    chunks: int = 1                   # model chunks per rank: v of the interleaved schedule, else 1
-    recompute: tuple[int, ...] = ()   # pipeline ranks that recompute every block (0 alone without a pipeline)
+    chunks: int = 1  # model chunks per rank: v of the interleaved schedule, else 1
+    recompute: tuple[int, ...] = ()  # pipeline ranks that recompute every block (0 alone without a pipeline)
     boundaries: tuple[int, ...] | None = None  # first block of every model stage, then n_layer (None: the planner balances)
-    ep: int = 1                       # expert parallelism: each rank holds 1/ep of every MoE layer's experts
-    offload: Offload = Offload()      # where the model states live
+    ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's experts
+    offload: Offload = Offload()  # where the model states live
 
     @property
     def world(self) -> int:
@@ -160,10 +173,20 @@ class Layout:
         recompute: Any = "none"
         if self.recompute:
             recompute = "full" if len(self.recompute) == self.pp else list(self.recompute)
-        fields.update(dp=self.dp, ep=self.ep, tp=self.tp, pp=self.pp, zero_stage=self.zero, sequence_parallel=self.sp and self.tp > 1,
-                      microbatches=self.microbatches, schedule=self.schedule, recompute=recompute,
-                      stage_boundaries=list(self.boundaries) if self.boundaries and self.pp > 1 else None,
-                      memory_gb=None, balance="flops")
+        fields.update(
+            dp=self.dp,
+            ep=self.ep,
+            tp=self.tp,
+            pp=self.pp,
+            zero_stage=self.zero,
+            sequence_parallel=self.sp and self.tp > 1,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+            recompute=recompute,
+            stage_boundaries=list(self.boundaries) if self.boundaries and self.pp > 1 else None,
+            memory_gb=None,
+            balance="flops",
+        )
         if self.schedule == "interleaved":
             fields["chunks"] = self.chunks
         if self.zero == 0:
@@ -171,7 +194,7 @@ class Layout:
         return ParallelPlan.model_validate(fields)
 
     @classmethod
-    def of_config(cls, cfg: Any, world: int) -> "Layout":
+    def of_config(cls, cfg: Any, world: int) -> Layout:
         """The layout a config's plan (and offload section) describes on `world` processes (its recompute policy resolved
         to ranks)."""
         from behemoth.parallel.pipeline.analysis.simulate import peak_stash
@@ -185,8 +208,21 @@ class Layout:
         stash = peak_stash(build_schedule(plan.schedule, plan.pp, batch.accum, v)) if plan.pp > 1 else (1,)
         ranks = tuple(sorted(recompute_ranks(plan.recompute, stash)))
         bounds = tuple(plan.stage_boundaries) if plan.stage_boundaries is not None else None
-        return cls(dims.dp, dims.tp, dims.pp, plan.zero_stage, plan.sequence_parallel and dims.tp > 1, batch.micro_batch, batch.accum,
-                   plan.schedule, v, ranks, bounds, dims.ep, Offload.of(cfg))
+        return cls(
+            dims.dp,
+            dims.tp,
+            dims.pp,
+            plan.zero_stage,
+            plan.sequence_parallel and dims.tp > 1,
+            batch.micro_batch,
+            batch.accum,
+            plan.schedule,
+            v,
+            ranks,
+            bounds,
+            dims.ep,
+            Offload.of(cfg),
+        )
 
-    def but(self, **changes: Any) -> "Layout":
+    def but(self, **changes: Any) -> Layout:
         return replace(self, **changes)

@@ -23,8 +23,9 @@ by dp alone: they are distinct on each ep rank).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from behemoth.comm import plan_buckets
 from behemoth.errors import Problem
@@ -42,8 +43,11 @@ BYTES_PER_PARAM = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}  # (param, grad, optim
 def formula_bytes(psi: int, n: int, stage: int, param_dtype: str = "fp32") -> dict[str, float]:
     """The ZeRO paper's model-state bytes per rank: parameters, gradients, optimizer state."""
     p, g, k = BYTES_PER_PARAM[param_dtype]
-    return {"params": p * psi / (n if stage >= 3 else 1), "grads": g * psi / (n if stage >= 2 else 1),
-            "optimizer": k * psi / (n if stage >= 1 else 1)}
+    return {
+        "params": p * psi / (n if stage >= 3 else 1),
+        "grads": g * psi / (n if stage >= 2 else 1),
+        "optimizer": k * psi / (n if stage >= 1 else 1),
+    }
 
 
 def formula_text(stage: int, param_dtype: str = "fp32") -> str:
@@ -63,14 +67,14 @@ class StageEstimate:
 
     stage: int
     psi: int
-    padding: int                      # elements added so that groups split evenly over the ranks
+    padding: int  # elements added so that groups split evenly over the ranks
     params: int
     grads: int
     optimizer: int
     formula: dict[str, float]
-    groups: int = 0                   # flat groups (buckets or units), each padded by fewer than N elements
+    groups: int = 0  # flat groups (buckets or units), each padded by fewer than N elements
     buffers: dict[str, int] = field(default_factory=dict)
-    traffic: int = 0                  # elements all-gathered + reduce-scattered (all-reduced twice) in a step of one micro-batch
+    traffic: int = 0  # elements all-gathered + reduce-scattered (all-reduced twice) in a step of one micro-batch
 
     @property
     def states(self) -> int:
@@ -89,8 +93,9 @@ def real_elements(layout: FlatLayout, rank: int) -> int:
 Select = Callable[[str], bool]
 
 
-def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None = None,
-             select: Select | None = None) -> list[FlatLayout]:
+def _buckets(
+    model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None = None, select: Select | None = None
+) -> list[FlatLayout]:
     """The gradient buckets behemoth builds at stages 1-2 for the parameters `select` accepts (one sync's), under a
     pipeline per stage (`ZeroStage1._buckets`)."""
     named = [(name, p) for name, p in model.named_parameters() if select is None or select(name)]
@@ -107,7 +112,7 @@ def _buckets(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[
 
 
 def _window_max(sizes: list[int], width: int) -> int:
-    return max((sum(sizes[i:i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
+    return max((sum(sizes[i : i + width]) for i in range(max(1, len(sizes) - width + 1))), default=0)
 
 
 @dataclass(frozen=True)
@@ -120,30 +125,45 @@ class ExpertSync:
     rank: int = 0
 
 
-def _units(model: Any, n: int, layers: LayerNames, tie_embeddings: bool, experts: ExpertSync | None) -> tuple[list[UnitSpec], list[FlatLayout], list[int]]:
+def _units(
+    model: Any, n: int, layers: LayerNames, tie_embeddings: bool, experts: ExpertSync | None
+) -> tuple[list[UnitSpec], list[FlatLayout], list[int]]:
     """Stage 3's units as `shard_parameters` plans them (expert units apart, over dp), their layouts and this rank's place in each."""
     units = plan_units(model, layers=layers, tie_embeddings=tie_embeddings)
     if experts is None:
         return units, [FlatLayout(u.names, u.shapes, n) for u in units], [-1] * len(units)
     units = split_expert_units(model, units, ExpertUnits(experts.is_expert, None))  # type: ignore[arg-type]  # no group: shapes only
     apart = [all(experts.is_expert(name) for name in u.names) for u in units]
-    return (units, [FlatLayout(u.names, u.shapes, experts.n if e else n) for u, e in zip(units, apart)],
-            [experts.rank if e else -1 for e in apart])
+    return (units, [FlatLayout(u.names, u.shapes, experts.n if e else n) for u, e in zip(units, apart)], [experts.rank if e else -1 for e in apart])
 
 
-def _syncs(model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None,
-           experts: ExpertSync | None) -> list[tuple[list[FlatLayout], int]]:
+def _syncs(
+    model: Any, n: int, bucket_mb: float, stage_params: dict[int, list[Any]] | None, experts: ExpertSync | None
+) -> list[tuple[list[FlatLayout], int]]:
     """Stages 1-2: the buckets of each gradient sync and this rank's place in its group (-1: the data rank): one sync, or
     with experts one over dp x ep for the dense parameters and one over dp for the experts (`build_syncs`)."""
     if experts is None:
         return [(_buckets(model, n, bucket_mb, stage_params), -1)]
-    return [(_buckets(model, n, bucket_mb, stage_params, lambda name: not experts.is_expert(name)), -1),
-            (_buckets(model, experts.n, bucket_mb, stage_params, experts.is_expert), experts.rank)]
+    return [
+        (_buckets(model, n, bucket_mb, stage_params, lambda name: not experts.is_expert(name)), -1),
+        (_buckets(model, experts.n, bucket_mb, stage_params, experts.is_expert), experts.rank),
+    ]
 
 
-def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32", bucket_mb: float = 25.0,
-                   prefetch: int = 1, rank: int = 0, layers: LayerNames | None = None, tie_embeddings: bool = False,
-                   stage_params: dict[int, list[Any]] | None = None, experts: ExpertSync | None = None) -> StageEstimate:
+def stage_estimate(
+    model: Any,
+    stage: int,
+    n: int,
+    *,
+    param_dtype: str = "fp32",
+    bucket_mb: float = 25.0,
+    prefetch: int = 1,
+    rank: int = 0,
+    layers: LayerNames | None = None,
+    tie_embeddings: bool = False,
+    stage_params: dict[int, list[Any]] | None = None,
+    experts: ExpertSync | None = None,
+) -> StageEstimate:
     """Exact bytes data rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default;
     `stage_params`: under a pipeline, the parameters of each stage the rank holds, bucketed per stage; `experts`: expert
     weights synchronised over a group of their own)."""
@@ -164,8 +184,16 @@ def stage_estimate(model: Any, stage: int, n: int, *, param_dtype: str = "fp32",
     shard = sum(lay.shard_size for lay in layouts)
     mine = sum(real_elements(lay, rank if r < 0 else r) for lay, r in zip(layouts, places))
     master = 4 * shard if param_dtype != "fp32" else 0  # a separate float32 copy only with bf16 compute
-    est = StageEstimate(stage, psi, padded - psi, p * (shard if stage == 3 else padded), g * (shard if stage >= 2 else padded),
-                        8 * mine + master, formula, len(layouts))
+    est = StageEstimate(
+        stage,
+        psi,
+        padded - psi,
+        p * (shard if stage == 3 else padded),
+        g * (shard if stage >= 2 else padded),
+        8 * mine + master,
+        formula,
+        len(layouts),
+    )
     if stage == 2:
         est.buffers["grad_buffers_peak"] = sum(_window_max([lay.padded * p for lay in lays], MAX_BUCKETS_IN_FLIGHT + 1) for lays in windows)
     if stage == 3:
@@ -190,7 +218,7 @@ class UnitSizes:
     experts: list[int] = field(default_factory=list)
 
     @classmethod
-    def of(cls, units: list[UnitSpec], layouts: list[FlatLayout]) -> "UnitSizes":
+    def of(cls, units: list[UnitSpec], layouts: list[FlatLayout]) -> UnitSizes:
         size = {id(u): lay.padded for u, lay in zip(units, layouts)}
         role = {r: [size[id(u)] for u in units if u.role == r] for r in ("root", "embedding", "head")}
         blocks: dict[int, list[int]] = {}  # a block's units: its own, then its experts' (split_expert_units' order)
@@ -214,9 +242,9 @@ def _nested_peak(sizes: UnitSizes, prefetch: int, head: list[int]) -> int:
     pairs = list(zip(sizes.blocks, sizes.experts))
     forward = sizes.embedding + [u for d, x in pairs for u in (d, x)] + head
     backward = head + [u for d, x in pairs[::-1] for u in (x, d)]
-    held = [sum(forward[:1 + prefetch]), sum(backward[:1 + prefetch])]  # entering the first unit of each pass
+    held = [sum(forward[: 1 + prefetch]), sum(backward[: 1 + prefetch])]  # entering the first unit of each pass
     for order, first in ((forward, len(sizes.embedding)), (backward, len(head))):
-        held += [order[at - 1] + sum(order[at:at + 1 + prefetch]) for at in range(first + 1, first + 2 * len(pairs), 2)]
+        held += [order[at - 1] + sum(order[at : at + 1 + prefetch]) for at in range(first + 1, first + 2 * len(pairs), 2)]
     return sizes.root + max(held)
 
 
@@ -239,12 +267,13 @@ def stage3_buffers(sizes: UnitSizes, prefetch: int, bytes_per: int) -> dict[str,
         blocks = sizes.blocks[::-1]
     completion = sizes.head + blocks + sizes.embedding + ([sizes.root] if sizes.root else [])  # the order gradients complete
     kept_until = len(sizes.head) + len(blocks) if sizes.tied else -1  # the tied gradient is kept until the embedding's
-    grads = max((sum(completion[max(0, i - 1):i + 1]) + (sizes.tied if i <= kept_until else 0) for i in range(len(completion))), default=0)
+    grads = max((sum(completion[max(0, i - 1) : i + 1]) + (sizes.tied if i <= kept_until else 0) for i in range(len(completion))), default=0)
     return {"gathered_peak": gathered * bytes_per, "grad_buffers_peak": grads * bytes_per}
 
 
-def estimate(cfg: Any, n: int | None = None, *, rank: int = 0, stages: tuple[int, ...] = STAGES, world: int | None = None,
-             pp_rank: int = 0) -> list[StageEstimate]:
+def estimate(
+    cfg: Any, n: int | None = None, *, rank: int = 0, stages: tuple[int, ...] = STAGES, world: int | None = None, pp_rank: int = 0
+) -> list[StageEstimate]:
     """Every ZeRO stage's exact estimate for data rank `rank` of pipeline rank `pp_rank` of the config's plan on `world`
     processes (default: `n` data-parallel ranks and the plan's other degrees), laid out as `parallelize` lays it out
     (rank.py), on the meta device: no memory."""
@@ -254,10 +283,22 @@ def estimate(cfg: Any, n: int | None = None, *, rank: int = 0, stages: tuple[int
     part = rank_model(cfg, dims, pp_rank)
     lm = part.lm
     experts = ExpertSync(part.is_expert, dims.dp, rank // dims.ep) if part.is_expert is not None and dims.ep > 1 else None
-    return [stage_estimate(lm.module, s, dims.data_ranks, param_dtype=plan.param_dtype if s else "fp32", bucket_mb=plan.bucket_mb,
-                           prefetch=plan.prefetch, rank=rank, layers=lm.layers, tie_embeddings=lm.shape.tied,
-                           stage_params=part.stage_params if s in (1, 2) else None, experts=experts)
-            for s in stages]
+    return [
+        stage_estimate(
+            lm.module,
+            s,
+            dims.data_ranks,
+            param_dtype=plan.param_dtype if s else "fp32",
+            bucket_mb=plan.bucket_mb,
+            prefetch=plan.prefetch,
+            rank=rank,
+            layers=lm.layers,
+            tie_embeddings=lm.shape.tied,
+            stage_params=part.stage_params if s in (1, 2) else None,
+            experts=experts,
+        )
+        for s in stages
+    ]
 
 
 def largest_fitting(memory_bytes: float, n: int, param_dtype: str = "fp32") -> dict[int, int]:
@@ -278,14 +319,22 @@ def fit_problems(cfg: Any, dp: int, world: int | None = None) -> list[Problem]:
     fitting = [e for e in ests if e.total <= plan.memory_gb * GiB]
     room = plan.memory_gb * GiB - sum(ests[3].buffers.values())  # gathered blocks do not shrink with more ranks
     ranks = math.ceil(bytes_per_param(1, 3, plan.param_dtype) * need.psi / room) if room > 0 else None
-    fix = (f"use parallel.zero_stage={fitting[0].stage} ({fitting[0].total / GiB:.2f} GiB)" if fitting
-           else f"use parallel.zero_stage=3 on {ranks} or more ranks" if ranks
-           else "use a smaller model or more memory per rank (stage 3's gathered blocks alone do not fit)")
-    return [Problem.of(
-        "parallel.memory_gb",
-        f"{'the model' if not layout_text(plan) else 'its share of the model on a rank'} ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
-        f"parallel.zero_stage={plan.zero_stage} on dp={dp}{layout_text(plan)} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
-        f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}", fix)]
+    fix = (
+        f"use parallel.zero_stage={fitting[0].stage} ({fitting[0].total / GiB:.2f} GiB)"
+        if fitting
+        else f"use parallel.zero_stage=3 on {ranks} or more ranks"
+        if ranks
+        else "use a smaller model or more memory per rank (stage 3's gathered blocks alone do not fit)"
+    )
+    return [
+        Problem.of(
+            "parallel.memory_gb",
+            f"{'the model' if not layout_text(plan) else 'its share of the model on a rank'} ({need.psi / 1e6:.1f}M parameters) needs {need.total / GiB:.2f} GiB per rank for model states at "
+            f"parallel.zero_stage={plan.zero_stage} on dp={dp}{layout_text(plan)} (params {need.params / GiB:.2f} + grads {need.grads / GiB:.2f} + "
+            f"optimizer {need.optimizer / GiB:.2f} + buffers {sum(need.buffers.values()) / GiB:.2f}), more than parallel.memory_gb={plan.memory_gb}",
+            fix,
+        )
+    ]
 
 
 def layout_text(plan: Any) -> str:

@@ -18,7 +18,7 @@ from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import scratch
 from behemoth.offload.budget import MemoryPeak, unit_sizes
 from behemoth.offload.calibrate import Rates
-from behemoth.offload.order import make_order, plan_residencies, stores_grads, swap_bytes, StateSizes
+from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
 from behemoth.offload.runtime import OffloadPolicy, fit_budget
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.units import plan_units
@@ -35,12 +35,12 @@ class OffloadEstimate:
 
     policy: OffloadPolicy
     psi: int
-    ranks: int                                 # processes sharing this machine's disk
-    stored: dict[str, int]                     # bytes per kind of state on this rank (on its tier)
-    moved: dict[str, tuple[int, int]]          # (read, written) bytes per step per kind, this rank
+    ranks: int  # processes sharing this machine's disk
+    stored: dict[str, int]  # bytes per kind of state on this rank (on its tier)
+    moved: dict[str, tuple[int, int]]  # (read, written) bytes per step per kind, this rank
     peak: MemoryPeak
-    prefetch: int                              # the depth that fits the budget
-    flops: float                               # per step, this rank (forward, recomputation, backward)
+    prefetch: int  # the depth that fits the budget
+    flops: float  # per step, this rank (forward, recomputation, backward)
     units: int
 
     def tier_of(self, kind: str) -> str:
@@ -91,13 +91,15 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     sizes = unit_sizes(layouts, 0, policy.bits)
     plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), {len(specs) - 1: (0,)} if tied else {})
     grads_kept = stores_grads(plan, deferred=not policy.fused)
-    stored = {"params": sum(4 * u.shard for u in sizes), "grads": sum(4 * u.shard for u in sizes) if grads_kept else 0,
-              "optimizer": sum(u.state_bytes for u in sizes)}
+    stored = {
+        "params": sum(4 * u.shard for u in sizes),
+        "grads": sum(4 * u.shard for u in sizes) if grads_kept else 0,
+        "optimizer": sum(u.state_bytes for u in sizes),
+    }
     moved = swap_bytes(plan, [StateSizes(4 * u.shard, 4 * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
     flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
-    return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak,
-                           prefetch, flops, len(specs))
+    return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak, prefetch, flops, len(specs))
 
 
 def rank_dims(cfg: Any, dp: int) -> ParallelDims:
@@ -111,25 +113,55 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
     off, plan = cfg.offload, cfg.parallel
     if not off.enabled:
         if off.max_memory_gb is not None:
-            return [Problem.of("offload.max_memory_gb", f"offload.max_memory_gb={off.max_memory_gb} but no state is offloaded",
-                               "place some on a tier (offload.params=disk, offload.optimizer=disk, ...) or drop the budget")]
+            return [
+                Problem.of(
+                    "offload.max_memory_gb",
+                    f"offload.max_memory_gb={off.max_memory_gb} but no state is offloaded",
+                    "place some on a tier (offload.params=disk, offload.optimizer=disk, ...) or drop the budget",
+                )
+            ]
         return []
     out = []
     if plan.pp > 1:
-        out.append(Problem.of("parallel.pp", f"offload with parallel.pp={plan.pp}: pipelines are not streamed",
-                              "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)"))
+        out.append(
+            Problem.of(
+                "parallel.pp",
+                f"offload with parallel.pp={plan.pp}: pipelines are not streamed",
+                "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
+            )
+        )
     if plan.zero_stage in (1, 2):
-        out.append(Problem.of("parallel.zero_stage", f"parallel.zero_stage={plan.zero_stage} with offload: offload streams ZeRO-3's "
-                              "shards (each rank holds 1/dp of every state)", "set parallel.zero_stage=3 or leave it at 0"))
+        out.append(
+            Problem.of(
+                "parallel.zero_stage",
+                f"parallel.zero_stage={plan.zero_stage} with offload: offload streams ZeRO-3's shards (each rank holds 1/dp of every state)",
+                "set parallel.zero_stage=3 or leave it at 0",
+            )
+        )
     if plan.param_dtype != "fp32":
-        out.append(Problem.of("parallel.param_dtype", f"parallel.param_dtype={plan.param_dtype} with offload: offloaded parameters "
-                              "are float32", "use train.precision=bf16 (autocast) for bf16 compute"))
+        out.append(
+            Problem.of(
+                "parallel.param_dtype",
+                f"parallel.param_dtype={plan.param_dtype} with offload: offloaded parameters are float32",
+                "use train.precision=bf16 (autocast) for bf16 compute",
+            )
+        )
     if off.step == "fused" and cfg.train.grad_clip > 0:
-        out.append(Problem.of("offload.step", f"offload.step=fused with train.grad_clip={cfg.train.grad_clip}: a unit steps before "
-                              "the global norm is known", "set offload.step=deferred (exact clipping) or train.grad_clip=0"))
+        out.append(
+            Problem.of(
+                "offload.step",
+                f"offload.step=fused with train.grad_clip={cfg.train.grad_clip}: a unit steps before the global norm is known",
+                "set offload.step=deferred (exact clipping) or train.grad_clip=0",
+            )
+        )
     if off.optimizer_bits == 8 and importlib.util.find_spec("bitsandbytes") is None:
-        out.append(Problem.of("offload.optimizer_bits", "offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
-                              'pip install -e ".[offload]", or use offload.optimizer_bits=32'))
+        out.append(
+            Problem.of(
+                "offload.optimizer_bits",
+                "offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
+                'pip install -e ".[offload]", or use offload.optimizer_bits=32',
+            )
+        )
     if fit and not out and off.max_memory_gb is not None:
         try:
             offload_estimate(cfg, dp)
@@ -151,9 +183,13 @@ def offload_launch_problems(cfg: Any, world: int) -> list[Problem]:
     need = offload_estimate(cfg, dp, ranks=world).disk_bytes()
     free = scratch.free_bytes(root) + (dir_bytes(root) if state == "stale-own" else 0)
     if need > free:
-        return [Problem.of("offload.dir", f"offload.dir={root} needs {need / 2**30:.2f} GiB of disk for {world} rank(s) but its disk "
-                           f"has {free / 2**30:.2f} GiB free", "free space, choose another offload.dir, keep some states in memory "
-                           "(offload.params=none), or use offload.optimizer_bits=8")]
+        return [
+            Problem.of(
+                "offload.dir",
+                f"offload.dir={root} needs {need / 2**30:.2f} GiB of disk for {world} rank(s) but its disk has {free / 2**30:.2f} GiB free",
+                "free space, choose another offload.dir, keep some states in memory (offload.params=none), or use offload.optimizer_bits=8",
+            )
+        ]
     return []
 
 

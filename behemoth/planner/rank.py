@@ -10,8 +10,9 @@ planned over it by `memory.py` (`plan_units`, `split_expert_units`, `FlatLayout`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 

@@ -39,7 +39,7 @@ class Space:
     chunks: tuple[int, ...] = (2, 4)
     micro_batch: tuple[int, ...] | None = None
     recompute: bool = True
-    max_tp: int | None = None     # default: the devices of one node
+    max_tp: int | None = None  # default: the devices of one node
 
 
 @dataclass
@@ -128,8 +128,9 @@ def memory_floor(work: Workload, lay: Layout) -> float:
     return sum(state_bytes(int(mean), lay, work))
 
 
-def search(work: Workload, cluster: ClusterSpec, world: int, space: Space = Space(), *, cfg: Any = None,
-           top: int = 8, exact: int = 4) -> SearchResult:
+def search(
+    work: Workload, cluster: ClusterSpec, world: int, space: Space = Space(), *, cfg: Any = None, top: int = 8, exact: int = 4
+) -> SearchResult:
     """Rank the layouts of `world` processes for `work` on `cluster` (see the module docstring); `cfg`: the config whose
     plan the layouts replace, for `problems()`. Branch and bound: layouts are priced in the order of their time floor,
     and the search stops once the floor exceeds the `top`-th best plan found."""
@@ -158,10 +159,10 @@ def search(work: Workload, cluster: ClusterSpec, world: int, space: Space = Spac
             continue
         ranked = sorted(ranked + [cost], key=rank_key)[:top]
     if not ranked and not unfit:  # nothing passed the memory floor: price the lightest layouts to say by how much
-        unfit = sorted((fit_layout(work, lay, cluster, space) for lay in sorted(layouts, key=lambda l: memory_floor(work, l))[:top]),
-                       key=lambda c: c.peak_memory)
-    ranked = [simulated(work, c, cluster) if i < exact else price(work, c.layout.but(boundaries=c.bounds), cluster)
-              for i, c in enumerate(ranked)]
+        unfit = sorted(
+            (fit_layout(work, lay, cluster, space) for lay in sorted(layouts, key=lambda l: memory_floor(work, l))[:top]), key=lambda c: c.peak_memory
+        )
+    ranked = [simulated(work, c, cluster) if i < exact else price(work, c.layout.but(boundaries=c.bounds), cluster) for i, c in enumerate(ranked)]
     ranked.sort(key=rank_key)
     return SearchResult(ranked, unfit, len(layouts), priced, refused, time.perf_counter() - t0)
 

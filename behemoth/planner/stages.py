@@ -27,10 +27,10 @@ SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 class StageModel:
     """One pipeline rank's cost and memory as linear functions of its block count, without (0) and with (1) recompute."""
 
-    extra: float                      # seconds of its embedding and head passes per micro-batch
-    per_block: tuple[float, float]    # seconds per block per micro-batch
-    base: tuple[float, float]         # bytes at zero blocks
-    slope: tuple[float, float]        # bytes per block
+    extra: float  # seconds of its embedding and head passes per micro-batch
+    per_block: tuple[float, float]  # seconds per block per micro-batch
+    base: tuple[float, float]  # bytes at zero blocks
+    slope: tuple[float, float]  # bytes per block
 
     def most_blocks(self, limit: float, seconds: float, rc: int) -> int:
         """The most blocks this stage can hold within `limit` bytes and `seconds` per micro-batch."""
@@ -48,8 +48,9 @@ def stage_models(work: Workload, lay: Layout, cluster: ClusterSpec, *, allow_rec
     per_block = (3 * block - comm, 4 * block - comm)  # forward + backward + weight; recomputing adds a forward
     embed, head = embed_pass(work, lay, cluster), head_pass(work, lay, cluster)
     p = lay.pp
-    sized = {ref: [[stage_memory(work, lay, ref, [(ref, n)], recompute=bool(rc)) for n in (1, 2)] for rc in (0, 1)]
-             for ref in {0, min(1, p - 1), p - 1}}
+    sized = {
+        ref: [[stage_memory(work, lay, ref, [(ref, n)], recompute=bool(rc)) for n in (1, 2)] for rc in (0, 1)] for ref in {0, min(1, p - 1), p - 1}
+    }
     models = []
     for r in range(p):
         ref = r if r in (0, p - 1) else min(1, p - 1)
@@ -82,6 +83,7 @@ def capacity(models: list[StageModel], limit: float, seconds: float) -> list[int
 def cut_stages(models: list[StageModel], n_layer: int, limit: float) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """(boundaries, recomputing ranks) minimizing the costliest stage under the memory limit; None if nothing fits.
     The costliest stage is bisected to a relative 1e-9 (the cost of a block is the resolution that matters)."""
+
     def feasible(t: float) -> bool:
         caps = capacity(models, limit, t)
         return min(caps) >= 1 and sum(caps) >= n_layer

@@ -26,10 +26,10 @@ from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements,
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
 
-FORWARD_OPS_PER_BLOCK = 30    # operators one block's forward launches (norms, matrices, attention, activation, adds)
-HEAD_OPS = 12                 # final norm, head, loss
+FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, matrices, attention, activation, adds)
+HEAD_OPS = 12  # final norm, head, loss
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
-ELEMENTWISE_PASSES = 2.0      # each saved activation element is written once and read about once more in forward
+ELEMENTWISE_PASSES = 2.0  # each saved activation element is written once and read about once more in forward
 
 
 @dataclass(frozen=True)
@@ -37,27 +37,27 @@ class PassCosts:
     """Seconds of one micro-batch's passes through each model stage, and of the pipeline's messages."""
 
     forward: tuple[float, ...]
-    backward: tuple[float, ...]   # input-gradient pass (a full backward is backward + weight)
+    backward: tuple[float, ...]  # input-gradient pass (a full backward is backward + weight)
     weight: tuple[float, ...]
     p2p: float
-    tp_comm: float                # of all passes of one micro-batch through the whole model, included above
-    recompute: float              # of all passes of one micro-batch, included above
+    tp_comm: float  # of all passes of one micro-batch through the whole model, included above
+    recompute: float  # of all passes of one micro-batch, included above
 
 
 @dataclass
 class StepTime:
     """A step's seconds by part; `total` is what the plan is ranked by."""
 
-    passes: float        # the micro-batches' passes (the pipeline's step, bubble included)
-    bubble: float        # idle share of the pipeline, in seconds
+    passes: float  # the micro-batches' passes (the pipeline's step, bubble included)
+    bubble: float  # idle share of the pipeline, in seconds
     tp_comm: float
-    pp_comm: float       # the pipeline messages' latency, summed (what they make ranks wait is part of the bubble)
-    dp_comm: float       # exposed data-parallel / ZeRO traffic
+    pp_comm: float  # the pipeline messages' latency, summed (what they make ranks wait is part of the bubble)
+    dp_comm: float  # exposed data-parallel / ZeRO traffic
     optimizer: float
     recompute: float
     simulated: bool = False
-    ep_comm: float = 0.0       # expert parallelism's all-to-alls (not overlapped)
-    offload_io: float = 0.0    # seconds the offload tiers move bytes in a step, of which `offload` is exposed
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
+    offload_io: float = 0.0  # seconds the offload tiers move bytes in a step, of which `offload` is exposed
 
     @property
     def offload(self) -> float:
@@ -116,8 +116,11 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
     compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     link = cluster.link(lay.tp)
-    comm = (link.seconds("all_gather", hidden, lay.tp) + link.seconds("reduce_scatter", hidden, lay.tp) if lay.sp
-            else link.seconds("all_reduce", hidden, lay.tp))
+    comm = (
+        link.seconds("all_gather", hidden, lay.tp) + link.seconds("reduce_scatter", hidden, lay.tp)
+        if lay.sp
+        else link.seconds("all_reduce", hidden, lay.tp)
+    )
     return compute, 2 * comm
 
 
@@ -172,8 +175,7 @@ def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[flo
         return busy, 0.0
     per_rank = [sum(per_stage[s] for s in lay.held_stages(r)) for r in range(p)]
     if exact:
-        sim = simulate(build_schedule(lay.schedule, p, m, lay.chunks),
-                       Costs(costs.forward, costs.backward, costs.weight, p2p=costs.p2p))
+        sim = simulate(build_schedule(lay.schedule, p, m, lay.chunks), Costs(costs.forward, costs.backward, costs.weight, p2p=costs.p2p))
         return sim.step_time, sim.step_time - sum(sim.busy) / p
     return closed_form_step(lay, per_rank, costs)
 
@@ -273,9 +275,18 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     passes += chimera_sync_seconds(lay, cluster, elements)
     m = lay.microbatches
     pp_comm = 2 * m * costs.p2p * max(1, lay.chunks) if lay.pp > 1 else 0.0
-    return StepTime(passes, bubble, costs.tp_comm * m, pp_comm, data_parallel_seconds(work, lay, cluster, elements, backward),
-                    optimizer_seconds(work, lay, cluster, elements), costs.recompute * m, simulated=exact and lay.pp > 1,
-                    ep_comm=expert_seconds(work, lay, cluster), offload_io=offload_seconds(work, lay, cluster, elements, experts))
+    return StepTime(
+        passes,
+        bubble,
+        costs.tp_comm * m,
+        pp_comm,
+        data_parallel_seconds(work, lay, cluster, elements, backward),
+        optimizer_seconds(work, lay, cluster, elements),
+        costs.recompute * m,
+        simulated=exact and lay.pp > 1,
+        ep_comm=expert_seconds(work, lay, cluster),
+        offload_io=offload_seconds(work, lay, cluster, elements, experts),
+    )
 
 
 def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:

@@ -112,8 +112,14 @@ def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> d
             engine.train_step(batches, lr=1e-4)
         states = engine.model_state_bytes()
         held = sum(states[k] for k in ("params", "grads", "optimizer"))
-        return {"rank": rt.rank, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "tp")}, "states": states,
-                "activations": activation_bytes(engine, batches), "peak": held + live.peak,
-                "step_time": statistics.median(times[warmup:]), "times": times[warmup:]}
+        return {
+            "rank": rt.rank,
+            "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "tp")},
+            "states": states,
+            "activations": activation_bytes(engine, batches),
+            "peak": held + live.peak,
+            "step_time": statistics.median(times[warmup:]),
+            "times": times[warmup:],
+        }
     finally:
         rt.close()

@@ -38,7 +38,7 @@ class LayoutRates:
 
     bytes_per_s: float  # all-to-all, per rank sent
     flops_per_s: float  # float32 matmul
-    latency_s: float    # one small all-to-all (launch and synchronization: what one more chunk costs)
+    latency_s: float  # one small all-to-all (launch and synchronization: what one more chunk costs)
 
 
 def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.ProcessGroup) -> LayoutRates:
@@ -66,19 +66,20 @@ def measure_rates(experts: ExpertParallel, device: torch.device, group: dist.Pro
     return LayoutRates(max(sent, 1.0) / max(float(times[0]), 1e-9), 2 * 256**3 / max(float(times[2]), 1e-9), float(times[1]))
 
 
-def predicted_seconds(candidate: Candidate, costs: list[MoELayerCost], tokens: list[list[int]], *, ep: int, data_ranks: int,
-                      element_bytes: int, rates: LayoutRates) -> float:
+def predicted_seconds(
+    candidate: Candidate, costs: list[MoELayerCost], tokens: list[list[int]], *, ep: int, data_ranks: int, element_bytes: int, rates: LayoutRates
+) -> float:
     """Forward + backward seconds of every MoE layer's expert work under one layout, for one step's routing
     (`tokens`: assignments per expert of each layer, summed over the step and all ranks)."""
     layout, chunks = candidate
     total = 0.0
     for cost, counts in zip(costs, tokens):
         local = cost.experts // ep
-        per_rank = sum(counts) / data_ranks                                           # assignments a rank routes
-        own = max(sum(counts[j * local:(j + 1) * local]) for j in range(ep)) * ep / data_ranks  # busiest expert rank
+        per_rank = sum(counts) / data_ranks  # assignments a rank routes
+        own = max(sum(counts[j * local : (j + 1) * local]) for j in range(ep)) * ep / data_ranks  # busiest expert rank
         flops = 3 * 2 * cost.expert_params  # forward + backward, per row
         if layout == "gather":
-            moved = 2 * (cost.experts - local) * cost.expert_params * element_bytes   # all-gather + reduce-scatter
+            moved = 2 * (cost.experts - local) * cost.expert_params * element_bytes  # all-gather + reduce-scatter
             collectives = 2 * (3 if cost.gated else 2)  # each stacked weight: all-gather forward, reduce-scatter backward
             total += moved / rates.bytes_per_s + per_rank * flops / rates.flops_per_s + collectives * rates.latency_s
             continue
@@ -93,9 +94,9 @@ class ExpertAdapter:
     """Switches the expert layout between steps, by probe or by cost model (see the module docstring)."""
 
     experts: ExpertParallel
-    mode: str                       # "probe" or "cost"
+    mode: str  # "probe" or "cost"
     every: int
-    group: dist.ProcessGroup        # the job's ranks: decisions are collective
+    group: dist.ProcessGroup  # the job's ranks: decisions are collective
     costs: list[MoELayerCost]
     ep: int
     data_ranks: int
@@ -141,8 +142,9 @@ class ExpertAdapter:
         self.experts.set_layout(*candidate)
 
 
-def build_adapter(experts: ExpertParallel, mode: str, every: int, group: dist.ProcessGroup, costs: list[MoELayerCost], *,
-                  data_ranks: int) -> ExpertAdapter | None:
+def build_adapter(
+    experts: ExpertParallel, mode: str, every: int, group: dist.ProcessGroup, costs: list[MoELayerCost], *, data_ranks: int
+) -> ExpertAdapter | None:
     """The adapter a plan asks for (None: `off`, or nothing to choose between with ep = 1). `data_ranks`: dp x ep."""
     if mode == "off" or experts.ep.size == 1:
         return None

@@ -25,9 +25,9 @@ from torch import nn
 from behemoth.errors import BehemothError
 from behemoth.models.init import mark_partial
 from behemoth.models.moe import MoELayer
+from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.expert.comm import EPComm
 from behemoth.parallel.expert.dispatch import AllToAllExperts, ExpertCompute, GatherExperts
-from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard
 from behemoth.parallel.tensor.comm import TPComm
 
@@ -68,8 +68,10 @@ class ExpertParallel:
     def set_layout(self, layout: str, chunks: int = 1) -> None:
         """Compute every MoE layer's experts in `layout` from the next forward on (collective: every rank the same)."""
         if layout not in LAYOUTS or chunks < 1:
-            raise BehemothError(f"expert layout {layout!r} with {chunks} chunk(s) is not one of {', '.join(LAYOUTS)} with chunks >= 1",
-                                "use parallel.expert_layout=alltoall or gather, parallel.expert_chunks >= 1")
+            raise BehemothError(
+                f"expert layout {layout!r} with {chunks} chunk(s) is not one of {', '.join(LAYOUTS)} with chunks >= 1",
+                "use parallel.expert_layout=alltoall or gather, parallel.expert_chunks >= 1",
+            )
         runner = GatherExperts(self.ep, self.compute) if layout == "gather" else AllToAllExperts(self.ep, self.compute, chunks)
         for layer in self.layers.values():
             layer.runner = runner
@@ -101,8 +103,7 @@ def shard_experts(layer: MoELayer, name: str, ep: EPComm, tp: TPComm | None) -> 
         setattr(experts, attr, new)
 
 
-def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *, layers: tuple[str, ...],
-                          tp: TPComm | None = None) -> ExpertParallel:
+def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *, layers: tuple[str, ...], tp: TPComm | None = None) -> ExpertParallel:
     """Split the experts of the MoE layers `layers` names (those this rank holds) over `ep`, and over `tp` their widths."""
     present = {n for n, _ in model.named_modules()}
     held = {name: model.get_submodule(name) for name in layers if name in present}
@@ -116,5 +117,10 @@ def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *,
 def plan_expert_parallel(model: nn.Module, degree: int, *, layers: tuple[str, ...], tp: int = 1) -> ExpertParallel:
     """The experts `apply_expert_parallel` keeps on a rank of a `degree`-wide ep group (widths split over `tp`), without
     the groups: for the planner, on the meta device (every ep rank holds equal shapes; the result runs no collective)."""
-    return apply_expert_parallel(model, EPComm(None, degree, 0), ExpertPolicy(), layers=layers,  # type: ignore[arg-type]
-                                 tp=TPComm(None, tp, 0) if tp > 1 else None)  # type: ignore[arg-type]  # size and rank only
+    return apply_expert_parallel(
+        model,
+        EPComm(None, degree, 0),
+        ExpertPolicy(),
+        layers=layers,  # type: ignore[arg-type]
+        tp=TPComm(None, tp, 0) if tp > 1 else None,
+    )  # type: ignore[arg-type]  # size and rank only

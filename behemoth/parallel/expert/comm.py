@@ -18,15 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import CommMeter, Pending, all_gather, all_to_all as comm_all_to_all, reduce_scatter
+from behemoth.comm import CommMeter, Pending, all_gather, reduce_scatter
+from behemoth.comm import all_to_all as comm_all_to_all
 
 
 @dataclass(frozen=True)
 class TwoLevel:
     """An ep group of `nodes` x `local` ranks, node-major: the ranks of this rank's node, and those of its local index."""
 
-    intra: dist.ProcessGroup   # the `local` ep ranks on this rank's node
-    inter: dist.ProcessGroup   # the `nodes` ep ranks with this rank's local index, one per node
+    intra: dist.ProcessGroup  # the `local` ep ranks on this rank's node
+    inter: dist.ProcessGroup  # the `nodes` ep ranks with this rank's local index, one per node
     nodes: int
     local: int
 
@@ -44,8 +45,7 @@ class EPComm:
     levels: TwoLevel | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None, timeout_s: float | None = None,
-           levels: TwoLevel | None = None) -> "EPComm":
+    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None, timeout_s: float | None = None, levels: TwoLevel | None = None) -> EPComm:
         return cls(group, dist.get_world_size(group), dist.get_rank(group), meter, timeout_s, levels)
 
 
@@ -53,6 +53,7 @@ def two_level_groups(ep_groups: list[list[int]], node_size: int, me: int) -> Two
     """This rank's two-level split of its ep group, given every ep group's global ranks and the ranks per node; None
     when no group spans several nodes with several of its ranks on each (node-major). Collective: every rank of the
     world calls it with the same groups, and every subgroup is created in the same order on all of them."""
+
     def shape(members: list[int]) -> tuple[int, int] | None:
         nodes = [r // node_size for r in members]
         local = nodes.count(nodes[0])
@@ -65,7 +66,7 @@ def two_level_groups(ep_groups: list[list[int]], node_size: int, me: int) -> Two
     nodes, local = next(iter(shapes))
     mine = None
     for members in ep_groups:
-        grid = [members[n * local:(n + 1) * local] for n in range(nodes)]
+        grid = [members[n * local : (n + 1) * local] for n in range(nodes)]
         intra = [dist.new_group(row) for row in grid]
         inter = [dist.new_group([row[i] for row in grid]) for i in range(local)]
         if me in members:
@@ -79,13 +80,13 @@ def two_level_all_to_all(x: torch.Tensor, ep: EPComm) -> torch.Tensor:
     each rank collects the blocks bound for its own local index on every node; between nodes, the ranks of one local
     index exchange them. The output is the one-level all-to-all's: row blocks by source rank."""
     lv = ep.levels
-    block = x.reshape(lv.nodes, lv.local, -1, *x.shape[1:])                  # [node, local, c, ...] by destination
-    by_local = block.transpose(0, 1).contiguous()                            # [dest local, dest node, c, ...]
+    block = x.reshape(lv.nodes, lv.local, -1, *x.shape[1:])  # [node, local, c, ...] by destination
+    by_local = block.transpose(0, 1).contiguous()  # [dest local, dest node, c, ...]
     got = torch.empty_like(by_local)
-    comm_all_to_all(got, by_local, lv.intra, ep.meter)                       # [source local, dest node, c, ...]
-    by_node = got.transpose(0, 1).contiguous()                               # [dest node, source local, c, ...]
+    comm_all_to_all(got, by_local, lv.intra, ep.meter)  # [source local, dest node, c, ...]
+    by_node = got.transpose(0, 1).contiguous()  # [dest node, source local, c, ...]
     out = torch.empty_like(by_node)
-    comm_all_to_all(out, by_node, lv.inter, ep.meter)                        # [source node, source local, c, ...]
+    comm_all_to_all(out, by_node, lv.inter, ep.meter)  # [source node, source local, c, ...]
     return out.reshape(x.shape[0], *x.shape[1:])
 
 

@@ -59,11 +59,10 @@ class AllToAllExperts:
         received = self.received_counts(counts, local, uniform=layer.policy.capacity_factor is not None, device=rows.device)
         c = self.chunks
         pieces = [expert_rows.split(parts(n, c)) for expert_rows, n in zip(rows.split(counts), counts)]  # [expert][chunk]
-        sends = [[parts(n, c)[i] for n in counts] for i in range(c)]                                    # [chunk][expert]
-        recvs = [[[parts(n, c)[i] for n in src] for src in received] for i in range(c)]                 # [chunk][source][expert]
+        sends = [[parts(n, c)[i] for n in counts] for i in range(c)]  # [chunk][expert]
+        recvs = [[[parts(n, c)[i] for n in src] for src in received] for i in range(c)]  # [chunk][source][expert]
         out_splits = [[sum(src) for src in recv] for recv in recvs]
-        flights = [all_to_all_start(torch.cat([p[i] for p in pieces]), self.ep, self.by_rank(sends[i], local), out_splits[i])
-                   for i in range(c)]
+        flights = [all_to_all_start(torch.cat([p[i] for p in pieces]), self.ep, self.by_rank(sends[i], local), out_splits[i]) for i in range(c)]
         back = []
         for i, (arrived, flight) in enumerate(flights):  # chunk i computes while chunks after it travel
             out = self.run_local(layer, finish(arrived, flight), recvs[i])
@@ -72,12 +71,12 @@ class AllToAllExperts:
         return torch.cat([returned[i][e] for e in range(len(counts)) for i in range(c)])
 
     def by_rank(self, counts: list[int], local: int) -> list[int]:
-        return [sum(counts[j * local:(j + 1) * local]) for j in range(self.ep.size)]
+        return [sum(counts[j * local : (j + 1) * local]) for j in range(self.ep.size)]
 
     def received_counts(self, counts: list[int], local: int, *, uniform: bool, device: torch.device) -> list[list[int]]:
         """Rows each rank sends for each of this rank's experts ([source][local expert]). With a capacity every rank
         sends the same G x C rows per expert; dropless, the counts are exchanged (one small all-to-all)."""
-        mine = counts[self.ep.rank * local:(self.ep.rank + 1) * local]
+        mine = counts[self.ep.rank * local : (self.ep.rank + 1) * local]
         if uniform or self.ep.size == 1:
             return [list(mine)] * self.ep.size
         sent = torch.tensor(counts, dtype=torch.int64, device=device)

@@ -12,6 +12,7 @@ them, so a checkpoint written at ep = 4 loads at ep = 2 or 1 and `behemoth expor
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from behemoth.parallel.chunked import Box, narrow_box
@@ -26,12 +27,13 @@ class ExpertShard:
     full_shape: tuple[int, ...]
     first: int
     count: int
-    width_dim: int | None = None                        # the dimension split over tp (None: whole)
+    width_dim: int | None = None  # the dimension split over tp (None: whole)
     width_pieces: tuple[tuple[int, int, int], ...] = ()  # (full start, local start, length) along it
 
     @classmethod
-    def of(cls, full_shape: tuple[int, ...], *, ep: int, ep_rank: int, tp: int = 1, tp_rank: int = 0, width_dim: int | None = None,
-           parts: int = 1) -> "ExpertShard":
+    def of(
+        cls, full_shape: tuple[int, ...], *, ep: int, ep_rank: int, tp: int = 1, tp_rank: int = 0, width_dim: int | None = None, parts: int = 1
+    ) -> ExpertShard:
         """Experts split evenly over ep; with tp > 1 dimension `width_dim` split over tp, each of `parts` segments apart."""
         count = full_shape[0] // ep
         if tp == 1 or width_dim is None:

@@ -4,16 +4,51 @@ analysis/ holds the tools that reason about schedules without running them (simu
 model, measured bubbles, grids and Gantt charts, the `behemoth schedule` report)."""
 
 from behemoth.parallel.pipeline.analysis.simulate import (
-    ClosedForm, Costs, Interval, SimResult, closed_form_bubble, peak_stash, run_timeline, simulate,
+    ClosedForm,
+    Costs,
+    Interval,
+    SimResult,
+    closed_form_bubble,
+    peak_stash,
+    run_timeline,
+    simulate,
 )
 from behemoth.parallel.pipeline.analysis.validate import validate
 from behemoth.parallel.pipeline.schedules import (
-    SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, check_request, chimera, gpipe, interleaved,
-    one_f_one_b, zb_h1,
+    SCHEDULES,
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    check_request,
+    chimera,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    zb_h1,
 )
 
 __all__ = [
-    "SCHEDULES", "Action", "ClosedForm", "Costs", "Interval", "Kind", "Schedule", "ScheduleError", "SimResult",
-    "build_schedule", "check_request", "chimera", "closed_form_bubble", "gpipe", "interleaved", "one_f_one_b",
-    "peak_stash", "run_timeline", "simulate", "validate", "zb_h1",
+    "SCHEDULES",
+    "Action",
+    "ClosedForm",
+    "Costs",
+    "Interval",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "SimResult",
+    "build_schedule",
+    "check_request",
+    "chimera",
+    "closed_form_bubble",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "peak_stash",
+    "run_timeline",
+    "simulate",
+    "validate",
+    "zb_h1",
 ]

@@ -41,19 +41,27 @@ class PipelinePolicy:
     """A pipeline as a plan states it, with its stage boundaries resolved."""
 
     schedule: str
-    microbatches: int                  # per step and data-parallel rank
-    boundaries: tuple[int, ...]        # first block of every stage, then n_layer
-    chunks: int = 1                    # model chunks per rank (the interleaved schedule's v)
+    microbatches: int  # per step and data-parallel rank
+    boundaries: tuple[int, ...]  # first block of every stage, then n_layer
+    chunks: int = 1  # model chunks per rank (the interleaved schedule's v)
     recompute: RecomputePolicy = "none"
-    seq_split: int = 1                 # sequence parallelism: stages exchange 1/seq_split of the sequence
+    seq_split: int = 1  # sequence parallelism: stages exchange 1/seq_split of the sequence
     timeout_s: float = 300.0
 
 
 class PipelineParallel:
     """This rank's part of the pipeline: the schedule, its pipeline stages of the cut model, the executor."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, layers: LayeredView, *, tied: bool,
-                 transposed: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        policy: PipelinePolicy,
+        layers: LayeredView,
+        *,
+        tied: bool,
+        transposed: frozenset[str] = frozenset(),
+    ) -> None:
         self.model, self.group, self.policy, self.layers, self.tied = model, group, policy, layers, tied
         self.rank = dist.get_rank(group)
         self.schedule: Schedule = build_schedule(policy.schedule, dist.get_world_size(group), policy.microbatches, policy.chunks)
@@ -79,9 +87,15 @@ class PipelineParallel:
         # a split backward defers the linear layers' weight-gradient matmuls (tensor-parallel ones too) to its W passes
         deferral = make_deferrable(self.model, self.transposed) if self.schedule.split_backward else None
         self.executor = PipelineExecutor(
-            self.schedule, self.rank, self.stages, PipeComm(self.group, self.policy.timeout_s, meter),
-            Activations(hidden_size, dtype, device, self.policy.seq_split), replica_params=self._replica_params(),
-            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None, deferral=deferral)
+            self.schedule,
+            self.rank,
+            self.stages,
+            PipeComm(self.group, self.policy.timeout_s, meter),
+            Activations(hidden_size, dtype, device, self.policy.seq_split),
+            replica_params=self._replica_params(),
+            on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None,
+            deferral=deferral,
+        )
         self.executor.stash_meter.exclude(list(self.model.parameters()))
 
     def run(self, micro_batches: Batch, loss: LossFn, autocast: Autocast = contextlib.nullcontext) -> torch.Tensor:
@@ -123,7 +137,7 @@ class PipelineParallel:
     def _lowest_stage(self, name: str) -> int:
         blocks, bounds = self.layers.blocks, self.bounds
         if name.startswith(blocks + "."):
-            block = int(name[len(blocks) + 1:].split(".")[0])
+            block = int(name[len(blocks) + 1 :].split(".")[0])
             return next(s for s in range(len(bounds) - 1) if bounds[s] <= block < bounds[s + 1])
         return 0 if name.startswith(tuple(f"{m}." for m in self.layers.first)) else len(bounds) - 2
 
@@ -144,8 +158,15 @@ def stage_parameters(model: nn.Module, stages: dict[int, PipelineStage], layers:
     return {stage: [p for p in part.parameters() if p is not tied] for stage, part in stages.items()}
 
 
-def apply_pipeline(model: nn.Module, group: dist.ProcessGroup, policy: PipelinePolicy, *, layers: LayeredView,
-                   tied: bool = False, transposed: frozenset[str] = frozenset()) -> PipelineParallel:
+def apply_pipeline(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    policy: PipelinePolicy,
+    *,
+    layers: LayeredView,
+    tied: bool = False,
+    transposed: frozenset[str] = frozenset(),
+) -> PipelineParallel:
     """Cut `model` (on the meta device) down to this rank's pipeline stages of `policy`'s schedule; `transposed` names
     the linear layers that hold an [in, out] weight (their gradients are deferred too under a split backward)."""
     return PipelineParallel(model, group, policy, layers, tied=tied, transposed=transposed)

@@ -47,7 +47,7 @@ from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
-from behemoth.parallel.pipeline.stage import StashMeter, Stashed, backward_full, backward_input, backward_weight
+from behemoth.parallel.pipeline.stage import Stashed, StashMeter, backward_full, backward_input, backward_weight
 
 ACT, GRAD = "act", "grad"
 PAYLOAD = {Kind.SEND_ACT: ACT, Kind.RECV_ACT: ACT, Kind.SEND_GRAD: GRAD, Kind.RECV_GRAD: GRAD}
@@ -118,9 +118,18 @@ class PipelineExecutor:
     `on_grads(stage)`: called once a pass has written a stage's weight gradients (ZeRO-2 reduces them);
     `deferral`: the slot the model's deferrable linear layers read (zero-bubble schedules' split backward)."""
 
-    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, PipelineStage], comm: PipeComm, activations: Activations, *,
-                 replica_params: dict[int, list[nn.Parameter]] | None = None, on_grads: Callable[[int], None] | None = None,
-                 deferral: DeferralSlot | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        stages: dict[int, PipelineStage],
+        comm: PipeComm,
+        activations: Activations,
+        *,
+        replica_params: dict[int, list[nn.Parameter]] | None = None,
+        on_grads: Callable[[int], None] | None = None,
+        deferral: DeferralSlot | None = None,
+    ) -> None:
         self.schedule, self.rank, self.stages, self.comm, self.activations = schedule, rank, stages, comm, activations
         self.replica_params, self.on_grads = replica_params or {}, on_grads
         self.deferral = deferral or DeferralSlot()  # where a split backward's input pass queues weight gradients
@@ -143,8 +152,10 @@ class PipelineExecutor:
         """Run this rank's actions for one step: passes, transfers and replica syncs, up to the optimizer step.
         `loss(output, targets)` is a last stage's loss of one micro-batch, as the engine scales it."""
         if len(micro_batches) != self.schedule.microbatches:
-            raise BehemothError(f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for "
-                                f"{self.schedule.microbatches}", "build the pipeline for the step's micro-batch count")
+            raise BehemothError(
+                f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for {self.schedule.microbatches}",
+                "build the pipeline for the step's micro-batch count",
+            )
         step = _Step(self, micro_batches, loss, autocast)
         times = []
         for i, a in enumerate(self.actions):
@@ -175,7 +186,8 @@ class PipelineExecutor:
         return PipelineWaitError(
             f"pipeline rank {self.rank} (global rank {me}) waited {what} at {where} "
             f"with pipeline rank {a.peer} (global rank {peer}) and gave up after run.timeout_s={self.comm.timeout_s:g} s ({detail})",
-            f"see rank {peer}'s log: it failed, hangs, or runs a different schedule; raise run.timeout_s if it is only slow")
+            f"see rank {peer}'s log: it failed, hangs, or runs a different schedule; raise run.timeout_s if it is only slow",
+        )
 
     def send_recv(self, op: P2P) -> Pending:
         """One transfer as a batched group of its own."""
@@ -243,10 +255,18 @@ class _Step:
         self.stash: dict[tuple[int, int], Stashed] = {}
         self.loss = torch.zeros((), device=ex.device)
         self.stash_bytes = self.peak_stash = 0
-        self.handlers = {Kind.FORWARD: self.forward, Kind.BACKWARD: self.backward, Kind.BACKWARD_INPUT: self.backward_input,
-                         Kind.BACKWARD_WEIGHT: self.backward_weight, Kind.SEND_ACT: self.send, Kind.SEND_GRAD: self.send,
-                         Kind.RECV_ACT: self.recv, Kind.RECV_GRAD: self.recv, Kind.GRAD_SYNC: self.grad_sync,
-                         Kind.OPT_STEP: self.opt_step}
+        self.handlers = {
+            Kind.FORWARD: self.forward,
+            Kind.BACKWARD: self.backward,
+            Kind.BACKWARD_INPUT: self.backward_input,
+            Kind.BACKWARD_WEIGHT: self.backward_weight,
+            Kind.SEND_ACT: self.send,
+            Kind.SEND_GRAD: self.send,
+            Kind.RECV_ACT: self.recv,
+            Kind.RECV_GRAD: self.recv,
+            Kind.GRAD_SYNC: self.grad_sync,
+            Kind.OPT_STEP: self.opt_step,
+        }
 
     def run(self, index: int, a: Action) -> None:
         self.handlers[a.kind](index, a)
@@ -334,8 +354,10 @@ class _Step:
         """Sum this stage's gradients with its other replica's (Chimera), one exchange of a flat buffer."""
         ex, comm = self.ex, self.ex.comm
         try:
-            reduce_flat([p.grad for p in ex.replica_params.get(a.stage, [])],
-                        lambda flat: pair_all_reduce(flat, a.peer, comm.group, comm.meter, tag=SYNC_TAG + a.stage, timeout_s=comm.timeout_s))
+            reduce_flat(
+                [p.grad for p in ex.replica_params.get(a.stage, [])],
+                lambda flat: pair_all_reduce(flat, a.peer, comm.group, comm.meter, tag=SYNC_TAG + a.stage, timeout_s=comm.timeout_s),
+            )
         except (RuntimeError, HangError) as err:
             raise ex.wait_error(err, index, a, "for the gradient sync") from None
 
@@ -353,5 +375,8 @@ class _Step:
             self.ex.wait(pending, index, a, "for its send to complete")
         self.sends = []
         if self.posted or self.stash:
-            raise BehemothError(f"pipeline rank {self.ex.rank}: the step ended with {len(self.posted)} unconsumed receives "
-                                f"and {len(self.stash)} stashed micro-batches", "the schedule is incomplete; validate it")
+            raise BehemothError(
+                f"pipeline rank {self.ex.rank}: the step ended with {len(self.posted)} unconsumed receives "
+                f"and {len(self.stash)} stashed micro-batches",
+                "the schedule is incomplete; validate it",
+            )

@@ -42,8 +42,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS, Action, Kind, Schedule
 from behemoth.parallel.pipeline.analysis.simulate import Costs, Interval, run_timeline
+from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, SENDS, Action, Kind, Schedule
 
 RECV_LOOKAHEAD = 4  # a receive may be posted up to this many passes before its consumer (one buffer each, held early)
 REFERENCE_COSTS = Costs(forward=1.0, backward=1.0, weight=1.0)  # F = BI = W = 1, a full backward B = 2
@@ -80,8 +80,7 @@ def message_order(timeline: list[list[Interval]]) -> dict[tuple[int, int, int], 
     return {message_key(i.action): (i.start, *message_key(i.action)) for row in timeline for i in row if i.action.kind in SENDS}
 
 
-def p2p_groups(schedule: Schedule, rank: int, lookahead: int = RECV_LOOKAHEAD,
-               timeline: list[list[Interval]] | None = None) -> list[P2PGroup]:
+def p2p_groups(schedule: Schedule, rank: int, lookahead: int = RECV_LOOKAHEAD, timeline: list[list[Interval]] | None = None) -> list[P2PGroup]:
     """The groups, in issue order, in which the executor issues `rank`'s sends and receives.
 
     `timeline` is the reference (`reference_timeline(schedule)`); pass it to group several ranks without rerunning it.

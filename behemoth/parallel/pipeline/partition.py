@@ -34,8 +34,9 @@ def balance_stages(costs: LayerCosts, stages: int) -> list[int]:
     """
     n = len(costs.blocks)
     if not 1 <= stages <= n:
-        raise BehemothError(f"{stages} pipeline stages for {n} blocks: every stage needs at least one block",
-                            f"use at most {n} stages, or a deeper model")
+        raise BehemothError(
+            f"{stages} pipeline stages for {n} blocks: every stage needs at least one block", f"use at most {n} stages, or a deeper model"
+        )
     prefix = [0.0]
     for c in costs.blocks:
         prefix.append(prefix[-1] + c)
@@ -80,8 +81,10 @@ def even_boundaries(n_layer: int, stages: int) -> list[int]:
 def stage_costs(costs: LayerCosts, bounds: Sequence[int]) -> list[float]:
     """The cost of each stage under `bounds` (embedding on the first, head on the last)."""
     stages = len(bounds) - 1
-    return [sum(costs.blocks[bounds[s]:bounds[s + 1]]) + (costs.embed if s == 0 else 0.0)
-            + (costs.head if s == stages - 1 else 0.0) for s in range(stages)]
+    return [
+        sum(costs.blocks[bounds[s] : bounds[s + 1]]) + (costs.embed if s == 0 else 0.0) + (costs.head if s == stages - 1 else 0.0)
+        for s in range(stages)
+    ]
 
 
 # ---------------------------------------------------------------- cutting the module tree
@@ -151,8 +154,7 @@ def _drop(model: nn.Module, name: str) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, None)
 
 
-def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView,
-              tied: bool = False) -> dict[int, PipelineStage]:
+def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView, tied: bool = False) -> dict[int, PipelineStage]:
     """Keep only the parts of `model` (on the meta device) that the stages in `held_stages` use; `tied`: the head
     reads the embedding's weight, so the last stage keeps the embedding module too."""
     stages = len(bounds) - 1

@@ -111,8 +111,7 @@ def _compute(kind: Kind, stage: int, mb: int, placement: Callable[[int, int], tu
     return Action(kind, stage, mb, chunk=placement(stage, mb)[1])
 
 
-def with_communication(order: list[list[Action]], placement: Callable[[int, int], tuple[int, int]],
-                       num_stages: int) -> list[list[Action]]:
+def with_communication(order: list[list[Action]], placement: Callable[[int, int], tuple[int, int]], num_stages: int) -> list[list[Action]]:
     """Insert p2p around each rank's compute order: RECV right before the consumer, SEND right after the producer."""
     per_rank: list[list[Action]] = []
     for rank, compute in enumerate(order):
@@ -138,8 +137,7 @@ def _linear_schedule(name: str, p: int, m: int, order: list[list[Action]], split
     per_rank = with_communication(order, placement, p)
     for actions in per_rank:
         actions.append(Action(Kind.OPT_STEP))
-    return Schedule(name, p, m, 1, per_rank, tuple((s,) for s in range(p)), tuple((r,) for r in range(p)),
-                    (0,) * m, split)
+    return Schedule(name, p, m, 1, per_rank, tuple((s,) for s in range(p)), tuple((r,) for r in range(p)), (0,) * m, split)
 
 
 # ---------------------------------------------------------------- the schedules
@@ -150,8 +148,7 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     p, m = stages, microbatches
     check_request("gpipe", p, m)
     place = lambda s, mb: (s, 0)  # noqa: E731
-    order = [[_compute(Kind.FORWARD, r, mb, place) for mb in range(m)]
-             + [_compute(Kind.BACKWARD, r, mb, place) for mb in range(m)] for r in range(p)]
+    order = [[_compute(Kind.FORWARD, r, mb, place) for mb in range(m)] + [_compute(Kind.BACKWARD, r, mb, place) for mb in range(m)] for r in range(p)]
     return _linear_schedule("gpipe", p, m, order, split=False)
 
 
@@ -241,8 +238,7 @@ def _chimera_pick(rank: int, slot: int, d: int, half: int, counts: dict, done: d
         f, b = counts[(rank, chunk, Kind.FORWARD)], counts[(rank, chunk, Kind.BACKWARD)]
         if b < f and (stage == d - 1 or done.get((Kind.BACKWARD, stage + 1, first + b), slot + 1) <= slot):
             candidates.append((0, -stage, chunk, Action(Kind.BACKWARD, stage, first + b, chunk)))
-        if f < half and f - b < min(d // 2, d - stage) and (
-                stage == 0 or done.get((Kind.FORWARD, stage - 1, first + f), slot + 1) <= slot):
+        if f < half and f - b < min(d // 2, d - stage) and (stage == 0 or done.get((Kind.FORWARD, stage - 1, first + f), slot + 1) <= slot):
             candidates.append((1, -stage, chunk, Action(Kind.FORWARD, stage, first + f, chunk)))
     return min(candidates)[-1] if candidates else None
 
@@ -288,12 +284,25 @@ def chimera(stages: int, microbatches: int) -> Schedule:
         for chunk, stage in sorted(enumerate((rank, d - 1 - rank)), key=lambda cs: cs[1]):
             actions.append(Action(Kind.GRAD_SYNC, stage, -1, chunk, peer=d - 1 - rank))
         actions.append(Action(Kind.OPT_STEP))
-    return Schedule("chimera", d, n, 2, per_rank, tuple((s, d - 1 - s) for s in range(d)),
-                    tuple((r, d - 1 - r) for r in range(d)), tuple(0 if mb < half else 1 for mb in range(n)), False)
+    return Schedule(
+        "chimera",
+        d,
+        n,
+        2,
+        per_rank,
+        tuple((s, d - 1 - s) for s in range(d)),
+        tuple((r, d - 1 - r) for r in range(d)),
+        tuple(0 if mb < half else 1 for mb in range(n)),
+        False,
+    )
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1, "chimera": chimera,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "chimera": chimera,
 }
 
 
@@ -310,15 +319,21 @@ def _refuse(name: str, p: int, m: int, v: int) -> tuple[str, str] | None:
     if name == "interleaved" and v < 2:
         return f"chunks={v}: interleaved 1F1B needs at least 2 model chunks per rank", "use --chunks 2 or more, or the 1f1b schedule"
     if name == "interleaved" and m % p:
-        return (f"microbatches={m}: interleaved 1F1B needs micro-batches divisible by stages={p} (as Megatron-LM)",
-                f"use --microbatches {m + p - m % p}")
+        return (
+            f"microbatches={m}: interleaved 1F1B needs micro-batches divisible by stages={p} (as Megatron-LM)",
+            f"use --microbatches {m + p - m % p}",
+        )
     if name == "chimera" and p % 2:
-        return (f"stages={p}: Chimera needs an even number of stages (rank i holds stages i and D-1-i)",
-                f"use --stages {p + 1}" + (f" or {p - 1}" if p > 1 else ""))
+        return (
+            f"stages={p}: Chimera needs an even number of stages (rank i holds stages i and D-1-i)",
+            f"use --stages {p + 1}" + (f" or {p - 1}" if p > 1 else ""),
+        )
     if name == "chimera" and m % p:
         lower = f"{m - m % p} or " if m > p else ""
-        return (f"microbatches={m}: Chimera runs whole basic units of D={p} micro-batches (D/2 down, D/2 up)",
-                f"use --microbatches {lower}{m + p - m % p}")
+        return (
+            f"microbatches={m}: Chimera runs whole basic units of D={p} micro-batches (D/2 down, D/2 up)",
+            f"use --microbatches {lower}{m + p - m % p}",
+        )
     return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -83,7 +84,7 @@ class StashMeter:
         return t
 
     @contextlib.contextmanager
-    def measure(self) -> Iterator["StashMeter"]:
+    def measure(self) -> Iterator[StashMeter]:
         """Count what the forward inside the block saves; read `.bytes` afterwards."""
         self.seen, self.bytes = set(), 0
         with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):

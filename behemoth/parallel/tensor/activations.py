@@ -32,17 +32,19 @@ class SavedBytesMeter:
     def _enter(self, name: str):
         def hook(_module: nn.Module, _args: tuple) -> None:
             self._region = name
+
         return hook
 
     def _leave(self, _module: nn.Module, _args: tuple, _out: object) -> None:
         self._region = "other"
 
     @contextlib.contextmanager
-    def measure(self) -> Iterator["SavedBytesMeter"]:
+    def measure(self) -> Iterator[SavedBytesMeter]:
         """Count what the forward inside the block saves; read `by_region` (and `total`) afterwards."""
         self.by_region, self._seen, self._region = {}, set(), "other"
-        handles = [h for name, m in self.blocks.items()
-                   for h in (m.register_forward_pre_hook(self._enter(name)), m.register_forward_hook(self._leave))]
+        handles = [
+            h for name, m in self.blocks.items() for h in (m.register_forward_pre_hook(self._enter(name)), m.register_forward_hook(self._leave))
+        ]
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield self

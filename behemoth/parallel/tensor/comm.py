@@ -34,7 +34,7 @@ class TPComm:
     meter: CommMeter | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None) -> "TPComm":
+    def of(cls, group: dist.ProcessGroup, meter: CommMeter | None = None) -> TPComm:
         return cls(group, dist.get_world_size(group), dist.get_rank(group), meter)
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:

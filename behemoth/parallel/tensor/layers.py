@@ -28,7 +28,7 @@ from behemoth.parallel.chunked import Box
 from behemoth.parallel.deferred import DeferralSlot, accumulate, deferrable_linear
 from behemoth.parallel.tensor.comm import SequenceGather, TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 
-TP_LAYOUT = "_behemoth_tp_layout"          # ShardLayout of a tensor-parallel parameter
+TP_LAYOUT = "_behemoth_tp_layout"  # ShardLayout of a tensor-parallel parameter
 TP_PARTIAL_GRAD = "_behemoth_tp_partial_grad"  # replicated parameter whose gradient is a partial sum over tp
 SEQ_SOURCE = "_behemoth_seq_source"  # on an all-gathered activation (SP): (its sequence shard, the shared RegatherCache)
 
@@ -43,18 +43,20 @@ class ShardLayout:
     pieces: tuple[tuple[int, int, int], ...]
 
     @classmethod
-    def split(cls, name: str, full_shape: tuple[int, ...], dim: int, tp: TPComm, parts: int = 1) -> "ShardLayout":
+    def split(cls, name: str, full_shape: tuple[int, ...], dim: int, tp: TPComm, parts: int = 1) -> ShardLayout:
         """Each of `parts` equal fused segments split evenly over the ranks."""
         n = full_shape[dim]
         if n % parts or (n // parts) % tp.size:
-            raise BehemothError(f"{name}: dimension {dim} of size {n} ({parts} fused part(s)) does not split over tp={tp.size}",
-                                f"choose a tp that divides {n // parts}")
+            raise BehemothError(
+                f"{name}: dimension {dim} of size {n} ({parts} fused part(s)) does not split over tp={tp.size}",
+                f"choose a tp that divides {n // parts}",
+            )
         seg, chunk = n // parts, n // parts // tp.size
         pieces = tuple((p * seg + tp.rank * chunk, p * chunk, chunk) for p in range(parts))
         return cls(tuple(full_shape), dim, parts * chunk, pieces)
 
     @classmethod
-    def padded(cls, full_shape: tuple[int, ...], dim: int, tp: TPComm) -> "ShardLayout":
+    def padded(cls, full_shape: tuple[int, ...], dim: int, tp: TPComm) -> ShardLayout:
         """Rows [r*c, (r+1)*c) with c = ceil(n / t); rows past n are padding."""
         n = full_shape[dim]
         chunk = math.ceil(n / tp.size)
@@ -144,8 +146,9 @@ class _InputPath(torch.autograd.Function):
     The weight is saved as an intermediate, so saved-tensor hooks (ZeRO-3's re-gather) see the parameter itself."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight_and_more: tuple[torch.Tensor, bool, "RegatherCache | None", torch.Tensor | None,
-                                                             DeferralSlot | None]) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight_and_more: tuple[torch.Tensor, bool, RegatherCache | None, torch.Tensor | None, DeferralSlot | None]
+    ) -> torch.Tensor:
         weight, ctx.transposed, ctx.cache, ctx.shard, ctx.slot = weight_and_more
         ctx.save_for_backward(weight)
         ctx.x_dtype = x.dtype
@@ -167,8 +170,17 @@ class _WeightPath(torch.autograd.Function):
     zero-bubble schedule's input pass), so that pass neither gathers nor multiplies for the weights."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, bias: torch.Tensor | None, shard: torch.Tensor, cache: RegatherCache,
-                shape: torch.Size, dtype: torch.dtype, transposed: bool, slot: DeferralSlot | None) -> torch.Tensor:
+    def forward(
+        ctx,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        shard: torch.Tensor,
+        cache: RegatherCache,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        transposed: bool,
+        slot: DeferralSlot | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(shard)
         ctx.cache, ctx.transposed, ctx.slot = cache, transposed, slot
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -189,8 +201,14 @@ class _WeightPath(torch.autograd.Function):
         return grad_w, grad_b, None, None, None, None, None, None
 
 
-def regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: torch.Tensor, transposed: bool,
-                            dtypes: tuple[torch.dtype, torch.dtype | None], wants: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def regathered_weight_grads(
+    cache: RegatherCache,
+    shard: torch.Tensor,
+    grad: torch.Tensor,
+    transposed: bool,
+    dtypes: tuple[torch.dtype, torch.dtype | None],
+    wants: tuple[bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The weight gradient from the re-gathered input and the output gradient, and the bias gradient (as asked)."""
     g = grad.reshape(-1, grad.shape[-1])
     grad_w = grad_b = None
@@ -203,8 +221,15 @@ def regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: tor
     return grad_w, grad_b
 
 
-def _regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: torch.Tensor, transposed: bool, weight: nn.Parameter,
-                             bias: nn.Parameter | None, wants: tuple[bool, bool]) -> None:
+def _regathered_weight_grads(
+    cache: RegatherCache,
+    shard: torch.Tensor,
+    grad: torch.Tensor,
+    transposed: bool,
+    weight: nn.Parameter,
+    bias: nn.Parameter | None,
+    wants: tuple[bool, bool],
+) -> None:
     """A deferred weight pass: the same gradients, added into `.grad`."""
     dtypes = (weight.dtype, None if bias is None else bias.dtype)
     for p, g in zip((weight, bias), regathered_weight_grads(cache, shard, grad, transposed, dtypes, wants)):
@@ -212,8 +237,15 @@ def _regathered_weight_grads(cache: RegatherCache, shard: torch.Tensor, grad: to
             accumulate(p, g)
 
 
-def linear_saving_shard(x: torch.Tensor, shard: torch.Tensor, cache: RegatherCache, weight: torch.Tensor,
-                        bias: torch.Tensor | None, transposed: bool, slot: DeferralSlot | None = None) -> torch.Tensor:
+def linear_saving_shard(
+    x: torch.Tensor,
+    shard: torch.Tensor,
+    cache: RegatherCache,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transposed: bool,
+    slot: DeferralSlot | None = None,
+) -> torch.Tensor:
     """x W + b for an all-gathered `x` that autograd does not keep: only its sequence `shard` is saved.
 
     The weight path's node is made first, so backward runs the input path first (autograd runs the later of two
@@ -246,8 +278,10 @@ def check_linear(module: nn.Module, name: str, transposed: bool) -> None:
     """Column/row-parallel styles split a linear layer: nn.Linear ([out, in]) or one its model marks as transposed
     ([in, out]: `CausalLM.transposed`)."""
     if not (transposed or isinstance(module, nn.Linear)) or getattr(module, "weight", None) is None:
-        raise BehemothError(f"{name} is a {type(module).__name__}; column/row-parallel styles apply to linear layers",
-                            "map this module to another style in the tensor-parallel plan")
+        raise BehemothError(
+            f"{name} is a {type(module).__name__}; column/row-parallel styles apply to linear layers",
+            "map this module to another style in the tensor-parallel plan",
+        )
 
 
 class ColumnParallelLinear(nn.Module):
@@ -265,8 +299,9 @@ class ColumnParallelLinear(nn.Module):
         self.deferral: DeferralSlot | None = None  # set under a split backward: weight gradients wait for the weight pass
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False,
-                    parts: int = 1, padded: bool = False) -> "ColumnParallelLinear":
+    def from_module(
+        cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False, parts: int = 1, padded: bool = False
+    ) -> ColumnParallelLinear:
         check_linear(module, name, transposed)
         dim = 1 if transposed else 0
         w = module.weight
@@ -296,7 +331,7 @@ class RowParallelLinear(nn.Module):
         self.deferral: DeferralSlot | None = None  # set under a split backward: weight gradients wait for the weight pass
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False) -> "RowParallelLinear":
+    def from_module(cls, module: nn.Module, name: str, tp: TPComm, *, sequence_parallel: bool, transposed: bool = False) -> RowParallelLinear:
         check_linear(module, name, transposed)
         w = module.weight
         layout = ShardLayout.split(f"{name}.weight", tuple(w.shape), 0 if transposed else 1, tp)
@@ -323,7 +358,7 @@ class VocabShard:
     padded: int
 
     @classmethod
-    def of(cls, layout: ShardLayout) -> "VocabShard":
+    def of(cls, layout: ShardLayout) -> VocabShard:
         start, _, real = layout.pieces[0] if layout.pieces else (layout.full_shape[layout.dim], 0, 0)
         return cls(start, real, layout.local_size)
 
@@ -338,7 +373,7 @@ class VocabParallelEmbedding(nn.Module):
         self.reduce_output = True
 
     @classmethod
-    def from_module(cls, module: nn.Embedding, name: str, tp: TPComm) -> "VocabParallelEmbedding":
+    def from_module(cls, module: nn.Embedding, name: str, tp: TPComm) -> VocabParallelEmbedding:
         if not isinstance(module, nn.Embedding):
             raise BehemothError(f"{name} is a {type(module).__name__}, not an nn.Embedding", "use the vocab style on embeddings and LM heads")
         layout = ShardLayout.padded(tuple(module.weight.shape), 0, tp)

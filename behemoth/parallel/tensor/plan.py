@@ -25,8 +25,9 @@ tensor-parallel region starts, as in Megatron, where f sits between the LayerNor
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,8 +39,14 @@ from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
 from behemoth.parallel.tensor.layers import (
-    TP_LAYOUT, TP_PARTIAL_GRAD, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabShard,
-    enter_tp_region, vocab_parallel_cross_entropy,
+    TP_LAYOUT,
+    TP_PARTIAL_GRAD,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabShard,
+    enter_tp_region,
+    vocab_parallel_cross_entropy,
 )
 
 STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "position_embedding", "replicate")
@@ -215,6 +222,7 @@ def sequence_input_hook(tp: TPComm, reduce: bool) -> Callable[..., Any]:
         if args:
             return (enter(args[0], tp), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"], tp)}
+
     return hook
 
 
@@ -226,14 +234,18 @@ def check_plan(model: nn.Module, policy: TensorPolicy, styles: dict[str, str]) -
     the norms it holds must be styled."""
     kinds = {s.split(":")[0] for s in styles.values()}
     if kinds & {"colwise", "packed_colwise", "rowwise"} and "sequence_norm" not in kinds:
-        raise BehemothError("the tensor-parallel plan splits linear layers but names no sequence_norm where their region starts",
-                            "map the norm before each column-parallel layer to sequence_norm")
+        raise BehemothError(
+            "the tensor-parallel plan splits linear layers but names no sequence_norm where their region starts",
+            "map the norm before each column-parallel layer to sequence_norm",
+        )
     if not policy.sequence_parallel:
         return
     present = {n for n, _ in model.named_modules()}
     missing = sorted(n for n in policy.norms & present if styles.get(n) != "sequence_norm")
     if missing:
-        raise BehemothError(f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
-                            "add them to the tensor-parallel plan or set parallel.sequence_parallel=false")
+        raise BehemothError(
+            f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
+            "add them to the tensor-parallel plan or set parallel.sequence_parallel=false",
+        )
     if "sequence_input" not in policy.plan.values():
         raise BehemothError("sequence parallelism needs a sequence_input entry (the first block) in the plan", "add one")

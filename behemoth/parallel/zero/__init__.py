@@ -11,9 +11,30 @@ class per stage), ../chunked.py (DCP chunks keyed by single-process names).
 """
 
 from behemoth.parallel.zero.runtime import (
-    MAX_BUCKETS_IN_FLIGHT, ZeroPolicy, ZeroStage1, ZeroStage2, ZeroStage3, ZeroSync, apply_zero, comm_volume, held_bytes,
+    MAX_BUCKETS_IN_FLIGHT,
+    ZeroPolicy,
+    ZeroStage1,
+    ZeroStage2,
+    ZeroStage3,
+    ZeroSync,
+    apply_zero,
+    comm_volume,
+    held_bytes,
 )
 from behemoth.parallel.zero.units import ExpertUnits, LayerNames, UnitSpec, shard_parameters
 
-__all__ = ["ExpertUnits", "LayerNames", "MAX_BUCKETS_IN_FLIGHT", "UnitSpec", "ZeroPolicy", "ZeroStage1", "ZeroStage2", "ZeroStage3", "ZeroSync",
-           "apply_zero", "comm_volume", "held_bytes", "shard_parameters"]
+__all__ = [
+    "ExpertUnits",
+    "LayerNames",
+    "MAX_BUCKETS_IN_FLIGHT",
+    "UnitSpec",
+    "ZeroPolicy",
+    "ZeroStage1",
+    "ZeroStage2",
+    "ZeroStage3",
+    "ZeroSync",
+    "apply_zero",
+    "comm_volume",
+    "held_bytes",
+    "shard_parameters",
+]

@@ -39,9 +39,9 @@ StateSpec = dict[str, tuple[int, torch.dtype]]
 class ShardPiece:
     """One parameter's part of a unit's shard."""
 
-    offset: int   # first element in the shard
+    offset: int  # first element in the shard
     numel: int
-    decay: bool   # weight decay applies (matrices, embeddings)
+    decay: bool  # weight decay applies (matrices, embeddings)
 
 
 def shard_pieces(layout: FlatLayout, rank: int) -> list[ShardPiece]:
@@ -87,16 +87,28 @@ class AdamFP32:
         return {"m": (shard_numel, torch.float32), "v": (shard_numel, torch.float32)}
 
     @torch.no_grad()
-    def step(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *,
-             lr: float, coef: float, step: int) -> None:
+    def step(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *, lr: float, coef: float, step: int
+    ) -> None:
         """One AdamW step of every piece (the optimizer's `step` count is `step` after it)."""
         if coef != 1.0:
             g.mul_(coef)
         for chosen in batches(pieces):
-            views = [[t[pc.offset:pc.offset + pc.numel] for pc in chosen] for t in (p, g, state["m"], state["v"])]
+            views = [[t[pc.offset : pc.offset + pc.numel] for pc in chosen] for t in (p, g, state["m"], state["v"])]
             steps = [torch.tensor(float(step - 1)) for _ in chosen]
-            adamw(*views, [], steps, foreach=True, amsgrad=False, beta1=self.settings.betas[0], beta2=self.settings.betas[1],
-                  lr=lr, weight_decay=self.settings.weight_decay if chosen[0].decay else 0.0, eps=EPS, maximize=False)
+            adamw(
+                *views,
+                [],
+                steps,
+                foreach=True,
+                amsgrad=False,
+                beta1=self.settings.betas[0],
+                beta2=self.settings.betas[1],
+                lr=lr,
+                weight_decay=self.settings.weight_decay if chosen[0].decay else 0.0,
+                eps=EPS,
+                maximize=False,
+            )
 
     def moments(self, state: dict[str, torch.Tensor], pieces: list[ShardPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 first and second moments over the shard (for checkpoints)."""
@@ -120,8 +132,10 @@ def bitsandbytes_functional() -> Any:
             warnings.simplefilter("ignore", DeprecationWarning)
             import bitsandbytes.functional as bnb_f
     except ImportError:
-        raise BehemothError("offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
-                            'install it with pip install -e ".[offload]", or use offload.optimizer_bits=32') from None
+        raise BehemothError(
+            "offload.optimizer_bits=8 needs bitsandbytes, which is not installed",
+            'install it with pip install -e ".[offload]", or use offload.optimizer_bits=32',
+        ) from None
     finally:
         quiet.setLevel(level)
     return bnb_f
@@ -144,8 +158,8 @@ class Adam8bit:
     def __init__(self, settings: AdamWSettings, device: torch.device) -> None:
         self.settings = settings
         self.F = bitsandbytes_functional()
-        self.qmap1 = self.F.create_dynamic_map(signed=True).to(device)    # signed map for the first moment
-        self.qmap2 = self.F.create_dynamic_map(signed=False).to(device)   # unsigned for the second
+        self.qmap1 = self.F.create_dynamic_map(signed=True).to(device)  # signed map for the first moment
+        self.qmap2 = self.F.create_dynamic_map(signed=False).to(device)  # unsigned for the second
 
     def state_spec(self, pieces: list[ShardPiece], shard_numel: int) -> StateSpec:
         n = block_offsets(pieces)[-1]
@@ -153,29 +167,47 @@ class Adam8bit:
 
     def _slices(self, state: dict[str, torch.Tensor], start: int, numel: int) -> tuple[torch.Tensor, ...]:
         blocks = slice(start // BLOCK, (start + math.ceil(numel / BLOCK) * BLOCK) // BLOCK)
-        return state["m"][start:start + numel], state["v"][start:start + numel], state["m_absmax"][blocks], state["v_absmax"][blocks]
+        return state["m"][start : start + numel], state["v"][start : start + numel], state["m_absmax"][blocks], state["v_absmax"][blocks]
 
     @torch.no_grad()
-    def step(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *,
-             lr: float, coef: float, step: int) -> None:
+    def step(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *, lr: float, coef: float, step: int
+    ) -> None:
         b1, b2 = self.settings.betas
         starts = dict(zip((pc.offset for pc in pieces), block_offsets(pieces)))
         for pc in pieces:
             for part, at in chunks([pc]):
                 m, v, ma, va = self._slices(state, starts[pc.offset] + at, part.numel)
                 self.F.optimizer_update_8bit_blockwise(
-                    "adam", g[part.offset:part.offset + part.numel], p[part.offset:part.offset + part.numel], m, v, b1, b2, 0.0, 0.0,
-                    EPS, step, lr, self.qmap1, self.qmap2, ma, va, weight_decay=self.settings.weight_decay if pc.decay else 0.0,
-                    gnorm_scale=coef)
+                    "adam",
+                    g[part.offset : part.offset + part.numel],
+                    p[part.offset : part.offset + part.numel],
+                    m,
+                    v,
+                    b1,
+                    b2,
+                    0.0,
+                    0.0,
+                    EPS,
+                    step,
+                    lr,
+                    self.qmap1,
+                    self.qmap2,
+                    ma,
+                    va,
+                    weight_decay=self.settings.weight_decay if pc.decay else 0.0,
+                    gnorm_scale=coef,
+                )
 
     def moments(self, state: dict[str, torch.Tensor], pieces: list[ShardPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized moments as float32 shards (the values the next step starts from)."""
         shard = max((pc.offset + pc.numel for pc in pieces), default=0)
         out = (torch.zeros(shard, device=state["m"].device), torch.zeros(shard, device=state["m"].device))
         for pc, start in zip(pieces, block_offsets(pieces)):
-            for dst, codes, absmax, qmap in zip(out, self._slices(state, start, pc.numel)[:2], self._slices(state, start, pc.numel)[2:],
-                                                (self.qmap1, self.qmap2)):
-                dst[pc.offset:pc.offset + pc.numel] = self.F.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=BLOCK)
+            for dst, codes, absmax, qmap in zip(
+                out, self._slices(state, start, pc.numel)[:2], self._slices(state, start, pc.numel)[2:], (self.qmap1, self.qmap2)
+            ):
+                dst[pc.offset : pc.offset + pc.numel] = self.F.dequantize_blockwise(codes, absmax=absmax, code=qmap, blocksize=BLOCK)
         return out
 
     def load_moments(self, state: dict[str, torch.Tensor], m: torch.Tensor, v: torch.Tensor, pieces: list[ShardPiece]) -> None:
@@ -183,7 +215,7 @@ class Adam8bit:
         for pc, start in zip(pieces, block_offsets(pieces)):
             codes_m, codes_v, absmax_m, absmax_v = self._slices(state, start, pc.numel)
             for src, codes, absmax, qmap in ((m, codes_m, absmax_m, self.qmap1), (v, codes_v, absmax_v, self.qmap2)):
-                q, qs = self.F.quantize_blockwise(src[pc.offset:pc.offset + pc.numel].contiguous(), code=qmap, blocksize=BLOCK)
+                q, qs = self.F.quantize_blockwise(src[pc.offset : pc.offset + pc.numel].contiguous(), code=qmap, blocksize=BLOCK)
                 codes.copy_(q)
                 absmax.copy_(qs.absmax)
 

@@ -76,11 +76,12 @@ class BufferMeter:
 class FlatGroup(abc.ABC):
     """Parameters laid out in one padded flat buffer; this rank's shard of their master weights and gradients."""
 
-    master: torch.Tensor      # float32 master weights of this rank's shard (may alias the compute parameters)
+    master: torch.Tensor  # float32 master weights of this rank's shard (may alias the compute parameters)
     grad_shard: torch.Tensor  # summed gradient of this rank's shard, in the compute dtype
 
-    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], group: dist.ProcessGroup, *,
-                 compute_dtype: torch.dtype, meter: CommMeter | None) -> None:
+    def __init__(
+        self, names: list[str], shapes: list[tuple[int, ...]], group: dist.ProcessGroup, *, compute_dtype: torch.dtype, meter: CommMeter | None
+    ) -> None:
         self.group, self.meter, self.compute_dtype = group, meter, compute_dtype
         self.rank = dist.get_rank(group)
         self.layout = FlatLayout(names, shapes, dist.get_world_size(group))
@@ -103,28 +104,36 @@ class ReplicatedGroup(FlatGroup):
     The two stages differ only in where a gradient lives until it is reduced: `AccumulatingBucket` (stage 1)
     keeps a full gradient buffer for the whole step; `StreamingBucket` (stage 2) keeps only the shard."""
 
-    def __init__(self, params: list[nn.Parameter], names: list[str], group: dist.ProcessGroup, *,
-                 compute_dtype: torch.dtype, meter: CommMeter | None, buffers: BufferMeter) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        names: list[str],
+        group: dist.ProcessGroup,
+        *,
+        compute_dtype: torch.dtype,
+        meter: CommMeter | None,
+        buffers: BufferMeter,
+    ) -> None:
         super().__init__(names, [tuple(p.shape) for p in params], group, compute_dtype=compute_dtype, meter=meter)
         self.params, self.buffers = params, buffers
         self.device = params[0].device
         flat32 = torch.zeros(self.layout.padded, dtype=torch.float32, device=self.device)
         for p, offset, n in zip(params, self.layout.offsets, self.layout.numels):
-            flat32[offset:offset + n].copy_(p.detach().reshape(-1))
+            flat32[offset : offset + n].copy_(p.detach().reshape(-1))
         self.separate_master = compute_dtype != torch.float32  # with float32 compute the shard of `full` is the master
         self.full = flat32.to(compute_dtype) if self.separate_master else flat32
-        self.master = flat32[self.lo:self.hi].clone() if self.separate_master else self.full[self.lo:self.hi]
+        self.master = flat32[self.lo : self.hi].clone() if self.separate_master else self.full[self.lo : self.hi]
         del flat32
         for p, view in zip(params, self.views(self.full)):
             p.data = view
         self.grad_full: torch.Tensor | None = None  # the bucket's full gradient, while it exists
-        self.ready = 0          # gradients produced in this backward
-        self.sent = False       # reduce-scatter issued in this micro-batch
+        self.ready = 0  # gradients produced in this backward
+        self.sent = False  # reduce-scatter issued in this micro-batch
         self.pending: Pending | None = None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's shaped view into a flat buffer of this group's layout."""
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.layout.offsets, self.layout.numels, self.layout.shapes)]
 
     def reduce_scatter_grads(self) -> None:
         """Start summing the bucket over ranks; this rank's shard lands in place, in its own slice."""
@@ -134,7 +143,7 @@ class ReplicatedGroup(FlatGroup):
         if self.grad_full is None:  # a stage-2 bucket that received no gradient: contribute zeros
             self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
             self.buffers.add(self.grad_full)
-        self.pending = reduce_scatter(self.grad_full[self.lo:self.hi], self.grad_full, self.group, self.meter, async_op=True)
+        self.pending = reduce_scatter(self.grad_full[self.lo : self.hi], self.grad_full, self.group, self.meter, async_op=True)
 
     def wait(self) -> None:
         """Finish the reduce-scatter."""
@@ -151,8 +160,8 @@ class ReplicatedGroup(FlatGroup):
 
     def publish(self) -> Pending | None:
         if self.separate_master:
-            self.full[self.lo:self.hi].copy_(self.master)
-        return all_gather(self.full, self.full[self.lo:self.hi], self.group, self.meter, async_op=True)
+            self.full[self.lo : self.hi].copy_(self.master)
+        return all_gather(self.full, self.full[self.lo : self.hi], self.group, self.meter, async_op=True)
 
 
 class AccumulatingBucket(ReplicatedGroup):
@@ -164,7 +173,7 @@ class AccumulatingBucket(ReplicatedGroup):
         self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
         for p, view in zip(self.params, self.views(self.grad_full)):
             p.grad = view
-        self.grad_shard = self.grad_full[self.lo:self.hi]
+        self.grad_shard = self.grad_full[self.lo : self.hi]
 
     def zero_grad(self) -> None:
         self.grad_full.zero_()
@@ -186,7 +195,7 @@ class StreamingBucket(ReplicatedGroup):
             self.grad_full = torch.zeros(self.layout.padded, dtype=self.compute_dtype, device=self.device)
             self.buffers.add(self.grad_full)
         offset, n = self.layout.offsets[index], self.layout.numels[index]
-        self.grad_full[offset:offset + n].add_(p.grad.reshape(-1))
+        self.grad_full[offset : offset + n].add_(p.grad.reshape(-1))
         p.grad = None
 
     def take_grads(self) -> None:
@@ -196,6 +205,6 @@ class StreamingBucket(ReplicatedGroup):
                 self.take_grad(p, i)
 
     def reduced(self) -> None:
-        self.grad_shard.add_(self.grad_full[self.lo:self.hi])
+        self.grad_shard.add_(self.grad_full[self.lo : self.hi])
         self.buffers.drop(self.grad_full)
         self.grad_full = None

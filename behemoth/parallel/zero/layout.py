@@ -18,9 +18,9 @@ from dataclasses import dataclass
 class Piece:
     """The part of one parameter that falls into one rank's shard."""
 
-    index: int         # the parameter's position in the group
-    start: int         # first element held, in the parameter's flattened order
-    stop: int          # one past the last element held
+    index: int  # the parameter's position in the group
+    start: int  # first element held, in the parameter's flattened order
+    stop: int  # one past the last element held
     shard_offset: int  # where `start` sits in the rank's shard
 
     @property

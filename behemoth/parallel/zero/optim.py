@@ -26,8 +26,9 @@ class ShardedAdamW(Optimizer):
         self.groups = groups
         self.adam = AdamFP32(settings)
         self.pieces = [shard_pieces(g.layout, g.rank) for g in groups]
-        self.moments = [{k: torch.zeros(g.layout.shard_size, dtype=torch.float32, device=g.master.device) for k in ("m", "v")}
-                        for g in groups]  # created now (zero, step 0) so that a checkpoint can be loaded before the first step
+        self.moments = [
+            {k: torch.zeros(g.layout.shard_size, dtype=torch.float32, device=g.master.device) for k in ("m", "v")} for g in groups
+        ]  # created now (zero, step 0) so that a checkpoint can be loaded before the first step
         self.step_tensor = torch.tensor(0.0)  # the step count, as torch's AdamW keeps it (a checkpoint loads into it)
         self.param_groups: list[dict] = [{"lr": settings.lr}]
 
@@ -70,8 +71,9 @@ def shard_chunks(layout: FlatLayout, rank: int, flat: torch.Tensor) -> dict[str,
     out = {}
     for i, (name, shape) in enumerate(zip(layout.names, layout.shapes)):
         pc = held.get(i)
-        out[name] = (chunked(flat[:0], 0, 0, shape) if pc is None
-                     else chunked(flat[pc.shard_offset:pc.shard_offset + pc.numel], pc.start, pc.stop, shape))
+        out[name] = (
+            chunked(flat[:0], 0, 0, shape) if pc is None else chunked(flat[pc.shard_offset : pc.shard_offset + pc.numel], pc.start, pc.stop, shape)
+        )
     return out
 
 

@@ -22,8 +22,9 @@ before the data-parallel reduction) or that no stage lists sits in a bucket of i
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,9 @@ class ZeroSync(GradSync):
     sharded = True
     groups: list[FlatGroup]
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None,
-                 select: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None, select: Callable[[str], bool] | None = None
+    ) -> None:
         self.model, self.group, self.policy, self.meter = model, group, policy, meter
         self.select = select or (lambda name: True)
         self.compute_dtype = DTYPES[policy.param_dtype]
@@ -94,8 +96,11 @@ class ZeroSync(GradSync):
 
     def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
         """(single-process name, this rank's slice of its summed gradient) for every piece this rank owns."""
-        return [(g.layout.names[pc.index], g.grad_shard[pc.shard_offset:pc.shard_offset + pc.numel])
-                for g in self.groups for pc in g.layout.pieces(g.rank)]
+        return [
+            (g.layout.names[pc.index], g.grad_shard[pc.shard_offset : pc.shard_offset + pc.numel])
+            for g in self.groups
+            for pc in g.layout.pieces(g.rank)
+        ]
 
     def build_optimizer(self, settings: AdamWSettings) -> ShardedAdamW:
         return ShardedAdamW(self.groups, settings)
@@ -116,15 +121,18 @@ class ZeroSync(GradSync):
         return {"params": self.param_bytes(), "grads": held_bytes(g.grad_shard for g in self.groups)}
 
 
-def plan_stage_buckets(params: list[nn.Parameter], stage_params: dict[int, list[nn.Parameter]], bucket_bytes: int
-                       ) -> tuple[dict[int, list[list[nn.Parameter]]], list[list[nn.Parameter]]]:
+def plan_stage_buckets(
+    params: list[nn.Parameter], stage_params: dict[int, list[nn.Parameter]], bucket_bytes: int
+) -> tuple[dict[int, list[list[nn.Parameter]]], list[list[nn.Parameter]]]:
     """Under a pipeline: each stage's buckets (backward order) of the `params` only it uses, and a bucket apiece for
     those two stages share or none lists. Pure (shapes only): the planner lays the buckets out with it too."""
     mine = {id(p) for p in params}
     stage_params = {stage: [p for p in ps if id(p) in mine] for stage, ps in stage_params.items()}
     uses = Counter(id(p) for ps in stage_params.values() for p in {id(q): q for q in ps}.values())
-    per_stage = {stage: plan_buckets(reversed([p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]), bucket_bytes)
-                 for stage, ps in sorted(stage_params.items())}
+    per_stage = {
+        stage: plan_buckets(reversed([p for p in params if uses[id(p)] == 1 and any(p is q for q in ps)]), bucket_bytes)
+        for stage, ps in sorted(stage_params.items())
+    }
     return per_stage, [[p] for p in params if uses[id(p)] != 1]
 
 
@@ -133,15 +141,22 @@ class ZeroStage1(ZeroSync):
 
     bucket_type: type[ReplicatedGroup] = AccumulatingBucket
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *,
-                 stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None,
-                 select: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        policy: ZeroPolicy,
+        *,
+        stage_params: dict[int, list[nn.Parameter]] | None = None,
+        meter: CommMeter | None = None,
+        select: Callable[[str], bool] | None = None,
+    ) -> None:
         super().__init__(model, group, policy, meter, select)
         self.last = True
         self.buffers = BufferMeter()
         self.in_flight: list[ReplicatedGroup] = []
         self.stage_buckets: dict[int, list[ReplicatedGroup]] = {}  # pipeline stage -> its buckets (reduced by stage_done)
-        self.deferred: list[ReplicatedGroup] = []                  # buckets reduced once, at finish
+        self.deferred: list[ReplicatedGroup] = []  # buckets reduced once, at finish
         self.groups = self._buckets(int(policy.bucket_mb * 2**20), stage_params)
 
     def _buckets(self, bucket_bytes: int, stage_params: dict[int, list[nn.Parameter]] | None) -> list[FlatGroup]:
@@ -155,13 +170,16 @@ class ZeroStage1(ZeroSync):
         frozen = [n for n, p in named if not p.requires_grad]
         undescribed = [n for n, p in named if hasattr(p, FULL_NAME) and not hasattr(p, TP_LAYOUT) and not hasattr(p, EXPERT_LAYOUT)]
         if frozen or undescribed:
-            raise BehemothError(f"ZeRO stage {self.policy.stage} needs every parameter trainable and whole or tensor-parallel "
-                                f"(got {(frozen or undescribed)[0]})", "use parallel.zero_stage=0 for frozen parameters")
+            raise BehemothError(
+                f"ZeRO stage {self.policy.stage} needs every parameter trainable and whole or tensor-parallel (got {(frozen or undescribed)[0]})",
+                "use parallel.zero_stage=0 for frozen parameters",
+            )
         names = {id(p): getattr(p, FULL_NAME, n) for n, p in named}
 
         def bucket(params: list[nn.Parameter]) -> ReplicatedGroup:
-            return self.bucket_type(params, [names[id(p)] for p in params], self.group, compute_dtype=self.compute_dtype,
-                                    meter=self.meter, buffers=self.buffers)
+            return self.bucket_type(
+                params, [names[id(p)] for p in params], self.group, compute_dtype=self.compute_dtype, meter=self.meter, buffers=self.buffers
+            )
 
         params = [p for _, p in named]
         if stage_params is None:
@@ -183,6 +201,7 @@ class ZeroStage1(ZeroSync):
                 g.ready += 1
                 if g.ready == len(g.params):
                     self._launch(g)
+
         return hook
 
     def take(self, g: ReplicatedGroup, p: torch.Tensor, index: int) -> bool:
@@ -258,8 +277,9 @@ class ZeroStage2(ZeroStage1):
 class ZeroStage3(ZeroSync):
     """Parameters sharded too: each unit gathered just before its forward and backward and freed after."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec],
-                 meter: CommMeter | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec], meter: CommMeter | None = None
+    ) -> None:
         super().__init__(model, group, policy, meter)
         self.stage3 = Stage3(model, units, group, prefetch=policy.prefetch, compute_dtype=self.compute_dtype, meter=meter)
         self.groups = list(self.stage3.units)
@@ -283,9 +303,16 @@ class ZeroStage3(ZeroSync):
         self.stage3.grad_bytes.measure()
 
 
-def apply_zero(model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, *, units: list[UnitSpec] | None = None,
-               stage_params: dict[int, list[nn.Parameter]] | None = None, meter: CommMeter | None = None,
-               select: Callable[[str], bool] | None = None) -> ZeroSync:
+def apply_zero(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    policy: ZeroPolicy,
+    *,
+    units: list[UnitSpec] | None = None,
+    stage_params: dict[int, list[nn.Parameter]] | None = None,
+    meter: CommMeter | None = None,
+    select: Callable[[str], bool] | None = None,
+) -> ZeroSync:
     """Shard `model`'s optimizer state (and gradients, and parameters) over `group` at ZeRO `policy.stage`.
 
     Stage 3 takes the units `shard_parameters` made before materialize (each over its own group: a mixture of

@@ -23,7 +23,8 @@ parameters live in one padded flat layout of which each rank keeps a 1/N shard.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ class SavedView:
 
     __slots__ = ("unit", "size", "stride", "offset")
 
-    def __init__(self, unit: "ShardedUnit", t: torch.Tensor) -> None:
+    def __init__(self, unit: ShardedUnit, t: torch.Tensor) -> None:
         self.unit, self.size, self.stride, self.offset = unit, t.size(), t.stride(), t.storage_offset()
 
 
@@ -47,7 +48,7 @@ class GatherParams(torch.autograd.Function):
     """Forward: the unit's gathered flat parameters. Backward: reduce-scatter of their gradient."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, unit: "ShardedUnit") -> torch.Tensor:
+    def forward(ctx: Any, anchor: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
         ctx.unit = unit
         return unit.gathered()
 
@@ -60,8 +61,7 @@ class GatherParams(torch.autograd.Function):
 class ShardedUnit(FlatGroup):
     """One unit's shard (float32 master, compute copy, gradient) and its gather/free life cycle."""
 
-    def __init__(self, spec: UnitSpec, group: dist.ProcessGroup, stage3: "Stage3", *, compute_dtype: torch.dtype,
-                 meter: CommMeter | None) -> None:
+    def __init__(self, spec: UnitSpec, group: dist.ProcessGroup, stage3: Stage3, *, compute_dtype: torch.dtype, meter: CommMeter | None) -> None:
         super().__init__(spec.names, spec.shapes, group, compute_dtype=compute_dtype, meter=meter)
         self.spec, self.stage3 = spec, stage3
         first = next(getattr(*locs[0]) for locs in spec.locations)
@@ -69,7 +69,7 @@ class ShardedUnit(FlatGroup):
         self.master = torch.zeros(self.layout.shard_size, dtype=torch.float32, device=device)
         for piece in self.layout.pieces(self.rank):
             local = getattr(*spec.locations[piece.index][0])
-            self.master[piece.shard_offset:piece.shard_offset + piece.numel].copy_(local.detach())
+            self.master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(local.detach())
         for locations in spec.locations:
             for module, attr in locations:
                 delattr(module, attr)
@@ -79,8 +79,8 @@ class ShardedUnit(FlatGroup):
         self.buffer: torch.Tensor | None = None
         self.pending: Pending | None = None
         self.installed = False
-        self.reads: list[ShardedUnit] = []     # units this one's forward also needs (Stage3 links them)
-        self.uses = 0                           # entries in this forward whose gradient has not come back yet
+        self.reads: list[ShardedUnit] = []  # units this one's forward also needs (Stage3 links them)
+        self.uses = 0  # entries in this forward whose gradient has not come back yet
         self.grad_sum: torch.Tensor | None = None  # gradients of the uses that came back, while others are pending
 
     def start_gather(self) -> None:
@@ -149,8 +149,9 @@ class ShardedUnit(FlatGroup):
 class Stage3:
     """Hooks that gather, free and prefetch units around forward and backward, and the reduce-scatters in flight."""
 
-    def __init__(self, model: nn.Module, specs: list[UnitSpec], group: dist.ProcessGroup, *, prefetch: int,
-                 compute_dtype: torch.dtype, meter: CommMeter | None) -> None:
+    def __init__(
+        self, model: nn.Module, specs: list[UnitSpec], group: dist.ProcessGroup, *, prefetch: int, compute_dtype: torch.dtype, meter: CommMeter | None
+    ) -> None:
         self.prefetch = prefetch
         self.gathered_bytes, self.grad_bytes = BufferMeter(), BufferMeter()
         self.live: dict[int, ShardedUnit] = {}
@@ -218,6 +219,7 @@ class Stage3:
         def hook(module: nn.Module, args: Any) -> None:
             self.leave(done)  # the first block: the embedding's part of the forward is over
             self.enter(unit)
+
         return hook
 
     def _block_end(self, unit: ShardedUnit, then: list[ShardedUnit]) -> Callable[..., None]:
@@ -225,15 +227,18 @@ class Stage3:
             self.leave([unit])
             for nxt in then:  # the last block: the head's part of the forward begins
                 self.enter(nxt)
+
         return hook
 
     def _ensure_installed(self, unit: ShardedUnit) -> Callable[..., None]:
         """Activation recomputation re-runs a block's forward in backward, without the block's own hooks:
         the first layer that needs the parameters gathers and installs them (freed when the gradient is done)."""
+
         def hook(module: nn.Module, args: Any) -> None:
             if not unit.installed:  # views that require grad, as in forward, so the same tensors are saved
                 unit.install(unit.gathered().detach().requires_grad_(torch.is_grad_enabled()))
                 self.prefetch_after(unit, self.backward_order)
+
         return hook
 
     def prefetch_after(self, unit: ShardedUnit, order: list[ShardedUnit]) -> None:
@@ -241,7 +246,7 @@ class Stage3:
         if unit not in order:
             return
         i = order.index(unit)
-        for nxt in order[i + 1:i + 1 + self.prefetch]:
+        for nxt in order[i + 1 : i + 1 + self.prefetch]:
             for u in (nxt, *nxt.reads):
                 u.start_gather()
 
@@ -266,7 +271,7 @@ class Stage3:
         while len(self.in_flight) > keep:
             pending, unit, grad = self.in_flight.pop(0)
             pending.wait()
-            unit.grad_shard.add_(grad[unit.lo:unit.hi])
+            unit.grad_shard.add_(grad[unit.lo : unit.hi])
             self.grad_bytes.drop(grad)
 
     def finish(self) -> None:

@@ -42,8 +42,8 @@ class LayerNames(Protocol):
     """Where a model keeps its parts, by module name (pipeline/views.py's `LayeredView` is one)."""
 
     first: tuple[str, ...]  # embedding modules
-    blocks: str             # the ModuleList of blocks
-    last: tuple[str, ...]   # head modules (final norm, LM head)
+    blocks: str  # the ModuleList of blocks
+    last: tuple[str, ...]  # head modules (final norm, LM head)
 
 
 @dataclass(eq=False)
@@ -56,9 +56,9 @@ class UnitSpec:
     names: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     locations: list[list[Location]] = field(default_factory=list)
-    reads: list["UnitSpec"] = field(default_factory=list)
-    group: dist.ProcessGroup | None = None                     # sharded over this group (None: the sync's group)
-    callers: list[nn.Module] = field(default_factory=list)     # modules whose forward reads these parameters (default: their owners)
+    reads: list[UnitSpec] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None  # sharded over this group (None: the sync's group)
+    callers: list[nn.Module] = field(default_factory=list)  # modules whose forward reads these parameters (default: their owners)
 
     def install(self, layout: FlatLayout, full: torch.Tensor) -> None:
         """Every parameter registered as a view of the unit's gathered flat buffer `full`, wherever the model reads it
@@ -75,15 +75,17 @@ class UnitSpec:
                     delattr(module, attr)
 
 
-def gather_unit(shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup, meter: CommMeter | None = None, *,
-                async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+def gather_unit(
+    shard: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False
+) -> tuple[torch.Tensor, Pending]:
     """A unit's full flat parameters, all-gathered from every rank's shard into a new buffer, and the gather."""
     full = torch.empty(layout.padded, dtype=shard.dtype, device=shard.device)
     return full, all_gather(full, shard, group, meter, async_op=async_op)
 
 
-def reduce_scatter_unit(grad: torch.Tensor, layout: FlatLayout, rank: int, group: dist.ProcessGroup,
-                        meter: CommMeter | None = None, *, async_op: bool = False) -> Pending:
+def reduce_scatter_unit(
+    grad: torch.Tensor, layout: FlatLayout, rank: int, group: dist.ProcessGroup, meter: CommMeter | None = None, *, async_op: bool = False
+) -> Pending:
     """A unit's full flat gradient summed over ranks, in place: this rank's shard lands in grad[lo:hi]."""
     lo, hi = layout.shard_range(rank)
     return reduce_scatter(grad[lo:hi], grad, group, meter, async_op=async_op)
@@ -107,8 +109,14 @@ def split_expert_units(model: nn.Module, specs: list[UnitSpec], experts: ExpertU
             out.append(spec)
             continue
         rest = [i for i in range(len(spec.names)) if i not in picked]
-        part = lambda idx, **kw: UnitSpec(spec.role, spec.module, [spec.names[i] for i in idx], [spec.shapes[i] for i in idx],  # noqa: E731
-                                          [spec.locations[i] for i in idx], **kw)
+        part = lambda idx, **kw: UnitSpec(
+            spec.role,
+            spec.module,
+            [spec.names[i] for i in idx],
+            [spec.shapes[i] for i in idx],  # noqa: E731
+            [spec.locations[i] for i in idx],
+            **kw,
+        )
         owners = {names[id(m)].rpartition(".")[0] for i in picked for m, _ in spec.locations[i]}
         out += [part(rest), part(picked, group=experts.group, callers=[model.get_submodule(n) for n in sorted(owners)])]
     return [s for s in out if s.names]
@@ -169,8 +177,9 @@ def _owning_unit(model: nn.Module, mod_name: str, anchor: dict[int, int]) -> int
     return unit
 
 
-def shard_parameters(model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False,
-                     experts: ExpertUnits | None = None) -> list[UnitSpec]:
+def shard_parameters(
+    model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False, experts: ExpertUnits | None = None
+) -> list[UnitSpec]:
     """Before materialize: replace each meta parameter by this rank's 1-D piece of it, marked partial.
 
     `materialize` then draws each full parameter from (seed, name) and keeps only the piece, so a rank never

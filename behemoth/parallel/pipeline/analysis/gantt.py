@@ -5,16 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from behemoth.parallel.pipeline.schedules import COMPUTE, Action, Kind, Schedule
 from behemoth.parallel.pipeline.analysis.simulate import SimResult, run_timeline
+from behemoth.parallel.pipeline.schedules import COMPUTE, Action, Kind, Schedule
 
 COLORS = {
-    Kind.FORWARD: "#4C72B0", Kind.BACKWARD: "#DD8452", Kind.BACKWARD_INPUT: "#C44E52",
-    Kind.BACKWARD_WEIGHT: "#55A868", Kind.GRAD_SYNC: "#8172B3",
+    Kind.FORWARD: "#4C72B0",
+    Kind.BACKWARD: "#DD8452",
+    Kind.BACKWARD_INPUT: "#C44E52",
+    Kind.BACKWARD_WEIGHT: "#55A868",
+    Kind.GRAD_SYNC: "#8172B3",
 }
 NAMES = {
-    Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.BACKWARD_INPUT: "input grad (B)",
-    Kind.BACKWARD_WEIGHT: "weight grad (W)", Kind.GRAD_SYNC: "grad sync",
+    Kind.FORWARD: "forward",
+    Kind.BACKWARD: "backward",
+    Kind.BACKWARD_INPUT: "input grad (B)",
+    Kind.BACKWARD_WEIGHT: "weight grad (W)",
+    Kind.GRAD_SYNC: "grad sync",
 }
 
 
@@ -49,15 +55,18 @@ def _draw_lanes(ax, result: SimResult, schedule: Schedule) -> None:  # noqa: ANN
             if kind not in COLORS or iv.end <= iv.start:
                 continue
             alpha = 1.0 if iv.action.chunk == 0 or kind is Kind.GRAD_SYNC else 0.6
-            ax.broken_barh([(iv.start, iv.end - iv.start)], (rank - 0.4, 0.8), facecolors=COLORS[kind],
-                           edgecolor="white", linewidth=0.6, alpha=alpha)
+            ax.broken_barh([(iv.start, iv.end - iv.start)], (rank - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white", linewidth=0.6, alpha=alpha)
             text = "S" if kind is Kind.GRAD_SYNC else str(iv.action.microbatch)
             ax.text((iv.start + iv.end) / 2, rank, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(schedule.ranks), [f"rank {r}" for r in range(schedule.ranks)])
     ax.set_ylim(schedule.ranks - 0.5, -0.5)
     ax.set_xlim(0, result.step_time)
-    ax.set_title(f"{schedule.name}: p={schedule.ranks}, m={schedule.microbatches}, v={schedule.chunks}   "
-                 f"step {result.step_time:.4g}, bubble {result.bubble_fraction:.1%}", fontsize=9, loc="left")
+    ax.set_title(
+        f"{schedule.name}: p={schedule.ranks}, m={schedule.microbatches}, v={schedule.chunks}   "
+        f"step {result.step_time:.4g}, bubble {result.bubble_fraction:.1%}",
+        fontsize=9,
+        loc="left",
+    )
 
 
 def draw_gantt(runs: Sequence[tuple[Schedule, SimResult]], path: str | Path, *, time_unit: str = "ms") -> Path:
@@ -73,10 +82,8 @@ def draw_gantt(runs: Sequence[tuple[Schedule, SimResult]], path: str | Path, *, 
     for ax, (schedule, result) in zip(axes, runs):
         _draw_lanes(ax, result, schedule)
     axes[-1].set_xlabel(f"time ({time_unit}); lighter boxes: a rank's second or later model chunk")
-    kinds = sorted({iv.action.kind for _, r in runs for row in r.timeline for iv in row if iv.action.kind in COLORS},
-                   key=list(COLORS).index)
-    fig.legend(handles=[Patch(color=COLORS[k], label=NAMES[k]) for k in kinds], loc="outside upper right",
-               ncols=len(kinds), fontsize=8)
+    kinds = sorted({iv.action.kind for _, r in runs for row in r.timeline for iv in row if iv.action.kind in COLORS}, key=list(COLORS).index)
+    fig.legend(handles=[Patch(color=COLORS[k], label=NAMES[k]) for k in kinds], loc="outside upper right", ncols=len(kinds), fontsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from behemoth.comm import gather_object
+from behemoth.parallel.pipeline.analysis.simulate import Costs, _Run
 from behemoth.parallel.pipeline.executor import StepTrace
 from behemoth.parallel.pipeline.schedules import COMPUTE, Kind, Schedule
-from behemoth.parallel.pipeline.analysis.simulate import Costs, _Run
 
 
 @dataclass(frozen=True)

@@ -105,14 +105,21 @@ class _Rendezvous:
                 steps.append(("end", -1, i))
         return steps
 
-    def _check_placement(self, rank: int, actions: list[Action], compute: list[int], at: int, j: int,
-                         group_of: dict[int, int]) -> None:
+    def _check_placement(self, rank: int, actions: list[Action], compute: list[int], at: int, j: int, group_of: dict[int, int]) -> None:
         """A transfer sits in one group; a send's group goes out after its producer, a receive's by its RECV action."""
         a = actions[j]
         passes = bisect.bisect_left(compute, j) - bisect.bisect_left(compute, at)  # passes between the issue and action j
-        problem = ("is in two groups" if j in group_of else "is not a transfer" if a.kind not in SENDS and a.kind not in RECVS
-                   else "is issued before the pass that produces it" if a.kind in SENDS and (passes or at > j)
-                   else "is posted after its RECV action" if at > j else None)
+        problem = (
+            "is in two groups"
+            if j in group_of
+            else "is not a transfer"
+            if a.kind not in SENDS and a.kind not in RECVS
+            else "is issued before the pass that produces it"
+            if a.kind in SENDS and (passes or at > j)
+            else "is posted after its RECV action"
+            if at > j
+            else None
+        )
         if problem is not None:
             raise ScheduleError(f"schedule {self.s.name}: rank {rank}'s action {j} {a}, grouped before action {at}, {problem}")
 
@@ -135,7 +142,8 @@ class _Rendezvous:
                 raise ScheduleError(
                     f"schedule {self.s.name} mismatches under NCCL's in-order matching: rank {src}'s send #{seq} to rank {dst} "
                     f"is {self.describe(send)} but rank {dst}'s receive #{seq} from rank {src} is {self.describe(recv)}",
-                    "issue the transfers of a pair in the same order on both ranks")
+                    "issue the transfers of a pair in the same order on both ranks",
+                )
 
     def describe(self, op: _Op) -> str:
         a = self.s.per_rank[op.rank][op.index]
@@ -183,8 +191,11 @@ class _Rendezvous:
             pass
         stuck = [r for r in range(self.s.ranks) if self.pc[r] < len(self.programs[r])]
         if stuck:
-            raise ScheduleError(f"schedule {self.s.name} deadlocks under NCCL's rendezvous p2p, its transfers grouped as issued: "
-                                + "; ".join(self._why(r) for r in stuck), "post the receives in another order (p2p_groups)")
+            raise ScheduleError(
+                f"schedule {self.s.name} deadlocks under NCCL's rendezvous p2p, its transfers grouped as issued: "
+                + "; ".join(self._why(r) for r in stuck),
+                "post the receives in another order (p2p_groups)",
+            )
         return sum(op.send and op.done for op in self.ops)
 
     def _why(self, rank: int) -> str:
@@ -198,10 +209,8 @@ class _Rendezvous:
             if op.partner is None:
                 return f"{where}: its stream is stuck at {self.describe(op)}, which rank {op.peer} has not issued yet"
             theirs = self.ops[op.partner]
-            blocker = next(self.ops[o] for o in self.groups[self.streams[self.groups[theirs.group].stream][0]].ops
-                           if not self.ops[o].done)
-            return (f"{where}: its stream is stuck at {self.describe(op)}, whose match on rank {op.peer} is queued behind "
-                    f"{self.describe(blocker)}")
+            blocker = next(self.ops[o] for o in self.groups[self.streams[self.groups[theirs.group].stream][0]].ops if not self.ops[o].done)
+            return f"{where}: its stream is stuck at {self.describe(op)}, whose match on rank {op.peer} is queued behind {self.describe(blocker)}"
         return where
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from behemoth.errors import BehemothError, exit_code
 from behemoth.parallel.pipeline.analysis.gantt import draw_gantt, format_grid
-from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
 from behemoth.parallel.pipeline.analysis.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
 from behemoth.parallel.pipeline.analysis.validate import validate
+from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,14 @@ def compare(stages: int, microbatches: int, chunks: int, costs: Costs) -> list[C
             rows.append(Comparison(name, skipped=str(err)))
             continue
         validate(schedule)
-        rows.append(Comparison(name, schedule, simulate(schedule, stage_costs(name, v, costs)),
-                               closed_form_bubble(name, stages, microbatches, v, stage_costs(name, v, costs))))
+        rows.append(
+            Comparison(
+                name,
+                schedule,
+                simulate(schedule, stage_costs(name, v, costs)),
+                closed_form_bubble(name, stages, microbatches, v, stage_costs(name, v, costs)),
+            )
+        )
     return rows
 
 
@@ -67,17 +73,19 @@ def format_table(rows: list[Comparison], unit: str = "ms") -> str:
         mark = "" if cf.exact else "*"
         starred += [] if cf.exact else [f"  * {row.name}: {cf.formula} assumes {cf.assumption}"]
         stash = f"{res.peak_stash[0]}/{res.peak_stash[-1]}/{max(res.peak_stash)}"
-        lines.append(f"{row.name:<12} {res.step_time:>10.4g} {res.bubble_fraction:>10.4f} "
-                     f"{cf.bubble_fraction:>11.4f}{mark:1}  {cf.formula:<16} {stash:>20}")
-    notes = ["bubble = idle / (p x step time) over all ranks; stash = activations held at once "
-             "(per model chunk for interleaved; until W for zb-h1)"]
+        lines.append(
+            f"{row.name:<12} {res.step_time:>10.4g} {res.bubble_fraction:>10.4f} {cf.bubble_fraction:>11.4f}{mark:1}  {cf.formula:<16} {stash:>20}"
+        )
+    notes = ["bubble = idle / (p x step time) over all ranks; stash = activations held at once (per model chunk for interleaved; until W for zb-h1)"]
     return "\n".join(lines + starred + notes)
 
 
 def schedule_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="behemoth schedule", description="Compare pipeline schedules for one configuration: "
-        "step time, bubble fraction (simulated and closed form) and stashed activations.")
+        prog="behemoth schedule",
+        description="Compare pipeline schedules for one configuration: "
+        "step time, bubble fraction (simulated and closed form) and stashed activations.",
+    )
     parser.add_argument("--stages", type=int, required=True, metavar="P", help="pipeline ranks (Chimera: D, even)")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M", help="micro-batches per optimizer step")
     parser.add_argument("--chunks", type=int, default=2, metavar="V", help="model chunks per rank for interleaved (default 2)")
@@ -86,8 +94,9 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-ms", type=float, default=1.0, metavar="W", help="weight-gradient pass")
     parser.add_argument("--p2p-ms", type=float, default=0.0, metavar="X", help="latency of one point-to-point transfer")
     parser.add_argument("--grad-sync-ms", type=float, default=0.0, metavar="S", help="Chimera's per-stage gradient all-reduce")
-    parser.add_argument("--grid", choices=list(SCHEDULES), metavar="NAME",
-                        help=f"print this schedule's rank x time grid in unit slots ({', '.join(SCHEDULES)})")
+    parser.add_argument(
+        "--grid", choices=list(SCHEDULES), metavar="NAME", help=f"print this schedule's rank x time grid in unit slots ({', '.join(SCHEDULES)})"
+    )
     parser.add_argument("--gantt", metavar="FILE.png", help="write a Gantt chart: the --grid schedule, or all of them")
     return parser
 
@@ -104,8 +113,10 @@ def run_schedule_report(args: argparse.Namespace) -> int:
     costs = _check_costs(args)
     check_request("gpipe", args.stages, args.microbatches)  # what every schedule needs: p >= 1, m >= 1
     rows = compare(args.stages, args.microbatches, args.chunks, costs)
-    print(f"pipeline schedules for p={args.stages}, m={args.microbatches}, v={args.chunks} for interleaved; "
-          f"F={costs.forward:g} B={costs.backward:g} W={costs.weight:g} p2p={costs.p2p:g} ms")
+    print(
+        f"pipeline schedules for p={args.stages}, m={args.microbatches}, v={args.chunks} for interleaved; "
+        f"F={costs.forward:g} B={costs.backward:g} W={costs.weight:g} p2p={costs.p2p:g} ms"
+    )
     print(format_table(rows))
     chosen = [r for r in rows if r.result is not None and args.grid in (None, r.name)]
     if args.grid is not None:

@@ -116,10 +116,8 @@ class _Run:
                     progress = True
         stuck = [r for r in range(self.schedule.ranks) if self.cursor[r] < lengths[r]]
         if stuck:
-            waits = "; ".join(f"rank {r} waits at action {self.cursor[r]} {self.schedule.per_rank[r][self.cursor[r]]}"
-                              for r in stuck)
-            raise ScheduleError(f"schedule {self.schedule.name} deadlocks: {waits}",
-                                "reorder the sends before the receives they unblock")
+            waits = "; ".join(f"rank {r} waits at action {self.cursor[r]} {self.schedule.per_rank[r][self.cursor[r]]}" for r in stuck)
+            raise ScheduleError(f"schedule {self.schedule.name} deadlocks: {waits}", "reorder the sends before the receives they unblock")
         return self.timeline
 
 
@@ -150,6 +148,7 @@ def peak_stash(schedule: Schedule) -> tuple[int, ...]:
     unit is one chunk's activations, 1/v of a full pipeline stage's. The count follows from the action
     order alone, not from timing.
     """
+
     def releases(a: Action) -> bool:
         if not schedule.split_backward:
             return a.kind is Kind.BACKWARD
@@ -176,8 +175,10 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     for field in ("forward", "backward", "weight"):
         value = getattr(costs, field)
         if not isinstance(value, (int, float)) and len(value) != schedule.num_stages:
-            raise ScheduleError(f"costs.{field} has {len(value)} per-stage values for {schedule.num_stages} stages",
-                                f"give one number, or one per stage ({schedule.num_stages})")
+            raise ScheduleError(
+                f"costs.{field} has {len(value)} per-stage values for {schedule.num_stages} stages",
+                f"give one number, or one per stage ({schedule.num_stages})",
+            )
     timeline = run_timeline(schedule, costs)
     step = max((row[-1].end for row in timeline if row), default=0.0)
     busy = tuple(sum(i.end - i.start for i in row if i.action.kind in COMPUTE) for row in timeline)
@@ -230,10 +231,13 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs = Cos
         tf, tb, tw = (tf, tb, tw) if uniform else (1.0, 1.0, 1.0)
         bubble, ideal = (p - 1) * (tf + tb - tw), m * (tf + tb + tw)
         formula = "(p-1)/(3m+p-1)" if tf == tb == tw else "x/(m(F+B+W)+x)"
-        return ClosedForm(bubble / (ideal + bubble), formula, uniform and m >= p and tw <= tf,
-                          base + ", m >= p and tW <= tF; x = (p-1)(tF+tB-tW)")
+        return ClosedForm(bubble / (ideal + bubble), formula, uniform and m >= p and tw <= tf, base + ", m >= p and tW <= tF; x = (p-1)(tF+tB-tW)")
     if name == "chimera":
         equal = uniform and costs.grad_sync == 0 and abs(tf - (tb + tw)) <= 1e-12 * tf
-        return ClosedForm((p - 2) / (2 * m + p - 2), "(D-2)/(2N+D-2)", equal and m % p == 0,
-                          base + ", free grad sync, forward = full backward (tF = tB + tW), N a multiple of D")
+        return ClosedForm(
+            (p - 2) / (2 * m + p - 2),
+            "(D-2)/(2N+D-2)",
+            equal and m % p == 0,
+            base + ", free grad sync, forward = full backward (tF = tB + tW), N a multiple of D",
+        )
     raise ScheduleError(f"schedule={name!r} has no closed form", "use one of gpipe, 1f1b, interleaved, zb-h1, chimera")

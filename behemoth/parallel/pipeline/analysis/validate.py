@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from behemoth.parallel.pipeline.schedules import (
-    BACKWARDS, COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError,
-)
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.analysis.simulate import run_timeline
+from behemoth.parallel.pipeline.schedules import BACKWARDS, COMPUTE, RECVS, SENDS, Action, Kind, Schedule, ScheduleError
 
 
 def _fail(schedule: Schedule, rank: int, index: int | None, problem: str) -> ScheduleError:
