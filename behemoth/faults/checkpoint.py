@@ -390,27 +390,46 @@ def export_safetensors(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
     tmp = out.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(len(head).to_bytes(8, "little") + head)
-        for name, t in specs.items():
-            f.write(load_tensor(ckpt, name, t).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        for batch in export_batches(specs):
+            for value in load_tensors(ckpt, batch).values():
+                f.write(value.contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b"")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out)
     return out
 
 
-def load_tensor(ckpt: Path, name: str, like: torch.Tensor) -> torch.Tensor:
-    """One consolidated model tensor of checkpoint `ckpt` (saved under any layout), in one process."""
-    value = torch.empty(like.shape, dtype=like.dtype)
+EXPORT_BATCH_BYTES = 256 * 2**20  # memory holds at most this much of the model at once (or one larger tensor)
+
+
+def export_batches(specs: dict[str, torch.Tensor], limit: int = EXPORT_BATCH_BYTES) -> list[dict[str, torch.Tensor]]:
+    """The tensors in order, in runs of at most `limit` bytes: one checkpoint read per run, not per tensor."""
+    batches: list[dict[str, torch.Tensor]] = [{}]
+    held = 0
+    for name, t in specs.items():
+        n = t.numel() * t.element_size()
+        if batches[-1] and held + n > limit:
+            batches.append({})
+            held = 0
+        batches[-1][name] = t
+        held += n
+    return [b for b in batches if b]
+
+
+def load_tensors(ckpt: Path, likes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Consolidated model tensors of checkpoint `ckpt` (saved under any layout), in one process, in `likes`' order."""
+    values = {name: torch.empty(like.shape, dtype=like.dtype) for name, like in likes.items()}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load({"model": {name: value}}, ckpt, no_dist=True)
+            dcp_load({"model": values}, ckpt, no_dist=True)
     except BehemothError:
         raise
     except (Exception, CheckpointException) as err:
         first = (str(err).strip().splitlines() or [err.__class__.__name__])[0][:200]
-        raise BehemothError(f"checkpoint {ckpt} does not hold this model's {name} ({first})", "export with the run's own config") from None
-    return value
+        names = ", ".join(list(likes)[:3]) + (", ..." if len(likes) > 3 else "")
+        raise BehemothError(f"checkpoint {ckpt} does not hold this model's {names} ({first})", "export with the run's own config") from None
+    return values
 
 
 def export_pretrained(ckpt: Path, out: Path, model: torch.nn.Module) -> Path:
