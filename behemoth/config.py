@@ -68,14 +68,20 @@ class RunConfig(Section):
     timeout_s: float = Field(300.0, gt=0, description="longest wait on another process before failing")
 
 
+# a storage tier (parallel/zero/tiers.py): device, host, disk; `none` and `cpu` are the older spellings of device and host
+Tier = Literal["device", "host", "none", "cpu", "disk"]
+
+
 class OffloadConfig(Section):
     """Where model states live (offload/): each of parameters, gradients and optimizer state on a tier, streamed per unit."""
 
-    params: Literal["none", "cpu", "disk"] = Field("none", description="parameters: none (device memory), cpu (host memory), disk (offload.dir)")
-    grads: Literal["auto", "none", "cpu", "disk"] = Field(
+    params: Tier = Field(
+        "device", description="parameters: device (device memory), host (host memory), disk (offload.dir); none, cpu: older spellings"
+    )
+    grads: Literal["auto"] | Tier = Field(
         "auto", description="gradients kept between micro-batches or until a deferred step (auto: the parameters' tier)"
     )
-    optimizer: Literal["none", "cpu", "disk"] = Field("none", description="Adam moments")
+    optimizer: Tier = Field("device", description="Adam moments (a tier, as offload.params)")
     dir: str | None = Field(None, description="scratch directory of the disk tier (default <run.dir>/offload-scratch); never a checkpoint")
     prefetch: int = Field(2, ge=0, description="units read ahead by the I/O threads")
     io_threads: int = Field(2, ge=1, description="background threads that read, write back and step units")
@@ -95,7 +101,7 @@ class OffloadConfig(Section):
     @property
     def enabled(self) -> bool:
         """Whether the streaming runtime runs: any state placed on a tier, or 8-bit moments."""
-        return any(t not in ("none", "auto") for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
+        return any(t not in ("device", "none", "auto") for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
 
     @property
     def grads_tier(self) -> str:

@@ -32,13 +32,13 @@ from behemoth.errors import BehemothError
 from behemoth.inference.loading import Source
 from behemoth.models.causal_lm import CausalLM
 from behemoth.models.init import draw_full
-from behemoth.offload.tiers import TIER_NAMES
+from behemoth.offload.tiers import OLDER_SPELLINGS, TIER_NAMES, tier_name
 
 if TYPE_CHECKING:
     from behemoth.inference.generate import CachePolicy, Generator
 
 
-STREAM_TIERS = tuple(t for t in TIER_NAMES if t != "none")  # where blocks wait: the tiers training's offload.params names
+STREAM_TIERS = tuple(t for t in (*TIER_NAMES, *OLDER_SPELLINGS) if tier_name(t) != "device")  # where blocks wait: offload.params tiers
 
 
 @dataclass(frozen=True)

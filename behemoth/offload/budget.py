@@ -2,7 +2,7 @@
 
 Bytes a rank holds at the worst moment of a step, on the compute device:
 
-- states kept in memory: every shard whose tier is device memory (`none`, and `cpu` on a CPU-only machine);
+- states kept in memory: every shard whose tier is device memory (`device`, and `host` on a CPU-only machine);
 - the resident units of one action (the head with a tied embedding is two): full flat parameters, their
   gradient and, over several ranks, this rank's shard kept for the step;
 - prefetched stays: a parameter shard each (and a waiting gradient shard);
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from behemoth.parallel.zero.adam import CHUNK, shard_pieces, state_bytes
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.tiers import in_device_memory
 
 F32 = 4
 
@@ -133,11 +134,6 @@ def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int) -> list[UnitSize
     for lay in layouts:
         out.append(UnitSize(lay.padded, lay.shard_size, state_bytes(shard_pieces(lay, rank), lay.shard_size, bits)))
     return out
-
-
-def in_device_memory(tier: str, device_type: str) -> bool:
-    """Whether a tier's storage is the compute device's memory (`none`; `cpu` on a CPU-only machine)."""
-    return tier == "none" or (tier == "cpu" and device_type == "cpu")
 
 
 def in_memory_state_bytes(units: list[UnitSize], tiers: dict[str, str], device_type: str, *, grads_stored: bool) -> int:

@@ -7,17 +7,20 @@ into that buffer's gradient. When a stay ends the views go, the gradient is redu
 rank's shard and handed on: complete (the runtime steps it or keeps it for a deferred step) or partial
 (written to the gradient tier, read back and added at the unit's next stay).
 
+The gather, install, uninstall and reduce-scatter are the unit runtime's (parallel/zero/units.py
+`UnitRuntime`), as in in-memory ZeRO-3; what the streamer adds is where the shard waits (a tier) and when it moves.
+
 Activations: the input of every block, for every micro-batch, is kept (activations at block boundaries);
 a block's forward runs without autograd and is recomputed from its kept input in backward, with the
-random state of its forward restored, so dropout draws the same masks. Peak activation memory is the
-boundaries plus one block's recomputation, whatever the model's size.
+random state of its forward replayed (parallel/recompute.py), so dropout draws the same masks. Peak
+activation memory is the boundaries plus one block's recomputation, whatever the model's size.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,12 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import CommMeter
 from behemoth.models.layered import LayeredView
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import Action, Residency, needs, plan_residencies
 from behemoth.offload.store import PendingStep, UnitStore
-from behemoth.parallel.zero.units import gather_unit, reduce_scatter_unit
+from behemoth.parallel.recompute import RngState, recompute_backward, save_rng
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -60,7 +62,7 @@ class PassState:
     hidden: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     ctx: dict[int, Any] = field(default_factory=dict)
-    rng: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    rng: dict[tuple[int, int], RngState] = field(default_factory=dict)
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.hidden, self.grads) for t in d.values())
@@ -81,11 +83,10 @@ class Streamer:
         prefetch: int,
         device: torch.device,
         hooks: StepHooks,
-        meter: CommMeter | None = None,
     ) -> None:
         self.model, self.view, self.stores, self.reads = model, view, stores, reads
         self.blocks = list(model.get_submodule(view.blocks))
-        self.group, self.io, self.prefetch, self.device, self.hooks, self.meter = group, io, prefetch, device, hooks, meter
+        self.group, self.io, self.prefetch, self.device, self.hooks = group, io, prefetch, device, hooks
         self.world = dist.get_world_size(group)
         self.head = len(self.blocks) + 1
         self.resident: dict[int, Loaded] = {}
@@ -145,7 +146,7 @@ class Streamer:
     def forward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable, keep_rng: bool = True) -> None:
         """A unit's forward without autograd; its output is the next block's kept input."""
         if keep_rng:
-            state.rng[(a.unit, a.mb)] = self.rng_state()
+            state.rng[(a.unit, a.mb)] = save_rng(self.device)
         with torch.no_grad(), autocast():
             if a.unit == 0:
                 h = self.view.embed(self.model, x)
@@ -166,31 +167,14 @@ class Streamer:
 
     def backward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable) -> None:
         """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
-        grad_out = state.grads.pop((a.unit, a.mb))
+        grad_out, rng = state.grads.pop((a.unit, a.mb)), state.rng.pop((a.unit, a.mb))
         if a.unit == 0:
-            with self.restored_rng(state.rng.pop((0, a.mb))), autocast():
-                out = self.view.embed(self.model, x)
-            torch.autograd.backward(out, grad_out)
+            recompute_backward(lambda ids: self.view.embed(self.model, ids), x, grad_out, rng, context=autocast, input_grad=False)
             state.ctx.pop(a.mb, None)
             return
-        h = state.hidden.pop((a.unit - 1, a.mb)).detach().requires_grad_()
-        with self.restored_rng(state.rng.pop((a.unit, a.mb))), autocast():
-            out = self.view.block(self.blocks[a.unit - 1], h, state.ctx[a.mb])
-        torch.autograd.backward(out, grad_out)
-        state.grads[(a.unit - 1, a.mb)] = h.grad
-
-    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def restored_rng(self, saved: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
-        """The random state the forward had, for the recomputation only (dropout draws the same masks)."""
-        cpu, dev = saved
-        with torch.random.fork_rng(devices=[self.device] if dev is not None else []):
-            torch.set_rng_state(cpu)
-            if dev is not None:
-                torch.cuda.set_rng_state(dev, self.device)
-            yield
+        block, ctx = self.blocks[a.unit - 1], state.ctx[a.mb]
+        h = state.hidden.pop((a.unit - 1, a.mb))
+        state.grads[(a.unit - 1, a.mb)] = recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast)
 
     # --- residency: fetch, gather, install, evict ---
 
@@ -242,17 +226,17 @@ class Streamer:
         self.fetching.discard(stay.unit)
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
-        full = gather_unit(shard, store.layout, self.group, self.meter)[0] if self.world > 1 else shard
+        full = store.gather(shard)[0] if self.world > 1 else shard
         self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads), waiting)
 
     def install(self, action: Action) -> None:
         """Fresh views of the flat parameters wherever the model reads them (fresh: each backward graph its own)."""
         for unit in needs(action, self.reads):
             loaded = self.resident[unit]
-            loaded.store.spec.install(loaded.store.layout, loaded.flat)
+            loaded.store.install(loaded.flat)
 
     def uninstall(self, unit: int) -> None:
-        self.stores[unit].spec.uninstall()
+        self.stores[unit].uninstall()
 
     def end(self, stay: Residency) -> None:
         """Evict: views removed; the stay's gradient summed over ranks to this rank's shard and handed on."""
@@ -265,10 +249,8 @@ class Streamer:
             grad = torch.zeros(store.layout.padded, dtype=torch.float32, device=self.device)
         loaded.flat.grad = None
         if self.world > 1:
-            rank = dist.get_rank(self.group)
-            reduce_scatter_unit(grad, store.layout, rank, self.group, self.meter)
-            lo, hi = store.layout.shard_range(rank)
-            grad = grad[lo:hi].clone()
+            store.reduce_scatter(grad)
+            grad = store.shard_of(grad).clone()
         if loaded.waiting is not None:
             grad.add_(loaded.waiting)
         if stay.completes:

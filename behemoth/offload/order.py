@@ -148,7 +148,7 @@ def swap_bytes(plan: ResidencyPlan, sizes: list[StateSizes], *, deferred: bool) 
     Each stay reads the parameter shard; an incomplete gradient is written to the gradient tier when its unit
     leaves (after reading and adding the one already there); a complete one is stepped at once (read the state,
     write parameters and state) or, deferred, written and stepped at the unit's first fetch of the next step
-    (read it, the state; write parameters and state). Whether a tier really moves bytes (`none` never does) is
+    (read it, the state; write parameters and state). Whether a tier really moves bytes (`device` never does) is
     the caller's to apply.
     """
     moved = {k: [0, 0] for k in ("params", "grads", "optimizer")}

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from behemoth.errors import BehemothError
 from behemoth.faults.integrity import RAW, Backing, read_dcp_metadata
-from behemoth.offload.tiers import FileTier
 from behemoth.parallel.zero.adam import ShardPiece
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.tiers import FileTier
 
 SCRATCH = "scratch"  # the folder of a checkpoint that holds the linked scratch files
 

@@ -43,11 +43,11 @@ from behemoth.offload.executor import Batch, Streamer
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import forward_order, make_order, plan_residencies, stores_grads
 from behemoth.offload.store import PendingStep, Tiers, UnitStore, ValueSource, initial_shard, safetensors_source
-from behemoth.offload.tiers import make_tier
 from behemoth.parallel.clip import weighted_square
 from behemoth.parallel.sync import AdamWSettings, GradSync, Optimizer, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.tiers import make_tier, tier_name
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
 
@@ -59,9 +59,9 @@ EIGHT_BIT = "adam8bit"  # the optimizer entries of 8-bit state in a checkpoint: 
 class OffloadPolicy:
     """Where parameters, gradients and optimizer state live, and how they stream."""
 
-    params: str = "none"
-    grads: str = "none"
-    optimizer: str = "none"
+    params: str = "device"  # a tier (parallel/zero/tiers.py); the older spellings none and cpu are read as device and host
+    grads: str = "device"
+    optimizer: str = "device"
     root: Path | None = None  # the scratch directory of the disk tier
     run_dir: str | None = None  # the run that claims it
     prefetch: int = 2
@@ -70,6 +70,10 @@ class OffloadPolicy:
     fused: bool = False  # step during backward (no clipping) or deferred to the next fetch
     bits: int = 32
     max_memory_bytes: float | None = None  # the budget the prefetch depth and the jobs in flight must fit
+
+    def __post_init__(self) -> None:
+        for kind in ("params", "grads", "optimizer"):
+            object.__setattr__(self, kind, tier_name(getattr(self, kind)))
 
     @classmethod
     def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> OffloadPolicy:
@@ -194,7 +198,7 @@ class OffloadSync(GradSync):
         self._materialize(value)
         reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
         self.streamer = Streamer(
-            self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self, meter=meter
+            self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self
         )
         self.counted = self._counters()
 
@@ -220,10 +224,9 @@ class OffloadSync(GradSync):
 
     def _materialize(self, value: ValueSource) -> None:
         """Each unit's shard drawn (or loaded) one unit at a time and put on its tier: the model is never whole in memory."""
-        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         for i, spec in enumerate(self.specs):
-            store = UnitStore(i, spec, world, rank, self.tiers)
-            store.allocate_params(initial_shard(spec, store.layout, rank, value))
+            store = UnitStore(i, spec, self.group, self.tiers, self.meter)
+            store.allocate_params(initial_shard(spec, store.layout, store.rank, value))
             for locations in spec.locations:
                 for module, attr in locations:
                     delattr(module, attr)

@@ -2,8 +2,8 @@
 
 A unit is ZeRO-3's (parallel/zero/units.py: the embedding, a block, the head), laid out flat and cut into
 equal shards over the data-parallel group (parallel/zero/layout.py), so each rank streams only its shard
-and the model is all-gathered unit by unit for compute. The store's methods that move bytes run on the
-I/O threads (`load`, `apply_step`, `save_grad`); nothing else touches a unit's tiers while they run,
+and the model is all-gathered unit by unit for compute, by the unit runtime ZeRO-3 runs (`UnitRuntime`).
+The store's methods that move bytes run on the I/O threads (`load`, `apply_step`, `save_grad`); nothing else touches a unit's tiers while they run,
 because the I/O pool orders a unit's jobs.
 """
 
@@ -14,15 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
-from behemoth.offload.tiers import Tier
 from behemoth.parallel.chunked import ChunkedTensor
 from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.optim import moment_chunks, shard_chunks
-from behemoth.parallel.zero.units import UnitSpec
+from behemoth.parallel.zero.tiers import Tier
+from behemoth.parallel.zero.units import UnitRuntime, UnitSpec
 
 ValueSource = Callable[[str, tuple[int, ...]], torch.Tensor]  # (single-process name, full shape) -> full float32 tensor
 
@@ -48,12 +50,13 @@ class PendingStep:
     step: int  # the optimizer's step count after it
 
 
-class UnitStore:
-    """A unit's shard of parameters, gradients and optimizer state on their tiers, by key."""
+class UnitStore(UnitRuntime):
+    """A ZeRO-3 unit whose shard of parameters, gradients and optimizer state lives on tiers, by key."""
 
-    def __init__(self, index: int, spec: UnitSpec, world: int, rank: int, tiers: Tiers) -> None:
-        self.index, self.spec, self.tiers, self.rank = index, spec, tiers, rank
-        self.layout = FlatLayout(spec.names, spec.shapes, world)
+    def __init__(self, index: int, spec: UnitSpec, group: dist.ProcessGroup, tiers: Tiers, meter: CommMeter | None = None) -> None:
+        self.index, self.spec, self.tiers, self.group, self.meter = index, spec, tiers, group, meter
+        rank = self.rank = dist.get_rank(group)
+        self.layout = FlatLayout(spec.names, spec.shapes, dist.get_world_size(group))
         self.raw_pieces = self.layout.pieces(rank)
         self.pieces = shard_pieces(self.layout, rank)
         self.shard_size = self.layout.shard_size

@@ -8,13 +8,20 @@ last stages, which hold little, pay no recomputation. A plan may also name the r
 
 A block is checkpointed by wrapping its `forward` in place, so module and parameter names stay
 the single-process ones (initialization and checkpoints depend on them).
+
+A streamed model (offload's streamer) cannot let autograd hold a block's graph from forward to backward: the
+block's parameters are evicted in between. It keeps each block's input and random state instead
+(`save_rng`), and in backward `recompute_backward` runs the block's forward again from that input with that
+random state (dropout draws the same masks, as torch.utils.checkpoint's preserved state does) and its backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -65,3 +72,40 @@ def apply_recompute(blocks: Iterable[nn.Module], enabled: bool) -> int:
             checkpoint_module(block)
             count += 1
     return count
+
+
+RngState = tuple[torch.Tensor, torch.Tensor | None]  # the CPU generator's state, and the device's (None off CUDA)
+
+
+def save_rng(device: torch.device) -> RngState:
+    """The random state a forward starts from, to replay it when the forward is recomputed."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def replayed_rng(saved: RngState, device: torch.device) -> Iterator[None]:
+    """The random state `saved` for the recomputation only; the generators continue as before afterwards."""
+    cpu, dev = saved
+    with torch.random.fork_rng(devices=[device] if dev is not None else []):
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.cuda.set_rng_state(dev, device)
+        yield
+
+
+def recompute_backward(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    kept: torch.Tensor,
+    grad_out: torch.Tensor,
+    saved: RngState,
+    *,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    input_grad: bool = True,
+) -> torch.Tensor | None:
+    """Backward of a segment whose forward ran without autograd: `forward` again from its kept input, with the random
+    state it had, then its backward with `grad_out`; the gradient of the input (None when `input_grad` is off: token ids)."""
+    x = kept.detach().requires_grad_() if input_grad else kept
+    with replayed_rng(saved, grad_out.device), context():
+        out = forward(x)
+    torch.autograd.backward(out, grad_out)
+    return x.grad if input_grad else None

@@ -153,18 +153,18 @@ def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
             "offload",
             f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}): "
             "expert units are not streamed, offload holds dense ZeRO-3 units only",
-            "keep the model states in memory (offload.params=none, offload.optimizer=none) or train a dense model",
+            "keep the model states in memory (offload.params=device, offload.optimizer=device) or train a dense model",
         )
     ]
 
 
 def offload_placement(cfg: Config) -> str:
-    """`offload.params=cpu, offload.optimizer=disk`: the offload options a plan sets, for a refusal's first words."""
+    """`offload.params=host, offload.optimizer=disk`: the offload options a plan sets, for a refusal's first words."""
     off = cfg.offload
     placed = [
         f"offload.{key}={value}"
         for key, value in (("params", off.params), ("grads", off.grads), ("optimizer", off.optimizer))
-        if value not in ("none", "auto")
+        if value not in ("device", "none", "auto")
     ]
     return ", ".join(placed + ([f"offload.optimizer_bits={off.optimizer_bits}"] if off.optimizer_bits != 32 else []))
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
+from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
@@ -101,8 +102,8 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
 def placed(states: tuple[float, float, float], lay: Layout) -> dict[str, tuple[float, float, float]]:
     """The (params, grads, optimizer) bytes on each tier: device (`none`), host memory (`cpu`) and `disk`."""
     kinds, off = ("params", "grads", "optimizer"), lay.offload
-    kept = [0.0 if k == "grads" and off.fused and off.tier(k) != "none" else b for k, b in zip(kinds, states)]  # fused: never stored
-    return {tier: tuple(b if off.tier(k) == tier else 0.0 for k, b in zip(kinds, kept)) for tier in ("none", "cpu", "disk")}  # type: ignore[misc]
+    kept = [0.0 if k == "grads" and off.fused and off.tier(k) != "device" else b for k, b in zip(kinds, states)]  # fused: never stored
+    return {tier: tuple(b if off.tier(k) == tier else 0.0 for k, b in zip(kinds, kept)) for tier in TIER_NAMES}  # type: ignore[misc]
 
 
 def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int) -> float:
@@ -250,13 +251,13 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     blocks = sum(n for _, n in stages)
     elements = share.stage_elements(blocks, first=first, last=last, pp=lay.pp)
     tiers = placed(state_bytes(elements, lay, work, blocks * share.experts), lay)
-    params, grads, optimizer = tiers["none"]
+    params, grads, optimizer = tiers["device"]
     tokens = lay.micro_batch * work.seq_len
     recomputes = rank in lay.recompute if recompute is None else recompute
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
-    opt_elements = elements / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "none" else 0.0
+    opt_elements = elements / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(
         rank,
@@ -269,6 +270,6 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
         deferred_gradients(share, lay, work, rank, stages, tokens),
         step,
         elements,
-        sum(tiers["cpu"]),
+        sum(tiers["host"]),
         sum(tiers["disk"]),
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from behemoth.offload.runtime import OffloadPolicy
+from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.plan import ParallelPlan
 from behemoth.planner.census import ModelCensus
 
@@ -59,18 +60,18 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
-TIERS = ("none", "cpu", "disk")  # offload.* tiers: device memory, host memory, disk
+TIERS = TIER_NAMES  # offload.* tiers: device memory, host memory, disk
 
 
 @dataclass(frozen=True)
 class Offload:
-    """Where a plan keeps each kind of model state (`offload.params/grads/optimizer`: none is device memory), the
+    """Where a plan keeps each kind of model state (`offload.params/grads/optimizer`: device is device memory), the
     Adam moments' bits, the units read ahead and whether a unit steps during backward (then no gradient is stored);
     streamed unit by unit as ZeRO-3 units (offload/)."""
 
-    params: str = "none"
-    grads: str = "none"
-    optimizer: str = "none"
+    params: str = "device"
+    grads: str = "device"
+    optimizer: str = "device"
     bits: int = 32
     prefetch: int = 2
     fused: bool = False
@@ -86,17 +87,17 @@ class Offload:
 
     @property
     def enabled(self) -> bool:
-        return any(t != "none" for t in (self.params, self.grads, self.optimizer)) or self.bits == 8
+        return any(t != "device" for t in (self.params, self.grads, self.optimizer)) or self.bits == 8
 
     def tier(self, kind: str) -> str:
         """The tier of `kind` (params, grads or optimizer)."""
         return getattr(self, kind)
 
     def describe(self) -> str:
-        """`off[p=disk g=disk o=cpu 8bit]`: the placement in one short word (empty when every state is on the device)."""
+        """`off[p=disk g=disk o=host 8bit]`: the placement in one short word (empty when every state is on the device)."""
         if not self.enabled:
             return ""
-        tiers = " ".join(f"{k[0]}={self.tier(k)}" for k in ("params", "grads", "optimizer") if self.tier(k) != "none")
+        tiers = " ".join(f"{k[0]}={self.tier(k)}" for k in ("params", "grads", "optimizer") if self.tier(k) != "device")
         return f"off[{tiers}{' 8bit' if self.bits == 8 else ''}]".replace("[ ", "[")
 
     def to_config(self, base: Any) -> dict[str, Any]:

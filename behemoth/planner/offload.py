@@ -21,6 +21,7 @@ from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
 from behemoth.offload.runtime import OffloadPolicy, fit_budget
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.tiers import in_device_memory
 from behemoth.parallel.zero.units import plan_units
 from behemoth.parallelize import offload_activations
 from behemoth.planner.rank import rank_model
@@ -52,11 +53,11 @@ class OffloadEstimate:
         return per_rank * self.ranks
 
     def moved_per_tier(self, device_type: str) -> dict[str, tuple[int, int]]:
-        """(read, written) bytes per tier that really moves them (none never does; cpu does only on a GPU)."""
+        """(read, written) bytes per tier that really moves them (device never does; host does only on a GPU)."""
         out: dict[str, list[int]] = {}
         for kind, (r, w) in self.moved.items():
             tier = self.tier_of(kind)
-            if tier == "none" or (tier == "cpu" and device_type == "cpu"):
+            if in_device_memory(tier, device_type):
                 continue
             acc = out.setdefault(tier, [0, 0])
             acc[0] += r
@@ -187,7 +188,7 @@ def offload_launch_problems(cfg: Any, world: int) -> list[Problem]:
             Problem.of(
                 "offload.dir",
                 f"offload.dir={root} needs {need / 2**30:.2f} GiB of disk for {world} rank(s) but its disk has {free / 2**30:.2f} GiB free",
-                "free space, choose another offload.dir, keep some states in memory (offload.params=none), or use offload.optimizer_bits=8",
+                "free space, choose another offload.dir, keep some states in memory (offload.params=device), or use offload.optimizer_bits=8",
             )
         ]
     return []

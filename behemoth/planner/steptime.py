@@ -259,8 +259,8 @@ def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements:
         return 0.0
     tiers = placed(state_bytes(elements, lay, work, experts), lay)
     host, share = cluster.host, cluster.devices_per_node
-    rate = {"cpu": host.memory_bandwidth_gbs * 1e9 / share, "disk": host.disk_bandwidth_gbs * 1e9 / share}
-    return sum((3 * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "none")
+    rate = {"host": host.memory_bandwidth_gbs * 1e9 / share, "disk": host.disk_bandwidth_gbs * 1e9 / share}
+    return sum((3 * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "device")
 
 
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:

@@ -1,7 +1,9 @@
 """ZeRO stage 3: each rank stores only its shard of every parameter; units are gathered on demand.
 
 A *unit* (units.py) is the embedding, a transformer block, the head, or the root (anything else). Its
-parameters live in one padded flat layout of which each rank keeps a 1/N shard.
+parameters live in one padded flat layout of which each rank keeps a 1/N shard, stored on the device tier
+(tiers.py); gather, install, uninstall and reduce-scatter are the unit runtime's (`UnitRuntime`), the same
+steps offload's streamer runs for a unit whose shard is on the host or disk tier.
 
 - forward: a unit is *entered* when its part of the forward starts: the model's pre-hook enters the
   root and the embedding, the first block's pre-hook leaves the embedding, each block's hooks enter and
@@ -32,7 +34,8 @@ from torch import nn
 
 from behemoth.comm import CommMeter, Pending
 from behemoth.parallel.zero.groups import BufferMeter, FlatGroup
-from behemoth.parallel.zero.units import UnitSpec, gather_unit, reduce_scatter_unit
+from behemoth.parallel.zero.tiers import DeviceTier, Tier
+from behemoth.parallel.zero.units import UnitRuntime, UnitSpec
 
 
 class SavedView:
@@ -58,15 +61,17 @@ class GatherParams(torch.autograd.Function):
         return None, None
 
 
-class ShardedUnit(FlatGroup):
-    """One unit's shard (float32 master, compute copy, gradient) and its gather/free life cycle."""
+class ShardedUnit(FlatGroup, UnitRuntime):
+    """One unit's shard (float32 master on its tier, compute copy, gradient) and its gather/free life cycle."""
 
-    def __init__(self, spec: UnitSpec, group: dist.ProcessGroup, stage3: Stage3, *, compute_dtype: torch.dtype, meter: CommMeter | None) -> None:
+    def __init__(
+        self, spec: UnitSpec, group: dist.ProcessGroup, stage3: Stage3, *, key: str, compute_dtype: torch.dtype, meter: CommMeter | None
+    ) -> None:
         super().__init__(spec.names, spec.shapes, group, compute_dtype=compute_dtype, meter=meter)
         self.spec, self.stage3 = spec, stage3
-        first = next(getattr(*locs[0]) for locs in spec.locations)
-        device = first.device
-        self.master = torch.zeros(self.layout.shard_size, dtype=torch.float32, device=device)
+        device = stage3.tier.device
+        stage3.tier.allocate(key, self.layout.shard_size, torch.float32)
+        self.master = stage3.tier.fetch(key)  # the device tier hands out the stored tensor itself
         for piece in self.layout.pieces(self.rank):
             local = getattr(*spec.locations[piece.index][0])
             self.master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(local.detach())
@@ -78,7 +83,6 @@ class ShardedUnit(FlatGroup):
         self.anchor = torch.empty(0, device=device, requires_grad=True)  # puts GatherParams in the graph
         self.buffer: torch.Tensor | None = None
         self.pending: Pending | None = None
-        self.installed = False
         self.reads: list[ShardedUnit] = []  # units this one's forward also needs (Stage3 links them)
         self.uses = 0  # entries in this forward whose gradient has not come back yet
         self.grad_sum: torch.Tensor | None = None  # gradients of the uses that came back, while others are pending
@@ -87,7 +91,7 @@ class ShardedUnit(FlatGroup):
         """Issue the all-gather of this unit's parameters (no-op if gathered or in flight)."""
         if self.buffer is not None:
             return
-        self.buffer, self.pending = gather_unit(self.shard, self.layout, self.group, self.meter, async_op=True)
+        self.buffer, self.pending = self.gather(self.shard, async_op=True)
         self.stage3.gathered_bytes.add(self.buffer)
 
     def gathered(self) -> torch.Tensor:
@@ -98,16 +102,6 @@ class ShardedUnit(FlatGroup):
             self.pending = None
             self.stage3.live[id(self.buffer)] = self
         return self.buffer
-
-    def install(self, full: torch.Tensor) -> None:
-        """Register each parameter as a view of the gathered buffer wherever the model expects it."""
-        self.spec.install(self.layout, full)
-        self.installed = True
-
-    def uninstall(self) -> None:
-        if self.installed:
-            self.spec.uninstall()
-            self.installed = False
 
     def release(self) -> None:
         """Drop this unit's gathered buffer; its memory returns once no view of it is left."""
@@ -136,7 +130,7 @@ class ShardedUnit(FlatGroup):
 
     def start_reduce_scatter(self, grad: torch.Tensor) -> None:
         """Sum the full gradient over ranks, asynchronously; at most one other unit's stays in flight."""
-        pending = reduce_scatter_unit(grad, self.layout, self.rank, self.group, self.meter, async_op=True)
+        pending = self.reduce_scatter(grad, async_op=True)
         self.stage3.in_flight.append((pending, self, grad))
         self.stage3.drain(keep=1)
 
@@ -156,7 +150,8 @@ class Stage3:
         self.gathered_bytes, self.grad_bytes = BufferMeter(), BufferMeter()
         self.live: dict[int, ShardedUnit] = {}
         self.in_flight: list[tuple[Pending, ShardedUnit, torch.Tensor]] = []
-        self.units = [ShardedUnit(s, s.group or group, self, compute_dtype=compute_dtype, meter=meter) for s in specs]
+        self.tier: Tier = DeviceTier(next(getattr(*locs[0]) for s in specs for locs in s.locations).device)  # where the shards live
+        self.units = [ShardedUnit(s, s.group or group, self, key=f"p.{i}", compute_dtype=compute_dtype, meter=meter) for i, s in enumerate(specs)]
         of_spec = {id(u.spec): u for u in self.units}
         for unit in self.units:
             unit.reads = [of_spec[id(r)] for r in unit.spec.reads]

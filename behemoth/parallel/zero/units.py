@@ -91,6 +91,44 @@ def reduce_scatter_unit(
     return reduce_scatter(grad[lo:hi], grad, group, meter, async_op=async_op)
 
 
+class UnitRuntime:
+    """What a ZeRO-3 unit does wherever its shard is stored (parallel/zero/tiers.py: device, host, disk): gather its
+    flat parameters (async), install them where the model reads them, uninstall them, reduce-scatter its gradient.
+    In-memory ZeRO-3 (sharded.py, the device tier) and offload's streamer (host or disk, with prefetch and
+    write-back) run these same steps; a unit sets `spec`, `layout`, `group`, `rank` and `meter`."""
+
+    spec: UnitSpec
+    layout: FlatLayout
+    group: dist.ProcessGroup
+    rank: int
+    meter: CommMeter | None
+    installed: bool = False
+
+    def gather(self, shard: torch.Tensor, *, async_op: bool = False) -> tuple[torch.Tensor, Pending]:
+        """The unit's full flat parameters, all-gathered from every rank's `shard` into a new buffer, and the gather."""
+        return gather_unit(shard, self.layout, self.group, self.meter, async_op=async_op)
+
+    def install(self, full: torch.Tensor) -> None:
+        """Every parameter registered as a view of the gathered buffer `full` wherever the model reads it."""
+        self.spec.install(self.layout, full)
+        self.installed = True
+
+    def uninstall(self) -> None:
+        """The views removed: the parameters exist only as the unit's shard again."""
+        if self.installed:
+            self.spec.uninstall()
+            self.installed = False
+
+    def reduce_scatter(self, grad: torch.Tensor, *, async_op: bool = False) -> Pending:
+        """The full flat gradient summed over ranks, in place: this rank's shard lands in `shard_of(grad)`."""
+        return reduce_scatter_unit(grad, self.layout, self.rank, self.group, self.meter, async_op=async_op)
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a flat tensor of the unit's padded layout."""
+        lo, hi = self.layout.shard_range(self.rank)
+        return full[lo:hi]
+
+
 @dataclass(frozen=True)
 class ExpertUnits:
     """Which parameters (by single-process name) are expert weights, and the group their units are sharded over."""
