@@ -26,7 +26,8 @@ from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist
-from behemoth.offload.runtime import EIGHT_BIT, OffloadSync
+from behemoth.offload.optimizer import EIGHT_BIT
+from behemoth.offload.runtime import OffloadSync
 from behemoth.planner.feasibility import refuse
 from behemoth.topology import Runtime, init_runtime
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from behemoth.errors import BehemothError
+from behemoth.offload.order import make_order, plan_residencies, stores_grads
+from behemoth.offload.policy import OffloadPolicy
 from behemoth.parallel.zero.adam import CHUNK, shard_pieces, state_bytes
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import in_device_memory
@@ -146,3 +149,57 @@ def in_memory_state_bytes(units: list[UnitSize], tiers: dict[str, str], device_t
     if in_device_memory(tiers["optimizer"], device_type):
         total += sum(u.state_bytes for u in units)
     return total
+
+
+def fit_budget(
+    policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str, tied: bool
+) -> tuple[int, int, MemoryPeak]:
+    """(prefetch depth, jobs in flight, peak) for the policy within its budget; a one-line refusal when nothing fits."""
+    sizes = unit_sizes(layouts, rank, policy.bits)
+    plan = plan_residencies(make_order(policy.order, act.n_layer, act.microbatches), {len(layouts) - 1: (0,)} if tied else {})
+    held = in_memory_state_bytes(sizes, policy.tiers, device_type, grads_stored=stores_grads(plan, deferred=not policy.fused))
+    sharded = layouts[0].world > 1 if layouts else False
+    unbounded = peak_bytes(
+        sizes,
+        act,
+        prefetch=policy.prefetch,
+        in_flight=policy.prefetch + policy.io_threads + 1,
+        sharded=sharded,
+        in_memory_states=held,
+        tied=tied,
+        io_threads=policy.io_threads,
+    )
+    if policy.max_memory_bytes is None:
+        return policy.prefetch, policy.prefetch + policy.io_threads + 1, unbounded
+    fit = fit_prefetch(
+        sizes, act, policy.max_memory_bytes, prefetch=policy.prefetch, io_threads=policy.io_threads, sharded=sharded, in_memory_states=held, tied=tied
+    )
+    if fit is None:
+        least = peak_bytes(sizes, act, prefetch=0, in_flight=1, sharded=sharded, in_memory_states=held, tied=tied, io_threads=1)
+        mib = 2**20
+        raise BehemothError(
+            f"offload.max_memory_gb={policy.max_memory_bytes / 2**30:g} is smaller than one unit plus activations: "
+            f"{least.total / mib:.1f} MiB at least (largest unit {least.resident / mib:.1f} + its step "
+            f"{least.jobs / mib:.1f} + activations {least.activations / mib:.1f} + states kept in memory "
+            f"{least.in_memory_states / mib:.1f} MiB)",
+            "raise offload.max_memory_gb, put more states on disk, shorten train.micro_batch, or split layers with parallel.tp",
+        )
+    return fit
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory(threshold: int = 2**20) -> bool:
+    """glibc: give every allocation of `threshold` bytes or more its own mapping, unmapped when freed.
+
+    The runtime allocates and frees unit-sized buffers all the time, on several threads; glibc's adaptive threshold
+    would soon serve them from its heaps (one per thread), which keep freed memory, so the resident set would grow
+    past the budget with memory nobody uses. On a GPU the caching allocator owns device memory and this is moot.
+    """
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -55,17 +55,58 @@ class Loaded:
     waiting: torch.Tensor | None
 
 
-@dataclass
-class PassState:
-    """Per-micro-batch tensors kept between actions: block inputs, their gradients, block contexts, random states."""
+class BoundaryPass:
+    """One pass's compute with activations at block boundaries: per micro-batch, each block's input (and, training, its
+    gradient, context and random state) kept between actions; a block's forward runs without autograd and its backward
+    recomputes it from the kept input (parallel/recompute.py)."""
 
-    hidden: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    ctx: dict[int, Any] = field(default_factory=dict)
-    rng: dict[tuple[int, int], RngState] = field(default_factory=dict)
+    def __init__(self, model: nn.Module, view: LayeredView, blocks: list[nn.Module], device: torch.device) -> None:
+        self.model, self.view, self.blocks, self.device = model, view, blocks, device
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.ctx: dict[int, Any] = {}
+        self.rng: dict[tuple[int, int], RngState] = {}
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.hidden, self.grads) for t in d.values())
+
+    def forward(self, a: Action, x: torch.Tensor, autocast: Callable, keep_rng: bool = True) -> None:
+        """A unit's forward without autograd; its output is the next block's kept input."""
+        if keep_rng:
+            self.rng[(a.unit, a.mb)] = save_rng(self.device)
+        with torch.no_grad(), autocast():
+            if a.unit == 0:
+                h = self.view.embed(self.model, x)
+                self.ctx[a.mb] = self.view.context(self.model, h)
+            else:
+                h = self.view.block(self.blocks[a.unit - 1], self.hidden[(a.unit - 1, a.mb)], self.ctx[a.mb])
+        self.hidden[(a.unit, a.mb)] = h
+
+    def head_logits(self, a: Action, autocast: Callable) -> torch.Tensor:
+        """The head's forward on the last block's kept output (no autograd: evaluation, generation)."""
+        with autocast():
+            return self.view.head(self.model, self.hidden.pop((a.unit - 1, a.mb)))
+
+    def head_backward(self, a: Action, y: torch.Tensor, loss_fn: Callable, autocast: Callable) -> torch.Tensor:
+        """The head's forward, the loss and its backward at once; keeps the gradient of the head's input."""
+        h = self.hidden.pop((a.unit - 1, a.mb)).detach().requires_grad_()
+        with autocast():
+            logits = self.view.head(self.model, h)
+        loss = loss_fn(logits, y)
+        loss.backward()
+        self.grads[(a.unit - 1, a.mb)] = h.grad
+        return loss.detach()
+
+    def backward(self, a: Action, x: torch.Tensor, autocast: Callable) -> None:
+        """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
+        grad_out, rng = self.grads.pop((a.unit, a.mb)), self.rng.pop((a.unit, a.mb))
+        if a.unit == 0:
+            recompute_backward(lambda ids: self.view.embed(self.model, ids), x, grad_out, rng, context=autocast, input_grad=False)
+            self.ctx.pop(a.mb, None)
+            return
+        block, ctx = self.blocks[a.unit - 1], self.ctx[a.mb]
+        h = self.hidden.pop((a.unit - 1, a.mb))
+        self.grads[(a.unit - 1, a.mb)] = recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast)
 
 
 class Streamer:
@@ -88,7 +129,6 @@ class Streamer:
         self.blocks = list(model.get_submodule(view.blocks))
         self.group, self.io, self.prefetch, self.device, self.hooks = group, io, prefetch, device, hooks
         self.world = dist.get_world_size(group)
-        self.head = len(self.blocks) + 1
         self.resident: dict[int, Loaded] = {}
         self.peak_activation_bytes = 0
 
@@ -102,18 +142,18 @@ class Streamer:
         autocast: Callable[[], contextlib.AbstractContextManager],
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of `actions`; the sum of their (scaled) losses."""
-        state, total = PassState(), torch.zeros((), device=self.device)
+        state, total = BoundaryPass(self.model, self.view, self.blocks, self.device), torch.zeros((), device=self.device)
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
 
         def compute(a: Action) -> None:
             nonlocal total
             x, y = batches[a.mb]
             if a.kind == "F":
-                self.forward(a, x, state, autocast)
+                state.forward(a, x, autocast)
             elif a.kind == "FB":
-                total = total + self.head_backward(a, y, state, loss_fn, autocast)
+                total = total + state.head_backward(a, y, loss_fn, autocast)
             else:
-                self.backward(a, x, state, autocast)
+                state.backward(a, x, autocast)
             self.peak_activation_bytes = max(self.peak_activation_bytes, state.held_bytes())
 
         self.run(actions, compute)
@@ -128,53 +168,16 @@ class Streamer:
         autocast: Callable[[], contextlib.AbstractContextManager],
     ) -> None:
         """Every input through each unit in turn (forward order); `on_logits(i, logits)` as the head produces each."""
-        state = PassState()
+        state = BoundaryPass(self.model, self.view, self.blocks, self.device)
         moved = [x.to(self.device) for x in inputs]
 
         def compute(a: Action) -> None:
             if a.kind == "F":
-                self.forward(a, moved[a.mb], state, autocast, keep_rng=False)
-                return
-            with autocast():
-                logits = self.view.head(self.model, state.hidden.pop((self.head - 1, a.mb)))
-            on_logits(a.mb, logits)
+                state.forward(a, moved[a.mb], autocast, keep_rng=False)
+            else:
+                on_logits(a.mb, state.head_logits(a, autocast))
 
         self.run(actions, compute)
-
-    # --- compute of one action ---
-
-    def forward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable, keep_rng: bool = True) -> None:
-        """A unit's forward without autograd; its output is the next block's kept input."""
-        if keep_rng:
-            state.rng[(a.unit, a.mb)] = save_rng(self.device)
-        with torch.no_grad(), autocast():
-            if a.unit == 0:
-                h = self.view.embed(self.model, x)
-                state.ctx[a.mb] = self.view.context(self.model, h)
-            else:
-                h = self.view.block(self.blocks[a.unit - 1], state.hidden[(a.unit - 1, a.mb)], state.ctx[a.mb])
-        state.hidden[(a.unit, a.mb)] = h
-
-    def head_backward(self, a: Action, y: torch.Tensor, state: PassState, loss_fn: Callable, autocast: Callable) -> torch.Tensor:
-        """The head's forward, the loss and its backward at once; keeps the gradient of the head's input."""
-        h = state.hidden.pop((a.unit - 1, a.mb)).detach().requires_grad_()
-        with autocast():
-            logits = self.view.head(self.model, h)
-        loss = loss_fn(logits, y)
-        loss.backward()
-        state.grads[(a.unit - 1, a.mb)] = h.grad
-        return loss.detach()
-
-    def backward(self, a: Action, x: torch.Tensor, state: PassState, autocast: Callable) -> None:
-        """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
-        grad_out, rng = state.grads.pop((a.unit, a.mb)), state.rng.pop((a.unit, a.mb))
-        if a.unit == 0:
-            recompute_backward(lambda ids: self.view.embed(self.model, ids), x, grad_out, rng, context=autocast, input_grad=False)
-            state.ctx.pop(a.mb, None)
-            return
-        block, ctx = self.blocks[a.unit - 1], state.ctx[a.mb]
-        h = state.hidden.pop((a.unit - 1, a.mb))
-        state.grads[(a.unit - 1, a.mb)] = recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast)
 
     # --- residency: fetch, gather, install, evict ---
 

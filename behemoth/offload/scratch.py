@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from behemoth.comm import broadcast_object
 from behemoth.errors import BehemothError
+from behemoth.topology import Runtime
 
 MARKER = "behemoth-offload.json"
 
@@ -114,3 +116,24 @@ def release(path: Path) -> None:
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing_ancestor(path)).free
+
+
+def claim_for_run(root: Path, run_dir: str | None, rt: Runtime, *, uses_disk: bool) -> Path:
+    """Rank 0 claims `root` for the run (refusing another run's, emptying a stale one of this run); every rank learns how
+    it went, so all refuse together."""
+
+    def attempt() -> str | None:
+        if not uses_disk:
+            return None
+        try:
+            note = claim(root, run_dir)
+        except BehemothError as err:
+            return f"error: {err}"
+        if note:
+            print(f"behemoth: {note}", flush=True)
+        return None
+
+    error = broadcast_object(attempt, rt.world_group, rt.rank == 0) if rt.world_size > 1 else attempt()
+    if error:
+        raise BehemothError(error.removeprefix("error: "))
+    return root

@@ -41,6 +41,31 @@ class Tiers:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
 
+class TierMeter:
+    """Bytes each kind of state's tier moved since the step began, from the tiers' own counters."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        self.tiers = tiers
+        self.start()
+
+    def start(self) -> None:
+        """A new step: count from here."""
+        self.counted = {kind: (tier.read_bytes, tier.written_bytes) for kind, tier in self.tiers.all().items()}
+
+    def moved(self) -> dict[str, tuple[int, int]]:
+        """(read, written) bytes per kind of state since `start`."""
+        return {kind: (t.read_bytes - self.counted[kind][0], t.written_bytes - self.counted[kind][1]) for kind, t in self.tiers.all().items()}
+
+    def metrics(self) -> dict[str, float]:
+        """`offload_read_mb_<state>_<tier>` and `offload_written_mb_<state>_<tier>` since `start`, in MiB."""
+        out: dict[str, float] = {}
+        for kind, (read, written) in self.moved().items():
+            name = self.tiers.all()[kind].name
+            out[f"offload_read_mb_{kind}_{name}"] = read / 2**20
+            out[f"offload_written_mb_{kind}_{name}"] = written / 2**20
+        return out
+
+
 @dataclass(frozen=True)
 class PendingStep:
     """An optimizer step a unit still owes (deferred: applied when it is next fetched)."""

@@ -15,7 +15,7 @@ from typing import Any
 from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
-from behemoth.offload.runtime import steps_in_backward
+from behemoth.offload.policy import steps_in_backward
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks

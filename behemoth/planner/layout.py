@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from behemoth.offload.runtime import OffloadPolicy
+from behemoth.offload.policy import OffloadPolicy
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.plan import ParallelPlan
 from behemoth.planner.census import ModelCensus

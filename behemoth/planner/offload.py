@@ -16,10 +16,10 @@ from typing import Any
 from behemoth.errors import BehemothError, Problem
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import scratch
-from behemoth.offload.budget import MemoryPeak, unit_sizes
+from behemoth.offload.budget import MemoryPeak, fit_budget, unit_sizes
 from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
-from behemoth.offload.runtime import OffloadPolicy, fit_budget
+from behemoth.offload.policy import OffloadPolicy
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import in_device_memory
 from behemoth.parallel.zero.units import plan_units
