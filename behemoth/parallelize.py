@@ -211,14 +211,16 @@ def build_syncs(
     pipeline: PipelineParallel | None,
     meter: CommMeter,
     experts: ExpertParallel | None = None,
+    optimizer_tier: str = "device",
 ) -> list[GradSync]:
     """Replicated data parallelism (zero_stage 0) or ZeRO 1-3, for every parameter: over dp, or with ep > 1 dense
-    parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group)."""
+    parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group);
+    `optimizer_tier`: where ZeRO-1/2 keep their moments (host: ZeRO-Offload)."""
     split = experts is not None and rt.dims.ep > 1
     kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.group("dp"), None)]
     if plan.zero_stage == 0:
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
-    policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype)
+    policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype, optimizer_tier)
     if plan.zero_stage == 3:
         return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter)]
     stage_params = pipeline.stage_parameters() if pipeline is not None else None
@@ -292,6 +294,9 @@ def parallelize(
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
+    optimizer_tier = "device"
+    if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
+        offload, optimizer_tier = None, offload.optimizer
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
@@ -311,7 +316,7 @@ def parallelize(
     lm.after_materialize(rt.device)
     if not for_training:
         return inference_model(lm, rt, pipeline, tp, meter, experts)
-    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts)
+    syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
     adapter = (

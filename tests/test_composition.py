@@ -61,7 +61,7 @@ def _settings() -> dict[str, Setting]:
             "schedule",
         )
     out["ep"] = Setting("ep", (*MOE, "parallel.ep=2"), 2, ("parallel.ep", "MoE", "experts"))
-    out["host"] = Setting("offload host", ("offload.params=cpu", "offload.optimizer=cpu"), 1, ("offload",))
+    out["host"] = Setting("offload host", ("offload.params=host", "offload.optimizer=host"), 1, ("offload",))
     out["disk"] = Setting("offload disk", ("offload.params=disk", "offload.optimizer=disk"), 1, ("offload",))
     return out
 
@@ -72,7 +72,7 @@ TRAINS = "trains"
 # Why a pair is refused: words its one-line refusal must contain (besides naming both settings).
 CHIMERA_ZERO2 = ("Chimera sums each stage's full gradient", "ZeRO-2 does not keep")
 ZERO3_PIPELINE = ("gather every stage's parameters again",)
-OFFLOAD_ZERO12 = ("offload streams ZeRO-3's shards",)
+OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
 OFFLOAD_EXPERTS = ("expert units are not streamed",)
@@ -111,9 +111,9 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("dp", "disk", TRAINS),
     ("zero3", "host", TRAINS),
     ("zero3", "disk", TRAINS),
-    ("zero1", "host", OFFLOAD_ZERO12),
+    ("zero1", "host", TRAINS),  # ZeRO-Offload: only the optimizer's moments in host memory
     ("zero1", "disk", OFFLOAD_ZERO12),
-    ("zero2", "host", OFFLOAD_ZERO12),
+    ("zero2", "host", TRAINS),
     ("zero2", "disk", OFFLOAD_ZERO12),
     ("tp+sp", "pp-gpipe", TRAINS),
     ("tp+sp", "pp-1f1b", TRAINS),
@@ -145,9 +145,12 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
 
 
 def pair_options(a: str, b: str) -> list[str]:
-    """The config overrides of a pair (host + disk: parameters in host memory, optimizer state on disk)."""
+    """The config overrides of a pair (host + disk: parameters in host memory, optimizer state on disk; ZeRO 1-2 + host:
+    ZeRO-Offload, the optimizer's moments alone in host memory, since stages 1-2 keep parameters and gradients whole)."""
     if {a, b} == {"host", "disk"}:
-        return ["offload.params=cpu", "offload.optimizer=disk"]
+        return ["offload.params=host", "offload.optimizer=disk"]
+    if b == "host" and a in ("zero1", "zero2"):
+        return [*SETTINGS[a].options, "offload.optimizer=host"]
     return [*SETTINGS[a].options, *SETTINGS[b].options]
 
 

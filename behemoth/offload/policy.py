@@ -54,6 +54,12 @@ class OffloadPolicy:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
     @property
+    def optimizer_only(self) -> bool:
+        """Only the optimizer's float32 moments off the device, in host memory: at ZeRO stages 1-2 that is ZeRO-Offload
+        (the ZeRO sync keeps its moments on the host tier; nothing streams)."""
+        return self.params == self.grads == "device" and self.optimizer == "host" and self.bits == 32
+
+    @property
     def uses_disk(self) -> bool:
         return "disk" in self.tiers.values()
 

@@ -20,7 +20,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
-from behemoth.planner.offload import offload_launch_problems, offload_problems
+from behemoth.planner.offload import offload_launch_problems, offload_placement, offload_problems, streams
 from behemoth.topology import ParallelDims
 
 
@@ -48,7 +48,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
 
 def fused_step_problems(cfg: Config) -> list[Problem]:
     """train.nonfinite=skip cannot skip a step that is applied during backward (offload's fused step)."""
-    if cfg.train.nonfinite != "skip" or not cfg.offload.enabled or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
+    if cfg.train.nonfinite != "skip" or not streams(cfg) or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
         return []
     return [
         Problem.of(
@@ -146,7 +146,7 @@ def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
     """Offload of a mixture-of-experts model: the streamer holds dense ZeRO-3 units only (parallelize() would refuse it
     at run time, after launch)."""
     experts = sorted({e for e in shape.experts if e})
-    if not cfg.offload.enabled or not experts:
+    if not streams(cfg) or not experts:
         return []
     return [
         Problem.of(
@@ -156,17 +156,6 @@ def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
             "keep the model states in memory (offload.params=device, offload.optimizer=device) or train a dense model",
         )
     ]
-
-
-def offload_placement(cfg: Config) -> str:
-    """`offload.params=host, offload.optimizer=disk`: the offload options a plan sets, for a refusal's first words."""
-    off = cfg.offload
-    placed = [
-        f"offload.{key}={value}"
-        for key, value in (("params", off.params), ("grads", off.grads), ("optimizer", off.optimizer))
-        if value not in ("device", "none", "auto")
-    ]
-    return ", ".join(placed + ([f"offload.optimizer_bits={off.optimizer_bits}"] if off.optimizer_bits != 32 else []))
 
 
 def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:

@@ -109,6 +109,26 @@ def rank_dims(cfg: Any, dp: int) -> ParallelDims:
     return ParallelDims(dp * plan.pp * plan.ep * plan.tp, pp=plan.pp, dp=dp, ep=plan.ep, tp=plan.tp)
 
 
+def offload_placement(cfg: Any) -> str:
+    """`offload.params=host, offload.optimizer=disk`: the offload options a plan sets, as written, for a refusal's first words."""
+    off = cfg.offload
+    placed = [f"offload.{k}={getattr(off, k)}" for k in ("params", "grads", "optimizer") if getattr(off, k) not in ("device", "none", "auto")]
+    return ", ".join(placed + ([f"offload.optimizer_bits={off.optimizer_bits}"] if off.optimizer_bits != 32 else []))
+
+
+def zero_offload(cfg: Any) -> bool:
+    """ZeRO-1/2 with only the optimizer's moments on the host tier (ZeRO-Offload): the ZeRO sync keeps them there and
+    nothing streams, so it composes as ZeRO-1/2 does."""
+    if cfg.parallel.zero_stage not in (1, 2) or not cfg.offload.enabled:
+        return False
+    return OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip).optimizer_only
+
+
+def streams(cfg: Any) -> bool:
+    """Whether the plan runs offload's streamer: some state on a tier, other than ZeRO-Offload's moments."""
+    return cfg.offload.enabled and not zero_offload(cfg)
+
+
 def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
     """Why an offload plan cannot run, before launch, from the config alone (pure); `fit`: also size it against its budget."""
     off, plan = cfg.offload, cfg.parallel
@@ -121,6 +141,8 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
                     "place some on a tier (offload.params=disk, offload.optimizer=disk, ...) or drop the budget",
                 )
             ]
+        return []
+    if zero_offload(cfg):
         return []
     out = []
     if plan.pp > 1:
@@ -135,16 +157,20 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
         out.append(
             Problem.of(
                 "parallel.zero_stage",
-                f"parallel.zero_stage={plan.zero_stage} with offload: offload streams ZeRO-3's shards (each rank holds 1/dp of every state)",
-                "set parallel.zero_stage=3 or leave it at 0",
+                f"parallel.zero_stage={plan.zero_stage} with {offload_placement(cfg)}: ZeRO-{plan.zero_stage} keeps every parameter and its "
+                "gradient whole on each rank, so there is no shard to stream: parameters or gradients on a tier are ZeRO-3's "
+                "shards (at stages 1-2 only the optimizer's float32 moments move, to host memory: ZeRO-Offload)",
+                f"set parallel.zero_stage=3, or keep parameters and gradients on the device with offload.optimizer=host "
+                f"(offload.optimizer_bits=32) at stage {plan.zero_stage}",
             )
         )
     if plan.param_dtype != "fp32":
         out.append(
             Problem.of(
                 "parallel.param_dtype",
-                f"parallel.param_dtype={plan.param_dtype} with offload: offloaded parameters are float32",
-                "use train.precision=bf16 (autocast) for bf16 compute",
+                f"parallel.param_dtype={plan.param_dtype} with offload: a streamed unit is gathered from its float32 shard as stored "
+                "and computed with (no bf16 compute copy of a shard is kept or gathered, so there is none to cast to)",
+                "use train.precision=bf16 (autocast: bf16 compute from the float32 weights)",
             )
         )
     if off.step == "fused" and cfg.train.grad_clip > 0:

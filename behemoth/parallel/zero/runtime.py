@@ -40,6 +40,7 @@ from behemoth.parallel.tensor.layers import TP_LAYOUT
 from behemoth.parallel.zero.groups import AccumulatingBucket, BufferMeter, FlatGroup, ReplicatedGroup, StreamingBucket
 from behemoth.parallel.zero.optim import ShardedAdamW, master_chunks
 from behemoth.parallel.zero.sharded import Stage3
+from behemoth.parallel.zero.tiers import make_tier, tier_name
 from behemoth.parallel.zero.units import UnitSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -48,12 +49,14 @@ MAX_BUCKETS_IN_FLIGHT = 2  # stage 2: full-size gradient buckets alive at once w
 
 @dataclass(frozen=True)
 class ZeroPolicy:
-    """ZeRO's settings: the stage, the bucket size (stages 1-2), the blocks gathered ahead (stage 3), the compute dtype."""
+    """ZeRO's settings: the stage, the bucket size (stages 1-2), the blocks gathered ahead (stage 3), the compute dtype,
+    and the tier of the optimizer's moments (stages 1-2: `host` is ZeRO-Offload; stage 3 streams through offload/)."""
 
     stage: Literal[1, 2, 3]
     bucket_mb: float = 25.0
     prefetch: int = 1
     param_dtype: str = "fp32"
+    optimizer_tier: str = "device"
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -103,7 +106,9 @@ class ZeroSync(GradSync):
         ]
 
     def build_optimizer(self, settings: AdamWSettings) -> ShardedAdamW:
-        return ShardedAdamW(self.groups, settings)
+        """The sharded AdamW, its moments on the policy's optimizer tier (device or host)."""
+        device = self.groups[0].master.device if self.groups else torch.device("cpu")
+        return ShardedAdamW(self.groups, settings, make_tier(self.policy.optimizer_tier, device))
 
     def model_state(self) -> dict[str, Any]:
         """Master weights as this rank's chunks, by every name a parameter has (a tied weight under each)."""
@@ -319,6 +324,11 @@ def apply_zero(
     experts' expert units over dp, the rest over dp x ep); under a pipeline stages 1-2 take `stage_params`, the
     parameters of each pipeline stage this rank holds (see the module docstring). At stages 1-2 `select` picks
     the parameters (by name) this sync keeps: a mixture of experts has one sync for dense and one for expert ones."""
+    if tier_name(policy.optimizer_tier) not in (("device",) if policy.stage == 3 else ("device", "host")):
+        raise BehemothError(
+            f"ZeRO stage {policy.stage} with its optimizer state on the {policy.optimizer_tier} tier",
+            "stages 1-2 keep it on the device or host tier; stage 3 offloads through offload/ (offload.optimizer=...)",
+        )
     if policy.stage == 3:
         if units is None:
             raise ValueError("ZeRO stage 3 needs the units from shard_parameters(), called before materialize")
