@@ -57,7 +57,7 @@ def generate_parser() -> argparse.ArgumentParser:
         "--offload",
         choices=["cpu", "host", "disk"],
         default=None,  # a tier of offload/tiers.py (cpu and host: host memory)
-        help="stream weights layer by layer from host memory (cpu or host) or disk; offload.prefetch units read ahead",
+        help="stream weights layer by layer from host memory (cpu or host) or disk (offload.prefetch=N units read ahead, default 1)",
     )
     p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
@@ -183,9 +183,11 @@ def offload_policy(args: argparse.Namespace) -> Iterator[Any]:
             "drop --pp and --quantize (split each block over ranks with --nproc N --tp N)",
         )
     offload = resolve_source(args.source, args.overrides).config.offload
+    given = {o.partition("=")[0].removeprefix("offload.") for o in args.overrides if o.startswith("offload.")}
+    streams = {k: getattr(offload, k) for k in ("prefetch", "io_threads") if k in given}  # else one unit ahead, one thread
     folder = args.offload_dir or (tempfile.mkdtemp(prefix="behemoth-offload-") if args.offload == "disk" else None)
     try:
-        yield generation_policy(args.offload, folder, prefetch=offload.prefetch, io_threads=offload.io_threads)
+        yield generation_policy(args.offload, folder, **streams)
     finally:
         if folder and not args.offload_dir:
             shutil.rmtree(folder, ignore_errors=True)

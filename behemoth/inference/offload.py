@@ -253,15 +253,11 @@ def unit_stores(units: list[UnitSpec], values: UnitSource, device_tier: Tier, bl
 def load_offloaded(source: Source, rt: Runtime, policy: OffloadPolicy, *, tp: int = 1) -> StreamedModel:
     """This rank's model for generation with its blocks on `policy.params` (host memory or files under
     `policy.root`/rank<r>), streamed `policy.prefetch` units ahead; no gradient, no optimizer state."""
-    from behemoth.offload.runtime import return_freed_memory
-
     cfg = inference_config(source.config, tp=tp)
     lm = build_causal_lm(cfg.model, cfg.hf)
     lm.weights = None  # read unit by unit below (whole, it would not fit)
     tensor = split_on_meta(lm, rt, cfg.parallel, cfg.run.timeout_s)
     units = shard_parameters(lm.module, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
-    if rt.device.type == "cpu":
-        return_freed_memory()  # block-sized buffers come and go on the I/O threads: give them back when freed
     root = policy.root / f"rank{rt.rank}" if policy.root is not None else None
     block_tier = MeasuredTier(make_tier(policy.params, rt.device, root=root))
     stores = unit_stores(units, UnitSource(source, lm), make_tier(DEVICE, rt.device), block_tier)
