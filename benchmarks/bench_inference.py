@@ -222,8 +222,9 @@ def run_ladder_model(width: dict[str, int], layers: int, folder: str | None, new
 
     from behemoth.config import load_config
     from behemoth.inference import CachePolicy, SamplingParams, load
+    from behemoth.inference.generate import offloaded_generator
     from behemoth.inference.loading import Source
-    from behemoth.inference.offload import generation_policy, offloaded_generator
+    from behemoth.inference.offload import generation_policy
 
     base = rss_bytes()
     source = Source(load_config(None, llama_options({**width, "n_layer": layers})), None, None)

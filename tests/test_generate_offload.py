@@ -72,9 +72,9 @@ def test_offloaded_logits_and_tokens_equal_in_memory(runtime, folders, tmp_path,
     """Every forward's logits equal in-memory generation's (float32, the same arithmetic: within 1e-5 of the largest),
     the greedy tokens are the same, two blocks at most are held at once (prefetch 1), and every forward fetches every
     block once."""
-    from behemoth.inference.generate import local_runner
+    from behemoth.inference.generate import local_runner, offloaded_generator
     from behemoth.inference.loading import load_model, resolve_source
-    from behemoth.inference.offload import generation_policy, offloaded_generator
+    from behemoth.inference.offload import generation_policy
 
     source = resolve_source(folders[arch])
     vocab, n_layer = source.config.model.vocab_size, source.config.model.n_layer

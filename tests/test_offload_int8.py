@@ -45,7 +45,8 @@ def sources(checkpoint_run, llama_folder):
 @pytest.mark.parametrize("kind", ["checkpoint", "hf", "seed"])
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_offloaded_generation_equals_in_memory(runtime, checkpoint_run, llama_folder, tmp_path, kind, tier):  # noqa: F811
-    from behemoth.inference.offload import generation_policy, offloaded_generator
+    from behemoth.inference.generate import offloaded_generator
+    from behemoth.inference.offload import generation_policy
 
     source = sources(checkpoint_run, llama_folder)[kind]
     batch = prompts(source.config.model.vocab_size, lengths=(3, 8, 5))

@@ -20,7 +20,7 @@ import torch
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
 from behemoth.inference.loading import Source, load_model, resolve_source
-from behemoth.inference.offload import OffloadPolicy, StreamedModel, load_offloaded
+from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
@@ -195,6 +195,33 @@ def load(
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
     return generator_for(load_for_generation(source, rt, quantize=quantize, offload=offload), source, cache, max_batch=max_batch)
+
+
+@dataclass
+class Offloaded:
+    """A single-process Generator over an offloaded model, and the model: its block tier's measures and bytes."""
+
+    generator: Generator
+    model: StreamedModel
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.model.streamed_bytes
+
+    @property
+    def stats(self) -> MeasuredTier:
+        return self.model.blocks
+
+    def close(self) -> None:
+        self.generator.close()  # its runner stops the model's I/O threads and removes the blocks' files
+
+
+def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolicy = CachePolicy(), *, rt: Runtime | None = None) -> Offloaded:
+    """A single-process Generator whose blocks stream from `policy.params` (`offload.generation_policy`); the resident
+    parts and the KV cache on the runtime's device."""
+    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s)
+    model = load_offloaded(source, rt, policy)
+    return Offloaded(generator_for(model, source, cache), model)
 
 
 def load_for_generation(

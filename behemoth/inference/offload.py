@@ -44,7 +44,6 @@ from behemoth.parallel.zero.units import UnitSpec, shard_parameters
 from behemoth.topology import Runtime
 
 if TYPE_CHECKING:
-    from behemoth.inference.generate import CachePolicy, Generator
     from behemoth.parallel.tensor import TensorParallel
     from behemoth.plan import ParallelPlan
 
@@ -113,7 +112,7 @@ class MeasuredTier:
 
     def __init__(self, tier: Tier) -> None:
         self.tier, self.fetched_bytes, self.held, self.peak_held = tier, 0, 0, 0
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # a collection inside `fetch` may finalize an earlier copy on the same thread
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.tier, name)
@@ -261,43 +260,8 @@ def load_offloaded(source: Source, rt: Runtime, policy: OffloadPolicy, *, tp: in
     root = policy.root / f"rank{rt.rank}" if policy.root is not None else None
     block_tier = MeasuredTier(make_tier(policy.params, rt.device, root=root))
     stores = unit_stores(units, UnitSource(source, lm), make_tier(DEVICE, rt.device), block_tier)
-    lm.after_materialize(rt.device)  # buffers (rotary frequencies) on the device
-    for p in lm.module.parameters():  # none is left but a pipeline's or tensor-parallel module's own
-        p.requires_grad_(False)
+    lm.after_materialize(rt.device)  # buffers (rotary frequencies) on the device; no parameter is left on the module
     io = IOPool(policy.io_threads, max_in_flight=policy.prefetch + policy.io_threads + 1)
     reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
     streamer = Streamer(lm.module, lm.layers, stores, reads, group=rt.group("dp"), io=io, prefetch=policy.prefetch, device=rt.device, hooks=NoSteps())
     return StreamedModel(lm, rt, tensor, stores, streamer, io, block_tier)
-
-
-@dataclass
-class Offloaded:
-    """A single-process generator over an offloaded model, and the model (its measured block tier, its bytes)."""
-
-    generator: Generator
-    model: StreamedModel
-
-    @property
-    def streamed_bytes(self) -> int:
-        return self.model.streamed_bytes
-
-    @property
-    def stats(self) -> MeasuredTier:
-        return self.model.blocks
-
-    def close(self) -> None:
-        try:
-            self.generator.close()
-        finally:
-            self.model.close()
-
-
-def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolicy, *, rt: Runtime | None = None) -> Offloaded:
-    """A single-process Generator whose blocks stream from `policy.params`; the resident parts and the KV cache on the
-    runtime's device."""
-    from behemoth.inference.generate import generator_for
-    from behemoth.topology import init_runtime
-
-    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s)
-    model = load_offloaded(source, rt, policy)
-    return Offloaded(generator_for(model, source, cache), model)
