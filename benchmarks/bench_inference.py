@@ -20,7 +20,7 @@ compared and the table says whether they agree). Run:
    Both generate; measured: tokens/s, seconds per forward, and the bound (streamed bytes / the disk's measured
    sequential read bandwidth with the page cache dropped), peak bytes of blocks held, peak RSS.
 5. Memory: a random GPT-2 124M save_pretrained folder; the peak resident memory (the kernel's ru_maxrss of each child
-   process) of `behemoth generate` (float32 and int8) and of transformers' from_pretrained + generate, the same prompt
+   process) of `behemoth generate` (float32, int8, blocks offloaded to disk) and of transformers' from_pretrained + generate, the same prompt
    and tokens, each in a child process of this one; PYTHONPATH passes to them, so `PYTHONPATH=/path/to/other/tree`
    measures another version of behemoth (the parent only saves the folder).
 """
@@ -196,14 +196,24 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def disk_bandwidth(folder: Path) -> float:
-    """Bytes/s of reading every block file whole with the page cache dropped (the read offload does)."""
-    from behemoth.inference.offload import DiskStore
-
-    store, files = DiskStore(folder), sorted(folder.glob("block.*.safetensors"))
+def disk_bandwidth(model: Any) -> float:
+    """Bytes/s of fetching every block from its file with the page cache dropped first (the read offload does)."""
+    stores = [s for s in model.stores if s.spec.role == "block"]
+    for s in stores:
+        drop_page_cache(s.tiers.params.path(s.p_key))
     t0 = time.perf_counter()
-    total = sum(sum(t.numel() * t.element_size() for t in store.read(f.name.removesuffix(".safetensors")).values()) for f in files)
+    total = sum(s.tiers.params.fetch(s.p_key).numel() * 4 for s in stores)
     return total / (time.perf_counter() - t0)
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to forget a file's cached pages (so the next read comes from the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)  # written pages must be on the disk before they can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def run_ladder_model(width: dict[str, int], layers: int, folder: str | None, new: int, batches: tuple[int, ...], kv_mb: int) -> dict[str, Any]:
@@ -212,14 +222,15 @@ def run_ladder_model(width: dict[str, int], layers: int, folder: str | None, new
 
     from behemoth.config import load_config
     from behemoth.inference import CachePolicy, SamplingParams, load
+    from behemoth.inference.generate import offloaded_generator
     from behemoth.inference.loading import Source
-    from behemoth.inference.offload import OffloadPolicy, offloaded_generator
+    from behemoth.inference.offload import generation_policy
 
     base = rss_bytes()
     source = Source(load_config(None, llama_options({**width, "n_layer": layers})), None, None)
     cache = CachePolicy(memory_mb=kv_mb)
     t0 = time.perf_counter()
-    off = offloaded_generator(source, OffloadPolicy("disk", folder, prefetch=1), cache) if folder else None
+    off = offloaded_generator(source, generation_policy("disk", folder, prefetch=1), cache) if folder else None
     gen = off.generator if off else load(source, cache=cache)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "runs": []}
     for batch in batches:
@@ -228,7 +239,7 @@ def run_ladder_model(width: dict[str, int], layers: int, folder: str | None, new
         gen.generate(prompts, SamplingParams(max_tokens=new), ignore_eos=True)
         out["runs"].append({"batch": batch, "s": time.perf_counter() - t0, "forwards": gen.stats["steps"]})
     if off:
-        out.update(streamed=off.streamed_bytes, peak_held=off.streamer.stats.peak_held, bandwidth=disk_bandwidth(Path(folder)))
+        out.update(streamed=off.streamed_bytes, peak_held=off.stats.peak_held, bandwidth=disk_bandwidth(off.model))
         off.close()
     out["rss_growth"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return out
@@ -424,6 +435,7 @@ def memory_table(args: argparse.Namespace) -> list[str]:
             "transformers from_pretrained + generate": peak_of_child("transformers", [folder, ids, new]),
             "behemoth generate": peak_of_child("behemoth", [folder, ids, new]),
             "behemoth generate --quantize int8": peak_of_child("behemoth", [folder, ids, new, "--quantize", "int8"]),
+            "behemoth generate --offload disk": peak_of_child("behemoth", [folder, ids, new, "--offload", "disk"]),
             "behemoth load_model, float32": peak_of_child("loaded", [folder]),
             "behemoth load_model, int8": peak_of_child("loaded", [folder, "int8"]),
         }

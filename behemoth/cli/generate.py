@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from behemoth.errors import ERROR_PREFIX, BehemothError, Problem, Refused, exit_code
@@ -16,6 +18,7 @@ EXAMPLES_GENERATE = """examples:
   behemoth generate runs/X --nproc 2 --tp 2 --prompt "def "         # tensor-parallel: KV cache split by heads
   behemoth generate runs/X --nproc 2 --pp 2 --prompt "a" --prompt "b" # pipeline: micro-batches of requests
   behemoth generate runs/X --offload disk --prompt "def "            # weights streamed layer by layer
+  behemoth generate runs/X --offload disk --nproc 2 --tp 2 --prompt "def "  # each rank streams its shard of every block
   behemoth generate runs/X --quantize int8 --prompt "def "           # int8 weight-only
 """
 
@@ -52,9 +55,9 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence token")
     p.add_argument(
         "--offload",
-        choices=["cpu", "disk"],
-        default=None,  # the tier names of offload.params (offload/tiers.py)
-        help="stream weights layer by layer from host memory (cpu) or disk",
+        choices=["cpu", "host", "disk"],
+        default=None,  # a tier of parallel/zero/tiers.py (cpu and host: host memory)
+        help="stream weights layer by layer from host memory (cpu or host) or disk (offload.prefetch=N units read ahead, default 1)",
     )
     p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
@@ -105,13 +108,23 @@ def worker(
     memory_mb: float,
     ignore_eos: bool,
     quantize: str | None,
+    offload: Any = None,
 ) -> Any:
-    """One launched process of a sharded generation."""
+    """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
         return generate_on_ranks(
-            source, overrides, prompts, params, tp=tp, pp=pp, cache=CachePolicy(block_size, memory_mb), ignore_eos=ignore_eos, quantize=quantize
+            source,
+            overrides,
+            prompts,
+            params,
+            tp=tp,
+            pp=pp,
+            cache=CachePolicy(block_size, memory_mb),
+            ignore_eos=ignore_eos,
+            quantize=quantize,
+            offload=offload,
         )
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
@@ -144,34 +157,37 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts, nproc = prompts_of(args), world_size(args)
     params = sampling_dicts(args, len(prompts))
     check_plan(args, nproc)
-    if args.offload:
-        return print_completions(generate_offloaded(args, prompts, params, nproc), args.json)
-    call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
-    out = worker(*call) if nproc == 1 else launch(nproc, worker, *call)[0]
+    with offload_policy(args) as offload:
+        call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
+        out = worker(*call, offload) if nproc == 1 else launch(nproc, worker, *call, offload)[0]
     return print_completions(out, args.json)
 
 
-def generate_offloaded(args: argparse.Namespace, prompts: list[Any], params: list[dict[str, Any]], nproc: int) -> list[Any]:
-    """One process, the blocks' weights streamed from host memory or disk (a temporary folder unless --offload-dir)."""
+@contextlib.contextmanager
+def offload_policy(args: argparse.Namespace) -> Iterator[Any]:
+    """The OffloadPolicy --offload asks for (None without it), refused before launch if it cannot run; --offload disk
+    writes the blocks under --offload-dir or a temporary folder, removed afterwards."""
+    if not args.offload:
+        yield None
+        return
     import shutil
     import tempfile
 
-    from behemoth.inference.generate import CachePolicy
     from behemoth.inference.loading import resolve_source
-    from behemoth.inference.offload import OffloadPolicy, offloaded_generator
-    from behemoth.inference.sampling import SamplingParams
+    from behemoth.inference.offload import generation_policy
 
-    if nproc != 1 or args.quantize:
-        raise BehemothError("--offload runs in one process and with float weights", "drop --nproc/--tp/--pp and --quantize")
+    if args.pp > 1 or args.quantize:
+        raise BehemothError(
+            f"--offload with --pp {args.pp}{' and --quantize ' + args.quantize if args.quantize else ''}: every rank streams all of its "
+            "blocks, in float32",
+            "drop --pp and --quantize (split each block over ranks with --nproc N --tp N)",
+        )
+    offload = resolve_source(args.source, args.overrides).config.offload
+    given = {o.partition("=")[0].removeprefix("offload.") for o in args.overrides if o.startswith("offload.")}
+    streams = {k: getattr(offload, k) for k in ("prefetch", "io_threads") if k in given}  # else one unit ahead, one thread
     folder = args.offload_dir or (tempfile.mkdtemp(prefix="behemoth-offload-") if args.offload == "disk" else None)
     try:
-        off = offloaded_generator(
-            resolve_source(args.source, args.overrides), OffloadPolicy(args.offload, folder), CachePolicy(args.block_size, args.kv_cache_mb)
-        )
-        try:
-            return off.generator.generate(prompts, [SamplingParams.model_validate(p) for p in params], ignore_eos=args.ignore_eos)
-        finally:
-            off.close()
+        yield generation_policy(args.offload, folder, **streams)
     finally:
         if folder and not args.offload_dir:
             shutil.rmtree(folder, ignore_errors=True)

@@ -20,6 +20,7 @@ import torch
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
 from behemoth.inference.loading import Source, load_model, resolve_source
+from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
@@ -28,6 +29,8 @@ from behemoth.inference.serving import EngineLoop
 from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
 from behemoth.parallelize import ParallelModel
 from behemoth.topology import Runtime, init_runtime
+
+LoadedModel = ParallelModel | StreamedModel  # in memory (laid out by parallelize) or with its blocks on a tier
 
 
 @dataclass(frozen=True)
@@ -64,20 +67,25 @@ class Completion:
     latency_s: float
 
 
-def held_layers(model: ParallelModel) -> tuple[int, ...]:
+def held_layers(model: LoadedModel) -> tuple[int, ...]:
     """The layer indices this rank runs: every layer, or its pipeline stages' blocks."""
     if model.pipeline is None:
         return tuple(range(model.lm.shape.n_layer))
     return tuple(i for stage in model.pipeline.stages.values() for i in stage.blocks)
 
 
-def local_runner(model: ParallelModel, cache: CachePolicy) -> ModelRunner:
-    """This rank's runner: its layers, its heads of the KV cache, as many blocks as `cache.memory_mb` holds."""
+def local_runner(model: LoadedModel, cache: CachePolicy) -> ModelRunner:
+    """This rank's runner: its layers, its heads of the KV cache, as many blocks as `cache.memory_mb` holds (an
+    offloaded model's runner streams its blocks)."""
     layers = held_layers(model)
-    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1, dtype=module_dtype(model.module))
+    dtype = module_dtype(model.module) if isinstance(model, ParallelModel) else torch.float32  # streamed units are float32
+    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1, dtype=dtype)
     blocks = min(blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block), cache.max_blocks or 1 << 62)
     layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks, dtype=probe.dtype)
-    return ModelRunner(model.lm, KVStorage(layout, model.rt.device), tp=model.tp, device=model.rt.device)
+    storage = KVStorage(layout, model.rt.device)
+    if isinstance(model, StreamedModel):
+        return model.runner(storage)
+    return ModelRunner(model.lm, storage, tp=model.tp, device=model.rt.device)
 
 
 class Generator:
@@ -142,7 +150,7 @@ def completion(r: Request) -> Completion:
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
 
 
-def generator_for(model: ParallelModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:
+def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:
     """The Generator of job rank 0 (the other ranks run `follow_model`)."""
     local = local_runner(model, cache)
     runner: Runner = local
@@ -163,7 +171,7 @@ def generator_for(model: ParallelModel, source: Source, cache: CachePolicy = Cac
     )
 
 
-def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
+def follow_model(model: LoadedModel, cache: CachePolicy) -> int:
     """The other ranks of a sharded model: run every step rank 0 sends until it stops."""
     local = local_runner(model, cache)
     if model.pipeline is not None:
@@ -174,12 +182,60 @@ def follow_model(model: ParallelModel, cache: CachePolicy) -> int:
 
 
 def load(
-    path: str | Source, *, overrides: list[str] = (), cache: CachePolicy = CachePolicy(), max_batch: int = 64, quantize: str | None = None
+    path: str | Source,
+    *,
+    overrides: list[str] = (),
+    cache: CachePolicy = CachePolicy(),
+    max_batch: int = 64,
+    quantize: str | None = None,
+    offload: OffloadPolicy | None = None,
 ) -> Generator:
-    """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this process."""
+    """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this
+    process; with `offload` (`offload.generation_policy`), its blocks streamed from host memory or disk."""
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
-    return generator_for(load_model(source, rt, quantize=quantize), source, cache, max_batch=max_batch)
+    return generator_for(load_for_generation(source, rt, quantize=quantize, offload=offload), source, cache, max_batch=max_batch)
+
+
+@dataclass
+class Offloaded:
+    """A single-process Generator over an offloaded model, and the model: its block tier's measures and bytes."""
+
+    generator: Generator
+    model: StreamedModel
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.model.streamed_bytes
+
+    @property
+    def stats(self) -> MeasuredTier:
+        return self.model.blocks
+
+    def close(self) -> None:
+        self.generator.close()  # its runner stops the model's I/O threads and removes the blocks' files
+
+
+def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolicy = CachePolicy(), *, rt: Runtime | None = None) -> Offloaded:
+    """A single-process Generator whose blocks stream from `policy.params` (`offload.generation_policy`); the resident
+    parts and the KV cache on the runtime's device."""
+    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s)
+    model = load_offloaded(source, rt, policy)
+    return Offloaded(generator_for(model, source, cache), model)
+
+
+def load_for_generation(
+    source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None, offload: OffloadPolicy | None = None
+) -> LoadedModel:
+    """This rank's model: laid out in memory, or (`offload`) with its blocks on a tier, each tp rank its own shard."""
+    if offload is None:
+        return load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
+    if pp > 1 or quantize is not None:
+        raise BehemothError(
+            f"offloaded generation with pp={pp}, quantize={quantize}: every rank streams all of its blocks, in float32",
+            "drop --pp and --quantize (split each block over ranks with --tp)",
+        )
+    return load_offloaded(source, rt, offload, tp=tp)
 
 
 def generate_on_ranks(
@@ -193,12 +249,25 @@ def generate_on_ranks(
     cache: CachePolicy = CachePolicy(),
     ignore_eos: bool = False,
     quantize: str | None = None,
+    offload: OffloadPolicy | None = None,
     rt: Runtime | None = None,
 ) -> list[Completion] | None:
-    """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None)."""
+    """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None).
+    With `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
-    model = load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
+    model = load_for_generation(source, rt, tp=tp, pp=pp, quantize=quantize, offload=offload)
+    try:
+        return _generate_loaded(model, source, prompts, params, cache, ignore_eos)
+    finally:
+        model.close()
+
+
+def _generate_loaded(
+    model: LoadedModel, source: Source, prompts: list[Any], params: list[dict[str, Any]], cache: CachePolicy, ignore_eos: bool
+) -> list[Completion] | None:
+    """Rank 0 generates for the prompts (its cache sized for them), the others follow its steps."""
+    rt = model.rt
     sampling = [SamplingParams.model_validate(p) for p in params]
     vocab = model.lm.shape.vocab_size
     tokenizer = tokenizer_for(vocab, source.folder) if any(isinstance(p, str) for p in prompts) else None

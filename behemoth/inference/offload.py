@@ -1,321 +1,266 @@
-"""Offloaded inference (ZeRO-Inference style): a model larger than memory generates with its blocks' weights streamed.
+"""Offloaded generation (ZeRO-Inference style): a model larger than memory generates with its blocks' weights streamed.
 
-The embedding, final norm and head stay resident; each transformer block's weights live in host memory
-(tier `cpu`) or on disk (`disk`; training's tier names), in a folder of one safetensors file per block, and are read just before the block runs and
-dropped right after, while a background thread reads the next `prefetch` blocks. So memory holds the
-resident parts, `prefetch + 1` blocks, the KV cache and the activations, whatever the depth. Every
-forward reads every block once for the whole batch, so a larger batch amortises each read: the time of
-a forward is bounded below by (bytes of the blocks) / (bandwidth of the tier), which the benchmark
-prints next to the measured time.
+It runs on training's offload runtime: the model is cut into ZeRO-3's units (parallel/zero/units.py: the embedding,
+one unit per block, the head), each unit's flat parameters live on a storage tier (parallel/zero/tiers.py: the embedding
+and head on the compute device, every block in host memory or in a file of its own on disk) as a `UnitStore`
+(offload/store.py), and training's streamer (offload/executor.py) runs each forward: a block's weights are fetched by
+an I/O thread `prefetch` units ahead, installed as views just before the block runs and dropped right after. So
+memory holds the resident parts, `prefetch + 1` blocks, the KV cache and the activations, whatever the depth. Every
+forward reads every block once for the whole batch, so a larger batch amortises each read.
 
-The folder is written part by part from any source (a DCP checkpoint read one block at a time, a
-Hugging Face folder, or weights drawn from a config's seed), so converting never holds the whole model
-either. Disk reads drop the file from the page cache afterwards, so a model larger than memory is
-read from the disk each time rather than from a cache that cannot hold it.
+Under tensor parallelism the units are cut after the tensor-parallel split (on meta, as `parallelize` orders it), so
+each rank stores and streams its own shard of every unit. The weights go onto their tiers one unit at a time from any
+source (a DCP checkpoint, a Hugging Face folder through models/hf.py's safetensors reader, with a Mixtral's legacy
+per-expert tensors stacked as training loads them, or drawn from the config's seed): the model is never whole.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
-from behemoth.inference.loading import Source
-from behemoth.models.causal_lm import CausalLM
-from behemoth.models.init import draw_full
-from behemoth.offload.tiers import OLDER_SPELLINGS, TIER_NAMES, tier_name
+from behemoth.inference.kv_cache import KVStorage, StepBatch
+from behemoth.inference.loading import Source, inference_config
+from behemoth.inference.runner import ModelRunner
+from behemoth.models.causal_lm import CausalLM, build_causal_lm
+from behemoth.models.init import FULL_NAME, FULL_SHAPE, draw_full
+
+# The offload runtime's surface used here (one place to adapt when it moves): the policy, tiers, unit stores, I/O, streamer.
+from behemoth.offload import OffloadPolicy
+from behemoth.offload.executor import Streamer
+from behemoth.offload.io import IOPool
+from behemoth.offload.order import Action, forward_order
+from behemoth.offload.store import Tiers, UnitStore, ValueSource, initial_shard
+from behemoth.parallel.zero.tiers import TIER_NAMES, Tier, make_tier, tier_name
+from behemoth.parallel.zero.units import UnitSpec, shard_parameters
+from behemoth.topology import Runtime
 
 if TYPE_CHECKING:
-    from behemoth.inference.generate import CachePolicy, Generator
+    from behemoth.parallel.tensor import TensorParallel
+    from behemoth.plan import ParallelPlan
+
+DEVICE, HOST, DISK = TIER_NAMES  # where a unit's weights live: the compute device, host memory, files
+STREAM_TIERS = (HOST, DISK)
 
 
-STREAM_TIERS = tuple(t for t in (*TIER_NAMES, *OLDER_SPELLINGS) if tier_name(t) != "device")  # where blocks wait: offload.params tiers
+def generation_policy(tier: str, folder: str | Path | None = None, *, prefetch: int = 1, io_threads: int = 1) -> OffloadPolicy:
+    """Training's OffloadPolicy for streamed generation: the blocks' weights on `tier` (host memory, or files under
+    `folder`), `prefetch` units read ahead by `io_threads` threads (no gradients, no optimizer)."""
+    name = tier_name(tier)  # the older spellings (cpu) too
+    if name not in STREAM_TIERS or prefetch < 0 or io_threads < 1:
+        raise BehemothError(
+            f"offloaded generation with tier {tier!r}, prefetch {prefetch}, io_threads {io_threads}",
+            f"use a tier of host, disk (or cpu), prefetch >= 0 and io_threads >= 1",
+        )
+    if name == DISK and folder is None:
+        raise BehemothError("disk offload needs a folder for the blocks' weights", "pass --offload-dir DIR")
+    return OffloadPolicy(params=name, root=Path(folder).expanduser() if folder else None, prefetch=prefetch, io_threads=io_threads)
 
 
-@dataclass(frozen=True)
-class OffloadPolicy:
-    """Where the blocks' weights wait (`cpu`: host memory, or `disk`: training's tier names), the folder on disk, and how
-    many blocks to read ahead."""
-
-    tier: str = "disk"
-    folder: str | None = None
-    prefetch: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tier not in STREAM_TIERS or self.prefetch < 0:
-            raise BehemothError(
-                f"offload tier {self.tier!r} with prefetch {self.prefetch}",
-                f"use a tier of {', '.join(STREAM_TIERS)} (host memory, files) and prefetch >= 0",
-            )
-
-
-def parts_of(lm: CausalLM, blocks: str) -> dict[str, dict[str, nn.Parameter]]:
-    """Single-process parameter names by part: 'resident' (all but the blocks) and 'block.I' for every block."""
-    parts: dict[str, dict[str, nn.Parameter]] = {"resident": {}}
-    for name, p in lm.module.named_parameters():
-        if name.startswith(blocks + "."):
-            index = int(name[len(blocks) + 1 :].split(".")[0])
-            parts.setdefault(f"block.{index}", {})[name] = p
-        else:
-            parts["resident"][name] = p
-    return parts
-
-
-class SourceReader:
-    """Full single-process tensors of named parameters from a source: a DCP checkpoint, an HF folder, or the seed."""
+class UnitSource:
+    """Full single-process tensors of one unit's parameters, read together: from a DCP checkpoint, an HF folder (the
+    training loader's reader: a Mixtral's legacy per-expert tensors stacked) or drawn from (seed, name)."""
 
     def __init__(self, source: Source, lm: CausalLM) -> None:
         self.source, self.lm = source, lm
-        self.files = sorted(Path(source.config.hf.weights).expanduser().glob("*.safetensors")) if source.config.hf.weights else []
+        weights = source.config.hf.weights
+        self.files = sorted(Path(weights).expanduser().glob("*.safetensors")) if weights and source.checkpoint is None else []
+        self.model_type = getattr(getattr(lm.module, "config", None), "model_type", None)
 
-    def read(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        if self.source.checkpoint is not None:
-            return self._from_checkpoint(params)
-        if self.files:
-            return self._from_safetensors(params)
-        seed = self.source.config.train.seed
-        return {n: draw_full(self.lm.init_spec(n), tuple(p.shape), seed, n).to(p.dtype) for n, p in params.items()}
-
-    def _from_checkpoint(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        from behemoth.faults.checkpoint import dcp_load  # DCP's index read through the allow-list
-
-        state = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in params.items()}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load({"model": state}, self.source.checkpoint, no_dist=True)
-        return state
-
-    def _from_safetensors(self, params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        """The HF folder's tensors through the one reader models/hf.py loads with (a Mixtral's legacy per-expert
-        tensors stacked as they are there)."""
-        from behemoth.models.hf import stored_tensors
-
-        model_type = getattr(getattr(self.lm.module, "config", None), "model_type", None)
-        out = {k: t.to(params[k].dtype) for k, t in stored_tensors(self.files, set(params), model_type)}
-        missing = sorted(set(params) - set(out))
-        if missing:
-            raise BehemothError(f"hf.weights={self.source.config.hf.weights} lacks {missing[0]}", "save the whole model")
-        return out
-
-
-class HostStore:
-    """Every block's weights in host memory (pinned where an accelerator can copy from it asynchronously)."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, dict[str, torch.Tensor]] = {}
-
-    def put(self, part: str, tensors: dict[str, torch.Tensor]) -> None:
-        pin = torch.cuda.is_available()
-        self.parts[part] = {n: t.pin_memory() if pin else t for n, t in tensors.items()}
-
-    def read(self, part: str) -> dict[str, torch.Tensor]:
-        return self.parts[part]
-
-
-class DiskStore:
-    """Every block's weights in a safetensors file of its own, read whole (one sequential read) and dropped from the
-    page cache afterwards."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-
-    def path(self, part: str) -> Path:
-        return self.folder / f"{part}.safetensors"
-
-    def put(self, part: str, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(self.path(part)))
-        drop_page_cache(self.path(part))
-
-    def read(self, part: str) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load
-
-        path = self.path(part)
-        data = path.read_bytes()
-        drop_page_cache(path)
-        return load(data)
-
-
-def drop_page_cache(path: Path) -> None:
-    """Ask the kernel to forget a file's cached pages (so the next read comes from the disk)."""
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if hasattr(os, "fdatasync"):
-                os.fdatasync(fd)  # written pages must be on the disk before they can be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-@dataclass
-class StreamStats:
-    """Measured: bytes read, seconds spent reading (background) and waiting for reads (foreground), peak bytes held."""
-
-    bytes_read: int = 0
-    read_s: float = 0.0
-    wait_s: float = 0.0
-    held: int = 0
-    peak_held: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, nbytes: int, seconds: float = 0.0) -> None:
-        with self.lock:
-            self.held += nbytes
-            self.peak_held = max(self.peak_held, self.held)
-            if nbytes > 0:
-                self.bytes_read += nbytes
-                self.read_s += seconds
-
-
-class LayerStreamer:
-    """Block weights in just before a block runs and out right after; the next `prefetch` blocks read on a thread."""
-
-    def __init__(
-        self, model: nn.Module, blocks: str, layers: tuple[int, ...], store: HostStore | DiskStore, device: torch.device, prefetch: int
-    ) -> None:
-        self.layers, self.store, self.device, self.prefetch = layers, store, device, prefetch
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="behemoth-prefetch")
-        self.pending: dict[int, Future] = {}
-        self.stats = StreamStats()
-        modules = model.get_submodule(blocks)
-        self.slots = {
-            i: [
-                (owner, pname, f"{blocks}.{i}.{mname}.{pname}".replace("..", "."), p.shape, p.dtype)
-                for mname, owner in modules[i].named_modules()
-                for pname, p in owner.named_parameters(recurse=False)
-            ]
-            for i in layers
+    def of(self, spec: UnitSpec) -> ValueSource:
+        """The unit's values by single-process name (what `initial_shard` cuts this rank's shard from)."""
+        shapes = {
+            getattr(getattr(*locs[0]), FULL_NAME, n): getattr(getattr(*locs[0]), FULL_SHAPE, s)
+            for n, s, locs in zip(spec.names, spec.shapes, spec.locations)
         }
+        full = self.read(shapes)
+        return lambda name, shape: full.pop(name)
 
-    def _fetch(self, i: int) -> dict[str, torch.Tensor]:
-        t0 = time.perf_counter()
-        tensors = {n: t.to(self.device, non_blocking=True) for n, t in self.store.read(f"block.{i}").items()}
-        self.stats.add(sum(t.numel() * t.element_size() for t in tensors.values()), time.perf_counter() - t0)
-        return tensors
+    def read(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        if self.source.checkpoint is not None:
+            from behemoth.faults.checkpoint import dcp_load  # DCP's index read through the allow-list
 
-    def _ensure(self, i: int) -> None:
-        if i not in self.pending:
-            self.pending[i] = self.pool.submit(self._fetch, i)
+            state = {n: torch.empty(s) for n, s in shapes.items()}
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_load({"model": state}, self.source.checkpoint, no_dist=True)
+            return state
+        if self.files:
+            from behemoth.models.hf import stored_tensors
 
-    def load(self, i: int) -> None:
-        """Block i's weights in place (waiting for its read if it is not done), and the next blocks' reads started."""
-        self._ensure(i)
-        at = self.layers.index(i)
-        for k in range(1, self.prefetch + 1):
-            self._ensure(self.layers[(at + k) % len(self.layers)])
-        t0 = time.perf_counter()
-        tensors = self.pending.pop(i).result()
-        self.stats.wait_s += time.perf_counter() - t0
-        for owner, pname, full, _, _ in self.slots[i]:
-            owner._parameters[pname] = nn.Parameter(tensors[full], requires_grad=False)
-
-    def release(self, i: int) -> None:
-        """Drop block i's weights (back to shapes on the meta device)."""
-        freed = 0
-        for owner, pname, _, shape, dtype in self.slots[i]:
-            p = owner._parameters[pname]
-            freed += p.numel() * p.element_size()
-            owner._parameters[pname] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
-        self.stats.add(-freed)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+            out = dict(stored_tensors(self.files, set(shapes), self.model_type))
+            missing = sorted(set(shapes) - set(out))
+            if missing:
+                raise BehemothError(f"hf.weights={self.source.config.hf.weights} lacks {missing[0]}", "save the whole model")
+            return out
+        seed = self.source.config.train.seed
+        return {n: draw_full(self.lm.init_spec(n), tuple(s), seed, n) for n, s in shapes.items()}
 
 
-def write_parts(reader: SourceReader, parts: dict[str, dict[str, nn.Parameter]], store: HostStore | DiskStore) -> int:
-    """Every block's weights from the source into the store, one block at a time; the bytes written."""
-    total = 0
-    for part, params in parts.items():
-        if part == "resident":
-            continue
-        tensors = reader.read(params)
-        store.put(part, tensors)
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    return total
+class MeasuredTier:
+    """A tier whose fetches are measured: bytes brought to compute, and the most bytes of fetched copies alive at once
+    (a tier that aliases compute memory hands out its stored tensor: nothing extra is held)."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier, self.fetched_bytes, self.held, self.peak_held = tier, 0, 0, 0
+        self.lock = threading.RLock()  # a collection inside `fetch` may finalize an earlier copy on the same thread
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tier, name)
+
+    def fetch(self, key: str) -> torch.Tensor:
+        t = self.tier.fetch(key)
+        n = t.numel() * t.element_size()
+        with self.lock:
+            self.fetched_bytes += n
+            if self.tier.moves:
+                self.held += n
+                self.peak_held = max(self.peak_held, self.held)
+                weakref.finalize(t, self.release, n)
+        return t
+
+    def release(self, n: int) -> None:
+        with self.lock:
+            self.held -= n
 
 
-@torch.no_grad()
-def install_resident(lm: CausalLM, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-    """The resident parameters (embedding, norms, head) in place; a tied head keeps sharing the embedding's parameter."""
-    model = lm.module
-    replaced: dict[int, nn.Parameter] = {}
-    for name, t in tensors.items():
-        owner_name, _, pname = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        replaced[id(owner._parameters[pname])] = nn.Parameter(t.to(device), requires_grad=False)
-    for owner in model.modules():
-        for pname, p in list(owner._parameters.items()):
-            if p is not None and id(p) in replaced:
-                owner._parameters[pname] = replaced[id(p)]
-    lm.after_materialize(device)
+class NoSteps:
+    """The streamer's step hooks for a model that only runs forward: no step is ever owed, no gradient completes."""
+
+    def take_pending(self, store: UnitStore) -> None:
+        return None
+
+    def gradient_complete(self, store: UnitStore, shard: torch.Tensor, grad: torch.Tensor) -> None:
+        raise RuntimeError("offloaded generation computes no gradients")
 
 
 @dataclass
-class Offloaded:
-    """A generator over an offloaded model, its streamer (with measured statistics) and the bytes it streams per forward."""
+class StreamedModel:
+    """This rank's part of a model whose units live on tiers (blocks streamed, embedding and head resident): what the
+    generation runners need of a laid-out model (its CausalLM, runtime and tensor-parallel part; no pipeline)."""
 
-    generator: Generator
-    streamer: LayerStreamer
-    streamed_bytes: int
-    resident_bytes: int
-    folder: Path | None
+    lm: CausalLM
+    rt: Runtime
+    tp: TensorParallel | None
+    stores: list[UnitStore]
+    streamer: Streamer
+    io: IOPool
+    blocks: MeasuredTier  # the blocks' tier, measured
+    pipeline: None = None
+    streamed_bytes: int = 0  # this rank's block weights on their tier: what every forward reads
+    resident_bytes: int = 0  # the units kept on the compute device (embedding, head)
+
+    def __post_init__(self) -> None:
+        for s in self.stores:
+            nbytes = s.tiers.params.nbytes(s.p_key)
+            if s.spec.role == "block":
+                self.streamed_bytes += nbytes
+            else:
+                self.resident_bytes += nbytes
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.lm.module
+
+    def runner(self, storage: KVStorage) -> StreamedRunner:
+        return StreamedRunner(self, storage)
 
     def close(self) -> None:
-        self.streamer.close()
+        """Stop the I/O threads; the blocks' files are removed (they are working copies, never a checkpoint)."""
+        stores, self.stores = self.stores, []
+        try:
+            self.io.close()
+        finally:
+            for store in stores:
+                store.close()
 
 
-def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolicy, *, device: torch.device | None = None) -> Offloaded:
-    """A single-process Generator whose blocks stream from `policy.tier`; the resident parts and the KV cache on `device`."""
-    from behemoth.inference.generate import Generator
-    from behemoth.inference.kv_cache import KVStorage, blocks_for_memory
-    from behemoth.inference.runner import ModelRunner, cache_layout
-    from behemoth.inference.text import tokenizer_for
-    from behemoth.models.causal_lm import build_causal_lm
+class StreamedRunner(ModelRunner):
+    """A ModelRunner whose units the streamer brings in as each forward reaches them (prefetched ahead, dropped after)."""
 
-    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    cfg = source.config
+    def __init__(self, model: StreamedModel, storage: KVStorage) -> None:
+        super().__init__(model.lm, storage, tp=model.tp, device=model.rt.device)
+        self.model, self.streamer = model, model.streamer
+        self.actions = forward_order(len(self.blocks), 1)
+
+    @torch.no_grad()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        step = self.storage.step(batch)
+        model, positions = self.lm.module, step.batch.positions
+        state: dict[str, Any] = {}
+
+        def compute(a: Action) -> None:
+            if a.unit == 0:
+                state["h"] = self.view.embed(model, step.batch.ids, positions)
+                state["ctx"] = self.view.context(model, state["h"], positions, step)
+            elif a.kind == "F":
+                state["h"] = self.view.block(self.blocks[a.unit - 1], state["h"], state["ctx"])
+            else:
+                state["logits"] = self.head(state["h"], batch.lengths)
+
+        self.streamer.run(self.actions, compute)
+        return state["logits"]
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def split_on_meta(lm: CausalLM, rt: Runtime, plan: ParallelPlan, timeout_s: float) -> TensorParallel | None:
+    """Tensor parallelism, then experts, on the meta model (parallelize's steps 2-3, in its order): every split is
+    decided before a unit is cut, so each rank's units hold only its part of every weight."""
+    from behemoth.parallel.tensor import TensorPolicy, TPComm, apply_tensor_parallel
+    from behemoth.parallelize import apply_experts
+
+    meter, tp = CommMeter(), None
+    if rt.dims.tp > 1:
+        tp = apply_tensor_parallel(
+            lm.module, TPComm.of(rt.group("tp"), meter), TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
+        )
+        lm.after_tensor_parallel(rt.dims.tp)
+    apply_experts(lm, plan, rt, meter, timeout_s)
+    return tp
+
+
+def unit_stores(units: list[UnitSpec], values: UnitSource, device_tier: Tier, block_tier: MeasuredTier) -> list[UnitStore]:
+    """Each unit's parameters (this rank's tensor-parallel part) put on its tier one unit at a time: blocks on the
+    streamed tier, the embedding and head on the compute device. The model's own parameters are removed."""
+    stores = []
+    for i, spec in enumerate(units):
+        if spec.role == "root":
+            raise BehemothError(
+                f"offload streams the embedding, blocks and head; {spec.names[0]} belongs to none of them", "generate without --offload"
+            )
+        tier = block_tier if spec.role == "block" else device_tier
+        store = UnitStore(i, spec, 1, 0, Tiers(tier, tier, tier))
+        store.allocate_params(initial_shard(spec, store.layout, 0, values.of(spec)))
+        for locations in spec.locations:
+            for module, attr in locations:
+                delattr(module, attr)
+        stores.append(store)
+    return stores
+
+
+def load_offloaded(source: Source, rt: Runtime, policy: OffloadPolicy, *, tp: int = 1) -> StreamedModel:
+    """This rank's model for generation with its blocks on `policy.params` (host memory or files under
+    `policy.root`/rank<r>), streamed `policy.prefetch` units ahead; no gradient, no optimizer state."""
+    cfg = inference_config(source.config, tp=tp)
     lm = build_causal_lm(cfg.model, cfg.hf)
-    lm.weights = None
-    blocks = lm.layers.blocks
-    parts, reader = parts_of(lm, blocks), SourceReader(source, lm)
-    folder = Path(policy.folder) if policy.folder else None
-    if policy.tier == "disk" and folder is None:
-        raise BehemothError("disk offload needs a folder for the blocks' weights", "pass --offload-dir DIR")
-    store = DiskStore(folder) if policy.tier == "disk" else HostStore()
-    streamed = write_parts(reader, parts, store)
-    install_resident(lm, reader.read(parts["resident"]), device)
-    layers = tuple(range(lm.shape.n_layer))
-    streamer = LayerStreamer(lm.module, blocks, layers, store, device, policy.prefetch)
-    dtype = next(iter(parts["resident"].values())).dtype
-    probe = cache_layout(lm, layers=layers, tp=1, block_size=cache.block_size, num_blocks=1, dtype=dtype)
-    layout = cache_layout(
-        lm,
-        layers=layers,
-        tp=1,
-        block_size=cache.block_size,
-        dtype=dtype,
-        num_blocks=blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block),
-    )
-    runner = ModelRunner(lm, KVStorage(layout, device), device=device, stream=streamer)
-    gen = Generator(
-        runner,
-        num_blocks=layout.num_blocks,
-        block_size=cache.block_size,
-        context=lm.shape.context,
-        tokenizer=tokenizer_for(lm.shape.vocab_size, source.folder),
-        eos_token_ids=source.eos_token_ids,
-    )
-    resident = sum(p.numel() * p.element_size() for p in lm.module.parameters() if not p.is_meta)
-    return Offloaded(gen, streamer, streamed, resident, folder)
+    lm.weights = None  # read unit by unit below (whole, it would not fit)
+    tensor = split_on_meta(lm, rt, cfg.parallel, cfg.run.timeout_s)
+    units = shard_parameters(lm.module, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+    root = policy.root / f"rank{rt.rank}" if policy.root is not None else None
+    block_tier = MeasuredTier(make_tier(policy.params, rt.device, root=root))
+    stores = unit_stores(units, UnitSource(source, lm), make_tier(DEVICE, rt.device), block_tier)
+    lm.after_materialize(rt.device)  # buffers (rotary frequencies) on the device; no parameter is left on the module
+    io = IOPool(policy.io_threads, max_in_flight=policy.prefetch + policy.io_threads + 1)
+    reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
+    streamer = Streamer(lm.module, lm.layers, stores, reads, group=rt.group("dp"), io=io, prefetch=policy.prefetch, device=rt.device, hooks=NoSteps())
+    return StreamedModel(lm, rt, tensor, stores, streamer, io, block_tier)

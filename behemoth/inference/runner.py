@@ -10,7 +10,7 @@ holds when the model spans several processes: it sends every step to the other r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,10 +50,8 @@ def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: in
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
-    def __init__(
-        self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None, stream: Any = None
-    ) -> None:
-        self.lm, self.storage, self.tp, self.stream = lm, storage, tp, stream  # stream: an offload LayerStreamer
+    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
+        self.lm, self.storage, self.tp = lm, storage, tp
         self.view = lm.layers  # the model's own blocks, run against the cache
         self.blocks = lm.module.get_submodule(self.view.blocks)
         self.layers = storage.layout.layers
@@ -71,11 +69,7 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         for i in self.layers if layers is None else layers:
-            if self.stream is not None:
-                self.stream.load(i)
             h = self.view.block(self.blocks[i], h, ctx)
-            if self.stream is not None:
-                self.stream.release(i)
         return h
 
     @torch.no_grad()
