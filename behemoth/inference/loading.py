@@ -116,6 +116,10 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
     if source.checkpoint is not None:
         load_checkpoint(model.checkpoint_views({"model": parameter_state(model.module)}), source.checkpoint, rt.world_group)
     model.module.eval()
+    if cfg.finetune.adapter:  # a PEFT LoRA folder, merged into this rank's weights before any quantization
+        from behemoth.finetune.merge import apply_adapter
+
+        apply_adapter(model.module, cfg.finetune.adapter)
     if quantize == "int8":
         from behemoth.inference.quantize import quantize_int8
 
