@@ -112,14 +112,14 @@ class LoRAConfig(Section):
     rank: int = Field(8, ge=1, description="adapter rank r")
     alpha: float = Field(16.0, gt=0, description="scaling numerator: the adapter's output is multiplied by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
-    targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1, description="linear modules to adapt: names or dotted suffixes (PEFT's target_modules)")
+    targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1, description="linear modules to adapt: names or dotted suffixes (PEFT's rule)")
 
 
 class FinetuneConfig(Section):
     """Parameter-efficient fine-tuning: LoRA for training, a PEFT adapter folder applied to the base for generation."""
 
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    adapter: str | None = Field(None, description="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) applied to the model to generate")
+    adapter: str | None = Field(None, description="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) applied for generation")
 
 
 class Config(Section):

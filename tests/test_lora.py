@@ -304,6 +304,7 @@ def test_export_merge_equals_peft_merge_and_unload(folder, lora_run, tmp_path, c
     with torch.no_grad():
         assert_close(ours, reloaded(input_ids=PROBE).logits)
     assert main(["export", str(run_dir), "--out", str(tmp_path / "adapter")]) == 0
-    again, saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")), load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    again = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    saved = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
     assert_close(ours, run_ranks(1, loaded_probe, folder, str(run_dir / "adapter"))[0])

@@ -33,4 +33,4 @@ def export_lora(args: argparse.Namespace, ckpt: Path, saved: dict[str, Any]) -> 
 
 def refuse_merge(args: argparse.Namespace) -> None:
     if getattr(args, "merge", False):
-        raise BehemothError(f"export --merge: {args.path} is not a LoRA run (finetune.lora.enabled=false), so there is nothing to merge", "drop --merge")
+        raise BehemothError(f"export --merge: {args.path} is not a LoRA run (finetune.lora.enabled=false): nothing to merge", "drop --merge")

@@ -35,7 +35,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def with_adapter(args: argparse.Namespace) -> argparse.Namespace:
     """--adapter DIR as the finetune.adapter=DIR option every loading path reads."""
     if args.adapter and getattr(args, "offload", None):
-        raise BehemothError("--adapter with --offload: streamed weights are not merged with an adapter", "drop --offload, or merge first (behemoth export --merge)")
+        raise BehemothError("--adapter with --offload: streamed weights take no adapter", "drop --offload, or use behemoth export --merge")
     if args.adapter:
         args.overrides = [*args.overrides, f"finetune.adapter={args.adapter}"]
     return args
