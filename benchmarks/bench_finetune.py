@@ -1,6 +1,6 @@
 """Fine-tuning benchmarks.
 
-    python benchmarks/bench_finetune.py --lora     # LoRA: behemoth vs transformers + peft, one process, same model/data/batch
+    python benchmarks/bench_finetune.py --part lora    # LoRA: behemoth vs transformers + peft, one process, same model/data/batch
 
 `lora_vs_peft`: a small Llama-shaped model (random weights, written by save_pretrained into a temporary folder) is
 fine-tuned with LoRA on every attention and MLP projection (rank 8, alpha 16, float32) by behemoth
@@ -103,7 +103,8 @@ def run_lora_system(system: str, folder: str, args: argparse.Namespace) -> dict[
     start = vm_kb("VmRSS")
     times, losses = (behemoth_steps if system == "behemoth" else peft_steps)(folder, args)
     step = statistics.median(times[args.warmup :])
-    return {"tokens_per_s": args.batch * args.seq / step, "peak_mb": vm_kb("VmHWM") / 1024, "grown_mb": (vm_kb("VmHWM") - start) / 1024, "losses": losses}
+    peak = vm_kb("VmHWM")
+    return {"tokens_per_s": args.batch * args.seq / step, "peak_mb": peak / 1024, "grown_mb": (peak - start) / 1024, "losses": losses}
 
 
 def lora_vs_peft(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -151,7 +152,7 @@ def print_lora_table(results: dict[str, dict[str, Any]], args: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lora", action="store_true", help="LoRA fine-tuning: behemoth vs transformers + peft (one process)")
+    p.add_argument("--part", choices=["lora"], default="lora", help="which benchmark to run (lora: LoRA fine-tuning vs transformers + peft)")
     p.add_argument("--lora-system", choices=LORA_SYSTEMS, help=argparse.SUPPRESS)  # one system, in this process
     p.add_argument("--folder", help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=12)
@@ -167,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_lora_system(args.lora_system, args.folder, args)))
         return 0
     rows: list[dict[str, Any]] = []
-    selected = [name for name in ("lora",) if getattr(args, name)] or ["lora"]  # no flag: every benchmark of the file
-    if "lora" in selected:
+    if args.part == "lora":
         print(f"$ {command_line('bench_finetune.py', argv)}\n")
         rows += lora_vs_peft(args)
     write_rows(args.json, rows)

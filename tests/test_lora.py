@@ -4,6 +4,9 @@ merged export equal to peft's merge_and_unload."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +79,7 @@ def peft_model(folder: str, init_lora_weights: bool = False) -> Any:
 
 def peft_adapters(model: Any) -> dict[str, torch.Tensor]:
     """peft's adapter matrices by behemoth's names (`<module>.lora_A.weight`)."""
-    return {
-        n.removeprefix("base_model.model.").replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n
-    }
+    return {n.removeprefix("base_model.model.").replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
 def peft_loop(folder: str, cfg_dict: dict[str, Any]) -> dict[str, Any]:
@@ -246,14 +247,19 @@ def train_and_probe(cfg_dict: dict[str, Any]) -> torch.Tensor:
         return model.logits(PROBE)
 
 
-def loaded_probe(folder: str, adapter: str) -> torch.Tensor:
-    """Logits of the model `behemoth generate FOLDER --adapter DIR` loads (finetune.adapter)."""
+def loaded_probe(source: str, overrides: list[str], tp: int = 1) -> torch.Tensor:
+    """Logits of the model `behemoth generate SOURCE` loads (a folder with finetune.adapter=DIR, or a LoRA run)."""
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.topology import init_runtime
 
-    model = load_model(resolve_source(folder, [f"finetune.adapter={adapter}"]), init_runtime())
+    import torch.distributed as dist
+
+    model = load_model(resolve_source(source, overrides), init_runtime(tp=tp), tp=tp)
     with torch.no_grad():
-        return model.logits(PROBE)
+        logits = model.logits(PROBE)
+    shards = [torch.empty_like(logits) for _ in range(tp)]  # a vocabulary-parallel head: each rank holds 1/tp of the logits
+    dist.all_gather(shards, logits.contiguous(), group=model.rt.group("tp"))
+    return torch.cat(shards, -1)
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -307,4 +313,19 @@ def test_export_merge_equals_peft_merge_and_unload(folder, lora_run, tmp_path, c
     again = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     saved = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
-    assert_close(ours, run_ranks(1, loaded_probe, folder, str(run_dir / "adapter"))[0])
+    assert_close(ours, run_ranks(1, loaded_probe, folder, [f"finetune.adapter={run_dir / 'adapter'}"])[0])
+    full = run_ranks(2, loaded_probe, str(run_dir), [], 2)  # the run itself, at tp=2: base folder + checkpoint adapters, merged per rank
+    assert torch.equal(full[0], full[1])
+    assert_close(ours, full[0])
+    prompt = [3, 70, 11, 250]
+    cli = subprocess.run(
+        [sys.executable, "-m", "behemoth", "generate", folder, "--adapter", str(run_dir / "adapter"), "--json", "--ignore-eos"]
+        + ["--max-tokens", "6", "--prompt-ids", ",".join(map(str, prompt))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr
+    with torch.no_grad():
+        greedy = reloaded.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert json.loads(cli.stdout.splitlines()[0])["tokens"] == greedy[0, len(prompt) :].tolist()

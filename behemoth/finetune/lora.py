@@ -102,3 +102,21 @@ def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def has_adapter(module: nn.Module) -> bool:
     return isinstance(getattr(module, LORA_A, None), nn.Linear)
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> int:
+    """Fold every adapter into its layer's weight, W += (alpha / r) B A, and remove it (for generation: no extra matmuls,
+    and int8 quantization sees the merged weight). Each rank's parts suffice: a column-parallel layer holds B's rows for
+    its W rows and all of A, a row-parallel one all of B and A's columns for its W columns. The layers merged."""
+    merged = 0
+    for module in model.modules():
+        if not has_adapter(module):
+            continue
+        a, b = getattr(module, LORA_A).weight, getattr(module, LORA_B).weight
+        module.weight.add_(((b @ a) * getattr(module, LORA_SCALING)).to(module.weight.dtype))
+        module._behemoth_lora_hook.remove()
+        for attr in (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING, "_behemoth_lora_hook"):
+            delattr(module, attr)
+        merged += 1
+    return merged

@@ -62,4 +62,4 @@ def carry_adapter(old: nn.Module, new: nn.Module, name: str, kind: str, parts: i
         hook = add_low_rank
     for attr in (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING):
         setattr(new, attr, getattr(old, attr))
-    new.register_forward_hook(hook)
+    new._behemoth_lora_hook = new.register_forward_hook(hook)
