@@ -256,6 +256,7 @@ class Trainer:
             "world_size": self.rt.world_size,
             "checkpoint_write_s": list(self.saver.write_s),
             "exported": self.exports and not self.cfg.finetune.lora.enabled,
+            "adapter": self.cfg.finetune.lora.enabled,
         }
         if log is None:
             barrier(self.rt.world_group)

@@ -249,10 +249,10 @@ def train_and_probe(cfg_dict: dict[str, Any]) -> torch.Tensor:
 
 def loaded_probe(source: str, overrides: list[str], tp: int = 1) -> torch.Tensor:
     """Logits of the model `behemoth generate SOURCE` loads (a folder with finetune.adapter=DIR, or a LoRA run)."""
+    import torch.distributed as dist
+
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.topology import init_runtime
-
-    import torch.distributed as dist
 
     model = load_model(resolve_source(source, overrides), init_runtime(tp=tp), tp=tp)
     with torch.no_grad():
@@ -314,6 +314,18 @@ def test_export_merge_equals_peft_merge_and_unload(folder, lora_run, tmp_path, c
     saved = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
     assert again.keys() == saved.keys() and all(torch.equal(again[k], saved[k]) for k in saved)
     assert_close(ours, run_ranks(1, loaded_probe, folder, [f"finetune.adapter={run_dir / 'adapter'}"])[0])
+
+
+@pytest.mark.slow
+def test_generate_from_the_run_and_with_an_adapter(folder, lora_run, tmp_path):
+    """`behemoth generate RUN` at tp=2 (base folder + the checkpoint's adapters, merged on each rank) gives the trained
+    logits; `behemoth generate FOLDER --adapter DIR` greedy-decodes as transformers does on the merged folder."""
+    import transformers
+
+    from behemoth.cli import main
+
+    run_dir, ours = lora_run
+    assert main(["export", str(run_dir), "--merge", "--out", str(tmp_path / "merged")]) == 0
     full = run_ranks(2, loaded_probe, str(run_dir), [], 2)  # the run itself, at tp=2: base folder + checkpoint adapters, merged per rank
     assert torch.equal(full[0], full[1])
     assert_close(ours, full[0])
@@ -326,6 +338,7 @@ def test_export_merge_equals_peft_merge_and_unload(folder, lora_run, tmp_path, c
         timeout=300,
     )
     assert cli.returncode == 0, cli.stderr
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
     with torch.no_grad():
         greedy = reloaded.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert json.loads(cli.stdout.splitlines()[0])["tokens"] == greedy[0, len(prompt) :].tolist()

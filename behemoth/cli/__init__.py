@@ -330,6 +330,8 @@ def report(summary: dict[str, Any], seconds: float) -> None:
             f"({summary['peak_source']})"
         )
     exported = " model.safetensors" if summary.get("exported", True) else " (no model.safetensors: checkpoint.export=true, or behemoth export)"
+    if summary.get("adapter"):  # a LoRA run: its adapters in PEFT's layout (docs/finetune.md)
+        exported = " adapter/ (LoRA, PEFT layout; merged weights: behemoth export RUN --merge --out DIR)"
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/{exported}")
 
 
