@@ -23,6 +23,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.init import ADAPTER, InitSpec
 
 LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING = "lora_A", "lora_B", "lora_dropout", "lora_scaling"
+LORA_HOOK = "_behemoth_lora_hook"  # the forward hook's handle on the adapted layer
 
 
 def matches_target(name: str, targets: tuple[str, ...]) -> bool:
@@ -64,7 +65,7 @@ def attach_adapter(module: nn.Linear, rank: int, alpha: float, dropout: float) -
     setattr(module, LORA_B, b)
     setattr(module, LORA_DROPOUT, nn.Dropout(dropout) if dropout else nn.Identity())
     setattr(module, LORA_SCALING, alpha / rank)
-    module._behemoth_lora_hook = module.register_forward_hook(add_low_rank)
+    setattr(module, LORA_HOOK, module.register_forward_hook(add_low_rank))
 
 
 def lora_init_spec(base: Callable[[str], InitSpec], fan_in: dict[str, int]) -> Callable[[str], InitSpec]:
@@ -113,10 +114,10 @@ def merge_adapters(model: nn.Module) -> int:
     for module in model.modules():
         if not has_adapter(module):
             continue
-        a, b = getattr(module, LORA_A).weight, getattr(module, LORA_B).weight
-        module.weight.add_(((b @ a) * getattr(module, LORA_SCALING)).to(module.weight.dtype))
-        module._behemoth_lora_hook.remove()
-        for attr in (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING, "_behemoth_lora_hook"):
+        a, b, w = getattr(module, LORA_A).weight, getattr(module, LORA_B).weight, module.get_parameter("weight")
+        w.add_(((b @ a) * getattr(module, LORA_SCALING)).to(w.dtype))
+        getattr(module, LORA_HOOK).remove()
+        for attr in (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING, LORA_HOOK):
             delattr(module, attr)
         merged += 1
     return merged

@@ -40,10 +40,10 @@ def merged(tensors: dict[str, torch.Tensor], adapter: Adapter) -> dict[str, torc
     """Stored tensors with every adapted weight replaced by W + (alpha / r) B A (in float32, stored back in W's dtype)."""
     out = dict(tensors)
     for module in adapter.modules():
-        key = f"{module}.weight"
-        if key in tensors:
+        key, delta = f"{module}.weight", adapter.delta(module)
+        if key in tensors and delta is not None:
             w = tensors[key]
-            out[key] = (w.float() + adapter.delta(module)).to(w.dtype)
+            out[key] = (w.float() + delta).to(w.dtype)
     return out
 
 
@@ -79,10 +79,9 @@ def apply_adapter(module: nn.Module, folder: str) -> int:
     params = {getattr(p, FULL_NAME, n): p for n, p in module.named_parameters()}
     changed = 0
     for name in adapter.modules():
-        p = params.get(f"{name}.weight")
-        if p is None:
-            continue  # another pipeline stage holds it
-        delta = adapter.delta(name)
+        p, delta = params.get(f"{name}.weight"), adapter.delta(name)
+        if p is None or delta is None:
+            continue  # another pipeline stage holds it (or the folder lacks its B)
         local = getattr(p, TAKE_LOCAL, lambda t: t)(delta)
         if tuple(local.shape) != tuple(p.shape):
             raise BehemothError(f"adapter {folder}: {name} has shape {tuple(delta.shape)}, the model's weight {tuple(p.shape)}", "use its base model")

@@ -103,4 +103,5 @@ def read_adapter(folder: str | Path) -> Adapter:
     if odd:
         raise BehemothError(f"adapter {folder} holds {odd[0]}, not a LoRA matrix", "save only the LoRA weights (no modules_to_save)")
     targets = config.get("target_modules") or ()
-    return Adapter(int(config["r"]), float(config["lora_alpha"]), float(config.get("lora_dropout", 0.0)), tuple(targets), tensors)
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)  # peft also takes one regular expression
+    return Adapter(int(config["r"]), float(config["lora_alpha"]), float(config.get("lora_dropout", 0.0)), targets, tensors)

@@ -15,12 +15,13 @@ SP each holds its sequence shard's part, so B is marked for the tp sum too.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.finetune.lora import LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING, add_low_rank, has_adapter
+from behemoth.finetune.lora import LORA_A, LORA_B, LORA_DROPOUT, LORA_HOOK, LORA_SCALING, add_low_rank, has_adapter
 from behemoth.models.init import ADAPTER
 from behemoth.parallel.tensor.comm import TPComm, reduce_from_tp, reduce_scatter_seq
 from behemoth.parallel.tensor.layers import TP_PARTIAL_GRAD, ShardLayout, shard_parameter
@@ -36,8 +37,10 @@ def add_row_parallel_low_rank(module: nn.Module, args: tuple, out: torch.Tensor,
 
 def split_weight(linear: nn.Linear, name: str, dim: int, tp: TPComm, parts: int = 1) -> None:
     """Replace an adapter matrix by this rank's part of it (along `dim`), keeping it marked as an adapter."""
-    layout = ShardLayout.split(name, tuple(linear.weight.shape), dim, tp, parts)
-    linear.weight = shard_parameter(linear.weight, name, layout)
+    weight = linear.weight
+    assert isinstance(weight, nn.Parameter)
+    layout = ShardLayout.split(name, tuple(weight.shape), dim, tp, parts)
+    linear.weight = shard_parameter(weight, name, layout)
     setattr(linear.weight, ADAPTER, True)
 
 
@@ -51,6 +54,7 @@ def carry_adapter(old: nn.Module, new: nn.Module, name: str, kind: str, parts: i
             "leave it out of finetune.lora.targets",
         )
     a, b = getattr(old, LORA_A), getattr(old, LORA_B)
+    hook: Callable[..., torch.Tensor]
     if kind == "rowwise":
         split_weight(a, f"{name}.{LORA_A}.weight", 1, tp)
         if sequence_parallel:
@@ -62,4 +66,4 @@ def carry_adapter(old: nn.Module, new: nn.Module, name: str, kind: str, parts: i
         hook = add_low_rank
     for attr in (LORA_A, LORA_B, LORA_DROPOUT, LORA_SCALING):
         setattr(new, attr, getattr(old, attr))
-    new._behemoth_lora_hook = new.register_forward_hook(hook)
+    setattr(new, LORA_HOOK, new.register_forward_hook(hook))
