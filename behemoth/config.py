@@ -108,6 +108,26 @@ class OffloadConfig(Section):
         return self.params if self.grads == "auto" else self.grads
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Llama-family attention and MLP
+
+
+class LoRAConfig(Section):
+    """Low-rank adapters (finetune/): the base model frozen, W x + (alpha / rank) B A x trained in float32."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of the whole model")
+    rank: int = Field(8, ge=1, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="scaling numerator: the adapter's output is multiplied by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1, description="linear modules to adapt: names or dotted suffixes (PEFT's rule)")
+
+
+class FinetuneConfig(Section):
+    """Parameter-efficient fine-tuning: LoRA for training, a PEFT adapter folder applied to the base for generation."""
+
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    adapter: str | None = Field(None, description="a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) applied for generation")
+
+
 class Config(Section):
     model: GPTConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -117,6 +137,7 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     hf: HFConfig = Field(default_factory=HFConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +173,17 @@ class Config(Section):
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.context={self.model.context}; lower train.seq_len or raise model.context"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> Config:
+        """LoRA composes with dp, ZeRO 1-2, tp and pp; a ZeRO-3 or offloaded frozen base is not supported yet."""
+        if not self.finetune.lora.enabled:
+            return self
+        if self.parallel.zero_stage == 3:
+            raise ValueError("finetune.lora with parallel.zero_stage=3: ZeRO-3 does not shard a frozen base yet; use parallel.zero_stage=2 (or 0/1)")
+        if self.offload.enabled:
+            raise ValueError("finetune.lora with offload: offload does not stream a frozen base yet; set offload.params/grads/optimizer=none")
         return self
 
     def replace(self, **sections: Any) -> Config:

@@ -153,6 +153,7 @@ def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
         seed=cfg.train.seed,
         timeout_s=cfg.run.timeout_s,
         offload=offload,
+        lora=cfg.finetune.lora,
     )
 
 

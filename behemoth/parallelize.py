@@ -37,6 +37,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, all_reduce, broadcast_object
 from behemoth.data import BatchLayout
+from behemoth.finetune.lora import inject_lora
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
@@ -218,6 +219,9 @@ def build_syncs(
     `optimizer_tier`: where ZeRO-1/2 keep their moments (host: ZeRO-Offload)."""
     split = experts is not None and rt.dims.ep > 1
     kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.group("dp"), None)]
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
+    if frozen and plan.zero_stage in (1, 2):
+        kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
     if plan.zero_stage == 0:
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype, optimizer_tier)
@@ -276,10 +280,14 @@ def parallelize(
     timeout_s: float = 300.0,
     offload: OffloadPolicy | None = None,
     for_training: bool = True,
+    lora: Any = None,
 ) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
     with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
-    for inference, steps 4 and 7 are skipped (`inference_model`)."""
+    for inference, steps 4 and 7 are skipped (`inference_model`). `lora` (finetune.lora): the base is frozen and adapters
+    are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt."""
+    if lora is not None and lora.enabled:
+        inject_lora(lm, lora)
     model, meter = lm.module, CommMeter()
     pipeline = None
     if rt.dims.pp > 1:

@@ -22,6 +22,7 @@ from behemoth.errors import BehemothError
 from behemoth.faults import checkpoint as ckpt_io
 from behemoth.faults.preflight import exports
 from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
+from behemoth.finetune.merge import save_run_adapter
 from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
@@ -255,14 +256,17 @@ class Trainer:
             "peak_source": self.peak_source,
             "world_size": self.rt.world_size,
             "checkpoint_write_s": list(self.saver.write_s),
-            "exported": self.exports,
+            "exported": self.exports and not self.cfg.finetune.lora.enabled,
+            "adapter": self.cfg.finetune.lora.enabled,
         }
         if log is None:
             barrier(self.rt.world_group)
             return summary
         log.close()
         plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-        if self.exports:
+        if self.cfg.finetune.lora.enabled:  # the adapters in PEFT's layout; `behemoth export --merge` writes merged weights
+            save_run_adapter(ckpt_io.resolve_checkpoint(self.run_dir), self.cfg, self.run_dir / "adapter")
+        elif self.exports:
             ckpt = ckpt_io.resolve_checkpoint(self.run_dir)
             ckpt_io.export_safetensors(ckpt, self.run_dir / "model.safetensors", build_causal_lm(self.cfg.model, self.cfg.hf).module)
         barrier(self.rt.world_group)

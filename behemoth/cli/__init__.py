@@ -109,6 +109,7 @@ def export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="instead, a transformers save_pretrained folder (config.json + safetensors in the "
         "Hugging Face layout, e.g. Mixtral's per-expert weights) of a model=hf:* run",
     )
+    p.add_argument("--merge", action="store_true", help="a LoRA run: its adapters merged into the base weights, an HF folder at --out DIR")
 
 
 def delegated_commands() -> dict[str, tuple[str, str]]:
@@ -329,6 +330,8 @@ def report(summary: dict[str, Any], seconds: float) -> None:
             f"({summary['peak_source']})"
         )
     exported = " model.safetensors" if summary.get("exported", True) else " (no model.safetensors: checkpoint.export=true, or behemoth export)"
+    if summary.get("adapter"):  # a LoRA run: its adapters in PEFT's layout (docs/finetune.md)
+        exported = " adapter/ (LoRA, PEFT layout; merged weights: behemoth export RUN --merge --out DIR)"
     print(f"behemoth: run directory {summary['run_dir']}: config.yaml metrics.jsonl loss.png checkpoints/{exported}")
 
 
@@ -354,6 +357,11 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     use = "behemoth export {}"
     ckpt = resolve_checkpoint(args.path, use=use)
     saved = validate_checkpoint(ckpt, None, use=use).get("config", {})
+    from behemoth.cli.export import export_lora, is_lora_run, refuse_merge
+
+    if is_lora_run(saved):  # adapters only: in PEFT's layout, or merged into the base (--merge)
+        return export_lora(args, ckpt, saved)
+    refuse_merge(args)
     model_cfg, hf_cfg = GPTConfig.model_validate(saved.get("model", {})), HFConfig.model_validate(saved.get("hf", {}))
     if args.hf:
         from behemoth.faults.checkpoint import export_pretrained

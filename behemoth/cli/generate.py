@@ -31,7 +31,17 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
+    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA folder applied to the model's weights (finetune.adapter=DIR)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. run.timeout_s=600")
+
+
+def with_adapter(args: argparse.Namespace) -> argparse.Namespace:
+    """--adapter DIR as the finetune.adapter=DIR option every loading path reads."""
+    if args.adapter and getattr(args, "offload", None):
+        raise BehemothError("--adapter with --offload: streamed weights take no adapter", "drop --offload, or use behemoth export --merge")
+    if args.adapter:
+        args.overrides = [*args.overrides, f"finetune.adapter={args.adapter}"]
+    return args
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -215,4 +225,4 @@ def print_completions(completions: list[Any], as_json: bool) -> int:
 
 def generate_main(argv: list[str]) -> int:
     args = generate_parser().parse_intermixed_args(argv)
-    return exit_code(run_generate, args)
+    return exit_code(lambda a: run_generate(with_adapter(a)), args)

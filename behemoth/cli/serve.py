@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from behemoth.cli.generate import add_model_options, check_plan, world_size
+from behemoth.cli.generate import add_model_options, check_plan, with_adapter, world_size
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
 
 if TYPE_CHECKING:  # the serving stack is imported when the server starts
@@ -118,4 +118,4 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def serve_main(argv: list[str]) -> int:
-    return exit_code(run_serve, serve_parser().parse_intermixed_args(argv))
+    return exit_code(lambda a: run_serve(with_adapter(a)), serve_parser().parse_intermixed_args(argv))

@@ -97,7 +97,8 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
     linear weights in int8, per-channel scales)."""
     cfg = inference_config(source.config, tp=tp, pp=pp)
     lm = build_causal_lm(cfg.model, cfg.hf)
-    if source.checkpoint is not None:
+    lora = cfg.finetune.lora if source.checkpoint is not None and cfg.finetune.lora.enabled else None  # a LoRA run's checkpoint: adapters
+    if source.checkpoint is not None and lora is None:
         lm.weights = None  # the checkpoint holds the weights (a run started from hf.weights overwrote them)
     if source.checkpoint is not None or lm.weights:
         lm.init_spec = lambda name: ZEROS  # every value is read from the files: drawing them first is time and a transient copy
@@ -112,10 +113,20 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         seed=cfg.train.seed,
         timeout_s=cfg.run.timeout_s,
         for_training=False,
+        lora=lora,
     )
     if source.checkpoint is not None:
-        load_checkpoint(model.checkpoint_views({"model": parameter_state(model.module)}), source.checkpoint, rt.world_group)
+        state = {k: v for k, v in parameter_state(model.module).items() if lora is None or ".lora_" in k}
+        load_checkpoint(model.checkpoint_views({"model": state}), source.checkpoint, rt.world_group)
     model.module.eval()
+    if lora is not None:  # the base came from hf.weights; its adapters are folded into it
+        from behemoth.finetune.lora import merge_adapters
+
+        merge_adapters(model.module)
+    if cfg.finetune.adapter:  # a PEFT LoRA folder, merged into this rank's weights before any quantization
+        from behemoth.finetune.merge import apply_adapter
+
+        apply_adapter(model.module, cfg.finetune.adapter)
     if quantize == "int8":
         from behemoth.inference.quantize import quantize_int8
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
+from behemoth.models.init import ADAPTER, FULL_NAME, TAKE_LOCAL, InitSpec
 from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_tensors
 from behemoth.models.shape import ModelShape
 
@@ -394,7 +394,7 @@ def load_weights(model: nn.Module, weights: str) -> int:
     files = sorted(Path(weights).expanduser().glob("*.safetensors"))
     if not files:
         raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
-    params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters()}
+    params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters() if not hasattr(p, ADAPTER)}  # adapters: not in the folder
     index = read_index(files)
     direct = {k for k, p in params.items() if k in index and _takes_whole(p, index[k])}
     for key in direct:

@@ -37,6 +37,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
+from behemoth.parallel.tensor.adapters import carry_adapter
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT,
@@ -134,6 +135,7 @@ def apply_tensor_parallel(model: nn.Module, tp: TPComm, policy: TensorPolicy) ->
         kind, _, arg = style.partition(":")
         new = build_parallel(module, name, kind, int(arg or 1), build)
         if new is not None:
+            carry_adapter(module, new, name, kind, int(arg or 1), tp, sequence_parallel)
             model.set_submodule(name, new)
             if kind == "vocab":
                 vocab = new.vocab if isinstance(new, VocabParallelEmbedding) else VocabShard.of(getattr(new.weight, TP_LAYOUT))

@@ -1,0 +1,179 @@
+"""Fine-tuning benchmarks.
+
+    python benchmarks/bench_finetune.py --part lora    # LoRA: behemoth vs transformers + peft, one process, same model/data/batch
+
+`lora_vs_peft`: a small Llama-shaped model (random weights, written by save_pretrained into a temporary folder) is
+fine-tuned with LoRA on every attention and MLP projection (rank 8, alpha 16, float32) by behemoth
+(`finetune.lora.enabled=true`, hf.weights=FOLDER) and by a plain loop over transformers' model with peft's LoRA and
+torch's AdamW, on the same random token batches. Each system runs in its own fresh process; a step is timed and the
+median after the warm-up steps is kept; memory is the process's peak resident set (VmHWM) and its growth from just
+before the model was loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ratios import add_report_args, command_line, failure, ratio, write_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MiB = 2**20
+LORA_SYSTEMS = ("behemoth", "peft")
+LLAMA = dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
+
+
+def vm_kb(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+)", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def save_llama(folder: Path, seq: int) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, max_position_embeddings=seq)).save_pretrained(str(folder))
+
+
+def token_batches(steps: int, batch: int, seq: int) -> list[tuple[Any, Any]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    v = LLAMA["vocab_size"]
+    return [(torch.randint(0, v, (batch, seq), generator=g), torch.randint(0, v, (batch, seq), generator=g)) for _ in range(steps)]
+
+
+def behemoth_steps(folder: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """behemoth's engine with LoRA on the folder: step times and losses."""
+    from behemoth.config import load_config
+    from behemoth.engine import build_engine
+    from behemoth.topology import init_runtime
+
+    options = [f"hf.weights={folder}", "finetune.lora.enabled=true", f"finetune.lora.rank={args.rank}", f"finetune.lora.alpha={2 * args.rank}"]
+    cfg = load_config(None, [*options, f"train.global_batch={args.batch}", f"train.seq_len={args.seq}", "train.lr=1e-3", "train.grad_clip=1.0"])
+    engine = build_engine(cfg, init_runtime())
+    times, losses = [], []
+    for x, y in token_batches(args.steps, args.batch, args.seq):
+        t0 = time.perf_counter()
+        losses.append(engine.train_step([(x, y)], 1e-3).loss)
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def peft_steps(folder: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The peer: transformers' model with peft's LoRA, torch's AdamW (foreach), global-norm clip, the same batches."""
+    import peft
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=targets))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    times, losses = [], []
+    for x, y in token_batches(args.steps, args.batch, args.seq):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def run_lora_system(system: str, folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One system in this process: tokens/s (median step after warm-up), peak and grown resident memory."""
+    import torch  # noqa: F401  (imported before the baseline: the libraries are not the model)
+    import transformers  # noqa: F401
+
+    start = vm_kb("VmRSS")
+    times, losses = (behemoth_steps if system == "behemoth" else peft_steps)(folder, args)
+    step = statistics.median(times[args.warmup :])
+    peak = vm_kb("VmHWM")
+    return {"tokens_per_s": args.batch * args.seq / step, "peak_mb": peak / 1024, "grown_mb": (peak - start) / 1024, "losses": losses}
+
+
+def lora_vs_peft(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run each system in a fresh process on one saved folder; print the table, return the ratio rows."""
+    results: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-finetune-") as tmp:
+        save_llama(Path(tmp) / "llama", args.seq)
+        for system in LORA_SYSTEMS:
+            cmd = [sys.executable, __file__, "--lora-system", system, "--folder", str(Path(tmp) / "llama"), *passthrough(args)]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            if done.returncode:
+                rows.append(failure("finetune-lora", system, done.stderr))
+                continue
+            results[system] = json.loads(done.stdout.strip().splitlines()[-1])
+    print_lora_table(results, args)
+    if {"behemoth", "peft"} <= set(results):
+        ours, theirs = results["behemoth"], results["peft"]
+        case = f"llama-{LLAMA['hidden_size']}x{LLAMA['num_hidden_layers']} r{args.rank} b{args.batch}x{args.seq}"
+        rows.append(ratio("finetune-lora", case, "peft", "tokens_per_s", ours["tokens_per_s"], theirs["tokens_per_s"]))
+        rows.append(ratio("finetune-lora", case, "peft", "peak_mb", ours["peak_mb"], theirs["peak_mb"], higher_is_better=False))
+    return rows
+
+
+def passthrough(args: argparse.Namespace) -> list[str]:
+    return [f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "batch", "seq", "rank")]
+
+
+def print_lora_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    params = 2 * LLAMA["vocab_size"] * LLAMA["hidden_size"]
+    print(f"LoRA fine-tuning, one process, float32: Llama {LLAMA} (~{params / 1e6:.0f}M embedding+head parameters), rank {args.rank}, ")
+    print(f"batch {args.batch} x {args.seq} tokens, median of {args.steps - args.warmup} steps after {args.warmup} warm-up\n")
+    print("| system | tokens/s | peak RSS MiB | RSS growth MiB | first/last loss |")
+    print("|---|---|---|---|---|")
+    for system, r in results.items():
+        loss = f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f}"
+        print(f"| {system} | {r['tokens_per_s']:.0f} | {r['peak_mb']:.0f} | {r['grown_mb']:.0f} | {loss} |")
+    if {"behemoth", "peft"} <= set(results):
+        b, p = results["behemoth"], results["peft"]
+        print(
+            f"\nbehemoth / peft: tokens/s x{b['tokens_per_s'] / p['tokens_per_s']:.2f}, peak RSS x{b['peak_mb'] / p['peak_mb']:.2f}, "
+            f"RSS growth x{b['grown_mb'] / p['grown_mb']:.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["lora"], default="lora", help="which benchmark to run (lora: LoRA fine-tuning vs transformers + peft)")
+    p.add_argument("--lora-system", choices=LORA_SYSTEMS, help=argparse.SUPPRESS)  # one system, in this process
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rank", type=int, default=8)
+    add_report_args(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.seq = 5, 2, 128
+    if args.lora_system:
+        print(json.dumps(run_lora_system(args.lora_system, args.folder, args)))
+        return 0
+    rows: list[dict[str, Any]] = []
+    if args.part == "lora":
+        print(f"$ {command_line('bench_finetune.py', argv)}\n")
+        rows += lora_vs_peft(args)
+    write_rows(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
