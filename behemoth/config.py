@@ -112,7 +112,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoRAConfig(Section):
-    """Low-rank adapters (finetune/): the base model frozen, W x + (alpha / rank) B A x trained in float32."""
+    """Low-rank adapters (models/lora.py): the base model frozen, W x + (alpha / rank) B A x trained in float32."""
 
     enabled: bool = Field(False, description="train LoRA adapters instead of the whole model")
     rank: int = Field(8, ge=1, description="adapter rank r")

@@ -37,9 +37,9 @@ from torch import nn
 
 from behemoth.comm import CommMeter, all_reduce, broadcast_object
 from behemoth.data import BatchLayout
-from behemoth.finetune.lora import inject_lora
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
+from behemoth.models.lora import inject_lora
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape

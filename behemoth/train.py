@@ -22,8 +22,8 @@ from behemoth.errors import BehemothError
 from behemoth.faults import checkpoint as ckpt_io
 from behemoth.faults.preflight import exports
 from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
-from behemoth.finetune.merge import save_run_adapter
 from behemoth.flight import RECORDER, nccl_flight_env
+from behemoth.inference.adapters import save_run_adapter
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist

@@ -127,8 +127,8 @@ def behemoth_lora(cfg_dict: dict[str, Any], init: dict[str, torch.Tensor]) -> di
 
     from behemoth.config import Config
     from behemoth.engine import Engine, build_model, lr_at
-    from behemoth.finetune.lora import adapter_parameters
     from behemoth.models.init import FULL_NAME, TAKE_LOCAL
+    from behemoth.models.lora import adapter_parameters
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
@@ -220,8 +220,8 @@ def test_lora_with_zero3_or_offload_is_refused(folder, tmp_path):
 def test_targets_that_match_nothing_are_refused(folder):
     from behemoth.config import load_config
     from behemoth.errors import BehemothError
-    from behemoth.finetune.lora import inject_lora
     from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.lora import inject_lora
 
     for targets, words in (("[qkv_proj]", "matches no module"), ("[embed_tokens]", "Embedding")):
         cfg = load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", f"finetune.lora.targets={targets}"])

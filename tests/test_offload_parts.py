@@ -15,9 +15,9 @@ import torch
 from behemoth.offload.budget import ActivationShape, UnitSize, fit_prefetch, peak_bytes
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import StateSizes, harmony_order, naive_order, plan_residencies, swap_bytes
-from behemoth.parallel.zero.tiers import make_tier
 from behemoth.parallel.sync import AdamWSettings
 from behemoth.parallel.zero.adam import BLOCK, AdamFP32, ShardPiece, block_offsets, state_bytes
+from behemoth.parallel.zero.tiers import make_tier
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,7 @@ def is_lora_run(saved: dict[str, Any]) -> bool:
 def export_lora(args: argparse.Namespace, ckpt: Path, saved: dict[str, Any]) -> int:
     """The checkpoint's adapters as a PEFT folder (default RUN/adapter), or with --merge an HF folder of merged weights."""
     from behemoth.config import Config
-    from behemoth.finetune.merge import export_merged, save_run_adapter
+    from behemoth.inference.adapters import export_merged, save_run_adapter
 
     if args.hf:
         raise BehemothError("export --hf of a LoRA run: its checkpoints hold only the adapters", "use behemoth export RUN --merge --out DIR")

@@ -120,11 +120,11 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         load_checkpoint(model.checkpoint_views({"model": state}), source.checkpoint, rt.world_group)
     model.module.eval()
     if lora is not None:  # the base came from hf.weights; its adapters are folded into it
-        from behemoth.finetune.lora import merge_adapters
+        from behemoth.models.lora import merge_adapters
 
         merge_adapters(model.module)
     if cfg.finetune.adapter:  # a PEFT LoRA folder, merged into this rank's weights before any quantization
-        from behemoth.finetune.merge import apply_adapter
+        from behemoth.inference.adapters import apply_adapter
 
         apply_adapter(model.module, cfg.finetune.adapter)
     if quantize == "int8":

@@ -58,7 +58,7 @@ def generation_policy(tier: str, folder: str | Path | None = None, *, prefetch: 
     if name not in STREAM_TIERS or prefetch < 0 or io_threads < 1:
         raise BehemothError(
             f"offloaded generation with tier {tier!r}, prefetch {prefetch}, io_threads {io_threads}",
-            f"use a tier of host, disk (or cpu), prefetch >= 0 and io_threads >= 1",
+            "use a tier of host, disk (or cpu), prefetch >= 0 and io_threads >= 1",
         )
     if name == DISK and folder is None:
         raise BehemothError("disk offload needs a folder for the blocks' weights", "pass --offload-dir DIR")

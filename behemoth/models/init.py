@@ -24,7 +24,7 @@ ROWS_PER_BLOCK = 1024
 FULL_NAME = "_behemoth_full_name"  # the parameter's name in the single-process model
 FULL_SHAPE = "_behemoth_full_shape"  # its shape there
 TAKE_LOCAL = "_behemoth_take_local"  # full tensor -> this rank's part
-ADAPTER = "_behemoth_adapter"  # an added parameter the model's own weights do not hold (a LoRA adapter, finetune/)
+ADAPTER = "_behemoth_adapter"  # an added parameter the model's own weights do not hold (a LoRA adapter, models/lora.py)
 
 
 @dataclass(frozen=True)

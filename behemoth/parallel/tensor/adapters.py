@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.finetune.lora import LORA_A, LORA_B, LORA_DROPOUT, LORA_HOOK, LORA_SCALING, add_low_rank, has_adapter
 from behemoth.models.init import ADAPTER
+from behemoth.models.lora import LORA_A, LORA_B, LORA_DROPOUT, LORA_HOOK, LORA_SCALING, add_low_rank, has_adapter
 from behemoth.parallel.tensor.comm import TPComm, reduce_from_tp, reduce_scatter_seq
 from behemoth.parallel.tensor.layers import TP_PARTIAL_GRAD, ShardLayout, shard_parameter
 

@@ -13,10 +13,10 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.faults.checkpoint import load_tensors
-from behemoth.finetune.lora import adapter_parameters, inject_lora
-from behemoth.finetune.peft_io import Adapter, read_adapter, write_adapter
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.models.init import FULL_NAME, TAKE_LOCAL
+from behemoth.models.lora import adapter_parameters, inject_lora
+from behemoth.models.peft_io import Adapter, read_adapter, write_adapter
 
 
 def adapter_tensors(ckpt: Path, cfg: Any) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from behemoth.errors import BehemothError
-from behemoth.finetune.lora import LORA_A, LORA_B
+from behemoth.models.lora import LORA_A, LORA_B
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

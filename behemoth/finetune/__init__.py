@@ -1,1 +1,0 @@
-"""Parameter-efficient fine-tuning: LoRA adapters on a frozen base, saved and read in PEFT's layout, merged on export."""
