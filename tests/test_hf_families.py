@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from behemoth.errors import BehemothError
-from tests.common import assert_close_runs, tiny_config, train_body
+from tests.common import assert_close_runs, tiny_config
 from tests.dist import run_ranks
 
 pytest.importorskip("transformers")
@@ -28,11 +28,11 @@ SHAPE = dict(
     pad_token_id=None,
 )
 FAMILIES = {  # what each family adds to the standard layout, and the layout that must train its single-process curve
-    "mistral": (dict(sliding_window=8), ["parallel.tp=2"]),  # a window shorter than the sequence
-    "qwen2": (dict(), ["parallel.zero_stage=3"]),  # q/k/v biases
+    "mistral": (dict(sliding_window=8), ["parallel.pp=2", "parallel.microbatches=2"]),  # a window shorter than the sequence
+    "qwen2": (dict(), ["parallel.zero_stage=3"]),  # q/k/v biases, ZeRO-3 over dp = 2
     "qwen3": (dict(head_dim=16), ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # per-head q/k norms, wide heads
     "gemma": (dict(head_dim=8), ["parallel.tp=2"]),  # scaled embeddings, (1 + w) norms, tied head
-    "phi3": (dict(), ["parallel.pp=2", "parallel.microbatches=2"]),  # fused qkv and gate_up projections
+    "phi3": (dict(), ["parallel.zero_stage=2"]),  # fused qkv and gate_up projections (tp refused)
 }
 
 
@@ -49,16 +49,21 @@ def save_family(name: str, folder, **fields) -> None:
     model.save_pretrained(str(folder))
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    for name in FAMILIES:
-        save_family(name, root / name)
-    return root
+def _train(cfg_dict, rt):
+    """Train one config on `rt`; this rank's losses, and the single-process view of the weights (rank 0)."""
+    import torch.distributed as dist
+
+    from behemoth.config import Config
+    from behemoth.train import Trainer
+    from tests.common import full_weights
+
+    trainer = Trainer(Config.model_validate(cfg_dict), rt)
+    losses = trainer.run()["losses"]
+    return {"losses": losses, "weights": full_weights(trainer) if dist.get_rank() == 0 else None}
 
 
-def _logits_of_families(cfg_dicts, root):
-    """(behemoth's, transformers') logits of each family's folder, in one process."""
+def _single_process(cfg_dicts, root):
+    """Per family: (behemoth's, from_pretrained's) logits of its folder, and its single-process curve; one process."""
     import transformers
 
     from behemoth.config import Config
@@ -72,28 +77,43 @@ def _logits_of_families(cfg_dicts, root):
         model.module.eval()
         plain = transformers.AutoModelForCausalLM.from_pretrained(str(root / name), local_files_only=True, attn_implementation="sdpa").eval()
         with torch.no_grad():
-            out[name] = (model.logits(x), plain(input_ids=x).logits)
+            logits = (model.logits(x), plain(input_ids=x).logits)
+        out[name] = {"logits": logits, **_train(cfg_dict, rt)}
     return out
 
 
-def test_each_family_gives_from_pretrained_logits(folders, tmp_path):
-    """Every family's folder: behemoth's model is the one from_pretrained builds (float32, to rounding)."""
-    cfgs = {name: tiny_config(tmp_path / name, f"hf.weights={folders / name}") for name in FAMILIES}
-    assert {name: c["hf"]["arch"] for name, c in cfgs.items()} == {name: name for name in FAMILIES}
-    for name, (ours, theirs) in run_ranks(1, _logits_of_families, cfgs, folders)[0].items():
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+def _layouts(cfg_dicts):
+    """Per family: its curve under its own two-process layout (one mesh after another in the same two processes)."""
+    from behemoth.config import Config
+    from behemoth.topology import init_runtime
+
+    return {name: _train(c, init_runtime(timeout_s=60, **Config.model_validate(c).parallel.degrees())) for name, c in cfg_dicts.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every family's folder, its logits against from_pretrained and its curves: two process launches in all."""
+    root = tmp_path_factory.mktemp("families")
+    for name in FAMILIES:
+        save_family(name, root / name)
+    short = ["train.steps=3", "train.eval_every=3"]
+    one = {name: tiny_config(root / name / "one", f"hf.weights={root / name}", *short) for name in FAMILIES}
+    two = {name: tiny_config(root / name / "two", f"hf.weights={root / name}", *short, *layout) for name, (_, layout) in FAMILIES.items()}
+    assert {name: c["hf"]["arch"] for name, c in one.items()} == {name: name for name in FAMILIES}  # found from config.json
+    return root, run_ranks(1, _single_process, one, root)[0], run_ranks(2, _layouts, two)[0]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_trains_the_single_process_curve(folders, tmp_path, name):
-    """One multi-process layout per family (tp, tp + SP, ZeRO-3, a pipeline) trains the single-process curve."""
-    short = [f"hf.weights={folders / name}", "train.steps=4", "train.eval_every=4"]
-    ref = run_ranks(1, train_body, tiny_config(tmp_path / "one", *short))[0]
-    got = run_ranks(2, train_body, tiny_config(tmp_path / "two", *short, *FAMILIES[name][1]))[0]
-    assert_close_runs(ref, got)
+def test_family_gives_from_pretrained_logits_and_trains_the_single_process_curve(runs, name):
+    """The family's folder: behemoth's model is the one from_pretrained builds (float32, to rounding), and its two-process
+    layout (tp, tp + SP, ZeRO-3, a pipeline) trains the single-process curve."""
+    _, one, two = runs
+    ours, theirs = one[name]["logits"]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert_close_runs(one[name], two[name])
 
 
-def test_what_cannot_run_is_refused_before_launch(folders, tmp_path):
+def test_what_cannot_run_is_refused_before_launch(runs, tmp_path):
     """A family outside the standard layout (Gemma 2), mixed attention kinds and a split the family cannot take are
     refused with the reason, before any worker starts."""
     from behemoth.config import load_config
@@ -102,6 +122,7 @@ def test_what_cannot_run_is_refused_before_launch(folders, tmp_path):
     save_family("gemma2", tmp_path / "gemma2", head_dim=8)
     with pytest.raises(BehemothError, match="'gemma2' alternates sliding-window and global attention"):
         load_config(None, [f"hf.weights={tmp_path / 'gemma2'}"])
+    folders = runs[0]
     cfg = load_config(None, [f"hf.weights={folders / 'phi3'}", "parallel.tp=2", "train.seq_len=32"])
     assert any("hf phi3 cannot be split by tensor parallelism" in p.message for p in problems(cfg, 2)), problems(cfg, 2)
     save_family("qwen2", tmp_path / "mixed", use_sliding_window=True, sliding_window=8, max_window_layers=1)
@@ -112,9 +133,15 @@ def test_what_cannot_run_is_refused_before_launch(folders, tmp_path):
 
 
 MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
+CASES = {  # (the folder's output_router_logits, options, whether the load-balancing loss trains)
+    "output_router_logits": (True, [], True),
+    "no_router_logits": (False, [], False),
+    "aux_coef_0": (True, ["model.moe.aux_coef=0"], False),
+}
+STEPS = 3
 
 
-def _mixtral_against_transformers(cfg_dict, folder, steps, router_logits):
+def _against_transformers(cfg_dict, folder, router_logits):
     """behemoth's losses, aux losses and final weights; then the same steps as a plain loop over transformers' forward."""
     import transformers
 
@@ -126,14 +153,15 @@ def _mixtral_against_transformers(cfg_dict, folder, steps, router_logits):
 
     cfg = Config.model_validate(cfg_dict)
     trainer = Trainer(cfg, init_runtime())
-    batches = [trainer.train_data.micro_batches(s) for s in range(steps)]
+    batches = [trainer.train_data.micro_batches(s) for s in range(STEPS)]
     ours = trainer.run()["losses"]
     lines = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     ours_aux = [line["aux_loss"] for line in lines if "aux_loss" in line]
     weights = full_weights(trainer)
     model = transformers.MixtralForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa").train()
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.train.weight_decay}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decay, rest = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), foreach=True)
     theirs, theirs_aux = [], []
     for step, micro in enumerate(batches):
@@ -144,40 +172,50 @@ def _mixtral_against_transformers(cfg_dict, folder, steps, router_logits):
         out.loss.backward()
         opt.step()
         opt.zero_grad()
-        aux = 0.0 if out.aux_loss is None else float(out.aux_loss)
-        theirs.append(float(out.loss) - model.config.router_aux_loss_coef * aux)
+        aux = 0.0 if out.aux_loss is None else float(out.aux_loss.detach())
+        theirs.append(float(out.loss.detach()) - model.config.router_aux_loss_coef * aux)
         theirs_aux.append(aux)
     return ours, ours_aux, weights, theirs, theirs_aux, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(
-    "router_logits,options,trains_aux",
-    [(True, [], True), (False, [], False), (True, ["model.moe.aux_coef=0"], False)],
-    ids=["output_router_logits", "no_router_logits", "aux_coef_0"],
-)
-def test_mixtral_folder_trains_transformers_objective(tmp_path, router_logits, options, trains_aux):
+def _all_cases(cases):
+    return {case: _against_transformers(*args) for case, args in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def mixtral_runs(tmp_path_factory):
+    """Each case's folder, config and both runs (one process launch for all)."""
+    root, cases, cfgs = tmp_path_factory.mktemp("mixtral"), {}, {}
+    for case, (router_logits, options, trains_aux) in CASES.items():
+        folder = root / case
+        save_family("mixtral", folder, **MIXTRAL, output_router_logits=router_logits)
+        cfgs[case] = tiny_config(root / case / "run", f"hf.weights={folder}", f"train.steps={STEPS}", "train.log_every=1", "train.grad_clip=0", *options)
+        cases[case] = (cfgs[case], str(folder), trains_aux)
+    return root, cfgs, run_ranks(1, _all_cases, cases)[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mixtral_folder_trains_transformers_objective(mixtral_runs, case):
     """A Mixtral folder trains transformers' own loss: cross-entropy plus router_aux_loss_coef x the load-balancing loss
     pooled over all layers and tokens exactly when output_router_logits is true, no z-loss; model.moe.aux_coef=0 turns
-    it off; config.yaml records what trains. Losses, auxiliary losses and weights equal a plain transformers loop."""
+    it off (named at launch); config.yaml records what trains. Losses, auxiliary losses and weights equal a plain
+    transformers loop."""
+    from behemoth.cli import launch_line
     from behemoth.config import load_config
 
-    folder = tmp_path / "mixtral"
-    save_family("mixtral", folder, **MIXTRAL, output_router_logits=router_logits)
-    steps = 3
-    cfg = tiny_config(tmp_path / "run", f"hf.weights={folder}", f"train.steps={steps}", "train.log_every=1", "train.grad_clip=0", *options)
-    moe = cfg["model"]["moe"]
+    root, cfgs, results = mixtral_runs
+    _, options, trains_aux = CASES[case]
+    moe = cfgs[case]["model"]["moe"]
     assert (moe["aux_loss"], moe["aux_coef"], moe["z_coef"]) == ("pooled", 0.1 if trains_aux else 0.0, 0.0)
-    if options:  # the override is named at launch
-        from behemoth.cli import launch_line
-
-        assert "output_router_logits True -> False" in launch_line(load_config(None, [f"hf.weights={folder}", *options]), 1)
-    ours, ours_aux, weights, theirs, theirs_aux, ref = run_ranks(1, _mixtral_against_transformers, cfg, str(folder), steps, trains_aux)[0]
+    if options:
+        assert "output_router_logits True -> False" in launch_line(load_config(None, [f"hf.weights={root / case}", *options]), 1)
+    ours, ours_aux, weights, theirs, theirs_aux, ref = results[case]
     for step, (a, b) in enumerate(zip(ours, theirs), 1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a} vs transformers' {b}"
     if trains_aux:
-        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(ours_aux, theirs_aux)), (ours_aux, theirs_aux)
+        assert len(ours_aux) == STEPS and all(abs(a - b) <= 1e-5 * b for a, b in zip(ours_aux, theirs_aux)), (ours_aux, theirs_aux)
     for name, b in ref.items():
         err = (weights[name] - b).abs().max().item()
         assert err <= 1e-4 * b.abs().max().item() + 1e-6, f"{name}: max |diff| {err:.3g}"
-    saved = load_config(tmp_path / "run" / "config.yaml").model.moe
+    saved = load_config(root / case / "run" / "config.yaml").model.moe
     assert (saved.aux_loss, saved.aux_coef, saved.z_coef) == (moe["aux_loss"], moe["aux_coef"], 0.0)
