@@ -189,7 +189,9 @@ def mixtral_runs(tmp_path_factory):
     for case, (router_logits, options, trains_aux) in CASES.items():
         folder = root / case
         save_family("mixtral", folder, **MIXTRAL, output_router_logits=router_logits)
-        cfgs[case] = tiny_config(root / case / "run", f"hf.weights={folder}", f"train.steps={STEPS}", "train.log_every=1", "train.grad_clip=0", *options)
+        cfgs[case] = tiny_config(
+            root / case / "run", f"hf.weights={folder}", f"train.steps={STEPS}", "train.log_every=1", "train.grad_clip=0", *options
+        )
         cases[case] = (cfgs[case], str(folder), trains_aux)
     return root, cfgs, run_ranks(1, _all_cases, cases)[0]
 

@@ -114,6 +114,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             routers=gpt.routers,
         )
     from behemoth.models import hf as hf_models
+    from behemoth.models.hf_families import DECODER_VIEW
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
@@ -130,7 +131,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
     return CausalLM(
         model,
         shape,
-        view_of("gpt2") if hf.arch == "gpt2" else hf_models.DECODER_VIEW,
+        view_of("gpt2") if hf.arch == "gpt2" else DECODER_VIEW,
         hf_models.hf_init_spec(model, hf.arch),
         hf_models.hf_tp_plan(model, hf.arch),
         transposed=hf_models.transposed_linears(model),

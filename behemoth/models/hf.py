@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (GPT-2 and the decoder families of models/hf_families.py) run unmodified under behemoth's layout-independent init and plans.
+"""Hugging Face causal LMs (GPT-2, the decoder families of models/hf_families.py) run unmodified under behemoth's init and plans.
 
 The model is built on the meta device from its transformers config (parameters only; buffers such as
 Llama's rotary frequencies are real), so `materialize` draws every parameter from (seed, name) exactly as
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.models.hf_families import DECODER_VIEW, FAMILIES, family_name, family_problems, unsupported, zero_norm_names
+from behemoth.models.hf_families import FAMILIES, family_name, family_problems, unsupported, zero_norm_names
 from behemoth.models.init import FULL_NAME, TAKE_LOCAL, InitSpec
 from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_tensors
 from behemoth.models.shape import ModelShape
@@ -414,9 +414,7 @@ def norm_modules(model: nn.Module) -> frozenset[str]:
     """Every normalization module on the residual stream: LayerNorm, or the RMSNorm class of a transformers family (not
     the per-head q/k norms inside attention, which run in the tensor-parallel region)."""
     return frozenset(
-        n
-        for n, m in model.named_modules()
-        if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")) and ".self_attn." not in n
+        n for n, m in model.named_modules() if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")) and ".self_attn." not in n
     )
 
 

@@ -11,9 +11,9 @@ The objective is the one the config defines, recorded in `model.moe` (so config.
 transformers' load-balancing loss pooled over all layers and tokens (`aux_loss=pooled`, models/moe.py),
 weighed by `router_aux_loss_coef` when `output_router_logits` is true and absent otherwise (`aux_coef=0`),
 no z-loss; `router_jitter_noise` jitters the MLP's input while training, as transformers does. A
-`model.moe.*` option the user sets overrides its field (the launch line names it). Checkpoints written by `save_pretrained` keep the older per-expert layout
-(`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy` reads it (`behemoth export --hf` writes it through
-transformers' own save_pretrained).
+`model.moe.*` option the user sets overrides its field (the launch line names it). Checkpoints written by
+`save_pretrained` keep the older per-expert layout (`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy`
+reads it (`behemoth export --hf` writes it through transformers' own save_pretrained).
 """
 
 from __future__ import annotations

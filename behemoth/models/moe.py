@@ -195,9 +195,7 @@ class RouterStats:
             counts, probs, rows = rnd.split(rnd.totals)
             aux = self.experts[0] * (counts / rows * probs / rows).sum()
             first = min(self.sums)
-            self.sums[first] = self.sums[first] + torch.nn.functional.pad(
-                (aux * rnd.rows / rnd.layers).view(1), (0, self.sums[first].numel() - 1)
-            )
+            self.sums[first] = self.sums[first] + torch.nn.functional.pad((aux * rnd.rows / rnd.layers).view(1), (0, self.sums[first].numel() - 1))
         counts, _, rows = rnd.split(rnd.totals)
         return self.loss_scale * coef * self.experts[0] * counts / (rnd.layers * rows)
 
@@ -324,7 +322,8 @@ class MoELayer(nn.Module):
         if self.training and self.policy.noise == "jitter" and not self.policy.jitter_experts:
             eps = self.policy.noise_eps
             tokens = tokens * torch.empty_like(tokens).uniform_(1 - eps, 1 + eps)
-        return F.linear(tokens, getattr(self, self.spec.router).weight).float()
+        out = getattr(self, self.spec.router)(tokens)  # the family's own router module, so its output hooks see the logits
+        return (out[0] if isinstance(out, tuple) else out).float()
 
     def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self.runner is not None:
