@@ -120,7 +120,7 @@ def test_what_cannot_run_is_refused_before_launch(runs, tmp_path):
     from behemoth.planner.feasibility import problems
 
     save_family("gemma2", tmp_path / "gemma2", head_dim=8)
-    with pytest.raises(BehemothError, match="'gemma2' alternates sliding-window and global attention"):
+    with pytest.raises(BehemothError, match="'gemma2' model, which alternates sliding-window and global attention"):
         load_config(None, [f"hf.weights={tmp_path / 'gemma2'}"])
     folders = runs[0]
     cfg = load_config(None, [f"hf.weights={folders / 'phi3'}", "parallel.tp=2", "train.seq_len=32"])

@@ -76,7 +76,7 @@ def unsupported(name: Any) -> str:
     """Why a family is not trained (for a refusal line)."""
     reason = REFUSED.get(name) if isinstance(name, str) else None
     known = ", ".join(["gpt2", *FAMILIES])
-    return f"{name!r}{' ' + reason if reason else ''}; behemoth trains {known}"
+    return f"{name!r} model{', which ' + reason if reason else ''}; behemoth trains {known}"
 
 
 def attention_window(config: Any) -> int | None:
@@ -122,7 +122,7 @@ def _mask(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, cache: KVC
     return make(config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
 
 
-def decoder_context(model: nn.Module, h: torch.Tensor, positions: Positions = None, cache: KVCacheStep | None = None) -> dict[str, Any]:
+def decoder_context(model: Any, h: torch.Tensor, positions: Positions = None, cache: KVCacheStep | None = None) -> dict[str, Any]:
     """What every decoder layer of the standard layout is called with: mask, positions, the rotary embedding's cos/sin."""
     positions = _positions(h, positions)
     ctx = {
@@ -134,15 +134,15 @@ def decoder_context(model: nn.Module, h: torch.Tensor, positions: Positions = No
     return _with_cache(ctx, cache)
 
 
-DECODER_VIEW = LayeredView(
-    "model.layers",
-    ("model.embed_tokens",),
-    ("model.norm", "lm_head"),
-    "model.embed_tokens",
-    embed=lambda m, idx, positions=None: m.model.embed_tokens(idx),
-    context=decoder_context,
-    head=lambda m, h: m.lm_head(m.model.norm(h)),
-)
+def _embed(m: Any, idx: torch.Tensor, positions: Positions = None) -> torch.Tensor:
+    return m.model.embed_tokens(idx)
+
+
+def _head(m: Any, h: torch.Tensor) -> torch.Tensor:
+    return m.lm_head(m.model.norm(h))
+
+
+DECODER_VIEW = LayeredView("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "model.embed_tokens", _embed, decoder_context, _head)
 
 
 def keep_embed_scale(model: nn.Module, tp: int) -> None:
@@ -151,7 +151,8 @@ def keep_embed_scale(model: nn.Module, tp: int) -> None:
     embed = model.get_submodule("model.embed_tokens") if hasattr(model, "model") else None
     if embed is None or hasattr(embed, "embed_scale"):
         return
-    scale = model.config.hidden_size**0.5
+    config: Any = model.config
+    scale = float(config.hidden_size) ** 0.5
     embed.register_forward_hook(lambda m, _args, out: out * torch.tensor(scale, dtype=out.dtype))
 
 

@@ -254,10 +254,11 @@ class PooledRound:
         self.rows, self.layers = self.rows + tokens, self.layers + 1
 
     def packed(self) -> torch.Tensor:
+        assert self.counts is not None and self.probs is not None, "a round holds at least one layer"
         return torch.cat([self.counts, self.probs, self.counts.new_tensor([float(self.rows)])])
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        E = self.counts.numel()
+        E = (flat.numel() - 1) // 2
         return flat[:E], flat[E : 2 * E], flat[2 * E]
 
 
