@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
-from behemoth.models.hf import HFConfig, shape_from_weights
+from behemoth.models.hf import HFConfig, moe_objective_of, shape_from_weights
 from behemoth.plan import ParallelPlan
 from behemoth.topology import ParallelDims
 
@@ -148,11 +148,13 @@ class Config(Section):
             return data
         given = _as_dict(data.get("hf"))  # a section may be given as an instance
         weights = given.get("weights")
-        if not weights:
-            return data
-        arch, model, hf = shape_from_weights(weights)
         model_given = _as_dict(data.get("model"))
         moe_given = _as_dict(model_given.get("moe"))  # model.moe: the experts the weights have, the routing the user asks
+        if not weights:  # a transformers MoE family's objective, unless the user sets its fields
+            objective = moe_objective_of(given.get("arch"))
+            return {**data, "model": {**model_given, "moe": {**objective, **moe_given}}} if objective else data
+        arch, model, hf = shape_from_weights(weights)
+        objective = model.pop("moe_objective", {})
         for section, theirs, ours in (
             ("hf", {"arch": arch, **hf}, given),
             ("model", model, model_given),
@@ -164,7 +166,7 @@ class Config(Section):
                         f"{section}.{key}={ours[key]} but hf.weights={weights} has {key}={value}", f"set {section}.{key}={value} or drop it"
                     )
             if section == "model.moe" and theirs:
-                model["moe"] = {**moe_given, **theirs}
+                model["moe"] = {**objective, **moe_given, **theirs}
         return {**data, "model": {**model_given, **model}, "hf": {**given, **hf, "arch": arch}}
 
     @model_validator(mode="after")

@@ -64,6 +64,7 @@ class Engine:
         self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
         if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
             model.lm.routers.loss_scale = 1.0 / tokens_per_step
+            model.lm.routers.reduce = model.reduce_over_batch  # the pooled load-balancing loss counts every data rank's tokens
 
     @property
     def device(self) -> torch.device:

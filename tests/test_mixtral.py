@@ -11,7 +11,8 @@ from tests.dist import run_ranks
 
 pytest.importorskip("transformers")
 
-MIXTRAL = ["model=hf:mixtral", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64", "model.moe.experts=4"]
+# transformers' pooled load-balancing loss (its counts summed over the ep ranks) trains with a weight of 0.02
+MIXTRAL = ["model=hf:mixtral", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64", "model.moe.experts=4", "model.moe.aux_coef=0.02"]
 
 
 def built(*overrides: str):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
@@ -229,9 +230,12 @@ def split_on_meta(lm: CausalLM, rt: Runtime, plan: ParallelPlan, timeout_s: floa
     return tp
 
 
-def unit_stores(units: list[UnitSpec], values: UnitSource, device_tier: Tier, block_tier: MeasuredTier) -> list[UnitStore]:
+def unit_stores(
+    units: list[UnitSpec], values: UnitSource, group: dist.ProcessGroup, device_tier: Tier, block_tier: MeasuredTier
+) -> list[UnitStore]:
     """Each unit's parameters (this rank's tensor-parallel part) put on its tier one unit at a time: blocks on the
-    streamed tier, the embedding and head on the compute device. The model's own parameters are removed."""
+    streamed tier, the embedding and head on the compute device, over `group` (generation's data-parallel group: this
+    rank alone, so each unit is whole). The model's own parameters are removed."""
     stores = []
     for i, spec in enumerate(units):
         if spec.role == "root":
@@ -239,7 +243,7 @@ def unit_stores(units: list[UnitSpec], values: UnitSource, device_tier: Tier, bl
                 f"offload streams the embedding, blocks and head; {spec.names[0]} belongs to none of them", "generate without --offload"
             )
         tier = block_tier if spec.role == "block" else device_tier
-        store = UnitStore(i, spec, 1, 0, Tiers(tier, tier, tier))
+        store = UnitStore(i, spec, group, Tiers(tier, tier, tier))
         store.allocate_params(initial_shard(spec, store.layout, 0, values.of(spec)))
         for locations in spec.locations:
             for module, attr in locations:
@@ -258,7 +262,7 @@ def load_offloaded(source: Source, rt: Runtime, policy: OffloadPolicy, *, tp: in
     units = shard_parameters(lm.module, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
     root = policy.root / f"rank{rt.rank}" if policy.root is not None else None
     block_tier = MeasuredTier(make_tier(policy.params, rt.device, root=root))
-    stores = unit_stores(units, UnitSource(source, lm), make_tier(DEVICE, rt.device), block_tier)
+    stores = unit_stores(units, UnitSource(source, lm), rt.group("dp"), make_tier(DEVICE, rt.device), block_tier)
     lm.after_materialize(rt.device)  # buffers (rotary frequencies) on the device; no parameter is left on the module
     io = IOPool(policy.io_threads, max_in_flight=policy.prefetch + policy.io_threads + 1)
     reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}

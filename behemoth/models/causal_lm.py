@@ -114,6 +114,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             routers=gpt.routers,
         )
     from behemoth.models import hf as hf_models
+    from behemoth.models.hf_families import DECODER_VIEW
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
@@ -121,7 +122,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
     positions = model.get_submodule("transformer.wpe").weight.numel() if hf.arch == "gpt2" else 0  # Llama: rotary, no table
     shape = hf_models.hf_shape(config, hf.arch)
     moe_layers, routers, inactive = (), None, 0
-    if hf.arch == "mixtral":
+    if shape.experts:
         from behemoth.models.hf_moe import adopt_moe_blocks
 
         moe_layers, routers = adopt_moe_blocks(model, model_cfg.moe)
@@ -130,7 +131,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
     return CausalLM(
         model,
         shape,
-        view_of(hf.arch),
+        view_of("gpt2") if hf.arch == "gpt2" else DECODER_VIEW,
         hf_models.hf_init_spec(model, hf.arch),
         hf_models.hf_tp_plan(model, hf.arch),
         transposed=hf_models.transposed_linears(model),
@@ -138,7 +139,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         logits_fn=hf_models.hf_logits,
         weights=hf.weights,
         matmul_params=sum(p.numel() for p in model.parameters()) - positions - inactive - lookup,
-        on_tensor_parallel=hf_models.adapt_attention_width if hf.arch == "gpt2" else None,
+        on_tensor_parallel=hf_models.tensor_parallel_hook(hf.arch),
         moe_layers=moe_layers,
         routers=routers,
     )
@@ -154,13 +155,14 @@ def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
     return hf_models.hf_shape(hf_models.transformers_config(model_cfg, hf), hf.arch)
 
 
-def model_problems(model_cfg: Any, hf: Any = None) -> list[str]:
-    """Why the model a config describes cannot be built as asked (empty for behemoth's GPT, which takes any shape)."""
+def model_problems(model_cfg: Any, hf: Any = None, plan: Any = None) -> list[str]:
+    """Why the model a config describes cannot be built as asked, or run under `plan` (empty for behemoth's GPT, which
+    takes any shape)."""
     if hf is None or hf.arch is None:
         return []
     from behemoth.models import hf as hf_models
 
-    return hf_models.model_problems(model_cfg, hf)
+    return hf_models.model_problems(model_cfg, hf, plan)
 
 
 def measure_layer_costs(model_cfg: Any, hf: Any, seq_len: int, micro_batch: int, device: torch.device, reps: int = 3) -> LayerCosts:

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (Llama, GPT-2) run unmodified under behemoth's layout-independent init and plans.
+"""Hugging Face causal LMs (GPT-2, the decoder families of models/hf_families.py) run unmodified under behemoth's init and plans.
 
 The model is built on the meta device from its transformers config (parameters only; buffers such as
 Llama's rotary frequencies are real), so `materialize` draws every parameter from (seed, name) exactly as
@@ -11,8 +11,8 @@ With `hf.weights`, the folder's config.json *is* the model: every field goes to 
 (`config_overrides`); a field behemoth cannot honour is refused before launch (`config_problems`).
 Without weights, the config is made from the `model` and `hf` sections.
 
-Tensor-parallel rules: Llama brings its own `base_model_tp_plan` (HF style names, mapped to behemoth's);
-GPT-2 has none, so behemoth ships one (its fused c_attn is a transposed Conv1D holding [q|k|v]).
+Tensor-parallel rules: each decoder family brings its own `base_model_tp_plan` (HF style names, mapped to
+behemoth's); GPT-2 has none, so behemoth ships one (its fused c_attn is a transposed Conv1D holding [q|k|v]).
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from behemoth.errors import BehemothError
+from behemoth.models.hf_families import FAMILIES, family_name, family_problems, unsupported, zero_norm_names
 from behemoth.models.init import ADAPTER, FULL_NAME, TAKE_LOCAL, InitSpec
 from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_tensors
 from behemoth.models.shape import ModelShape
 
-ARCHS = ("llama", "gpt2", "mixtral")
-LLAMA_LIKE = ("llama", "mixtral")  # the same embedding, decoder layers, norms and head
+ARCHS = ("gpt2", *FAMILIES)
+LLAMA_LIKE = tuple(FAMILIES)  # the standard layout: the same embedding, decoder layers, norms and head
 # transformers' style names -> behemoth's (see parallel/tensor/plan.py)
 HF_STYLES = {
     "colwise": "colwise",
@@ -43,6 +44,7 @@ HF_STYLES = {
     "sequence_parallel": "sequence_norm",
     "packed_colwise": "packed_colwise:2",
     "replicate": "replicate",
+    "replicated_with_grad_allreduce": "grad_sum",
 }
 GPT2_TP_PLAN = {
     "transformer.wte": "vocab",
@@ -86,8 +88,8 @@ NOT_MODEL = {
     "task_specific_params",
     "attn_implementation",
 }
-DROPOUT_KEYS = {"llama": ("attention_dropout",), "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "mixtral": ("attention_dropout",)}
-BIAS_KEYS = {"llama": ("attention_bias", "mlp_bias"), "gpt2": (), "mixtral": ()}
+DROPOUT_KEYS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), **{k: f.dropout_keys for k, f in FAMILIES.items()}}
+BIAS_KEYS = {"gpt2": (), **{k: f.bias_keys for k, f in FAMILIES.items()}}
 
 
 class HFConfig(BaseModel):
@@ -95,11 +97,18 @@ class HFConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    arch: Literal["llama", "gpt2", "mixtral"] | None = Field(None, description="transformers architecture (model=hf:llama, hf:gpt2, hf:mixtral)")
+    arch: str | None = Field(None, description=f"transformers family (model=hf:NAME): {', '.join(ARCHS)}")
     weights: str | None = Field(None, description="local save_pretrained directory (config.json + *.safetensors) to start from")
     kv_heads: int | None = Field(None, ge=1, description="Llama key/value heads (grouped-query attention; default n_head)")
     ffn: int | None = Field(None, ge=1, description="MLP width (default mlp_ratio x d_model)")
     rope_theta: float = Field(10000.0, gt=0, description="Llama rotary base")
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v: str | None) -> str | None:
+        if v is not None and v not in ARCHS:
+            raise ValueError(f"hf.arch={v!r} is not a family behemoth trains: {unsupported(v)}")
+        return v
 
 
 def read_weights_config(weights: str) -> dict[str, Any]:
@@ -123,7 +132,7 @@ def read_weights_config(weights: str) -> dict[str, Any]:
 def config_class(arch: str) -> type:
     import transformers
 
-    return {"llama": transformers.LlamaConfig, "gpt2": transformers.GPT2Config, "mixtral": transformers.MixtralConfig}[arch]
+    return transformers.GPT2Config if arch == "gpt2" else getattr(transformers, FAMILIES[arch].config)
 
 
 def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -139,10 +148,10 @@ def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str
                 tie_embeddings=c.get("tie_word_embeddings", False),
             )
             hf = dict(kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], ffn=c["intermediate_size"], rope_theta=rope_theta_of(c))
-            if arch == "mixtral":
-                from behemoth.models.hf_moe import mixtral_moe_fields
+            if FAMILIES[arch].moe:
+                from behemoth.models.hf_moe import mixtral_moe_fields, moe_objective
 
-                model["moe"] = mixtral_moe_fields(c)
+                model["moe"], model["moe_objective"] = mixtral_moe_fields(c), moe_objective(c)
             return model, hf
         model = dict(
             n_layer=c["n_layer"],
@@ -160,9 +169,9 @@ def shape_fields(arch: str, c: dict[str, Any]) -> tuple[dict[str, Any], dict[str
 def shape_from_weights(weights: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(arch, model-section fields, hf-section fields) described by a weights directory's config.json."""
     c = read_weights_config(weights)
-    arch = c.get("model_type")
+    arch = family_name(c)
     if arch not in ARCHS:
-        raise BehemothError(f"hf.weights={weights} holds a {arch!r} model", f"use one of {', '.join(ARCHS)}")
+        raise BehemothError(f"hf.weights={weights} holds a {unsupported(arch)}", "convert it to one of those families or use another model")
     return (arch, *shape_fields(arch, c))
 
 
@@ -171,12 +180,21 @@ def rope_theta_of(c: dict[str, Any]) -> float:
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
+def moe_objective_of(arch: str | None) -> dict[str, Any]:
+    """The model.moe objective fields of a transformers MoE family built from options (its config class's defaults)."""
+    if arch not in FAMILIES or not FAMILIES[arch].moe:
+        return {}
+    from behemoth.models.hf_moe import moe_objective
+
+    return moe_objective({})
+
+
 def config_problems(weights: str) -> list[str]:
     """Why a weights folder's config.json cannot be trained as written (empty: every field is honoured)."""
     c = read_weights_config(weights)
-    arch = c.get("model_type")
+    arch = family_name(c)
     if arch not in ARCHS:
-        return [f"hf.weights={weights} holds a {arch!r} model; use one of {', '.join(ARCHS)}"]
+        return [f"hf.weights={weights} holds a {unsupported(arch)}"]
     known = set(config_class(arch)().to_dict()) | NOT_MODEL
     out = [
         f"hf.weights={weights}: config.json field {k}={c[k]!r} is not a {arch} setting transformers knows; "
@@ -211,7 +229,7 @@ def base_config(model_cfg: Any, hf: HFConfig) -> dict[str, Any]:
     ffn = hf.ffn or model_cfg.mlp_ratio * model_cfg.d_model
     if hf.arch in LLAMA_LIKE:
         extra = {}
-        if hf.arch == "mixtral":
+        if FAMILIES[hf.arch].moe:
             from behemoth.models.hf_moe import mixtral_config_fields
 
             extra = mixtral_config_fields(model_cfg.moe)
@@ -240,23 +258,33 @@ def config_overrides(model_cfg: Any, hf: HFConfig) -> dict[str, tuple[Any, Any]]
         wanted.update(dict.fromkeys(DROPOUT_KEYS[hf.arch], model_cfg.dropout))
     if model_cfg.bias is not None:
         wanted.update(dict.fromkeys(BIAS_KEYS[hf.arch], model_cfg.bias))
+    if FAMILIES.get(hf.arch, FAMILIES["llama"]).moe:
+        from behemoth.models.hf_moe import moe_overrides
+
+        wanted.update(moe_overrides(model_cfg.moe, base))
     defaults = config_class(hf.arch)().to_dict()
     return {k: (base.get(k, defaults.get(k)), v) for k, v in wanted.items() if base.get(k, defaults.get(k)) != v}
 
 
-def model_problems(model_cfg: Any, hf: HFConfig) -> list[str]:
-    """Why this Hugging Face model cannot be built as asked: an option its family has no field for, or a config.json
-    field behemoth cannot honour."""
+def model_problems(model_cfg: Any, hf: HFConfig, plan: Any = None) -> list[str]:
+    """Why this Hugging Face model cannot be built as asked (under `plan`, a ParallelPlan, when given): an option its
+    family has no field for, a config.json field behemoth cannot honour, a split or objective the layout cannot run."""
     out = []
     if hf.arch == "gpt2" and model_cfg.bias is False:
         out.append("model.bias=false: GPT-2 always has biases; leave model.bias unset or use model=hf:llama")
     if hf.arch == "gpt2" and hf.kv_heads not in (None, model_cfg.n_head):
         out.append(f"hf.kv_heads={hf.kv_heads}: GPT-2 has no grouped-query attention; leave hf.kv_heads unset")
-    if model_cfg.moe.enabled or hf.arch == "mixtral":
+    if hf.arch in FAMILIES and model_cfg.bias is not None and not BIAS_KEYS[hf.arch]:
+        out.append(f"model.bias={str(model_cfg.bias).lower()}: hf {hf.arch} has no bias option; leave model.bias unset")
+    moe_family = hf.arch in FAMILIES and FAMILIES[hf.arch].moe
+    if model_cfg.moe.enabled or moe_family:
         from behemoth.models.hf_moe import moe_model_problems
 
-        out += moe_model_problems(model_cfg.moe, hf.arch)
-    return out + (config_problems(hf.weights) if hf.weights else [])
+        out += moe_model_problems(model_cfg.moe, hf.arch, plan)
+    out += config_problems(hf.weights) if hf.weights else []
+    if not out and hf.arch in FAMILIES:
+        out += family_problems(transformers_config(model_cfg, hf), hf.arch, plan.tp if plan is not None else 1)
+    return out
 
 
 def transformers_config(model_cfg: Any, hf: HFConfig) -> Any:
@@ -271,7 +299,7 @@ def hf_shape(config: Any, arch: str) -> ModelShape:
     if arch in LLAMA_LIKE:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        experts = getattr(config, "num_local_experts", 0) if arch == "mixtral" else 0
+        experts = getattr(config, "num_local_experts", 0) if FAMILIES[arch].moe else 0
         return ModelShape(
             arch,
             config.num_hidden_layers,
@@ -313,7 +341,7 @@ def build_hf(config: Any, arch: str) -> nn.Module:
     """The transformers model on the meta device: parameters without storage, buffers real (on the CPU)."""
     import transformers
 
-    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel, "mixtral": transformers.MixtralForCausalLM}[arch]
+    cls = transformers.GPT2LMHeadModel if arch == "gpt2" else getattr(transformers, FAMILIES[arch].causal_lm)
     with torch.device("meta"):
         model = cls(config)
     rebuild_meta_buffers(model)
@@ -321,9 +349,13 @@ def build_hf(config: Any, arch: str) -> nn.Module:
 
 
 def rebuild_meta_buffers(model: nn.Module) -> None:
-    """Modules whose buffers were computed on meta (rotary frequencies) are built again on the CPU from their config."""
+    """Modules whose buffers were computed on meta (rotary frequencies, Gemma's embedding scale) are built again on the
+    CPU from their config (the scale from the value it was made with)."""
     for name, module in list(model.named_modules()):
         if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+            if hasattr(module, "scalar_embed_scale") and set(module._buffers) == {"embed_scale"}:
+                module._buffers["embed_scale"] = torch.tensor(module.scalar_embed_scale)
+                continue
             if not hasattr(module, "config") or any(True for _ in module.parameters(recurse=False)):
                 raise BehemothError(f"{name} ({type(module).__name__}) has buffers behemoth cannot rebuild", "report this model")
             with torch.device("cpu"):
@@ -332,12 +364,14 @@ def rebuild_meta_buffers(model: nn.Module) -> None:
 
 
 def hf_init_spec(model: nn.Module, arch: str):
-    """transformers' own initialization, by parameter name: N(0, 0.02); GPT-2 residual projections 0.02/sqrt(2L)."""
+    """transformers' own initialization, by parameter name: N(0, 0.02); GPT-2 residual projections 0.02/sqrt(2L); norms
+    at 1 (Gemma's, which scale by 1 + w, at 0)."""
     std = getattr(model.config, "initializer_range", 0.02)
     n_layer = model.config.num_hidden_layers
+    zeros = zero_norm_names(model)
 
     def spec(name: str) -> InitSpec:
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or name in zeros:
             return InitSpec("zeros")
         if "norm" in name or ".ln_" in name:
             return InitSpec("ones")
@@ -349,20 +383,24 @@ def hf_init_spec(model: nn.Module, arch: str):
 
 
 def hf_tp_plan(model: nn.Module, arch: str) -> dict[str, str]:
-    """behemoth's tensor-parallel plan for a transformers model: Llama's own rules, mapped, or GPT-2's from behemoth."""
+    """behemoth's tensor-parallel plan for a transformers model: the family's own rules, mapped, or GPT-2's from behemoth.
+    A family whose rules behemoth cannot map gets an empty plan (model_problems refuses tp > 1 for it)."""
     if arch == "gpt2":
         return dict(GPT2_TP_PLAN)
+    if FAMILIES[arch].no_tp:
+        return {}
     own = getattr(model.config, "base_model_tp_plan", None) or {}
-    if arch == "mixtral":  # its experts are split by parallel/expert/, which also enters their tensor-parallel region
+    extra = LLAMA_EXTRA_PLAN
+    if FAMILIES[arch].moe:  # its experts are split by parallel/expert/, which also enters their tensor-parallel region
         from behemoth.models.hf_moe import MOE_EXTRA_PLAN
 
         own = {k: v for k, v in own.items() if ".experts" not in k}
-        return {**{f"{model.base_model_prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **LLAMA_EXTRA_PLAN, **MOE_EXTRA_PLAN}
+        extra = {**LLAMA_EXTRA_PLAN, **MOE_EXTRA_PLAN}
     unknown = sorted({s for s in own.values() if s not in HF_STYLES})
     if unknown:
         raise BehemothError(f"{arch}'s base_model_tp_plan uses styles {unknown} behemoth does not map", f"known: {', '.join(HF_STYLES)}")
     prefix = model.base_model_prefix
-    return {**{f"{prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **LLAMA_EXTRA_PLAN}
+    return {**{f"{prefix}.{k}": HF_STYLES[v] for k, v in own.items()}, **extra}
 
 
 def transposed_linears(model: nn.Module) -> frozenset[str]:
@@ -373,8 +411,11 @@ def transposed_linears(model: nn.Module) -> frozenset[str]:
 
 
 def norm_modules(model: nn.Module) -> frozenset[str]:
-    """Every normalization module: LayerNorm, or the RMSNorm class of a transformers family."""
-    return frozenset(n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm"))
+    """Every normalization module on the residual stream: LayerNorm, or the RMSNorm class of a transformers family (not
+    the per-head q/k norms inside attention, which run in the tensor-parallel region)."""
+    return frozenset(
+        n for n, m in model.named_modules() if (isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")) and ".self_attn." not in n
+    )
 
 
 def adapt_attention_width(model: nn.Module, tp: int) -> None:
@@ -383,7 +424,21 @@ def adapt_attention_width(model: nn.Module, tp: int) -> None:
         block.attn.split_size = block.attn.embed_dim // tp
 
 
+def tensor_parallel_hook(arch: str) -> Any:
+    """What a family's modules need after the tensor-parallel split (None: nothing)."""
+    if arch == "gpt2":
+        return adapt_attention_width
+    if FAMILIES[arch].embed_scale:
+        from behemoth.models.hf_families import keep_embed_scale
+
+        return keep_embed_scale
+    return None
+
+
 def hf_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The model's logits; an MoE family's auxiliary loss is behemoth's (models/moe.py), not computed again here."""
+    if getattr(model.config, "output_router_logits", None) is not None:
+        return model(input_ids=idx, use_cache=False, output_router_logits=False).logits
     return model(input_ids=idx, use_cache=False).logits
 
 

@@ -7,11 +7,13 @@ own, and dropless routing gives the logits transformers gives. The layer adds wh
 block lacks: capacity and dropping, the auxiliary losses added to the training objective, usage
 statistics, and a runner that `parallel/expert/` can place over the `ep` ranks.
 
-The config's `router_aux_loss_coef` weighs the load-balancing loss, in Mixtral's form (all k choices,
-`aux_loss=topk`); `router_jitter_noise` jitters the router's input while training (transformers also
-jitters the experts' input). Checkpoints written by `save_pretrained` keep the older per-expert layout
-(`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy` reads it (`behemoth export --hf` writes it through
-transformers' own save_pretrained).
+The objective is the one the config defines, recorded in `model.moe` (so config.yaml says what trains):
+transformers' load-balancing loss pooled over all layers and tokens (`aux_loss=pooled`, models/moe.py),
+weighed by `router_aux_loss_coef` when `output_router_logits` is true and absent otherwise (`aux_coef=0`),
+no z-loss; `router_jitter_noise` jitters the MLP's input while training, as transformers does. A
+`model.moe.*` option the user sets overrides its field (the launch line names it). Checkpoints written by
+`save_pretrained` keep the older per-expert layout (`block_sparse_moe.experts.E.w1/w2/w3`); `from_legacy`
+reads it (`behemoth export --hf` writes it through transformers' own save_pretrained).
 """
 
 from __future__ import annotations
@@ -31,8 +33,34 @@ LEGACY = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.(?:experts\.(\d+)\.(
 
 
 def mixtral_moe_fields(c: dict[str, Any]) -> dict[str, Any]:
-    """The model.moe fields a Mixtral config.json sets."""
+    """The model.moe fields a Mixtral config.json's shape sets (an option that disagrees is refused)."""
     return {"experts": c.get("num_local_experts", 8), "top_k": c.get("num_experts_per_tok", 2)}
+
+
+def moe_objective(c: dict[str, Any]) -> dict[str, Any]:
+    """The model.moe fields of the objective a Mixtral config (config.json, or transformers' defaults for the keys it
+    lacks) defines: the pooled load-balancing loss, weighed only when output_router_logits is true; no z-loss."""
+    import transformers
+
+    defaults = transformers.MixtralConfig()
+    coef = float(c.get("router_aux_loss_coef", defaults.router_aux_loss_coef))
+    jitter = float(c.get("router_jitter_noise", defaults.router_jitter_noise) or 0.0)
+    on = bool(c.get("output_router_logits", defaults.output_router_logits))
+    out = {"aux_loss": "pooled", "aux_coef": coef if on else 0.0, "z_coef": 0.0, "normalize": "chosen", "noise": "none"}
+    return out | ({"noise": "jitter", "noise_eps": jitter} if jitter else {})
+
+
+def moe_overrides(moe: MoEConfig, c: dict[str, Any]) -> dict[str, Any]:
+    """config.json fields the model.moe section changes: whether the load-balancing loss is added and its weight, the jitter."""
+    want: dict[str, Any] = {}
+    if moe.aux_coef != moe_objective(c)["aux_coef"]:
+        want["output_router_logits"] = moe.aux_coef > 0
+        if moe.aux_coef > 0:
+            want["router_aux_loss_coef"] = moe.aux_coef
+    jitter = moe.noise_eps if moe.noise == "jitter" else 0.0
+    if jitter != float(c.get("router_jitter_noise") or 0.0):
+        want["router_jitter_noise"] = jitter
+    return want
 
 
 def mixtral_config_fields(moe: MoEConfig) -> dict[str, Any]:
@@ -41,16 +69,23 @@ def mixtral_config_fields(moe: MoEConfig) -> dict[str, Any]:
         "num_local_experts": moe.experts,
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": moe.aux_coef,
+        "output_router_logits": moe.aux_coef > 0,
         "router_jitter_noise": moe.noise_eps if moe.noise == "jitter" else 0.0,
         "sliding_window": None,
     }
 
 
-def moe_model_problems(moe: MoEConfig, arch: str) -> list[str]:
-    """Why model.moe cannot describe this transformers model."""
+def moe_model_problems(moe: MoEConfig, arch: str, plan: Any = None) -> list[str]:
+    """Why model.moe cannot describe this transformers model (or its objective cannot run under `plan`)."""
     if arch != "mixtral":
         return [f"model.moe.experts={moe.experts}: hf:{arch} has no experts; use model=hf:mixtral or leave model.moe.experts unset"]
     out = []
+    if plan is not None and plan.pp > 1 and moe.aux_loss == "pooled" and moe.aux_coef:
+        out.append(
+            f"parallel.pp={plan.pp}: the load-balancing loss this Mixtral trains (transformers' pooled over every layer, "
+            f"model.moe.aux_coef={moe.aux_coef}) needs all of its layers in one process; use dp/ep/tp/ZeRO, or "
+            "model.moe.aux_coef=0 or model.moe.aux_loss=topk (per layer) with pp"
+        )
     if isinstance(moe.experts, list) or moe.experts < 1:
         out.append(f"model.moe.experts={moe.experts}: a Mixtral has one expert count for every layer; set e.g. model.moe.experts=8")
     if moe.every != 1:
@@ -61,17 +96,9 @@ def moe_model_problems(moe: MoEConfig, arch: str) -> list[str]:
 
 
 def mixtral_policy(moe: MoEConfig, config: Any) -> Any:
-    """The routing policy: model.moe's capacity settings, with Mixtral's k, auxiliary loss and jitter."""
-    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
-    return dataclasses.replace(
-        moe.policy(),
-        top_k=config.num_experts_per_tok,
-        aux_coef=float(config.router_aux_loss_coef),
-        aux="topk",
-        normalize="chosen",
-        noise="jitter" if jitter else moe.noise,
-        noise_eps=jitter or moe.noise_eps,
-    )
+    """The routing policy: model.moe as recorded (the config's objective, and what the user overrode), with Mixtral's k;
+    jitter multiplies the whole MLP input, as transformers' sparse block does."""
+    return dataclasses.replace(moe.policy(), top_k=config.num_experts_per_tok, jitter_experts=True)
 
 
 def adopt_moe_blocks(model: nn.Module, moe: MoEConfig) -> tuple[tuple[str, ...], RouterStats]:

@@ -13,6 +13,14 @@ The load-balancing and z losses are added to the training objective without touc
 `AttachAuxLoss` is the identity on the layer's output whose backward also feeds the auxiliary loss its
 gradient, scaled as the token loss is (`RouterStats.loss_scale`, which the engine sets), so a layer on
 any pipeline stage trains its router. `RouterStats` sums both losses and the expert usage of a step.
+
+The pooled load-balancing loss (`aux_loss=pooled`) is transformers' `load_balancing_loss_func`: E x sum_e
+f_e P_e with f the fraction of all assignments and P the mean router probability, each pooled over every
+MoE layer and every token of one forward (in behemoth: one micro-batch round over all data ranks, which is
+the whole step's batch unless it is accumulated). f is a count, so the loss is linear in each layer's
+probability sums once the round's counts are known: `AttachPooledAux`'s backward gives every layer the
+gradient E f_e / (L x rows), from the round's counts summed over layers and data ranks (one all-reduce, at
+the round's first backward). It needs every MoE layer in the process: pipelines refuse it.
 """
 
 from __future__ import annotations
@@ -51,7 +59,11 @@ class MoEConfig(BaseModel):
         "chosen",
         description="k > 1: gates over their sum for the k chosen experts (GShard, Tutel, Mixtral) or those kept within capacity (DeepSpeed)",
     )
-    aux_loss: Literal["switch", "topk"] = Field("switch", description="load balance over first choices, or all k (Mixtral)")
+    aux_loss: Literal["switch", "topk", "pooled"] = Field(
+        "switch",
+        description="load balance per layer over first choices, or all k; or pooled over all layers and tokens "
+        "(transformers' load_balancing_loss_func, the default of a transformers MoE)",
+    )
     aux_coef: float = Field(0.01, ge=0, description="weight of the load-balancing loss")
     z_coef: float = Field(0.001, ge=0, description="weight of the router z-loss")
 
@@ -156,9 +168,36 @@ class RouterStats:
         self.experts = list(experts)  # experts of each MoE layer, in model order
         self.loss_scale = 1.0
         self.sums: dict[int, torch.Tensor] = {}
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums over the ranks that see other tokens
+        self.round: PooledRound | None = None
 
     def reset(self) -> None:
-        self.sums = {}
+        self.sums, self.round = {}, None
+
+    def pool(self, index: int, r: Routing, tokens: int) -> None:
+        """Add one forward of a pooled-loss layer to this round's counts (layer 0 starts a round; recomputation adds nothing)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if index == 0 or self.round is None:
+            self.round = PooledRound(len(self.experts))
+        self.round.add(r, tokens)
+
+    def pooled_grad(self, coef: float) -> torch.Tensor:
+        """d(objective)/d(a layer's probability sums) for this round; its loss is added to the step's aux_loss metric."""
+        rnd = self.round
+        if rnd is None or rnd.layers != len(self.experts):
+            raise BehemothError(
+                f"the pooled load-balancing loss saw {0 if rnd is None else rnd.layers} of {len(self.experts)} MoE layers in one forward",
+                "run every MoE layer in one process (no pipeline) or set model.moe.aux_loss=topk",
+            )
+        if rnd.totals is None:
+            rnd.totals = rnd.packed() if self.reduce is None else self.reduce(rnd.packed())
+            counts, probs, rows = rnd.split(rnd.totals)
+            aux = self.experts[0] * (counts / rows * probs / rows).sum()
+            first = min(self.sums)
+            self.sums[first] = self.sums[first] + torch.nn.functional.pad((aux * rnd.rows / rnd.layers).view(1), (0, self.sums[first].numel() - 1))
+        counts, _, rows = rnd.split(rnd.totals)
+        return self.loss_scale * coef * self.experts[0] * counts / (rnd.layers * rows)
 
     def record(self, index: int, r: Routing, tokens: int) -> None:
         """Add one forward of MoE layer `index` (not a recomputation inside backward, which forward counted)."""
@@ -197,6 +236,44 @@ class RouterStats:
             out["expert_tokens"].append([int(c) for c in counts.tolist()])
         out["dropped_fraction"] = dropped / assignments if assignments else 0.0
         return out
+
+
+class PooledRound:
+    """One forward's pooled-loss counts (float64, this rank): assignments and probability sums per expert, rows."""
+
+    def __init__(self, layers: int) -> None:
+        self.counts: torch.Tensor | None = None
+        self.probs: torch.Tensor | None = None
+        self.rows, self.layers, self.expected = 0, 0, layers
+        self.totals: torch.Tensor | None = None  # summed over the data ranks, at the round's first backward
+
+    def add(self, r: Routing, tokens: int) -> None:
+        counts, probs = r.chosen.double(), r.prob_sum.detach().double()
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.probs = probs if self.probs is None else self.probs + probs
+        self.rows, self.layers = self.rows + tokens, self.layers + 1
+
+    def packed(self) -> torch.Tensor:
+        assert self.counts is not None and self.probs is not None, "a round holds at least one layer"
+        return torch.cat([self.counts, self.probs, self.counts.new_tensor([float(self.rows)])])
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        E = (flat.numel() - 1) // 2
+        return flat[:E], flat[E : 2 * E], flat[2 * E]
+
+
+class AttachPooledAux(torch.autograd.Function):
+    """The identity on a layer's output whose backward gives the layer's probability sums the pooled loss's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, prob_sum: torch.Tensor, stats: RouterStats, coef: float) -> torch.Tensor:
+        ctx.stats, ctx.coef = stats, coef
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        g = ctx.stats.pooled_grad(ctx.coef)
+        return grad, g.to(device=grad.device, dtype=torch.float32), None, None
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -242,11 +319,12 @@ class MoELayer(nn.Module):
         return getattr(experts, self.spec.w_in), getattr(experts, self.spec.w_out)
 
     def router_logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[N, E] float32 logits; jitter noise (training) multiplies the router's input only."""
-        if self.training and self.policy.noise == "jitter":
+        """[N, E] float32 logits; jitter noise (training) multiplies the router's input (the layer's, with jitter_experts)."""
+        if self.training and self.policy.noise == "jitter" and not self.policy.jitter_experts:
             eps = self.policy.noise_eps
             tokens = tokens * torch.empty_like(tokens).uniform_(1 - eps, 1 + eps)
-        return F.linear(tokens, getattr(self, self.spec.router).weight).float()
+        out = getattr(self, self.spec.router)(tokens)  # the family's own router module, so its output hooks see the logits
+        return (out[0] if isinstance(out, tuple) else out).float()
 
     def run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         if self.runner is not None:
@@ -265,6 +343,9 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, d, E = x.shape, x.shape[-1], self.spec.num_experts
+        if self.training and self.policy.noise == "jitter" and self.policy.jitter_experts:
+            eps = self.policy.noise_eps
+            x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
         tokens = x.reshape(-1, d)
         logits = self.router_logits(tokens).view(self.groups(shape[0] if x.dim() == 3 else 1), -1, E)
         r = route(logits, self.policy, training=self.training)
@@ -276,7 +357,11 @@ class MoELayer(nn.Module):
             out = out * mix[..., :1] + self.shared(x) * mix[..., 1:]
         if self.training and torch.is_grad_enabled():
             self.stats.record(self.index, r, tokens.shape[0])
-            out = AttachAuxLoss.apply(out, self.policy.aux_coef * r.aux_sum + self.policy.z_coef * r.z_sum, self.stats)
+            if self.policy.aux == "pooled" and self.policy.aux_coef:
+                self.stats.pool(self.index, r, tokens.shape[0])
+                out = AttachPooledAux.apply(out, r.prob_sum, self.stats, self.policy.aux_coef)
+            if self.policy.aux != "pooled" or self.policy.z_coef:
+                out = AttachAuxLoss.apply(out, self.policy.aux_coef * r.aux_sum + self.policy.z_coef * r.z_sum, self.stats)
         return out
 
 

@@ -41,9 +41,11 @@ class RoutingPolicy:
     noise: Literal["none", "jitter", "gumbel"] = "none"
     noise_eps: float = 0.01  # jitter: router input times U(1 - eps, 1 + eps)
     normalize: Literal["chosen", "kept", "none"] = "chosen"  # k > 1: gates divided by the sum over the chosen (or kept) experts
-    aux: Literal["switch", "topk"] = "switch"  # load balance over first choices (Switch, GShard) or all k (Mixtral)
+    aux: Literal["switch", "topk", "pooled"] = "switch"  # load balance over first choices (Switch, GShard) or all k, per
+    # group and layer; or pooled over every layer and token of a forward (transformers' load_balancing_loss_func)
     aux_coef: float = 0.01
     z_coef: float = 0.0
+    jitter_experts: bool = False  # jitter the experts' input too (transformers' Mixtral jitters the whole MLP input)
 
     def factor(self, training: bool) -> float | None:
         """The capacity factor in force (None: dropless)."""
@@ -70,8 +72,10 @@ class Routing:
     slots: torch.Tensor  # its place among its expert's assignments in its group, in priority order
     kept: torch.Tensor  # whether it is within capacity (all True when dropless)
     capacity: int | None  # slots per expert and group; None: dropless
-    aux_sum: torch.Tensor  # sum over groups of (tokens in the group x the group's load-balancing loss)
+    aux_sum: torch.Tensor  # sum over groups of (tokens in the group x the group's load-balancing loss); 0 when pooled
     z_sum: torch.Tensor  # sum over tokens of logsumexp(logits)^2 (router z-loss, ST-MoE)
+    prob_sum: torch.Tensor  # [E] sum over tokens of the router probabilities (the pooled loss's differentiable part)
+    chosen: torch.Tensor  # [E] assignments of all k choices to each expert, kept or not (the pooled loss's counts)
 
     def expert_counts(self, num_experts: int) -> torch.Tensor:
         """Assignments each expert receives (kept ones)."""
@@ -117,7 +121,9 @@ def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Rou
         total = (gates if policy.normalize == "chosen" else gates * kept).sum(-1, keepdim=True)
         gates = gates / total.clamp_min(torch.finfo(gates.dtype).eps)
     z_sum = torch.logsumexp(logits, dim=-1).square().sum()
-    return Routing(experts, gates, slots, kept, capacity, load_balancing_sum(probs, experts, policy.aux), z_sum)
+    aux_sum = logits.new_zeros(()) if policy.aux == "pooled" else load_balancing_sum(probs, experts, policy.aux)
+    chosen = torch.bincount(experts.flatten(), minlength=E)
+    return Routing(experts, gates, slots, kept, capacity, aux_sum, z_sum, probs.sum((0, 1)), chosen)
 
 
 @dataclass

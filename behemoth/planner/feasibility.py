@@ -27,7 +27,7 @@ from behemoth.topology import ParallelDims
 def problems(cfg: Config, world: int) -> list[Problem]:
     """Every reason `cfg` cannot run on `world` processes (empty: it can)."""
     plan = cfg.parallel
-    model = [Problem("hf", message) for message in model_problems(cfg.model, cfg.hf)]
+    model = [Problem("hf", message) for message in model_problems(cfg.model, cfg.hf, plan)]
     out = model + plan.dims_problems(world) + plan.combination_problems()
     if not model:  # a model that cannot be built has no shape to split
         shape = model_shape(cfg.model, cfg.hf)

@@ -15,6 +15,8 @@ Styles:
                        first block reduce-scatters them (Megatron's reduce-scattered embedding), only tp rank 0 adds
                        the position embedding, and its gradient is summed over tp. Whatever runs between the
                        embeddings and the first block must be linear (sums, dropout with the same seed on every rank)
+    grad_sum           left whole, but its parameters' gradients are partial sums over tp (a norm applied to each
+                       rank's heads, as Qwen3's q_norm / k_norm: transformers' replicated_with_grad_allreduce)
     replicate          left as is
 
 `*` in a pattern matches one name component (`blocks.*.attn.qkv`). Column-parallel layers (colwise,
@@ -50,7 +52,7 @@ from behemoth.parallel.tensor.layers import (
     vocab_parallel_cross_entropy,
 )
 
-STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "position_embedding", "replicate")
+STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "position_embedding", "grad_sum", "replicate")
 
 
 def pattern_regex(pattern: str) -> re.Pattern:
@@ -185,6 +187,10 @@ def build_parallel(module: nn.Module, name: str, kind: str, parts: int, build: B
     elif kind == "sequence_input":
         if sp:
             module.register_forward_pre_hook(sequence_input_hook(tp, build.scatter_embedding), with_kwargs=True)
+        return None
+    elif kind == "grad_sum":
+        for p in module.parameters(recurse=False):
+            setattr(p, TP_PARTIAL_GRAD, True)
         return None
     elif kind == "position_embedding":
         if build.scatter_embedding:
