@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from behemoth.comm import CommMeter, barrier, broadcast_object
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import CausalLM, tied_names
+from behemoth.models.causal_lm import CausalLM, counted_targets, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, MemoryPeak, fit_prefetch, in_memory_state_bytes, peak_bytes, unit_sizes
@@ -401,7 +401,7 @@ class StreamedSteps:
         def add(i: int, logits: torch.Tensor) -> None:
             targets = batches[i][1].to(device)
             stats[0] += loss_sum(logits, targets).double()
-            stats[1] += targets.numel()
+            stats[1] += counted_targets(targets)
 
         self._stream([x for x, _ in batches], add, autocast)
         return stats
