@@ -144,3 +144,28 @@ def test_mixture_draws_sources_by_weight(tmp_path):
     x, _ = BatchSampler(c.split("train", [3.0, 1.0]), 8, BatchLayout.resolve(400, None, 1), 0, seed=0).micro_batches(0)[0]
     share_a = float((x[:, 0] == ord("a")).float().mean())
     assert 0.68 < share_a < 0.82 and bool(((x == ord("a")).all(1) | (x == ord("b")).all(1)).all())
+
+
+def test_eval_prints_the_loss_transformers_computes(tokenizer_dir, tmp_path, capsys):
+    """`behemoth eval FOLDER --data CORPUS`: the mean loss over consecutive windows equals transformers' own loss."""
+    import shutil
+
+    import transformers
+
+    from behemoth.cli.eval import eval_main, windows
+    from tests.offline_tokenizer import build_llama
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tokenizer_dir, folder)
+    build_llama(folder, len(_hf(tokenizer_dir)))
+    path = _jsonl(tmp_path / "docs.jsonl", [{"text": d * 6} for d in DOCS])
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    assert eval_main([str(folder), "--data", str(path), "--split", "train", "--json", cache, "train.seq_len=16"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    c = prepare_corpus(str(path), 0.05, str(tmp_path / "cache"), tokenizer=str(folder))
+    ids = torch.tensor(np.asarray(c.train, dtype=np.int64))
+    starts = windows([(0, len(ids))], 16, 10**6)
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        theirs = [float(model(ids[s : s + 17][None], labels=ids[s : s + 17][None]).loss) for s in starts]
+    assert got["targets"] == 16 * len(starts) and abs(got["loss"] - np.mean(theirs)) <= 1e-5 * got["loss"]
