@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from behemoth.data import BatchLayout, BatchSampler, FolderTokenizer, prepare_corpus
+from behemoth.data import BatchLayout, BatchSampler, FolderTokenizer, prepare_corpus, split_documents
 from behemoth.errors import BehemothError
 from tests.offline_tokenizer import build_tokenizer
 
@@ -50,14 +50,24 @@ def test_ids_equal_the_hf_tokenizer_with_bos_and_eos(tokenizer_dir, tmp_path):
     path = _jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in DOCS])
     c = prepare_corpus(str(path), 0.1, str(tmp_path / "cache"), tokenizer=tokenizer_dir)
     assert c.dtype == np.uint16 and c.meta["tokenizer_vocab"] == len(hf)
-    assert list(c.train) == sum(expected[:-1], []) and list(c.val) == expected[-1]  # the last document is held out
-    assert list(np.load(c.folder / "train_starts.npy")) == list(np.cumsum([0] + [len(e) for e in expected[:-2]]))
+    held = split_documents(np.array([len(e) for e in expected]), 0.1)
+    train = [e for e, v in zip(expected, held) if not v]
+    assert 0 < len(train) < len(DOCS) and list(c.train) == sum(train, []) and list(c.val) == sum([e for e, v in zip(expected, held) if v], [])
+    assert list(np.load(c.folder / "train_starts.npy")) == list(np.cumsum([0] + [len(e) for e in train[:-1]]))
     text = tmp_path / "folder"
     text.mkdir()
     for i, d in enumerate(DOCS):
         (text / f"{i}.txt").write_text(d)
     workers = prepare_corpus(str(text), 0.1, str(tmp_path / "cache2"), tokenizer=tokenizer_dir, workers=2)
-    assert list(workers.train) == sum(expected[:-1], [])  # text files, encoded by two worker processes, in order
+    assert list(workers.train) == sum(train, [])  # text files, encoded by two worker processes, in order
+
+
+def test_documents_split_whole_and_spread():
+    lengths = np.random.default_rng(0).integers(5, 60, size=2000)
+    held = split_documents(lengths, 0.05)
+    share = lengths[held].sum() / lengths.sum()
+    runs = np.flatnonzero(np.diff(held.astype(int)) == 1).size  # held-out runs start all over the corpus
+    assert 0.03 < share < 0.07 and runs >= 8 and split_documents(np.array([100]), 0.05) is None
 
 
 def test_formats_give_the_same_tokens(tokenizer_dir, tmp_path):

@@ -84,7 +84,12 @@ def run_eval(args: argparse.Namespace) -> int:
                 break
     finally:
         rt.close()
-    loss = total / max(1, count)
+    if not count:
+        raise BehemothError(
+            f"the {name} split's windows of {cfg.seq_len} tokens hold no trained target (a chat's prompts only)",
+            "score more of the corpus (--split all, --data), longer windows (train.seq_len=N) or data.loss_on=all",
+        )
+    loss = total / count
     result = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "targets": count, "split": name, "corpus": str(corpus.folder)}
     print(json.dumps(result) if args.json else f"loss {loss:.4f}  perplexity {result['perplexity']:.2f}  ({count} targets, {name} split)")
     return 0
