@@ -255,6 +255,7 @@ class SplitWriter:
             raise BehemothError(f"the corpus at data.path={path} holds {whole.size} tokens", "give it some text")
         mask = np.concatenate([m if m is not None else np.ones(r.size, np.uint8) for r, m in zip(ids, masks)])
         entry: dict[str, Any] = {"path": path, "files": [{"path": str(f), "max_id": m} for f, m in zip(files, max_ids)]}
+        parts: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]
         if is_val is None:  # a token stream (or too few documents): chunks of tokens, no document starts
             train, val = split_train_val(whole, self.val_fraction)
             mtrain, mval = split_train_val(mask, self.val_fraction)
@@ -264,11 +265,11 @@ class SplitWriter:
             for name, pick in (("train", ~is_val), ("val", is_val)):
                 chosen = np.flatnonzero(pick)
                 toks = np.concatenate([ids[i] for i in chosen])
-                starts = np.cumsum(lengths[chosen]) - lengths[chosen]
-                parts[name] = (toks, np.concatenate([_mask_of(ids, masks, i) for i in chosen]), starts)
-        for name, (toks, m, starts) in parts.items():
+                doc_starts = np.cumsum(lengths[chosen]) - lengths[chosen]
+                parts[name] = (toks, np.concatenate([_mask_of(ids, masks, int(i)) for i in chosen]), doc_starts)
+        for name, (toks, m, first) in parts.items():
             entry[name] = [self.size[name], self.size[name] + toks.size]
-            self.parts[name].append((toks, m, None if starts is None else starts + self.size[name]))
+            self.parts[name].append((toks, m, None if first is None else first + self.size[name]))
             self.size[name] += toks.size
         self.meta["masked"] = self.meta.get("masked", False) or any(m is not None for m in masks)
         self.meta["sources"].append(entry)

@@ -61,12 +61,12 @@ def split_offsets(split: Split, seq_len: int, count: int, seed: int, step: int, 
     """Start offsets of a mixture: each sequence's source drawn by weight, then a start in its span (a document's first
     token where the split has document starts)."""
     if len(split.spans) == 1 and split.starts is None:  # one source: exactly the draws of a plain token stream
-        lo, hi = split.spans[0]
-        return lo + sample_offsets(hi - lo, seq_len, count, seed, step, stream)
-    for (lo, hi), w in zip(split.spans, split.weights):
-        if w > 0 and hi - lo < seq_len + 1:
+        first_token, end = split.spans[0]
+        return first_token + sample_offsets(end - first_token, seq_len, count, seed, step, stream)
+    for (a, b), w in zip(split.spans, split.weights):
+        if w > 0 and b - a < seq_len + 1:
             raise BehemothError(
-                f"a data source's split has {hi - lo} tokens, fewer than seq_len+1={seq_len + 1}", "use a larger source or a shorter train.seq_len"
+                f"a data source's split has {b - a} tokens, fewer than seq_len+1={seq_len + 1}", "use a larger source or a shorter train.seq_len"
             )
     rng = np.random.default_rng([seed, stream, step])
     p = np.asarray(split.weights, dtype=np.float64)
@@ -77,7 +77,8 @@ def split_offsets(split: Split, seq_len: int, count: int, seed: int, step: int, 
         return rng.integers(lo, hi)
     first, last = np.searchsorted(split.starts, lo), np.searchsorted(split.starts, hi)  # documents starting in [lo, hi)
     picked = rng.integers(first, np.maximum(last, first + 1))
-    return np.where(last > first, np.asarray(split.starts)[np.minimum(picked, len(split.starts) - 1)], rng.integers(lo, hi))
+    out: np.ndarray = np.where(last > first, np.asarray(split.starts)[np.minimum(picked, len(split.starts) - 1)], rng.integers(lo, hi))
+    return out
 
 
 def gather_batch(tokens: np.ndarray, offsets: np.ndarray, seq_len: int, mask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,14 +116,14 @@ def _jsonl_rows(f: Path) -> Iterator[Any]:
 
 
 def _parquet_rows(f: Path) -> Iterator[Any]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     for batch in pq.ParquetFile(f).iter_batches(batch_size=4096):
         yield from batch.to_pylist()
 
 
 def _datasets_rows(f: Path) -> Iterator[Any]:
-    import datasets
+    import datasets  # type: ignore[import-untyped]
 
     ds = datasets.load_from_disk(str(f))
     if isinstance(ds, datasets.DatasetDict):

@@ -45,7 +45,7 @@ class ByteTokenizer:
         return bytes(int(t) % 256 for t in tokens).decode("utf-8", errors="replace")
 
     def encode_documents(self, docs: list[Document], loss_on: str) -> list[Encoded]:
-        out = []
+        out: list[Encoded] = []
         for doc in docs:
             if not isinstance(doc, str):
                 raise BehemothError("a chat corpus needs a tokenizer with a chat template, not bytes", "set data.tokenizer=FOLDER (or hf.weights)")
@@ -54,7 +54,9 @@ class ByteTokenizer:
 
 
 def has_tokenizer(folder: str | None) -> bool:
-    return bool(folder) and any((Path(folder).expanduser() / f).exists() for f in TOKENIZER_FILES[:5])
+    if not folder:
+        return False
+    return any((Path(folder).expanduser() / f).exists() for f in TOKENIZER_FILES[:5])
 
 
 def tokenizer_digest(folder: str) -> str:
@@ -106,7 +108,8 @@ class FolderTokenizer:
         if not self.inner.chat_template:
             raise BehemothError(f"the tokenizer at {self.folder} has no chat template", "save one with the tokenizer (tokenizer.chat_template)")
         enc = self.inner.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt)
-        return list(enc["input_ids"])
+        ids: Any = enc["input_ids"]  # type: ignore[call-overload,index]
+        return [int(t) for t in ids]
 
     def encode_chat(self, messages: list[dict[str, Any]], loss_on: str) -> Encoded:
         """The rendered chat and its mask: the tokens each assistant turn adds after the generation prompt before it."""
