@@ -34,7 +34,7 @@ from torch import nn
 
 from behemoth.comm import reduce_flat
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import IGNORE_INDEX, summed_token_loss
+from behemoth.models.causal_lm import summed_token_loss
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
@@ -112,8 +112,7 @@ class TensorParallel:
         """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:  # the head was not split
             return summed_token_loss(logits, targets)
-        losses = vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp)
-        return losses.masked_fill(targets.reshape(-1) == IGNORE_INDEX, 0.0).sum()  # a masked target adds no loss, no gradient
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp).sum()
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
         """Engine state (`{"model": {name: t}, "optim": {name: {key: t}}}`) with split tensors as full-shape views.
