@@ -10,7 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from behemoth.data import BatchLayout
+from behemoth.data import BatchLayout, Corpus, SourceSpec, Split, has_tokenizer, prepare_corpus
 from behemoth.errors import BehemothError
 from behemoth.models.gpt import GPTConfig
 from behemoth.models.hf import HFConfig, moe_objective_of, shape_from_weights
@@ -24,10 +24,36 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DataSource(Section):
+    """One source of a mixture."""
+
+    path: str = Field(description="text/JSONL/Parquet file, folder, glob, datasets folder (save_to_disk) or .npy/.bin tokens")
+    weight: float = Field(1.0, gt=0, description="share of the sequences drawn from this source (relative to the others)")
+    field: str | None = Field(None, description="JSONL/Parquet text field (default data.field)")
+
+
 class DataConfig(Section):
-    path: str | None = Field(None, description="text file/folder, .npy or uint16 .bin tokens (default: Python stdlib sources)")
-    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of the corpus held out for validation")
+    path: str | None = Field(
+        None, description="text/JSONL/Parquet file, folder, glob, datasets folder, .npy or uint16 .bin tokens (default: Python stdlib sources)"
+    )
+    sources: list[DataSource] | None = Field(None, description="a mixture instead of data.path: [{path: P, weight: W, field: F}, ...]")
+    field: str = Field("text", description="the text field of JSONL/Parquet/datasets records (records with messages or prompt/response are chats)")
+    tokenizer: str | None = Field(
+        None, description="folder whose tokenizer encodes the corpus (default: hf.weights' if it has one, else bytes; 'bytes')"
+    )
+    loss_on: Literal["assistant", "all"] = Field("assistant", description="chat records: train on assistant tokens only, or on every token")
+    packing: Literal["auto", "window", "document"] = Field(
+        "auto", description="where sequences start: anywhere (window) or at a document's start (document); auto: document for chats"
+    )
+    workers: int | None = Field(None, ge=1, description="tokenizer processes (default: all cores for corpora over 8 MB)")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="share of each source held out for validation")
     cache_dir: str | None = Field(None, description="where tokenized corpora are cached (default ~/.cache/behemoth)")
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> DataConfig:
+        if self.path is not None and self.sources:
+            raise ValueError("data.path and data.sources are both set; give one (a single source is data.path)")
+        return self
 
 
 class TrainConfig(Section):
@@ -196,6 +222,41 @@ class Config(Section):
                 raise BehemothError(f"unknown config section {name}", f"known: {', '.join(data)}")
             data[name] = _as_dict(value) if isinstance(value, BaseModel) else {**data[name], **value}
         return validate(data)
+
+    @property
+    def tokenizer_folder(self) -> str | None:
+        """The folder whose tokenizer encodes the corpus: data.tokenizer, or hf.weights when it holds tokenizer files; None: bytes."""
+        given = self.data.tokenizer
+        if given == "bytes":
+            return None
+        if given is not None:
+            if not has_tokenizer(given):
+                raise BehemothError(
+                    f"data.tokenizer={given} holds no tokenizer files", "point it at a save_pretrained folder, or use data.tokenizer=bytes"
+                )
+            return given
+        return self.hf.weights if has_tokenizer(self.hf.weights) else None
+
+    def prepare_corpus(self, *, progress: bool = False) -> Corpus:
+        """The configured corpus, tokenized (once: cached) with the configured tokenizer."""
+        data = self.data
+        sources = [SourceSpec(s.path, s.weight, s.field) for s in data.sources or []]
+        return prepare_corpus(
+            data.path,
+            data.val_fraction,
+            data.cache_dir,
+            sources=sources or None,
+            tokenizer=self.tokenizer_folder,
+            field=data.field,
+            loss_on=data.loss_on,
+            workers=data.workers,
+            progress=progress,
+        )
+
+    def corpus_split(self, corpus: Corpus, name: str) -> Split:
+        """A split of the corpus weighted by the configured mixture, packed as data.packing says."""
+        documents = self.data.packing == "document" or (self.data.packing == "auto" and bool(corpus.meta.get("masked")))
+        return corpus.split(name, [s.weight for s in self.data.sources] if self.data.sources else None, documents=documents)
 
     @property
     def seq_len(self) -> int:

@@ -61,6 +61,7 @@ class Engine:
 
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
+        self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
         self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
         if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
             model.lm.routers.loss_scale = 1.0 / tokens_per_step
@@ -74,17 +75,21 @@ class Engine:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.train.precision == "bf16")
 
     def micro_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The one place the loss is scaled: a micro-batch's summed token loss over the global batch's token count, so
-        the gradients summed over ranks and micro-batches are the global mean's gradient."""
-        return self.model.loss_sum(logits, targets) / self.tokens_per_step
+        """The one place the loss is scaled: a micro-batch's summed token loss over the global batch's count of counted
+        targets (all of them, or a chat's unmasked ones), so the gradients summed over ranks and micro-batches are the
+        global mean's gradient."""
+        return self.model.loss_sum(logits, targets) / self.step_targets
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Every micro-batch's forward and backward, by the model's executor; this rank's share of the scaled loss."""
         return self.model.executor.run(micro_batches, self.micro_loss, self.autocast)
 
-    def train_step(self, micro_batches: Batch, lr: float) -> StepResult:
-        """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss."""
+    def train_step(self, micro_batches: Batch, lr: float, counted_targets: int | None = None) -> StepResult:
+        """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss.
+
+        `counted_targets`: the global batch's targets the loss counts (default: every token); every rank passes the same."""
         model = self.model
+        self.step_targets = max(1, counted_targets if counted_targets is not None else self.tokens_per_step)
         model.module.train()
         started = self.begin_step()
         for sync in model.syncs:

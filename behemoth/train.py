@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from behemoth.comm import barrier
 from behemoth.config import Config
-from behemoth.data import BatchSampler, prepare_corpus
+from behemoth.data import BatchSampler
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
 from behemoth.faults import checkpoint as ckpt_io
@@ -41,17 +41,15 @@ class Trainer:
     def __init__(self, cfg: Config, rt: Runtime, *, resume: Path | None = None) -> None:
         self.cfg, self.rt = cfg, rt
         self.run_dir = Path(cfg.run.dir or "runs/unnamed")
-        corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-        if corpus.vocab_size > cfg.model.vocab_size:
-            raise BehemothError(
-                f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}",
-                f"set model.vocab_size={corpus.vocab_size} or more",
-            )
+        corpus = cfg.prepare_corpus(progress=cfg.run.progress and rt.is_main)
+        problem = corpus.vocab_problem(cfg.model.vocab_size)
+        if problem:
+            raise BehemothError(problem)
         self.layout = cfg.batch_layout(rt.dims)  # the batch splits over dp x ep (experts route different tokens)
         dp_rank = rt.data_rank()
         self.engine = build_engine(cfg, rt)
-        self.train_data = BatchSampler(corpus.train, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
-        val_data = BatchSampler(corpus.val, cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
+        self.train_data = BatchSampler(cfg.corpus_split(corpus, "train"), cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
+        val_data = BatchSampler(cfg.corpus_split(corpus, "val"), cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
         self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
         self.history: list[StepResult] = []
         self.mfus: list[float] = []
@@ -166,7 +164,7 @@ class Trainer:
         batches = self.train_data.micro_batches(step)
         synchronize(self.rt.device)
         t0 = time.perf_counter()
-        result = self.engine.train_step(batches, lr)
+        result = self.engine.train_step(batches, lr, self.train_data.trained_targets(step))
         synchronize(self.rt.device)
         dt = time.perf_counter() - t0
         if result.skipped and self.cfg.train.nonfinite == "stop":

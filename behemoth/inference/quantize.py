@@ -119,13 +119,14 @@ def release_freed_memory() -> int:
 @torch.no_grad()
 def validation_loss(model: ParallelModel, cfg: Config, *, batches: int = 4, batch_size: int = 8) -> float:
     """Mean token loss of a (single-process) model on its run's validation split: the number quantization may change."""
-    from behemoth.data import BatchLayout, BatchSampler, prepare_corpus
+    from behemoth.data import BatchLayout, BatchSampler
+    from behemoth.models.causal_lm import counted_targets
 
-    corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-    sampler = BatchSampler(corpus.val, cfg.seq_len, BatchLayout(batch_size, batch_size, 1), 0, cfg.train.seed, stream=1)
+    split = cfg.corpus_split(cfg.prepare_corpus(), "val")  # tokenized (and masked) as the run was trained
+    sampler = BatchSampler(split, cfg.seq_len, BatchLayout(batch_size, batch_size, 1), 0, cfg.train.seed, stream=1)
     total, count = 0.0, 0
     for step in range(batches):
         for inputs, targets in sampler.micro_batches(step):
             total += float(model.loss_sum(model.logits(inputs), targets.to(model.rt.device)))
-            count += targets.numel()
+            count += int(counted_targets(targets))
     return total / count

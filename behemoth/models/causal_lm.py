@@ -23,11 +23,18 @@ from behemoth.models.moe import MoELayer, MoELayerCost, RouterStats, moe_layer_c
 from behemoth.models.shape import LayerCosts, ModelShape, hardware_flops_per_token, median_pass_seconds, training_flops_per_token
 
 Tie = list[tuple[str, str]]  # (module name, attribute) slots that share one parameter
+IGNORE_INDEX = -100  # a target the loss leaves out (a chat's prompt tokens), as in PyTorch and transformers
 
 
 def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in float32: the loss every layout computes (divided by the global token count later)."""
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+    """Summed token cross-entropy in float32 over the targets that are not IGNORE_INDEX: the loss every layout computes
+    (divided by the global count of such targets later)."""
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+def counted_targets(targets: torch.Tensor) -> torch.Tensor:
+    """How many of the targets the loss counts (those that are not IGNORE_INDEX)."""
+    return (targets != IGNORE_INDEX).sum()
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from behemoth.comm import CommMeter, barrier
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import CausalLM, tied_names
+from behemoth.models.causal_lm import CausalLM, counted_targets, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, fit_budget, return_freed_memory
@@ -230,7 +230,7 @@ class StreamedSteps:
         def add(i: int, logits: torch.Tensor) -> None:
             targets = batches[i][1].to(device)
             stats[0] += loss_sum(logits, targets).double()
-            stats[1] += targets.numel()
+            stats[1] += counted_targets(targets)
 
         self._stream([x for x, _ in batches], add, autocast)
         return stats

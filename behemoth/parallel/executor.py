@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from behemoth.models.causal_lm import CausalLM
+from behemoth.models.causal_lm import CausalLM, counted_targets
 from behemoth.parallel.sync import GradSync
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
@@ -63,7 +63,7 @@ class MicroBatchLoop:
             with autocast():
                 logits = self.lm.logits(inputs.to(self.device))
             stats[0] += loss_sum(logits, targets.to(self.device)).double()
-            stats[1] += targets.numel()
+            stats[1] += counted_targets(targets)
         return stats
 
     def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:

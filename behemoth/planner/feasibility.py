@@ -186,21 +186,14 @@ def as_plan_keys(message: str) -> str:
 def launch_problems(cfg: Config, world: int, ckpt: Path | None) -> list[Problem]:
     """`problems`, and what only a launch needs: the corpus (tokenized once, here), the checkpoint to resume (every file
     verified), the run directory (writable, holding no other run), the weights and the disk (`behemoth.faults.preflight`)."""
-    from behemoth.data import prepare_corpus
     from behemoth.faults.checkpoint import read_meta, validate_checkpoint
     from behemoth.faults.preflight import environment_problems
 
     out = problems(cfg, world)
     try:
-        corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
-        if corpus.vocab_size > cfg.model.vocab_size:
-            out.append(
-                Problem.of(
-                    "model.vocab_size",
-                    f"the corpus has token ids up to {corpus.vocab_size - 1} but model.vocab_size={cfg.model.vocab_size}",
-                    f"set model.vocab_size={corpus.vocab_size} or more",
-                )
-            )
+        problem = cfg.prepare_corpus(progress=cfg.run.progress).vocab_problem(cfg.model.vocab_size)
+        if problem:
+            out.append(Problem.of("model.vocab_size", *problem.split("; ", 1)))
     except BehemothError as err:
         out.append(Problem.from_error("data.path", err))
     if ckpt is not None:

@@ -42,6 +42,7 @@ from torch import nn
 from behemoth.comm import P2P, CommMeter, Pending, batch_p2p, pair_all_reduce, reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.flight import HangError
+from behemoth.models.causal_lm import counted_targets
 from behemoth.parallel.deferred import DeferralSlot
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
@@ -203,7 +204,7 @@ class PipelineExecutor:
             if not part.is_last:
                 return out
             targets = batches[b][1].to(self.device)
-            return torch.stack([loss_sum(out, targets).double(), torch.tensor(float(targets.numel()), dtype=torch.float64, device=self.device)])
+            return torch.stack([loss_sum(out, targets).double(), counted_targets(targets).double()])
 
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         for out in self.flow([inputs for inputs, _ in batches], stage_forward).values():

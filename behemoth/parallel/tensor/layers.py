@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import IGNORE_INDEX
 from behemoth.models.init import FULL_NAME, mark_partial
 from behemoth.parallel.chunked import Box
 from behemoth.parallel.deferred import DeferralSlot, accumulate, deferrable_linear
@@ -401,9 +402,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack([exp.sum(dim=1), picked.masked_fill(~mine, 0.0)])
         tp.all_reduce(sums)
         exp.div_(sums[0].unsqueeze(1))  # softmax, kept for backward
+        ignored = targets == IGNORE_INDEX  # a masked target (a chat's prompt): no loss, and a zero softmax row, no gradient
+        exp.masked_fill_(ignored.unsqueeze(1), 0.0)
         ctx.save_for_backward(exp, local_target, mine)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        return torch.log(sums[0]) - sums[1]
+        return (torch.log(sums[0]) - sums[1]).masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

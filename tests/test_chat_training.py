@@ -1,0 +1,60 @@
+"""Chat fine-tuning of an HF Llama folder on its own tokenizer: the loss counts assistant tokens only, divided by the
+global batch's count of them, so data, tensor and pipeline parallel runs train the single-process curve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.common import assert_close_runs, tiny_config, train_body
+from tests.dist import run_ranks
+from tests.offline_tokenizer import build_llama, build_tokenizer
+
+pytest.importorskip("transformers")
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+
+
+def _chats(n: int) -> list[dict]:
+    """Varied conversations: short prompts, answers of different lengths, some with a system turn or two rounds."""
+    rows = []
+    for i in range(n):
+        ask = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(1 + i % 4))
+        answer = " ".join(WORDS[(3 * i + k) % len(WORDS)] for k in range(1 + i % 6))
+        messages = [{"role": "system", "content": "reply in greek letters"}] if i % 3 == 0 else []
+        messages += [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]
+        if i % 4 == 1:
+            messages += [{"role": "user", "content": "more"}, {"role": "assistant", "content": answer[::-1]}]
+        rows.append({"messages": messages} if i % 5 else {"prompt": ask, "response": answer})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    folder = build_tokenizer(root / "llama")
+    from transformers import AutoTokenizer
+
+    build_llama(folder, len(AutoTokenizer.from_pretrained(folder, local_files_only=True)))
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _chats(120)))
+    opts = [f"hf.weights={folder}", f"data.path={data}", f"data.cache_dir={root / 'cache'}", "train.steps=4", "train.eval_every=2"]
+    opts.append("train.grad_clip=0")
+    reference = run_ranks(1, train_body, tiny_config(root / "ref", *opts))[0]
+    return opts, reference
+
+
+@pytest.mark.parametrize("plan", ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"])
+def test_masked_loss_under_dp_tp_pp_equals_single_process(setup, tmp_path, plan):
+    opts, reference = setup
+    extra = ["train.micro_batch=2"] if plan == "parallel.pp=2" else []
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *opts, plan, *extra))[0]
+    assert_close_runs(reference, got)
+
+
+def test_masking_changes_what_is_trained(setup, tmp_path):
+    """The same run on every token (data.loss_on=all) is another curve: the mask is what the reference trains."""
+    opts, reference = setup
+    everything = run_ranks(1, train_body, tiny_config(tmp_path, *opts, "data.loss_on=all"))[0]
+    moved = max(float((everything["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
+    assert moved > 1e-3, f"training on every token left the weights within {moved:.2g} of the masked run's"
