@@ -304,7 +304,7 @@ def parallelize(
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
     optimizer_tier = "device"
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
-        offload, optimizer_tier = None, offload.optimizer
+        optimizer_tier, offload = offload.optimizer, None
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")

@@ -230,9 +230,7 @@ def split_on_meta(lm: CausalLM, rt: Runtime, plan: ParallelPlan, timeout_s: floa
     return tp
 
 
-def unit_stores(
-    units: list[UnitSpec], values: UnitSource, group: dist.ProcessGroup, device_tier: Tier, block_tier: MeasuredTier
-) -> list[UnitStore]:
+def unit_stores(units: list[UnitSpec], values: UnitSource, group: dist.ProcessGroup, device_tier: Tier, block_tier: MeasuredTier) -> list[UnitStore]:
     """Each unit's parameters (this rank's tensor-parallel part) put on its tier one unit at a time: blocks on the
     streamed tier, the embedding and head on the compute device, over `group` (generation's data-parallel group: this
     rank alone, so each unit is whole). The model's own parameters are removed."""

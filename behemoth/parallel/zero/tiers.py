@@ -172,7 +172,7 @@ class FileTier(Tier):
     def fetch(self, key: str) -> torch.Tensor:
         fd, numel, dtype = self.files[key]
         host = torch.empty(numel, dtype=dtype, pin_memory=self.device.type == "cuda")
-        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
         done = 0
         while done < len(buf):
             n = os.preadv(fd, [buf[done:]], done)
@@ -188,7 +188,7 @@ class FileTier(Tier):
         if t.numel() != numel or t.dtype != dtype:
             raise ValueError(f"{key}: storing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
         host = t.detach().contiguous().cpu()
-        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")
+        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
         linked = os.fstat(fd).st_nlink > 1
         if linked:
             fd = self._new_file(key, len(buf))
@@ -251,7 +251,7 @@ class FileTier(Tier):
         found = self.mapped.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" else None
         if found is None or not t.is_contiguous():
             return None
-        return found[0], t.storage_offset() * t.element_size()
+        return found[0], int(t.storage_offset()) * t.element_size()
 
     def forget_views(self) -> None:
         """The views handed out are no longer used (a checkpoint was written or loaded): unmap them."""
