@@ -162,7 +162,7 @@ def _size(f: Path) -> int:
 def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, disable=None if enabled else True, dynamic_ncols=True)  # None: only on a terminal
 
 
 def split_train_val(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
