@@ -162,7 +162,8 @@ def _size(f: Path) -> int:
 def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, disable=None if enabled else True, dynamic_ncols=True)  # None: only on a terminal
+    off = None if enabled else True  # None: tqdm draws the bar only on a terminal (a log gets no carriage-return noise)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, disable=off, dynamic_ncols=True)
 
 
 def split_train_val(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
