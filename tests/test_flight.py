@@ -142,3 +142,45 @@ def test_diagnose_finds_nobody_when_every_rank_arrived():
     assert hang_line(rec, [], waited=6, limit_s=5, timed_out=True, err=None).endswith(
         ": every rank of the group had arrived; the transfer itself stalled"
     )
+
+
+STOPPED_CHILD = """
+import sys, time
+from behemoth.flight.heartbeat import Heartbeat
+beat = Heartbeat(0, timeout_s=5.0, snapshot=dict, on_beat=lambda: None)
+beat.start(None)
+since = time.time()
+print("ready", flush=True)
+sys.stdin.readline()  # the parent stops this process, wakes it and then writes a line
+print(round(beat.not_running_since(since, time.time()), 1), flush=True)
+"""
+
+
+def test_a_rank_that_was_itself_stopped_knows_it_and_its_line_is_not_taken_as_the_cause():
+    """SIGSTOP a process with a heartbeat for 6 s: once woken it measures that stretch (its peers' diagnosis is the
+    one to believe, and the launcher's one line picks theirs)."""
+    import subprocess
+    import sys
+
+    from behemoth.faults.elastic import describe_failures
+    from behemoth.flight.recorder import SELF_PAUSED
+
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(6.0)
+        os.kill(child.pid, signal.SIGCONT)
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        child.kill()
+    assert 4.5 <= float(out.strip()) <= 7.0, out
+
+    class Failure:
+        def __init__(self, message: str) -> None:
+            self.exitcode, self.message = 1, {"message": message}
+
+    woken = Failure(f"HangError: behemoth: error: rank 0: all_reduce #11 waited 10.1 s: rank 0 {SELF_PAUSED} for 12 s of the wait")
+    named = Failure("HangError: behemoth: error: rank 1: all_reduce #11 waited 10.0 s: rank 0 arrived but stopped inside it")
+    assert describe_failures({0: woken, 1: named}).startswith("worker rank 1 failed: rank 1: all_reduce #11")

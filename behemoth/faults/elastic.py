@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
 from behemoth.errors import ERROR_PREFIX, BehemothError
+from behemoth.flight.recorder import SELF_PAUSED
 
 LOOPBACK = "127.0.0.1"
 
@@ -57,13 +58,15 @@ class ElasticPolicy:
 
 def describe_failures(failures: dict[int, Any]) -> str:
     """One line for failed workers: the root cause first (a worker killed by a signal, then one that failed on its own,
-    then one whose collective failed because of another), and what it said (its behemoth line, its signal, or the
+    then one whose collective failed because of another, then one that was itself stopped), and what it said (its behemoth line, its signal, or the
     last line of its error)."""
 
     def cause(item: tuple[int, Any]) -> tuple[int, int]:
         rank, failure = item
         killed = failure.exitcode is not None and failure.exitcode < 0
-        return (0 if killed else 2 if "HangError" in message_of(failure) else 1), rank
+        message = message_of(failure)
+        hang = 3 if SELF_PAUSED in message else 2 if "HangError" in message else 1  # a rank that was itself stopped last
+        return (0 if killed else hang), rank
 
     rank, failure = min(failures.items(), key=cause)
     message = message_of(failure)

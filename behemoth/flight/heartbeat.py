@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -54,6 +55,8 @@ class Heartbeat:
         self.store: Any = None
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
+        self.last_tick = time.time()
+        self.gaps: list[tuple[float, float]] = []  # (when it ended, seconds): the beats' late wake-ups, newest last
 
     @property
     def stale_s(self) -> float:
@@ -61,7 +64,7 @@ class Heartbeat:
 
     def start(self, store: Any) -> None:
         """Publish at once (a rank that stops right away has still said where it was), then every `interval`."""
-        self.store = store
+        self.store, self.last_tick = store, time.time()
         self.publish()
         self.stop_event.clear()
         self.thread = threading.Thread(target=self._beat, name="behemoth-flight", daemon=True)
@@ -96,9 +99,19 @@ class Heartbeat:
             return None
         return None
 
+    def not_running_since(self, since: float, now: float) -> float:
+        """The longest stretch since `since` in which this process did not run (stopped, suspended or starved): the
+        beat thread woke that much later than it asked to, or has not woken for that long now."""
+        late = [gap for end, gap in self.gaps if end >= since]
+        return max([now - self.last_tick - self.interval, *late, 0.0])
+
     def _beat(self) -> None:
         failures = 0
         while not self.stop_event.wait(self.interval):
+            now = time.time()
+            gap, self.last_tick = now - self.last_tick - self.interval, now
+            if gap > self.stale_s:
+                self.gaps = [*self.gaps[-7:], (now, gap)]
             failures = 0 if self.publish() else failures + 1
             if failures > MAX_FAILED_BEATS:  # the store is gone (its host died): diagnoses use this rank's ring only
                 self.store = None

@@ -18,6 +18,7 @@ from behemoth.flight.heartbeat import Heartbeat, heartbeat_store
 from behemoth.flight.ring import OpRecord, Ring, Snapshot
 
 GRACE_S = 5.0  # the watchdog's margin over c10d's own timeout
+SELF_PAUSED = "itself did not run"  # a rank's clause about its own stop: its line is then not the run's cause
 HANG_FIX = "see those ranks' logs; raise run.timeout_s if they are only slow"
 
 
@@ -115,6 +116,9 @@ class FlightRecorder:
         peers = PeerSnapshots(self.heartbeat)
         stale_s = self.heartbeat.stale_s if self.heartbeat is not None else float("inf")
         culprits = diagnose(rec, peers, me=self.rank, now=now, stale_s=stale_s, timed_out=timed_out)
+        paused = self.heartbeat.not_running_since(rec.start, now) if self.heartbeat is not None else 0.0
+        if paused > stale_s:  # this rank itself was stopped during the wait: what it saw of the peers is not the cause
+            culprits = [f"rank {self.rank} {SELF_PAUSED} for {paused:.0f} s of the wait (stopped, suspended or starved)", *culprits]
         folder = self.write_rings(peers)
         where = f"; rings in {folder}" if folder else ""
         line = hang_line(rec, culprits, waited=waited, limit_s=limit, timed_out=timed_out, err=err)
