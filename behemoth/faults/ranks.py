@@ -23,7 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["torch", "torch.distributed", "behemoth.train", "matplotlib.pyplot"]  # imported once by the fork server
+# imported once by the fork server (transformers' model modules where it is installed: HF tests spawn many ranks)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "behemoth.train",
+    "matplotlib.pyplot",
+    "behemoth.models.hf",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "gpt2", "mixtral", "mistral", "qwen2")),
+]
 COLLECTIVE_TIMEOUT_S = 60
 _context = None
 
