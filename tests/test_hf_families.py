@@ -31,7 +31,8 @@ FAMILIES = {  # what each family adds to the standard layout, and the layout tha
     "mistral": (dict(sliding_window=8), ["parallel.pp=2", "parallel.microbatches=2"]),  # a window shorter than the sequence
     "qwen2": (dict(), ["parallel.zero_stage=3"]),  # q/k/v biases, ZeRO-3 over dp = 2
     "qwen3": (dict(head_dim=16), ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # per-head q/k norms, wide heads
-    "gemma": (dict(head_dim=8), ["parallel.tp=2"]),  # scaled embeddings, (1 + w) norms, tied head
+    "gemma": (dict(head_dim=8, pad_token_id=101), ["parallel.tp=2"]),  # scaled embeddings, (1 + w) norms, tied head, a pad row
+    # that appears in the data ('e') and gets no lookup gradient (split over the vocabulary too)
     "phi3": (dict(), ["parallel.zero_stage=2"]),  # fused qkv and gate_up projections (tp refused)
 }
 

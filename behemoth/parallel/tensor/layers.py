@@ -366,23 +366,26 @@ class VocabShard:
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank looks up the tokens in its vocabulary rows; the partial embeddings are summed over tp (or, with
-    `reduce_output` off under SP, left partial for the first block to reduce-scatter)."""
+    `reduce_output` off under SP, left partial for the first block to reduce-scatter). The module's padding row
+    (`padding_idx`, the pad token's) gets no gradient from the lookup, as in nn.Embedding."""
 
-    def __init__(self, weight: nn.Parameter, vocab: VocabShard, tp: TPComm) -> None:
+    def __init__(self, weight: nn.Parameter, vocab: VocabShard, tp: TPComm, padding_idx: int | None = None) -> None:
         super().__init__()
         self.weight, self.vocab, self.tp = weight, vocab, tp
         self.reduce_output = True
+        owned = padding_idx is not None and vocab.start <= padding_idx < vocab.start + vocab.real
+        self.local_padding_idx = padding_idx - vocab.start if owned and padding_idx is not None else None
 
     @classmethod
     def from_module(cls, module: nn.Embedding, name: str, tp: TPComm) -> VocabParallelEmbedding:
         if not isinstance(module, nn.Embedding):
             raise BehemothError(f"{name} is a {type(module).__name__}, not an nn.Embedding", "use the vocab style on embeddings and LM heads")
         layout = ShardLayout.padded(tuple(module.weight.shape), 0, tp)
-        return cls(shard_parameter(module.weight, f"{name}.weight", layout), VocabShard.of(layout), tp)
+        return cls(shard_parameter(module.weight, f"{name}.weight", layout), VocabShard.of(layout), tp, module.padding_idx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.vocab.start) & (ids < self.vocab.start + self.vocab.real)
-        out = F.embedding(torch.where(mine, ids - self.vocab.start, 0), self.weight)
+        out = F.embedding(torch.where(mine, ids - self.vocab.start, 0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill(~mine.unsqueeze(-1), 0.0)
         return reduce_from_tp(out, self.tp) if self.reduce_output else out
 
