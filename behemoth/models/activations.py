@@ -67,28 +67,45 @@ class BlockActivations:
     `whole` stays whole on every tensor-parallel rank (norm inputs and statistics, the inputs of column-parallel layers)
     and divides by t under sequence parallelism; `split` divides by t (the tensor-parallel region: q, k, v, attention
     output, the MLP's hidden activations, the log-sum-exp per head); `shared` is the same on every rank whatever the
-    layout (Llama's rotary cos and sin, one head's width per position)."""
+    layout (Llama's rotary cos and sin, one head's width per position); `per_block` does not grow with the tokens
+    (Gemma's (1 + w) norm weights, made anew in each forward)."""
 
     whole: float
     split: float
     shared: float = 0.0
+    per_block: float = 0.0
 
     def per_token(self, t: int = 1, sp: bool = False) -> float:
         """Elements per token on one tensor-parallel rank of degree t (sequence parallelism: `sp`)."""
         return (self.whole + self.split) / t + self.shared if sp and t > 1 else self.whole + self.split / t + self.shared
+
+    def elements(self, tokens: int, t: int = 1, sp: bool = False) -> float:
+        """Elements one block saves for `tokens` tokens on one tensor-parallel rank."""
+        return self.per_token(t, sp) * tokens + self.per_block
+
+
+STANDARD_LAYOUT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral")  # models/hf_families.py's families
 
 
 def block_activation_elements(shape: ModelShape) -> BlockActivations:
     """Per-token saved elements of one block of `shape`'s family (fitted to autograd's saved tensors, exactly, over
     widths, heads, KV heads and MLP widths; tests/test_planner.py traces them):
 
-        gpt    LayerNorm inputs 2h + stats 4, qkv and fc inputs 2h; q, k, v, attention output, GELU in and out, heads
-        gpt2   the same, with transformers' tanh GELU keeping 5 MLP-width tensors instead of 2
-        llama  RMSNorm input and normalized input 2h + 1 each, q/k/v and MLP inputs 2h; q, k after and before rotary,
-               v, the log-sum-exp per head; SwiGLU's gate, up, SiLU and product; rotary cos/sin (head_dim)
+        gpt     LayerNorm inputs 2h + stats 4, qkv and fc inputs 2h; q, k, v, attention output, GELU in and out, heads
+        gpt2    the same, with transformers' tanh GELU keeping 5 MLP-width tensors instead of 2
+        llama   RMSNorm input and normalized input 2h + 1 each, q/k/v and MLP inputs 2h; q, k after and before rotary,
+                v, the log-sum-exp per head; SwiGLU's gate, up, SiLU and product; rotary cos/sin (head_dim).
+                Mistral and Qwen2 save the same (a sliding window and q/k/v biases add nothing)
+        qwen3   Llama's, and its per-head q and k RMSNorms: input, normalized and a statistic per head, 2q + 2kv + heads
+                + kv heads
+        gemma   Llama's, and per block the (1 + w) weights of its two norms, 2h whatever the tokens
+        phi3    Llama's, and 2q + kv more from its fused qkv projection, whose slices keep the fused output alive
+    The MoE MLP of Mixtral is counted as Llama's dense one (its experts' saved tensors depend on the routing).
     """
     h, q, kv, ffn, heads = shape.d_model, shape.q_width, shape.kv_width, shape.ffn, shape.n_head
-    if shape.arch == "llama":
-        return BlockActivations(whole=6 * h + 2, split=2 * q + 2 * kv + heads + 4 * ffn, shared=shape.head_dim)
+    if shape.arch in STANDARD_LAYOUT:
+        split = 2 * q + 2 * kv + heads + 4 * ffn
+        split += {"qwen3": 2 * q + 2 * kv + heads + shape.kv_heads, "phi3": 2 * q + kv}.get(shape.arch, 0)
+        return BlockActivations(whole=6 * h + 2, split=split, shared=shape.head_dim, per_block=2 * h if shape.arch == "gemma" else 0)
     hidden = 5 if shape.arch == "gpt2" else 2
     return BlockActivations(whole=4 * h + 4, split=2 * q + 2 * kv + heads + hidden * ffn)

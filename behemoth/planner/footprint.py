@@ -140,7 +140,7 @@ def stash_units(lay: Layout, rank: int) -> int:
 
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
     """What one block saves for backward for `tokens` tokens on one tensor-parallel rank."""
-    return work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
+    return work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:

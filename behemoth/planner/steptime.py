@@ -112,7 +112,7 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
     flops = block_forward_flops(work.census.shape, work.seq_len) * tokens / lay.tp
     rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay)) * dev.block_efficiency
-    saved = work.census.activations.per_token(lay.tp, lay.sp) * tokens * work.act_bytes
+    saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
     compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     link = cluster.link(lay.tp)
