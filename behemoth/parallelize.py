@@ -175,10 +175,15 @@ class ParallelModel:
             sync.measure_buffers()
 
     def state_bytes(self) -> dict[str, int]:
+        """Bytes of the syncs' parameters and gradients, and of the parameters no sync holds (a frozen LoRA base)."""
         out: dict[str, int] = {}
         for sync in self.syncs:
             for key, n in sync.state_bytes().items():
                 out[key] = out.get(key, 0) + n
+        frozen = {
+            p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.lm.module.parameters() if not p.requires_grad and p.numel()
+        }
+        out["params"] = out.get("params", 0) + sum(frozen.values())
         return out
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -89,13 +89,17 @@ def test_flops_count_a_lookup_as_no_matmul(tied):
 
 
 def _saved_per_token(options: list[str], b: int = 2, s: int = 16) -> tuple[float, object]:
-    """Elements one block's forward saves for backward per token, traced on the CPU (parameters excluded)."""
+    """Elements one block's forward saves for backward per token, traced on the CPU (parameters excluded), with
+    LoRA's adapters when the options enable them."""
     from behemoth.models.causal_lm import build_causal_lm
     from behemoth.models.init import materialize
+    from behemoth.models.lora import inject_lora
     from behemoth.parallel.tensor.activations import SavedBytesMeter
 
     cfg = load_config(None, ["model=gpt-tiny", *options, "model.context=64"])
     lm = build_causal_lm(cfg.model.model_copy(update={"n_layer": 1}), cfg.hf)
+    if cfg.finetune.lora.enabled:
+        inject_lora(lm, cfg.finetune.lora)
     materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
     lm.after_materialize(torch.device("cpu"))
     block = lm.module.get_submodule(lm.layers.blocks)[0]
@@ -128,6 +132,20 @@ def test_block_activations_match_what_autograd_saves(options):
     tokens = 2 * 16
     traced, shape = _saved_per_token(options)
     assert block_activation_elements(shape).elements(tokens) == pytest.approx(traced * tokens, abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+@pytest.mark.parametrize("targets", [None, "finetune.lora.targets=[q_proj,v_proj]", "finetune.lora.targets=[gate_proj,down_proj,o_proj]"])
+def test_lora_block_activations_match_what_autograd_saves(family, targets):
+    """With a frozen base and adapters on some linears, the census's closed form equals what autograd saves."""
+    from behemoth.planner.census import ModelCensus
+
+    options = [f"model=hf:{family}", "model.d_model=64", "model.n_head=4", "finetune.lora.enabled=true", "finetune.lora.rank=4"]
+    options += [targets] if targets else []
+    traced, _ = _saved_per_token(options)
+    cfg = load_config(None, ["model=gpt-tiny", *options, "model.context=64"])
+    census = ModelCensus.of(cfg.model.model_copy(update={"n_layer": 1}), cfg.hf, cfg.finetune.lora)
+    assert census.activations.elements(32) == pytest.approx(traced * 32, abs=1e-6)
 
 
 def test_stash_counts_are_the_schedules_own():

@@ -16,11 +16,13 @@ from tests.common import tiny_config
 from tests.dist import run_ranks
 
 BASE = ("model=gpt-1m", "train.global_batch=8", "train.seq_len=64")
+LORA = ("model=hf:llama", "model.n_layer=2", "model.d_model=64", "model.n_head=4", "finetune.lora.enabled=true")  # a frozen base
 TOLERANCE = 0.05
 
 GRID = {  # world: plans (each one run by every rank of that world, one after another)
-    1: [(), ("parallel.recompute=full",)],
+    1: [(), ("parallel.recompute=full",), LORA],
     2: [
+        (*LORA, "parallel.zero_stage=2"),
         ("parallel.zero_stage=1",),
         ("parallel.zero_stage=2",),
         ("parallel.zero_stage=3",),
@@ -35,6 +37,7 @@ GRID = {  # world: plans (each one run by every rank of that world, one after an
 SLOW_GRID = {
     1: [("train.micro_batch=2",), ("model.tie_embeddings=true",)],
     2: [
+        (*LORA, "parallel.pp=2", "train.micro_batch=2"),
         ("parallel.zero_stage=0",),
         ("parallel.tp=2",),
         ("parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batch=2"),

@@ -99,7 +99,7 @@ def header(cfg: Config, world: int) -> str:
     """The resolved model (its shape, whatever the preset), Ψ, and the plan's degrees."""
     from behemoth.planner.census import ModelCensus
 
-    census = ModelCensus.of(cfg.model, cfg.hf)
+    census = ModelCensus.of(cfg.model, cfg.hf, cfg.finetune.lora)
     s, plan = census.shape, cfg.parallel
     dims = plan.dims(world)
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else "gpt"
@@ -180,6 +180,11 @@ def state_table(cfg: Config, dp: int, ests: list[StageEstimate], measured: dict[
         )
     why = "--measure builds each stage on local processes, without a pipeline" if cfg.parallel.pp == 1 else "a pipelined plan is measured below"
     lines.append("(GiB; 1 GiB = 1.074 GB)" + ("" if measured else f"; not measured ({why})"))
+    if cfg.finetune.lora.enabled:
+        lines.append(
+            "finetune.lora: this table prices a full fine-tune of the base; the plan below holds the frozen base at 4 bytes per "
+            "parameter and the adapters at the stage's bytes (ZeRO 1-2 shard only the adapters)"
+        )
     return "\n".join(lines)
 
 

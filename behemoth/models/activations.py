@@ -109,3 +109,23 @@ def block_activation_elements(shape: ModelShape) -> BlockActivations:
         return BlockActivations(whole=6 * h + 2, split=split, shared=shape.head_dim, per_block=2 * h if shape.arch == "gemma" else 0)
     hidden = 5 if shape.arch == "gpt2" else 2
     return BlockActivations(whole=4 * h + 4, split=2 * q + 2 * kv + heads + hidden * ffn)
+
+
+QKV_INPUT = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})  # linears that read the attention norm's output
+MLP_INPUT = frozenset({"gate_proj", "up_proj", "gate_up_proj"})  # linears that read the MLP norm's output
+
+
+def lora_block_activations(base: BlockActivations, shape: ModelShape, rank: int, adapted: frozenset[str]) -> BlockActivations:
+    """`base` for a block whose weights are frozen and whose linears `adapted` (their module names) carry rank-`rank`
+    adapters (traced exactly in tests/test_planner.py). A frozen weight needs no saved input for its gradient, so in
+    the standard layout the norms' normalized inputs go (2h; Qwen3's q/k norms q + kv more), the attention norm's output
+    stays only if a q/k/v projection is adapted (its A reads it), the MLP norm's output only if gate or up is, and the
+    down projection's input only if it is; each adapter keeps its A output (r per token). Other families: `base` plus
+    the A outputs."""
+    shared = base.shared + rank * len(adapted)
+    if shape.arch not in STANDARD_LAYOUT:
+        return BlockActivations(base.whole, base.split, shared, base.per_block)
+    h = shape.d_model
+    whole = base.whole - 2 * h - (0 if adapted & QKV_INPUT else h) - (0 if adapted & MLP_INPUT else h)
+    split = base.split - (0 if "down_proj" in adapted else shape.ffn) - (shape.q_width + shape.kv_width if shape.arch == "qwen3" else 0)
+    return BlockActivations(whole, split, shared, base.per_block)

@@ -15,8 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from behemoth.models.activations import BlockActivations, block_activation_elements
+from behemoth.models.activations import BlockActivations, block_activation_elements, lora_block_activations
 from behemoth.models.causal_lm import CausalLM, build_causal_lm
+from behemoth.models.lora import has_adapter, inject_lora
 from behemoth.models.shape import ModelShape, training_flops_per_token
 from behemoth.planner.rank import split_model
 
@@ -36,11 +37,21 @@ class TPShare:
     head_weight_outputs: int  # per token: the head's logits plus the final norm's width
     ep: int = 1
     experts: int = 0  # of `block`: its expert weights (E / ep experts), synchronised over dp alone
+    frozen: tuple[int, int, int, int] = (0, 0, 0, 0)  # (embed, block, head, tied) elements without gradients: a LoRA base
 
     def stage_elements(self, blocks: int, *, first: bool, last: bool, pp: int) -> int:
         """Parameters of one pipeline stage of `blocks` blocks; with a tied head the last stage keeps the embedding too."""
-        again = self.tied if last and not first and pp > 1 else 0
-        return blocks * self.block + (self.embed if first else 0) + (self.head + again if last else 0)
+        return _stage_sum((self.embed, self.block, self.head, self.tied), blocks, first=first, last=last, pp=pp)
+
+    def stage_frozen(self, blocks: int, *, first: bool, last: bool, pp: int) -> int:
+        """Of `stage_elements`, the frozen ones (no gradient, no optimizer state, never sharded by ZeRO 1-2)."""
+        return _stage_sum(self.frozen, blocks, first=first, last=last, pp=pp)
+
+
+def _stage_sum(parts: tuple[int, int, int, int], blocks: int, *, first: bool, last: bool, pp: int) -> int:
+    embed, block, head, tied = parts
+    again = tied if last and not first and pp > 1 else 0
+    return blocks * block + (embed if first else 0) + (head + again if last else 0)
 
 
 @dataclass
@@ -53,23 +64,28 @@ class ModelCensus:
     psi: int  # parameters of the whole model
     matmul_params: int  # parameters a token is multiplied by (the MFU count)
     activations: BlockActivations
+    lora: Any = None  # finetune.lora when it is enabled: the base is frozen, the adapters train
     _shares: dict[tuple[int, int], TPShare] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, model_cfg: Any, hf: Any = None) -> ModelCensus:
-        """Count the model `model_cfg` (and `hf`) describe, from a one-block copy on the meta device."""
-        one = build_causal_lm(model_cfg.model_copy(update={"n_layer": 1}), hf)
+    def of(cls, model_cfg: Any, hf: Any = None, lora: Any = None) -> ModelCensus:
+        """Count the model `model_cfg` (and `hf`) describe, with `lora`'s adapters, from a one-block copy on meta."""
+        lora = lora if lora is not None and lora.enabled else None
+        one = _one_block(model_cfg, hf, lora)
         share = _share(one, 1)
         shape = _full_shape(one.shape, model_cfg)
         extra = (shape.n_layer - 1) * share.block
-        census = cls(model_cfg, hf, shape, _count(one.module) + extra, one.matmul_params + extra, block_activation_elements(shape))
+        activations = block_activation_elements(shape)
+        if lora is not None:
+            activations = lora_block_activations(activations, shape, lora.rank, _adapted(one))
+        census = cls(model_cfg, hf, shape, _count(one.module) + extra, one.matmul_params + extra, activations, lora)
         census._shares[(1, 1)] = share
         return census
 
     def at(self, tp: int, ep: int = 1) -> TPShare:
         """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds."""
         if (tp, ep) not in self._shares:
-            self._shares[(tp, ep)] = _share(build_causal_lm(self.model_cfg.model_copy(update={"n_layer": 1}), self.hf), tp, ep)
+            self._shares[(tp, ep)] = _share(_one_block(self.model_cfg, self.hf, self.lora), tp, ep)
         return self._shares[(tp, ep)]
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -82,6 +98,21 @@ def _full_shape(one: ModelShape, model_cfg: Any) -> ModelShape:
     from dataclasses import replace
 
     return replace(one, n_layer=model_cfg.n_layer)
+
+
+def _one_block(model_cfg: Any, hf: Any, lora: Any) -> CausalLM:
+    """A one-block copy of the model on the meta device, its base frozen and adapted when `lora` is given (as
+    parallelize does before the tensor-parallel split)."""
+    lm = build_causal_lm(model_cfg.model_copy(update={"n_layer": 1}), hf)
+    if lora is not None:
+        inject_lora(lm, lora)
+    return lm
+
+
+def _adapted(lm: CausalLM) -> frozenset[str]:
+    """The module names (last part) of the linears with an adapter in the one block of `lm`."""
+    block = lm.module.get_submodule(lm.layers.blocks)[0]
+    return frozenset(name.rsplit(".", 1)[-1] for name, module in block.named_modules() if has_adapter(module))
 
 
 def _count(module: nn.Module) -> int:
@@ -99,6 +130,12 @@ def _share(lm: CausalLM, tp: int, ep: int = 1) -> TPShare:
     tied = embedding.numel() if lm.shape.tied else 0
     head = sum(p.numel() for p in parts["last"].values() if p is not embedding)
     experts = sum(p.numel() for name, p in block.named_parameters() if is_expert is not None and is_expert(f"{view.blocks}.0.{name}"))
+    frozen = (
+        sum(p.numel() for p in parts["first"].values() if not p.requires_grad),
+        sum(p.numel() for p in block.parameters() if not p.requires_grad),
+        sum(p.numel() for p in parts["last"].values() if p is not embedding and not p.requires_grad),
+        tied if not embedding.requires_grad else 0,
+    )
     return TPShare(
         tp,
         sum(p.numel() for p in parts["first"].values()),
@@ -110,6 +147,7 @@ def _share(lm: CausalLM, tp: int, ep: int = 1) -> TPShare:
         head_weight_outputs=embedding.shape[0] + lm.shape.d_model,
         ep=ep,
         experts=experts,
+        frozen=frozen,
     )
 
 

@@ -33,6 +33,7 @@ from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
 
 STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
+FROZEN_PARAM_BYTES = 4  # a frozen (LoRA) base parameter: float32 on every data-parallel rank, nothing else
 
 
 @dataclass
@@ -250,21 +251,24 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     last = any(s == lay.stages - 1 for s, _ in stages)
     blocks = sum(n for _, n in stages)
     elements = share.stage_elements(blocks, first=first, last=last, pp=lay.pp)
-    tiers = placed(state_bytes(elements, lay, work, blocks * share.experts), lay)
+    frozen = share.stage_frozen(blocks, first=first, last=last, pp=lay.pp)  # a LoRA base: replicated float32, no states
+    trained = elements - frozen
+    tiers = placed(state_bytes(trained, lay, work, blocks * share.experts), lay)
     params, grads, optimizer = tiers["device"]
+    params += FROZEN_PARAM_BYTES * frozen
     tokens = lay.micro_batch * work.seq_len
     recomputes = rank in lay.recompute if recompute is None else recompute
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
-    opt_elements = elements / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
+    opt_elements = trained / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(
         rank,
         params,
         grads,
         optimizer,
-        zero_buffers(share, elements, lay, work, blocks),
+        zero_buffers(share, trained, lay, work, blocks),
         stash,
         working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
         deferred_gradients(share, lay, work, rank, stages, tokens),

@@ -37,7 +37,7 @@ class Workload:
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
         plan = cfg.parallel
         return cls(
-            census or ModelCensus.of(cfg.model, cfg.hf),
+            census or ModelCensus.of(cfg.model, cfg.hf, cfg.finetune.lora),
             cfg.seq_len,
             cfg.train.global_batch,
             cfg.train.precision,
