@@ -214,6 +214,14 @@ class Config(Section):
             raise ValueError("finetune.lora with offload: offload does not stream a frozen base yet; set offload.params/grads/optimizer=none")
         return self
 
+    @property
+    def offload_streams(self) -> bool:
+        """Whether offload's streaming runtime runs: some state on a tier, other than ZeRO-Offload (ZeRO 1-2 with only
+        the float32 moments in host memory, which the ZeRO sync keeps there: nothing streams)."""
+        off = self.offload
+        moments_only = off.params in ("device", "none") and off.grads_tier in ("device", "none") and off.optimizer in ("host", "cpu")
+        return off.enabled and not (self.parallel.zero_stage in (1, 2) and moments_only and off.optimizer_bits == 32)
+
     def replace(self, **sections: Any) -> Config:
         """A copy with the given sections (instances or dicts of the fields to set) replaced, validated as a whole."""
         data = {k: _as_dict(getattr(self, k)) for k in type(self).model_fields}

@@ -228,3 +228,21 @@ def test_a_trillion_parameters_on_3072_gpus_plan_in_seconds():
     assert seconds < 10, seconds
     assert best.fits and best.layout.world == 3072 and best.layout.tp <= 8 and 0.2 < best.mfu < 0.9
     assert len(result.ranked) == 8 and all(a.step_seconds <= b.step_seconds for a, b in zip(result.ranked, result.ranked[1:]))
+
+
+def test_zero_offload_is_priced_as_its_stage_with_the_moments_in_host_memory():
+    """ZeRO-2 with only the moments on the host tier streams nothing: the device keeps whole parameters and a gradient
+    shard, host memory the moments' shard (not ZeRO-3's units, as a streaming plan would), and its weights export."""
+    from behemoth.faults.preflight import exports
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.cost import price
+    from behemoth.planner.layout import Layout, Workload
+
+    cfg = load_config(None, ["model=gpt-1m", "train.global_batch=8", "parallel.zero_stage=2", "offload.optimizer=host"])
+    work, lay = Workload.of(cfg), Layout.of_config(cfg, 2)
+    assert not lay.offload.streams and not cfg.offload_streams and exports(cfg)
+    mem, psi = price(work, lay, load_cluster("a100-80gb")).memory[0], work.census.psi
+    assert (mem.params, mem.optimizer) == (4 * psi, 0)
+    assert mem.grads == pytest.approx(4 * psi / 2, rel=1e-4) and mem.host == pytest.approx(8 * psi / 2, rel=1e-4)
+    streamed = load_config(None, ["model=gpt-1m", "train.global_batch=8", "parallel.zero_stage=3", "offload.optimizer=host"])
+    assert Layout.of_config(streamed, 2).offload.streams and not exports(streamed)

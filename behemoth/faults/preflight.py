@@ -122,8 +122,8 @@ def checkpoint_bytes(cfg: Config, params: int) -> tuple[int, int, int]:
 
 
 def exports(cfg: Config) -> bool:
-    """checkpoint.export: true, false, or auto (unless offloaded)."""
-    return not cfg.offload.enabled if cfg.checkpoint.export == "auto" else bool(cfg.checkpoint.export)
+    """checkpoint.export: true, false, or auto (unless offload streams the states: ZeRO-Offload's weights are whole)."""
+    return not cfg.offload_streams if cfg.checkpoint.export == "auto" else bool(cfg.checkpoint.export)
 
 
 def used_bytes(run_dir: Path) -> int:

@@ -88,7 +88,7 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage, wherever they live: dense
     ones sharded over dp x ep, the `experts` among them over dp alone (each ep rank holds other experts). Offloaded
     states are ZeRO-3's units on their tiers (1/dp x ep of each state)."""
-    z = 3 if lay.offload.enabled else lay.zero
+    z = 3 if lay.offload.streams else lay.zero
     p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
     if lay.offload.enabled:
         k = OFFLOAD_MOMENT_BYTES[lay.offload.bits]
@@ -111,7 +111,7 @@ def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blo
     """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks);
     offloaded, the units resident on the device (1 + offload.prefetch) and one unit's gradient."""
     p = STATE_BYTES_ZERO0[0] if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][0]
-    if lay.offload.enabled:
+    if lay.offload.streams:
         window = min(1 + lay.offload.prefetch, max(1, blocks)) * share.block
         return 4 * max(window, share.embed, share.head + share.tied) + 4 * share.block
     if lay.zero == 2:

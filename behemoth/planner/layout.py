@@ -75,6 +75,7 @@ class Offload:
     bits: int = 32
     prefetch: int = 2
     fused: bool = False
+    zero_offload: bool = False  # ZeRO 1-2 with only the moments in host memory: priced as that stage, nothing streams
 
     @classmethod
     def of(cls, cfg: Any) -> Offload:
@@ -83,11 +84,17 @@ class Offload:
         if not cfg.offload.enabled:
             return cls()
         p = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
-        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused)
+        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused, zero_offload=not cfg.offload_streams)
 
     @property
     def enabled(self) -> bool:
+        """Some state off the device (its bytes counted on their tier, their traffic priced)."""
         return any(t != "device" for t in (self.params, self.grads, self.optimizer)) or self.bits == 8
+
+    @property
+    def streams(self) -> bool:
+        """Whether the units stream through offload's runtime (ZeRO-3's units on their tiers)."""
+        return self.enabled and not self.zero_offload
 
     def tier(self, kind: str) -> str:
         """The tier of `kind` (params, grads or optimizer)."""

@@ -126,7 +126,7 @@ def zero_offload(cfg: Any) -> bool:
 
 def streams(cfg: Any) -> bool:
     """Whether the plan runs offload's streamer: some state on a tier, other than ZeRO-Offload's moments."""
-    return cfg.offload.enabled and not zero_offload(cfg)
+    return bool(cfg.offload_streams)
 
 
 def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
