@@ -16,6 +16,7 @@ from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
 from behemoth.offload.policy import steps_in_backward
+from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
@@ -33,6 +34,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
         out += offload_expert_problems(cfg, shape)
+    out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)
