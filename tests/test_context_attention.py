@@ -4,8 +4,6 @@ chunk layout) that the same comparison catches."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -30,7 +28,14 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
     return [y.detach(), q.grad, k.grad, v.grad]
 
 
-CASES = [("ring", 4, None), ("ring", 2, None), ("ulysses", 2, None), ("ulysses", 1, None), ("ring", 2, "no_causal_between_chunks"), ("ring", 2, "wrong_layout")]
+CASES = [
+    ("ring", 4, None),
+    ("ring", 2, None),
+    ("ulysses", 2, None),
+    ("ulysses", 1, None),
+    ("ring", 2, "no_causal_between_chunks"),
+    ("ring", 2, "wrong_layout"),
+]
 
 
 def _sharded(mode: str, kv_heads: int, bug: str | None = None) -> list[float]:

@@ -43,7 +43,14 @@ def _register() -> None:
 
 
 def _hf_attention(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, dropout: float = 0.0, scaling: float | None = None, **_: Any
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-implementation signature; its output is [B, T, H, d]."""
     return module.behemoth_attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None

@@ -18,7 +18,11 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
         return []
     out = _combination_problems(cfg, shape)
     if cfg.model.dropout:
-        out.append(Problem.of("parallel.cp", f"parallel.cp={cp} with model.dropout={cfg.model.dropout}: the sharded attention has no dropout", "set model.dropout=0"))
+        out.append(
+            Problem.of(
+                "parallel.cp", f"parallel.cp={cp} with model.dropout={cfg.model.dropout}: the sharded attention has no dropout", "set model.dropout=0"
+            )
+        )
     if shape is None:
         return out
     heads = shape.n_head // plan.tp
@@ -28,7 +32,8 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
         out.append(
             Problem.of(
                 "parallel.cp_mode",
-                f"parallel.cp_mode=ulysses splits heads over cp, but parallel.cp={cp} does not divide model.n_head={shape.n_head}{tp} = {heads} heads",
+                f"parallel.cp_mode=ulysses splits heads over cp, but parallel.cp={cp} does not divide "
+                f"model.n_head={shape.n_head}{tp} = {heads} heads",
                 "use parallel.cp_mode=ring (or auto) or a cp that divides the heads",
             )
         )
@@ -36,6 +41,16 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
     if cfg.seq_len % pieces:
         what = f"ring attention's 2 x parallel.cp={cp} = {pieces}" if mode == "ring" else f"parallel.cp={cp}"
         out.append(Problem.of("train.seq_len", f"train.seq_len={cfg.seq_len} does not cut into {what} equal chunks", f"use a multiple of {pieces}"))
+    local = cfg.seq_len // cp
+    if plan.sequence_parallel and plan.tp > 1 and not cfg.seq_len % pieces and local % plan.tp:
+        out.append(
+            Problem.of(
+                "train.seq_len",
+                f"parallel.sequence_parallel splits each cp rank's {local} tokens (train.seq_len={cfg.seq_len} / "
+                f"parallel.cp={cp}) over parallel.tp={plan.tp}",
+                f"use a seq_len that is a multiple of {cp * plan.tp * (2 if mode == 'ring' else 1)}",
+            )
+        )
     return out + _window_problems(cfg)
 
 
@@ -85,7 +100,8 @@ def _window_problems(cfg: Any) -> list[Problem]:
     return [
         Problem.of(
             "parallel.cp",
-            f"parallel.cp={cfg.parallel.cp} with a sliding attention window of {window} < train.seq_len={cfg.seq_len}: context-parallel attention is fully causal",
+            f"parallel.cp={cfg.parallel.cp} with a sliding attention window of {window} < train.seq_len={cfg.seq_len}: "
+            "context-parallel attention is fully causal",
             "use parallel.cp=1 for this model or a seq_len within its window",
         )
     ]

@@ -85,8 +85,8 @@ class RingAttention(torch.autograd.Function):
             elif kind == "early":
                 merge(out, lse, *block_forward(q, kk[:, :, :c], vv[:, :, :c], False, scale))
             else:
-                o, l = block_forward(q[:, :, c:].contiguous(), kk, vv, False, scale)
-                merge(out[:, :, c:], lse[:, :, c:], o, l)
+                late_out, late_lse = block_forward(q[:, :, c:].contiguous(), kk, vv, False, scale)
+                merge(out[:, :, c:], lse[:, :, c:], late_out, late_lse)
             kv = nxt.finish() if nxt is not None else kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
