@@ -131,9 +131,11 @@ def test_what_cp_cannot_run_is_refused_before_launch(options: list[str], world: 
 
 
 def test_a_sliding_window_model_is_refused(tmp_path) -> None:
-    from tests.test_hf_families import save_family
+    import transformers
 
-    save_family("mistral", tmp_path / "mistral")  # a window of 8 tokens
+    from tests.test_hf_families import SHAPE
+
+    transformers.AutoConfig.for_model("mistral", **SHAPE, sliding_window=8).save_pretrained(str(tmp_path / "mistral"))  # config.json only
     found = refusal("parallel.cp=2", f"hf.weights={tmp_path / 'mistral'}")
     assert any("sliding attention window of 8" in m for m in found), found
 
