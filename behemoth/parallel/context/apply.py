@@ -23,9 +23,8 @@ from behemoth.models.causal_lm import CausalLM, counted_targets
 from behemoth.parallel.context.layout import ContextLayout
 from behemoth.parallel.context.ring import RingComm, ring_attention
 from behemoth.parallel.context.ulysses import UlyssesComm, ulysses_attention
+from behemoth.parallel.executor import Autocast, Batch, LossFn
 from behemoth.parallel.sync import GradSync
-
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def resolve_mode(mode: str, heads: int, cp: int) -> str:
@@ -98,7 +97,7 @@ class ContextParallelLoop:
         x, t, positions = self.cp.shard(inputs.to(self.device), targets.to(self.device))
         return self.lm.logits(x, positions), t
 
-    def run(self, micro_batches: Batch, loss_fn, autocast) -> torch.Tensor:  # noqa: ANN001
+    def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             for sync in self.syncs:
@@ -110,7 +109,7 @@ class ContextParallelLoop:
             total += loss.detach()
         return total
 
-    def forward_only(self, batches: Batch, loss_sum, autocast) -> torch.Tensor:  # noqa: ANN001
+    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
             with autocast():
@@ -119,5 +118,5 @@ class ContextParallelLoop:
             stats[1] += counted_targets(t)
         return stats
 
-    def logits(self, inputs: list[torch.Tensor], autocast=contextlib.nullcontext) -> list[torch.Tensor]:  # noqa: ANN001
+    def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:
         raise BehemothError("a context-parallel model holds 1/cp of each sequence's logits", "generate with parallel.cp=1")

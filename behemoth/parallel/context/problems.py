@@ -51,7 +51,7 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
                 f"use a seq_len that is a multiple of {cp * plan.tp * (2 if mode == 'ring' else 1)}",
             )
         )
-    return out + _window_problems(cfg)
+    return out + _hf_problems(cfg)
 
 
 def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
@@ -84,20 +84,34 @@ def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
     return out
 
 
-def _window_problems(cfg: Any) -> list[Problem]:
-    """A transformers model whose layers use a sliding window: the ring and Ulysses attention are fully causal."""
+def _hf_problems(cfg: Any) -> list[Problem]:
+    """A transformers model whose config.json sets attention dropout, or whose layers use a sliding window shorter than
+    the sequence: the ring and Ulysses attention have no dropout and are fully causal."""
     if cfg.hf is None or cfg.hf.arch is None:
         return []
     from behemoth.models import hf as hf_models
     from behemoth.models.hf_families import attention_window
 
+    config = hf_models.transformers_config(cfg.model, cfg.hf)
+    dropout = [f"{key}={getattr(config, key)}" for key in ("attention_dropout", "attn_pdrop") if getattr(config, key, 0)]
+    out = (
+        [
+            Problem.of(
+                "parallel.cp",
+                f"parallel.cp={cfg.parallel.cp} with the model's {', '.join(dropout)}: the sharded attention has no dropout",
+                "set model.dropout=0",
+            )
+        ]
+        if dropout
+        else []
+    )
     try:
-        window = attention_window(hf_models.transformers_config(cfg.model, cfg.hf))
+        window = attention_window(config)
     except ValueError:
-        return []  # mixed layer kinds: the model's own problems say so
+        return out  # mixed layer kinds: the model's own problems say so
     if window is None or window >= cfg.seq_len:
-        return []
-    return [
+        return out
+    return out + [
         Problem.of(
             "parallel.cp",
             f"parallel.cp={cfg.parallel.cp} with a sliding attention window of {window} < train.seq_len={cfg.seq_len}: "
