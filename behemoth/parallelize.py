@@ -9,6 +9,8 @@ Each dimension is applied by its own `apply_<dim>(model, group, policy)`, in thi
    marked so that materialize draws the full (seed, name) tensor and keeps that part;
 3. expert parallelism, still on meta: each MoE layer keeps E / ep experts (under tp, a slice of each one's width) and
    gets a runner that moves its tokens over ep; after tp, because an expert's tp slice is cut from its ep part;
+   then context parallelism (cp > 1): ring or Ulysses attention through the model's attention hook, no parameter
+   changes (its ranks are summed with dp's: the syncs run over dp x cp);
 4. activation recomputation: wraps block forwards in place, names unchanged (under a pipeline, per rank);
 5. ZeRO-3's sharding, still on meta: every parameter cut to this rank's 1-D piece, so materialize draws only that;
 6. materialize: every kept parameter drawn from (seed, name), or loaded from the model's weights;
@@ -44,6 +46,8 @@ from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
+from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
+from behemoth.parallel.context.apply import ContextParallelLoop
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.executor import Executor, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
@@ -75,8 +79,11 @@ class ParallelModel:
     experts: ExpertParallel | None = None
     adapter: ExpertAdapter | None = None
     executor: Executor | None = None  # None: the plain micro-batch loop (or the pipeline's, under one)
+    context: ContextParallel | None = None  # cp > 1: each sequence's tokens split over the cp ranks
 
     def __post_init__(self) -> None:
+        if self.executor is None and self.context is not None:
+            self.executor = ContextParallelLoop(self.lm, self.syncs, self.rt.device, self.context)
         if self.executor is None:
             self.executor = (
                 PipelineSteps(self.pipeline, self.syncs) if self.pipeline is not None else MicroBatchLoop(self.lm, self.syncs, self.rt.device)
@@ -96,9 +103,11 @@ class ParallelModel:
 
     def reduce_over_batch(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank quantity of the batch (a loss, token counts) over the ranks that see different parts of it:
-        the pipeline (only last stages hold losses) and the data-parallel replicas. (Reporting, not model traffic: unmetered.)"""
+        the pipeline (only last stages hold losses), the data-parallel replicas and the context-parallel ranks (each holds
+        part of every sequence). (Reporting, not model traffic: unmetered.)"""
         all_reduce(t, self.rt.group("pp"))
         all_reduce(t, self.rt.group("dp"))
+        all_reduce(t, self.rt.group("cp"))
         all_reduce(t, self.rt.group("ep"))
         return t
 
@@ -223,7 +232,7 @@ def build_syncs(
     parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group);
     `optimizer_tier`: where ZeRO-1/2 keep their moments (host: ZeRO-Offload)."""
     split = experts is not None and rt.dims.ep > 1
-    kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.group("dp"), None)]
+    kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.data_group(), None)]
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
@@ -307,6 +316,7 @@ def parallelize(
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
         lm.after_tensor_parallel(rt.dims.tp)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
+    context = apply_context(lm, plan, rt, meter, timeout_s) if for_training else None  # inference: cp ranks are replicas
     optimizer_tier = "device"
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
         optimizer_tier, offload = offload.optimizer, None
@@ -337,4 +347,13 @@ def parallelize(
         if experts
         else None
     )
-    return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter)
+    return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter, context=context)
+
+
+def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:
+    """Context parallelism (cp > 1): the model's attention by ring or Ulysses over cp, its data cut to this rank's tokens.
+    No parameter changes, so it may come anywhere before the syncs; after tp, whose heads per rank Ulysses splits."""
+    if rt.dims.cp == 1:
+        return None
+    mode = resolve_mode(plan.cp_mode, lm.shape.n_head // rt.dims.tp, rt.dims.cp)
+    return apply_context_parallel(lm, rt.group("cp"), ContextPolicy(mode, timeout_s), meter)

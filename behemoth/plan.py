@@ -39,6 +39,10 @@ class ParallelPlan(BaseModel):
     prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")
     param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="ZeRO 1-3 compute params/grads; bf16 keeps fp32 master + Adam state")
     memory_gb: float | None = Field(None, gt=0, description="GiB per rank for model states; refuse a plan the estimate says won't fit")
+    cp: int = Field(1, ge=1, description="context-parallel degree: ranks that share one sequence, each holding 1/cp of its tokens")
+    cp_mode: Literal["ring", "ulysses", "auto"] = Field(
+        "auto", description="context-parallel attention: ring (K/V around the ranks), ulysses (all-to-all to heads), auto: ulysses when heads split"
+    )
     # mixture of experts (model.moe): experts over ep ranks, the batch over dp x ep
     ep: int = Field(1, ge=1, description="expert-parallel degree: each rank holds 1/ep of every MoE layer's experts")
     expert_layout: Literal["alltoall", "gather"] = Field("alltoall", description="tokens to the experts, or the experts to the tokens")
@@ -93,7 +97,7 @@ class ParallelPlan(BaseModel):
 
     def degrees(self) -> dict[str, int | None]:
         """The mesh degrees this plan sets, for init_runtime."""
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp}
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "tp": self.tp, "cp": self.cp}
 
     def dims(self, world_size: int) -> ParallelDims:
         """The mesh degrees this plan asks for on `world_size` processes (validated)."""

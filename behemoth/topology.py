@@ -19,26 +19,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from behemoth.comm import all_reduce
 from behemoth.errors import BehemothError
 
-MESH_DIMS = ("pp", "dp", "ep", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of pipeline, data, expert and tensor parallelism; their product is the world size."""
+    """Degrees of pipeline, data, expert, tensor and context parallelism; their product is the world size.
+    Context-parallel ranks (cp) hold one sequence between them: the same parameters and the same sequences as each
+    other, different tokens of them."""
 
     world_size: int
     pp: int = 1
     dp: int = 1
     ep: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         bad = [f"{n}={getattr(self, n)}" for n in MESH_DIMS if getattr(self, n) < 1]
         if bad:
             raise BehemothError(f"parallel degrees must be >= 1, got {', '.join(bad)}", "set each degree to a positive integer")
-        product = self.pp * self.dp * self.ep * self.tp
+        product = self.pp * self.dp * self.cp * self.ep * self.tp
         if product != self.world_size:
-            factors = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+            factors = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS if n != "cp" or self.cp != 1)
             raise BehemothError(
                 f"{factors} = {product}, but the world size is {self.world_size}",
                 f"choose degrees whose product is {self.world_size} or launch {product} processes",
@@ -54,7 +57,7 @@ class ParallelDims:
         return self.dp * self.ep
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A 4-D DeviceMesh (pp, dp, ep, tp), tensor parallel innermost so its ranks are neighbours."""
+        """A 5-D DeviceMesh (pp, dp, cp, ep, tp), tensor parallel innermost so its ranks are neighbours."""
         return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
 
 
@@ -85,13 +88,16 @@ class Runtime:
         return self.mesh.get_local_rank(dim)
 
     def data_group(self) -> dist.ProcessGroup:
-        """The ranks of dp x ep (this rank's pp and tp fixed): they hold the same dense parameters and different data.
-        The dp group itself when ep is 1; otherwise created on first use, which every rank of the job must reach."""
-        if self.dims.ep == 1:
+        """The ranks of dp x cp x ep (this rank's pp and tp fixed): they hold the same dense parameters and different
+        tokens (cp ranks: different parts of the same sequences). The dp group itself when cp and ep are 1; otherwise
+        created on first use, which every rank of the job must reach."""
+        dims = tuple(d for d in ("dp", "cp", "ep") if d == "dp" or getattr(self.dims, d) > 1)
+        if len(dims) == 1:
             return self.group("dp")
-        if "dp_ep" not in self.flattened:
-            self.flattened["dp_ep"] = self.mesh["dp", "ep"]._flatten("dp_ep").get_group()
-        return self.flattened["dp_ep"]
+        name = "_".join(dims)
+        if name not in self.flattened:
+            self.flattened[name] = self.mesh[dims]._flatten(name).get_group()
+        return self.flattened[name]
 
     def data_rank(self) -> int:
         """This rank's index among the dp x ep ranks: which share of the batch it reads."""
@@ -172,14 +178,12 @@ def warm_up_groups(mesh: DeviceMesh, device: torch.device) -> None:
             all_reduce(torch.zeros(1, device=device), mesh.get_group(dim))
 
 
-def resolve_dims(world_size: int, *, pp: int = 1, ep: int = 1, tp: int = 1, dp: int | None = None) -> ParallelDims:
+def resolve_dims(world_size: int, *, pp: int = 1, ep: int = 1, tp: int = 1, cp: int = 1, dp: int | None = None) -> ParallelDims:
     """Fill in the data-parallel degree from the world size when it is not given."""
     if dp is None:
-        rest = pp * ep * tp
+        rest = pp * cp * ep * tp
         if rest < 1 or world_size % rest:
-            raise BehemothError(
-                f"pp={pp} x ep={ep} x tp={tp} = {rest} does not divide the world size {world_size}",
-                f"choose degrees whose product divides {world_size}",
-            )
+            named = f"pp={pp} x ep={ep} x tp={tp}" + (f" x cp={cp}" if cp != 1 else "")
+            raise BehemothError(f"{named} = {rest} does not divide the world size {world_size}", f"choose degrees whose product divides {world_size}")
         dp = world_size // rest
-    return ParallelDims(world_size=world_size, pp=pp, dp=dp, ep=ep, tp=tp)
+    return ParallelDims(world_size=world_size, pp=pp, dp=dp, ep=ep, tp=tp, cp=cp)

@@ -1,11 +1,12 @@
 """Every pair of parallel settings either trains the single-process curve or is refused before launch, with the reason.
 
 The settings are data parallelism, ZeRO 1, 2 and 3, tensor + sequence parallelism, a pipeline under each of its
-schedules, expert parallelism, and offload of the model states to host memory or to disk; each at degree 2. `PAIRS`
-states every pair's expected outcome: "trains" (3 steps, float32: every loss within 1e-5 and every final weight within
-1e-4 of the single-process run of the same model), or refused by `behemoth.planner.feasibility.problems` in one line
-that names both settings and says why (the words listed). Alternatives of one option (ZeRO stages, schedules) are not
-pairs. The README's composition table is generated from `PAIRS`:
+schedules, expert parallelism, context parallelism (ring), and offload of the model states to host memory or to disk;
+each at degree 2. `PAIRS` states every pair's expected outcome: "trains" (3 steps, float32: every loss within 1e-5 and
+every final weight within 1e-4 of the single-process run of the same model), or refused by
+`behemoth.planner.feasibility.problems` in one line that names both settings and says why (the words listed).
+Alternatives of one option (ZeRO stages, schedules) are not pairs. The README's composition table is generated from
+`PAIRS`:
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m tests.test_composition --table    # print it
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m tests.test_composition --write    # rewrite README.md's copy
@@ -61,6 +62,7 @@ def _settings() -> dict[str, Setting]:
             "schedule",
         )
     out["ep"] = Setting("ep", (*MOE, "parallel.ep=2"), 2, ("parallel.ep", "MoE", "experts"))
+    out["cp"] = Setting("cp ring", ("parallel.cp=2", "parallel.cp_mode=ring"), 2, ("parallel.cp",))
     out["host"] = Setting("offload host", ("offload.params=host", "offload.optimizer=host"), 1, ("offload",))
     out["disk"] = Setting("offload disk", ("offload.params=disk", "offload.optimizer=disk"), 1, ("offload",))
     return out
@@ -76,6 +78,9 @@ OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
 OFFLOAD_EXPERTS = ("expert units are not streamed",)
+CP_PIPELINE = ("pipeline stages do not pass context-parallel shards",)
+CP_EXPERTS = ("expert routing over a sharded sequence",)
+CP_OFFLOAD = ("cp ranks are not streamed",)
 
 # Every pair and its expected outcome: TRAINS, or the reason it is refused. Making a pair compose changes its entry.
 PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
@@ -141,6 +146,15 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("ep", "host", OFFLOAD_EXPERTS),
     ("ep", "disk", OFFLOAD_EXPERTS),
     ("host", "disk", TRAINS),  # parameters and gradients in host memory, Adam moments on disk
+    ("dp", "cp", TRAINS),
+    ("zero1", "cp", TRAINS),
+    ("zero2", "cp", TRAINS),
+    ("zero3", "cp", TRAINS),
+    ("tp+sp", "cp", TRAINS),
+    *[(f"pp-{name}", "cp", CP_PIPELINE) for name in SCHEDULES],
+    ("ep", "cp", CP_EXPERTS),
+    ("cp", "host", CP_OFFLOAD),
+    ("cp", "disk", CP_OFFLOAD),
 ]
 
 

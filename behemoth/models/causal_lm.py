@@ -76,8 +76,11 @@ class CausalLM:
         """Keys and values one rank caches per layer: [2, batch, kv_heads / tp, seq_len, head_dim]."""
         return (2, batch, self.shape.kv_heads // tp, seq_len, self.shape.head_dim)
 
-    def logits(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
+    def logits(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of token ids [B, T]; `positions` [B, T]: where the tokens stand in their sequence (default 0 .. T-1)."""
+        if positions is None:
+            return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
+        return self.module(idx, positions) if self.logits_fn is None else self.logits_fn(self.module, idx, positions)
 
     def after_tensor_parallel(self, tp: int) -> None:
         """Per-instance widths a model reads in forward (GPT-2's split_size) follow the tp split."""

@@ -130,7 +130,10 @@ class GPTConfig(BaseModel):
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal multi-head attention over the sequence, or over a KV cache's keys and values of earlier tokens too."""
+    """Causal multi-head attention over the sequence, or over a KV cache's keys and values of earlier tokens too.
+    `attend` (models/attention.py) replaces the whole-sequence SDPA (context parallelism's ring or Ulysses)."""
+
+    attend = None
 
     def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -143,7 +146,9 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # B, H, T, hd
         dropout = self.dropout if self.training else 0.0
-        if cache is None:
+        if cache is None and self.attend is not None:
+            y = self.attend(q, k, v, scale=None, dropout=dropout)
+        elif cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
             k, v = cache.update(k, v, self.layer_idx)
@@ -219,8 +224,9 @@ class GPT(nn.Module):
         h = self.ln_f(h)
         return F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.embed(idx)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; `positions` [B, T]: the tokens' positions in their sequence (a context-parallel shard's), default 0 .. T-1."""
+        h = self.embed(idx, positions)
         for block in self.blocks:
             h = block(h)
         return self.head(h)

@@ -435,11 +435,13 @@ def tensor_parallel_hook(arch: str) -> Any:
     return None
 
 
-def hf_logits(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """The model's logits; an MoE family's auxiliary loss is behemoth's (models/moe.py), not computed again here."""
+def hf_logits(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits (`positions`: the tokens' position ids); an MoE family's auxiliary loss is behemoth's
+    (models/moe.py), not computed again here."""
+    extra = {} if positions is None else {"position_ids": positions}
     if getattr(model.config, "output_router_logits", None) is not None:
-        return model(input_ids=idx, use_cache=False, output_router_logits=False).logits
-    return model(input_ids=idx, use_cache=False).logits
+        return model(input_ids=idx, use_cache=False, output_router_logits=False, **extra).logits
+    return model(input_ids=idx, use_cache=False, **extra).logits
 
 
 @torch.no_grad()

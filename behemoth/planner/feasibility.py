@@ -16,6 +16,8 @@ from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
 from behemoth.offload.policy import steps_in_backward
+from behemoth.parallel.context.apply import resolve_mode as context_mode
+from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
@@ -33,6 +35,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
         out += offload_expert_problems(cfg, shape)
+    out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)
@@ -228,6 +231,7 @@ def describe_plan(cfg: Config, world: int) -> str:
 
     plan, dims = cfg.parallel, cfg.parallel.dims(world)
     degrees = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "") + (f" x tp={dims.tp}" if dims.tp > 1 else "")
+    degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp)})" if dims.cp > 1 else ""
     if plan.pp == 1:
         return degrees
     if plan.stage_boundaries is not None:

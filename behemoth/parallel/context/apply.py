@@ -1,0 +1,122 @@
+"""apply_context_parallel(lm, group, policy): one sequence over the cp ranks.
+
+Every rank of the cp group holds the same parameters (their gradients are summed with the data-parallel ones: the
+sync runs over dp x cp, `Runtime.data_group`) and the same sequences; it keeps 1/cp of each sequence's tokens
+(`ContextLayout`), embeds them at their global positions (GPT's position table, a transformers model's position ids
+and so its rotary embedding), and attends over the whole sequence by ring or Ulysses attention through the model's
+attention hook (models/attention.py). Its loss is the summed loss of its tokens over the global batch's count, so the
+sum over cp and dp ranks is the single-process loss, and so are the gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from behemoth.comm import CommMeter
+from behemoth.errors import BehemothError
+from behemoth.models.attention import use_attention
+from behemoth.models.causal_lm import CausalLM, counted_targets
+from behemoth.parallel.context.layout import ContextLayout
+from behemoth.parallel.context.ring import RingComm, ring_attention
+from behemoth.parallel.context.ulysses import UlyssesComm, ulysses_attention
+from behemoth.parallel.executor import Autocast, Batch, LossFn
+from behemoth.parallel.sync import GradSync
+
+
+def resolve_mode(mode: str, heads: int, cp: int) -> str:
+    """`auto`: Ulysses when cp divides the heads (two all-to-alls per attention), else the ring."""
+    return mode if mode != "auto" else ("ulysses" if heads % cp == 0 else "ring")
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    mode: str  # ring | ulysses (resolved)
+    timeout_s: float | None = None
+
+
+@dataclass
+class ContextAttention:
+    """The attention a model's hook calls on this rank's shard: ring or Ulysses over the cp group."""
+
+    mode: str
+    ring: RingComm | None = None
+    ulysses: UlyssesComm | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+        if dropout:
+            raise BehemothError(f"attention dropout {dropout} under parallel.cp: the sharded attention has no dropout", "set model.dropout=0")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if self.ring is not None:
+            return ring_attention(q, k, v, self.ring, scale)
+        return ulysses_attention(q, k, v, self.ulysses, scale)
+
+
+def context_attention(mode: str, group: dist.ProcessGroup, meter: CommMeter | None = None, timeout_s: float | None = None) -> ContextAttention:
+    """Ring or Ulysses attention over `group`."""
+    meter = meter if meter is not None else CommMeter()
+    if mode == "ring":
+        return ContextAttention(mode, ring=RingComm(group, meter, timeout_s))
+    if mode == "ulysses":
+        return ContextAttention(mode, ulysses=UlyssesComm(group, meter))
+    raise BehemothError(f"parallel.cp_mode={mode} is not a context-parallel attention", "use ring, ulysses or auto")
+
+
+@dataclass
+class ContextParallel:
+    """This rank's place in its cp group: the token layout and the attention the model now uses."""
+
+    layout: ContextLayout
+    attention: ContextAttention
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's tokens of a micro-batch, their targets and global positions [B, T/cp]."""
+        positions = self.layout.positions(inputs.shape[1], inputs.device).expand(inputs.shape[0], -1)
+        return self.layout.shard(inputs), self.layout.shard(targets), positions
+
+
+def apply_context_parallel(lm: CausalLM, group: dist.ProcessGroup, policy: ContextPolicy, meter: CommMeter | None = None) -> ContextParallel:
+    """Route `lm`'s attention through ring or Ulysses attention over `group`; the layout its data is sharded by."""
+    attention = context_attention(policy.mode, group, meter, policy.timeout_s)
+    use_attention(lm.module, attention)
+    layout = ContextLayout(dist.get_world_size(group), dist.get_rank(group), balanced=policy.mode == "ring")
+    return ContextParallel(layout, attention)
+
+
+class ContextParallelLoop:
+    """The micro-batch loop of a context-parallel model: each micro-batch's sequences cut to this rank's tokens, run at
+    their global positions; the syncs reduce (over dp x cp) during the last one's backward."""
+
+    def __init__(self, lm: CausalLM, syncs: list[GradSync], device: torch.device, cp: ContextParallel) -> None:
+        self.lm, self.syncs, self.device, self.cp = lm, syncs, device, cp
+
+    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, t, positions = self.cp.shard(inputs.to(self.device), targets.to(self.device))
+        return self.lm.logits(x, positions), t
+
+    def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            for sync in self.syncs:
+                sync.begin_micro_batch(last=i == len(micro_batches) - 1)
+            with autocast():
+                logits, t = self._forward(inputs, targets)
+            loss = loss_fn(logits, t)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, targets in batches:
+            with autocast():
+                logits, t = self._forward(inputs, targets)
+            stats[0] += loss_sum(logits, t).double()
+            stats[1] += counted_targets(t)
+        return stats
+
+    def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:
+        raise BehemothError("a context-parallel model holds 1/cp of each sequence's logits", "generate with parallel.cp=1")

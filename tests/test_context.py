@@ -1,0 +1,185 @@
+"""Context parallelism (parallel.cp=2) trains the single-process curve: losses, gradient norms and final weights of
+behemoth's GPT and a Hugging Face Llama (grouped-query attention) under ring and Ulysses attention, and with ZeRO-3 over
+the cp ranks; a wrong RoPE offset (each shard's local positions instead of its global ones) is caught by the same
+comparison; what cp does not compose with is refused before launch. The attention functions themselves are tested
+against SDPA in tests/test_context_attention.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from behemoth.errors import BehemothError
+from tests.common import assert_close_runs, tiny_config
+from tests.dist import run_ranks
+
+BASE = ["train.steps=3", "train.eval_every=0", "train.log_every=3", "checkpoint.async_save=false"]
+LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]
+MODELS = {"gpt": [], "llama": LLAMA}
+RUNS = {  # name: (model, cp options)
+    "gpt-ring": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "gpt-ulysses": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
+    "llama-ring": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "llama-ulysses": ("llama", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
+    "gpt-ring-zero3": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.zero_stage=3"]),
+    "llama-ring-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),  # the deliberate bug
+}
+
+
+def config(model: str, run_dir: Path, *options: str) -> dict[str, Any]:
+    return tiny_config(run_dir, *BASE, *MODELS[model], *options)
+
+
+def train_runs(cfgs: list[tuple[dict[str, Any], bool]]) -> list[dict[str, Any]]:
+    """Train each config in this set of processes: per step the loss and gradient norm; rank 0 the exported weights.
+    `local_positions`: the deliberate bug, every shard embedded at positions 0 .. T/cp - 1."""
+    from behemoth.parallel.context.layout import ContextLayout
+
+    out, positions = [], ContextLayout.positions
+    for cfg_dict, local_positions in cfgs:
+        if local_positions:
+            ContextLayout.positions = lambda self, seq_len, device=None: positions(ContextLayout(1, 0, False), seq_len // self.cp, device)
+        try:
+            out.append(train_one_config(cfg_dict))
+        finally:
+            ContextLayout.positions = positions
+    return out
+
+
+def train_one_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from behemoth.config import Config
+    from behemoth.faults import checkpoint as ckpt_io
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.topology import init_runtime
+    from behemoth.train import Trainer
+    from tests.common import full_weights
+
+    cfg = Config.model_validate(cfg_dict)
+    trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
+    try:
+        records = [trainer.train_one(step, 1.0) for step in range(cfg.train.steps)]
+        trainer.save(cfg.train.steps)
+        trainer.saver.wait()
+        weights = None
+        if dist.get_rank() == 0:
+            module = build_causal_lm(cfg.model, cfg.hf).module
+            ckpt_io.export_safetensors(ckpt_io.resolve_checkpoint(trainer.run_dir), trainer.run_dir / "model.safetensors", module)
+            weights = full_weights(trainer)
+        dist.barrier()
+    finally:
+        trainer.engine.close()
+    return {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records], "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """The single-process run of each model, and every cp=2 run on one pair of processes."""
+    tmp = tmp_path_factory.mktemp("context")
+    refs = run_ranks(1, train_runs, [(config(m, tmp / f"ref-{m}"), False) for m in MODELS], timeout=240)[0]
+    cfgs = [(config(model, tmp / name, *options), name.endswith("local-positions")) for name, (model, options) in RUNS.items()]
+    ranks = run_ranks(2, train_runs, cfgs, timeout=60 + 40 * len(cfgs))
+    for i, name in enumerate(RUNS):
+        assert ranks[0][i]["losses"] == ranks[1][i]["losses"], f"{name}: the cp ranks disagree on the loss"
+    return {**{f"ref-{m}": r for m, r in zip(MODELS, refs)}, **dict(zip(RUNS, ranks[0]))}
+
+
+def assert_same_run(ref: dict[str, Any], got: dict[str, Any]) -> None:
+    """Losses within 1e-5, weights within 1e-4 (tests/common.py), and each step's global gradient norm within 1e-4."""
+    assert_close_runs(ref, got)
+    for step, (a, b) in enumerate(zip(ref["grad_norms"], got["grad_norms"]), 1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: gradient norm {b!r} vs reference {a!r}"
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("local-positions")])
+def test_context_parallel_trains_the_single_process_curve(runs, name: str) -> None:
+    assert_same_run(runs[f"ref-{RUNS[name][0]}"], runs[name])
+
+
+def test_a_wrong_rope_offset_is_caught(runs) -> None:
+    """Each shard rotated as if it began the sequence: the comparison that passes above fails."""
+    with pytest.raises(AssertionError):
+        assert_same_run(runs["ref-llama"], runs["llama-ring-local-positions"])
+
+
+def refusal(*options: str, world: int = 2) -> list[str]:
+    from behemoth.config import load_config
+    from behemoth.planner.feasibility import problems
+
+    cfg = load_config(None, ["model=gpt-tiny", "train.seq_len=32", "train.global_batch=8", "run.dir=/tmp/behemoth-never-written", *options])
+    return [p.message for p in problems(cfg, world)]
+
+
+@pytest.mark.parametrize(
+    "options,world,words",
+    [
+        (["parallel.cp=2", "parallel.pp=2"], 4, "pipeline stages do not pass context-parallel shards"),
+        (["parallel.cp=2", "model=gpt-moe-tiny"], 2, "expert routing over a sharded sequence"),
+        (["parallel.cp=2", "offload.params=host"], 2, "cp ranks are not streamed"),
+        (["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, "does not divide model.n_head=2"),
+        (["parallel.cp=2", "parallel.cp_mode=ring", "train.seq_len=30"], 2, "does not cut into ring attention's 2 x parallel.cp=2 = 4"),
+        (["parallel.cp=2", "model.dropout=0.1"], 2, "the sharded attention has no dropout"),
+        (["parallel.cp=3"], 2, "cp=3"),
+    ],
+)
+def test_what_cp_cannot_run_is_refused_before_launch(options: list[str], world: int, words: str) -> None:
+    found = refusal(*options, world=world)
+    assert any(words in m and "\n" not in m for m in found), found
+
+
+def test_a_sliding_window_model_is_refused(tmp_path) -> None:
+    import transformers
+
+    from tests.test_hf_families import SHAPE
+
+    transformers.AutoConfig.for_model("mistral", **SHAPE, sliding_window=8).save_pretrained(str(tmp_path / "mistral"))  # config.json only
+    found = refusal("parallel.cp=2", f"hf.weights={tmp_path / 'mistral'}")
+    assert any("sliding attention window of 8" in m for m in found), found
+
+
+def test_plain_layouts_pass() -> None:
+    assert refusal("parallel.cp=2") == [] and refusal("parallel.cp=2", "parallel.zero_stage=3") == []
+    with pytest.raises(BehemothError, match="cp=2"):
+        from behemoth.topology import resolve_dims
+
+        resolve_dims(3, cp=2)
+
+
+CLI = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval_every=3", "train.eval_batches=1", "train.peak_tflops=1"]
+
+
+@pytest.mark.slow
+def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path) -> None:
+    """`behemoth train --nproc 2 parallel.cp=2`: 6 steps, checkpoints every 3; a copy resumed from step 3 continues the
+    same curve (losses within 1e-5), and the run exports."""
+    import shutil
+
+    from behemoth.metrics import read_metrics
+    from tests.test_cli import behemoth
+
+    run = tmp_path / "run"
+    proc = behemoth("train", "--nproc", "2", "parallel.cp=2", "train.steps=6", "checkpoint.every=3", f"run.dir={run}", *CLI)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x cp=2 (ulysses)" in proc.stdout and (run / "model.safetensors").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_0000006")
+    (copy / "checkpoints" / "latest").write_text("step_0000003\n")
+    proc = behemoth("train", "--nproc", "2", "--resume", str(copy))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, resumed = ({r["step"]: r["loss"] for r in read_metrics(d / "metrics.jsonl") if "loss" in r} for d in (run, copy))
+    assert sorted(resumed) == list(range(1, 7))
+    for step in (4, 5, 6):
+        assert abs(full[step] - resumed[step]) <= 1e-5 * full[step], (step, full[step], resumed[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,mode", [("gpt", "ring"), ("llama", "ulysses")])
+def test_cp4_trains_the_single_process_curve(tmp_path, model: str, mode: str) -> None:
+    """cp=4 on 4 processes (4 K/V blocks around the ring; Ulysses with 4 heads, 2 K/V heads repeated)."""
+    ref = run_ranks(1, train_runs, [(config(model, tmp_path / "ref"), False)], timeout=240)[0][0]
+    got = run_ranks(4, train_runs, [(config(model, tmp_path / "cp4", "parallel.cp=4", f"parallel.cp_mode={mode}"), False)], timeout=600)[0][0]
+    assert_same_run(ref, got)
