@@ -27,7 +27,7 @@ import torch
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
 from behemoth.inference.runner import Runner
-from behemoth.inference.sampling import SamplingParams, choose_tokens, request_generator
+from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
 from behemoth.inference.text import TextTracker, Tokenizer
 
 
@@ -43,6 +43,7 @@ class Event:
     token: int | None
     text: str
     finish_reason: str | None = None  # "stop", "length", "abort"
+    choice: TokenChoice | None = None  # the token's log-probability and the most likely alternatives
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Request:
     tracker: TextTracker
     sink: Callable[[Event], None] | None = None
     output: list[int] = field(default_factory=list)
+    choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
@@ -202,22 +204,24 @@ class Scheduler:
         for r, (_, new, _) in zip(group, rows):
             r.cached += len(new)
         self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
-        tokens = choose_tokens(logits, [r.params for r in group], [r.tokens for r in group], [r.generator for r in group])
+        params, generators = [r.params for r in group], [r.generator for r in group]
+        choices = choose_tokens(logits, params, [r.tokens for r in group], generators, [r.output for r in group])
         finished = []
-        for r, token in zip(group, tokens):
-            if self._append(r, token):
+        for r, choice in zip(group, choices):
+            if self._append(r, choice):
                 finished.append(r)
         return finished
 
-    def _append(self, req: Request, token: int) -> bool:
+    def _append(self, req: Request, choice: TokenChoice) -> bool:
         """Add one token to a request and tell its sink; True if it finished."""
         req.first_token_at = req.first_token_at or time.perf_counter()
-        if token in req.params.stop_token_ids:
+        if choice.token in req.params.stop_token_ids:
             return self._finish(req, "stop")
-        req.output.append(token)
+        req.output.append(choice.token)
+        req.choices.append(choice)
         delta, stopped = req.tracker.update(req.output)
         if req.sink is not None:
-            req.sink(Event(req.id, token, delta))
+            req.sink(Event(req.id, choice.token, delta, choice=choice))
         if stopped:
             return self._finish(req, "stop")
         if len(req.output) >= req.params.max_tokens or len(req.tokens) >= self.policy.context:

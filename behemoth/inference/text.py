@@ -36,6 +36,14 @@ class HFTokenizer:
     def decode(self, tokens: list[int]) -> str:
         return self.inner.decode(tokens, skip_special_tokens=False)
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.inner, "chat_template", None)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of a conversation rendered by the tokenizer's chat template, with the assistant's turn opened."""
+        return list(self.inner.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
 
 def tokenizer_for(vocab_size: int, folder: str | None = None) -> Tokenizer | None:
     """The folder's tokenizer if it has one; bytes for a vocabulary that holds them; otherwise None (token ids only)."""
