@@ -58,7 +58,7 @@ def generator():
         dist.destroy_process_group()
 
 
-def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 256, policy: str = "continuous"):
+def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 256, policy: str = "continuous", **limits):
     from behemoth.inference.app import ServerThread
     from behemoth.inference.serving import EngineLoop
 
@@ -66,7 +66,8 @@ def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 25
     if slow:
         engine = EngineLoop(engine.scheduler, SlowRunner(gen.runner, slow))
         engine.scheduler.runner = engine.runner
-    return ServerThread(engine, gen.limits("tiny", 64), gen.tokenizer)
+    base = gen.limits("tiny", 64)
+    return ServerThread(engine, type(base)(**{**base.__dict__, **limits}), gen.tokenizer)
 
 
 def complete(client, **body) -> dict:
@@ -210,6 +211,30 @@ def test_wrong_routes_and_methods_get_json_errors(shared_server):
 def shared_server(generator):
     with server(generator) as url:
         yield url
+
+
+def test_chat_without_a_template_is_refused_by_name(shared_server):
+    r = httpx.post(f"{shared_server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"], r.text
+
+
+def test_stream_and_prompt_limits_answer_4xx_and_a_disconnect_frees_its_stream(generator):
+    with server(generator, slow=0.02, max_streams=1, max_prompt_tokens=8) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/completions", json={"prompt": "123456789", "max_tokens": 2})
+        assert r.status_code == 400 and "over this server's limit of 8" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 60, "stream": True}) as first:
+            lines = first.iter_lines()  # held: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")
+            second = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True})
+            assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_streams", second.text
+            assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200  # not a stream
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["streams_open"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert wait_for_idle(client)["streams_open"] == 0  # the client that left gave its stream back
+        again = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True})
+        assert again.status_code == 200 and again.text.endswith("data: [DONE]\n\n")
+        assert scheduler_counter(client, "aborted") == 1
 
 
 def test_a_full_queue_answers_429(generator):
