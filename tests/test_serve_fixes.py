@@ -66,3 +66,23 @@ def test_int8_under_tensor_parallelism_keeps_gpt2s_tied_head_in_float(tmp_path):
     sharded = run_ranks(2, _quantized_tokens, str(tmp_path), 2, prompt)[0]
     assert sharded[0] == names and len(names) == 2 * 4  # attention in/out and the MLP's two layers of each block; no head
     assert sum(a == b for a, b in zip(sharded[1], single)) == len(single) == 200
+
+
+def test_mixtral_greedy_equals_transformers_generate(tmp_path):
+    """The MoE family generates with cached decoding: its greedy tokens are transformers' own."""
+    import torch.distributed as dist
+    import transformers
+
+    from behemoth.inference import CachePolicy, SamplingParams, load
+    from tests.test_generate_offload import save_mixtral
+
+    save_mixtral(str(tmp_path))
+    prompts = [[3, 9, 27, 81, 5], [100, 2]]
+    hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    expected = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, len(p) :].tolist() for p in prompts]
+    try:
+        got = [c.tokens for c in load(str(tmp_path), cache=CachePolicy(block_size=4, memory_mb=2)).generate(prompts, SamplingParams(max_tokens=12), ignore_eos=True)]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert got == expected
