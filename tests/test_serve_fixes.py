@@ -81,7 +81,12 @@ def test_mixtral_greedy_equals_transformers_generate(tmp_path):
     hf = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
     expected = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12)[0, len(p) :].tolist() for p in prompts]
     try:
-        got = [c.tokens for c in load(str(tmp_path), cache=CachePolicy(block_size=4, memory_mb=2)).generate(prompts, SamplingParams(max_tokens=12), ignore_eos=True)]
+        got = [
+            c.tokens
+            for c in load(str(tmp_path), cache=CachePolicy(block_size=4, memory_mb=2)).generate(
+                prompts, SamplingParams(max_tokens=12), ignore_eos=True
+            )
+        ]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

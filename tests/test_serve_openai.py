@@ -196,7 +196,9 @@ def test_completion_fields_at_their_defaults_and_in_use(client, hf):
     assert [c.text for c in empty.choices] == ["x = ", "y"] and empty.usage.completion_tokens == 0
     many = client.completions.create(model="tiny-llama", prompt=["x = ", "def f("], max_tokens=4, temperature=0, n=2)
     lone = client.completions.create(model="tiny-llama", prompt="def f(", max_tokens=4, temperature=0).choices[0].text
-    assert [c.text for c in many.choices] == [text, text, lone, lone] and many.usage.prompt_tokens == sum(len(tok.encode(p, add_special_tokens=False)) for p in ("x = ", "def f("))
+    assert [c.text for c in many.choices] == [text, text, lone, lone] and many.usage.prompt_tokens == sum(
+        len(tok.encode(p, add_special_tokens=False)) for p in ("x = ", "def f(")
+    )
     cut = client.completions.create(model="tiny-llama", prompt="x = ", max_tokens=4, temperature=0, stop=[text[2:4]])
     assert cut.choices[0].text == text[: text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
     pieces = list(

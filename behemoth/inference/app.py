@@ -2,7 +2,8 @@
 
 The routes are thin: `completions.py` and `chat.py` check their endpoint's fields and turn engine events
 into OpenAI's objects, `server.py` holds what they share (limits, errors, requests in flight, stream
-slots); `serving.py` runs the engine. With an API key, every /v1/ route needs it (401 otherwise). `ServerThread` runs the whole server inside another program
+slots); `serving.py` runs the engine. With an API key, every /v1/ route needs it (401 otherwise).
+`ServerThread` runs the whole server inside another program
 (the tests, the serving benchmark) on a free port.
 """
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from behemoth.inference.server import ApiError, InFlight, ServeLimits, check_choices, check_max_tokens, check_prompt_fits, logprob_entries, sse, usage
 from behemoth.inference.completions import SamplingFields
+from behemoth.inference.server import ApiError, InFlight, ServeLimits, check_choices, check_max_tokens, check_prompt_fits, logprob_entries, sse, usage
 from behemoth.inference.text import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -127,10 +127,18 @@ def chat_logprobs(choices: list[Any], tokenizer: Tokenizer | None) -> dict[str, 
 def chat_object(name: str, model: str, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
     import time
 
-    return {"id": name, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": int(time.time()), "model": model, "choices": choices}
+    return {
+        "id": name,
+        "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
 
 
-def chat_response(req: ChatRequest, ids: list[int], flight: InFlight, results: list[tuple[str, str]], tokenizer: Tokenizer | None, model: str) -> dict:
+def chat_response(
+    req: ChatRequest, ids: list[int], flight: InFlight, results: list[tuple[str, str]], tokenizer: Tokenizer | None, model: str
+) -> dict:
     choices = []
     for i, ((text, reason), r) in enumerate(zip(results, flight.requests)):
         logprobs = chat_logprobs(r.choices, tokenizer) if req.logprobs else None

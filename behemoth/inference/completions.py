@@ -16,17 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from behemoth.errors import BehemothError
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request
-from behemoth.inference.server import (
-    ApiError,
-    InFlight,
-    ServeLimits,
-    check_choices,
-    check_max_tokens,
-    check_prompt_fits,
-    logprob_entries,
-    sse,
-    usage,
-)
+from behemoth.inference.server import ApiError, InFlight, ServeLimits, check_choices, check_max_tokens, check_prompt_fits, logprob_entries, sse, usage
 from behemoth.inference.text import Tokenizer, encode_prompt
 
 

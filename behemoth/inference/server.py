@@ -85,9 +85,7 @@ def parse_body(raw: bytes, limits: ServeLimits, schema: type[BaseModel]) -> Any:
         raise ApiError(400, f"{param}: {message}" if param else message, param=param, code=first["type"]) from None
     model = getattr(req, "model", None)
     if model is not None and model not in limits.model_names:
-        raise ApiError(
-            404, f"model {model!r} is not served here; this server serves {limits.model_name!r}", param="model", code="model_not_found"
-        )
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}", param="model", code="model_not_found")
     return req
 
 
