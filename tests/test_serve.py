@@ -322,3 +322,37 @@ def test_tensor_parallel_server_answers_as_one_process(tmp_path):
     sharded = run_ranks(2, _serve_and_ask, str(tmp_path), 2, bodies)
     assert sharded[0] == single and sharded[1] is None
     assert [len(text) for text, _ in single] == [b["max_tokens"] for b in bodies]
+
+
+def test_prefix_caching_prefills_a_shared_system_prompt_once(generator):
+    from behemoth.inference.prefix_cache import PrefixCachingAllocator
+    from behemoth.inference.sampling import SamplingParams
+    from behemoth.inference.scheduler import Scheduler
+
+    system = list(range(40, 75))  # 35 tokens: 4 full blocks of 8, then 3 in the fifth
+    prompts = [system + [i, i + 1, i + 2] for i in (1, 50, 100, 150)]
+    params = SamplingParams(max_tokens=6)
+
+    def run(sched: Scheduler, waves: list[list[list[int]]]) -> tuple[list[list[int]], dict]:
+        out = []
+        for wave in waves:
+            requests = [sched.submit(p, params) for p in wave]
+            sched.run_until_done()
+            out += [r.output for r in requests]
+        return out, sched.stats
+
+    policy = SchedulerPolicy(max_batch=8, context=generator.context)
+    plain, plain_stats = run(generator.scheduler(policy), [prompts[:1], prompts[1:]])
+    cached, stats = run(generator.scheduler(SchedulerPolicy(**{**policy.__dict__, "prefix_caching": True})), [prompts[:1], prompts[1:]])
+    assert cached == plain and plain_stats["prefill_tokens"] == 4 * 38
+    assert stats["prefill_tokens"] == 38 + 3 * (38 - 32) and stats["prefix_hit_tokens"] == 3 * 32  # the system prompt, once
+    # a cache of 12 blocks (two requests' worth): older prefixes are evicted, least recently used first; no output changes
+    others = [[7] * 30 + [i] for i in range(3)]
+    waves = [[p] for p in [prompts[0], *others, prompts[0], prompts[1]]]
+    small = Scheduler(generator.runner, PrefixCachingAllocator(12, generator.block_size), policy)
+    got, _ = run(small, waves)
+    expected, _ = run(generator.scheduler(policy), waves)
+    assert got == expected and small.alloc.evictions > 0 and small.alloc.used_blocks == 0
+    # others 1, 2 reuse the first's 3 blocks of 7s; prompt 0 again and prompt 1 reuse prompt 0's 4 system blocks (its fifth,
+    # released least recently, was the one evicted)
+    assert small.stats["prefix_hit_tokens"] == 2 * 24 + 2 * 32

@@ -44,6 +44,11 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
     p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="share the KV blocks of equal prompt prefixes between requests (a shared system prompt is prefilled once)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also read from BEHEMOTH_API_KEY); 401 without it",
@@ -64,7 +69,9 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
-    return SchedulerPolicy(max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching)
+    return SchedulerPolicy(
+        max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching, prefix_caching=args.prefix_caching
+    )
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:

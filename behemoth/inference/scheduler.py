@@ -6,7 +6,8 @@ forward for the newcomers and one decode forward for the others, so every runnin
 token per step; and retires finished requests, freeing their blocks, so the next step can admit more.
 When the cache cannot give a running request its next block, the request admitted last is preempted:
 its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
-tokens so far (recomputation, as vLLM does), which changes none of its tokens.
+tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
+starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
 
 `policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
 when the previous one has completely finished, so early finishers leave their rows idle.
@@ -26,6 +27,7 @@ import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
+from behemoth.inference.prefix_cache import PrefixCachingAllocator
 from behemoth.inference.runner import Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
 from behemoth.inference.text import TextTracker, Tokenizer
@@ -82,19 +84,23 @@ class SchedulerPolicy:
     max_prefill_tokens: int = 4096  # prompt tokens admitted into one prefill forward
     context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
+    prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
 
 
 class Scheduler:
     """Requests in, one token per running request per step out, blocks taken and given back as they go."""
 
     def __init__(self, runner: Runner, alloc: BlockAllocator, policy: SchedulerPolicy, tokenizer: Tokenizer | None = None) -> None:
+        if policy.prefix_caching and not isinstance(alloc, PrefixCachingAllocator):
+            alloc = PrefixCachingAllocator(alloc.num_blocks, alloc.block_size)
         self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
+        self.prefixes = alloc if isinstance(alloc, PrefixCachingAllocator) else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.aborts: set[int] = set()
         self.lock = threading.Lock()
         self.ids = itertools.count()
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -169,13 +175,17 @@ class Scheduler:
             while self.waiting and len(self.running) < p.max_batch:
                 req = self.waiting[0]
                 n = len(req.tokens)
-                if (admitted and n > budget) or not self.alloc.can_grow(req.id, n):
+                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
+                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n):
+                    self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
                 self.alloc.grow(req.id, n)
+                req.cached = hit
+                self.stats["prefix_hit_tokens"] += hit
                 self.running.append(req)
                 admitted.append(req)
-                budget -= n
+                budget -= n - hit
         return admitted
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
@@ -203,6 +213,8 @@ class Scheduler:
         logits = self.runner.forward(plan_step(self.alloc, rows))
         for r, (_, new, _) in zip(group, rows):
             r.cached += len(new)
+            if self.prefixes is not None:
+                self.prefixes.register(r.id, r.tokens[: r.cached])
         self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
         params, generators = [r.params for r in group], [r.generator for r in group]
         choices = choose_tokens(logits, params, [r.tokens for r in group], generators, [r.output for r in group])
@@ -251,4 +263,5 @@ class Scheduler:
             "waiting": len(self.waiting),
             "kv_blocks_used": self.alloc.used_blocks,
             "kv_blocks_total": self.alloc.num_blocks,
+            "kv_blocks_cached": self.prefixes.cached_blocks if self.prefixes is not None else 0,
         }
