@@ -237,6 +237,23 @@ def test_stream_and_prompt_limits_answer_4xx_and_a_disconnect_frees_its_stream(g
         assert scheduler_counter(client, "aborted") == 1
 
 
+def test_a_client_that_sends_its_body_too_slowly_gets_408(generator):
+    import socket
+    from urllib.parse import urlparse
+
+    with server(generator, body_timeout_s=0.5) as url:
+        u = urlparse(url)
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+            sock.sendall(head + b'{"prompt": ')  # and then nothing more
+            reply = b""
+            while b"request_timeout" not in reply and (piece := sock.recv(65536)):
+                reply += piece
+            reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30).status_code == 200
+
+
 def test_a_full_queue_answers_429(generator):
     with server(generator, slow=0.02, max_batch=1, max_waiting=2) as url:
 

@@ -43,6 +43,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int, default=64, help="streamed responses open at once; one more gets 429 (default 64)")
     p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body slower than this between pieces gets 408 (default 30)")
     p.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -66,6 +67,8 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     """The scheduler's limits from the command line (each a positive count)."""
     from behemoth.inference.scheduler import SchedulerPolicy
 
+    if not args.body_timeout_s > 0:
+        raise BehemothError(f"--body-timeout-s {args.body_timeout_s} is not a positive number of seconds", "use e.g. 30")
     for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
@@ -86,6 +89,7 @@ def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
         max_streams=args.max_streams,
         max_choices=args.max_choices,
         max_body_bytes=args.max_body_kb * 1024,
+        body_timeout_s=args.body_timeout_s,
         api_key=args.api_key or os.environ.get("BEHEMOTH_API_KEY") or None,
         adapters=(Path(args.adapter).resolve().name,) if args.adapter else (),
     )

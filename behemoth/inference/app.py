@@ -64,7 +64,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def completions(request: Request) -> Any:
         slot = None
         try:
-            req = parse_body(await read_body(request, limits.max_body_bytes), limits, CompletionRequest)
+            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, CompletionRequest)
             prompts = completion_prompts(req, tokenizer, limits)
             slot = slots.take() if req.stream else None
             flight = start_completion(engine, req, prompts, limits)
@@ -84,7 +84,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def chat(request: Request) -> Any:
         slot = None
         try:
-            req = parse_body(await read_body(request, limits.max_body_bytes), limits, ChatRequest)
+            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, ChatRequest)
             ids, max_tokens = chat_prompt(req, tokenizer, limits)
             slot = slots.take() if req.stream else None
             flight = start_chat(engine, req, ids, max_tokens, limits)
@@ -150,14 +150,23 @@ def model_cards(limits: ServeLimits) -> list[dict[str, Any]]:
     return [base] + [{**base, "id": name, "parent": limits.model_name, "root": limits.model_name} for name in limits.adapters]
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, read no further than one byte past `limit` (parse_request refuses it then)."""
+async def read_body(request: Any, limit: int, timeout_s: float) -> bytes:
+    """The request body, read no further than one byte past `limit` (parse_body refuses it then); a client that sends
+    it slower than one piece per `timeout_s` seconds is answered 408 (a slow client holds no connection forever)."""
+    import asyncio
+
     body = bytearray()
-    async for piece in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            piece = await asyncio.wait_for(pieces.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return bytes(body)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {timeout_s:g} s of its last piece", code="request_timeout") from None
         body += piece
         if len(body) > limit:
-            break
-    return bytes(body)
+            return bytes(body)
 
 
 def uvicorn_server(app: Any, host: str, port: int) -> Any:

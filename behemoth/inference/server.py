@@ -39,6 +39,7 @@ class ServeLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()  # stop tokens unless a request sets ignore_eos
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # a body slower than this between pieces gets 408
     max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context is the bound)
     max_choices: int = 16  # n x best_of x prompts of one request
     max_streams: int = 64  # streamed responses open at once; one more gets 429
