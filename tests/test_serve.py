@@ -363,6 +363,8 @@ def test_prefix_caching_prefills_a_shared_system_prompt_once(generator):
     cached, stats = run(generator.scheduler(SchedulerPolicy(**{**policy.__dict__, "prefix_caching": True})), [prompts[:1], prompts[1:]])
     assert cached == plain and plain_stats["prefill_tokens"] == 4 * 38
     assert stats["prefill_tokens"] == 38 + 3 * (38 - 32) and stats["prefix_hit_tokens"] == 3 * 32  # the system prompt, once
+    burst, burst_stats = run(generator.scheduler(SchedulerPolicy(**{**policy.__dict__, "prefix_caching": True})), [prompts])
+    assert burst == plain and burst_stats["prefill_tokens"] == 38 + 3 * (38 - 32)  # arriving together: the others wait one step
     # a cache of 12 blocks (two requests' worth): older prefixes are evicted, least recently used first; no output changes
     others = [[7] * 30 + [i] for i in range(3)]
     waves = [[p] for p in [prompts[0], *others, prompts[0], prompts[1]]]

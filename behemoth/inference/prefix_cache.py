@@ -67,12 +67,19 @@ class PrefixCachingAllocator(BlockAllocator):
         self.evictions += 1
         return block
 
-    def match(self, tokens: list[int]) -> list[int]:
-        """The cached blocks holding a prefix of `tokens`, leaving at least one token to compute (its logits are needed)."""
-        blocks, parent, bs = [], b"", self.block_size
+    def chain(self, tokens: list[int]) -> list[bytes]:
+        """The names of the full blocks of `tokens` a sequence could share: all but a last block holding its final token."""
+        keys, parent, bs = [], b"", self.block_size
         for i in range((len(tokens) - 1) // bs):
             parent = block_key(parent, tokens[i * bs : (i + 1) * bs])
-            block = self.by_key.get(parent)
+            keys.append(parent)
+        return keys
+
+    def match(self, tokens: list[int]) -> list[int]:
+        """The cached blocks holding a prefix of `tokens`, leaving at least one token to compute (its logits are needed)."""
+        blocks = []
+        for key in self.chain(tokens):
+            block = self.by_key.get(key)
             if block is None:
                 break
             blocks.append(block)

@@ -170,13 +170,14 @@ class Scheduler:
         if p.policy == "static" and self.running:
             return []
         admitted: list[Request] = []
+        pending: set[bytes] = set()  # names of the blocks this step's newcomers will fill
         budget = p.max_prefill_tokens
         with self.lock:
             while self.waiting and len(self.running) < p.max_batch:
                 req = self.waiting[0]
                 n = len(req.tokens)
                 hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
-                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n):
+                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
                     self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
@@ -187,6 +188,19 @@ class Scheduler:
                 admitted.append(req)
                 budget -= n - hit
         return admitted
+
+    def _shares_pending(self, req: Request, hit: int, pending: set[bytes]) -> bool:
+        """With prefix caching: whether a newcomer of this step will fill the block this request would prefill next; it
+        then waits one step and shares that block instead of computing it twice (n choices, a burst behind one system
+        prompt)."""
+        if self.prefixes is None:
+            return False
+        keys = self.prefixes.chain(req.tokens)
+        first_new = hit // self.alloc.block_size
+        if first_new < len(keys) and keys[first_new] in pending:
+            return True
+        pending.update(keys[first_new:])
+        return False
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Give each decoding request a slot for its next token, preempting the latest-admitted ones when blocks run out."""
