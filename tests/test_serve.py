@@ -375,3 +375,29 @@ def test_prefix_caching_prefills_a_shared_system_prompt_once(generator):
     # others 1, 2 reuse the first's 3 blocks of 7s; prompt 0 again and prompt 1 reuse prompt 0's 4 system blocks (its fifth,
     # released least recently, was the one evicted)
     assert small.stats["prefix_hit_tokens"] == 2 * 24 + 2 * 32
+
+
+class FailingRunner(SlowRunner):
+    """A runner whose forward fails: the engine's defect, which clients must see as 503, never as a hang."""
+
+    def forward(self, batch):
+        raise RuntimeError("the device went away")
+
+
+def test_an_engine_failure_answers_503_and_ends_streams_with_an_error(generator):
+    from behemoth.inference.app import ServerThread
+    from behemoth.inference.serving import EngineLoop
+
+    engine = generator.engine(SchedulerPolicy(max_batch=4, context=generator.context))
+    engine = EngineLoop(engine.scheduler, FailingRunner(generator.runner, 0.0))
+    engine.scheduler.runner = engine.runner
+    with ServerThread(engine, generator.limits("tiny", 64), generator.tokenizer) as url, httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 400  # no chat template here: refused before the engine
+        with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert json.loads(lines[-2][6:])["error"]["code"] == "engine_failed" and lines[-1] == "data: [DONE]", lines
+        assert client.get("/health").status_code == 503
+        after = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})  # answered at once, not left waiting
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_failed"

@@ -14,7 +14,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from behemoth.inference.completions import SamplingFields
-from behemoth.inference.server import ApiError, InFlight, ServeLimits, check_choices, check_max_tokens, check_prompt_fits, logprob_entries, sse, usage
+from behemoth.inference.server import (
+    ApiError,
+    InFlight,
+    ServeLimits,
+    check_choices,
+    check_max_tokens,
+    check_prompt_fits,
+    engine_failed,
+    logprob_entries,
+    sse,
+    usage,
+)
 from behemoth.inference.text import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -161,6 +172,7 @@ async def stream_chat(req: ChatRequest, ids: list[int], flight: InFlight, tokeni
         while not flight.done:
             index, event = await flight.next()
             if event.finish_reason == "error":
+                yield sse(engine_failed().body())
                 break
             logprobs = chat_logprobs([event.choice], tokenizer) if req.logprobs and event.choice is not None else None
             if event.text or logprobs is not None:

@@ -16,7 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from behemoth.errors import BehemothError
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request
-from behemoth.inference.server import ApiError, InFlight, ServeLimits, check_choices, check_max_tokens, check_prompt_fits, logprob_entries, sse, usage
+from behemoth.inference.server import (
+    ApiError,
+    InFlight,
+    ServeLimits,
+    check_choices,
+    check_max_tokens,
+    check_prompt_fits,
+    engine_failed,
+    logprob_entries,
+    sse,
+    usage,
+)
 from behemoth.inference.text import Tokenizer, encode_prompt
 
 
@@ -236,6 +247,7 @@ async def stream_completion(
         while flight is not None and not flight.done:
             index, event = await flight.next()
             if event.finish_reason == "error":
+                yield sse(engine_failed().body())
                 break
             if event.text or event.finish_reason is not None or (event.choice is not None and req.logprobs is not None):
                 piece = _piece(index, event.text, event.finish_reason, req, event.choice and completion_logprobs_of(event, tokenizer))

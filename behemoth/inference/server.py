@@ -65,6 +65,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+def engine_failed() -> ApiError:
+    return ApiError(503, "the engine failed while generating; see the server log", code="engine_failed")
+
+
 def parse_body(raw: bytes, limits: ServeLimits, schema: type[BaseModel]) -> Any:
     """The request body validated by `schema`, or the ApiError that says why not (size, JSON, fields, model)."""
     if len(raw) > limits.max_body_bytes:
@@ -145,6 +149,8 @@ class InFlight:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests: list[Request] = []
+        if not engine.healthy:  # a failed engine would never answer: say so now
+            raise engine_failed()
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 self.requests.append(engine.submit(prompt, sp, partial(self._sink, i)))
@@ -196,7 +202,7 @@ async def collect(flight: InFlight, is_disconnected: Any, every_s: float = 0.25)
     finally:
         flight.abort()
     if "error" in reasons:
-        raise ApiError(503, "the engine failed while generating; see the server log", code="engine_failed")
+        raise engine_failed()
     return [("".join(t), r) for t, r in zip(texts, reasons)]
 
 
