@@ -58,7 +58,7 @@ def generator():
         dist.destroy_process_group()
 
 
-def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 256, policy: str = "continuous"):
+def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 256, policy: str = "continuous", **limits):
     from behemoth.inference.app import ServerThread
     from behemoth.inference.serving import EngineLoop
 
@@ -66,7 +66,8 @@ def server(gen, *, slow: float = 0.0, max_batch: int = 16, max_waiting: int = 25
     if slow:
         engine = EngineLoop(engine.scheduler, SlowRunner(gen.runner, slow))
         engine.scheduler.runner = engine.runner
-    return ServerThread(engine, gen.limits("tiny", 64), gen.tokenizer)
+    base = gen.limits("tiny", 64)
+    return ServerThread(engine, type(base)(**{**base.__dict__, **limits}), gen.tokenizer)
 
 
 def complete(client, **body) -> dict:
@@ -161,13 +162,19 @@ BAD = [  # (body, status, what the message names)
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "stop": 3}, 400, "stop"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 65}, 400, "exceeds this server's limit of 64"),
     ({"prompt": "x" * 100, "max_tokens": 64}, 400, "exceeds the model's context of 128"),
     ({"prompt": [1, 2, 300]}, 400, "300 is not an id"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": "\u20ac"}, 400, "prompt"),  # not encodable by this server's tokenizer
-    ({"prompt": "x", "n": 3}, 400, "n"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 17}, 400, "limit of 16"),
+    ({"prompt": "x", "echo": True, "logprobs": 2}, 400, "echo with logprobs"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of=1 must be at least n=2"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"999": 1}}, 400, "logit_bias names token 999"),
     ({"prompt": "x", "model": "gpt-5"}, 404, "not served here"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -204,6 +211,47 @@ def test_wrong_routes_and_methods_get_json_errors(shared_server):
 def shared_server(generator):
     with server(generator) as url:
         yield url
+
+
+def test_chat_without_a_template_is_refused_by_name(shared_server):
+    r = httpx.post(f"{shared_server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+    assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"], r.text
+
+
+def test_stream_and_prompt_limits_answer_4xx_and_a_disconnect_frees_its_stream(generator):
+    with server(generator, slow=0.02, max_streams=1, max_prompt_tokens=8) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/completions", json={"prompt": "123456789", "max_tokens": 2})
+        assert r.status_code == 400 and "over this server's limit of 8" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 60, "stream": True}) as first:
+            lines = first.iter_lines()  # held: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")
+            second = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True})
+            assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_streams", second.text
+            assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200  # not a stream
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["streams_open"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert wait_for_idle(client)["streams_open"] == 0  # the client that left gave its stream back
+        again = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True})
+        assert again.status_code == 200 and again.text.endswith("data: [DONE]\n\n")
+        assert scheduler_counter(client, "aborted") == 1
+
+
+def test_a_client_that_sends_its_body_too_slowly_gets_408(generator):
+    import socket
+    from urllib.parse import urlparse
+
+    with server(generator, body_timeout_s=0.5) as url:
+        u = urlparse(url)
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+            sock.sendall(head + b'{"prompt": ')  # and then nothing more
+            reply = b""
+            while b"request_timeout" not in reply and (piece := sock.recv(65536)):
+                reply += piece
+            reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=30).status_code == 200
 
 
 def test_a_full_queue_answers_429(generator):
@@ -291,3 +339,65 @@ def test_tensor_parallel_server_answers_as_one_process(tmp_path):
     sharded = run_ranks(2, _serve_and_ask, str(tmp_path), 2, bodies)
     assert sharded[0] == single and sharded[1] is None
     assert [len(text) for text, _ in single] == [b["max_tokens"] for b in bodies]
+
+
+def test_prefix_caching_prefills_a_shared_system_prompt_once(generator):
+    from behemoth.inference.prefix_cache import PrefixCachingAllocator
+    from behemoth.inference.sampling import SamplingParams
+    from behemoth.inference.scheduler import Scheduler
+
+    system = list(range(40, 75))  # 35 tokens: 4 full blocks of 8, then 3 in the fifth
+    prompts = [system + [i, i + 1, i + 2] for i in (1, 50, 100, 150)]
+    params = SamplingParams(max_tokens=6)
+
+    def run(sched: Scheduler, waves: list[list[list[int]]]) -> tuple[list[list[int]], dict]:
+        out = []
+        for wave in waves:
+            requests = [sched.submit(p, params) for p in wave]
+            sched.run_until_done()
+            out += [r.output for r in requests]
+        return out, sched.stats
+
+    policy = SchedulerPolicy(max_batch=8, context=generator.context)
+    plain, plain_stats = run(generator.scheduler(policy), [prompts[:1], prompts[1:]])
+    cached, stats = run(generator.scheduler(SchedulerPolicy(**{**policy.__dict__, "prefix_caching": True})), [prompts[:1], prompts[1:]])
+    assert cached == plain and plain_stats["prefill_tokens"] == 4 * 38
+    assert stats["prefill_tokens"] == 38 + 3 * (38 - 32) and stats["prefix_hit_tokens"] == 3 * 32  # the system prompt, once
+    burst, burst_stats = run(generator.scheduler(SchedulerPolicy(**{**policy.__dict__, "prefix_caching": True})), [prompts])
+    assert burst == plain and burst_stats["prefill_tokens"] == 38 + 3 * (38 - 32)  # arriving together: the others wait one step
+    # a cache of 12 blocks (two requests' worth): older prefixes are evicted, least recently used first; no output changes
+    others = [[7] * 30 + [i] for i in range(3)]
+    waves = [[p] for p in [prompts[0], *others, prompts[0], prompts[1]]]
+    small = Scheduler(generator.runner, PrefixCachingAllocator(12, generator.block_size), policy)
+    got, _ = run(small, waves)
+    expected, _ = run(generator.scheduler(policy), waves)
+    assert got == expected and small.alloc.evictions > 0 and small.alloc.used_blocks == 0
+    # others 1, 2 reuse the first's 3 blocks of 7s; prompt 0 again and prompt 1 reuse prompt 0's 4 system blocks (its fifth,
+    # released least recently, was the one evicted)
+    assert small.stats["prefix_hit_tokens"] == 2 * 24 + 2 * 32
+
+
+class FailingRunner(SlowRunner):
+    """A runner whose forward fails: the engine's defect, which clients must see as 503, never as a hang."""
+
+    def forward(self, batch):
+        raise RuntimeError("the device went away")
+
+
+def test_an_engine_failure_answers_503_and_ends_streams_with_an_error(generator):
+    from behemoth.inference.app import ServerThread
+    from behemoth.inference.serving import EngineLoop
+
+    engine = generator.engine(SchedulerPolicy(max_batch=4, context=generator.context))
+    engine = EngineLoop(engine.scheduler, FailingRunner(generator.runner, 0.0))
+    engine.scheduler.runner = engine.runner
+    with ServerThread(engine, generator.limits("tiny", 64), generator.tokenizer) as url, httpx.Client(base_url=url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 400  # no chat template here: refused before the engine
+        with client.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert json.loads(lines[-2][6:])["error"]["code"] == "engine_failed" and lines[-1] == "data: [DONE]", lines
+        assert client.get("/health").status_code == 503
+        after = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})  # answered at once, not left waiting
+        assert after.status_code == 503 and after.json()["error"]["code"] == "engine_failed"

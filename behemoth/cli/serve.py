@@ -11,11 +11,14 @@ from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
 
 if TYPE_CHECKING:  # the serving stack is imported when the server starts
     from behemoth.inference.scheduler import SchedulerPolicy
+    from behemoth.inference.server import ServeLimits
 
 EXAMPLES = """examples:
   behemoth serve runs/20261130-075637 --port 8000
   curl localhost:8000/v1/completions -d '{"prompt": "def main(", "max_tokens": 32, "temperature": 0}'
   curl -N localhost:8000/v1/completions -d '{"prompt": "import ", "max_tokens": 64, "stream": true}'
+  curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}'
+  behemoth serve path/to/hf_folder --api-key "$KEY"   # every /v1/ request needs "Authorization: Bearer $KEY"
   behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
   behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
 """
@@ -26,8 +29,8 @@ def serve_parser() -> argparse.ArgumentParser:
         prog="behemoth serve",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve a model over HTTP: OpenAI-compatible /v1/completions (streaming or not), /health, "
-        "/metrics; continuous batching over a paged KV cache, 429 when the queue is full.",
+        description="Serve a model over HTTP: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models "
+        "(streaming or not), /health, /metrics (docs/serving.md); continuous batching over a paged KV cache, 429 when the queue is full.",
     )
     add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
@@ -36,6 +39,21 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; more get 429 (default 256)")
     p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt a request may send (default: the context)")
+    p.add_argument("--max-streams", type=int, default=64, help="streamed responses open at once; one more gets 429 (default 64)")
+    p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body slower than this between pieces gets 408 (default 30)")
+    p.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="share the KV blocks of equal prompt prefixes between requests (a shared system prompt is prefilled once)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also read from BEHEMOTH_API_KEY); 401 without it",
+    )
     p.add_argument(
         "--batching",
         choices=["continuous", "static"],
@@ -49,10 +67,32 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     """The scheduler's limits from the command line (each a positive count)."""
     from behemoth.inference.scheduler import SchedulerPolicy
 
-    for name in ("max_batch", "max_waiting", "max_tokens"):
-        if getattr(args, name) < 1:
+    if not args.body_timeout_s > 0:
+        raise BehemothError(f"--body-timeout-s {args.body_timeout_s} is not a positive number of seconds", "use e.g. 30")
+    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
-    return SchedulerPolicy(max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching)
+    return SchedulerPolicy(
+        max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching, prefix_caching=args.prefix_caching
+    )
+
+
+def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
+    """The model's limits with the command line's: prompt length, streams, choices, body size, API key, adapter names."""
+    import os
+    from dataclasses import replace
+    from pathlib import Path
+
+    return replace(
+        base,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_streams=args.max_streams,
+        max_choices=args.max_choices,
+        max_body_bytes=args.max_body_kb * 1024,
+        body_timeout_s=args.body_timeout_s,
+        api_key=args.api_key or os.environ.get("BEHEMOTH_API_KEY") or None,
+        adapters=(Path(args.adapter).resolve().name,) if args.adapter else (),
+    )
 
 
 def serve_on_ranks(args: argparse.Namespace) -> None:
@@ -73,12 +113,14 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
     engine = gen.engine(policy_of(args, gen.context))
-    limits = gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens)
+    limits = serve_limits(args, gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens))
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
     engine.start()
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_key:
+        print(f"behemoth: warning: listening on {args.host} with no --api-key: anyone who reaches this port can use the model", file=sys.stderr)
     print(
         f"behemoth: serving {limits.model_name} ({gen.num_blocks} KV blocks of {gen.block_size} tokens, {args.batching} batching) "
-        f"on http://{args.host}:{args.port}/v1/completions",
+        f"on http://{args.host}:{args.port}/v1 (completions, chat/completions, models){'; API key required' if limits.api_key else ''}",
         flush=True,
     )
     try:

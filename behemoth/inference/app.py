@@ -1,7 +1,9 @@
 """The FastAPI application of `behemoth serve`, and running it with uvicorn (in this thread or a background one).
 
-The routes are thin: `server.py` parses and checks requests and turns engine events into OpenAI's
-objects; `serving.py` runs the engine. `ServerThread` runs the whole server inside another program
+The routes are thin: `completions.py` and `chat.py` check their endpoint's fields and turn engine events
+into OpenAI's objects, `server.py` holds what they share (limits, errors, requests in flight, stream
+slots); `serving.py` runs the engine. With an API key, every /v1/ route needs it (401 otherwise).
+`ServerThread` runs the whole server inside another program
 (the tests, the serving benchmark) on a free port.
 """
 
@@ -11,7 +13,9 @@ from typing import Any
 
 from behemoth.errors import BehemothError
 from behemoth.faults.launch import free_port
-from behemoth.inference.server import ApiError, Completion, ServeLimits, chunk, collect, parse_request, prompt_tokens, stream
+from behemoth.inference.chat import ChatRequest, chat_prompt, chat_response, start_chat, stream_chat
+from behemoth.inference.completions import CompletionRequest, completion_prompts, completion_response, start_completion, stream_completion
+from behemoth.inference.server import ApiError, ServeLimits, StreamSlots, collect, parse_body
 from behemoth.inference.serving import EngineLoop
 from behemoth.inference.text import Tokenizer
 
@@ -25,18 +29,21 @@ def require_serving_stack() -> None:
 
 
 def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | None") -> Any:
-    """The ASGI application: /v1/completions, /v1/models, /health, /metrics; every error a JSON body."""
+    """The ASGI application: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; every error a JSON body."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException
 
     app = FastAPI(title="behemoth", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
+    slots = StreamSlots(limits.max_streams)
 
     def error(err: ApiError) -> JSONResponse:
         metrics.response(err.status)
-        return JSONResponse(err.body(), status_code=err.status)
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
@@ -50,33 +57,57 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:  # a defect, never a bad request
         return error(ApiError(500, f"internal error ({exc.__class__.__name__})", code="internal_error"))
 
+    if limits.api_key:
+        app.add_middleware(ApiKeyGate, key=limits.api_key, refuse=lambda: error(ApiError(401, UNAUTHORIZED, code="invalid_api_key")))
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        slot = None
         try:
-            req = parse_request(await read_body(request, limits.max_body_bytes), limits)
-            completion = Completion(
-                engine,
-                prompt_tokens(req, tokenizer, limits),
-                req.sampling().model_copy(update={"stop_token_ids": [] if req.ignore_eos else list(limits.eos_token_ids)}),
-            )
+            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, CompletionRequest)
+            prompts = completion_prompts(req, tokenizer, limits)
+            slot = slots.take() if req.stream else None
+            flight = start_completion(engine, req, prompts, limits)
+            if slot is not None:
+                metrics.response(200)
+                gen = stream_completion(req, prompts, flight, tokenizer, limits.model_name, slot)
+                return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(slot.release))
+            results = await collect(flight, request.is_disconnected) if flight is not None else []
         except ApiError as err:
+            if slot is not None:
+                slot.release()
             return error(err)
         metrics.response(200)
-        if req.stream:
-            return StreamingResponse(stream(completion, limits.model_name), media_type="text/event-stream")
-        text, reason = await collect(completion, request.is_disconnected)
-        if reason == "error":
-            return error(ApiError(503, "the engine failed while generating; see the server log", code="engine_failed"))
-        return JSONResponse(chunk(completion.request.id, limits.model_name, text, reason, completion.usage()))
+        return JSONResponse(completion_response(req, prompts, flight, results, tokenizer, limits.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        slot = None
+        try:
+            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, ChatRequest)
+            ids, max_tokens = chat_prompt(req, tokenizer, limits)
+            slot = slots.take() if req.stream else None
+            flight = start_chat(engine, req, ids, max_tokens, limits)
+            if slot is not None:
+                metrics.response(200)
+                gen = stream_chat(req, ids, flight, tokenizer, limits.model_name, slot)
+                return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(slot.release))
+            results = await collect(flight, request.is_disconnected)
+        except ApiError as err:
+            if slot is not None:
+                slot.release()
+            return error(err)
+        metrics.response(200)
+        return JSONResponse(chat_response(req, ids, flight, results, tokenizer, limits.model_name))
 
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{"id": limits.model_name, "object": "model", "owned_by": "behemoth", "max_model_len": limits.context}]}
+        return {"object": "list", "data": model_cards(limits)}
 
     @app.get("/health")
     async def health() -> Any:
         if engine.healthy:
-            return {"status": "ok", **engine.scheduler.gauges()}
+            return {"status": "ok", **engine.scheduler.gauges(), "streams_open": slots.open}
         return JSONResponse({"status": "failed", "error": (engine.error or "engine stopped").splitlines()[-1]}, status_code=503)
 
     @app.get("/metrics")
@@ -86,14 +117,56 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     return app
 
 
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, read no further than one byte past `limit` (parse_request refuses it then)."""
+UNAUTHORIZED = "a valid API key is needed: send the header 'Authorization: Bearer <key>'"
+
+
+class ApiKeyGate:
+    """ASGI middleware: every /v1/ request without the server's key is answered 401 (a plain ASGI layer, so that
+    handlers still see their client disconnect)."""
+
+    def __init__(self, app: Any, key: str, refuse: Any) -> None:
+        self.app, self.key, self.refuse = app, key, refuse
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            if not authorized(header, self.key):
+                await self.refuse()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def authorized(header: str | None, key: str) -> bool:
+    """Whether an Authorization header carries the server's key (compared in constant time)."""
+    import hmac
+
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+def model_cards(limits: ServeLimits) -> list[dict[str, Any]]:
+    """The served model, and each adapter merged into it (its `parent`): a request may name any of them."""
+    base = {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "behemoth", "max_model_len": limits.context}
+    return [base] + [{**base, "id": name, "parent": limits.model_name, "root": limits.model_name} for name in limits.adapters]
+
+
+async def read_body(request: Any, limit: int, timeout_s: float) -> bytes:
+    """The request body, read no further than one byte past `limit` (parse_body refuses it then); a client that sends
+    it slower than one piece per `timeout_s` seconds is answered 408 (a slow client holds no connection forever)."""
+    import asyncio
+
     body = bytearray()
-    async for piece in request.stream():
+    pieces = request.stream().__aiter__()
+    while True:
+        try:
+            piece = await asyncio.wait_for(pieces.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            return bytes(body)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {timeout_s:g} s of its last piece", code="request_timeout") from None
         body += piece
         if len(body) > limit:
-            break
-    return bytes(body)
+            return bytes(body)
 
 
 def uvicorn_server(app: Any, host: str, port: int) -> Any:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from behemoth.parallel.tensor.comm import TPComm
-from behemoth.parallel.tensor.layers import RowParallelLinear
+from behemoth.parallel.tensor.layers import RowParallelLinear, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from behemoth.config import Config
@@ -86,7 +86,7 @@ def _drop(module: nn.Module, _args: tuple, _out: object) -> None:
 def quantize_int8(module: nn.Module, *, transposed: frozenset[str] = frozenset(), skip: tuple[str, ...] = ()) -> QuantStats:
     """Quantize every linear weight of `module` (but those under a `skip` prefix, and weights shared with an embedding)."""
     stats = QuantStats()
-    shared = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
+    shared = {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}  # a tied head's
     for name, layer in list(module.named_modules()):
         if not is_linear(layer, name, transposed) or name.startswith(skip) or id(layer.weight) in shared:
             continue

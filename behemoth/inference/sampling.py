@@ -1,13 +1,20 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p (nucleus), repetition penalty, per-request seeds.
+"""Choosing the next token: greedy, temperature, top-k, top-p (nucleus), repetition, presence and frequency penalties,
+logit bias, per-request seeds, and the log-probabilities a request asks for.
 
 Every request carries its own `SamplingParams` and its own random generator, so a request's tokens
 depend on its prompt, its parameters and its seed only, never on which other requests share its
 batch. The logits processors follow the definitions transformers uses (its `TopKLogitsWarper`,
 `TopPLogitsWarper`, `RepetitionPenaltyLogitsProcessor`), applied in that library's order:
-repetition penalty, temperature, top-k, top-p.
+repetition penalty, temperature, top-k, top-p. Before them come OpenAI's logit bias and its presence and
+frequency penalties (`logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)`, counted
+over the generated tokens, as vLLM does). Greedy rows take the argmax of the penalized logits.
+Log-probabilities are those of the model's own distribution (log-softmax of the raw logits, before any
+penalty or temperature), vLLM's default.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -26,6 +33,10 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="strings that end the generation (not included in the text)")
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end the generation (not included)")
     seed: int | None = Field(None, ge=0, lt=2**63, description="random seed of this request (default: drawn)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time a token was generated so far")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="added to the logits of these token ids (-100 to 100)")
+    logprobs: int | None = Field(None, ge=0, le=20, description="report each token's log-probability and this many most likely ones")
 
     @field_validator("stop")
     @classmethod
@@ -37,6 +48,19 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """One chosen token, its log-probability and (when asked) the most likely tokens' log-probabilities."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: list[list[int]], penalty: torch.Tensor) -> torch.Tensor:
@@ -70,22 +94,59 @@ def top_p_filter(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]], generators: list[torch.Generator | None]) -> list[int]:
-    """The next token of each row: argmax for greedy rows, a draw from the processed distribution otherwise."""
-    logits = logits.float()
+def apply_openai_penalties(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]]) -> torch.Tensor:
+    """Logit bias, then `logit[j] -= frequency_penalty * count[j] + presence_penalty * (count[j] > 0)` over each row's
+    generated tokens (OpenAI's definitions)."""
+    if not any(p.penalized for p in params):
+        return logits
+    out = logits.clone()
+    for b, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+            out[b, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+        if (p.presence_penalty or p.frequency_penalty) and generated[b]:
+            counts = torch.bincount(torch.tensor(generated[b], dtype=torch.long), minlength=out.shape[-1]).to(out.device, out.dtype)
+            out[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def choose_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seen: list[list[int]],
+    generators: list[torch.Generator | None],
+    generated: list[list[int]] | None = None,
+) -> list[TokenChoice]:
+    """The next token of each row (argmax for greedy rows, a draw from the processed distribution otherwise), with its
+    log-probability under the model's raw distribution and, when asked, the most likely tokens'."""
+    raw = logits.float()
+    logits = apply_openai_penalties(raw, params, generated if generated is not None else [[] for _ in params])
     penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)
     logits = apply_repetition_penalty(logits, seen, penalty)
     out = logits.argmax(dim=-1).tolist()
     sampled = [b for b, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return out
-    rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled], device=logits.device).unsqueeze(-1)
-    rows = top_k_filter(rows, torch.tensor([params[b].top_k for b in sampled], device=logits.device))
-    rows = top_p_filter(rows, torch.tensor([params[b].top_p for b in sampled], device=logits.device))
-    probs = rows.softmax(dim=-1).cpu()
-    for i, b in enumerate(sampled):
-        out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
-    return out
+    if sampled:
+        rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled], device=logits.device).unsqueeze(-1)
+        rows = top_k_filter(rows, torch.tensor([params[b].top_k for b in sampled], device=logits.device))
+        rows = top_p_filter(rows, torch.tensor([params[b].top_p for b in sampled], device=logits.device))
+        probs = rows.softmax(dim=-1).cpu()
+        for i, b in enumerate(sampled):
+            out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
+    return token_choices(raw, params, out)
+
+
+def token_choices(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenChoice]:
+    """Each row's chosen token with its log-probability under log_softmax(raw) and its top `params.logprobs` tokens."""
+    logprobs = raw.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=raw.device).unsqueeze(-1))[:, 0].tolist()
+    choices = []
+    for b, (p, token) in enumerate(zip(params, tokens)):
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs:
+            values, ids = logprobs[b].topk(p.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        choices.append(TokenChoice(token, chosen[b], top))
+    return choices
 
 
 def request_generator(seed: int | None) -> torch.Generator:

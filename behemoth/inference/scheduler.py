@@ -6,7 +6,8 @@ forward for the newcomers and one decode forward for the others, so every runnin
 token per step; and retires finished requests, freeing their blocks, so the next step can admit more.
 When the cache cannot give a running request its next block, the request admitted last is preempted:
 its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
-tokens so far (recomputation, as vLLM does), which changes none of its tokens.
+tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
+starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
 
 `policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
 when the previous one has completely finished, so early finishers leave their rows idle.
@@ -26,8 +27,9 @@ import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
+from behemoth.inference.prefix_cache import PrefixCachingAllocator
 from behemoth.inference.runner import Runner
-from behemoth.inference.sampling import SamplingParams, choose_tokens, request_generator
+from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
 from behemoth.inference.text import TextTracker, Tokenizer
 
 
@@ -43,6 +45,7 @@ class Event:
     token: int | None
     text: str
     finish_reason: str | None = None  # "stop", "length", "abort"
+    choice: TokenChoice | None = None  # the token's log-probability and the most likely alternatives
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Request:
     tracker: TextTracker
     sink: Callable[[Event], None] | None = None
     output: list[int] = field(default_factory=list)
+    choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
@@ -80,19 +84,23 @@ class SchedulerPolicy:
     max_prefill_tokens: int = 4096  # prompt tokens admitted into one prefill forward
     context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
+    prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
 
 
 class Scheduler:
     """Requests in, one token per running request per step out, blocks taken and given back as they go."""
 
     def __init__(self, runner: Runner, alloc: BlockAllocator, policy: SchedulerPolicy, tokenizer: Tokenizer | None = None) -> None:
+        if policy.prefix_caching and not isinstance(alloc, PrefixCachingAllocator):
+            alloc = PrefixCachingAllocator(alloc.num_blocks, alloc.block_size)
         self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
+        self.prefixes = alloc if isinstance(alloc, PrefixCachingAllocator) else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.aborts: set[int] = set()
         self.lock = threading.Lock()
         self.ids = itertools.count()
-        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -162,19 +170,37 @@ class Scheduler:
         if p.policy == "static" and self.running:
             return []
         admitted: list[Request] = []
+        pending: set[bytes] = set()  # names of the blocks this step's newcomers will fill
         budget = p.max_prefill_tokens
         with self.lock:
             while self.waiting and len(self.running) < p.max_batch:
                 req = self.waiting[0]
                 n = len(req.tokens)
-                if (admitted and n > budget) or not self.alloc.can_grow(req.id, n):
+                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
+                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
+                    self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
                 self.alloc.grow(req.id, n)
+                req.cached = hit
+                self.stats["prefix_hit_tokens"] += hit
                 self.running.append(req)
                 admitted.append(req)
-                budget -= n
+                budget -= n - hit
         return admitted
+
+    def _shares_pending(self, req: Request, hit: int, pending: set[bytes]) -> bool:
+        """With prefix caching: whether a newcomer of this step will fill the block this request would prefill next; it
+        then waits one step and shares that block instead of computing it twice (n choices, a burst behind one system
+        prompt)."""
+        if self.prefixes is None:
+            return False
+        keys = self.prefixes.chain(req.tokens)
+        first_new = hit // self.alloc.block_size
+        if first_new < len(keys) and keys[first_new] in pending:
+            return True
+        pending.update(keys[first_new:])
+        return False
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Give each decoding request a slot for its next token, preempting the latest-admitted ones when blocks run out."""
@@ -201,23 +227,27 @@ class Scheduler:
         logits = self.runner.forward(plan_step(self.alloc, rows))
         for r, (_, new, _) in zip(group, rows):
             r.cached += len(new)
+            if self.prefixes is not None:
+                self.prefixes.register(r.id, r.tokens[: r.cached])
         self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
-        tokens = choose_tokens(logits, [r.params for r in group], [r.tokens for r in group], [r.generator for r in group])
+        params, generators = [r.params for r in group], [r.generator for r in group]
+        choices = choose_tokens(logits, params, [r.tokens for r in group], generators, [r.output for r in group])
         finished = []
-        for r, token in zip(group, tokens):
-            if self._append(r, token):
+        for r, choice in zip(group, choices):
+            if self._append(r, choice):
                 finished.append(r)
         return finished
 
-    def _append(self, req: Request, token: int) -> bool:
+    def _append(self, req: Request, choice: TokenChoice) -> bool:
         """Add one token to a request and tell its sink; True if it finished."""
         req.first_token_at = req.first_token_at or time.perf_counter()
-        if token in req.params.stop_token_ids:
+        if choice.token in req.params.stop_token_ids:
             return self._finish(req, "stop")
-        req.output.append(token)
+        req.output.append(choice.token)
+        req.choices.append(choice)
         delta, stopped = req.tracker.update(req.output)
         if req.sink is not None:
-            req.sink(Event(req.id, token, delta))
+            req.sink(Event(req.id, choice.token, delta, choice=choice))
         if stopped:
             return self._finish(req, "stop")
         if len(req.output) >= req.params.max_tokens or len(req.tokens) >= self.policy.context:
@@ -247,4 +277,5 @@ class Scheduler:
             "waiting": len(self.waiting),
             "kv_blocks_used": self.alloc.used_blocks,
             "kv_blocks_total": self.alloc.num_blocks,
+            "kv_blocks_cached": self.prefixes.cached_blocks if self.prefixes is not None else 0,
         }

@@ -1,40 +1,37 @@
-"""`behemoth serve`: an OpenAI-compatible completions server (FastAPI + uvicorn) over the serving engine.
-
-    POST /v1/completions   {"prompt": "...", "max_tokens": 32, "stream": true, ...}   (server-sent events when streaming)
-    GET  /v1/models        the one model served
-    GET  /health           200 while the engine runs, 503 once it failed
-    GET  /metrics          Prometheus text: responses by status, tokens, queue and KV-cache gauges, latency histograms
+"""What every endpoint of `behemoth serve` shares: its limits, its errors, reading a body, and the requests in flight.
 
 Every request is checked before it reaches the engine, and every bad one is answered 4xx with an
 OpenAI-style JSON error (`{"error": {"message", "type", "param", "code"}}`): malformed JSON (400),
 unknown fields or wrong types (400), max_tokens over the server's limit or a prompt over the context
-(400), an unknown model (404), a body over the size limit (413), a full queue (429). A client that
-disconnects mid-generation is aborted at the next step, and its KV-cache blocks go back at once.
+(400), an unknown model (404), a body over the size limit (413), a full queue or too many streams (429).
+A client that disconnects mid-generation is aborted at the next step, and its KV-cache blocks go back
+at once. The field rules of each endpoint are in `completions.py` and `chat.py` (docs/serving.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ValidationError
 
 from behemoth.errors import BehemothError
-from behemoth.inference.sampling import SamplingParams
-from behemoth.inference.scheduler import Event, QueueFull
+from behemoth.inference.sampling import SamplingParams, TokenChoice
+from behemoth.inference.scheduler import Event, QueueFull, Request
 from behemoth.inference.serving import EngineLoop
-from behemoth.inference.text import Tokenizer, encode_prompt
+from behemoth.inference.text import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class ServeLimits:
-    """What one request may ask: tokens to generate, the model's context, the body's size."""
+    """What one request may ask: tokens to generate, the model's context, the body's size, choices, streams."""
 
     model_name: str
     max_tokens: int
@@ -42,46 +39,16 @@ class ServeLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()  # stop tokens unless a request sets ignore_eos
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # a body slower than this between pieces gets 408
+    max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context is the bound)
+    max_choices: int = 16  # n x best_of x prompts of one request
+    max_streams: int = 64  # streamed responses open at once; one more gets 429
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    adapters: tuple[str, ...] = ()  # LoRA adapters merged into the served weights (listed by /v1/models)
 
-
-class CompletionRequest(BaseModel):
-    """The fields of OpenAI's /v1/completions behemoth honours (strict types; any other field is refused)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    prompt: str | list[int]
-    model: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    n: Literal[1] = 1
-    ignore_eos: bool = False
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
-        return v
-
-    def sampling(self) -> SamplingParams:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            repetition_penalty=self.repetition_penalty,
-            stop=stops,
-            seed=self.seed,
-        )
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.adapters)
 
 
 class ApiError(Exception):
@@ -93,11 +60,17 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def parse_request(raw: bytes, limits: ServeLimits) -> CompletionRequest:
-    """The request body as a validated CompletionRequest, or the ApiError that says why not."""
+def engine_failed() -> ApiError:
+    return ApiError(503, "the engine failed while generating; see the server log", code="engine_failed")
+
+
+def parse_body(raw: bytes, limits: ServeLimits, schema: type[BaseModel]) -> Any:
+    """The request body validated by `schema`, or the ApiError that says why not (size, JSON, fields, model)."""
     if len(raw) > limits.max_body_bytes:
         raise ApiError(413, f"the body has more than {limits.max_body_bytes} bytes, the limit", code="body_too_large")
     try:
@@ -107,119 +80,164 @@ def parse_request(raw: bytes, limits: ServeLimits) -> CompletionRequest:
     if not isinstance(data, dict):
         raise ApiError(400, f"the body is a JSON {type(data).__name__}, not an object", code="invalid_json")
     try:
-        req = CompletionRequest.model_validate(data)
+        req = schema.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param, code=first["type"]) from None
-    if req.model is not None and req.model != limits.model_name:
-        raise ApiError(
-            404, f"model {req.model!r} is not served here; this server serves {limits.model_name!r}", param="model", code="model_not_found"
-        )
-    if req.max_tokens > limits.max_tokens:
-        raise ApiError(
-            400, f"max_tokens={req.max_tokens} exceeds this server's limit of {limits.max_tokens}", param="max_tokens", code="max_tokens_too_large"
-        )
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "not a field behemoth knows (unknown fields are refused; see docs/serving.md)"
+        raise ApiError(400, f"{param}: {message}" if param else message, param=param, code=first["type"]) from None
+    model = getattr(req, "model", None)
+    if model is not None and model not in limits.model_names:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {limits.model_name!r}", param="model", code="model_not_found")
     return req
 
 
-def prompt_tokens(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ServeLimits) -> list[int]:
-    """The prompt's token ids, refused (400) when they cannot be encoded or do not fit the context with max_tokens."""
-    try:
-        ids = encode_prompt(req.prompt, tokenizer, limits.vocab_size)
-    except BehemothError as err:
-        raise ApiError(400, str(err), param="prompt", code="invalid_prompt") from None
-    if len(ids) + req.max_tokens > limits.context:
+def check_max_tokens(max_tokens: int, limits: ServeLimits, param: str = "max_tokens") -> None:
+    if max_tokens > limits.max_tokens:
+        raise ApiError(400, f"{param}={max_tokens} exceeds this server's limit of {limits.max_tokens}", param=param, code="max_tokens_too_large")
+
+
+def check_prompt_fits(ids: list[int], max_tokens: int, limits: ServeLimits) -> list[int]:
+    """The prompt's ids, refused (400) when longer than the server allows or when they do not fit the context with max_tokens."""
+    if limits.max_prompt_tokens is not None and len(ids) > limits.max_prompt_tokens:
         raise ApiError(
             400,
-            f"the prompt has {len(ids)} tokens and max_tokens={req.max_tokens}: {len(ids) + req.max_tokens} exceeds "
-            f"the model's context of {limits.context}",
+            f"the prompt has {len(ids)} tokens, over this server's limit of {limits.max_prompt_tokens}",
+            param="prompt",
+            code="prompt_too_long",
+        )
+    if len(ids) + max_tokens > limits.context:
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens and max_tokens={max_tokens}: {len(ids) + max_tokens} exceeds the model's context of {limits.context}",
             param="prompt",
             code="context_length_exceeded",
         )
     return ids
 
 
-def chunk(request_id: int, model: str, text: str, finish_reason: str | None, usage: dict[str, int] | None = None) -> dict[str, Any]:
-    """One completion (or streamed piece of one), OpenAI's `text_completion` object."""
-    out: dict[str, Any] = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if usage is not None:
-        out["usage"] = usage
-    return out
+def check_choices(count: int, limits: ServeLimits) -> None:
+    if count > limits.max_choices:
+        raise ApiError(
+            400,
+            f"this request asks for {count} generations (n x best_of x prompts), over this server's limit of {limits.max_choices}",
+            param="n",
+            code="too_many_choices",
+        )
 
 
-class Completion:
-    """One request in flight: submits to the engine, receives its events on the event loop, aborts on disconnect."""
+def token_text(tokenizer: Tokenizer | None, token: int) -> str:
+    """One token as text for log-probabilities (`token_id:N` without a tokenizer, as vLLM writes it)."""
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
 
-    def __init__(self, engine: EngineLoop, prompt: list[int], params: SamplingParams) -> None:
-        self.engine, self.prompt = engine, prompt
+
+def usage(prompts: list[list[int]], requests: list[Request]) -> dict[str, int]:
+    """OpenAI's usage: every distinct prompt counted once, every generated token of every choice."""
+    prompt = sum(len(p) for p in prompts)
+    completion = sum(len(r.output) for r in requests)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class InFlight:
+    """The generations of one HTTP request (several prompts, n or best_of choices) in the engine: their events arrive on
+    the event loop tagged with their index; all of them are aborted when the client goes away."""
+
+    def __init__(self, engine: EngineLoop, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        self.engine = engine
         self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.requests: list[Request] = []
+        if not engine.healthy:  # a failed engine would never answer: say so now
+            raise engine_failed()
         try:
-            self.request = engine.submit(prompt, params, self._sink)
-        except QueueFull as err:
-            raise ApiError(429, str(err), code="queue_full") from None
-        except BehemothError as err:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                self.requests.append(engine.submit(prompt, sp, partial(self._sink, i)))
+        except (QueueFull, BehemothError) as err:
+            self.abort()
+            if isinstance(err, QueueFull):
+                raise ApiError(429, str(err), code="queue_full") from None
             raise ApiError(400, str(err), param="prompt", code="invalid_prompt") from None
-        self.done = False
+        self.open = set(range(len(self.requests)))
 
-    def _sink(self, event: Event) -> None:  # engine thread -> event loop
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+    def _sink(self, index: int, event: Event) -> None:  # engine thread -> event loop
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, event))
 
-    async def next(self, timeout: float | None = None) -> Event:
-        event = await asyncio.wait_for(self.events.get(), timeout)
-        self.done = event.finish_reason is not None
-        return event
+    async def next(self, timeout: float | None = None) -> tuple[int, Event]:
+        index, event = await asyncio.wait_for(self.events.get(), timeout)
+        if event.finish_reason is not None:
+            self.open.discard(index)
+        return index, event
+
+    @property
+    def done(self) -> bool:
+        return not self.open
 
     def abort(self) -> None:
-        if not self.done:
-            self.engine.abort(self.request.id)
-            self.done = True
-
-    def usage(self) -> dict[str, int]:
-        n = len(self.request.output)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
+        for i, req in enumerate(self.requests):
+            if i in getattr(self, "open", range(len(self.requests))):
+                self.engine.abort(req.id)
+        self.open = set()
 
 
-async def collect(completion: Completion, is_disconnected: Any, every_s: float = 0.25) -> tuple[str, str]:
-    """(text, finish reason) of a non-streaming request; aborted if its client goes away while it waits (checked every
-    `every_s` seconds, whether or not tokens arrive meanwhile)."""
-    parts = []
+async def collect(flight: InFlight, is_disconnected: Any, every_s: float = 0.25) -> list[tuple[str, str]]:
+    """(text, finish reason) of every generation of a non-streaming request; aborted if its client goes away while it
+    waits (checked every `every_s` seconds, whether or not tokens arrive meanwhile)."""
+    texts = [[] for _ in flight.requests]
+    reasons = ["abort"] * len(flight.requests)
     checked = time.monotonic()
     try:
-        while True:
+        while not flight.done:
             try:
-                event = await completion.next(timeout=every_s)
-                parts.append(event.text)
-                if event.finish_reason is not None:
-                    return "".join(parts), event.finish_reason
+                index, event = await flight.next(timeout=every_s)
+                texts[index].append(event.text)
+                reasons[index] = event.finish_reason or reasons[index]
             except asyncio.TimeoutError:
                 pass
             if time.monotonic() - checked >= every_s:
                 checked = time.monotonic()
                 if await is_disconnected():
-                    return "".join(parts), "abort"
+                    break
     finally:
-        completion.abort()
+        flight.abort()
+    if "error" in reasons:
+        raise engine_failed()
+    return [("".join(t), r) for t, r in zip(texts, reasons)]
 
 
-async def stream(completion: Completion, model: str) -> AsyncIterator[bytes]:
-    """Server-sent events: one chunk per step with new text, the finish reason in the last, then [DONE]. If the client
-    disconnects, this generator is closed at its next await and the request is aborted."""
-    try:
-        while True:
-            event = await completion.next()
-            if event.text or event.finish_reason is not None:
-                usage = completion.usage() if event.finish_reason is not None else None
-                yield f"data: {json.dumps(chunk(completion.request.id, model, event.text, event.finish_reason, usage))}\n\n".encode()
-            if event.finish_reason is not None:
-                break
-        yield b"data: [DONE]\n\n"
-    finally:
-        completion.abort()
+def sse(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class StreamSlots:
+    """Streamed responses open at once, bounded: a stream takes a slot before it starts and gives it back when it ends,
+    fails or its client disconnects."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.open, self.lock = limit, 0, threading.Lock()
+
+    def take(self) -> StreamSlot:
+        with self.lock:
+            if self.open >= self.limit:
+                raise ApiError(429, f"{self.open} streams are open, this server's limit; retry later", code="too_many_streams")
+            self.open += 1
+        return StreamSlot(self)
+
+
+class StreamSlot:
+    """One taken slot; release() is idempotent (called by the stream's end and by the response's background task)."""
+
+    def __init__(self, slots: StreamSlots) -> None:
+        self.slots, self.held = slots, True
+
+    def release(self) -> None:
+        with self.slots.lock:
+            if self.held:
+                self.held = False
+                self.slots.open -= 1
+
+
+def logprob_entries(choices: list[TokenChoice], tokenizer: Tokenizer | None) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token text, log-probability, [(alternative text, log-probability)]) of each generated token."""
+    return [(token_text(tokenizer, c.token), c.logprob, [(token_text(tokenizer, t), lp) for t, lp in c.top]) for c in choices]

@@ -1,12 +1,14 @@
 """Tokenizers for generation and the text a request has produced so far, cut at its stop strings.
 
-A checkpoint trained by behemoth on text uses its byte tokenizer; a Hugging Face folder brings its own
-tokenizer files (read with transformers, nothing downloaded). A model with neither (a vocabulary that
+A checkpoint trained by behemoth on text uses its byte tokenizer (a vocabulary wider than 256 writes its other ids
+as `<|token_id:N|>`, losslessly); a Hugging Face folder brings its own tokenizer files (read with transformers,
+nothing downloaded). A model with neither (a vocabulary that
 is not bytes, no tokenizer files) takes and gives token ids only.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -36,12 +38,54 @@ class HFTokenizer:
     def decode(self, tokens: list[int]) -> str:
         return self.inner.decode(tokens, skip_special_tokens=False)
 
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.inner, "chat_template", None)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of a conversation rendered by the tokenizer's chat template, with the assistant's turn opened."""
+        return list(self.inner.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+
+
+class ByteText:
+    """UTF-8 bytes for ids below 256; every larger id of a wider vocabulary (a byte-trained model padded past 256) as the
+    marker `<|token_id:N|>`, which encodes back to N: no id is lost or aliased to another (never id % 256)."""
+
+    MARKER = re.compile(r"<\|token_id:(\d+)\|>")
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.bytes = vocab_size, ByteTokenizer()
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        at = 0
+        for m in self.MARKER.finditer(text):
+            if int(m.group(1)) < ByteTokenizer.vocab_size or int(m.group(1)) >= self.vocab_size:
+                continue  # not a marker this vocabulary writes: plain text
+            ids += self.bytes.encode(text[at : m.start()]) + [int(m.group(1))]
+            at = m.end()
+        return ids + self.bytes.encode(text[at:])
+
+    def decode(self, tokens: list[int]) -> str:
+        out, run = [], bytearray()
+        for t in tokens:
+            if t < ByteTokenizer.vocab_size:
+                run.append(t)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            out.append(f"<|token_id:{t}|>")
+            run = bytearray()
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
 
 def tokenizer_for(vocab_size: int, folder: str | None = None) -> Tokenizer | None:
-    """The folder's tokenizer if it has one; bytes for a vocabulary that holds them; otherwise None (token ids only)."""
+    """The folder's tokenizer if it has one; bytes for a vocabulary that holds them (ids past 256 as markers, ByteText);
+    otherwise None (token ids only)."""
     if folder and any((Path(folder).expanduser() / f).exists() for f in TOKENIZER_FILES):
         return HFTokenizer(str(Path(folder).expanduser()))
-    return ByteTokenizer() if vocab_size >= ByteTokenizer.vocab_size else None
+    if vocab_size == ByteTokenizer.vocab_size:
+        return ByteTokenizer()
+    return ByteText(vocab_size) if vocab_size > ByteTokenizer.vocab_size else None
 
 
 def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
