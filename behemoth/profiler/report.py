@@ -14,13 +14,14 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from behemoth.profiler.energy import energy_line
 from behemoth.profiler.stall import RUNS, summarize
 
 ROWS = (
     ("forward", "compute: forward", ("forward",)),
     ("backward", "compute: backward (incl. recompute)", ("backward",)),
     ("optimizer", "compute: optimizer step + clipping", ("optimizer",)),
-    ("comm_dp", "exposed comm: data parallel / ZeRO", ("comm_dp",)),
+    ("comm_dp", "exposed comm: dp / ZeRO / world", ("comm_dp",)),
     ("comm_tp", "exposed comm: tensor parallel", ("comm_tp",)),
     ("comm_ep", "exposed comm: expert all-to-all", ("comm_ep",)),
     ("bubble", "pipeline bubble + p2p waits", ("bubble", "comm_pp")),
@@ -122,6 +123,8 @@ def table(p: Profile) -> str:
     diff = p.differential()
     if diff:
         lines.append("differential (a run's step less the one before it, ms): " + ", ".join(f"{k} {v * 1e3:+.2f}" for k, v in diff.items()))
+    energy = p.ranks[0]["runs"][run]["energy"]  # machine-wide counters: one rank's reading
+    lines.append(energy_line(energy["joules"], len(p.ranks[0]["runs"][run]["step_s"]), energy["missing"]))
     worst = p.largest_disagreement(run)
     if worst is not None:
         key, m, q = worst

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from behemoth.errors import BehemothError
+from behemoth.profiler.energy import joules_between, read_counters
 from behemoth.profiler.spans import COMPONENTS, Spans, device_sync, instrument
 
 RUNS = ("synthetic", "data", "io")
@@ -115,6 +116,8 @@ def timed_steps(engine: Any, spans: Spans, feed: Callable, save: Callable | None
     walls, parts = [], []
     for i in range(warmup + steps):
         barrier(rt.world_group)
+        if i == warmup:
+            before = read_counters()
         spans.reset()
         t0 = time.perf_counter()
         with spans.span("host"):
@@ -128,9 +131,11 @@ def timed_steps(engine: Any, spans: Spans, feed: Callable, save: Callable | None
         if i >= warmup:
             walls.append(wall)
             parts.append(spans.reset())
+    after = read_counters()
     if save is not None:
         save.saver.wait()  # type: ignore[attr-defined]
-    return {"step_s": walls, "components": {c: [p.get(c, 0.0) for p in parts] for c in COMPONENTS}}
+    energy = {"joules": joules_between(before, after), "missing": after.missing}
+    return {"step_s": walls, "components": {c: [p.get(c, 0.0) for p in parts] for c in COMPONENTS}, "energy": energy}
 
 
 def summarize(run: dict[str, Any]) -> dict[str, float]:
