@@ -112,3 +112,26 @@ def test_trace_is_chrome_json_with_behemoths_spans(results: list[dict[str, Any]]
         spans = [e for e in trace["traceEvents"] if e.get("name", "").startswith("behemoth/") and e.get("ph") == "X"]
         assert all(e["dur"] >= 0 and "ts" in e for e in spans)
         assert trace["behemoth_clock"]["rank"] == r["base"]["rank"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"])
+def test_profile_command_on_each_dimension(plan: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`behemoth profile` end to end (elastic launch, the one-process run, the prediction): each dimension's traffic
+    lands in its own row. Slow: three launches (`pytest -m slow tests/test_profile.py`)."""
+    from behemoth.cli.profile import profile_main
+    from tests.common import CACHE
+
+    args = ["--nproc", "2", "--steps", "2", "--json", str(tmp_path / "p.json"), plan, "model=gpt-tiny", "train.global_batch=8"]
+    assert profile_main([*args, "train.seq_len=32", "train.micro_batch=2", f"data.cache_dir={CACHE}", "run.timeout_s=120"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line[:40].strip(): float(line[40:50]) for line in out.splitlines() if line.startswith("  ") and line[40:50].strip().replace(".", "").isdigit()
+    }
+    row = {
+        "parallel.dp=2": "exposed comm: dp / ZeRO / world",
+        "parallel.tp=2": "exposed comm: tensor parallel",
+        "parallel.pp=2": "pipeline bubble + p2p waits",
+    }
+    assert rows[row[plan]] > 0, out
+    assert "largest disagreement with the planner" in out and json.loads((tmp_path / "p.json").read_text())["ranks"]

@@ -39,9 +39,21 @@ COMPONENTS = (
 TRANSFERS = ("send", "recv")
 
 
-def comm_kind(group: str) -> str:
-    """The component a collective on the flight recorder's group `group` is charged to: tp, pp, ep, else data parallel."""
-    return f"comm_{group}" if group in ("tp", "pp", "ep") else "comm_dp"
+def comm_kind(group: str, ranks: list[int], dims: dict[tuple[int, ...], str]) -> str:
+    """The component a collective on the flight recorder's group `group` (of `ranks`) is charged to: tp, pp or ep by
+    name, else by its ranks (`dims`: each parallel dimension's ranks; a group of all ranks is that dimension when it is
+    the only one), else data parallel (the world-wide reductions of a mixed plan)."""
+    if group in ("tp", "pp", "ep"):
+        return f"comm_{group}"
+    return f"comm_{dims.get(tuple(sorted(ranks)), 'dp')}"
+
+
+def dimension_ranks(rt: Any) -> dict[tuple[int, ...], str]:
+    """This rank's group of each parallel dimension wider than one, by its ranks."""
+    import torch.distributed as dist
+
+    sizes = {"dp": rt.dims.dp, "tp": rt.dims.tp, "pp": rt.dims.pp, "ep": rt.dims.ep}
+    return {tuple(sorted(dist.get_process_group_ranks(rt.group(d)))): d for d, n in sizes.items() if n > 1}
 
 
 class Spans:
@@ -86,33 +98,32 @@ class Spans:
         return charged
 
 
-def _wait_component(pending: Any, *args: Any, **kwargs: Any) -> str:
-    rec = pending.record
-    if rec is None:
-        return "comm_dp"
-    return "bubble" if rec.op in TRANSFERS else comm_kind(rec.group)
-
-
-def _issue_component(op: str, group: Any, *args: Any, **kwargs: Any) -> str:
-    from behemoth.flight import group_info
-
-    return comm_kind(group_info(group)[0])
-
-
 @contextlib.contextmanager
 def instrument(engine: Any, spans: Spans) -> Iterator[Spans]:
     """Charge `engine`'s steps to `spans` while inside (every wrapper is removed on exit)."""
     from behemoth import comm
+    from behemoth.flight import group_info
     from behemoth.offload.io import IOPool
 
     model = engine.model
+    dims = dimension_ranks(model.rt)
+
+    def wait_component(pending: Any, *args: Any, **kwargs: Any) -> str:
+        rec = pending.record
+        if rec is None:
+            return "comm_dp"
+        return "bubble" if rec.op in TRANSFERS else comm_kind(rec.group, rec.ranks, dims)
+
+    def issue_component(op: str, group: Any, *args: Any, **kwargs: Any) -> str:
+        return comm_kind(*group_info(group), dims)
+
     patches: list[tuple[Any, str, Any]] = [
         (engine, "forward_backward", spans.wrap(engine.forward_backward, "forward")),
         (model, "finish_grads", spans.wrap(model.finish_grads, "host")),
         (model, "clip_grads", spans.wrap(model.clip_grads, "optimizer")),
         (torch.autograd, "backward", spans.wrap(torch.autograd.backward, "backward")),
-        (comm, "issue", spans.wrap(comm.issue, _issue_component)),
-        (comm.Pending, "wait", spans.wrap(comm.Pending.wait, _wait_component)),
+        (comm, "issue", spans.wrap(comm.issue, issue_component)),
+        (comm.Pending, "wait", spans.wrap(comm.Pending.wait, wait_component)),
         (IOPool, "wait", spans.wrap(IOPool.wait, "offload")),
     ]
     patches += [(opt, "step", spans.wrap(opt.step, "optimizer")) for opt in engine.optimizers]

@@ -1,5 +1,6 @@
-"""Energy from RAPL counters: the delta between two readings of a powercap tree (written here in sysfs's layout, one
-package and one sub-zone), unwrapped once when the counter wraps; without a tree the meter says why."""
+"""Pure parts of the profiler: energy from RAPL counters (the delta between two readings of a powercap tree, written
+here in sysfs's layout, unwrapped once when the counter wraps; without a tree the meter says why), and which
+parallel dimension a collective is charged to."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def test_no_counters_says_why(tmp_path: Path) -> None:
     assert not any(k.startswith("rapl") for k in reading.joules)
     assert any(m.startswith("RAPL: no ") for m in reading.missing)
     assert energy_line({}, 3, reading.missing).startswith("energy: not measured (RAPL: no ")
+
+
+def test_collectives_are_charged_to_their_dimension() -> None:
+    """A group named by the mesh is its dimension; a group of all ranks (the flight recorder's `world`) is the one
+    dimension wider than one when there is only one, else data parallel."""
+    from behemoth.profiler.spans import comm_kind
+
+    tp_only = {(0, 1): "tp"}
+    assert comm_kind("world", [0, 1], tp_only) == "comm_tp"
+    assert comm_kind("pp", [0, 2], {}) == "comm_pp"
+    mixed = {(0, 1): "tp", (0, 2): "dp"}
+    assert comm_kind("world", [0, 1, 2, 3], mixed) == "comm_dp"
+    assert comm_kind("group", [2, 0], mixed) == "comm_dp" and comm_kind("group", [1, 0], mixed) == "comm_tp"
