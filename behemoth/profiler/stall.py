@@ -102,8 +102,6 @@ def checkpointer(cfg: Any, rt: Any, engine: Any, run_dir: Path) -> Callable[[int
 
     def save(step: int) -> None:
         saver.save(engine.state_dict(), step + 1, {"profile": True})
-        if step < 0:
-            saver.wait()
 
     save.saver = saver  # type: ignore[attr-defined]
     return save
@@ -148,7 +146,8 @@ def summarize(run: dict[str, Any]) -> dict[str, float]:
 
 def one_rank_config(cfg_dict: dict[str, Any], world: int) -> dict[str, Any] | None:
     """The plan's data rank alone on one process (its micro-batches, no collective): the compute-only run; None when a
-    rank of the plan holds only part of the model (tensor, pipeline or expert parallel), which one process cannot."""
+    rank of the plan holds only part of the model (tensor, pipeline or expert parallel), which one process cannot, or
+    the plan cannot run on one process."""
     plan = cfg_dict["parallel"]
     if any((plan.get(k) or 1) > 1 for k in ("tp", "pp", "ep")):
         return None
@@ -158,4 +157,7 @@ def one_rank_config(cfg_dict: dict[str, Any], world: int) -> dict[str, Any] | No
     dims = cfg.parallel.dims(world)
     layout = cfg.batch_layout(dims)
     train = {**cfg_dict["train"], "global_batch": layout.micro_batch * layout.accum, "micro_batch": layout.micro_batch}
-    return {**cfg_dict, "parallel": {**plan, "dp": 1, "microbatches": None}, "train": train}
+    alone = {**cfg_dict, "parallel": {**plan, "dp": 1, "microbatches": None}, "train": train}
+    from behemoth.planner.feasibility import problems
+
+    return None if problems(Config.model_validate(alone), 1) else alone
