@@ -100,9 +100,9 @@ def tensorboard_available() -> bool:
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The TensorBoard scalars of one metrics.jsonl record: every number under its own name, and every per-rank list of
-    numbers (memory, model states, expert tokens) as `name/rank<R>` and its maximum as `name/max`. Text, flags and the
-    step itself are not scalars."""
+    """The TensorBoard scalars of one metrics.jsonl record: every number under its own name, and every list of numbers
+    element by element (the per-rank memory lists as `name/rank<R>`, others as `name/<i>`) with its maximum as
+    `name/max`. Text, flags and the step itself are not scalars."""
     out: dict[str, float] = {}
     for key, value in record.items():
         if key in ("step", "time") or isinstance(value, bool):
@@ -110,7 +110,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         if isinstance(value, int | float):
             out[key] = float(value)
         elif isinstance(value, list) and value and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
-            out |= {f"{key}/rank{r}": float(v) for r, v in enumerate(value)}
+            each = "rank" if key.endswith("_mb") else ""  # memory is per rank; other lists (tokens per expert) by index
+            out |= {f"{key}/{each}{i}": float(v) for i, v in enumerate(value)}
             out[f"{key}/max"] = float(max(value))
     return out
 
