@@ -92,6 +92,7 @@ class RunConfig(Section):
     dir: str | None = Field(None, description="run directory (default runs/<timestamp>)")
     progress: bool = Field(True, description="show a progress bar on rank 0")
     timeout_s: float = Field(300.0, gt=0, description="longest wait on another process before failing")
+    tensorboard: Literal["auto"] | bool = Field("auto", description="also write the metrics as TensorBoard event files (auto: if installed)")
 
 
 # a storage tier (parallel/zero/tiers.py): device, host, disk; `none` and `cpu` are the older spellings of device and host

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from behemoth.comm import watched
+from behemoth.errors import BehemothError
 
 PEAK_SIZE, PEAK_RUNS = 2048, 5  # the matmul every MFU figure is measured against, and how many tries
 
@@ -63,9 +64,10 @@ def gather_floats(values: list[float], device: torch.device, group: dist.Process
 
 
 class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object per line to metrics.jsonl (rank 0 only) and, with `tensorboard`, the same scalars as
+    TensorBoard event files beside it (`TensorBoardLog`)."""
 
-    def __init__(self, path: Path, *, truncate_after: int | None = None) -> None:
+    def __init__(self, path: Path, *, truncate_after: int | None = None, tensorboard: bool = False) -> None:
         self.path = path
         self.validated: set[int] = set()  # steps of the run being resumed that have a validation loss
         if truncate_after is not None and path.exists():  # a resumed run rewrites what came after its checkpoint
@@ -73,6 +75,7 @@ class MetricsLog:
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self.validated = {r.get("step", 0) for r in kept if "val_loss" in r}
         self.file = open(path, "a")
+        self.board = TensorBoardLog(path.parent, purge_after=truncate_after) if tensorboard else None
 
     def has_val(self, step: int) -> bool:
         return step in self.validated
@@ -80,9 +83,64 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board is not None:
+            self.board.write(record)
 
     def close(self) -> None:
         self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
+def tensorboard_available() -> bool:
+    """Whether TensorBoard's event writer can be imported (the `tensorboard` package is installed)."""
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The TensorBoard scalars of one metrics.jsonl record: every number under its own name, and every list of numbers
+    element by element (the per-rank memory lists as `name/rank<R>`, others as `name/<i>`) with its maximum as
+    `name/max`. Text, flags and the step itself are not scalars."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in ("step", "time") or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            out[key] = float(value)
+        elif isinstance(value, list) and value and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+            each = "rank" if key.endswith("_mb") else ""  # memory is per rank; other lists (tokens per expert) by index
+            out |= {f"{key}/{each}{i}": float(v) for i, v in enumerate(value)}
+            out[f"{key}/max"] = float(max(value))
+    return out
+
+
+class TensorBoardLog:
+    """The run's scalars as TensorBoard event files in the run directory (beside metrics.jsonl), so that `tensorboard
+    --logdir runs/` shows every run, a sweep's trials among them, as comparable runs. A resumed run purges what came
+    after its checkpoint, as metrics.jsonl is rewritten."""
+
+    def __init__(self, folder: Path, *, purge_after: int | None = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise BehemothError(
+                "run.tensorboard=true but the tensorboard package is not installed", "pip install tensorboard, or set run.tensorboard=false"
+            ) from None
+
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=None if purge_after is None else purge_after + 1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record.get("step")
+        if step is None:
+            return
+        for name, value in scalars(record).items():
+            self.writer.add_scalar(name, value, global_step=int(step))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

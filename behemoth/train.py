@@ -24,7 +24,7 @@ from behemoth.faults.preflight import exports
 from behemoth.faults.recovery import plan_for_world, restart_count, resume_point, settle_run_dir, torchrun_restart_warning
 from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.inference.adapters import save_run_adapter
-from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize
+from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize, tensorboard_available
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist
 from behemoth.offload.optimizer import EIGHT_BIT
@@ -33,6 +33,8 @@ from behemoth.planner.feasibility import refuse
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
+if tensorboard_available():  # imported with the trainer, so that workers forked from a process that loaded it share it
+    import torch.utils.tensorboard  # noqa: F401
 
 
 class Trainer:
@@ -232,7 +234,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
         # the log continues from where the model stands: a resume (or a restart from scratch) drops what came after it
-        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.start_step)
+        board = self.cfg.run.tensorboard
+        return MetricsLog(
+            self.run_dir / "metrics.jsonl", truncate_after=self.start_step, tensorboard=tensorboard_available() if board == "auto" else board
+        )
 
     @property
     def exports(self) -> bool:

@@ -125,6 +125,9 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
         "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
         "eval": ("behemoth.cli.eval:eval_main", "loss and perplexity of a run or HF folder on a corpus (its tokenizer, its chat masking)"),
         "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
+        "profile": ("behemoth.cli.profile:profile_main", "where a plan's step time goes: differential runs, components vs the planner's prediction"),
+        "recommend": ("behemoth.cli.recommend:recommend_main", "which instance type and count to rent for a model and tokens: time, cost, runner-up"),
+        "graph": ("behemoth.cli.graph:graph_main", "draw a plan's step as a dataflow graph (rank lanes, messages, critical path): SVG or HTML"),
         "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
     }
 
