@@ -126,6 +126,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
         "eval": ("behemoth.cli.eval:eval_main", "loss and perplexity of a run or HF folder on a corpus (its tokenizer, its chat masking)"),
         "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),
         "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
+        "sweep": ("behemoth.cli.sweep:sweep_main", "many runs of one base config (grid/list/random, ASHA pruning, Ray): a leaderboard"),
     }
 
 
