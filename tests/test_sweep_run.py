@@ -61,19 +61,38 @@ def alone(trial_dir: Path, out: Path) -> tuple[list, list]:
     return curve(out)
 
 
+def run_killed(path: Path, first_checkpoint: Path) -> None:
+    """`behemoth sweep` in a session of its own, SIGKILLed (sweep, slot and trial at once) once `first_checkpoint` exists."""
+    cmd = [sys.executable, "-m", "behemoth", "sweep", str(path), "--nproc", "1"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True
+    )
+    with reaped(proc):
+        deadline = time.time() + 300
+        while not first_checkpoint.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def halved(corpus, tmp_path_factory):
-    """ASHA over 4 learning rates (two learn nothing in 4 steps) and a trial that crashes; rungs at 4, 8, 16 steps."""
+    """ASHA over 4 learning rates (two learn nothing in 4 steps) and a trial that crashes; rungs at 4, 8, 16 steps. The
+    sweep is killed while the second trial trains (it checkpoints every 2 steps) and resumed."""
     root = tmp_path_factory.mktemp("asha")
     trials = [{"train.lr": 0.01}, {"train.lr": 0.003}, {"train.lr": 1e-7}, {"train.lr": 2e-7}, {"data.path": str(root / "missing.txt")}]
     sweep = {"dir": str(root / "sweep"), "prune": {"method": "asha", "min_steps": 4, "reduction_factor": 2}}
-    path = write_sweep(root / "asha.yaml", sweep, base(corpus, 16), list=trials)
-    code = main(["sweep", str(path), "--nproc", "1"])
-    return root, code
+    path = write_sweep(root / "asha.yaml", sweep, base(corpus, 16, checkpoint={"every": 2}), list=trials)
+    run_killed(path, root / "sweep" / "trial-001" / "checkpoints" / "latest")
+    first = (root / "sweep" / "trial-000" / "metrics.jsonl").read_bytes()
+    code = main(["sweep", str(path), "--resume"])
+    return root, code, first
 
 
 def test_asha_stops_exactly_the_expected_trials(halved, capsys):
-    root, code = halved
+    root, code, _ = halved
     sweep = root / "sweep"
     assert code == 1  # one trial failed: the sweep says so in its exit status, after running every other trial
     reached = {t: max(s for s, _ in curve(sweep / t)[0]) for t in ("trial-000", "trial-001", "trial-002", "trial-003")}
@@ -100,43 +119,33 @@ def csv_rows(path: Path):
 
 
 def test_promoted_trial_ends_with_the_losses_it_has_alone(halved):
-    root, _ = halved
+    root, _, _ = halved
     trial = root / "sweep" / "trial-000"
     rows = [json.loads(line) for line in (trial / "metrics.jsonl").read_text().splitlines()]
     assert [r["from"] for r in rows if r.get("event") == "resume"] == ["step_0000004", "step_0000008"]  # resumed at each rung
     assert curve(trial) == alone(trial, root / "alone")  # every step's loss and every validation loss, exactly
 
 
-def test_killed_sweep_resumes(corpus, tmp_path):
-    """SIGKILL the sweep (and its trial) once the second trial has a checkpoint; --resume keeps the first trial as it is
-    and continues the second from its checkpoint."""
-    sweep_dir = tmp_path / "sweep"
-    path = write_sweep(tmp_path / "s.yaml", {"dir": str(sweep_dir)}, base(corpus, 40, checkpoint={"every": 4}), grid={"train.lr": [0.01, 0.003]})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "behemoth", "sweep", str(path), "--nproc", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-    with reaped(proc):
-        deadline = time.time() + 240
-        while not (sweep_dir / "trial-001" / "checkpoints" / "latest").exists():
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "no checkpoint in time"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    first = (sweep_dir / "trial-000" / "metrics.jsonl").read_bytes()
-    assert main(["sweep", str(path), "--resume"]) == 0
-    assert (sweep_dir / "trial-000" / "metrics.jsonl").read_bytes() == first  # finished: kept, not run again
-    train, _ = curve(sweep_dir / "trial-001")
-    assert [s for s, _ in train] == list(range(1, 41))
-    rows = [json.loads(line) for line in (sweep_dir / "trial-001" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["event"] for r in rows if "event" in r] == ["resume"]
-    events = [json.loads(line) for line in (sweep_dir / "events.jsonl").read_text().splitlines()]
-    assert [(e["trial"], e["event"], e["step"]) for e in events] == [("trial-000", "segment", 40), ("trial-001", "segment", 40)]
-    assert [r["status"] for r in csv_rows(sweep_dir / "leaderboard.csv")] == ["done", "done"]
+def test_killed_sweep_resumes(halved, capsys):
+    """The kill came after the first trial's first rung and while the second trained: --resume kept the first trial's
+    rung as it was, continued the second from its checkpoint, and ran no segment twice."""
+    root, _, first = halved
+    sweep = root / "sweep"
+    assert (sweep / "trial-000" / "metrics.jsonl").read_bytes().startswith(first)  # kept (and later promoted): only appended to
+    rows = [json.loads(line) for line in (sweep / "trial-001" / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r["from"] for r in rows if r.get("event") == "resume"]
+    assert resumes and resumes[0] in ("step_0000002", "step_0000004")  # where it stood when the sweep was killed
+    assert "sweep: resuming" in (sweep / "sweep.log").read_text()
+    events = [(e["trial"], e["step"]) for e in map(json.loads, (sweep / "events.jsonl").read_text().splitlines())]
+    assert len(events) == len(set(events)) and ("trial-000", 4) in events and ("trial-001", 4) in events
+    for trial in ("trial-000", "trial-001", "trial-002", "trial-003"):
+        steps = [r["step"] for r in map(json.loads, (sweep / trial / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        assert steps == list(range(1, max(steps) + 1))  # a resumed run rewrites what came after its checkpoint
 
 
 @pytest.fixture(scope="module")
 def two_trials(corpus, tmp_path_factory):
-    """Two trials' sweep file (a learning rate and a depth) and each trial's curve when it runs alone."""
+    """A concurrent sweep of two trials (a learning rate and a depth), and each trial's config run alone."""
     root = tmp_path_factory.mktemp("pair")
     trials = [{"train.lr": 0.01}, {"train.lr": 0.003, "model.n_layer": 1}]
     cfg = base(corpus, 6, train={"eval_every": 3})
@@ -144,29 +153,26 @@ def two_trials(corpus, tmp_path_factory):
     def sweep_file(name: str, **options) -> Path:
         return write_sweep(root / f"{name}.yaml", {"dir": str(root / name), **options}, cfg, list=trials)
 
-    reference = root / "reference"
-    assert main(["sweep", str(sweep_file("reference")), "--nproc", "1"]) == 0  # sequential: one trial at a time
-    return sweep_file, {t: alone(reference / t, root / f"alone-{t}") for t in ("trial-000", "trial-001")}
-
-
-def test_concurrent_trials_end_with_the_losses_they_have_alone(two_trials, capsys):
-    sweep_file, alone_curves = two_trials
     path = sweep_file("concurrent", execution="concurrent", concurrency=2)
-    assert main(["sweep", str(path), "--nproc", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "2 trials, concurrent on local (2 at once, 1 process(es) each)" in out
-    sweep_dir = Path(yaml.safe_load(path.read_text())["sweep"]["dir"])
+    code = main(["sweep", str(path), "--nproc", "1"])
+    return sweep_file, root / "concurrent", code, {t: alone(root / "concurrent" / t, root / f"alone-{t}") for t in ("trial-000", "trial-001")}
+
+
+def test_concurrent_trials_end_with_the_losses_they_have_alone(two_trials):
+    _, sweep_dir, code, alone_curves = two_trials
+    assert code == 0 and "2 trials, concurrent on local (2 at once, 1 process(es) each)" in (sweep_dir / "sweep.log").read_text()
     for trial, expected in alone_curves.items():
         assert curve(sweep_dir / trial) == expected
     assert curve(sweep_dir / "trial-000") != curve(sweep_dir / "trial-001")
 
 
+@pytest.mark.slow  # a local Ray instance and its workers: ~20 s on a quiet 2-core machine (python -m pytest -m slow -k ray)
 def test_ray_backend_runs_each_trial_as_a_ray_task(two_trials, capsys):
     pytest.importorskip("ray")
-    sweep_file, alone_curves = two_trials
-    path = sweep_file("ray", backend="ray", ray={"num_cpus": 2})
+    sweep_file, _, _, alone_curves = two_trials
+    path = sweep_file("ray", backend="ray", execution="concurrent", ray={"num_cpus": 2})
     assert main(["sweep", str(path), "--nproc", "1"]) == 0
-    assert "2 trials, sequential on ray (2 at once" in capsys.readouterr().out
+    assert "2 trials, concurrent on ray (2 at once" in capsys.readouterr().out
     sweep_dir = Path(yaml.safe_load(path.read_text())["sweep"]["dir"])
     for trial, expected in alone_curves.items():
         assert curve(sweep_dir / trial) == expected

@@ -42,12 +42,18 @@ def run_sweep(args: argparse.Namespace) -> int:
     from behemoth.sweep.setup import prepare
 
     setup = prepare(Path(args.file), args.overrides, args.nproc, resume=args.resume)
-    runner = SweepRunner(setup, say=lambda line: print(line, flush=True))
-    try:
-        rows = runner.run(make_executor(setup, train_segment))
-    except KeyboardInterrupt:
-        print(f"sweep: interrupted; continue with: behemoth sweep {args.file} --resume", file=sys.stderr)
-        return 130
+    with open(setup.dir / "sweep.log", "a") as log:
+
+        def say(line: str) -> None:  # the progress lines, also kept in the sweep directory
+            print(line, flush=True)
+            log.write(line + "\n")
+            log.flush()
+
+        try:
+            rows = SweepRunner(setup, say=say).run(make_executor(setup, train_segment))
+        except KeyboardInterrupt:
+            say(f"sweep: interrupted; continue with: behemoth sweep {args.file} --resume")
+            return 130
     return 0 if all(not r["status"].startswith("failed") for r in rows) else 1
 
 

@@ -1,5 +1,5 @@
 """sweep.backend=ray: each trial segment a Ray task asking for its processes' CPUs (and GPUs), placed by Ray's own
-scheduler on a running cluster (sweep.ray.address) or on a local instance bound to 127.0.0.1. The sweep directory must
+scheduler on a running cluster (sweep.ray.address) or on a local instance of a bounded number of CPUs. The sweep directory must
 be on a file system every node sees: a trial's run directory is where its checkpoints live between rungs."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from behemoth.sweep.spec import RaySpec
 
 
 def connect(spec: RaySpec) -> Any:
-    """ray, initialized: the cluster at spec.address, or a local instance on the loopback with spec.num_cpus CPUs."""
+    """ray, initialized: the cluster at spec.address, or a local instance of spec.num_cpus CPUs without a dashboard.
+    (Ray 2.60 cannot bind a local instance to the loopback: ray.init turns 127.0.0.1 into the host's address and its gRPC
+    servers listen on every interface, behind the token authentication Ray turns on by default.)"""
     try:
         import ray
     except ImportError:
@@ -23,7 +25,7 @@ def connect(spec: RaySpec) -> Any:
         ray.init(address=spec.address, runtime_env=env, log_to_driver=False)
     else:
         cpus = spec.num_cpus or len(os.sched_getaffinity(0))
-        ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=False)
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=False)
     return ray
 
 

@@ -35,7 +35,8 @@ def make_executor(setup: SweepSetup, segment: Segment) -> Executor:
     if setup.spec.sweep.backend == "ray":
         from behemoth.sweep.ray_backend import RayTasks
 
-        return RayTasks(setup.spec.sweep.ray, setup.nproc, setup.spec.sweep.concurrency, segment)
+        options = setup.spec.sweep
+        return RayTasks(options.ray, setup.nproc, 1 if options.execution == "sequential" else options.concurrency, segment)
     return LocalSlots(capacity_of(setup), setup.nproc, segment)
 
 
