@@ -92,7 +92,9 @@ class LocalSlots:
 
     def start_slot(self, i: int) -> tuple[mp.process.BaseProcess, Connection]:
         ours, theirs = self.ctx.Pipe()
-        proc = self.ctx.Process(target=slot_main, args=(theirs, self.envs[i], self.segment), name=f"sweep-slot-{i}", daemon=True)
+        proc = self.ctx.Process(
+            target=slot_main, args=(theirs, self.envs[i], self.segment), name=f"sweep-slot-{i}"
+        )  # not a daemon: a trial with --nproc > 1 starts its workers
         proc.start()
         theirs.close()
         self.slots[i] = (proc, ours)
