@@ -92,9 +92,8 @@ class LocalSlots:
 
     def start_slot(self, i: int) -> tuple[mp.process.BaseProcess, Connection]:
         ours, theirs = self.ctx.Pipe()
-        proc = self.ctx.Process(
-            target=slot_main, args=(theirs, self.envs[i], self.segment), name=f"sweep-slot-{i}"
-        )  # not a daemon: a trial with --nproc > 1 starts its workers
+        # not a daemon: a trial with --nproc > 1 starts worker processes of its own
+        proc = self.ctx.Process(target=slot_main, args=(theirs, self.envs[i], self.segment), name=f"sweep-slot-{i}")
         proc.start()
         theirs.close()
         self.slots[i] = (proc, ours)
