@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from behemoth.errors import BehemothError
+from behemoth.sweep.spec import PruneSpec
 
 
 def rung_steps(min_steps: int, eta: int, steps: int) -> list[int]:
@@ -153,13 +154,13 @@ class Halving(Policy):
                     self.promoted.setdefault(k, set()).add(trial)
 
 
-def make_policy(trials: list[str], steps: dict[str, int], prune: object | None) -> Policy:
+def make_policy(trials: list[str], steps: dict[str, int], prune: PruneSpec | None) -> Policy:
     """The policy a sweep file asks for: every trial to its end, or successive halving (`prune:`) over trials of one length."""
     if prune is None:
         return Policy(trials, steps)
     if len(set(steps.values())) > 1:
         lengths = ", ".join(f"{t} {n}" for t, n in steps.items())
         raise BehemothError(f"prune: needs every trial to have the same train.steps (here: {lengths})", "sweep train.steps without prune:")
-    policy = Halving(trials, steps, min_steps=prune.min_steps, eta=prune.reduction_factor, method=prune.method)  # type: ignore[attr-defined]
+    policy = Halving(trials, steps, min_steps=prune.min_steps, eta=prune.reduction_factor, method=prune.method)
     policy.rungs  # noqa: B018 - refuse a min_steps that leaves no rung before the end
     return policy

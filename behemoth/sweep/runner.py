@@ -85,8 +85,8 @@ class SweepRunner:
     def loop(self, executor: Executor) -> None:
         running = 0
         while True:
-            while running < executor.capacity and (job := self.policy.next_job()) is not None:
-                executor.submit(self.job(*job))
+            while running < executor.capacity and (segment := self.policy.next_job()) is not None:
+                executor.submit(self.job(*segment))
                 running += 1
             if running == 0:
                 return
@@ -134,7 +134,7 @@ class SweepRunner:
 
     def launch_line(self, executor: Executor) -> str:
         opts = self.setup.spec.sweep
-        prune = f", pruned by {opts.prune.method} (rungs {self.policy.rungs})" if isinstance(self.policy, Halving) and opts.prune else ""  # type: ignore[attr-defined]
+        prune = f", pruned by {opts.prune.method} (rungs {self.policy.rungs})" if isinstance(self.policy, Halving) and opts.prune else ""
         return (
             f"sweep: {len(self.names)} trials, {opts.execution} on {opts.backend} ({executor.capacity} at once, "
             f"{self.setup.nproc} process(es) each){prune} -> {self.setup.dir}"
