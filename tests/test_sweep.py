@@ -133,3 +133,26 @@ def test_failed_trials_are_not_ranked_and_policy_without_pruning_runs_each_once(
 def test_pruning_needs_one_length():
     with pytest.raises(BehemothError, match="prune: needs every trial to have the same train.steps"):
         make_policy(["a", "b"], {"a": 8, "b": 16}, spec(sweep={"prune": {"min_steps": 2}}).sweep.prune)
+
+
+def test_a_new_sweep_is_refused_over_an_old_one_and_resume_needs_one(tmp_path):
+    from behemoth.sweep.setup import prepare
+
+    path = tmp_path / "s.yaml"
+    cfg = {"model": {"preset": "gpt-tiny"}, "train": {"steps": 4}}
+    path.write_text(yaml.safe_dump({"sweep": {"dir": str(tmp_path / "sw")}, "base": cfg, "grid": {"train.lr": [0.1, 0.2]}}))
+    with pytest.raises(BehemothError, match="holds no sweep"):
+        prepare(path, [], 1, resume=True)
+    setup = prepare(path, [], 1, resume=False)
+    assert [t.name for t in setup.trials] == ["trial-000", "trial-001"] and (setup.dir / "trial-001" / "trial.yaml").is_file()
+    assert yaml.safe_load((setup.dir / "trial-001" / "trial.yaml").read_text())["train"]["lr"] == 0.2
+    with pytest.raises(BehemothError, match="already holds a sweep; continue it with"):
+        prepare(path, [], 1, resume=False)
+    with pytest.raises(BehemothError, match="--resume continues .* with the options it started with"):
+        prepare(path, ["train.steps=8"], 1, resume=True)
+    path.write_text(yaml.safe_dump({"sweep": {"dir": str(tmp_path / "sw")}, "base": cfg, "grid": {"train.lr": [0.1, 0.3]}}))
+    with pytest.raises(BehemothError, match=r"no longer expands to the trials .* holds \(trial-001 differs\)"):
+        prepare(path, [], 1, resume=True)
+    with pytest.raises(BehemothError, match=r"trial-000 \(train.lr=-1\): train.lr=-1: Input should be greater than 0"):
+        path.write_text(yaml.safe_dump({"sweep": {"dir": str(tmp_path / "other")}, "base": cfg, "grid": {"train.lr": [-1]}}))
+        prepare(path, [], 1, resume=False)

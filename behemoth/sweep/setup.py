@@ -47,6 +47,10 @@ def prepare(path: Path, overrides: list[str], nproc: int | None, *, resume: bool
     trials = expand(spec)
     setup = SweepSetup(path, spec, sweep_dir, trials, nproc or spec.sweep.nproc or 1)
     recorded = sweep_dir / "trials.json"
+    if resume and overrides:
+        raise BehemothError(
+            f"--resume continues {sweep_dir} with the options it started with, not {' '.join(overrides)}", "drop the options, or start a new sweep"
+        )
     if resume and not recorded.is_file():
         raise BehemothError(f"--resume: {sweep_dir} holds no sweep (no trials.json)", f"start it without --resume: behemoth sweep {path}")
     if not resume and recorded.is_file():
