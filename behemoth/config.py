@@ -75,6 +75,12 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="write metrics every N steps")
     peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
     nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
+    stop_at: int | None = Field(None, ge=1, description="end this run after step N, validated and checkpointed (the LR schedule spans train.steps)")
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation trains to: train.steps, or train.stop_at when it comes first (a sweep's rung)."""
+        return min(self.stop_at or self.steps, self.steps)
 
 
 class CheckpointConfig(Section):

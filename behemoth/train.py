@@ -124,7 +124,7 @@ class Trainer:
         log = self.open_log()
         tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
         bar = tqdm(
-            total=cfg.train.steps,
+            total=cfg.train.end_step,
             initial=self.start_step,
             desc="train",
             unit="step",
@@ -140,14 +140,14 @@ class Trainer:
             log.write({"step": self.start_step, "val_loss": val0})
         for event in self.events if log else ():
             log.write(event)
-        for step in range(self.start_step, cfg.train.steps):
+        for step in range(self.start_step, cfg.train.end_step):
             record = self.train_one(step, flops_per_step)
             done = step + 1
-            if cfg.train.eval_every and done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+            if cfg.train.eval_every and done % cfg.train.eval_every == 0 or done == cfg.train.end_step:
                 record["val_loss"] = self.validate(done)
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            if done % cfg.train.log_every == 0 or done == cfg.train.end_step:
                 record.update(self.memory_per_rank())
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.steps:
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 or done == cfg.train.end_step:
                 record.update(self.save(done))
             if log:
                 log.write(record)
@@ -185,7 +185,7 @@ class Trainer:
         written = self.saver.poll()
         record |= ({"skipped": True} if result.skipped else {}) | ({"ckpt_write_s": written[-1]} if written else {})
         return record | layout_record(
-            result.metrics, self.engine.model, every=step + 1 == self.cfg.train.steps or (step + 1) % self.cfg.train.log_every == 0
+            result.metrics, self.engine.model, every=step + 1 == self.cfg.train.end_step or (step + 1) % self.cfg.train.log_every == 0
         )
 
     def stop_nonfinite(self, step: int, result: StepResult) -> None:

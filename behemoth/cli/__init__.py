@@ -129,6 +129,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
         "recommend": ("behemoth.cli.recommend:recommend_main", "which instance type and count to rent for a model and tokens: time, cost, runner-up"),
         "graph": ("behemoth.cli.graph:graph_main", "draw a plan's step as a dataflow graph (rank lanes, messages, critical path): SVG or HTML"),
         "bench": ("behemoth.cli.bench:bench_main", "every benchmark against every peer installed: one table of ratios, a chart per family"),
+        "sweep": ("behemoth.cli.sweep:sweep_main", "many runs of one base config (grid/list/random, ASHA pruning, Ray): a leaderboard"),
     }
 
 
