@@ -28,6 +28,7 @@ def tiny_config(run_dir: str | Path, *overrides: str) -> dict[str, Any]:
         "train.peak_tflops=1",
         "checkpoint.every=0",
         "run.progress=false",
+        "run.tensorboard=false",  # tests/test_profile_tensorboard.py turns it on; the command line's runs keep the default
         "run.timeout_s=60",
         f"run.dir={run_dir}",
         f"data.cache_dir={CACHE}",

@@ -17,7 +17,7 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tmp_path: Path) -> None:
     from behemoth.metrics import read_metrics, scalars
 
     run = tmp_path / "run"
-    cfg = tiny_config(run, "train.steps=4", "train.eval_every=2", "train.log_every=2")
+    cfg = tiny_config(run, "train.steps=4", "train.eval_every=2", "train.log_every=2", "run.tensorboard=true")
     run_ranks(1, train_body, cfg, timeout=180)
     assert list(run.glob("events.out.tfevents.*")), sorted(p.name for p in run.iterdir())
     board = EventAccumulator(str(run), size_guidance={"scalars": 0})
