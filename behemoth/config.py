@@ -75,6 +75,12 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="write metrics every N steps")
     peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
     nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
+    loss_chunk: int = Field(
+        -1,
+        ge=-1,
+        description="tokens per chunk of the head's linear + cross-entropy, logits never whole (0: off; -1: when a micro-batch's "
+        "float32 logits on a rank exceed 1 GiB, chunks of <= 256 MiB of logits; docs/performance.md)",
+    )
 
 
 class CheckpointConfig(Section):
