@@ -75,6 +75,9 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="write metrics every N steps")
     peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
     nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
+    adamw: Literal["auto", "for-loop", "foreach", "fused"] = Field(
+        "auto", description="torch's AdamW implementation (auto: fused on CUDA, foreach elsewhere; docs/performance.md)"
+    )
     loss_chunk: int = Field(
         -1,
         ge=-1,

@@ -51,9 +51,18 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def adamw_settings(train: TrainConfig) -> AdamWSettings:
+def adamw_kernel(train: TrainConfig, device: torch.device) -> str:
+    """torch's AdamW implementation for the device: train.adamw, or by default fused on CUDA (one kernel for every
+    tensor) and foreach elsewhere (on CPU measured faster than fused and the for-loop: benchmarks/bench_optimizer.py)."""
+    if train.adamw != "auto":
+        return train.adamw
+    return "fused" if device.type == "cuda" else "foreach"
+
+
+def adamw_settings(train: TrainConfig, device: torch.device | None = None) -> AdamWSettings:
     """AdamW as configured; weight decay applies to matrices and embeddings only (not biases or norms)."""
-    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay)
+    kernel = adamw_kernel(train, device or torch.device("cpu"))
+    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay, kernel)
 
 
 class Engine:
@@ -62,7 +71,7 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
-        self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
+        self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]
         head = model.lm.chunked_head(train.loss_chunk)  # the loss paths below take the head's input, logits in chunks
         self.loss_head = head.deferred if head is not None else contextlib.nullcontext
         if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
