@@ -53,7 +53,8 @@ def lr_at(step: int, train: TrainConfig) -> float:
 
 def adamw_kernel(train: TrainConfig, device: torch.device) -> str:
     """torch's AdamW implementation for the device: train.adamw, or by default fused on CUDA (one kernel for every
-    tensor) and foreach elsewhere (on CPU measured faster than fused and the for-loop: benchmarks/bench_optimizer.py)."""
+    tensor) and foreach elsewhere, which equals the for-loop bit for bit (on CPU torch's fused kernel measured faster
+    still, within a few ulps of it: train.adamw=fused; docs/performance.md, benchmarks/bench_optimizer.py)."""
     if train.adamw != "auto":
         return train.adamw
     return "fused" if device.type == "cuda" else "foreach"
