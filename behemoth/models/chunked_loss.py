@@ -80,20 +80,20 @@ def _logits(h: torch.Tensor, head: HeadInput) -> torch.Tensor:
 
 
 def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: log-sum-exp over the (full) vocabulary and the target's logit (0 for an ignored target)."""
-    if split is None:
-        lse = torch.logsumexp(logits, dim=1)
-        picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
-        return lse, picked.masked_fill(targets == IGNORE_INDEX, 0.0)
-    real = logits[:, : split.real]
-    peak = real.amax(dim=1) if split.real else real.new_full((real.shape[0],), float("-inf"))
-    split.all_reduce(peak, "max")
-    mine = (targets >= split.start) & (targets < split.start + split.real)
-    local = torch.where(mine, targets - split.start, 0)
-    picked = real.gather(1, local.unsqueeze(1)).squeeze(1) - peak if split.real else torch.zeros_like(peak)
-    sums = torch.stack([torch.exp(real - peak.unsqueeze(1)).sum(dim=1), picked.masked_fill(~mine, 0.0)])
-    split.all_reduce(sums, "sum")
-    return torch.log(sums[0]) + peak, sums[1] + peak
+    """Per token: log-sum-exp over the (full) vocabulary and the target's logit (0 for an ignored target). Consumes
+    `logits` (exponentiated in place: one [chunk, vocab] buffer, no temporaries of its size)."""
+    start, real = (0, logits.shape[1]) if split is None else (split.start, split.real)
+    mine = (targets >= start) & (targets < start + real)
+    mine &= targets != IGNORE_INDEX
+    picked = logits.gather(1, torch.where(mine, targets - start, 0).unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+    part = logits[:, :real]
+    peak = part.amax(dim=1) if real else part.new_full((part.shape[0],), float("-inf"))
+    if split is not None:
+        split.all_reduce(peak, "max")
+    sums = torch.stack([part.sub_(peak.unsqueeze(1)).exp_().sum(dim=1), picked])
+    if split is not None:
+        split.all_reduce(sums, "sum")  # every rank's share of the exponentials, and the one rank's picked logit
+    return torch.log(sums[0]) + peak, sums[1]
 
 
 def _softmax_minus_target(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None) -> torch.Tensor:
