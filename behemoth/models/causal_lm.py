@@ -96,8 +96,8 @@ class CausalLM:
             params = lambda: (head.weight, getattr(head, "bias", None), bool(getattr(head, "transposed", False)))  # noqa: E731  # read at each call
             return ChunkedHead(head, "forward", params, loss_chunk)
         if self.logits_fn is None and self.shape.tied and getattr(self.module, "wte", None) is not None:  # behemoth's GPT, tied
-            gpt = self.module
-            return ChunkedHead(gpt, "project", lambda: (gpt.wte.weight, None, False), loss_chunk)
+            wte: Any = self.module.get_submodule("wte")  # looked up now, its weight at each call (ZeRO-3 installs it)
+            return ChunkedHead(self.module, "project", lambda: (wte.weight, None, False), loss_chunk)
         return None
 
     def after_tensor_parallel(self, tp: int) -> None:

@@ -145,6 +145,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 _accumulate(grad_w, *((x.to(head.dtype).t(), g) if head.transposed else (g.t(), x.to(head.dtype))))
             if grad_b is not None:
                 grad_b += g.float().sum(0)
+            del g  # before the next chunk's logits: one chunk's at a time
         return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None
 
 

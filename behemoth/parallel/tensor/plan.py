@@ -118,8 +118,8 @@ class TensorParallel:
         head's input, its weight this rank's vocabulary rows: chunk by chunk, two all-reduces per chunk)."""
         head = head_input_of(logits)
         if head is not None:
-            split = self.vocab is not None and head.weight.shape[1 if head.transposed else 0] == self.vocab.padded
-            return chunked_cross_entropy_sum(logits, targets, VocabSplit(self.vocab.start, self.vocab.real, self.reduce) if split else None)
+            vocab = self.vocab if self.vocab is not None and head.weight.shape[1 if head.transposed else 0] == self.vocab.padded else None
+            return chunked_cross_entropy_sum(logits, targets, VocabSplit(vocab.start, vocab.real, self.reduce) if vocab is not None else None)
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:  # the head was not split
             return summed_token_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp).sum()
