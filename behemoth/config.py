@@ -76,6 +76,15 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(None, gt=0, description="device peak for MFU (default: measured)")
     nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
     stop_at: int | None = Field(None, ge=1, description="end this run after step N, validated and checkpointed (the LR schedule spans train.steps)")
+    adamw: Literal["auto", "for-loop", "foreach", "fused"] = Field(
+        "auto", description="torch's AdamW implementation (auto: fused on CUDA, foreach elsewhere; docs/performance.md)"
+    )
+    loss_chunk: int = Field(
+        -1,
+        ge=-1,
+        description="tokens per chunk of the head's linear + cross-entropy, logits never whole (0: off; -1: when a micro-batch's "
+        "float32 logits on a rank exceed 1 GiB, chunks of <= 256 MiB of logits; docs/performance.md)",
+    )
 
     @property
     def end_step(self) -> int:

@@ -51,9 +51,19 @@ def lr_at(step: int, train: TrainConfig) -> float:
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def adamw_settings(train: TrainConfig) -> AdamWSettings:
+def adamw_kernel(train: TrainConfig, device: torch.device) -> str:
+    """torch's AdamW implementation for the device: train.adamw, or by default fused on CUDA (one kernel for every
+    tensor) and foreach elsewhere, which equals the for-loop bit for bit (on CPU torch's fused kernel measured faster
+    still, within a few ulps of it: train.adamw=fused; docs/performance.md, benchmarks/bench_optimizer.py)."""
+    if train.adamw != "auto":
+        return train.adamw
+    return "fused" if device.type == "cuda" else "foreach"
+
+
+def adamw_settings(train: TrainConfig, device: torch.device | None = None) -> AdamWSettings:
     """AdamW as configured; weight decay applies to matrices and embeddings only (not biases or norms)."""
-    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay)
+    kernel = adamw_kernel(train, device or torch.device("cpu"))
+    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay, kernel)
 
 
 class Engine:
@@ -62,7 +72,9 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
-        self.optimizers = [sync.build_optimizer(adamw_settings(train)) for sync in model.syncs]
+        self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]
+        head = model.lm.chunked_head(train.loss_chunk)  # the loss paths below take the head's input, logits in chunks
+        self.loss_head = head.deferred if head is not None else contextlib.nullcontext
         if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
             model.lm.routers.loss_scale = 1.0 / tokens_per_step
             model.lm.routers.reduce = model.reduce_over_batch  # the pooled load-balancing loss counts every data rank's tokens
@@ -82,7 +94,8 @@ class Engine:
 
     def forward_backward(self, micro_batches: Batch) -> torch.Tensor:
         """Every micro-batch's forward and backward, by the model's executor; this rank's share of the scaled loss."""
-        return self.model.executor.run(micro_batches, self.micro_loss, self.autocast)
+        with self.loss_head():
+            return self.model.executor.run(micro_batches, self.micro_loss, self.autocast)
 
     def train_step(self, micro_batches: Batch, lr: float, counted_targets: int | None = None) -> StepResult:
         """Forward/backward every micro-batch, finish the gradients, clip, step the optimizers, reduce the loss.
@@ -124,7 +137,8 @@ class Engine:
         """Mean token loss over the batches (each rank its share), summed over every rank that saw a part of them."""
         model = self.model
         model.module.eval()
-        stats = model.executor.forward_only(batches, model.loss_sum, self.autocast)
+        with self.loss_head():
+            stats = model.executor.forward_only(batches, model.loss_sum, self.autocast)
         model.reduce_over_batch(stats)
         return float(stats[0] / stats[1])
 

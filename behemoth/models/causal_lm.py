@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from behemoth.models.chunked_loss import ChunkedHead, chunked_cross_entropy_sum, head_input_of
 from behemoth.models.gpt import build_gpt, gpt_tp_plan
 from behemoth.models.init import InitSpec, materialize
 from behemoth.models.layered import LayeredView, view_of
@@ -28,7 +29,10 @@ IGNORE_INDEX = -100  # a target the loss leaves out (a chat's prompt tokens), as
 
 def summed_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in float32 over the targets that are not IGNORE_INDEX: the loss every layout computes
-    (divided by the global count of such targets later)."""
+    (divided by the global count of such targets later). A deferred head's output (models/chunked_loss.py) is taken
+    chunk by chunk, its logits never whole."""
+    if head_input_of(logits) is not None:
+        return chunked_cross_entropy_sum(logits, targets)
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
@@ -81,6 +85,23 @@ class CausalLM:
         if positions is None:
             return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
         return self.module(idx, positions) if self.logits_fn is None else self.logits_fn(self.module, idx, positions)
+
+    def chunked_head(self, loss_chunk: int) -> ChunkedHead | None:
+        """Let the head's projection leave its input to a chunked loss (`train.loss_chunk`; models/chunked_loss.py), or
+        None: chunking off, no head on this rank (an earlier pipeline stage), or a head with forward hooks (a LoRA
+        adapter on it: its output is more than the projection)."""
+        if loss_chunk == 0:
+            return None
+        head = getattr(self.module, "lm_head", None)
+        if head is not None:
+            if head._forward_hooks:
+                return None
+            params = lambda: (head.weight, getattr(head, "bias", None), bool(getattr(head, "transposed", False)))  # noqa: E731  # read at each call
+            return ChunkedHead(head, "forward", params, loss_chunk)
+        if self.logits_fn is None and self.shape.tied and getattr(self.module, "wte", None) is not None:  # behemoth's GPT, tied
+            wte: Any = self.module.get_submodule("wte")  # looked up now, its weight at each call (ZeRO-3 installs it)
+            return ChunkedHead(self.module, "project", lambda: (wte.weight, None, False), loss_chunk)
+        return None
 
     def after_tensor_parallel(self, tp: int) -> None:
         """Per-instance widths a model reads in forward (GPT-2's split_size) follow the tp split."""

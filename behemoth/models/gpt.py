@@ -221,7 +221,10 @@ class GPT(nn.Module):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.ln_f(h)
+        return self.project(self.ln_f(h))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of final-norm hidden states: the LM head, or the token embedding's weight when tied."""
         return F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,6 +33,11 @@ class AdamWSettings:
     lr: float
     betas: tuple[float, float]
     weight_decay: float
+    kernel: str = "foreach"  # torch's AdamW implementation: for-loop, foreach or fused (engine.adamw_kernel picks one per device)
+
+    def kernel_flags(self) -> dict[str, bool]:
+        """torch's `foreach` / `fused` arguments for the kernel (both False: the for-loop)."""
+        return {"foreach": self.kernel == "foreach", "fused": self.kernel == "fused"}
 
 
 def decays(shape: tuple[int, ...] | torch.Size) -> bool:
@@ -54,9 +59,10 @@ def adamw_with_state(decay: list[nn.Parameter], no_decay: list[nn.Parameter], se
     groups = [g for g in ({"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if not groups:
         return None
-    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, foreach=True)
-    for p in decay + no_decay:
-        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    optimizer = torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, **settings.kernel_flags())
+    for p in decay + no_decay:  # the fused kernel keeps its step count on the parameter's device, as torch's AdamW creates it
+        step = torch.zeros((), device=p.device) if settings.kernel == "fused" else torch.tensor(0.0)
+        optimizer.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
     return optimizer
 
 

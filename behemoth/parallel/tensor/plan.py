@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import summed_token_loss
+from behemoth.models.chunked_loss import VocabSplit, chunked_cross_entropy_sum, head_input_of
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.adapters import carry_adapter
@@ -112,10 +114,19 @@ class TensorParallel:
         return 1 if name in self.layouts else self.tp.size
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard."""
+        """Summed token loss; with a vocabulary-parallel head the logits are this rank's vocabulary shard (or a deferred
+        head's input, its weight this rank's vocabulary rows: chunk by chunk, two all-reduces per chunk)."""
+        head = head_input_of(logits)
+        if head is not None:
+            vocab = self.vocab if self.vocab is not None and head.weight.shape[1 if head.transposed else 0] == self.vocab.padded else None
+            return chunked_cross_entropy_sum(logits, targets, VocabSplit(vocab.start, vocab.real, self.reduce) if vocab is not None else None)
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:  # the head was not split
             return summed_token_loss(logits, targets)
         return vocab_parallel_cross_entropy(logits, targets, self.vocab, self.tp).sum()
+
+    def reduce(self, t: torch.Tensor, op: str) -> None:
+        """All-reduce `t` in place over tp: "max" or "sum" (the chunked loss's per-chunk statistics)."""
+        self.tp.all_reduce(t, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
         """Engine state (`{"model": {name: t}, "optim": {name: {key: t}}}`) with split tensors as full-shape views.

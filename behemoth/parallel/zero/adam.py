@@ -3,7 +3,7 @@
 The shard is a flat float32 buffer holding pieces of several parameters (`ShardPiece`: where, how many,
 whether it decays: matrices and embeddings do, biases and norms do not, as in the single-process run).
 
-- `AdamFP32`: torch's own functional AdamW (foreach) over the pieces, so a step is the step
+- `AdamFP32`: torch's own functional AdamW (foreach, fused or the for-loop: `AdamWSettings.kernel`) over the pieces, so a step is the step
   `torch.optim.AdamW` takes in memory, element for element.
 - `Adam8bit`: Dettmers et al.'s 8-bit optimizers (blockwise dynamic quantization, 256 elements per block),
   through bitsandbytes' `optimizer_update_8bit_blockwise`, which runs on CPUs and GPUs. Each parameter's
@@ -95,12 +95,13 @@ class AdamFP32:
             g.mul_(coef)
         for chosen in batches(pieces):
             views = [[t[pc.offset : pc.offset + pc.numel] for pc in chosen] for t in (p, g, state["m"], state["v"])]
-            steps = [torch.tensor(float(step - 1)) for _ in chosen]
+            where = p.device if self.settings.kernel == "fused" else None  # the fused kernel's step counts live with the parameters
+            steps = [torch.tensor(float(step - 1), device=where) for _ in chosen]
             adamw(
                 *views,
                 [],
                 steps,
-                foreach=True,
+                **self.settings.kernel_flags(),
                 amsgrad=False,
                 beta1=self.settings.betas[0],
                 beta2=self.settings.betas[1],
