@@ -56,7 +56,7 @@ def run_graph(args: argparse.Namespace) -> int:
     return 0
 
 
-def pass_costs(cfg, world: int, cluster_name: str):  # type: ignore[no-untyped-def]
+def pass_costs(cfg, world: int, cluster_name: str):  # noqa: ANN001, ANN201
     """The planner's per-stage forward / input-gradient / weight-gradient seconds and p2p latency for this plan."""
     from behemoth.parallel.pipeline.analysis.simulate import Costs
     from behemoth.planner.cluster import load_cluster

@@ -59,7 +59,7 @@ def run_recommend(args: argparse.Namespace) -> int:
     return 0 if choice is not None else 3
 
 
-def report(work, args, found, choice, runner_up, ok, catalog) -> str:  # type: ignore[no-untyped-def]
+def report(work, args, found, choice, runner_up, ok, catalog) -> str:  # noqa: ANN001
     """Per instance type its best count under the constraints (or its fastest), then the choice and the runner-up."""
     from behemoth.profiler.recommend import why_not
 

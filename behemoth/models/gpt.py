@@ -8,6 +8,7 @@ blocks saves for backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,7 +134,7 @@ class CausalSelfAttention(nn.Module):
     """Causal multi-head attention over the sequence, or over a KV cache's keys and values of earlier tokens too.
     `attend` (models/attention.py) replaces the whole-sequence SDPA (context parallelism's ring or Ulysses)."""
 
-    attend = None
+    attend: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()

@@ -47,7 +47,7 @@ def read_counters(root: Path = POWERCAP) -> Reading:
 def read_nvml(out: Reading) -> None:
     """Each GPU's total energy counter (millijoules since the driver loaded), if pynvml and a GPU are there."""
     try:
-        import pynvml
+        import pynvml  # type: ignore[import-not-found]
     except ImportError:
         out.missing.append("NVML: pynvml is not installed")
         return

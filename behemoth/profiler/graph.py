@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from behemoth.parallel.pipeline.analysis.simulate import Costs, run_timeline, unit_slot
 from behemoth.parallel.pipeline.schedules import BACKWARDS, COMPUTE, RECVS, SENDS, Kind, Schedule
@@ -35,7 +36,7 @@ class StepGraph:
     def nodes(self) -> list[Node]:
         return [(r, i) for r, actions in enumerate(self.schedule.per_rank) for i in range(len(actions))]
 
-    def action(self, n: Node):  # type: ignore[no-untyped-def]
+    def action(self, n: Node) -> Any:
         return self.schedule.per_rank[n[0]][n[1]]
 
     def all_edges(self) -> list[tuple[Node, Node]]:
@@ -60,7 +61,7 @@ def step_graph(schedule: Schedule, costs: Costs | None = None) -> StepGraph:
                 recvs[(a.kind, a.stage, a.microbatch, a.peer, r)] = (r, i)
             elif a.kind is Kind.FORWARD:
                 forwards[(a.stage, a.microbatch)] = (r, i)
-            elif a.kind is Kind.GRAD_SYNC:
+            elif a.kind is Kind.GRAD_SYNC and a.peer is not None:
                 pair = (a.stage, min(r, a.peer), max(r, a.peer))
                 if pair in syncs:
                     g.syncs.append((syncs.pop(pair), (r, i)))
@@ -156,7 +157,7 @@ def draw(g: StepGraph, title: str, fmt: str = "svg") -> bytes:
     for n in g.nodes:
         a, x, w = g.action(n), g.start[n], max(g.duration[n], tick)
         if a.kind not in COMPUTE:
-            colour = "0.75"
+            colour: Any = "0.75"
         else:  # by duration when the passes differ, else by kind
             colour = cmap(0.2 + 0.7 * g.duration[n] / longest) if len(compute) > 1 else by_kind[a.kind]
         edge = "red" if n in crit else "black"

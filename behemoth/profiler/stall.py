@@ -40,11 +40,11 @@ def profile_worker(
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
-    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())  # type: ignore[arg-type]  # dp None: the rest
     try:
         engine = build_engine(cfg, rt)
         spans = Spans(device_sync(rt.device))
-        out = {"rank": rt.rank, "world": rt.world_size, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "ep", "tp")}, "runs": {}}
+        out: dict[str, Any] = {"rank": rt.rank, "world": rt.world_size, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "ep", "tp")}, "runs": {}}
         with instrument(engine, spans), tempfile.TemporaryDirectory(prefix="behemoth-profile-") as scratch:
             for name in runs:
                 feed, save = run_inputs(name, cfg, rt, engine, Path(cfg.run.dir or scratch))

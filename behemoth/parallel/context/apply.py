@@ -52,6 +52,7 @@ class ContextAttention:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if self.ring is not None:
             return ring_attention(q, k, v, self.ring, scale)
+        assert self.ulysses is not None  # one of the two is set
         return ulysses_attention(q, k, v, self.ulysses, scale)
 
 

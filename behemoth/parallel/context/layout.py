@@ -60,4 +60,4 @@ class ContextLayout:
             for j, k in enumerate(self.chunks(r)):
                 c = part.shape[1] // len(self.chunks(r))
                 pieces[k] = part[:, j * c : (j + 1) * c]
-        return torch.cat(pieces, dim=1)
+        return torch.cat([p for p in pieces if p is not None], dim=1)

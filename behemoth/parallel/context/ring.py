@@ -102,7 +102,7 @@ class RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the held K/V block's gradient so far
-        grads_in = None  # the previous rank's accumulator for the block that arrives next
+        grads_in: InFlight | None = None  # the previous rank's accumulator for the block that arrives next
         for s in range(size):
             nxt = ring.start(kv, KV_TAG) if s < size - 1 else None
             kind = _step_kind(i, (i - s) % size)
@@ -118,6 +118,7 @@ class RingAttention(torch.autograd.Function):
                 dkv[1, :, :, : dv.shape[2]] += dv
             grads_in = ring.start(dkv, GRAD_TAG)
             kv = nxt.finish() if nxt is not None else kv
+        assert grads_in is not None  # the ring has at least one step
         dkv = grads_in.finish()  # this rank's own block, every rank's contribution added
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
