@@ -108,6 +108,7 @@ class RunConfig(Section):
     progress: bool = Field(True, description="show a progress bar on rank 0")
     timeout_s: float = Field(300.0, gt=0, description="longest wait on another process before failing")
     tensorboard: Literal["auto"] | bool = Field("auto", description="also write the metrics as TensorBoard event files (auto: if installed)")
+    kwh_price: float | None = Field(None, ge=0, description="price of a kWh: the summary's energy (RAPL/NVML, where readable) gets a cost")
 
 
 # a storage tier (parallel/zero/tiers.py): device, host, disk; `none` and `cpu` are the older spellings of device and host

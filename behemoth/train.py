@@ -30,6 +30,7 @@ from behemoth.offload import persist
 from behemoth.offload.optimizer import EIGHT_BIT
 from behemoth.offload.runtime import OffloadSync
 from behemoth.planner.feasibility import refuse
+from behemoth.profiler.energy import read_counters, run_energy
 from behemoth.topology import Runtime, init_runtime
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
@@ -56,6 +57,7 @@ class Trainer:
         self.history: list[StepResult] = []
         self.mfus: list[float] = []
         self.val_history: list[tuple[int, float]] = []
+        self.energy: dict[str, Any] | None = None  # rank 0: the run's energy from this host's counters (profiler/energy.py)
         self.start_step = 0
         self.last_saved = -1
         self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
@@ -140,6 +142,7 @@ class Trainer:
             log.write({"step": self.start_step, "val_loss": val0})
         for event in self.events if log else ():
             log.write(event)
+        counters = read_counters() if main else None  # this host's energy counters (RAPL, NVML), where readable
         for step in range(self.start_step, cfg.train.end_step):
             record = self.train_one(step, flops_per_step)
             done = step + 1
@@ -156,6 +159,10 @@ class Trainer:
                 loss=f"{record['loss']:.3f}", val=f"{self.val_history[-1][1]:.3f}" if self.val_history else "-", tok_s=f"{record['tokens_per_s']:.0f}"
             )
         bar.close()
+        if counters is not None:
+            self.energy = run_energy(counters, read_counters(), cfg.run.kwh_price)
+            if log and "kwh" in self.energy:  # metrics.jsonl and TensorBoard get it as the last step's scalars
+                log.write({"step": cfg.train.end_step, **{f"energy_{k}": self.energy[k] for k in ("joules", "kwh", "cost") if k in self.energy}})
         try:
             return self.finish(log)
         finally:
@@ -261,6 +268,7 @@ class Trainer:
             "checkpoint_write_s": list(self.saver.write_s),
             "exported": self.exports and not self.cfg.finetune.lora.enabled,
             "adapter": self.cfg.finetune.lora.enabled,
+            "energy": self.energy,
         }
         if log is None:
             barrier(self.rt.world_group)

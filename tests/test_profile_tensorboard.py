@@ -44,3 +44,48 @@ def test_tensorboard_off_writes_no_events(tmp_path: Path) -> None:
     log.write({"step": 1, "loss": 2.0})
     log.close()
     assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def _train_with_counters(cfg_dict: dict, root: str) -> dict:
+    """Train with the host's energy counters read from a powercap tree under `root` that gains 9 kJ per reading."""
+    import behemoth.train
+    from behemoth.config import Config
+    from behemoth.profiler.energy import read_counters
+    from behemoth.topology import init_runtime
+
+    calls = []
+
+    def counters():  # noqa: ANN202
+        calls.append(1)
+        zone = Path(root) / "intel-rapl:0"
+        zone.mkdir(parents=True, exist_ok=True)
+        (zone / "energy_uj").write_text(f"{9_000_000_000 * len(calls)}\n")
+        (zone / "max_energy_range_uj").write_text(f"{10**12}\n")
+        return read_counters(Path(root))
+
+    behemoth.train.read_counters = counters
+    cfg = Config.model_validate(cfg_dict)
+    return behemoth.train.Trainer(cfg, init_runtime(timeout_s=60)).run()
+
+
+def test_a_runs_energy_reaches_its_summary_metrics_and_tensorboard(tmp_path: Path) -> None:
+    """Where counters are readable, the run's joules, kWh and cost (run.kwh_price) are in its summary, in metrics.jsonl
+    and in TensorBoard; where they are not, the closing line says why."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from behemoth.metrics import read_metrics
+    from behemoth.profiler.energy import Reading, run_energy, run_energy_line
+
+    run = tmp_path / "run"
+    cfg = tiny_config(run, "train.steps=2", "run.tensorboard=true", "run.kwh_price=0.5")
+    summary = run_ranks(1, _train_with_counters, cfg, str(tmp_path / "powercap"), timeout=180)[0]
+    energy = summary["energy"]
+    assert energy["joules"] == pytest.approx(9000.0) and energy["kwh"] == pytest.approx(0.0025) and energy["cost"] == pytest.approx(0.00125)
+    assert run_energy_line(energy).startswith("energy 0.0025 kWh (9 kJ over rapl:intel-rapl:0, whole devices; ~$0.00125")
+    last = read_metrics(run / "metrics.jsonl")[-1]
+    assert last["step"] == 2 and last["energy_kwh"] == pytest.approx(0.0025)
+    board = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    board.Reload()
+    assert [e.value for e in board.Scalars("energy_kwh")] == [pytest.approx(0.0025)]
+    unread = run_energy(Reading(), Reading(missing=["RAPL: no /sys/class/powercap/intel-rapl:*"]), 0.5)
+    assert run_energy_line(unread) == "energy not measured (RAPL: no /sys/class/powercap/intel-rapl:*)"

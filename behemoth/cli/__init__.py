@@ -334,6 +334,10 @@ def report(summary: dict[str, Any], seconds: float) -> None:
             f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
             f"({summary['peak_source']})"
         )
+    if summary.get("energy") is not None:
+        from behemoth.profiler.energy import run_energy_line
+
+        print(f"behemoth: {run_energy_line(summary['energy'])}")
     exported = " model.safetensors" if summary.get("exported", True) else " (no model.safetensors: checkpoint.export=true, or behemoth export)"
     if summary.get("adapter"):  # a LoRA run: its adapters in PEFT's layout (docs/finetune.md)
         exported = " adapter/ (LoRA, PEFT layout; merged weights: behemoth export RUN --merge --out DIR)"

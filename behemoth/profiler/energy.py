@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 POWERCAP = Path("/sys/class/powercap")
 
@@ -77,3 +78,25 @@ def energy_line(joules: dict[str, float], steps: int, missing: list[str]) -> str
     total = sum(joules.values())
     parts = ", ".join(f"{k} {v:.1f} J" for k, v in joules.items())
     return f"energy: {total / steps:.2f} J per step, {total / 3.6e6:.3g} kWh in {steps} steps ({parts}; whole devices, other work included)"
+
+
+def run_energy(before: Reading, after: Reading, kwh_price: float | None) -> dict[str, Any]:
+    """A run's energy for its summary and metrics: joules and kWh over the readable counters (this host's packages and
+    GPUs, whole devices), the cost at `kwh_price` per kWh when given, and why a source was not read."""
+    joules = joules_between(before, after)
+    total = sum(joules.values())
+    out: dict[str, Any] = {"sources": sorted(joules), "missing": list(after.missing)}
+    if joules:
+        out.update(joules=total, kwh=total / 3.6e6)
+        if kwh_price is not None:
+            out["cost"] = total / 3.6e6 * kwh_price
+    return out
+
+
+def run_energy_line(energy: dict[str, Any]) -> str:
+    """The closing line's energy: `energy 0.0123 kWh (44.3 kJ over rapl:intel-rapl:0, whole devices; ~$0.002 at
+    run.kwh_price)`, or why it was not measured."""
+    if "kwh" not in energy:
+        return "energy not measured (" + "; ".join(energy.get("missing") or ["no counter"]) + ")"
+    cost = f"; ~${energy['cost']:.4g} at run.kwh_price" if "cost" in energy else ""
+    return f"energy {energy['kwh']:.4g} kWh ({energy['joules'] / 1e3:.3g} kJ over {', '.join(energy['sources'])}, whole devices{cost})"
