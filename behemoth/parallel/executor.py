@@ -45,14 +45,18 @@ class MicroBatchLoop:
     def __init__(self, lm: CausalLM, syncs: list[GradSync], device: torch.device) -> None:
         self.lm, self.syncs, self.device = lm, syncs, device
 
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's logits and the targets they are scored against (a subclass may shard both)."""
+        return self.lm.logits(inputs.to(self.device)), targets.to(self.device)
+
     def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(micro_batches):
             for sync in self.syncs:
                 sync.begin_micro_batch(last=i == len(micro_batches) - 1)
             with autocast():
-                logits = self.lm.logits(inputs.to(self.device))
-            loss = loss_fn(logits, targets.to(self.device))
+                logits, scored = self.forward(inputs, targets)
+            loss = loss_fn(logits, scored)
             loss.backward()
             total += loss.detach()
         return total
@@ -61,9 +65,9 @@ class MicroBatchLoop:
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
         for inputs, targets in batches:
             with autocast():
-                logits = self.lm.logits(inputs.to(self.device))
-            stats[0] += loss_sum(logits, targets.to(self.device)).double()
-            stats[1] += counted_targets(targets)
+                logits, scored = self.forward(inputs, targets)
+            stats[0] += loss_sum(logits, scored).double()
+            stats[1] += counted_targets(scored)
         return stats
 
     def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:

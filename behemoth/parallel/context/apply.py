@@ -19,11 +19,11 @@ import torch.distributed as dist
 from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
 from behemoth.models.attention import use_attention
-from behemoth.models.causal_lm import CausalLM, counted_targets
+from behemoth.models.causal_lm import CausalLM
 from behemoth.parallel.context.layout import ContextLayout
 from behemoth.parallel.context.ring import RingComm, ring_attention
 from behemoth.parallel.context.ulysses import UlyssesComm, ulysses_attention
-from behemoth.parallel.executor import Autocast, Batch, LossFn
+from behemoth.parallel.executor import Autocast, MicroBatchLoop
 from behemoth.parallel.sync import GradSync
 
 
@@ -87,37 +87,17 @@ def apply_context_parallel(lm: CausalLM, group: dist.ProcessGroup, policy: Conte
     return ContextParallel(layout, attention)
 
 
-class ContextParallelLoop:
+class ContextParallelLoop(MicroBatchLoop):
     """The micro-batch loop of a context-parallel model: each micro-batch's sequences cut to this rank's tokens, run at
     their global positions; the syncs reduce (over dp x cp) during the last one's backward."""
 
     def __init__(self, lm: CausalLM, syncs: list[GradSync], device: torch.device, cp: ContextParallel) -> None:
-        self.lm, self.syncs, self.device, self.cp = lm, syncs, device, cp
+        super().__init__(lm, syncs, device)
+        self.cp = cp
 
-    def _forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, t, positions = self.cp.shard(inputs.to(self.device), targets.to(self.device))
         return self.lm.logits(x, positions), t
-
-    def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            for sync in self.syncs:
-                sync.begin_micro_batch(last=i == len(micro_batches) - 1)
-            with autocast():
-                logits, t = self._forward(inputs, targets)
-            loss = loss_fn(logits, t)
-            loss.backward()
-            total += loss.detach()
-        return total
-
-    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
-        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for inputs, targets in batches:
-            with autocast():
-                logits, t = self._forward(inputs, targets)
-            stats[0] += loss_sum(logits, t).double()
-            stats[1] += counted_targets(t)
-        return stats
 
     def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:
         raise BehemothError("a context-parallel model holds 1/cp of each sequence's logits", "generate with parallel.cp=1")
