@@ -27,6 +27,7 @@ def profiled(cfg: dict[str, Any], trace_dir: str) -> dict[str, Any]:
     from behemoth.profiler.stall import profile_worker
 
     base = profile_worker(cfg, STEPS, 1, ("synthetic", "data", "io"), trace_dir)
+    two_nodes = profile_worker(cfg, 1, 0, ("synthetic",), node_size=1)  # each rank its own node: every dp collective crosses
     plain_sample, plain_reduce = BatchSampler.micro_batches, dist.all_reduce
     calls = {"all_reduce": 0, "micro_batches": 0}
 
@@ -45,7 +46,7 @@ def profiled(cfg: dict[str, Any], trace_dir: str) -> dict[str, Any]:
         stalled = profile_worker(cfg, STEPS, 1, ("data",))
     finally:
         BatchSampler.micro_batches, dist.all_reduce = plain_sample, plain_reduce
-    return {"base": base, "stalled": stalled, "calls": calls}
+    return {"base": base, "stalled": stalled, "calls": calls, "two_nodes": two_nodes}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,45 @@ def test_injected_stalls_land_where_they_were_put(results: list[dict[str, Any]])
         delay = reduces * COLLECTIVE_DELAY_S
         assert stalled["comm_dp"] >= 0.95 * delay > base["comm_dp"], (base, stalled, reduces)
         assert stalled["data"] < DATA_SLEEP_S + 0.2 * DATA_SLEEP_S, (base, stalled)
+
+
+def test_communication_is_split_by_link(results: list[dict[str, Any]]) -> None:
+    """On one node every collective is intra-node; with one rank per node the same data-parallel traffic is all
+    inter-node (the `_net` components), and the report's link line says so."""
+    from behemoth.profiler.report import Profile, table
+    from behemoth.profiler.stall import summarize
+
+    for r in results:
+        one, two = summarize(r["base"]["runs"]["synthetic"]), summarize(r["two_nodes"]["runs"]["synthetic"])
+        assert one["comm_dp"] > 0 and one["comm_dp_net"] == 0, one
+        assert two["comm_dp_net"] > 0 and two["comm_dp"] == 0, two
+    split = Profile([r["two_nodes"] for r in results], plan="dp=2")
+    intra, inter = split.links("synthetic")
+    assert intra == 0 and inter > 0
+    assert "exposed comm by link (2 node(s) of 1 rank(s)): intra-node 0.00 ms" in table(split)
+
+
+def test_profile_result_calibrates_recommend(results: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The calibration a profile writes is what `recommend --calibrate` reads: its compute factor is the measured
+    compute over the predicted, its unmodelled share the data preparation and host work of the measured step."""
+    from behemoth.config import Config
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.cost import price
+    from behemoth.planner.layout import Layout, Workload
+    from behemoth.profiler.recommend import load_calibration
+    from behemoth.profiler.report import Profile
+
+    cfg = Config.model_validate(tiny_config("unused", "train.micro_batch=2"))
+    predicted = price(Workload.of(cfg), Layout.of_config(cfg, 2), load_cluster("a100-80gb").with_nodes(2), exact=True).time
+    profile = Profile([r["base"] for r in results], predicted, plan="dp=2")
+    entry = profile.calibration("a100-80gb")
+    (tmp_path / "p.json").write_text(json.dumps({"calibration": entry}))
+    cal = load_calibration(tmp_path / "p.json")
+    got, pred = profile.rows("data"), profile.predicted_rows()
+    compute = sum(got[k] for k in ("forward", "backward", "optimizer")) / sum(pred[k] or 0.0 for k in ("forward", "backward", "optimizer"))
+    assert entry["run"] == "data" and cal.cluster == "a100-80gb"
+    assert cal.compute == pytest.approx(compute) and cal.compute > 1  # a CPU is slower than the A100 the model assumed
+    assert cal.unmodelled == pytest.approx((got["data"] + got["host"]) / profile.measured("data")["step_mean"])
 
 
 def test_report_names_the_largest_disagreement(results: list[dict[str, Any]]) -> None:

@@ -46,3 +46,15 @@ def test_collectives_are_charged_to_their_dimension() -> None:
     mixed = {(0, 1): "tp", (0, 2): "dp"}
     assert comm_kind("world", [0, 1, 2, 3], mixed) == "comm_dp"
     assert comm_kind("group", [2, 0], mixed) == "comm_dp" and comm_kind("group", [1, 0], mixed) == "comm_tp"
+
+
+def test_a_group_across_nodes_is_charged_to_the_network() -> None:
+    """With 2 ranks per node, a group of ranks 0 and 1 stays on node 0; 1 and 2 cross to node 1."""
+    from behemoth.profiler.spans import comm_kind
+
+    dims = {(0, 1): "tp", (0, 2): "dp"}
+    assert comm_kind("tp", [0, 1], dims, node_size=2) == "comm_tp"
+    assert comm_kind("tp", [1, 2], dims, node_size=2) == "comm_tp_net"
+    assert comm_kind("group", [0, 2], dims, node_size=2) == "comm_dp_net"
+    assert comm_kind("group", [0, 2], dims, node_size=4) == "comm_dp"
+    assert comm_kind("group", [0, 2], dims) == "comm_dp"  # no node size: one node

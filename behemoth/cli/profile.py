@@ -31,7 +31,15 @@ def profile_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", default="synthetic,data,io", help="differential runs, in order (default synthetic,data,io)")
     p.add_argument("--cluster", metavar="FILE|PRESET", help="hardware the prediction uses (default: this machine, calibrated or probed)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the one-process run without collectives")
-    p.add_argument("--json", metavar="FILE", help="also write every rank's raw timings here")
+    p.add_argument(
+        "--json", metavar="FILE", help="also write every rank's raw timings and the calibration `behemoth recommend --calibrate FILE` reads here"
+    )
+    p.add_argument(
+        "--node-size",
+        type=int,
+        metavar="N",
+        help="ranks per node, for the intra- vs inter-node split of communication (default: LOCAL_WORLD_SIZE, else one node)",
+    )
     p.add_argument("--trace", metavar="DIR", nargs="?", const="profile-trace", help="also record a torch.profiler trace per rank into DIR")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, as for behemoth train")
     return p
@@ -54,10 +62,10 @@ def run_profile(args: argparse.Namespace) -> int:
     world = args.nproc or default_nproc()
     runs = tuple(r.strip() for r in args.runs.split(",") if r.strip())
     bad = [r for r in runs if r not in RUNS]
-    if bad or args.steps < 1 or args.warmup < 0:
+    if bad or args.steps < 1 or args.warmup < 0 or (args.node_size is not None and not 1 <= args.node_size <= world):
         raise BehemothError(
-            f"--runs {args.runs} / --steps {args.steps} / --warmup {args.warmup} is not a profile",
-            f"use runs from {', '.join(RUNS)}, --steps >= 1, --warmup >= 0",
+            f"--runs {args.runs} / --steps {args.steps} / --warmup {args.warmup} / --node-size {args.node_size} is not a profile",
+            f"use runs from {', '.join(RUNS)}, --steps >= 1, --warmup >= 0, 1 <= --node-size <= {world}",
         )
     cfg = plan_for_world(load_config(args.config, [*args.overrides, "run.progress=false"]), world)
     refuse(cfg, world)
@@ -65,7 +73,7 @@ def run_profile(args: argparse.Namespace) -> int:
     cfg_dict = cfg.model_dump(mode="json")
     cfg_dict["run"]["dir"] = cfg.run.dir or scratch
     try:
-        results = launch(world, profile_worker, cfg_dict, args.steps, args.warmup, runs, args.trace, timeout_s=cfg.run.timeout_s)
+        results = launch(world, profile_worker, cfg_dict, args.steps, args.warmup, runs, args.trace, args.node_size, timeout_s=cfg.run.timeout_s)
         one = None if args.no_compute_only or world == 1 else one_rank_config(cfg_dict, world)
         alone = launch(1, profile_worker, one, args.steps, args.warmup, ("synthetic",), timeout_s=cfg.run.timeout_s)[0] if one else None
     finally:
@@ -75,7 +83,8 @@ def run_profile(args: argparse.Namespace) -> int:
     profile = Profile(ranks, predicted(cfg, world, args.cluster), alone, plan=plan_line(cfg, world))
     print(table(profile))
     if args.json:
-        Path(args.json).write_text(json.dumps({"ranks": ranks, "compute_only": alone}, indent=1))
+        result = {"ranks": ranks, "compute_only": alone, "calibration": profile.calibration(args.cluster)}
+        Path(args.json).write_text(json.dumps(result, indent=1))
     if args.trace:
         print(f"traces: {args.trace}/ (one Chrome-trace JSON per rank; open in https://ui.perfetto.dev or TensorBoard)")
     return 0

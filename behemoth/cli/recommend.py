@@ -27,6 +27,13 @@ def recommend_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, metavar="H", help="hours the training may take")
     p.add_argument("--budget", type=float, metavar="USD", help="dollars the training may cost")
     p.add_argument("--catalog", metavar="FILE", help="instance catalog YAML (default: behemoth/planner/catalogs/instances.yaml)")
+    p.add_argument(
+        "--calibrate",
+        action="append",
+        default=[],
+        metavar="PROFILE.json",
+        help="a `behemoth profile --cluster PRESET --json FILE` result: rescale the steps of the instance types on that preset (repeatable)",
+    )
     p.add_argument("--config", metavar="FILE", help="YAML config; key=value options override it")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options (model shape, train.global_batch, train.precision)")
     return p
@@ -41,7 +48,7 @@ def run_recommend(args: argparse.Namespace) -> int:
     from behemoth.cli.plan import space_of
     from behemoth.config import load_config
     from behemoth.planner.layout import Workload
-    from behemoth.profiler.recommend import choose, load_catalog, options
+    from behemoth.profiler.recommend import choose, load_calibration, load_catalog, options
 
     if args.tokens <= 0 or (args.deadline is not None and args.deadline <= 0) or (args.budget is not None and args.budget <= 0):
         raise BehemothError(f"--tokens {args.tokens} / --deadline {args.deadline} / --budget {args.budget} must be positive", "pass positive numbers")
@@ -52,8 +59,9 @@ def run_recommend(args: argparse.Namespace) -> int:
         given.append("train.precision=bf16")  # what a rented accelerator trains in
     cfg = load_config(args.config, given)
     catalog = load_catalog(args.catalog)
+    calibrations = tuple(load_calibration(f) for f in args.calibrate)
     work = Workload.of(cfg)
-    found = options(work, catalog, args.tokens, space_of(cfg))  # the parallel options a user pins are not varied
+    found = options(work, catalog, args.tokens, space_of(cfg), calibrations=calibrations)  # the parallel options a user pins are not varied
     choice, runner_up, ok = choose(found, args.deadline, args.budget)
     print(report(work, args, found, choice, runner_up, ok, catalog))
     return 0 if choice is not None else 3
@@ -72,8 +80,10 @@ def report(work, args, found, choice, runner_up, ok, catalog) -> str:  # noqa: A
     for name in dict.fromkeys(o.instance.name for o in found):
         mine = [o for o in ok if o.instance.name == name] or sorted((o for o in found if o.instance.name == name), key=lambda o: o.hours)
         o = mine[0]
-        mark = "yes" if o in ok else "no"
-        lines.append(f"  {o.describe():<46}{o.plan.layout.describe():<44}{o.plan.step_seconds:>9.2f}{o.hours:>10.1f}{o.cost:>13,.0f}  {mark}")
+        mark = ("yes" if o in ok else "no") + (" (calibrated)" if o.calibration else "")
+        lines.append(f"  {o.describe():<46}{o.plan.layout.describe():<44}{o.step_seconds:>9.2f}{o.hours:>10.1f}{o.cost:>13,.0f}  {mark}")
+    for cal in dict.fromkeys(o.calibration for o in found if o.calibration):
+        lines.append(f"  {cal.describe()}")
     missing = [i.name for i in catalog.instances if i.name not in {o.instance.name for o in found}]
     if missing:
         lines.append(f"  no plan fits on {', '.join(missing)} (up to their max_nodes)")

@@ -7,12 +7,18 @@ interconnect and network; `cluster_of` turns it and a count into the `ClusterSpe
 instance type and count, money and time are both proportional to the step time, so the planner's fastest plan is
 also the cheapest there: the choice between options is only over (instance type, count), every count from 1 to the
 type's `max_nodes`.
+
+`behemoth profile --json F` measures a plan where the model's hardware figures can be checked against the device:
+`Calibration` turns its measured and predicted components into factors (compute, communication, bubble, offload, and
+the share of work the planner does not model) that rescale the predicted step of every plan on the instance types
+whose preset the profile was predicted on.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +83,100 @@ def cluster_of(inst: Instance, nodes: int) -> ClusterSpec:
     return base.model_copy(update={"name": inst.name, "nodes": nodes, "devices_per_node": inst.devices, "intra_node": intra, "inter_node": network})
 
 
+COMPUTE_ROWS = ("forward", "backward", "optimizer")
+COMM_ROWS = ("comm_dp", "comm_tp", "comm_ep")
+UNMODELLED_ROWS = ("data", "host")  # a checkpoint's stall depends on how often one is saved: not carried over
+
+
+@dataclass(frozen=True, eq=False)
+class Calibration:
+    """Measured / predicted time of each part of a step on the hardware `cluster` names, from one `behemoth profile`."""
+
+    cluster: str
+    source: str
+    compute: float = 1.0
+    comm: float = 1.0
+    bubble: float = 1.0
+    offload: float = 1.0
+    unmodelled: float = 0.0  # share of the measured step the planner does not model (data preparation, host work)
+    rows: dict[str, tuple[float, float]] = field(default_factory=dict)  # part -> (measured, predicted) seconds
+
+    def applies_to(self, inst: Instance) -> bool:
+        return self.cluster in (inst.preset, inst.name)
+
+    def step_seconds(self, plan: PlanCost) -> float:
+        """`plan`'s predicted step with each part scaled by its factor, plus the unmodelled share."""
+        share = plan.shares()
+        scaled = (
+            self.compute * (share["compute"] + share["recompute"] + share["optimizer"])
+            + self.bubble * share["bubble"]
+            + self.comm * (share["tp_comm"] + share["dp_comm"] + share["ep_comm"])
+            + self.offload * share["offload"]
+        )
+        return plan.step_seconds * scaled / (1.0 - self.unmodelled)
+
+    def describe(self) -> str:
+        return (
+            f"calibrated on {self.cluster} by {self.source}: compute x{self.compute:.2f}, comm x{self.comm:.2f}, "
+            f"bubble x{self.bubble:.2f}, offload x{self.offload:.2f}, +{self.unmodelled:.0%} unmodelled"
+        )
+
+
+def _ratio(measured: float, predicted: float | None, default: float) -> float:
+    return measured / predicted if predicted and measured > 0 else default
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """The factors of one `behemoth profile --json FILE` result (its `calibration` entry)."""
+    file = Path(path).expanduser()
+    try:
+        entry = json.loads(file.read_text())["calibration"]
+        got, pred, step = entry["measured"], entry["predicted"], float(entry["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BehemothError(
+            f"--calibrate {file} is not a profile result ({type(err).__name__}: {err})", "write one with behemoth profile --json FILE"
+        ) from None
+    if entry.get("cluster") in (None, "local"):
+        raise BehemothError(
+            f"--calibrate {file} was predicted on this machine's own figures, not on an instance's preset",
+            "profile on the instance type with --cluster PRESET (the catalog entry's preset), then pass that result",
+        )
+
+    def total(keys: tuple[str, ...], src: dict[str, float | None]) -> float:
+        return sum(src[k] or 0.0 for k in keys)
+
+    compute = _ratio(total(COMPUTE_ROWS, got), total(COMPUTE_ROWS, pred), 1.0)
+    rows = {k: (float(got[k]), float(pred[k] or 0.0)) for k in (*COMPUTE_ROWS, *COMM_ROWS, "bubble", "offload")}
+    return Calibration(
+        cluster=entry["cluster"],
+        source=file.name,
+        compute=compute,
+        comm=_ratio(total(COMM_ROWS, got), total(COMM_ROWS, pred), 1.0),
+        bubble=_ratio(got["bubble"], pred["bubble"], compute),  # idle time is a share of compute where none was measured
+        offload=_ratio(got["offload"], pred["offload"], 1.0),
+        unmodelled=min(total(UNMODELLED_ROWS, got) / step, 0.9) if step > 0 else 0.0,
+        rows=rows,
+    )
+
+
 @dataclass
 class Option:
-    """`nodes` instances of `instance` running `plan`: hours and dollars to train the tokens asked for."""
+    """`nodes` instances of `instance` running `plan`: hours and dollars to train the tokens asked for (with the step
+    rescaled by a profile's `calibration` when one applies to the instance type)."""
 
     instance: Instance
     nodes: int
     plan: PlanCost
     steps: int
+    calibration: Calibration | None = None
+
+    @property
+    def step_seconds(self) -> float:
+        return self.calibration.step_seconds(self.plan) if self.calibration else self.plan.step_seconds
 
     @property
     def hours(self) -> float:
-        return self.steps * self.plan.step_seconds / 3600
+        return self.steps * self.step_seconds / 3600
 
     @property
     def cost(self) -> float:
@@ -98,22 +186,38 @@ class Option:
         return f"{self.nodes} x {self.instance.name} ({self.nodes * self.instance.devices} devices)"
 
 
-def best_plan(work: Workload, inst: Instance, nodes: int, space: Space = EVERY_LAYOUT, cfg: Any = None) -> PlanCost | None:
-    """The planner's fastest plan within `space` that fits on `nodes` instances of `inst`, or None."""
+def best_plan(
+    work: Workload, inst: Instance, nodes: int, space: Space = EVERY_LAYOUT, cfg: Any = None, calibration: Calibration | None = None
+) -> PlanCost | None:
+    """The planner's fastest plan within `space` that fits on `nodes` instances of `inst`, or None; with a calibration,
+    the fastest of the planner's top plans once each is rescaled by it."""
     cluster = cluster_of(inst, nodes)
     ranked = search(work, cluster, cluster.world, space, cfg=cfg, top=4, exact=4).ranked
-    return ranked[0] if ranked else None
+    if not ranked:
+        return None
+    return min(ranked, key=calibration.step_seconds) if calibration else ranked[0]
 
 
-def options(work: Workload, catalog: Catalog, tokens: float, space: Space = EVERY_LAYOUT, cfg: Any = None) -> list[Option]:
-    """Every (instance type, count) with a plan in `space` that fits, priced for `tokens` training tokens."""
+def options(
+    work: Workload, catalog: Catalog, tokens: float, space: Space = EVERY_LAYOUT, cfg: Any = None, calibrations: tuple[Calibration, ...] = ()
+) -> list[Option]:
+    """Every (instance type, count) with a plan in `space` that fits, priced for `tokens` training tokens (the first
+    calibration that applies to an instance type rescales its steps)."""
     steps = math.ceil(tokens / work.tokens_per_step)
+    unused = [c for c in calibrations if not any(c.applies_to(i) for i in catalog.instances)]
+    if unused:
+        have = ", ".join(sorted({i.preset for i in catalog.instances} | {i.name for i in catalog.instances}))
+        raise BehemothError(
+            f"--calibrate {unused[0].source} was measured on {unused[0].cluster}, which no catalog instance has as its preset or name",
+            f"profile with --cluster set to one of: {have}",
+        )
     out = []
     for inst in catalog.instances:
+        cal = next((c for c in calibrations if c.applies_to(inst)), None)
         for nodes in range(1, inst.max_nodes + 1):
-            plan = best_plan(work, inst, nodes, space, cfg)
+            plan = best_plan(work, inst, nodes, space, cfg, cal)
             if plan is not None:
-                out.append(Option(inst, nodes, plan, steps))
+                out.append(Option(inst, nodes, plan, steps, cal))
     return out
 
 

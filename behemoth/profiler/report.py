@@ -21,16 +21,17 @@ ROWS = (
     ("forward", "compute: forward", ("forward",)),
     ("backward", "compute: backward (incl. recompute)", ("backward",)),
     ("optimizer", "compute: optimizer step + clipping", ("optimizer",)),
-    ("comm_dp", "exposed comm: dp / ZeRO / world", ("comm_dp",)),
-    ("comm_tp", "exposed comm: tensor parallel", ("comm_tp",)),
-    ("comm_ep", "exposed comm: expert all-to-all", ("comm_ep",)),
-    ("bubble", "pipeline bubble + p2p waits", ("bubble", "comm_pp")),
+    ("comm_dp", "exposed comm: dp / ZeRO / world", ("comm_dp", "comm_dp_net")),
+    ("comm_tp", "exposed comm: tensor parallel", ("comm_tp", "comm_tp_net")),
+    ("comm_ep", "exposed comm: expert all-to-all", ("comm_ep", "comm_ep_net")),
+    ("bubble", "pipeline bubble + p2p waits", ("bubble", "comm_pp", "comm_pp_net")),
     ("data", "data preparation", ("data",)),
     ("checkpoint", "storage I/O: checkpoint stall", ("checkpoint",)),
     ("offload", "storage I/O: offload waits", ("offload",)),
     ("host", "host overhead", ("host",)),
 )
 MODELLED = ("forward", "backward", "optimizer", "comm_dp", "comm_tp", "comm_ep", "bubble", "offload")
+COMM = ("comm_dp", "comm_tp", "comm_pp", "comm_ep")
 
 
 @dataclass
@@ -72,6 +73,26 @@ class Profile:
             "data": None,
             "host": None,
         }
+
+    def calibration(self, cluster: str | None) -> dict[str, Any]:
+        """What `behemoth recommend --calibrate` reads: the measured and predicted rows of the fullest run without a
+        checkpoint every step (`data`, else `synthetic`), its mean step, and the hardware the prediction was made for."""
+        names = self.run_names()
+        run = next((n for n in ("data", "synthetic") if n in names), names[-1])
+        return {
+            "cluster": cluster or "local",
+            "plan": self.plan,
+            "run": run,
+            "step": self.measured(run)["step_mean"],
+            "measured": self.rows(run),
+            "predicted": self.predicted_rows(),
+        }
+
+    def links(self, run: str) -> tuple[float, float]:
+        """(intra-node, inter-node) seconds of exposed collective communication per step (pipeline transfers are in the
+        bubble, not here)."""
+        m = self.measured(run)
+        return sum(m[c] for c in COMM), sum(m[f"{c}_net"] for c in COMM)
 
     def differential(self) -> dict[str, float]:
         """What each run adds to the run before it (median steps): exposed communication over the compute-only run,
@@ -120,6 +141,10 @@ def table(p: Profile) -> str:
     total = sum(got.values())
     lines.append(f"  {'sum of components':<38}{total * 1e3:>10.2f}{total / mean:>7.0%}" + (f"{total_pred * 1e3:>11.2f}" if total_pred else ""))
     lines.append(f"  {'measured step (mean; median)':<38}{mean * 1e3:>10.2f}  ({step * 1e3:.2f})")
+    intra, inter = p.links(run)
+    node = p.ranks[0].get("node_size", len(p.ranks))
+    nodes = -(-len(p.ranks) // node)
+    lines.append(f"exposed comm by link ({nodes} node(s) of {node} rank(s)): intra-node {intra * 1e3:.2f} ms, inter-node {inter * 1e3:.2f} ms")
     diff = p.differential()
     if diff:
         lines.append("differential (a run's step less the one before it, ms): " + ", ".join(f"{k} {v * 1e3:+.2f}" for k, v in diff.items()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections import defaultdict
@@ -30,6 +31,10 @@ COMPONENTS = (
     "comm_tp",
     "comm_pp",
     "comm_ep",
+    "comm_dp_net",
+    "comm_tp_net",
+    "comm_pp_net",
+    "comm_ep_net",
     "bubble",
     "data",
     "checkpoint",
@@ -39,13 +44,18 @@ COMPONENTS = (
 TRANSFERS = ("send", "recv")
 
 
-def comm_kind(group: str, ranks: list[int], dims: dict[tuple[int, ...], str]) -> str:
+def comm_kind(group: str, ranks: list[int], dims: dict[tuple[int, ...], str], node_size: int | None = None) -> str:
     """The component a collective on the flight recorder's group `group` (of `ranks`) is charged to: tp, pp or ep by
     name, else by its ranks (`dims`: each parallel dimension's ranks; a group of all ranks is that dimension when it is
-    the only one), else data parallel (the world-wide reductions of a mixed plan)."""
-    if group in ("tp", "pp", "ep"):
-        return f"comm_{group}"
-    return f"comm_{dims.get(tuple(sorted(ranks)), 'dp')}"
+    the only one), else data parallel (the world-wide reductions of a mixed plan). A group whose ranks sit on more than
+    one node (`node_size` consecutive ranks per node, as torchrun numbers them) is charged to the `_net` twin."""
+    kind = f"comm_{group}" if group in ("tp", "pp", "ep") else f"comm_{dims.get(tuple(sorted(ranks)), 'dp')}"
+    return f"{kind}_net" if node_size and len({r // node_size for r in ranks}) > 1 else kind
+
+
+def ranks_per_node(world: int) -> int:
+    """Consecutive ranks per node: torchrun's LOCAL_WORLD_SIZE, else every rank on this one node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def dimension_ranks(rt: Any) -> dict[tuple[int, ...], str]:
@@ -99,8 +109,9 @@ class Spans:
 
 
 @contextlib.contextmanager
-def instrument(engine: Any, spans: Spans) -> Iterator[Spans]:
-    """Charge `engine`'s steps to `spans` while inside (every wrapper is removed on exit)."""
+def instrument(engine: Any, spans: Spans, node_size: int | None = None) -> Iterator[Spans]:
+    """Charge `engine`'s steps to `spans` while inside (every wrapper is removed on exit); collectives over ranks on
+    several nodes of `node_size` ranks go to the inter-node (`_net`) components."""
     from behemoth import comm
     from behemoth.flight import group_info
     from behemoth.offload.io import IOPool
@@ -112,10 +123,10 @@ def instrument(engine: Any, spans: Spans) -> Iterator[Spans]:
         rec = pending.record
         if rec is None:
             return "comm_dp"
-        return "bubble" if rec.op in TRANSFERS else comm_kind(rec.group, rec.ranks, dims)
+        return "bubble" if rec.op in TRANSFERS else comm_kind(rec.group, rec.ranks, dims, node_size)
 
     def issue_component(op: str, group: Any, *args: Any, **kwargs: Any) -> str:
-        return comm_kind(*group_info(group), dims)
+        return comm_kind(*group_info(group), dims, node_size)
 
     patches: list[tuple[Any, str, Any]] = [
         (engine, "forward_backward", spans.wrap(engine.forward_backward, "forward")),

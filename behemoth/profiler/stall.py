@@ -24,17 +24,23 @@ from typing import Any
 
 from behemoth.errors import BehemothError
 from behemoth.profiler.energy import joules_between, read_counters
-from behemoth.profiler.spans import COMPONENTS, Spans, device_sync, instrument
+from behemoth.profiler.spans import COMPONENTS, Spans, device_sync, instrument, ranks_per_node
 
 RUNS = ("synthetic", "data", "io")
 LR = 1e-5  # small: the profile steps the model, and the steps should stay alike
 
 
 def profile_worker(
-    cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1, runs: tuple[str, ...] = RUNS, trace_dir: str | None = None
+    cfg_dict: dict[str, Any],
+    steps: int = 3,
+    warmup: int = 1,
+    runs: tuple[str, ...] = RUNS,
+    trace_dir: str | None = None,
+    node_size: int | None = None,
 ) -> dict[str, Any]:
     """One rank of the job: each of `runs`, its steps' wall times and components (seconds, per step); with `trace_dir`,
-    then a torch.profiler trace of `steps` more synthetic steps (`trace.py`)."""
+    then a torch.profiler trace of `steps` more synthetic steps (`trace.py`). `node_size`: ranks per node, for the
+    intra- vs inter-node split of communication (default `ranks_per_node`)."""
     from behemoth.config import Config
     from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
@@ -44,8 +50,10 @@ def profile_worker(
     try:
         engine = build_engine(cfg, rt)
         spans = Spans(device_sync(rt.device))
-        out: dict[str, Any] = {"rank": rt.rank, "world": rt.world_size, "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "ep", "tp")}, "runs": {}}
-        with instrument(engine, spans), tempfile.TemporaryDirectory(prefix="behemoth-profile-") as scratch:
+        nodes = node_size or ranks_per_node(rt.world_size)
+        coords = {d: rt.coordinate(d) for d in ("pp", "dp", "ep", "tp")}
+        out: dict[str, Any] = {"rank": rt.rank, "world": rt.world_size, "node_size": nodes, "coords": coords, "runs": {}}
+        with instrument(engine, spans, nodes), tempfile.TemporaryDirectory(prefix="behemoth-profile-") as scratch:
             for name in runs:
                 feed, save = run_inputs(name, cfg, rt, engine, Path(cfg.run.dir or scratch))
                 out["runs"][name] = timed_steps(engine, spans, feed, save, steps, warmup, rt)
