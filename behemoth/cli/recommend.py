@@ -91,7 +91,8 @@ def report(work, args, found, choice, runner_up, ok, catalog) -> str:  # noqa: A
     if choice is None:
         lines.append(f"nothing in the catalog meets {want}: raise the deadline or budget, or add instance types / max_nodes")
         return "\n".join(lines)
-    price = "illustrative price" if choice.instance.illustrative else f"price of {choice.instance.price_date}, {choice.instance.price_source}"
+    inst = choice.instance
+    price = "illustrative price" if inst.illustrative else f"{inst.provider} price of {inst.price_date}: its source is in the catalog's price_source"
     lines.append(
         f"recommended ({want}): {choice.describe()}, {choice.hours:,.1f} h, ${choice.cost:,.0f} ({price}); plan {choice.plan.layout.describe()}"
     )
