@@ -47,12 +47,15 @@ def test_perfect_scaling_without_a_cap_is_data_parallelism():
     assert plan.step_seconds == pytest.approx(plain_data_parallel(work, cluster, world), rel=1e-9)
 
 
-def test_dynamic_program_finds_the_brute_force_optimum():
-    world, work = 4, workload("train.global_batch=4")
+@pytest.mark.parametrize("model", ["gpt-tiny", "gpt-1m"])
+def test_dynamic_program_finds_the_brute_force_optimum(model):
+    world, work = 4, workload("train.global_batch=4", f"model={model}")
     cluster = load_cluster("a100-80gb").with_nodes(world)
+    problem = BurstProblem(work, cluster, world)
     for cap in (math.inf, 2.0, 1.2):
-        problem = BurstProblem(work, cluster, world)
         ok = problem.allowed(cap)
+        widths, seconds = problem.dynamic_program(ok)
+        assert seconds + problem.optimizer == pytest.approx(problem.plan_of(widths).step_seconds, rel=1e-12)
         every = [
             problem.plan_of(w, cap).step_seconds
             for w in itertools.product(problem.widths, repeat=problem.layers)

@@ -212,10 +212,11 @@ class BurstProblem:
         if uniform:
             fits = [c for k, c in enumerate(self.widths) if all(row[k] for row in ok)] or [1]
             return min((self.plan_of((c,) * self.layers, amplification) for c in fits), key=lambda p: p.step_seconds)
-        return self.plan_of(self._dynamic_program(ok), amplification)
+        return self.plan_of(self.dynamic_program(ok)[0], amplification)
 
-    def _dynamic_program(self, ok: list[list[bool]]) -> tuple[int, ...]:
-        """best[end][k]: the cheapest layers [0, end) whose last run has width widths[k]; a run's sync is priced whole."""
+    def dynamic_program(self, ok: list[list[bool]]) -> tuple[tuple[int, ...], float]:
+        """The cheapest widths allowed by `ok` and their seconds (the optimizer step aside). best[end][k]: the cheapest
+        layers [0, end) whose last run has width widths[k]; a run's sync is priced whole."""
         widths, n = self.widths, self.layers
         best = [[INF] * len(widths) for _ in range(n + 1)]
         back: list[list[tuple[int, int]]] = [[(-1, -1)] * len(widths) for _ in range(n + 1)]
@@ -233,13 +234,13 @@ class BurstProblem:
                     if cost < best[end][k]:
                         best[end][k], back[end][k] = cost, prev
         k = min(range(len(widths)), key=lambda j: best[n][j])
-        out, end = [], n
+        seconds, out, end = best[n][k], [], n
         while end > 0:
             start, j = back[end][k]
             start = max(start, 0)
             out[:0] = [widths[k]] * (end - start)
             end, k = start, j
-        return tuple(out)
+        return tuple(out), seconds
 
 
 def plain_data_parallel(work: Workload, cluster: ClusterSpec, world: int) -> float:
