@@ -73,7 +73,7 @@ def burst_main(argv: list[str] | None = None) -> int:
 
 def run_burst(args: argparse.Namespace) -> int:
     from behemoth.config import load_config
-    from behemoth.planner.burst import BurstProblem, ClusterPoint, background_rate, plain_data_parallel
+    from behemoth.planner.burst import BurstProblem, ClusterPoint, background_rate
     from behemoth.planner.layout import Workload
 
     cfg = load_config(args.config, args.overrides)
@@ -81,7 +81,8 @@ def run_burst(args: argparse.Namespace) -> int:
     work = Workload.of(cfg)
     problem = BurstProblem(work, cluster, world)
     plan = problem.solve(args.amplification, uniform=args.uniform)
-    dp = plain_data_parallel(work, cluster, world)
+    dp_plan = problem.plan_of((world,) * problem.layers)  # priced exactly as plain_data_parallel (tests/test_burst_planner.py)
+    dp = dp_plan.step_seconds
     s = work.census.shape
     cap = "none" if math.isinf(args.amplification) else f"{args.amplification:g}x"
     print(
@@ -90,13 +91,14 @@ def run_burst(args: argparse.Namespace) -> int:
     )
     print(layer_table(problem, plan))
     rate = background_rate(work, cluster, BACKGROUND_BATCH)
-    point = ClusterPoint(world, work.global_batch, dp, plan, rate, args.background_share)
+    point = ClusterPoint(world, work.global_batch, dp_plan, plan, rate, args.background_share)
     parts = "  ".join(f"{k} {v * 1e3:.2f}" for k, v in plan.parts.items())
     print(f"burst plan           {plan.step_seconds * 1e3:9.2f} ms per step ({parts} ms), {plan.idle_fraction:.0%} of device time idle")
     print(f"data parallelism     {dp * 1e3:9.2f} ms per step on all {world} devices; burst foreground {point.foreground_ratio:.2f}x its throughput")
     print(
         f"cluster throughput   {point.cluster_throughput:.2f}x data parallelism with a background job of the same model in the idle "
-        f"device time at {args.background_share:.0%} of its solo rate"
+        f"device time at {args.background_share:.0%} of its solo rate (data parallelism with one in its own idle time: "
+        f"{point.dp_multiplexed:.2f}x)"
     )
     if args.out:
         Path(args.out).write_text(plan.to_yaml())

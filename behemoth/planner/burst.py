@@ -56,7 +56,9 @@ class WidthCosts:
 
 def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
     """Per-layer costs at `width` from steptime's passes: each layer's forward, scaled so that the layers sum to
-    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses)."""
+    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses). A tied
+    embedding's weight is counted with the head: the runtime sums its gradient over the wider of the two groups, which
+    is the head's in the plans the program finds (the embedding is a cheap lookup)."""
     lay = width_layout(work, width)
     n = work.census.shape.n_layer
     compute, comm = block_pass(work, lay, cluster)
@@ -65,7 +67,7 @@ def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
     total = stage.forward[0] + stage.backward[0] + stage.weight[0]
     scale, back = total / sum(forward), (stage.backward[0] + stage.weight[0]) / total
     share = work.census.at(1)
-    elements = (share.embed,) + (share.block,) * n + (share.head,)
+    elements = (share.embed - share.tied,) + (share.block,) * n + (share.head + share.tied,)  # a tied weight syncs with the head
     train = tuple(f * scale for f in forward)
     return WidthCosts(width, train, tuple(t * back for t in train), elements)
 
@@ -250,14 +252,19 @@ def plain_data_parallel(work: Workload, cluster: ClusterSpec, world: int) -> flo
 
 @dataclass(frozen=True)
 class ClusterPoint:
-    """One strong-scaling point of the cluster simulator: DP and burst, foreground and multiplexed background."""
+    """One strong-scaling point of the cluster simulator: data parallelism and burst, each with a multiplexed background
+    job in the device time it leaves idle (data parallelism's: the exposed gradient all-reduce and optimizer step)."""
 
     world: int
     global_batch: int
-    dp_step: float
+    dp: BurstPlan  # every layer on every device: plain data parallelism (priced as cost.price prices it)
     burst: BurstPlan
     background_rate: float  # sequences per device-second of the background job alone on one device
     background_share: float  # of that rate, what it keeps in the foreground's idle time
+
+    @property
+    def dp_step(self) -> float:
+        return self.dp.step_seconds
 
     @property
     def per_device_batch(self) -> float:
@@ -268,16 +275,20 @@ class ClusterPoint:
         """Burst foreground throughput over data parallelism's."""
         return self.dp_step / self.burst.step_seconds
 
-    @property
-    def background_dp_units(self) -> float:
-        """The background job's sequences per second, in units of data parallelism's foreground throughput."""
-        idle = self.burst.idle_fraction * self.world
+    def background_units(self, plan: BurstPlan) -> float:
+        """A background job's sequences per second in `plan`'s idle time, in units of data parallelism's foreground."""
+        idle = plan.idle_fraction * self.world
         return idle * self.background_rate * self.background_share / (self.global_batch / self.dp_step)
 
     @property
     def cluster_throughput(self) -> float:
-        """Normalized cluster throughput (data parallelism = 1): burst foreground plus multiplexed background."""
-        return self.foreground_ratio + self.background_dp_units
+        """Normalized cluster throughput (data parallelism alone = 1): burst foreground plus multiplexed background."""
+        return self.foreground_ratio + self.background_units(self.burst)
+
+    @property
+    def dp_multiplexed(self) -> float:
+        """The same for data parallelism with a background job in its own idle time (the fair comparison)."""
+        return 1.0 + self.background_units(self.dp)
 
 
 def background_rate(work: Workload, cluster: ClusterSpec, micro_batch: int) -> float:
@@ -294,7 +305,7 @@ def simulate_cluster(
     cluster = cluster.with_nodes(world)
     problem = BurstProblem(work, cluster, world)
     plan = problem.solve(amplification)
-    dp = plain_data_parallel(work, cluster, world)
+    dp = problem.plan_of((world,) * problem.layers)
     return ClusterPoint(world, work.global_batch, dp, plan, background_rate(work, cluster, background_batch), share)
 
 
