@@ -52,7 +52,9 @@ class BackgroundJob:
         return self.process.wait()
 
 
-def start_background(argv: Sequence[str], *, cpus: Sequence[int] | None = None, nice: int = BACKGROUND_NICE, env: dict[str, str] | None = None) -> BackgroundJob:
+def start_background(
+    argv: Sequence[str], *, cpus: Sequence[int] | None = None, nice: int = BACKGROUND_NICE, env: dict[str, str] | None = None
+) -> BackgroundJob:
     """Start `argv` (e.g. a `behemoth train` trial) at OS priority `nice`, pinned to `cpus` where given."""
 
     def lower_priority() -> None:
