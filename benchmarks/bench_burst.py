@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,18 +103,23 @@ def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[i
 
 
 def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float):
+    from behemoth.errors import BehemothError
     from behemoth.planner.burst import BurstProblem, plain_data_parallel
-    from behemoth.planner.calibrate import local_cluster
+    from behemoth.planner.calibrate import local_cluster, probe_spec
 
     work = workload(model, seq, batch, "fp32")
-    cluster = local_cluster(nproc).with_nodes(nproc)
+    try:
+        cluster = local_cluster(nproc).with_nodes(nproc)
+    except BehemothError as err:  # a cached calibration this version cannot read
+        print(f"(this machine's cached calibration is unreadable here: {err.lines[0]}; using the quick probe instead)")
+        cluster = probe_spec(nproc).with_nodes(nproc)
     problem = BurstProblem(work, cluster, nproc)
-    return problem.solve(amplification), plain_data_parallel(work, cluster, nproc), cluster.name
+    return problem.solve(amplification), plain_data_parallel(work, cluster, nproc), cluster.name, problem
 
 
 def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     n, batch = args.nproc, args.nproc * args.per_device
-    plan, dp_pred, name = local_plan(n, args.model, args.seq, batch, args.amplification)
+    plan, dp_pred, name, problem = local_plan(n, args.model, args.seq, batch, args.amplification)
     widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced_plan(plan.widths, n)
     steps = 3 if args.quick else args.steps
     burst_s = run_foreground(n, args.model, args.seq, batch, widths, steps)
@@ -122,7 +128,7 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, plan {widths} ({planned})\n")
     print("| plan | measured ms | predicted ms | measured / predicted |")
     print("|---|---|---|---|")
-    pred = plan.step_seconds if widths == plan.widths else float("nan")
+    pred = problem.plan_of(widths).step_seconds
     for label, got, want in (("burst", burst_s, pred), ("data parallelism", dp_s, dp_pred)):
         print(f"| {label} | {got * 1e3:.1f} | {want * 1e3:.1f} | {got / want:.2f} |")
     print(f"\nburst / data parallelism step time: {burst_s / dp_s:.2f} (DP runs through the same runtime, every layer on every rank)")
@@ -137,25 +143,40 @@ def forced_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
 
 def background_worker(model: str, seq: int, batch: int, seconds: float, log: str) -> None:
     """A background training job: one process, AdamW steps for `seconds`, one timestamp per finished step in `log`."""
+    Path(log).touch()  # before the imports: the parent waits on this file
     import torch
 
     from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.gpt import GPTConfig
     from behemoth.models.init import materialize
+    from behemoth.parallel.burst.multiplex import lower_priority
 
     torch.set_num_threads(1)
     lm = build_causal_lm(GPTConfig(preset=model, context=seq))
     materialize(lm.module, seed=1, device=torch.device("cpu"), init_spec=lm.init_spec)
     opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
-    end = time.time() + seconds
+    end, done = time.time() + seconds, 0
     with open(log, "a") as out:
         while time.time() < end:
+            if done == 1:  # imported and warmed up at normal priority: from here on, the background's
+                lower_priority()
+            done += 1
             tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1))
             (summed_token_loss(lm.module(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.write(f"{time.time()}\n")
             out.flush()
+
+
+def wait_for_steps(log: Path, steps: int, timeout_s: float = 300.0) -> None:
+    """Wait until the background job has finished `steps` steps (its imports and first steps are not measured)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if log.exists() and len(log.read_text().split()) >= steps:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the background job finished fewer than {steps} steps in {timeout_s:.0f} s")
 
 
 def steps_between(log: Path, t0: float, t1: float) -> float:
@@ -171,7 +192,19 @@ def background(args: argparse.Namespace, seconds: float, log: Path, cpus: list[i
     argv = [sys.executable, __file__, "--worker", "--model", args.model, "--seq", str(args.seq), "--bg-batch", str(args.bg_batch)]
     argv += ["--seconds", str(seconds), "--log", str(log)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return start_background(argv, cpus=cpus, env=env)
+    return start_background(argv, cpus=cpus, env=env, nice=0)  # it lowers itself once warmed up
+
+
+def with_background(args: argparse.Namespace, log: Path, during: Callable[[], float]) -> tuple[float, float]:
+    """Start the background job, wait for its first steps, run `during`; (its result, the background's steps/s meanwhile)."""
+    job = background(args, 3600, log, None)
+    try:
+        wait_for_steps(log, 1)
+        t0 = time.time()
+        result = during()
+        return result, steps_between(log, t0, time.time())
+    finally:
+        job.stop()
 
 
 def multiplex(args: argparse.Namespace, widths: tuple[int, ...], rows: list[dict]) -> None:
@@ -180,20 +213,9 @@ def multiplex(args: argparse.Namespace, widths: tuple[int, ...], rows: list[dict
     n, batch, steps = args.nproc, args.nproc * args.per_device, 3 if args.quick else args.steps
     window = 20.0 if args.quick else 60.0
     with tempfile.TemporaryDirectory() as tmp:
-        solo_log, both_log = Path(tmp) / "solo", Path(tmp) / "both"
-        job = background(args, window + 15, solo_log, None)
-        time.sleep(10)  # its imports and first steps
-        t0 = time.time()
-        time.sleep(window)
-        solo_bg = steps_between(solo_log, t0, time.time())
-        job.stop()
+        _, solo_bg = with_background(args, Path(tmp) / "solo", lambda: time.sleep(window) or 0.0)
         alone = run_foreground(n, args.model, args.seq, batch, widths, steps)
-        job = background(args, 3600, both_log, None)
-        time.sleep(10)
-        t0 = time.time()
-        together = run_foreground(n, args.model, args.seq, batch, widths, steps)
-        both_bg = steps_between(both_log, t0, time.time())
-        job.stop()
+        together, both_bg = with_background(args, Path(tmp) / "both", lambda: run_foreground(n, args.model, args.seq, batch, widths, steps))
     slowdown, share = together / alone - 1, both_bg / solo_bg if solo_bg else 0.0
     print(f"\n## multiplexing on {n} CPU ranks: foreground plan {widths}, background {args.model} x{args.bg_batch} at nice 19\n")
     print("| measure | alone | multiplexed | ratio |")

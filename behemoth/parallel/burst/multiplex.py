@@ -1,10 +1,11 @@
 """Multiplexing (DeepPool): a background job runs in the device time a burst plan's foreground leaves idle, at a
 priority low enough that the foreground barely notices it.
 
-On a CPU the background job is an ordinary process at OS scheduling priority `nice` 19 (the kernel runs it only when
-the foreground's ranks are not runnable: waiting on a transfer, or outside their layer's group), optionally pinned to
-the cores of the ranks a plan idles most. On a GPU the same split is a pair of CUDA streams: the foreground's kernels
-on the greatest stream priority, the background's on the least, so the scheduler prefers the foreground's blocks.
+On a CPU the background job is an ordinary process in its own session at OS scheduling priority `nice` 19, the
+session's autogroup lowered too where Linux groups sessions, so the kernel runs it mostly when the foreground's ranks
+are not runnable: waiting on a transfer, or outside their layer's group; it can be pinned to the cores of the ranks a
+plan idles most. On a GPU the same split is a pair of CUDA streams: the foreground's kernels on the greatest stream
+priority, the background's on the least, so the scheduler prefers the foreground's blocks.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 BACKGROUND_NICE = 19
+AUTOGROUP = Path("/proc/self/autogroup")  # Linux's per-session scheduling group (sched_autogroup_enabled)
 
 
 def idle_layers(widths: Sequence[int], world: int) -> list[int]:
@@ -52,17 +55,23 @@ class BackgroundJob:
         return self.process.wait()
 
 
+def lower_priority(nice: int = BACKGROUND_NICE, cpus: Sequence[int] | None = None) -> None:
+    """Lower this process to `nice` (and its session's autogroup where Linux groups sessions: otherwise niceness only
+    orders one session's processes), pinned to `cpus` where given. A job may call it itself once warmed up."""
+    if nice > 0:
+        os.nice(nice)
+        if AUTOGROUP.exists():
+            AUTOGROUP.write_text(str(nice))
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+
+
 def start_background(
     argv: Sequence[str], *, cpus: Sequence[int] | None = None, nice: int = BACKGROUND_NICE, env: dict[str, str] | None = None
 ) -> BackgroundJob:
     """Start `argv` (e.g. a `behemoth train` trial) at OS priority `nice`, pinned to `cpus` where given."""
 
-    def lower_priority() -> None:
-        os.nice(nice)
-        if cpus:
-            os.sched_setaffinity(0, set(cpus))
-
-    process = subprocess.Popen(list(argv), preexec_fn=lower_priority, start_new_session=True, env=env, stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(list(argv), preexec_fn=lambda: lower_priority(nice, cpus), start_new_session=True, env=env, stdout=subprocess.DEVNULL)
     return BackgroundJob(process)
 
 
