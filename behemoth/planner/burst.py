@@ -141,7 +141,7 @@ class BurstPlan:
     def to_yaml(self) -> str:
         data = {"widths": list(self.widths), "world": self.world, "global_batch": self.global_batch, "amplification": self.amplification}
         data |= {"predicted_step_s": self.step_seconds, "idle_fraction": round(self.idle_fraction, 4)}
-        return yaml.safe_dump({"burst": data}, sort_keys=False)
+        return yaml.safe_dump({"burst": data}, sort_keys=False, default_flow_style=None)
 
     @classmethod
     def from_yaml(cls, text: str) -> BurstPlan:
