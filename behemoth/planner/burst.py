@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 import yaml
 
@@ -307,14 +306,3 @@ def simulate_cluster(
     plan = problem.solve(amplification)
     dp = problem.plan_of((world,) * problem.layers)
     return ClusterPoint(world, work.global_batch, dp, plan, background_rate(work, cluster, background_batch), share)
-
-
-def summary(plan: BurstPlan, dp_step: float) -> dict[str, Any]:
-    """The numbers `behemoth plan --burst` prints and a benchmark reports."""
-    return {
-        "step_s": plan.step_seconds,
-        "dp_step_s": dp_step,
-        "speedup": dp_step / plan.step_seconds,
-        "idle_fraction": plan.idle_fraction,
-        **{f"{k}_s": v for k, v in plan.parts.items()},
-    }
