@@ -14,29 +14,36 @@ from tests.dist import run_ranks
 STEPS, SEQ = 3, 16
 
 
+FAMILIES = {
+    "gpt": ["model=gpt-tiny", "model.tie_embeddings=true"],  # the head reads the embedding: one weight, two groups
+    "llama": ["model=gpt-tiny", "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"],  # rotary, GQA, untied
+}
+
+
 def _batch(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.randint(0, 256, (batch, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def _model(n_layer: int, tied: bool):
+def _model(family: str):
+    from behemoth.config import load_config
     from behemoth.models.causal_lm import build_causal_lm
-    from behemoth.models.gpt import GPTConfig
     from behemoth.models.init import materialize
 
-    lm = build_causal_lm(GPTConfig(preset="gpt-tiny", n_layer=n_layer, context=SEQ, tie_embeddings=tied))
+    cfg = load_config(None, [*FAMILIES[family], "model.n_layer=3", f"model.context={SEQ}"])
+    lm = build_causal_lm(cfg.model, cfg.hf)
     materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
     return lm
 
 
-def train_body(widths: tuple[int, ...] | None, batch: int, tied: bool = True, sync: bool = True) -> dict:
-    """STEPS SGD steps of a tiny GPT: single process when `widths` is None, else the burst plan `widths`."""
+def train_body(widths: tuple[int, ...] | None, batch: int, family: str = "gpt", sync: bool = True) -> dict:
+    """STEPS SGD steps of a tiny model: single process when `widths` is None, else the burst plan `widths`."""
     import torch.distributed as dist
 
     from behemoth.models.causal_lm import counted_targets, summed_token_loss
     from behemoth.parallel.burst import BurstGroups, BurstModel
 
-    lm = _model(3, tied)
+    lm = _model(family)
     model = lm.module
     burst = None
     if widths is not None:
@@ -48,7 +55,7 @@ def train_body(widths: tuple[int, ...] | None, batch: int, tied: bool = True, sy
     for step in range(STEPS):
         x, y = _batch(step, batch)
         if burst is None:
-            loss_t = summed_token_loss(model(x), y) / counted_targets(y)
+            loss_t = summed_token_loss(lm.logits(x), y) / counted_targets(y)
             loss_t.backward()
             loss = float(loss_t.detach())
         else:
@@ -64,7 +71,7 @@ def train_body(widths: tuple[int, ...] | None, batch: int, tied: bool = True, sy
 
 @pytest.fixture(scope="module")
 def reference():
-    return {b: train_body(None, b) for b in (5, 6)}  # no process group needed
+    return {(f, b): train_body(None, b, f) for f, b in (("gpt", 5), ("gpt", 6), ("llama", 5))}  # no process group needed
 
 
 def assert_equal_to_reference(ref: dict, ranks: list[dict]) -> None:
@@ -78,23 +85,25 @@ def assert_equal_to_reference(ref: dict, ranks: list[dict]) -> None:
     assert set(ranks[0]["grads"]) == set(ref["grads"]), "rank 0 is in every group: it must hold every gradient"
 
 
-def test_burst_plan_on_two_ranks_equals_single_process(reference):
-    """Embedding on one rank, blocks on 2 then 1 then 2, head on 2 (the tied embedding summed over 2); batch 5 splits 2 + 3."""
-    got = run_ranks(2, train_body, (1, 2, 1, 2, 2), 5)
-    assert_equal_to_reference(reference[5], got)
-    assert all(not n.startswith("blocks.1.") for n in got[1]["grads"]), "rank 1 is outside block 1's group"
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_burst_plan_on_two_ranks_equals_single_process(reference, family):
+    """Embedding on one rank, blocks on 2 then 1 then 2, head on 2 (a tied embedding summed over 2); batch 5 splits 2 + 3."""
+    got = run_ranks(2, train_body, (1, 2, 1, 2, 2), 5, family)
+    assert_equal_to_reference(reference[family, 5], got)
+    block = {"gpt": "blocks.1.", "llama": "model.layers.1."}[family]
+    assert all(not n.startswith(block) for n in got[1]["grads"]), "rank 1 is outside block 1's group"
 
 
 def test_missing_gradient_sync_would_be_caught(reference):
-    got = run_ranks(2, train_body, (2, 2, 2, 2, 2), 6, True, False)
+    got = run_ranks(2, train_body, (2, 2, 2, 2, 2), 6, "gpt", False)
     with pytest.raises(AssertionError):
-        assert_equal_to_reference(reference[6], got)
+        assert_equal_to_reference(reference["gpt", 6], got)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("widths", [(2, 4, 1, 3, 4), (4, 4, 4, 4, 4), (1, 1, 4, 2, 3)])
 def test_burst_plan_on_four_ranks_equals_single_process(reference, widths):
-    assert_equal_to_reference(reference[6], run_ranks(4, train_body, widths, 6))
+    assert_equal_to_reference(reference["gpt", 6], run_ranks(4, train_body, widths, 6))
 
 
 def test_bad_widths_are_refused():
