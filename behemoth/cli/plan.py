@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,12 +53,18 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, metavar="N", help="devices to plan for on --cluster (default: the cluster's own)")
     p.add_argument("--top", type=int, default=8, metavar="K", help="plans to show (default 8)")
     p.add_argument("--out", metavar="FILE", help="write the best plan as a config YAML (behemoth train --config FILE runs it)")
+    p.add_argument("--burst", action="store_true", help="burst parallelism: a data-parallel degree per layer (behemoth plan --burst --help)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, as for behemoth train")
     return p
 
 
 def plan_main(argv: list[str] | None = None) -> int:
     """Entry point of `behemoth plan`; the exit code (2 for a refused request, 3 when no plan fits)."""
+    args = sys.argv[1:] if argv is None else argv
+    if "--burst" in args:  # DeepPool's per-layer plan: behemoth/cli/burst.py
+        from behemoth.cli.burst import burst_main
+
+        return burst_main([a for a in args if a != "--burst"])
     return exit_code(run_plan, plan_parser().parse_args(argv))
 
 

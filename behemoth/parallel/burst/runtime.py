@@ -1,0 +1,140 @@
+"""A causal LM executed as a burst plan: layer l (the embedding, each block, the head) data-parallel over the first
+`widths[l]` ranks of the job, its input re-sharded along the batch from the previous layer's split.
+
+The step runs the layers one at a time, forward then backward in reverse, each layer's input a leaf of its own
+autograd graph, so the re-sharding of activations (forward) and of their gradients (backward) happens between layers
+in the same order on every rank, as explicit point-to-point transfers. Each rank's head sums its rows' token losses
+and divides by the global batch's target count (the one division, DESIGN's loss-scaling rule), so summing gradients
+within a layer's group gives the single-process gradient; a parameter used by layers of several widths (a tied
+embedding) is summed over the widest of them, which includes every rank that touched it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from behemoth.comm import all_reduce, plan_buckets, reduce_flat
+from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import CausalLM, counted_targets, summed_token_loss
+from behemoth.parallel.burst.groups import BurstGroups, batch_rows
+from behemoth.parallel.burst.reshard import Rows, reshard
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def check_widths(widths: Sequence[int], n_layer: int, world: int, batch: int) -> None:
+    """Refuse a plan that does not give the embedding, every block and the head one width in 1 .. min(world, batch)."""
+    if len(widths) != n_layer + 2:
+        raise BehemothError(f"burst plan has {len(widths)} widths for {n_layer + 2} layers", "give the embedding, each block and the head one width")
+    top = min(world, batch)
+    bad = [w for w in widths if not 1 <= w <= top]
+    if bad:
+        raise BehemothError(f"burst widths {bad} outside 1..{top} (world {world}, batch {batch})", "replan with behemoth plan --burst for this world")
+
+
+class BurstModel:
+    """`lm` (materialized alike on every rank) run as the burst plan `widths`; `step` gives the loss and leaves every
+    parameter's gradient, summed over its group, on the ranks of that group."""
+
+    def __init__(self, lm: CausalLM, widths: Sequence[int], groups: BurstGroups, *, batch: int) -> None:
+        check_widths(widths, lm.shape.n_layer, groups.world, batch)
+        self.lm, self.widths, self.groups, self.batch = lm, tuple(widths), groups, batch
+        self.blocks = lm.module.get_submodule(lm.layers.blocks)
+        self.layer_params = self._layer_params()
+        self.param_width = self._param_widths()
+
+    def _layer_params(self) -> list[list[nn.Parameter]]:
+        model, view = self.lm.module, self.lm.layers
+        first = [p for name in view.first for p in _params_of(model, name)]
+        last = [p for name in view.last for p in _params_of(model, name)]
+        if self.lm.shape.tied:
+            last.append(model.get_submodule(view.embedding).weight)
+        return [first, *[list(b.parameters()) for b in self.blocks], last]
+
+    def _param_widths(self) -> dict[int, tuple[nn.Parameter, int]]:
+        """id(parameter) -> (it, the widest layer width that uses it)."""
+        out: dict[int, tuple[nn.Parameter, int]] = {}
+        for params, width in zip(self.layer_params, self.widths):
+            for p in params:
+                out[id(p)] = (p, max(width, out.get(id(p), (p, 0))[1]))
+        return out
+
+    @property
+    def last(self) -> int:
+        return len(self.widths) - 1
+
+    def _layer(self, layer: int, x: torch.Tensor | None, idx: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
+        """One layer's forward on this rank's rows; the head returns its rows' summed loss over the global count."""
+        model, view = self.lm.module, self.lm.layers
+        if layer == 0:
+            return view.embed(model, idx)
+        assert x is not None
+        if layer == self.last:
+            return summed_token_loss(view.head(model, x), targets) / count
+        return view.block(self.blocks[layer - 1], x, view.context(model, x))
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """Forward and backward of the global batch `idx` -> `targets` (every rank passes all of it); the global mean loss."""
+        count = int(counted_targets(targets))
+        weight = self.lm.module.get_submodule(self.lm.layers.embedding).weight
+        rows = Rows(self.batch, (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
+        stash = self._forward(idx, targets, count, rows)
+        self._backward(stash, rows)
+        local = stash[self.last][1].detach() * count if stash[self.last] is not None else torch.zeros((), device=weight.device)
+        total = local.reshape(1).clone()
+        all_reduce(total, self.groups.job)
+        self.sync_gradients()
+        return float(total) / count
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor, count: int, rows: Rows) -> list[tuple[torch.Tensor | None, torch.Tensor] | None]:
+        stash: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
+        h: torch.Tensor | None = None
+        for layer, width in enumerate(self.widths):
+            if layer:
+                h = reshard(h, rows, self.widths[layer - 1], width, self.groups, tag=layer)
+            start, end = batch_rows(self.batch, width, self.groups.rank)
+            if end == start:
+                stash.append(None)
+                h = None
+                continue
+            x = h.detach().requires_grad_() if h is not None and layer else None
+            out = self._layer(layer, x, idx[start:end], targets[start:end], count)
+            stash.append((x, out))
+            h = out.detach()
+        return stash
+
+    def _backward(self, stash: list[tuple[torch.Tensor | None, torch.Tensor] | None], rows: Rows) -> None:
+        grad: torch.Tensor | None = None
+        for layer in range(self.last, -1, -1):
+            entry = stash[layer]
+            grad_in = None
+            if entry is not None:
+                x, out = entry
+                out.backward(grad if layer < self.last else None)
+                grad_in = x.grad if x is not None else None
+            if layer:
+                grad = reshard(grad_in, rows, self.widths[layer], self.widths[layer - 1], self.groups, tag=len(self.widths) + layer)
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """Sum each parameter's gradient over its group (ranks 0 .. width-1), in buckets of one width at a time."""
+        for width in sorted({w for _, w in self.param_width.values()}):
+            group = self.groups.group(width)
+            if group is None:
+                continue
+            params = [p for p, w in self.param_width.values() if w == width and p.requires_grad]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            for bucket in plan_buckets(params, BUCKET_BYTES):
+                reduce_flat([p.grad for p in bucket], lambda flat, g=group: all_reduce(flat, g))
+
+
+def _params_of(model: nn.Module, name: str) -> list[nn.Parameter]:
+    try:
+        return list(model.get_submodule(name).parameters())
+    except AttributeError:
+        return []

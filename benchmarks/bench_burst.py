@@ -1,0 +1,265 @@
+"""Burst parallelism (DeepPool) against data parallelism: simulated clusters, measured CPU ranks, multiplexing.
+
+    python benchmarks/bench_burst.py [--part simulate|measure|multiplex|all] [--nproc 2] [--quick] [--json FILE]
+
+- `simulate`: the planner's cost model over cluster presets (A100 and H100 servers, InfiniBand between them) at
+  strong-scaling points too large for this machine (1 or 2 sequences per device): data parallelism's step, the burst
+  plan's (amplification cap 2x), the device time each leaves idle, and the cluster throughput normalized to data
+  parallelism alone when a background job of the same model (8 sequences per device) keeps 50% of its solo rate in
+  that idle time (for data parallelism too: `DP + bg`, the fair comparison).
+- `measure`: `--nproc` CPU ranks at one sequence per rank: the burst plan the planner makes for this machine (its
+  cached calibration) executed by behemoth/parallel/burst, against the same runtime with every layer on every rank
+  (data parallelism); measured and predicted step times.
+- `multiplex`: the burst foreground alone, a background training job alone (1 process, nice 19), then both at once:
+  the foreground's slowdown and the share of its solo throughput the background keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from ratios import add_report_args, command_line, ratio, write_rows  # noqa: E402
+
+SIM_POINTS = [  # (model, seq_len, devices, global batch)
+    ("gpt2-124m", 1024, 64, 64),
+    ("gpt2-124m", 1024, 128, 256),
+    ("gpt2-350m", 1024, 64, 64),
+    ("gpt2-350m", 1024, 256, 256),
+    ("gpt2-774m", 1024, 128, 128),
+    ("gpt2-1.5b", 1024, 128, 256),
+]
+
+
+def workload(model: str, seq: int, batch: int, precision: str = "bf16"):
+    from behemoth.config import load_config
+    from behemoth.planner.layout import Workload
+
+    return Workload.of(load_config(None, [f"model={model}", f"train.seq_len={seq}", f"train.global_batch={batch}", f"train.precision={precision}"]))
+
+
+def simulate(rows: list[dict]) -> None:
+    from behemoth.planner.burst import simulate_cluster
+    from behemoth.planner.cluster import load_cluster
+
+    print("\n## simulated clusters (planner cost model; bf16; background: same model, 8 per device, 50% of solo rate)\n")
+    print("| cluster | model | devices | batch/dev | DP ms | burst ms | burst plan | DP idle | burst idle | foreground | DP + bg | burst + bg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for preset in ("a100-80gb", "h100-sxm"):
+        for model, seq, world, batch in SIM_POINTS:
+            p = simulate_cluster(workload(model, seq, batch), load_cluster(preset), world)
+            print(
+                f"| {preset} | {model} | {world} | {p.per_device_batch:g} | {p.dp_step * 1e3:.1f} | {p.burst.step_seconds * 1e3:.1f} | "
+                f"{p.burst.describe()} | {p.dp.idle_fraction:.0%} | {p.burst.idle_fraction:.0%} | {p.foreground_ratio:.2f}x | "
+                f"{p.dp_multiplexed:.2f}x | {p.cluster_throughput:.2f}x |"
+            )
+            case = f"simulated {preset} {model} x{world}"
+            rows.append(ratio("burst", case, "data parallelism", "cluster throughput", p.cluster_throughput, 1.0))
+            rows.append(ratio("burst", case, "data parallelism + background", "cluster throughput", p.cluster_throughput, p.dp_multiplexed))
+
+
+def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int) -> dict:
+    """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths` (rank 0 reports)."""
+    import torch
+    import torch.distributed as dist
+
+    from behemoth.comm import barrier
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.models.init import materialize
+    from behemoth.parallel.burst import BurstGroups, BurstModel
+
+    lm = build_causal_lm(GPTConfig(preset=model, context=seq))
+    materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
+    burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch)
+    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
+    times = []
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+        barrier(dist.group.WORLD)
+        t0 = time.perf_counter()
+        burst.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        barrier(dist.group.WORLD)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": statistics.median(times[warmup:]), "start": time.time()}
+
+
+def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2) -> float:
+    from behemoth.faults.ranks import run_ranks
+
+    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, timeout=1800)[0]["step_s"]
+
+
+def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float):
+    from behemoth.errors import BehemothError
+    from behemoth.planner.burst import BurstProblem, plain_data_parallel
+    from behemoth.planner.calibrate import local_cluster, probe_spec
+
+    work = workload(model, seq, batch, "fp32")
+    try:
+        cluster = local_cluster(nproc).with_nodes(nproc)
+    except BehemothError as err:  # a cached calibration this version cannot read
+        print(f"(this machine's cached calibration is unreadable here: {err.lines[0]}; using the quick probe instead)")
+        cluster = probe_spec(nproc).with_nodes(nproc)
+    problem = BurstProblem(work, cluster, nproc)
+    return problem.solve(amplification), plain_data_parallel(work, cluster, nproc), cluster.name, problem
+
+
+def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
+    n, batch = args.nproc, args.nproc * args.per_device
+    plan, dp_pred, name, problem = local_plan(n, args.model, args.seq, batch, args.amplification)
+    widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced_plan(plan.widths, n)
+    steps = 3 if args.quick else args.steps
+    burst_s = run_foreground(n, args.model, args.seq, batch, widths, steps)
+    dp_s = run_foreground(n, args.model, args.seq, batch, (n,) * len(widths), steps)
+    planned = "the planner's" if widths == plan.widths else f"a hand-made one (the planner's was {plan.describe()})"
+    print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, plan {widths} ({planned})\n")
+    print("| plan | measured ms | predicted ms | measured / predicted |")
+    print("|---|---|---|---|")
+    pred = problem.plan_of(widths).step_seconds
+    for label, got, want in (("burst", burst_s, pred), ("data parallelism", dp_s, dp_pred)):
+        print(f"| {label} | {got * 1e3:.1f} | {want * 1e3:.1f} | {got / want:.2f} |")
+    print(f"\nburst / data parallelism step time: {burst_s / dp_s:.2f} (DP runs through the same runtime, every layer on every rank)")
+    rows.append(ratio("burst", f"measured {n} CPU ranks", "data parallelism", "step time", burst_s, dp_s, higher_is_better=False))
+    return widths
+
+
+def forced_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """Where the planner keeps every layer on every rank, a plan with idle time to multiplex: blocks on one rank."""
+    return (world, *([1] * (len(widths) - 2)), world)
+
+
+def background_worker(model: str, seq: int, batch: int, seconds: float, log: str) -> None:
+    """A background training job: one process, AdamW steps for `seconds`, one timestamp per finished step in `log`."""
+    Path(log).touch()  # before the imports: the parent waits on this file
+    import torch
+
+    from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.models.init import materialize
+    from behemoth.parallel.burst.multiplex import lower_priority
+
+    torch.set_num_threads(1)
+    lm = build_causal_lm(GPTConfig(preset=model, context=seq))
+    materialize(lm.module, seed=1, device=torch.device("cpu"), init_spec=lm.init_spec)
+    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
+    end, done = time.time() + seconds, 0
+    with open(log, "a") as out:
+        while time.time() < end:
+            if done == 1:  # imported and warmed up at normal priority: from here on, the background's
+                lower_priority()
+            done += 1
+            tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1))
+            (summed_token_loss(lm.module(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.write(f"{time.time()}\n")
+            out.flush()
+
+
+def wait_for_steps(log: Path, steps: int, timeout_s: float = 300.0) -> None:
+    """Wait until the background job has finished `steps` steps (its imports and first steps are not measured)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if log.exists() and len(log.read_text().split()) >= steps:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the background job finished fewer than {steps} steps in {timeout_s:.0f} s")
+
+
+def steps_between(log: Path, t0: float, t1: float) -> float:
+    """Background steps per second within [t0, t1]."""
+    stamps = [float(x) for x in log.read_text().split()]
+    inside = [t for t in stamps if t0 <= t <= t1]
+    return len(inside) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def background(args: argparse.Namespace, seconds: float, log: Path, cpus: list[int] | None):
+    from behemoth.parallel.burst.multiplex import start_background
+
+    argv = [sys.executable, __file__, "--worker", "--model", args.model, "--seq", str(args.seq), "--bg-batch", str(args.bg_batch)]
+    argv += ["--seconds", str(seconds), "--log", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return start_background(argv, cpus=cpus, env=env, nice=0)  # it lowers itself once warmed up
+
+
+def with_background(args: argparse.Namespace, log: Path, during: Callable[[], float]) -> tuple[float, float]:
+    """Start the background job, wait for its first steps, run `during`; (its result, the background's steps/s meanwhile)."""
+    job = background(args, 3600, log, None)
+    try:
+        wait_for_steps(log, 1)
+        t0 = time.time()
+        result = during()
+        return result, steps_between(log, t0, time.time())
+    finally:
+        job.stop()
+
+
+def multiplex(args: argparse.Namespace, widths: tuple[int, ...], rows: list[dict]) -> None:
+    from behemoth.parallel.burst.multiplex import idle_ranks
+
+    n, batch, steps = args.nproc, args.nproc * args.per_device, 3 if args.quick else args.steps
+    window = 20.0 if args.quick else 60.0
+    with tempfile.TemporaryDirectory() as tmp:
+        _, solo_bg = with_background(args, Path(tmp) / "solo", lambda: time.sleep(window) or 0.0)
+        alone = run_foreground(n, args.model, args.seq, batch, widths, steps)
+        together, both_bg = with_background(args, Path(tmp) / "both", lambda: run_foreground(n, args.model, args.seq, batch, widths, steps))
+    slowdown, share = together / alone - 1, both_bg / solo_bg if solo_bg else 0.0
+    print(f"\n## multiplexing on {n} CPU ranks: foreground plan {widths}, background {args.model} x{args.bg_batch} at nice 19\n")
+    print("| measure | alone | multiplexed | ratio |")
+    print("|---|---|---|---|")
+    print(f"| foreground step ms | {alone * 1e3:.1f} | {together * 1e3:.1f} | slowdown {slowdown:+.1%} |")
+    print(f"| background steps/s | {solo_bg:.2f} | {both_bg:.2f} | {share:.0%} of solo |")
+    print(f"(the plan idles ranks {idle_ranks(widths, n)} most; ranks are not pinned to cores here, so neither is the background: nice 19)")
+    rows.append(ratio("burst", f"multiplexed {n} ranks", "foreground alone", "step time", alone, together))
+    rows.append(ratio("burst", f"multiplexed {n} ranks", "background alone", "throughput share", both_bg, solo_bg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["simulate", "measure", "multiplex", "all"], default="all")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--model", default="gpt-1m")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--per-device", type=int, default=1, help="sequences per rank (strong scaling: 1 or 2)")
+    p.add_argument("--amplification", type=float, default=2.0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--bg-batch", type=int, default=8)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--log", help=argparse.SUPPRESS)
+    add_report_args(p)
+    args = p.parse_args(argv)
+    if args.worker:
+        background_worker(args.model, args.seq, args.bg_batch, args.seconds, args.log)
+        return 0
+    print(f"{command_line('bench_burst.py', argv)}  (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    rows: list[dict] = []
+    if args.part in ("simulate", "all"):
+        simulate(rows)
+    widths = None
+    if args.part in ("measure", "all"):
+        widths = measure(args, rows)
+    if args.part in ("multiplex", "all"):
+        if widths is None:
+            plan = local_plan(args.nproc, args.model, args.seq, args.nproc * args.per_device, args.amplification)[0]
+            widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < args.nproc else forced_plan(plan.widths, args.nproc)
+        multiplex(args, widths, rows)
+    write_rows(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

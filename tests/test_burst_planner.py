@@ -1,0 +1,107 @@
+"""The burst planner's dynamic program: its data-parallel limit, its optimum, its amplification cap, its command."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from behemoth.config import load_config
+from behemoth.errors import BehemothError
+from behemoth.planner.burst import BurstPlan, BurstProblem, plain_data_parallel, reshard_rows, simulate_cluster
+from behemoth.planner.cluster import load_cluster
+from behemoth.planner.layout import Workload
+
+
+def workload(*options: str) -> Workload:
+    return Workload.of(load_config(None, ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", *options]))
+
+
+def ideal_cluster(world: int):
+    """A cluster on which every layer scales perfectly: no launch cost, one matmul efficiency, free links."""
+    base = load_cluster("a100-80gb").with_nodes(world)
+    device = base.device.model_copy(update={"op_overhead_us": 0.0, "matmul_efficiency": [(1, 0.5), (10**6, 0.5)], "memory_bandwidth_gbs": 1e12})
+    link = base.intra_node.model_copy(update={"latency_us": 0.0, "bandwidth_gbs": 1e12})
+    return base.model_copy(update={"device": device, "intra_node": link, "inter_node": link})
+
+
+@pytest.mark.parametrize("preset,world,batch", [("a100-80gb", 8, 8), ("h100-sxm", 32, 64)])
+def test_one_width_prices_exactly_as_plain_data_parallelism(preset, world, batch):
+    work = workload(f"train.global_batch={batch}", "model=gpt-1m")
+    cluster = load_cluster(preset).with_nodes(world)
+    problem = BurstProblem(work, cluster, world)
+    plan = problem.plan_of((world,) * problem.layers)
+    assert plan.step_seconds == pytest.approx(plain_data_parallel(work, cluster, world), rel=1e-12)
+    # the uniform-split search limited to the full width, with no cap, is plain data parallelism
+    only = BurstProblem(work, cluster, world, widths=(world,)).solve(math.inf, uniform=True)
+    assert only.widths == (world,) * problem.layers and only.step_seconds == pytest.approx(plan.step_seconds, rel=1e-12)
+
+
+def test_perfect_scaling_without_a_cap_is_data_parallelism():
+    """Where every layer scales perfectly, the dynamic program with amplification -> infinity gives every layer the world."""
+    world, work = 8, workload()
+    cluster = ideal_cluster(world)
+    plan = BurstProblem(work, cluster, world).solve(math.inf)
+    assert plan.widths == (world,) * (work.census.shape.n_layer + 2)
+    assert plan.step_seconds == pytest.approx(plain_data_parallel(work, cluster, world), rel=1e-9)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "gpt-1m"])
+def test_dynamic_program_finds_the_brute_force_optimum(model):
+    world, work = 4, workload("train.global_batch=4", f"model={model}")
+    cluster = load_cluster("a100-80gb").with_nodes(world)
+    problem = BurstProblem(work, cluster, world)
+    for cap in (math.inf, 2.0, 1.2):
+        ok = problem.allowed(cap)
+        widths, seconds = problem.dynamic_program(ok)
+        assert seconds + problem.optimizer == pytest.approx(problem.plan_of(widths).step_seconds, rel=1e-12)
+        every = [
+            problem.plan_of(w, cap).step_seconds
+            for w in itertools.product(problem.widths, repeat=problem.layers)
+            if all(ok[i][problem.widths.index(c)] for i, c in enumerate(w))
+        ]
+        assert problem.solve(cap).step_seconds == pytest.approx(min(every), rel=1e-12)
+
+
+def test_amplification_cap_is_respected_and_binds():
+    world, work = 8, workload("model=gpt-1m", "train.seq_len=64")
+    cluster = load_cluster("a100-80gb").with_nodes(world)
+    problem = BurstProblem(work, cluster, world)
+    free = problem.solve(math.inf)
+    capped = problem.solve(1.5)
+    assert all(c == 1 or problem.amplification(i, c) <= 1.5 + 1e-12 for i, c in enumerate(capped.widths))
+    assert free.step_seconds <= capped.step_seconds
+    assert any(problem.amplification(i, c) > 1.5 for i, c in enumerate(free.widths)), "the cap should bind at this point"
+    with pytest.raises(BehemothError, match="amplification 0.5"):
+        problem.solve(0.5)
+
+
+def test_reshard_rows_counts_what_moves():
+    assert reshard_rows(8, 2, 2, 4) == 0
+    assert reshard_rows(8, 2, 4, 4) == 4  # rank 1 holds rows 4..8 and keeps none of them (it then needs 2..4)
+    assert reshard_rows(8, 1, 4, 4) == 6  # rank 0 keeps 0..2 and sends 6 rows
+
+
+def test_plan_file_round_trips():
+    plan = BurstPlan((1, 2, 2, 1), 2, 8, 2.0, 0.1, {}, 0.1)
+    again = BurstPlan.from_yaml(plan.to_yaml())
+    assert (again.widths, again.world, again.global_batch) == ((1, 2, 2, 1), 2, 8)
+
+
+def test_cluster_simulator_at_strong_scaling():
+    """gpt2-124m, one sequence per A100 on 64 of them: the numbers the benchmark prints, and their invariants."""
+    work = Workload.of(load_config(None, ["model=gpt2-124m", "train.global_batch=64", "train.seq_len=1024", "train.precision=bf16"]))
+    point = simulate_cluster(work, load_cluster("a100-80gb"), 64)
+    assert point.per_device_batch == 1
+    assert point.burst.step_seconds <= point.dp_step * (1 + 1e-12) or point.burst.amplification < math.inf
+    assert 0 < point.burst.idle_fraction < 1 and point.cluster_throughput >= point.foreground_ratio
+
+
+def test_plan_burst_command(capsys):
+    from behemoth.cli.plan import plan_main
+
+    code = plan_main(["--burst", "--cluster", "a100-80gb", "--world", "16", "model=gpt-1m", "train.global_batch=16", "train.seq_len=64"])
+    out = capsys.readouterr().out
+    assert code == 0 and "burst plan" in out and "data parallelism" in out, out
+    assert plan_main(["--burst", "--amplification", "0.5", "--cluster", "a100-80gb", "model=gpt-tiny"]) == 2
