@@ -134,7 +134,7 @@ def run_plan(args: argparse.Namespace) -> int:
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
     print(
         f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
-        f"{len(result.refused)} refused by problems(); step times of the first {min(4, len(result.ranked))} from the schedule simulator"
+        f"{len(result.refused)} refused by problems(); every row's step time from {'the schedule simulator' if any(c.time.simulated for c in result.ranked) else 'one closed form'}"
     )
     if args.out:
         Path(args.out).write_text(plan_yaml(cfg, result.ranked[0]))
