@@ -13,6 +13,12 @@
     python benchmarks/bench_planner.py --quick          # a minute or two
     python benchmarks/bench_planner.py                  # the full run (about 30 minutes on 2 cores)
     python benchmarks/bench_planner.py --part b         # the on-paper table only (seconds)
+(c) Published: every run recorded in benchmarks/published/*.yaml (a paper's or project's layout and measured
+    throughput, with its source and table), priced by the planner's one pricing function on the source's hardware,
+    predicted beside published tokens per second per GPU, the ratio per row, the Spearman rank correlation, and the
+    winner where a source compares layouts of one model. No constant is fitted to these rows.
+
+    python benchmarks/bench_planner.py --part published [--markdown FILE]   # about a minute
 """
 
 from __future__ import annotations
@@ -54,23 +60,10 @@ MEGATRON = [  # Narayanan et al. 2021, Table 1: heads, hidden, layers, tp, pp, G
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (average ranks for ties)."""
+    """Rank correlation (average ranks for ties): the planner's own (behemoth/planner/published.py)."""
+    from behemoth.planner.published import spearman as rank_correlation
 
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    return statistics.correlation(rx, ry) if len(xs) > 2 else float("nan")
+    return rank_correlation(xs, ys)
 
 
 def candidate_plans(cfg, world: int, cluster, limit: int, seed: int = 0):
@@ -192,14 +185,51 @@ def part_b() -> None:
         print(f"{name:>8}{gpus:>6}{batch:>6}  {plan:<46}{mem}{util}{seconds:>8.2f}   tp={tp} pp={pp} {frac:.0%}")
 
 
+def part_published(markdown: str | None = None) -> None:
+    """(c): predicted against published per-GPU throughput, one row per published run."""
+    from behemoth.planner.published import comparisons, validate
+
+    t0 = time.perf_counter()
+    rows = validate()
+    seconds = time.perf_counter() - t0
+    print("\n(c) published runs priced by the planner (tokens/s per GPU; predicted / published)")
+    header = f"{'run':<24}{'layout (as published)':<44}{'published':>10}{'predicted':>10}{'ratio':>7}{'MFU':>6}{'fits':>6}  source"
+    print(header)
+    lines = []
+    for r in rows:
+        fits = "yes" if r.cost.fits else "no"
+        print(f"{r.name:<24}{r.layout:<44}{r.published:>10.1f}{r.predicted:>10.1f}{r.ratio:>7.2f}{r.cost.mfu:>6.0%}{fits:>6}  {r.source}, {r.where}")
+        lines.append(
+            f"| {r.name} | `{r.layout}` | {r.published:.1f} | {r.predicted:.1f} | {r.ratio:.2f} | {r.cost.mfu:.0%} | {fits} | {r.source}, {r.where} |"
+        )
+    rho = spearman([r.published for r in rows], [r.predicted for r in rows])
+    within = sum(abs(r.ratio - 1) <= 0.10 for r in rows)
+    median = statistics.median(abs(r.ratio - 1) for r in rows)
+    summary = [
+        f"{len(rows)} rows from {len({r.source for r in rows})} sources; Spearman {rho:.3f}; {within} of {len(rows)} within 10%;"
+        f" median |ratio - 1| {median:.1%}; priced in {seconds:.1f} s",
+    ]
+    for source, published, predicted in comparisons(rows=rows):
+        summary.append(f"{source}: published winner {published}, predicted winner {predicted} ({'same' if published == predicted else 'DIFFERENT'})")
+    print("\n".join(summary))
+    if markdown:
+        table = ["| run | layout | published | predicted | ratio | MFU | fits | source |", "|---|---|---:|---:|---:|---:|---|---|"]
+        Path(markdown).write_text("\n".join(table + lines + [""] + [f"- {line}" for line in summary]) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two models on 2 processes, a few plans each")
-    parser.add_argument("--part", choices=["a", "b", "both"], default="both")
+    parser.add_argument("--procs", default=None, help="with --quick: process counts, e.g. 2,4 (default 2)")
+    parser.add_argument("--part", choices=["a", "here", "b", "both", "published"], default="both", help="here: (a); published: (c)")
+    parser.add_argument("--markdown", metavar="FILE", help="with --part published: also write its table as Markdown")
     parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = parser.parse_args()
-    if args.part in ("a", "both"):
-        plan = [("gpt-1m", 2, 6), ("gpt-6m", 2, 6)] if args.quick else [(m, w, 30) for m in MODELS for w in (2, 4)]
+    if args.part == "published":
+        part_published(args.markdown)
+    if args.part in ("a", "here", "both"):
+        procs = [int(p) for p in (args.procs or "2").split(",")]
+        plan = [(m, w, 6) for w in procs for m in ("gpt-1m", "gpt-6m")] if args.quick else [(m, w, 30) for m in MODELS for w in (2, 4)]
         cases = [measure_case(m, w, limit, steps=2 if args.quick else 3) for m, w, limit in plan]
         report_a(cases)
     if args.part in ("b", "both"):

@@ -141,7 +141,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
     print(
         f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
-        f"{len(result.refused)} refused by problems(); step times of the first {min(4, len(result.ranked))} from the schedule simulator"
+        f"{len(result.refused)} refused by problems(); every row's step time from "
+        f"{'the schedule simulator' if any(c.time.simulated for c in result.ranked) else 'one closed form'}"
     )
     if args.out:
         Path(args.out).write_text(plan_yaml(cfg, result.ranked[0]))
@@ -246,7 +247,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print(
         f"behemoth calibrate: {nproc} process(es), {time.perf_counter() - t0:.0f} s: {dev.name}, matmul up to "
         f"{max(dev.peak_tflops.values()):.3g} TFLOP/s, memory {dev.memory_bandwidth_gbs:.1f} GB/s, operator {dev.op_overhead_us:.1f} us, "
-        f"a block reaches {dev.block_efficiency:.0%} of the matrix rate, "
+        f"attention {dev.flash_efficiency:.0%} of peak, a block runs at {dev.block_efficiency:.0%} of its priced speed, "
         f"{dev.comm_overlap:.0%} of a collective hides behind compute"
     )
     for op, (latency, bandwidth) in link.ops.items():

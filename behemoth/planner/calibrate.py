@@ -152,26 +152,78 @@ def block_efficiency(
     matmul: list[tuple[int, float]],
     bandwidth: float,
     overhead_us: float,
+    flash: float = 0.5,
     d: int = 256,
     tokens: int = 512,
 ) -> float:
-    """The share of the matrix rate a GPT block's forward and backward reach (every rank at once): its FLOPs at the
-    measured matrix rate, over its measured time less what the cost model counts apart (elementwise traffic at the
-    memory bandwidth, a launch cost per operator)."""
+    """The residual of the cost model on a real block (every rank at once): the seconds steptime prices for a GPT
+    block's products and attention, over its measured time less what it prices apart (elementwise traffic at the
+    memory bandwidth, a launch per operator). 1 when the model explains the block; below when the block is slower."""
     from behemoth.models.gpt import Block, GPTConfig
-    from behemoth.planner.cluster import interpolate
-    from behemoth.planner.steptime import ELEMENTWISE_PASSES, FORWARD_OPS_PER_BLOCK
 
     cfg = GPTConfig(n_layer=1, n_head=4, d_model=d, context=tokens, vocab_size=8)
     g = torch.Generator(device=device).manual_seed(0)
     block = Block(cfg).to(device)
     x = torch.randn(1, tokens, d, device=device, generator=g, requires_grad=True)
     seconds = timed(lambda: block(x).sum().backward(), 5, device, group)
-    flops = 3 * tokens * (24 * d * d + 4 * tokens * d)
-    matrices = flops / (interpolate(matmul, (tokens * d * 4 * d) ** (1 / 3)) * 1e12)
-    saved = 4 * tokens * (16 * d + 4 + 4)
-    apart = 3 * ELEMENTWISE_PASSES * saved / (bandwidth * 1e9) + 3 * FORWARD_OPS_PER_BLOCK * overhead_us * 1e-6
+    matrices, apart = priced_block(matmul, bandwidth, overhead_us, d, tokens, flash)
     return min(1.0, max(0.05, matrices / max(seconds - apart, 1e-9)))
+
+
+def priced_block(
+    matmul: list[tuple[int, float]], bandwidth: float, overhead_us: float, d: int, tokens: int, flash: float = 0.5
+) -> tuple[float, float]:
+    """(products and attention, everything else) seconds steptime prices for one block of width `d` over `tokens`,
+    forward and backward, on a device with the measured fp32 `matmul` curve."""
+    from behemoth.config import load_config
+    from behemoth.planner.layout import Layout, Workload
+    from behemoth.planner.steptime import block_costs
+
+    options = [f"model.d_model={d}", "model.n_head=4", "model.n_layer=1", f"model.context={tokens}", "model.vocab_size=8"]
+    work = Workload.of(load_config(None, options + [f"train.seq_len={tokens}", "train.global_batch=1"]))
+    lay = Layout(1, 1, 1, 0, False, 1, 1, "1f1b", 1)
+    dev = DeviceSpec(
+        name="probe",
+        memory_gb=1.0,
+        peak_tflops={"fp32": max(v for _, v in matmul)},
+        matmul_tflops={"fp32": matmul},
+        memory_bandwidth_gbs=bandwidth,
+        op_overhead_us=overhead_us,
+        attention_kernel="materialized",
+    )
+    spec = ClusterSpec(
+        name="probe",
+        devices_per_node=1,
+        device=dev,
+        intra_node=LinkSpec(latency_us=1.0, bandwidth_gbs=1.0),
+        host=HostSpec(memory_gb=1.0, memory_bandwidth_gbs=1.0, disk_bandwidth_gbs=1.0),
+    )
+    whole = block_costs(work, lay, spec)
+    bare = block_costs(work, lay, spec.model_copy(update={"device": dev.model_copy(update={"op_overhead_us": 0.0, "memory_bandwidth_gbs": 1e12})}))
+    total, matrices = whole.passes - 2 * whole.comm, bare.passes - 2 * bare.comm
+    return matrices, total - matrices
+
+
+def attention_efficiency(
+    device: torch.device, group: dist.ProcessGroup | None, peak_tflops: float, heads: int = 4, seq: int = 256, hd: int = 64
+) -> float:
+    """The share of `peak_tflops` the runtime's attention kernel (causal scaled_dot_product_attention, forward and
+    backward) reaches, counted as steptime counts a flash kernel's work: half the square's FLOPs forward, 2.5x that back."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, seq, hd, device=device, generator=g, requires_grad=True) for _ in range(3))
+    seconds = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 5, device, group)
+    flops = 0.5 * 4.0 * heads * seq * seq * hd * 3.5
+    return min(1.0, max(0.01, flops / seconds / (peak_tflops * 1e12)))
+
+
+def core_count() -> int:
+    """CPU cores this process may run on (the node's processes share them)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
@@ -202,10 +254,14 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["op_overhead_us"] = op_overhead(device)
-        out["block_efficiency"] = block_efficiency(device, group, out["matmul"]["fp32"], out["memory_bandwidth_gbs"], out["op_overhead_us"])
+        out["flash_efficiency"] = attention_efficiency(device, group, max(v for _, v in out["matmul"]["fp32"]))
+        out["block_efficiency"] = block_efficiency(
+            device, group, out["matmul"]["fp32"], out["memory_bandwidth_gbs"], out["op_overhead_us"], out["flash_efficiency"]
+        )
         out["disk_bandwidth_gbs"] = disk_bandwidth(Path(cache_dir), DISK_BYTES[mode]) if rt.is_main else None
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)"
         out["device_memory"] = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        out["cores"] = core_count() if device.type == "cpu" else None
         return out
     finally:
         rt.close()
@@ -235,12 +291,15 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         memory_bandwidth_gbs=m["memory_bandwidth_gbs"],
         op_overhead_us=m["op_overhead_us"],
         comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
-        block_efficiency=m.get("block_efficiency", 0.8),
+        block_efficiency=m.get("block_efficiency", 1.0),
+        attention_kernel="flash",  # the runtime's scaled_dot_product_attention
+        flash_efficiency=m.get("flash_efficiency", 0.5),
     )
     host = HostSpec(
         memory_gb=host_memory_bytes() / 1e9,
         memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
         disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1,
+        cores=m.get("cores"),
     )
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
     measured.update({f"matmul_{k}_tflops_by_n": [tuple(p) for p in v] for k, v in m["matmul"].items()})
@@ -301,6 +360,7 @@ def probe_spec(nproc: int) -> ClusterSpec:
         dst = torch.empty_like(src)
         bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 3, device) / 1e9 / (nproc if device.type == "cpu" else 1)
         overhead = op_overhead(device)
+        flash = attention_efficiency(device, None, max(v for _, v in curve))
     finally:
         torch.set_num_threads(threads)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes() / nproc
@@ -315,6 +375,8 @@ def probe_spec(nproc: int) -> ClusterSpec:
         "op_overhead_us": overhead,
         "comm_overlap": 0.9 if device.type == "cuda" else (0.0 if nproc >= (os.cpu_count() or 1) else 0.5),
         "disk_bandwidth_gbs": None,
+        "cores": core_count() if device.type == "cpu" else None,
+        "flash_efficiency": flash,
     }
     spec = spec_from(m, name="local (probed)")
     link = LinkSpec(latency_us=100.0, bandwidth_gbs=bandwidth / 10)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from behemoth.errors import BehemothError
 
@@ -31,18 +31,40 @@ class Spec(BaseModel):
 
 
 class LinkSpec(Spec):
-    """One kind of link: latency and bus bandwidth of each collective over it (`default` for any not listed)."""
+    """One kind of link: an alpha-beta cost per collective. alpha = `latency_us` plus `hop_latency_us` per step of the
+    algorithm (a ring's n - 1 steps for all-gather, reduce-scatter and all-to-all; a tree's 2 log2 n for all-reduce);
+    beta = bus bandwidth, reached in full only by large messages: each step's chunk (the tensor / n) moves at
+    `bandwidth_gbs` x chunk / (chunk + `half_bytes`). Measured `ops` (from `behemoth calibrate`, at the ring size
+    it ran) replace the formula for their op."""
 
     latency_us: float = Field(..., ge=0, description="fixed cost of one collective or transfer")
     bandwidth_gbs: float = Field(..., gt=0, description="bus bandwidth, GB/s per device (10^9 bytes)")
+    hop_latency_us: float = Field(0.0, ge=0, description="latency each step of a ring or tree adds")
+    half_bytes: float = Field(0.0, ge=0, description="chunk size (bytes per step) at which half the bus bandwidth is reached")
     ops: dict[str, tuple[float, float]] = Field(default_factory=dict, description="op -> (latency_us, bandwidth_gbs), measured")
 
-    def seconds(self, op: str, nbytes: float, ranks: int) -> float:
-        """Time of one `op` of `nbytes` (the full tensor) over `ranks` devices on this link."""
+    def seconds(self, op: str, nbytes: float, ranks: int, rails: float = 1.0) -> float:
+        """Time of one `op` of `nbytes` (the full tensor) over `ranks` devices on this link; `rails`: how many of these
+        links each node's share of the group drives at once (a group with 8 devices per node crosses nodes on 8 NICs)."""
         if ranks <= 1 and op != "p2p":
             return 0.0
-        latency, bandwidth = self.ops.get(op, (self.latency_us, self.bandwidth_gbs))
-        return latency * 1e-6 + nbytes * bus_factor(op, ranks) / (bandwidth * GB)
+        if op in self.ops:
+            latency, bandwidth = self.ops[op]
+            return latency * 1e-6 + nbytes * bus_factor(op, ranks) / (bandwidth * GB)
+        chunk = nbytes if op == "p2p" else nbytes / ranks
+        efficiency = chunk / (chunk + self.half_bytes) if self.half_bytes else 1.0
+        alpha = (self.latency_us + self.hop_latency_us * algorithm_steps(op, ranks)) * 1e-6
+        return alpha + nbytes * bus_factor(op, ranks) / (self.bandwidth_gbs * rails * efficiency * GB)
+
+
+def algorithm_steps(op: str, ranks: int) -> int:
+    """Latency-bound steps of one collective: NCCL's ring for gathers, scatters and all-to-all, its tree (or the ring,
+    whichever is shorter) for all-reduce, one for a transfer."""
+    if op == "p2p":
+        return 1
+    if op == "all_reduce":
+        return min(2 * (ranks - 1), 2 * math.ceil(math.log2(max(ranks, 2))))
+    return ranks - 1
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -51,6 +73,38 @@ def bus_factor(op: str, ranks: int) -> float:
         return 1.0
     share = (ranks - 1) / ranks
     return 2 * share if op == "all_reduce" else share
+
+
+class GemmCurve(Spec):
+    """Achieved share of peak of an (m, n, k) matrix product: `ceiling` x f(m) x f(n) x f(k), f(x) = x / (x + `half`).
+    Rises monotonically in every dimension (tiles fill the device, the k loop amortizes its prologue), tends to
+    `ceiling` as all grow and to 0 as any shrinks; the device's memory bandwidth bounds it from above as well."""
+
+    ceiling: float = Field(..., gt=0, le=1, description="share of peak the largest products reach")
+    half: float = Field(..., gt=0, description="the dimension at which that dimension's factor is one half")
+    source: str = Field("", description="the measurements the two numbers were fitted to")
+
+    def efficiency(self, m: float, n: float, k: float) -> float:
+        h = self.half
+        return self.ceiling * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
+
+
+def fit_gemm(points: list[tuple[float, float, float, float]], *, source: str = "") -> GemmCurve:
+    """The curve closest (least squares in log efficiency) to measured (m, n, k, share of peak) points: a grid over
+    `half`, the best `ceiling` for each in closed form (the geometric mean of the ratios)."""
+    if not points:
+        raise BehemothError("no matrix-product measurements to fit a curve to", "measure some with behemoth calibrate")
+    best: tuple[float, float, float] | None = None
+    for i in range(121):
+        half = 2 ** (1 + i * 0.1)  # 2 .. 8192
+        shape = [math.log(m / (m + half) * n / (n + half) * k / (k + half)) for m, n, k, _ in points]
+        logs = [math.log(max(e, 1e-6)) for *_, e in points]
+        c = min(0.0, sum(lg - sh for lg, sh in zip(logs, shape)) / len(points))
+        err = sum((lg - sh - c) ** 2 for lg, sh in zip(logs, shape))
+        if best is None or err < best[0]:
+            best = (err, half, math.exp(c))
+    assert best is not None
+    return GemmCurve(ceiling=min(1.0, best[2]), half=best[1], source=source)
 
 
 class DeviceSpec(Spec):
@@ -65,13 +119,19 @@ class DeviceSpec(Spec):
         description="(square matrix size n, achieved fraction of peak): the curve the compute time interpolates",
     )
     matmul_tflops: dict[str, list[tuple[int, float]]] = Field(default_factory=dict, description="measured (n, TFLOP/s) by dtype")
+    gemm: GemmCurve | None = Field(None, description="share of peak by (m, n, k); default: fitted to matmul_tflops or matmul_efficiency")
+    attention_kernel: Literal["flash", "materialized"] = Field(
+        "materialized", description="flash: scores never leave on-chip memory; materialized: s x s scores written and read"
+    )
+    flash_efficiency: float = Field(0.5, gt=0, le=1, description="share of peak a flash-attention kernel reaches (forward and backward)")
+    _curves: dict[str, GemmCurve] = PrivateAttr(default_factory=dict)
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
     block_efficiency: float = Field(
-        0.8,
+        1.0,
         gt=0,
         le=1,
-        description="share of the matrix rate a transformer block's forward and backward reach (attention, transposed products in backward)",
+        description="measured residual: a block's priced seconds (products, attention, elementwise, launches) over its measured ones",
     )
     comm_overlap: float = Field(
         0.9,
@@ -101,6 +161,47 @@ class DeviceSpec(Spec):
             raise BehemothError(f"device {self.name} lists no peak_tflops for {dtype} or fp32", "add peak_tflops.fp32 to the cluster file")
         return peak * interpolate(self.matmul_efficiency, n) * 1e12
 
+    def gemm_curve(self, dtype: str) -> GemmCurve:
+        """The (m, n, k) curve: stated, else fitted to this dtype's measured squares, else to `matmul_efficiency`."""
+        if self.gemm is not None:
+            return self.gemm
+        if dtype not in self._curves:
+            self._curves[dtype] = _fitted_curve(self, dtype)
+        return self._curves[dtype]
+
+    def gemm_seconds(self, dtype: str, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds of `batch` (m x k) @ (k x n) products: the slower of their FLOPs at the curve's rate and their
+        operands' bytes at the memory bandwidth."""
+        if min(m, n, k, batch) <= 0:
+            return 0.0
+        flops = 2.0 * batch * m * n * k
+        compute = flops / (self.peak_rate(dtype) * self.gemm_curve(dtype).efficiency(m, n, k))
+        memory = batch * (m * k + k * n + m * n) * DTYPE_BYTES.get(dtype, 4) / (self.memory_bandwidth_gbs * GB)
+        return max(compute, memory)
+
+    def peak_rate(self, dtype: str) -> float:
+        """FLOP/s the curve's shares are of: the rated peak, or the best measured when none is rated."""
+        rated = self.peak_tflops.get(dtype)
+        if rated is None and self.matmul_tflops.get(dtype):
+            rated = max(v for _, v in self.matmul_tflops[dtype])
+        rated = rated or self.peak_tflops.get("fp32")
+        if rated is None:
+            raise BehemothError(f"device {self.name} lists no peak_tflops for {dtype} or fp32", "add peak_tflops.fp32 to the cluster file")
+        return rated * 1e12
+
+
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+
+
+def _fitted_curve(device: DeviceSpec, dtype: str) -> GemmCurve:
+    measured = device.matmul_tflops.get(dtype)
+    peak = device.peak_rate(dtype) / 1e12
+    if measured:
+        points = [(n, n, n, v / peak) for n, v in measured]
+        return fit_gemm(points, source=f"fitted to the measured {dtype} squares")
+    points = [(n, n, n, e) for n, e in device.matmul_efficiency]
+    return fit_gemm(points, source="fitted to matmul_efficiency")
+
 
 def interpolate(curve: list[tuple[int, float]], n: float) -> float:
     """Piecewise-linear in log n between measured points, constant beyond the ends."""
@@ -120,6 +221,7 @@ class HostSpec(Spec):
     memory_gb: float = Field(..., gt=0, description="host memory per node, GB")
     memory_bandwidth_gbs: float = Field(..., gt=0, description="host memory bandwidth per node, GB/s")
     disk_bandwidth_gbs: float = Field(..., gt=0, description="local disk read/write bandwidth per node, GB/s")
+    cores: int | None = Field(None, ge=1, description="CPU cores a node's CPU processes share (None: each device computes alone, a GPU)")
 
 
 class ClusterSpec(Spec):
@@ -150,6 +252,25 @@ class ClusterSpec(Spec):
         if span <= self.devices_per_node or self.inter_node is None:
             return self.intra_node
         return self.inter_node
+
+    def collective(self, op: str, nbytes: float, ranks: int, stride: int = 1) -> float:
+        """Seconds of one `op` of `nbytes` over a group of `ranks` devices `stride` ranks apart (a data-parallel group
+        is tp apart). A group that spans nodes crosses them on as many links at once as it has devices per node
+        (each device its own NIC, as in a DGX), up to the bandwidth within the node."""
+        if ranks <= 1 and op != "p2p":
+            return 0.0
+        link = self.link(ranks * stride)
+        if link is self.intra_node:
+            return link.seconds(op, nbytes, ranks)
+        per_node = max(1, min(ranks, self.devices_per_node // max(1, stride)))
+        rails = max(1.0, min(per_node, self.intra_node.bandwidth_gbs / link.bandwidth_gbs))
+        return link.seconds(op, nbytes, ranks, rails)
+
+    @property
+    def core_sharing(self) -> float:
+        """Ranks per core on a node whose CPU processes outnumber its cores (1 when each has its own)."""
+        cores = self.host.cores
+        return self.devices_per_node / cores if cores and self.devices_per_node > cores else 1.0
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,8 +1,9 @@
 """The price of one plan: memory per rank and step time on a cluster, tokens per second, MFU, and what binds.
 
 `price(work, layout, cluster)` is the planner's cost model in one call (footprint.py for memory, steptime.py for
-time); the search calls it for every candidate, with the pipeline's closed form, and again with the schedule
-simulator (`exact=True`) for the plans it reports.
+time); the search calls it for every candidate, with the pipeline's closed form, and `price_ranking` prices every
+row it reports by one function: the schedule simulator for every pipelined row (fed by the same per-pass costs) when
+all of them are small enough to simulate, else the closed form for all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from behemoth.planner.steptime import StepTime, runtime_bounds, step_time, unifo
 
 GiB = 2**30
 TIGHT_MEMORY = 0.9  # a plan whose busiest rank uses more than this share of the device is memory-bound
+SIMULATE_LIMIT = 40_000  # actions (ranks x micro-batches x chunks x ~6): larger pipelines keep the closed form
 
 
 @dataclass
@@ -140,3 +142,15 @@ def price(work: Workload, lay: Layout, cluster: ClusterSpec, *, exact: bool = Fa
     hardware = hardware_flops_per_token(census.shape, census.matmul_params, work.seq_len, recomputed)
     peak = cluster.device.peak(work.compute_dtype)
     return PlanCost(lay, bounds, memory, time, cluster.device.usable_bytes, per_token * tokens, hardware * tokens, peak, per_token)
+
+
+def simulable(lay: Layout) -> bool:
+    """Whether the schedule simulator prices `lay` quickly enough for a ranking (a pipeline of bounded actions)."""
+    return lay.pp == 1 or lay.pp * lay.microbatches * max(1, lay.chunks) * 6 <= SIMULATE_LIMIT
+
+
+def price_ranking(work: Workload, costs: list[PlanCost], cluster: ClusterSpec, *, simulate: bool = True) -> list[PlanCost]:
+    """Every row of a ranking priced again by one function (same bounds and recomputation): with the simulator for every
+    pipelined row when `simulate` and all can be simulated, else with the closed form for every row."""
+    exact = simulate and all(simulable(c.layout) for c in costs)
+    return [price(work, c.layout.but(boundaries=c.bounds), cluster, exact=exact) for c in costs]

@@ -17,13 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from behemoth.planner.cluster import ClusterSpec
-from behemoth.planner.cost import PlanCost, planned_bounds, price
+from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
 from behemoth.planner.footprint import stage_memory, state_bytes
 from behemoth.planner.layout import SCHEDULES, Layout, Workload
 from behemoth.planner.stages import SINGLE_STAGE_SCHEDULES, cut_stages, stage_models
 from behemoth.planner.steptime import step_floor
-
-SIMULATE_LIMIT = 40_000  # actions (ranks x micro-batches x chunks x ~6): larger pipelines keep the closed form
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,7 @@ def search(
         unfit = sorted(
             (fit_layout(work, lay, cluster, space) for lay in sorted(layouts, key=lambda l: memory_floor(work, l))[:top]), key=lambda c: c.peak_memory
         )
-    ranked = [simulated(work, c, cluster) if i < exact else price(work, c.layout.but(boundaries=c.bounds), cluster) for i, c in enumerate(ranked)]
-    ranked.sort(key=rank_key)
+    ranked = sorted(price_ranking(work, ranked, cluster, simulate=exact > 0), key=rank_key)  # every row by one function
     return SearchResult(ranked, unfit, len(layouts), priced, refused, time.perf_counter() - t0)
 
 
@@ -176,7 +173,7 @@ def rank_key(cost: PlanCost) -> tuple:
 def simulated(work: Workload, cost: PlanCost, cluster: ClusterSpec) -> PlanCost:
     """The plan priced again with the schedule simulator (pipelines small enough to simulate quickly)."""
     lay = cost.layout
-    if lay.pp == 1 or lay.pp * lay.microbatches * lay.chunks * 6 > SIMULATE_LIMIT:
+    if lay.pp == 1 or not simulable(lay):
         return cost
     return price(work, lay.but(boundaries=cost.bounds), cluster, exact=True)
 

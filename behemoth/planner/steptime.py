@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from behemoth.models.shape import LayerCosts, block_forward_flops
+from behemoth.models.shape import LayerCosts
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.pipeline.schedules import build_schedule
@@ -30,6 +30,8 @@ FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, mat
 HEAD_OPS = 12  # final norm, head, loss
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
 ELEMENTWISE_PASSES = 2.0  # each saved activation element is written once and read about once more in forward
+FLASH_BACKWARD = 2.5  # a flash kernel's backward runs five products to its forward's two (the scores recomputed)
+SCORE_PASSES = (4, 7)  # materialized s x s scores: forward and backward passes over them through memory
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StepTime:
     simulated: bool = False
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
     offload_io: float = 0.0  # seconds the offload tiers move bytes in a step, of which `offload` is exposed
+    dp_traffic: float = 0.0  # the data-parallel collectives' seconds on their link, of which `dp_comm` is exposed
 
     @property
     def offload(self) -> float:
@@ -101,69 +104,146 @@ def runtime_bounds(costs: LayerCosts, stages: int) -> tuple[int, ...]:
     return tuple(balance_stages(costs, stages))
 
 
-def matmul_size(work: Workload, lay: Layout) -> float:
-    """Typical dimension of a block's matrix products: the geometric mean of tokens x width x MLP width / t."""
-    shape = work.census.shape
-    return (lay.micro_batch * work.seq_len * shape.d_model * shape.ffn / lay.tp) ** (1 / 3)
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds of one block for one micro-batch on one rank: the forward, the input-gradient and the weight-gradient
+    passes (computation only), and the tensor-parallel collectives of one pass (forward; input-gradient the same)."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+    comm: float
+
+    @property
+    def passes(self) -> float:
+        """Forward, input-gradient and weight-gradient passes with their collectives."""
+        return self.forward + self.input_grad + self.weight_grad + 2 * self.comm
+
+
+def block_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
+    """(batch, m, n, k) of each matrix product of one block's forward on one rank: q/k/v, the attention output, the
+    MLP (gate and up fused, down), an MoE block's router and its E / ep local experts over the tokens routed to them."""
+    shape, tokens, t = work.census.shape, lay.micro_batch * work.seq_len, lay.tp
+    d = shape.d_model
+    products = [(1, tokens, (shape.q_width + 2 * shape.kv_width) / t, d), (1, tokens, d, shape.q_width / t)]
+    up = (2 if shape.gated else 1) * shape.ffn / t
+    experts = shape.experts[0] if shape.experts else 0
+    if experts:
+        local, routed = experts / lay.ep, tokens * max(1, shape.top_k) * lay.ep / experts
+        products += [(1, tokens, experts, d), (local, routed, up, d), (local, routed, d, shape.ffn / t)]
+    else:
+        products += [(1, tokens, up, d), (1, tokens, d, shape.ffn / t)]
+    return products
+
+
+def attention_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention scores and values for one micro-batch on one rank.
+    flash: the FLOPs (causal: half the tiles run) at the kernel's share of peak, backward 2.5x forward (five products
+    to two, the scores recomputed); materialized: the batched products at their (m, n, k) rate plus the s x s scores'
+    traffic (forward: written, read and written by the softmax, read; backward: seven passes)."""
+    dev, shape, s = cluster.device, work.census.shape, work.seq_len
+    heads, hd, dtype = lay.micro_batch * shape.n_head / lay.tp, shape.head_dim, work.compute_dtype
+    if dev.attention_kernel == "flash":
+        forward = 0.5 * 4.0 * heads * s * s * hd / (dev.peak_rate(dtype) * dev.flash_efficiency)
+        return forward, FLASH_BACKWARD * forward
+    scores = heads * s * s * work.act_bytes / (dev.memory_bandwidth_gbs * 1e9)
+    forward = dev.gemm_seconds(dtype, s, s, hd, heads) + dev.gemm_seconds(dtype, s, hd, s, heads) + SCORE_PASSES[0] * scores
+    backward = dev.gemm_seconds(dtype, s, s, hd, heads) + 3 * dev.gemm_seconds(dtype, s, hd, s, heads) + SCORE_PASSES[1] * scores
+    return forward, backward
+
+
+_BLOCK_COSTS: dict[tuple, tuple] = {}  # the search prices thousands of layouts sharing a few block shapes (the keys' objects kept alive)
+
+
+def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
+    """One block's passes (remembered per shape, degrees and hardware; see `price_block`)."""
+    key = (id(work.census), work.seq_len, work.compute_dtype, lay.micro_batch, lay.tp, lay.sp, lay.ep, id(cluster.device), id(cluster.intra_node))
+    found = _BLOCK_COSTS.get(key)
+    if found is None or found[0] is not work.census or found[1] is not cluster.device or found[2] is not cluster.intra_node:
+        if len(_BLOCK_COSTS) > 4096:
+            _BLOCK_COSTS.clear()
+        found = _BLOCK_COSTS[key] = (work.census, cluster.device, cluster.intra_node, price_block(work, lay, cluster))
+    return found[3]
+
+
+def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
+    """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
+    weight-gradient product (k, n, m)), attention, elementwise traffic at the memory bandwidth, a launch per operator."""
+    dev, dtype, tokens = cluster.device, work.compute_dtype, lay.micro_batch * work.seq_len
+    products = block_products(work, lay)
+    forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
+    input_grad = sum(dev.gemm_seconds(dtype, m, k, n, b) for b, m, n, k in products)
+    weight_grad = sum(dev.gemm_seconds(dtype, k, n, m, b) for b, m, n, k in products)
+    attn_f, attn_b = attention_seconds(work, lay, cluster)
+    saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
+    elementwise = ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9)
+    launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
+    eff = dev.block_efficiency
+    hidden = tokens * work.census.shape.d_model * work.act_bytes
+    if lay.sp:
+        comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
+    else:
+        comm = cluster.collective("all_reduce", hidden, lay.tp)
+    return BlockCosts(
+        (forward + attn_f) / eff + elementwise + launches,
+        (input_grad + attn_b) / eff + elementwise + launches,
+        weight_grad / eff + launches / 2,
+        2 * comm,
+    )
 
 
 def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
-    """(compute, tp communication) seconds of one block's forward for one micro-batch on one rank."""
-    dev, tokens = cluster.device, lay.micro_batch * work.seq_len
-    flops = block_forward_flops(work.census.shape, work.seq_len) * tokens / lay.tp
-    rate = dev.matmul_rate(work.compute_dtype, matmul_size(work, lay)) * dev.block_efficiency
-    saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
-    compute = flops / rate + ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9) + FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
-    hidden = tokens * work.census.shape.d_model * work.act_bytes
-    link = cluster.link(lay.tp)
-    comm = (
-        link.seconds("all_gather", hidden, lay.tp) + link.seconds("reduce_scatter", hidden, lay.tp)
-        if lay.sp
-        else link.seconds("all_reduce", hidden, lay.tp)
-    )
-    return compute, 2 * comm
+    """(compute, tp communication) of one block, compute as a third of its three passes' computation, so that the
+    stage cutter's `3 x (compute + comm) - comm` is the block's forward, input-gradient and weight-gradient passes."""
+    c = block_costs(work, lay, cluster)
+    return (c.forward + c.input_grad + c.weight_grad) / 3, c.comm
 
 
 def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the head's and loss's forward for one micro-batch (logits over this rank's vocabulary)."""
     dev, tokens = cluster.device, lay.micro_batch * work.seq_len
     share = work.census.at(lay.tp, lay.ep)
-    flops = 2.0 * work.census.shape.d_model * share.vocab * tokens
-    rate = dev.matmul_rate(work.compute_dtype, (tokens * work.census.shape.d_model * share.vocab) ** (1 / 3))
+    logits = dev.gemm_seconds(work.compute_dtype, tokens, share.vocab, work.census.shape.d_model)
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
-    comm = cluster.link(lay.tp).seconds("all_reduce", 3 * tokens * 4, lay.tp)  # the vocabulary-parallel loss's three reductions
-    return flops / rate + softmax + comm + HEAD_OPS * dev.op_overhead_us * 1e-6
+    comm = cluster.collective("all_reduce", 3 * tokens * 4, lay.tp)  # the vocabulary-parallel loss's three reductions
+    return logits / dev.block_efficiency + softmax + comm + HEAD_OPS * dev.op_overhead_us * 1e-6
 
 
 def embed_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the embedding lookup (a gather, memory-bound) and, under tensor parallelism, its all-reduce."""
     tokens = lay.micro_batch * work.seq_len
     hidden = tokens * work.census.shape.d_model * work.act_bytes
-    return 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9) + cluster.link(lay.tp).seconds("all_reduce", hidden, lay.tp)
+    return 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9) + cluster.collective("all_reduce", hidden, lay.tp)
 
 
 def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...]) -> PassCosts:
-    """Per model stage: forward, input-gradient and weight-gradient seconds of one micro-batch (backward = 2 x forward,
-    split evenly; tp collectives both ways; a recomputing stage runs its forward again in backward)."""
-    compute, comm = block_pass(work, lay, cluster)
-    block = compute + comm
+    """Per model stage: forward, input-gradient and weight-gradient seconds of one micro-batch (tp collectives in the
+    first two; the embedding's and head's backward priced as their forward, once per gradient pass; a recomputing
+    stage runs its forward again before its input-gradient pass)."""
+    c = block_costs(work, lay, cluster)
     head, embed = head_pass(work, lay, cluster), embed_pass(work, lay, cluster)
     stage_rank = {s: r for r in range(lay.pp) for s in lay.held_stages(r)}
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
     for s in range(lay.stages):
         n = bounds[s + 1] - bounds[s]
-        f = n * block + (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
-        again = n * block if stage_rank[s] in lay.recompute else 0.0
+        ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
+        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else 0.0
         recompute += again
-        fwd.append(f)
-        bwd.append(f + again)
-        wgt.append(f - n * comm)  # the weight gradient needs no tensor-parallel collective
-    tokens = lay.micro_batch * work.seq_len
-    message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
-    p2p = cluster.link(lay.world).seconds("p2p", message, 2) if lay.pp > 1 else 0.0
-    tp_comm = work.census.shape.n_layer / lay.pp * comm * 2  # one rank's blocks, forward and input-gradient passes
+        fwd.append(n * (c.forward + c.comm) + ends)
+        bwd.append(n * (c.input_grad + c.comm) + ends + again)
+        wgt.append(n * c.weight_grad + ends)
+    p2p = pipeline_message_seconds(work, lay, cluster)
+    tp_comm = work.census.shape.n_layer / lay.pp * c.comm * 2  # one rank's blocks, forward and input-gradient passes
     return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp)
+
+
+def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
+    """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline)."""
+    if lay.pp == 1:
+        return 0.0
+    message = lay.micro_batch * work.seq_len * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    return cluster.link(lay.world).seconds("p2p", message, 2)
 
 
 def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[float, float]:
@@ -204,27 +284,58 @@ def bytes_per(lay: Layout, work: Workload) -> tuple[int, int]:
     return p, g
 
 
-def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, backward: float) -> float:
-    """Exposed seconds of the gradient reduction and ZeRO's all-gathers of `elements` parameters on the data-parallel
-    link; without a pipeline the reductions overlap `backward` (a micro-batch's backward on the rank), as the runtime's
-    bucket hooks do; a pipeline reduces once, after its passes."""
-    if lay.data_ranks == 1:
-        return 0.0
+@dataclass(frozen=True)
+class DataParallelTime:
+    """A step's data-parallel / ZeRO collectives: their seconds on the link (`traffic`) and what computation does not
+    hide (`exposed`): collectives run on their own stream beside the passes, up to `comm_overlap` of the compute they
+    can run behind; the first gather of a pass and the last reduction after backward are always exposed."""
+
+    traffic: float
+    exposed: float
+
+
+def bucket_seconds(cluster: ClusterSpec, op: str, nbytes: float, bucket: float, ranks: int, stride: int) -> tuple[float, float]:
+    """(all buckets, the last bucket) seconds of `op` over `nbytes` sent in buckets of `bucket` bytes."""
+    if nbytes <= 0:
+        return 0.0, 0.0
+    full, rest = divmod(nbytes, bucket)
+    each = cluster.collective(op, bucket, ranks, stride)
+    last = cluster.collective(op, rest, ranks, stride) if rest else each
+    return full * each + (last if rest else 0.0), last
+
+
+def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, forward: float, backward: float) -> DataParallelTime:
+    """The data-parallel traffic of `elements` parameters on the group's link (dp x ep ranks, tp apart): DDP's bucketed
+    all-reduce behind the last micro-batch's `backward`; ZeRO 1-2's bucketed reduce-scatter (every micro-batch under
+    ZeRO-2) and the parameters' all-gather after the step; ZeRO-3's per-unit all-gathers in forward and backward and
+    reduce-scatters in backward, every micro-batch, behind `forward` and `backward`. A pipeline reduces once, after
+    its passes (nothing hides it)."""
+    n = lay.data_ranks
+    if n == 1:
+        return DataParallelTime(0.0, 0.0)
     p, g = bytes_per(lay, work)
-    link, n = cluster.link(lay.tp * lay.data_ranks), lay.data_ranks
-    hides = cluster.device.comm_overlap
-    overlap = 0.0 if lay.pp > 1 else backward * hides
+    hides = cluster.device.comm_overlap if lay.pp == 1 else 0.0
+    bucket, tp, m = work.bucket_mb * 2**20, lay.tp, lay.microbatches
     if lay.zero == 0:
-        last_bucket = min(g * elements, work.bucket_mb * 2**20)  # the last bucket's reduction starts after backward ends
-        return max(link.seconds("all_reduce", g * elements, n) - overlap, link.seconds("all_reduce", last_bucket, n))
-    gather = link.seconds("all_gather", p * elements, n)
+        traffic, last = bucket_seconds(cluster, "all_reduce", g * elements, bucket, n, tp)
+        return DataParallelTime(traffic, max(traffic - hides * backward, last))
     if lay.zero in (1, 2):
-        scatter = link.seconds("reduce_scatter", g * elements, n)
-        each = scatter * (lay.microbatches if lay.zero == 2 and lay.pp == 1 else 1)
-        hidden = overlap * (lay.microbatches if lay.zero == 2 else 1)
-        return max(each - hidden, 0.0) + gather
-    traffic = lay.microbatches * (2 * gather + link.seconds("reduce_scatter", g * elements, n))
-    return max(traffic - 1.5 * backward * lay.microbatches * hides, 0.0) + gather / max(1, work.census.shape.n_layer)
+        scatter, last = bucket_seconds(cluster, "reduce_scatter", g * elements, bucket, n, tp)
+        gather = cluster.collective("all_gather", p * elements, n, tp)
+        syncs = m if lay.zero == 2 and lay.pp == 1 else 1
+        exposed = syncs * max(scatter - hides * backward, last) + gather
+        return DataParallelTime(syncs * scatter + gather, exposed)
+    units = max(1, work.census.shape.n_layer // lay.pp)
+    gather = cluster.collective("all_gather", p * elements / units, n, tp)
+    scatter = cluster.collective("reduce_scatter", g * elements / units, n, tp)
+    exposed_f = max(units * gather - hides * forward, gather)
+    exposed_b = max(units * (gather + scatter) - hides * backward, scatter)
+    return DataParallelTime(m * units * (2 * gather + scatter), m * (exposed_f + exposed_b))
+
+
+def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, backward: float, forward: float | None = None) -> float:
+    """Exposed seconds of `data_parallel_time` (forward defaults to half the backward, its FLOP share)."""
+    return data_parallel_time(work, lay, cluster, elements, backward / 2 if forward is None else forward, backward).exposed
 
 
 def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
@@ -248,7 +359,7 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
         return 0.0
     moe_blocks = sum(1 for e in shape.experts if e) / lay.pp
     routed = lay.micro_batch * work.seq_len * shape.d_model * max(1, shape.top_k) * work.act_bytes
-    return 4 * lay.microbatches * moe_blocks * cluster.link(lay.tp * lay.ep).seconds("all_to_all", routed, lay.ep)
+    return 4 * lay.microbatches * moe_blocks * cluster.collective("all_to_all", routed, lay.ep, lay.tp)
 
 
 def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, experts: float) -> float:
@@ -266,27 +377,43 @@ def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements:
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:
     """Seconds of one training step of `lay` on `cluster`, by part."""
     costs = pass_costs(work, lay, cluster, bounds)
-    passes, bubble = pipeline_seconds(lay, costs, exact=exact)
+    passes, bubble = shared_cores(cluster, *pipeline_seconds(lay, costs, exact=exact))
     share = work.census.at(lay.tp, lay.ep)
     busiest = max(range(lay.pp), key=lambda r: rank_elements(share, lay, bounds, r))
     elements = rank_elements(share, lay, bounds, busiest)
     experts = sum(bounds[s + 1] - bounds[s] for s in lay.held_stages(busiest)) * share.experts
+    forward = max(sum(costs.forward[s] for s in lay.held_stages(r)) for r in range(lay.pp))
     backward = max(sum(costs.backward[s] + costs.weight[s] for s in lay.held_stages(r)) for r in range(lay.pp))
     passes += chimera_sync_seconds(lay, cluster, elements)
     m = lay.microbatches
     pp_comm = 2 * m * costs.p2p * max(1, lay.chunks) if lay.pp > 1 else 0.0
+    dp = data_parallel_time(work, lay, cluster, elements, forward, backward)
     return StepTime(
         passes,
         bubble,
         costs.tp_comm * m,
         pp_comm,
-        data_parallel_seconds(work, lay, cluster, elements, backward),
+        dp.exposed,
         optimizer_seconds(work, lay, cluster, elements),
         costs.recompute * m,
         simulated=exact and lay.pp > 1,
         ep_comm=expert_seconds(work, lay, cluster),
         offload_io=offload_seconds(work, lay, cluster, elements, experts),
+        dp_traffic=dp.traffic,
     )
+
+
+def shared_cores(cluster: ClusterSpec, passes: float, bubble: float) -> tuple[float, float]:
+    """(passes, bubble) when a node's ranks share fewer cores than there are ranks (CPU processes): the rates were
+    measured with every rank computing, so a rank idle in the pipeline's bubble lends its share to the busy ones. The
+    step is then the larger of the ranks' mean busy time and the critical path at the rate of a rank with its cores
+    to itself (`sharing` times faster)."""
+    sharing = cluster.core_sharing
+    if sharing <= 1.0 or bubble <= 0.0:
+        return passes, bubble
+    busy = passes - bubble
+    shared = max(busy, passes / sharing)
+    return shared, shared - busy
 
 
 def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
@@ -298,8 +425,10 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     mean = whole / lay.pp * (2 if lay.schedule == "chimera" and lay.pp > 1 else 1)  # a Chimera rank holds two stages
     per_stage = whole / lay.stages
     third = per_stage / 3
-    flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, 0.0, 0.0, 0.0)
+    p2p = pipeline_message_seconds(work, lay, cluster)
+    flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, p2p, 0.0, 0.0)
     passes = lay.microbatches * mean if lay.pp == 1 else closed_form_step(lay, [mean] * lay.pp, flat)[0]
     share = work.census.at(lay.tp, lay.ep)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
-    return passes + data_parallel_seconds(work, lay, cluster, elements, mean) + optimizer_seconds(work, lay, cluster, elements)
+    passes = shared_cores(cluster, passes, passes - lay.microbatches * mean)[0] if lay.pp > 1 else passes
+    return passes + data_parallel_time(work, lay, cluster, elements, mean, mean).exposed + optimizer_seconds(work, lay, cluster, elements)
