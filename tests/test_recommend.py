@@ -108,7 +108,7 @@ def test_shipped_catalog_says_its_prices_are_illustrative() -> None:
 
 
 def test_a_profile_calibration_rescales_its_instances_and_can_change_the_choice(tmp_path: Path) -> None:
-    """A profile predicted on `fastnet`'s preset that measured compute 6x and communication 2x the prediction rescales
+    """A profile predicted on `fastnet`'s preset that measured compute 10x and communication 2x the prediction rescales
     each part of `fastnet`'s plans by that (the other instance type is untouched), and makes `pricey` the cheaper."""
     import json
 
@@ -120,12 +120,12 @@ def test_a_profile_calibration_rescales_its_instances_and_can_change_the_choice(
 
     catalog = load_catalog(write_catalog(tmp_path))
     pred = {"forward": 1.0, "backward": 2.0, "optimizer": 1.0, "comm_dp": 0.5, "comm_tp": 0.5, "comm_ep": 0.0, "bubble": 0.0, "offload": 0.0}
-    got = {**{k: 6 * v for k, v in pred.items()}, "comm_dp": 1.0, "comm_tp": 1.0, "data": 0.5, "host": 0.5, "checkpoint": 0.0}
+    got = {**{k: 10 * v for k, v in pred.items()}, "comm_dp": 1.0, "comm_tp": 1.0, "data": 0.5, "host": 0.5, "checkpoint": 0.0}
     predicted = {**pred, "data": None, "host": None}
     entry = {"cluster": str(tmp_path / "slowdev.yaml"), "run": "data", "step": 20.0, "measured": got, "predicted": predicted}
     (tmp_path / "p.json").write_text(json.dumps({"calibration": entry}))
     cal = load_calibration(tmp_path / "p.json")
-    assert (cal.compute, cal.comm, cal.unmodelled) == (6.0, 2.0, 0.05)
+    assert (cal.compute, cal.comm, cal.unmodelled) == (10.0, 2.0, 0.05)
     work = Workload.of(load_config(None, MODEL))
     plain = {(o.instance.name, o.nodes): o for o in options(work, catalog, TOKENS, Space(**SPACE_PP1))}
     scaled = {(o.instance.name, o.nodes): o for o in options(work, catalog, TOKENS, Space(**SPACE_PP1), calibrations=(cal,))}
@@ -133,7 +133,7 @@ def test_a_profile_calibration_rescales_its_instances_and_can_change_the_choice(
         assert scaled["pricey", k].hours == plain["pricey", k].hours and scaled["pricey", k].calibration is None
         o = scaled["fastnet", k]
         share = o.plan.shares()
-        parts = 6 * (share["compute"] + share["recompute"] + share["optimizer"] + share["bubble"])
+        parts = 10 * (share["compute"] + share["recompute"] + share["optimizer"] + share["bubble"])
         parts += 2 * (share["tp_comm"] + share["dp_comm"] + share["ep_comm"]) + share["offload"]
         assert o.step_seconds == pytest.approx(o.plan.step_seconds * parts / 0.95, rel=1e-12)
         assert o.hours > 2 * plain["fastnet", k].hours
