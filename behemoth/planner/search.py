@@ -241,9 +241,17 @@ def repriced(work: Workload, cost: PlanCost, cluster: ClusterSpec) -> PlanCost:
 
 
 def rank_key(cost: PlanCost) -> tuple:
-    """Step time, then memory, then the simplest plan (fewer ranks recomputing, lower ZeRO stage)."""
+    """Step time, then the simplest plan: less offloaded (device, host memory, disk), fewer ranks recomputing, lower ZeRO
+    stage, less memory."""
     lay = cost.layout
-    return (round(cost.step_seconds, 12), len(lay.recompute), lay.zero, cost.peak_memory, lay.describe())
+    return (round(cost.step_seconds, 12), offload_rank(lay.offload), len(lay.recompute), lay.zero, cost.peak_memory, lay.describe())
+
+
+def offload_rank(off: Offload) -> int:
+    """0 on the device, then the order of OFFLOAD_PLACEMENTS (lighter I/O first); a placement a user wrote ranks last."""
+    if not off.enabled:
+        return 0
+    return 1 + OFFLOAD_PLACEMENTS.index(off) if off in OFFLOAD_PLACEMENTS else len(OFFLOAD_PLACEMENTS) + 1
 
 
 def simulated(work: Workload, cost: PlanCost, cluster: ClusterSpec) -> PlanCost:
