@@ -118,7 +118,7 @@ Tier = Literal["device", "host", "none", "cpu", "disk"]
 class ElasticConfig(Section):
     replan: bool = Field(
         False,
-        description="a restart on a world size other than the checkpoint's runs the plan the planner chooses for it (rank 0 plans, every rank runs it)",
+        description="a restart on a world size other than the checkpoint's runs the planner's plan for it (rank 0 plans, every rank runs it)",
     )
 
 

@@ -77,35 +77,39 @@ def resumed_on(run: Path, world: int) -> dict | None:
 
 
 @pytest.mark.slow
-def test_a_job_that_loses_a_worker_continues_on_the_planned_layout(tmp_path):
-    """`--nproc 3:4 elastic.replan=true`: SIGKILL one node; within 60 s the job trains on 3 processes with the layout
-    the planner chose for 3, and its losses from the resumed checkpoint on equal a run restarted by hand from that
-    checkpoint with that layout (float32, relative 1e-5)."""
+def test_a_job_that_loses_a_worker_continues_on_the_planned_layout(tmp_path, monkeypatch):
+    """`--nproc 3:4 elastic.replan=true` with a 2-stage pipeline (which 3 processes cannot keep): SIGKILL one node;
+    within 60 s the job trains on 3 processes with the layout the planner chose for 3, and its losses from the resumed
+    checkpoint on equal a run restarted by hand from that checkpoint with that layout (float32, relative 1e-5)."""
     run = tmp_path / "run"
-    opts = ["checkpoint.every=4", "checkpoint.keep=20", "train.global_batch=12", "elastic.replan=true"]
+    for n in (3, 4):
+        cluster_file(tmp_path / "cache", n)
+    monkeypatch.setenv("BEHEMOTH_CACHE", str(tmp_path / "cache"))
+    opts = ["checkpoint.every=4", "checkpoint.keep=20", "train.global_batch=12", "parallel.pp=2", "elastic.replan=true"]
     proc = start(run, *opts, nproc="3:4", steps=40, timeout_s=30)
     with reaped(proc):
         wait_for_step(proc, run, 9, timeout=300)
         agents = [p for p in workers(proc.pid) if p not in {d for a in workers(proc.pid) for d in descendants(a)}]
+        killed = time.time()
         for pid in [*descendants(agents[-1]), agents[-1]]:
             os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        while resumed_on(run, 3) is None and proc.poll() is None and time.monotonic() < killed + 300:
+        while resumed_on(run, 3) is None and proc.poll() is None and time.time() < killed + 300:
             time.sleep(0.1)
-        continued_s = time.monotonic() - killed
+        continued_s = time.time() - killed
         out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     event = resumed_on(run, 3)
-    assert event is not None and event["saved_world_size"] == 4, event
-    assert continued_s < 60, f"the job trained on 3 processes only {continued_s:.0f} s after the kill"
+    assert event is not None and event["saved_world_size"] == 4 and "pp=" not in event["plan"], event
     assert "4 -> 3 processes, re-planned as" in err, err[-2000:]
     step = event["step"]
     by_hand = tmp_path / "by-hand"  # the plan the job ran on 3 (its config.yaml, rewritten at that start), from its checkpoint
     cfg = load_config(str(run / "config.yaml"), [f"run.dir={by_hand}", "elastic.replan=false"])
-    assert cfg.parallel.dims(3).world_size == 3
+    assert cfg.parallel.pp == 1 and not cfg.parallel.dims_problems(3)
     reference = run_ranks(3, train_body, cfg.model_dump(mode="json"), str(run / "checkpoints" / event["from"]), timeout=600)[0]["losses"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ours = {r["step"]: r["loss"] for r in rows if "loss" in r and r["step"] > step}
     assert len(reference) == 40 - step, (len(reference), step)
     for i, loss in enumerate(reference):
         assert ours[step + 1 + i] == pytest.approx(loss, rel=1e-5), (step + 1 + i, ours[step + 1 + i], loss)
+    print(f"killed -> resumed on 3: {continued_s:.1f} s (resume event {event['time'] - killed:.1f} s, loading {event['load_s']:.1f} s)")
+    assert continued_s < 60, f"the job trained on 3 processes only {continued_s:.0f} s after the kill (a loaded machine is slower)"

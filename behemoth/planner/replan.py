@@ -29,9 +29,7 @@ from behemoth.planner.search import Space, config_of, search
 def replan(cfg: Config, world: int, cluster: ClusterSpec | None = None) -> Config:
     """`cfg` with the planner's best plan for `world` processes (on `cluster`, default this machine as calibrated or
     probed): the degrees, ZeRO stage, schedule and micro-batches chosen anew, a user's offload placement kept."""
-    from behemoth.planner.calibrate import local_cluster
-
-    cluster = (cluster or local_cluster(world)).with_nodes(world)
+    cluster = (cluster or this_machine(world)).with_nodes(world)
     space = Space(offload=(Offload.of(cfg),)) if cfg.offload.enabled else Space()
     result = search(Workload.of(cfg), cluster, world, space, cfg=cfg, top=1, exact=1)
     if not result.ranked:
@@ -41,6 +39,17 @@ def replan(cfg: Config, world: int, cluster: ClusterSpec | None = None) -> Confi
         )
     best = result.ranked[0]
     return config_of(cfg, best.layout.but(boundaries=best.bounds))
+
+
+def this_machine(world: int) -> ClusterSpec:
+    """This machine for `world` processes: `behemoth calibrate`'s cached description, or a probe where there is none or
+    it cannot be read (a restart must not fail on a stale cache)."""
+    from behemoth.planner.calibrate import local_cluster, probe_spec
+
+    try:
+        return local_cluster(world)
+    except BehemothError:
+        return probe_spec(world)
 
 
 def saved_world(cfg: Config, launch_id: str) -> int | None:
