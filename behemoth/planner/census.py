@@ -103,8 +103,9 @@ def _full_shape(one: ModelShape, model_cfg: Any) -> ModelShape:
 
     if not one.experts:
         return replace(one, n_layer=model_cfg.n_layer)
-    moe = model_cfg.moe
-    return replace(one, n_layer=model_cfg.n_layer, experts=tuple(moe.experts_per_block(model_cfg.n_layer)))  # every block's own experts
+    if one.arch != "gpt":  # a Hugging Face MoE family: every block alike
+        return replace(one, n_layer=model_cfg.n_layer, experts=one.experts[:1] * model_cfg.n_layer)
+    return replace(one, n_layer=model_cfg.n_layer, experts=tuple(model_cfg.moe.experts_per_block(model_cfg.n_layer)))  # each block's own
 
 
 def _one_block(model_cfg: Any, hf: Any, lora: Any) -> CausalLM:
