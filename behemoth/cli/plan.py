@@ -27,9 +27,10 @@ def plan_parser() -> argparse.ArgumentParser:
         prog="behemoth plan",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Search every parallel layout of a model on a cluster (dp, tp, pp, ZeRO stage, sequence parallelism, micro-batch "
-            "size and count, schedule, per-stage recomputation, stage boundaries), price each with the cost model (memory per "
-            "rank, step time), and print the best ones with what binds them and why the first beats the second."
+            "Search every parallel layout of a model on a cluster (dp, ep for MoE models, tp, pp, ZeRO stage, sequence parallelism, "
+            "micro-batch size and count, schedule, per-stage recomputation, stage boundaries; offload to host memory or disk only "
+            "when nothing fits), price each with the cost model (memory per rank, kept 5% below the device's usable memory; step "
+            "time), and print the best ones with what binds them, why the first beats the second and the assumptions behind them."
         ),
         epilog="\n".join(
             [
