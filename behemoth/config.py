@@ -115,6 +115,13 @@ class RunConfig(Section):
 Tier = Literal["device", "host", "none", "cpu", "disk"]
 
 
+class ElasticConfig(Section):
+    replan: bool = Field(
+        False,
+        description="a restart on a world size other than the checkpoint's runs the planner's plan for it (rank 0 plans, every rank runs it)",
+    )
+
+
 class OffloadConfig(Section):
     """Where model states live (offload/): each of parameters, gradients and optimizer state on a tier, streamed per unit."""
 
@@ -181,6 +188,7 @@ class Config(Section):
     hf: HFConfig = Field(default_factory=HFConfig)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from behemoth.comm import barrier
@@ -29,9 +30,10 @@ from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist
 from behemoth.offload.optimizer import EIGHT_BIT
 from behemoth.offload.runtime import OffloadSync
-from behemoth.planner.feasibility import refuse
+from behemoth.planner.feasibility import describe_plan, refuse
+from behemoth.planner.replan import agreed_plan
 from behemoth.profiler.energy import read_counters, run_energy
-from behemoth.topology import Runtime, init_runtime
+from behemoth.topology import Runtime, init_runtime, join_process_group, pick_device
 
 TRAIN_STREAM, VAL_STREAM = 0, 1
 if tensorboard_available():  # imported with the trainer, so that workers forked from a process that loaded it share it
@@ -95,6 +97,7 @@ class Trainer:
                 "from": ckpt.name,
                 "world_size": self.rt.world_size,
                 "saved_world_size": meta["world_size"],
+                "plan": describe_plan(self.cfg, self.rt.world_size),
                 "restart": restart_count(),
                 "load_s": time.perf_counter() - t0,
                 "time": time.time(),
@@ -305,7 +308,28 @@ def train(cfg: Config, *, resume: Path | None = None, verified: bool = False, la
     world it finds (`behemoth.faults.recovery`); `launch_id` names the launch (default: torchrun's rendezvous id, or a new
     one), `verified`: the launcher has already checked `resume`."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = plan_for_world(cfg, world)
+    launch_id = launch_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
+    joined = cfg.elastic.replan and join_process_group(pick_device(int(os.environ.get("LOCAL_RANK", 0))), cfg.run.timeout_s)
+    try:
+        return train_on(replanned(cfg, world, launch_id), world, resume=resume, verified=verified, launch_id=launch_id)
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def replanned(cfg: Config, world: int, launch_id: str) -> Config:
+    """The config this start runs: with elastic.replan, rank 0's choice for this world, broadcast (planner/replan.py);
+    else the config's own plan with data parallelism absorbing a change of world size."""
+    if not cfg.elastic.replan:
+        return plan_for_world(cfg, world)
+    cfg, line = agreed_plan(cfg, world, launch_id, dist.group.WORLD, dist.get_rank() == 0)
+    if line and dist.get_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    return cfg
+
+
+def train_on(cfg: Config, world: int, *, resume: Path | None, verified: bool, launch_id: str) -> dict[str, Any]:
+    """`train` once the plan for this world is known."""
     refuse(cfg, world)
     if cfg.run.dir:
         for key, value in nccl_flight_env(cfg.run.dir).items():
@@ -314,7 +338,6 @@ def train(cfg: Config, *, resume: Path | None = None, verified: bool = False, la
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     try:
         cfg = settle_run_dir(cfg, rt)
-        launch_id = launch_id or os.environ.get("TORCHELASTIC_RUN_ID") or uuid.uuid4().hex
         warning = torchrun_restart_warning()
         if warning and rt.is_main:
             print(warning, file=sys.stderr, flush=True)

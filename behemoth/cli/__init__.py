@@ -245,6 +245,13 @@ def elastic_problems(cfg: Config, nproc: tuple[int, int], max_restarts: int) -> 
         )
     for world in range(low, high):  # the largest size is checked with the launch's other problems
         found = problems(plan_for_world(cfg, world), world)
+        if found and cfg.elastic.replan:  # a restart on this size will run the planner's plan for it
+            from behemoth.planner.replan import replan
+
+            try:
+                found = problems(replan(cfg, world), world)
+            except BehemothError as err:
+                found = [Problem.from_error("elastic.replan", err)]
         if found:
             out.append(
                 Problem.of(

@@ -28,9 +28,10 @@ def plan_parser() -> argparse.ArgumentParser:
         prog="behemoth plan",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Search every parallel layout of a model on a cluster (dp, tp, pp, ZeRO stage, sequence parallelism, micro-batch "
-            "size and count, schedule, per-stage recomputation, stage boundaries), price each with the cost model (memory per "
-            "rank, step time), and print the best ones with what binds them and why the first beats the second."
+            "Search every parallel layout of a model on a cluster (dp, ep for MoE models, tp, pp, ZeRO stage, sequence parallelism, "
+            "micro-batch size and count, schedule, per-stage recomputation, stage boundaries; offload to host memory or disk only "
+            "when nothing fits), price each with the cost model (memory per rank, kept 5% below the device's usable memory; step "
+            "time), and print the best ones with what binds them, why the first beats the second and the assumptions behind them."
         ),
         epilog="\n".join(
             [
@@ -88,6 +89,7 @@ def cluster_and_world(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
 
 def space_of(cfg: Config) -> Space:
     """The search space a config leaves open: every parallel option it sets explicitly is pinned."""
+    from behemoth.planner.layout import Offload
     from behemoth.planner.search import Space
 
     plan, train, given = cfg.parallel, cfg.train, cfg.parallel.model_fields_set
@@ -107,6 +109,10 @@ def space_of(cfg: Config) -> Space:
         pins["recompute"] = False
     if train.micro_batch is not None:
         pins["micro_batch"] = (train.micro_batch,)
+    if "ep" in given:
+        pins["ep"] = (plan.ep,)
+    if cfg.offload.model_fields_set & {"params", "grads", "optimizer", "optimizer_bits"}:  # placed by the user: not searched
+        pins["offload"] = (Offload.of(cfg),)
     return Space(**pins)
 
 
@@ -139,6 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 3
     print(table(result.ranked, cluster))
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
+    print(assumptions(result.ranked, work, cluster))
     print(
         f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
         f"{len(result.refused)} refused by problems(); every row's step time from "
@@ -148,6 +155,41 @@ def run_plan(args: argparse.Namespace) -> int:
         Path(args.out).write_text(plan_yaml(cfg, result.ranked[0]))
         print(f"wrote {args.out}: behemoth train --config {args.out}")
     return 0
+
+
+def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) -> str:
+    """What the predictions above rest on, in numbers: the figures' source, the memory limit and its margin, the compute
+    and link rates, and (where a ranked plan uses them) the pipeline's pricing, the experts' routing and offload's I/O."""
+    from behemoth.planner.search import MEMORY_MARGIN
+
+    dev, intra, inter, host = cluster.device, cluster.intra_node, cluster.inter_node, cluster.host
+    dtype = work.compute_dtype
+    curve = "measured matrix rates" if dev.matmul_tflops.get(dtype) else f"peak {dev.peak(dtype) / 1e12:.3g} TFLOP/s x efficiency by matrix size"
+    lines = [
+        "Assumptions behind these predictions:",
+        f"  figures: {cluster.kind} cluster {cluster.name}" + (f" ({cluster.source.splitlines()[0][:100]})" if cluster.source else ""),
+        f"  memory: {(dev.memory_gb - dev.reserved_gb):.1f} GB usable per device ({dev.memory_gb:.1f} less {dev.reserved_gb:.1f} reserved); "
+        f"a plan keeps {MEMORY_MARGIN:.0%} of it free (the memory model's accuracy), so none above {ranked[0].limit / 2**30:.2f} GiB is chosen",
+        f"  compute ({dtype}): {curve}; a block reaches {dev.block_efficiency:.0%} of that rate; {dev.op_overhead_us:.1f} us per operator; "
+        f"memory-bound work at {dev.memory_bandwidth_gbs:.0f} GB/s",
+        f"  links: within a node {intra.latency_us:.1f} us + bytes / {intra.bandwidth_gbs:.0f} GB/s"
+        + (f", between nodes {inter.latency_us:.1f} us + bytes / {inter.bandwidth_gbs:.0f} GB/s" if inter else "")
+        + f"; {dev.comm_overlap:.0%} of data-parallel traffic hides behind backward",
+    ]
+    lays = [c.layout for c in ranked]
+    if any(lay.pp > 1 for lay in lays):
+        simulated = sum(1 for c in ranked if c.time.simulated)
+        lines.append(f"  pipelines: {simulated} of the ranked step times from the schedule simulator, the rest from its closed form")
+    if any(lay.ep > 1 for lay in lays):
+        routing = f"capacity factor {work.capacity_factor} (padded slots)" if work.capacity_factor is not None else "dropless, balanced routing"
+        lines.append(f"  experts: {work.routed_rows:g} rows per token each way in each all-to-all ({routing}), not overlapped with compute")
+    if any(lay.offload.enabled for lay in lays):
+        lines.append(
+            f"  offload (searched because no plan fits the devices): host memory {host.memory_bandwidth_gbs:.0f} GB/s and disk "
+            f"{host.disk_bandwidth_gbs:.1f} GB/s per node, shared by its {cluster.devices_per_node} devices; host memory "
+            f"{host.memory_gb:.0f} GB per node less the margin; the streamer's read-ahead hides I/O behind the passes where it can"
+        )
+    return "\n".join(lines)
 
 
 def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Space) -> int | None:
@@ -161,21 +203,27 @@ def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Sp
 
 
 def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
-    """The best plan as `parallel.*` options (what a user would type)."""
+    """The best plan as `parallel.*` (and, offloaded, `offload.*`) options: what a user would type."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
-    keys = ("dp", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
-    return [
-        f"parallel.{k}={yaml.safe_dump(getattr(plan, k), default_flow_style=True).strip().removesuffix('...').strip()}"
-        for k in keys
-        if getattr(plan, k) is not None
-    ]
+    keys = ("dp", "ep", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
+    out = [f"parallel.{k}={flow(getattr(plan, k))}" for k in keys if getattr(plan, k) is not None]
+    off = cost.layout.offload
+    if off.enabled:
+        out += [f"offload.{k}={flow(v)}" for k, v in off.to_config(cfg.offload).items() if k in ("params", "grads", "optimizer", "optimizer_bits")]
+    return out
+
+
+def flow(value: Any) -> str:
+    """A value as one YAML word (what `key=value` on the command line parses back)."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def plan_yaml(cfg: Config, cost: PlanCost) -> str:
-    """The config with the best plan as its `parallel:` section, in the YAML a user writes (defaults left out)."""
-    plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
-    train = cfg.train.model_copy(update={"micro_batch": None})
-    full = cfg.model_copy(update={"parallel": plan, "train": train})
+    """The config with the best plan as its `parallel:` (and `offload:`) sections, in the YAML a user writes (defaults
+    left out), headed by the prediction and the assumptions it rests on."""
+    from behemoth.planner.search import config_of
+
+    full = config_of(cfg, cost.layout.but(boundaries=cost.bounds))
     data = full.model_dump(mode="json", exclude_defaults=True)
     lay = cost.layout
     note = (

@@ -12,6 +12,10 @@ What differs from `torch.distributed.run` on one machine, and why:
 - workers the agent stops get `grace_s` (not 30 s) to exit, and a stopped (SIGSTOP) worker is woken so it can;
 - the agent's log folders and error files go to a private temporary folder that is removed afterwards;
 - each restart is announced in one line naming the failed rank.
+
+A decision that every worker of a (re)started group must share — the plan of a new world size (`elastic.replan`,
+planner/replan.py) — is made once, on the group's first rank, and broadcast (`decided_once`): ranks that each decided
+for themselves could disagree (a calibration cache on one host, a probe's timing on another).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
+from behemoth.comm import broadcast_object
 from behemoth.errors import ERROR_PREFIX, BehemothError
 from behemoth.flight.recorder import SELF_PAUSED
 
@@ -54,6 +59,22 @@ class ElasticPolicy:
     join_timeout_s: float = 300.0
     last_call_s: float = 10.0  # once MIN nodes are in, how long to wait for more
     keep_alive_s: float = 1.0  # a node whose agent misses 3 heartbeats is gone
+
+
+def decided_once(make: Callable[[], Any], group: dist.ProcessGroup, is_source: bool) -> Any:
+    """`make()` run on the group's first rank only and its result returned on every rank; a BehemothError it raises is
+    raised on every rank, with its message, so that no rank waits for a decision that failed."""
+
+    def attempt() -> tuple[str, Any]:
+        try:
+            return "ok", make()
+        except BehemothError as err:
+            return "error", str(err)
+
+    status, value = broadcast_object(attempt, group, is_source)
+    if status == "error":
+        raise BehemothError(value)
+    return value
 
 
 def describe_failures(failures: dict[int, Any]) -> str:

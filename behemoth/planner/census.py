@@ -78,7 +78,11 @@ class ModelCensus:
         activations = block_activation_elements(shape)
         if lora is not None:
             activations = lora_block_activations(activations, shape, lora.rank, _adapted(one))
-        census = cls(model_cfg, hf, shape, _count(one.module) + extra, one.matmul_params + extra, activations, lora)
+        psi, matmul = _count(one.module) + extra, one.matmul_params + extra
+        if shape.experts:  # an MoE block's share holds every expert; a token multiplies by its k (and blocks may alternate)
+            matmul = one.matmul_params + sum(shape.block_matrix_params(i) for i in range(1, shape.n_layer))
+            psi = model_cfg.num_params() if not getattr(hf, "arch", None) else psi
+        census = cls(model_cfg, hf, shape, psi, matmul, activations, lora)
         census._shares[(1, 1)] = share
         return census
 
@@ -97,12 +101,20 @@ def _full_shape(one: ModelShape, model_cfg: Any) -> ModelShape:
     """The one-block copy's shape with the real depth."""
     from dataclasses import replace
 
-    return replace(one, n_layer=model_cfg.n_layer)
+    if not one.experts:
+        return replace(one, n_layer=model_cfg.n_layer)
+    if one.arch != "gpt":  # a Hugging Face MoE family: every block alike
+        return replace(one, n_layer=model_cfg.n_layer, experts=one.experts[:1] * model_cfg.n_layer)
+    return replace(one, n_layer=model_cfg.n_layer, experts=tuple(model_cfg.moe.experts_per_block(model_cfg.n_layer)))  # each block's own
 
 
 def _one_block(model_cfg: Any, hf: Any, lora: Any) -> CausalLM:
     """A one-block copy of the model on the meta device, its base frozen and adapted when `lora` is given (as
     parallelize does before the tensor-parallel split)."""
+    moe = getattr(model_cfg, "moe", None)
+    if moe is not None and moe.enabled and not getattr(hf, "arch", None):  # a GPT whose MoE blocks alternate: count each as an MoE block
+        widest = max(moe.experts) if isinstance(moe.experts, list) else moe.experts
+        model_cfg = model_cfg.model_copy(update={"moe": moe.model_copy(update={"every": 1, "experts": widest})})
     lm = build_causal_lm(model_cfg.model_copy(update={"n_layer": 1}), hf)
     if lora is not None:
         inject_lora(lm, lora)

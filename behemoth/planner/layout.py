@@ -32,6 +32,7 @@ class Workload:
     param_dtype: str = "fp32"  # parallel.param_dtype, the compute parameters under ZeRO 1-3
     bucket_mb: float = 25.0
     prefetch: int = 1
+    capacity_factor: float | None = None  # model.moe.capacity_factor: slots per expert as a multiple of its even share
 
     @classmethod
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
@@ -44,7 +45,15 @@ class Workload:
             plan.param_dtype,
             plan.bucket_mb,
             plan.prefetch,
+            cfg.model.moe.capacity_factor if cfg.model.moe.enabled else None,
         )
+
+    @property
+    def routed_rows(self) -> float:
+        """Rows an MoE layer's all-to-all moves per token, each way: its top-k copies (dropless), or with a capacity the
+        padded slots, capacity_factor x k (every rank sends G x C rows per expert, `AllToAllExperts.received_counts`)."""
+        k = max(1, self.census.shape.top_k)
+        return k * (self.capacity_factor if self.capacity_factor is not None else 1.0)
 
     @property
     def act_bytes(self) -> int:

@@ -1,9 +1,12 @@
 """The search: every layout of a world that can work, priced, ranked, checked by `problems()`, the best simulated.
 
-Enumeration runs over the degrees (tp within a node and dividing every width it splits, pp up to the depth, dp what
-remains and divides the batch), the micro-batch size (and so the count), the schedule (interleaved with each chunk
-count, zb-h1, Chimera where it can run), the ZeRO stage and sequence parallelism; the options a user pins
-(`parallel.tp=2` on the command line) are not varied. Stage boundaries and recomputation are chosen per layout by
+Enumeration runs over the degrees (tp within a node and dividing every width it splits, pp up to the depth, ep dividing
+every MoE layer's experts, dp what remains and divides the batch), the micro-batch size (and so the count), the schedule
+(interleaved with each chunk count, zb-h1, Chimera where it can run), the ZeRO stage and sequence parallelism; the
+options a user pins (`parallel.tp=2` on the command line) are not varied. Offload (`OFFLOAD_PLACEMENTS`: the moments in
+host memory, then whole ZeRO-3 units on host memory or disk) is searched only when no plan fits the devices: it is always
+slower than a plan that fits. A plan fits when its busiest rank stays `margin` (5%) below the device's usable memory:
+the memory model is accurate to within that, so a plan closer to the edge is not chosen. Stage boundaries and recomputation are chosen per layout by
 stages.py. The priced layouts are ranked by step time; `problems()` — the function the runtime refuses with — is then
 asked about each, best first, until enough plans pass; those are priced again with the schedule simulator and
 ranked anew. Enumeration beats a solver here: the space is a few thousand layouts even for 3,072 devices, each
@@ -13,15 +16,24 @@ priced in closed form, and the one combinatorial part (stage boundaries) has a b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
-from behemoth.planner.footprint import stage_memory, state_bytes
-from behemoth.planner.layout import SCHEDULES, Layout, Workload
+from behemoth.planner.footprint import placed, stage_memory, state_bytes
+from behemoth.planner.layout import SCHEDULES, Layout, Offload, Workload
 from behemoth.planner.stages import SINGLE_STAGE_SCHEDULES, cut_stages, stage_models
 from behemoth.planner.steptime import step_floor
+
+MEMORY_MARGIN = 0.05  # the memory model's stated accuracy: a plan's busiest rank stays this share below the usable bytes
+OFFLOAD_PLACEMENTS = (  # lightest I/O first: ZeRO-Offload's moments, then ZeRO-3 units on host memory, then on disk
+    Offload(optimizer="host", zero_offload=True),
+    Offload(optimizer="host"),
+    Offload(params="host", grads="host", optimizer="host"),
+    Offload(optimizer="disk"),
+    Offload(params="disk", grads="disk", optimizer="disk"),
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,9 @@ class Space:
     micro_batch: tuple[int, ...] | None = None
     recompute: bool = True
     max_tp: int | None = None  # default: the devices of one node
+    ep: tuple[int, ...] | None = None  # default: every degree that divides the experts (1 for a dense model)
+    offload: tuple[Offload, ...] | None = None  # pinned placements; default: on the device, OFFLOAD_PLACEMENTS if nothing fits
+    margin: float = MEMORY_MARGIN
 
 
 @dataclass
@@ -79,63 +94,119 @@ def schedules_for(pp: int, m: int, n_layer: int, space: Space) -> list[tuple[str
     return out
 
 
-def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec) -> list[Layout]:
-    """Every layout of `world` processes the space allows (before boundaries and recomputation are chosen)."""
+def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
+    """Expert-parallel degrees that divide `room` (the world over tp x pp) and every MoE layer's experts."""
+    experts = {e for e in work.census.shape.experts if e}
+    return [e for e in allowed(space.ep, divisors(room)) if (experts and all(n % e == 0 for n in experts)) or e == 1]
+
+
+def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
+    """Whether the runtime can run this placement at this stage (`offload_problems`): ZeRO-Offload's moments at stages
+    1-2, streamed units at stage 3 without a pipeline, float32 compute parameters, no streamed experts."""
+    if not off.enabled:
+        return True
+    if off.zero_offload:
+        return zero in (1, 2)
+    return zero == 3 and pp == 1 and work.param_dtype == "fp32" and not any(work.census.shape.experts)
+
+
+def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec, offload: tuple[Offload, ...] | None = None) -> list[Layout]:
+    """Every layout of `world` processes the space allows (before boundaries and recomputation are chosen), with each
+    placement of `offload` (default: the space's pinned ones, else the device only)."""
     shape, batch = work.census.shape, work.global_batch
+    placements = offload or space.offload or (Offload(),)
+    moe = any(shape.experts)
     out = []
     for tp in tp_degrees(work, world, space, cluster):
         for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= shape.n_layer]):
-            dp = world // (tp * pp)
-            if (space.dp is not None and dp not in space.dp) or batch % dp:
-                continue
-            for mb in allowed(space.micro_batch, divisors(batch // dp)):
-                m = batch // (dp * mb)
-                for schedule, v in schedules_for(pp, m, shape.n_layer, space):
-                    for zero in space.zero:
-                        if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
-                            continue
-                        for sp in sorted({s and tp > 1 for s in space.sp}):
-                            if sp and work.seq_len % tp:
+            for ep in ep_degrees(work, world // (tp * pp), space):
+                dp = world // (tp * pp * ep)
+                if (space.dp is not None and dp not in space.dp) or batch % (dp * ep):
+                    continue
+                for mb in allowed(space.micro_batch, divisors(batch // (dp * ep))):
+                    m = batch // (dp * ep * mb)
+                    for schedule, v in schedules_for(pp, m, shape.n_layer, space):
+                        for zero in space.zero:
+                            if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
                                 continue
-                            out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v))
+                            for sp in sorted({s and tp > 1 and not moe for s in space.sp}):
+                                if sp and work.seq_len % tp:
+                                    continue
+                                for off in placements:
+                                    if offload_allowed(off, zero, pp, work):
+                                        out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v, ep=ep, offload=off))
     return out
+
+
+def device_limit(cluster: ClusterSpec, space: Space) -> float:
+    """Bytes a plan's busiest rank may use: the device's usable memory less the memory model's margin."""
+    return cluster.device.usable_bytes * (1 - space.margin)
+
+
+def within_margin(cost: PlanCost, cluster: ClusterSpec, space: Space) -> PlanCost:
+    """`cost` judged against the margin: its `fits` then means below the device's usable memory less the margin."""
+    return replace(cost, limit=device_limit(cluster, space))
+
+
+def host_fits(cost: PlanCost, cluster: ClusterSpec, space: Space) -> bool:
+    """Whether a node's host memory, less the margin, holds what all its devices offload to it."""
+    host = max((m.host for m in cost.memory), default=0.0) * cluster.devices_per_node
+    return host <= cluster.host.memory_gb * 1e9 * (1 - space.margin)
 
 
 def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) -> PlanCost:
     """`lay` with its stage boundaries and recomputing ranks chosen, priced (it may still not fit)."""
-    limit = cluster.device.usable_bytes
+    limit = device_limit(cluster, space)
     if lay.pp == 1:
-        plain = price(work, lay, cluster)
+        plain = within_margin(price(work, lay, cluster), cluster, space)
         if plain.fits or not space.recompute:
             return plain
-        return price(work, lay.but(recompute=(0,)), cluster)
+        return within_margin(price(work, lay.but(recompute=(0,)), cluster), cluster, space)
     if lay.schedule in SINGLE_STAGE_SCHEDULES:
         cut = cut_stages(stage_models(work, lay, cluster, allow_recompute=space.recompute), work.census.shape.n_layer, limit)
         if cut is not None:
-            return price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False)
+            return within_margin(price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False), cluster, space)
     bounds = planned_bounds(work, lay)
     plain = lay.but(boundaries=bounds)
     over = [r for r in range(lay.pp) if stage_memory(work, plain, r, [(s, bounds[s + 1] - bounds[s]) for s in plain.held_stages(r)]).peak > limit]
-    return price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)
+    cost = price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)
+    return within_margin(cost, cluster, space)
 
 
 def memory_floor(work: Workload, lay: Layout) -> float:
-    """A lower bound of the busiest rank's memory: the model states of an even share of the parameters."""
+    """A lower bound of the busiest rank's device memory: the model states of an even share of the parameters that stay
+    on the device."""
     share = work.census.at(lay.tp, lay.ep)
     mean = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
-    return sum(state_bytes(int(mean), lay, work))
+    return sum(placed(state_bytes(int(mean), lay, work), lay)["device"])
 
 
 def search(
     work: Workload, cluster: ClusterSpec, world: int, space: Space = Space(), *, cfg: Any = None, top: int = 8, exact: int = 4
 ) -> SearchResult:
     """Rank the layouts of `world` processes for `work` on `cluster` (see the module docstring); `cfg`: the config whose
-    plan the layouts replace, for `problems()`. Branch and bound: layouts are priced in the order of their time floor,
-    and the search stops once the floor exceeds the `top`-th best plan found."""
+    plan the layouts replace, for `problems()`. Offload placements are searched only when no plan on the devices fits."""
     t0 = time.perf_counter()
     cluster = cluster.with_nodes(world)
-    limit = cluster.device.usable_bytes
-    layouts = enumerate_layouts(work, world, space, cluster)
+    result = search_layouts(work, cluster, world, space, enumerate_layouts(work, world, space, cluster), cfg=cfg, top=top)
+    if not result.ranked and space.offload is None:
+        offloaded = search_layouts(work, cluster, world, space, enumerate_layouts(work, world, space, cluster, OFFLOAD_PLACEMENTS), cfg=cfg, top=top)
+        unfit = sorted(result.unfit + offloaded.unfit, key=lambda c: c.peak_memory)[:top]
+        result = SearchResult(
+            offloaded.ranked, unfit, result.layouts + offloaded.layouts, result.priced + offloaded.priced, result.refused + offloaded.refused
+        )
+    # every row priced on every rank by one function (all simulated, or all in closed form)
+    ranked = [within_margin(c, cluster, space) for c in price_ranking(work, result.ranked, cluster, simulate=exact > 0)]
+    result.ranked = sorted((c for c in ranked if c.fits), key=rank_key)  # every rank priced: none above the margin is kept
+    result.unfit = sorted(result.unfit + [c for c in ranked if not c.fits], key=lambda c: c.peak_memory)[:top]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def search_layouts(work: Workload, cluster: ClusterSpec, world: int, space: Space, layouts: list[Layout], *, cfg: Any, top: int) -> SearchResult:
+    """Branch and bound over `layouts`: priced in the order of their time floor, stopping once the floor exceeds the
+    `top`-th best plan found; each plan that fits is asked `problems()` before it is ranked."""
+    limit = device_limit(cluster, space)
     floors = sorted(((step_floor(work, lay, cluster), i) for i, lay in enumerate(layouts) if memory_floor(work, layouts[i]) <= limit))
     ranked: list[PlanCost] = []
     unfit: list[PlanCost] = []
@@ -146,7 +217,7 @@ def search(
             break
         cost = fit_layout(work, layouts[i], cluster, space)
         priced += 1
-        if not cost.fits:
+        if not (cost.fits and host_fits(cost, cluster, space)):
             unfit = sorted(unfit + [cost], key=lambda c: c.peak_memory)[:top]
             continue
         if len(ranked) >= top and rank_key(cost) >= rank_key(ranked[-1]):
@@ -157,17 +228,23 @@ def search(
             continue
         ranked = sorted(ranked + [cost], key=rank_key)[:top]
     if not ranked and not unfit:  # nothing passed the memory floor: price the lightest layouts to say by how much
-        unfit = sorted(
-            (fit_layout(work, lay, cluster, space) for lay in sorted(layouts, key=lambda l: memory_floor(work, l))[:top]), key=lambda c: c.peak_memory
-        )
-    ranked = sorted(price_ranking(work, ranked, cluster, simulate=exact > 0), key=rank_key)  # every row by one function
-    return SearchResult(ranked, unfit, len(layouts), priced, refused, time.perf_counter() - t0)
+        lightest = sorted(layouts, key=lambda l: memory_floor(work, l))[:top]
+        unfit = sorted((fit_layout(work, lay, cluster, space) for lay in lightest), key=lambda c: c.peak_memory)
+    return SearchResult(ranked, unfit, len(layouts), priced, refused)
 
 
 def rank_key(cost: PlanCost) -> tuple:
-    """Step time, then memory, then the simplest plan (fewer ranks recomputing, lower ZeRO stage)."""
+    """Step time, then the simplest plan: less offloaded (device, host memory, disk), fewer ranks recomputing, lower ZeRO
+    stage, less memory."""
     lay = cost.layout
-    return (round(cost.step_seconds, 12), len(lay.recompute), lay.zero, cost.peak_memory, lay.describe())
+    return (round(cost.step_seconds, 12), offload_rank(lay.offload), len(lay.recompute), lay.zero, cost.peak_memory, lay.describe())
+
+
+def offload_rank(off: Offload) -> int:
+    """0 on the device, then the order of OFFLOAD_PLACEMENTS (lighter I/O first); a placement a user wrote ranks last."""
+    if not off.enabled:
+        return 0
+    return 1 + OFFLOAD_PLACEMENTS.index(off) if off in OFFLOAD_PLACEMENTS else len(OFFLOAD_PLACEMENTS) + 1
 
 
 def simulated(work: Workload, cost: PlanCost, cluster: ClusterSpec) -> PlanCost:
@@ -182,5 +259,13 @@ def refusals(cfg: Any, lay: Layout, world: int) -> list[Any]:
     """What `problems()` says of the config with this layout's plan (the runtime refuses exactly these)."""
     from behemoth.planner.feasibility import problems
 
-    plan = lay.to_plan(cfg.parallel)
-    return problems(cfg.model_copy(update={"parallel": plan, "train": cfg.train.model_copy(update={"micro_batch": None})}), world)
+    return problems(config_of(cfg, lay), world)
+
+
+def config_of(cfg: Any, lay: Layout) -> Any:
+    """`cfg` running `lay`: its plan as the `parallel:` section, its placement as the `offload:` one (a user's offload
+    section is kept when the layout keeps every state on the device and the config did too)."""
+    update: dict[str, Any] = {"parallel": lay.to_plan(cfg.parallel), "train": cfg.train.model_copy(update={"micro_batch": None})}
+    if lay.offload.enabled or cfg.offload.enabled:
+        update["offload"] = type(cfg.offload).model_validate(lay.offload.to_config(cfg.offload))
+    return cfg.model_copy(update=update)

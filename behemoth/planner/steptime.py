@@ -358,7 +358,7 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     if lay.ep == 1 or not shape.experts:
         return 0.0
     moe_blocks = sum(1 for e in shape.experts if e) / lay.pp
-    routed = lay.micro_batch * work.seq_len * shape.d_model * max(1, shape.top_k) * work.act_bytes
+    routed = lay.micro_batch * work.seq_len * shape.d_model * work.routed_rows * work.act_bytes  # capacity-padded slots
     return 4 * lay.microbatches * moe_blocks * cluster.collective("all_to_all", routed, lay.ep, lay.tp)
 
 
