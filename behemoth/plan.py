@@ -54,6 +54,9 @@ class ParallelPlan(BaseModel):
     expert_node_size: int | None = Field(
         None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two levels (default: torchrun's LOCAL_WORLD_SIZE)"
     )
+    expert_a2a: Literal["auto", "flat", "2dh"] = Field(
+        "auto", description="expert all-to-all: 2dh (two levels, one message per node), flat (one per rank), auto: 2dh when ep spans nodes"
+    )
 
     @field_validator("zero_stage")
     @classmethod
