@@ -304,8 +304,10 @@ class _Step:
         ex, part = self.ex, self.ex.stages[a.stage]
         inputs = self.batches[a.microbatch][0]
         x = inputs.to(ex.device) if part.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch))
-        if (a.stage, a.microbatch) in ex.recomputed:  # keep the input only; RECOMPUTE runs it again with autograd
+        if (a.stage, a.microbatch) in ex.recomputed:  # keep the input only (counted as stashed); RECOMPUTE reruns it
             self.kept[(a.stage, a.microbatch)] = (x, save_rng(ex.device))
+            self.stash_bytes += 0 if part.is_first else x.nbytes
+            self.peak_stash = max(self.peak_stash, self.stash_bytes)
             with torch.no_grad():
                 self.stage_pass(a, x)
             self.reap_sends()
@@ -315,6 +317,7 @@ class _Step:
     def recompute(self, index: int, a: Action) -> None:
         """The forward again, from its kept input with the random state it had, this time keeping what backward needs."""
         x, rng = self.kept.pop((a.stage, a.microbatch))
+        self.stash_bytes -= 0 if self.ex.stages[a.stage].is_first else x.nbytes
         with replayed_rng(rng, self.ex.device):
             self.stash_pass(a, x if self.ex.stages[a.stage].is_first else x.detach().requires_grad_(), recomputed=True)
 
