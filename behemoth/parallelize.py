@@ -39,6 +39,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, all_reduce, broadcast_object
 from behemoth.data import BatchLayout
+from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
 from behemoth.models.lora import inject_lora
@@ -254,7 +255,12 @@ def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMete
     node_size = plan.expert_node_size or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     ep_groups = rt.mesh.mesh.movedim(MESH_DIMS.index("ep"), -1).reshape(-1, rt.dims.ep).tolist()
     whole_world = rt.world_size == dist.get_world_size()  # subgroups are created by every rank of the world
-    levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world else None
+    levels = two_level_groups(ep_groups, node_size, dist.get_rank()) if rt.dims.ep > 1 and whole_world and plan.expert_a2a != "flat" else None
+    if plan.expert_a2a == "2dh" and levels is None:
+        raise BehemothError(
+            f"parallel.expert_a2a=2dh: the ep={rt.dims.ep} group does not span several nodes of {node_size} ranks with several ranks on each",
+            "use parallel.expert_a2a=auto or flat, or set parallel.expert_node_size to the ranks per node",
+        )
     return apply_expert_parallel(
         lm.module,
         EPComm.of(rt.group("ep"), meter, timeout_s, levels),

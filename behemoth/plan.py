@@ -25,7 +25,9 @@ class ParallelPlan(BaseModel):
     dp: int | None = Field(None, ge=1, description="data-parallel degree (default: every process)")
     bucket_mb: float = Field(25.0, description="gradient bucket size in MiB (all-reduce, or reduce-scatter under ZeRO 1-2)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree: ranks in one pipeline")
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"] = Field("1f1b", description="pipeline schedule (pp > 1)")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "chimera", "zbv", "dualpipev", "1f1b-scp"] = Field(
+        "1f1b", description="pipeline schedule (pp > 1); zbv and dualpipev hold 2 chunks per rank in a V; 1f1b-scp recomputes"
+    )
     microbatches: int | None = Field(None, ge=1, description="micro-batches per step per pipeline (default: set by train.micro_batch)")
     chunks: int = Field(2, ge=2, description="model chunks per rank for the interleaved schedule")
     stage_boundaries: list[int] | None = Field(None, description="first block of every stage, then n_layer, e.g. [0,3,8] (default: balanced)")
@@ -52,6 +54,9 @@ class ParallelPlan(BaseModel):
     expert_node_size: int | None = Field(
         None, ge=1, description="ranks per node: an ep group spanning nodes all-to-alls in two levels (default: torchrun's LOCAL_WORLD_SIZE)"
     )
+    expert_a2a: Literal["auto", "flat", "2dh"] = Field(
+        "auto", description="expert all-to-all: 2dh (two levels, one message per node), flat (one per rank), auto: 2dh when ep spans nodes"
+    )
 
     @field_validator("zero_stage")
     @classmethod
@@ -74,7 +79,9 @@ class ParallelPlan(BaseModel):
 
     @property
     def schedule_chunks(self) -> int:
-        """Model chunks per rank as the schedule counts them (v): chunks for interleaved, else 1."""
+        """Model chunks per rank as the schedule counts them (v): chunks for interleaved, 2 for the V schedules, else 1."""
+        if self.pp > 1 and self.schedule in ("zbv", "dualpipev"):
+            return 2
         return self.chunks if self.pp > 1 and self.schedule == "interleaved" else 1
 
     def micro_batch(self, global_batch: int, micro_batch: int | None, dp: int) -> int | None:

@@ -9,8 +9,9 @@ per-stage pass times and a measured p2p latency, and next to a replay of that st
 simulator with every pass taking exactly its measured time. Run:
 
     python benchmarks/bench_pipeline.py [--steps 6] [--warmup 2] [--worlds 2,4] [--readme]
+    python benchmarks/bench_pipeline.py --part v [--worlds 2]   # ZBV, DualPipeV, 1F1B-SCP vs 1F1B (+ recompute), vs torch's own
 
-With --readme the tables replace the pipeline section of benchmarks/README.md.
+With --readme the tables replace the pipeline section of benchmarks/README.md (`--part v`: its own section).
 """
 
 from __future__ import annotations
@@ -37,14 +38,19 @@ MODEL = [
     "run.timeout_s=300",
 ]
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "chimera"]
+V_PART = ["1f1b", "1f1b+recompute", "1f1b-scp", "zb-h1", "zbv", "dualpipev"]  # behemoth's rows of `--part v`
+TORCH_V = ["1f1b", "zbv", "dualpipev"]  # torch.distributed.pipelining's rows of `--part v`
 README = Path(__file__).with_name("README.md")
 BEGIN, END = "<!-- bench_pipeline: begin -->", "<!-- bench_pipeline: end -->"
+V_BEGIN, V_END = "<!-- bench_pipeline_v: begin -->", "<!-- bench_pipeline_v: end -->"
 
 
 def make_config(world: int, schedule: str) -> Any:
+    """The benchmark's config; `1f1b+recompute`: 1F1B with every block checkpointed (torch.utils.checkpoint)."""
     from behemoth.config import load_config
 
-    return load_config(None, MODEL + [f"parallel.pp={world}", f"parallel.schedule={schedule}"])
+    name, _, extra = schedule.partition("+")
+    return load_config(None, MODEL + [f"parallel.pp={world}", f"parallel.schedule={name}"] + (["parallel.recompute=full"] if extra else []))
 
 
 def data(cfg: Any):
@@ -115,7 +121,7 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
         "bubble": measured_bubble(best),
         "simulated": simulated.bubble_fraction,
         "replayed": replayed_bubble(best, s, latency),
-        "closed_form": closed_form_bubble(schedule, s.ranks, s.microbatches, s.chunks).bubble_fraction,
+        "closed_form": closed_form_bubble(s.name, s.ranks, s.microbatches, s.chunks).bubble_fraction,
         "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20,
         "p2p_ms": latency * 1e3,
         "m": s.microbatches,
@@ -135,9 +141,10 @@ def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
 
 
 def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, Any]:
-    """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B on the same stages of the same model."""
+    """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B, or its ScheduleZBVZeroBubble / ScheduleDualPipeV with two
+    stages per rank in the same V, on the same stages of the same model."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed import pipelining as tp
 
     from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.init import materialize
@@ -149,29 +156,34 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     rt = init_runtime(**cfg.parallel.degrees())
     rank, group, tokens = rt.coordinate("pp"), rt.group("pp"), cfg.train.global_batch * cfg.seq_len
     lm = build_causal_lm(cfg.model)
-    model = lm.module
-    part = cut_model(model, [rank], resolve_stage_boundaries(cfg.parallel, lm, cfg.seq_len, 0), lm.layers)[rank]
+    model, stages = lm.module, 2 * world if schedule in ("zbv", "dualpipev") else world
+    held = [rank, stages - 1 - rank] if stages > world else [rank]
+    parts = cut_model(model, held, resolve_stage_boundaries(cfg.parallel, lm, cfg.seq_len, 0), lm.layers)
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
 
     class StageModule(torch.nn.Module):
-        def __init__(self) -> None:
+        """One stage's parameters (and only those: torch's weight pass differentiates them) and its forward."""
+
+        def __init__(self, part) -> None:
             super().__init__()
-            self.model = model
+            self.part, self.params = part, torch.nn.ParameterList(part.parameters())
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return part.forward(x)
+            return self.part.forward(x)
 
-    stage = PipelineStage(StageModule(), rank, world, rt.device, group=group)
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    pipe = kind(stage, n_microbatches=cfg.parallel.microbatches, loss_fn=lambda out, y: summed_token_loss(out, y) / tokens, scale_grads=False)
+    torch_stages = [tp.PipelineStage(StageModule(parts[s]), s, stages, rt.device, group=group) for s in held]
+    kind = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B, "zbv": tp.ScheduleZBVZeroBubble, "dualpipev": tp.ScheduleDualPipeV}[schedule]
+    loss = lambda out, y: summed_token_loss(out, y) / tokens  # noqa: E731
+    pipe = kind(torch_stages if stages > world else torch_stages[0], n_microbatches=cfg.parallel.microbatches, loss_fn=loss, scale_grads=False)
     from peers import plain_adamw
 
     optimizer = plain_adamw(model, cfg.train)
+    first, last = 0 in held, stages - 1 in held
 
     def step(batches, lr):
         optimizer.zero_grad(set_to_none=False)
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        pipe.step(x) if rank == 0 else pipe.step(target=y) if rank == world - 1 else pipe.step()
+        pipe.step(*([x] if first else []), **({"target": y} if last else {}))
         _clip_and_step(model, optimizer, group, cfg.train.grad_clip)
 
     times, cpu = timed_steps(step, data(cfg), steps, warmup)
@@ -289,6 +301,62 @@ def run(worlds: list[int], steps: int, warmup: int, rounds: int) -> tuple[list[d
     return throughput, bubbles
 
 
+def run_v(worlds: list[int], steps: int, warmup: int, rounds: int) -> dict[tuple[int, str, str], dict]:
+    """`--part v`: behemoth's V_PART and torch's TORCH_V, `rounds` times interleaved, each one's fastest run kept; a peer
+    that fails keeps its error's last line."""
+    from behemoth.faults.ranks import run_ranks
+
+    bodies = {"behemoth": behemoth_rank, "torch": torch_rank}
+    best: dict[tuple[int, str, str], dict] = {}
+    for round_ in range(rounds):
+        for world in worlds:
+            for runtime, schedule in [("behemoth", s) for s in V_PART] + [("torch", s) for s in TORCH_V]:
+                key = (world, runtime, schedule)
+                try:
+                    got = run_ranks(world, bodies[runtime], schedule, world, steps, warmup, timeout=1800)
+                except AssertionError as err:
+                    best.setdefault(key, {"error": [x for x in str(err).splitlines() if x.strip()][-1][:160]})
+                    continue
+                result = {**got[0], "stash": [r.get("stash_mb") for r in got], "cpu_s": sum(r["cpu_s"] for r in got)}
+                cpu = min(result["cpu_s"], best[key].get("cpu_s", result["cpu_s"])) if key in best else result["cpu_s"]
+                if "tokens_per_s" not in best.get(key, {}) or result["tokens_per_s"] > best[key]["tokens_per_s"]:
+                    best[key] = result
+                best[key]["cpu_s"] = cpu  # the least CPU work any round needed for a step
+                print(f"  round {round_ + 1}: p={world} {runtime} {schedule}: {result['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    return best
+
+
+def format_v_table(best: dict[tuple[int, str, str], dict], worlds: list[int], command: str) -> str:
+    lines = [
+        f"`{command}` — the same GPT and micro-batching as above; behemoth's schedule against its own 1F1B, and against "
+        "torch.distributed.pipelining's own schedule of the same name on the same stages (gloo, CPU). The V schedules cut "
+        "the model into 2p stages. Bubbles: measured from executor timestamps, simulated from the same step's median pass times. "
+        "tok/s from the fastest step of all rounds; CPU s/step (median step of the least-work round, summed over ranks) is "
+        "what a loaded machine disturbs least.",
+        "",
+        "| p | schedule | tok/s | vs 1f1b | CPU s/step, all ranks | measured bubble | simulated | closed form (uniform) "
+        "| peak stash MB per rank | torch's tok/s | torch's CPU s/step | behemoth / torch tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w in worlds:
+        base = best.get((w, "behemoth", "1f1b"), {}).get("tokens_per_s")
+        for s in V_PART:
+            r, peer = best.get((w, "behemoth", s), {}), best.get((w, "torch", s)) if s in TORCH_V else None
+            if "tokens_per_s" not in r:
+                lines.append(f"| {w} | {s} | failed: {r.get('error', 'not run')} | | | | | | | | | |")
+                continue
+            theirs = "— | —" if peer is None else f"failed: {peer['error']} | —" if "error" in peer else None
+            theirs = theirs or f"{peer['tokens_per_s']:.0f} | {peer['cpu_s']:.2f}"
+            ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}" if peer and "tokens_per_s" in peer else "—"
+            stash = " / ".join(f"{x:.1f}" for x in r["stash"])
+            lines.append(
+                f"| {w} | {s} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['cpu_s']:.2f} "
+                f"| {r['bubble']:.3f} | {r['simulated']:.3f} "
+                f"| {r['closed_form']:.3f} | {stash} | {theirs} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
 def format_tables(throughput: list[dict], bubbles: list[dict], command: str) -> str:
     lines = [
         f"`{command}` — GPT with 8 blocks, d_model 128, 4 heads, 128 tokens, 16 sequences per step in 8 micro-batches "
@@ -322,14 +390,15 @@ def format_tables(throughput: list[dict], bubbles: list[dict], command: str) -> 
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    """Replace the text between the pipeline markers in benchmarks/README.md (append the section if missing)."""
+def write_readme(text: str, markers: tuple[str, str] = (BEGIN, END), title: str = "Pipeline parallelism (bench_pipeline.py)") -> None:
+    """Replace the text between the markers in benchmarks/README.md (append the section if missing)."""
+    begin, end = markers
     old = README.read_text() if README.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old:
-        new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, old, flags=re.S)
+    block = f"{begin}\n{text}\n{end}"
+    if begin in old:
+        new = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, old, flags=re.S)
     else:
-        new = old.rstrip("\n") + "\n\n## Pipeline parallelism (bench_pipeline.py)\n\n" + block + "\n"
+        new = old.rstrip("\n") + f"\n\n## {title}\n\n" + block + "\n"
     README.write_text(new)
 
 
@@ -340,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest is kept")
     parser.add_argument("--readme", action="store_true", help="write the tables into benchmarks/README.md")
+    parser.add_argument("--part", choices=["all", "v"], default="all", help="v: ZBV, DualPipeV and 1F1B-SCP only")
     from ratios import add_report_args, command_line, write_rows
 
     add_report_args(parser)
@@ -347,6 +417,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.warmup, args.rounds, args.worlds = 2, 1, 1, "2"
     command = command_line("bench_pipeline.py", argv)
+    if args.part == "v":
+        worlds = [int(w) for w in args.worlds.split(",")]
+        best = run_v(worlds, args.steps, args.warmup, args.rounds)
+        text = format_v_table(best, worlds, command.strip())
+        print(text)
+        write_rows(args.json, v_ratio_rows(best))
+        if args.readme:
+            write_readme(text, (V_BEGIN, V_END), "Pipeline schedules: ZBV, DualPipeV, 1F1B-SCP (bench_pipeline.py --part v)")
+        return 0
     throughput, bubbles = run([int(w) for w in args.worlds.split(",")], args.steps, args.warmup, args.rounds)
     text = format_tables(throughput, bubbles, command.strip())
     print(text)
@@ -382,6 +461,23 @@ def ratio_rows(throughput: list[dict], bubbles: list[dict]) -> list[dict]:
                     base[b["world"]]["tokens_per_s"],
                 )
             )
+    return out
+
+
+def v_ratio_rows(best: dict[tuple[int, str, str], dict]) -> list[dict]:
+    """`--part v`'s rows: each schedule vs behemoth's 1F1B, and vs torch's schedule of the same name."""
+    from ratios import failure, ratio
+
+    out = []
+    for (w, runtime, s), r in sorted(best.items()):
+        base = best.get((w, "behemoth", "1f1b"), {})
+        if runtime == "torch" and "error" in r:
+            out.append(failure("pipeline schedules", f"torch.distributed.pipelining {s}", r["error"]))
+        elif runtime == "behemoth" and "tokens_per_s" in r and s != "1f1b" and "tokens_per_s" in base:
+            out.append(ratio("pipeline schedules", f"{s}, p={w}", "behemoth 1f1b", "tokens/s", r["tokens_per_s"], base["tokens_per_s"]))
+        peer = best.get((w, "torch", s), {})
+        if runtime == "behemoth" and "tokens_per_s" in r and "tokens_per_s" in peer:
+            out.append(ratio("pipeline", f"{s}, p={w}", "torch.distributed.pipelining", "tokens/s", r["tokens_per_s"], peer["tokens_per_s"]))
     return out
 
 

@@ -138,7 +138,7 @@ def test_measured_bubble_arithmetic_matches_the_simulator(name):
     """Fed the simulator's own timeline as if measured, the measured bubble and per-stage costs come back exactly."""
     schedule = build_schedule(name, 4, 8, 2 if name == "interleaved" else 1)
     costs = Costs(
-        forward=[1.0, 1.5, 1.0, 2.0] * (2 if name == "interleaved" else 1),
+        forward=[1.0, 1.5, 1.0, 2.0] * (schedule.num_stages // 4),
         backward=2.0,
         weight=1.0 if schedule.split_backward else 0.0,
         grad_sync=0.5 if name == "chimera" else 0.0,

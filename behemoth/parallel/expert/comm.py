@@ -1,8 +1,9 @@
 """The collectives of expert parallelism, as autograd functions.
 
     all_to_all          forward: rows to the ranks of their experts   backward: the gradients back (the reverse all-to-all)
-                        (in two levels when the ep group spans nodes and the splits are even: within each node, then
-                        between nodes, so each rank sends one message per node instead of one per remote rank)
+                        (in two levels, Tutel's 2DH, when the ep group spans nodes and the splits are even: within each
+                        node, then between the ranks of one local index, so each rank sends one message per other node
+                        instead of one per remote rank: N-1 instead of W-m; `parallel.expert_a2a` picks it)
     all_to_all_start    the same, issued asynchronously: `finish` waits for it, so expert compute on earlier chunks
                         overlaps the transfer (its backward is synchronous)
     gather_experts      forward: all-gather every rank's experts       backward: reduce-scatter (sum) their gradients
@@ -88,6 +89,15 @@ def two_level_all_to_all(x: torch.Tensor, ep: EPComm) -> torch.Tensor:
     out = torch.empty_like(by_node)
     comm_all_to_all(out, by_node, lv.inter, ep.meter)  # [source node, source local, c, ...]
     return out.reshape(x.shape[0], *x.shape[1:])
+
+
+def inter_node_peers(ep: EPComm, node_size: int) -> int:
+    """The ranks on other nodes this rank sends a message to in one all-to-all of even blocks, counted from the groups
+    the exchange runs on: W - m for the flat one (every rank off this node), N - 1 for the two-level one (the rank of
+    this local index on every other node; the intra-node step stays on the node)."""
+    group = ep.group if ep.levels is None else ep.levels.inter
+    me = dist.get_rank() // node_size
+    return sum(r // node_size != me for r in dist.get_process_group_ranks(group))
 
 
 def _exchange(x: torch.Tensor, ep: EPComm, send: list[int], recv: list[int], *, async_op: bool = False) -> tuple[torch.Tensor, Pending]:

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as data (schedules.py), the NCCL-safe grouping of their transfers (p2p_groups.py),
+"""Pipeline parallelism: schedules as data (actions.py, schedules.py, vshape.py, shifted.py), the NCCL-safe grouping
+of their transfers (p2p_groups.py),
 the cut of a model into stages (partition.py), the compute passes (stage.py), the executor and `apply_pipeline`;
 analysis/ holds the tools that reason about schedules without running them (simulate, validate, the rendezvous
 model, measured bubbles, grids and Gantt charts, the `behemoth schedule` report)."""
@@ -23,10 +24,14 @@ from behemoth.parallel.pipeline.schedules import (
     build_schedule,
     check_request,
     chimera,
+    dualpipev,
     gpipe,
     interleaved,
     one_f_one_b,
+    one_f_one_b_scp,
+    schedule_chunks,
     zb_h1,
+    zbv,
 )
 
 __all__ = [
@@ -43,12 +48,16 @@ __all__ = [
     "check_request",
     "chimera",
     "closed_form_bubble",
+    "dualpipev",
     "gpipe",
     "interleaved",
     "one_f_one_b",
+    "one_f_one_b_scp",
     "peak_stash",
     "run_timeline",
+    "schedule_chunks",
     "simulate",
     "validate",
     "zb_h1",
+    "zbv",
 ]

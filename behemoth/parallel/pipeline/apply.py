@@ -12,7 +12,9 @@ into which the pipeline adds two things:
 - the clipping norm counts each parameter on one pipeline rank only (`counts`): a tied weight on its
   first stage, a Chimera stage on its first replica.
 
-Chimera's two replicas of a stage sum their gradients inside the schedule (GRAD_SYNC).
+Chimera's two replicas of a stage sum their gradients inside the schedule (GRAD_SYNC). The V schedules (zbv,
+dualpipev) hold stages r and 2p-1-r, so rank 0 holds both ends and a tied embedding needs no exchange; 1f1b-scp
+recomputes through its own RECOMPUTE passes, so its blocks are not checkpointed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import CommMeter, pair_all_reduce
+from behemoth.errors import BehemothError
 from behemoth.models.layered import LayeredView
 from behemoth.parallel.deferred import make_deferrable
 from behemoth.parallel.pipeline.analysis.simulate import peak_stash
@@ -71,6 +74,9 @@ class PipelineParallel:
         for stage in self.stages.values():
             stage.seq_split = policy.seq_split
         self.recomputes = self.rank in recompute_ranks(policy.recompute, peak_stash(self.schedule))
+        if policy.schedule == "1f1b-scp":  # its RECOMPUTE passes recompute whole stages; no block is checkpointed as well
+            check_scp_recompute(policy.recompute)
+            self.recomputes = False
         self.executor: PipelineExecutor | None = None
         self.last_trace: StepTrace | None = None
         self.meter: CommMeter | None = None
@@ -140,6 +146,15 @@ class PipelineParallel:
             block = int(name[len(blocks) + 1 :].split(".")[0])
             return next(s for s in range(len(bounds) - 1) if bounds[s] <= block < bounds[s + 1])
         return 0 if name.startswith(tuple(f"{m}." for m in self.layers.first)) else len(bounds) - 2
+
+
+def check_scp_recompute(recompute: RecomputePolicy) -> None:
+    """1f1b-scp decides which micro-batches recompute; a policy naming ranks or `early` would be silently overridden."""
+    if recompute not in ("none", "full"):
+        raise BehemothError(
+            f"parallel.recompute={recompute!r} with parallel.schedule=1f1b-scp: the schedule itself picks what recomputes",
+            "leave parallel.recompute unset (or full), or use parallel.schedule=1f1b with it",
+        )
 
 
 def tied_peer(schedule: Schedule, rank: int, tied: bool) -> int | None:

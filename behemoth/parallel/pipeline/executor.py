@@ -49,6 +49,7 @@ from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, mess
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
 from behemoth.parallel.pipeline.stage import Stashed, StashMeter, backward_full, backward_input, backward_weight
+from behemoth.parallel.recompute import RngState, replayed_rng, save_rng
 
 ACT, GRAD = "act", "grad"
 PAYLOAD = {Kind.SEND_ACT: ACT, Kind.RECV_ACT: ACT, Kind.SEND_GRAD: GRAD, Kind.RECV_GRAD: GRAD}
@@ -136,6 +137,7 @@ class PipelineExecutor:
         self.deferral = deferral or DeferralSlot()  # where a split backward's input pass queues weight gradients
         self.device = activations.device
         self.actions = schedule.per_rank[rank]
+        self.recomputed = {(a.stage, a.microbatch) for a in self.actions if a.kind is Kind.RECOMPUTE}  # 1f1b-scp
         timeline = reference_timeline(schedule)
         plan = lambda s, r: p2p_groups(s, r, comm.lookahead, timeline)  # noqa: E731
         check_rendezvous(schedule, plan)  # milliseconds; refuses groups NCCL could hang on
@@ -254,10 +256,12 @@ class _Step:
         self.posted: dict[int, tuple[Pending, torch.Tensor]] = {}
         self.sends: list[tuple[Pending, int, Action, torch.Tensor]] = []
         self.stash: dict[tuple[int, int], Stashed] = {}
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, RngState]] = {}  # inputs of forwards to recompute
         self.loss = torch.zeros((), device=ex.device)
         self.stash_bytes = self.peak_stash = 0
         self.handlers = {
             Kind.FORWARD: self.forward,
+            Kind.RECOMPUTE: self.recompute,
             Kind.BACKWARD: self.backward,
             Kind.BACKWARD_INPUT: self.backward_input,
             Kind.BACKWARD_WEIGHT: self.backward_weight,
@@ -298,21 +302,47 @@ class _Step:
 
     def forward(self, index: int, a: Action) -> None:
         ex, part = self.ex, self.ex.stages[a.stage]
-        inputs, targets = self.batches[a.microbatch]
-        leaf = None if part.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch)).requires_grad_()
-        with ex.stash_meter.measure() as meter:
-            with self.autocast():
-                out = part.forward(inputs.to(ex.device) if leaf is None else leaf)
-            if part.is_last:
-                out = self.loss_of(out, targets.to(ex.device))
-        if part.is_last:
-            self.loss += out.detach()
-        else:
-            self.mailbox[(ACT, a.stage, a.microbatch)] = out.detach().to(ex.activations.dtype)
+        inputs = self.batches[a.microbatch][0]
+        x = inputs.to(ex.device) if part.is_first else self.mailbox.pop((ACT, a.stage - 1, a.microbatch))
+        if (a.stage, a.microbatch) in ex.recomputed:  # keep the input only (counted as stashed); RECOMPUTE reruns it
+            self.kept[(a.stage, a.microbatch)] = (x, save_rng(ex.device))
+            self.stash_bytes += 0 if part.is_first else x.nbytes
+            self.peak_stash = max(self.peak_stash, self.stash_bytes)
+            with torch.no_grad():
+                self.stage_pass(a, x)
+            self.reap_sends()
+            return
+        self.stash_pass(a, x if part.is_first else x.requires_grad_())
+
+    def recompute(self, index: int, a: Action) -> None:
+        """The forward again, from its kept input with the random state it had, this time keeping what backward needs."""
+        x, rng = self.kept.pop((a.stage, a.microbatch))
+        self.stash_bytes -= 0 if self.ex.stages[a.stage].is_first else x.nbytes
+        with replayed_rng(rng, self.ex.device):
+            self.stash_pass(a, x if self.ex.stages[a.stage].is_first else x.detach().requires_grad_(), recomputed=True)
+
+    def stash_pass(self, a: Action, x: torch.Tensor, recomputed: bool = False) -> None:
+        """A forward under autograd whose graph is stashed for the backward; its saved bytes are counted."""
+        with self.ex.stash_meter.measure() as meter:
+            out = self.stage_pass(a, x, deposit=not recomputed)
+        leaf = None if self.ex.stages[a.stage].is_first else x
         self.stash[(a.stage, a.microbatch)] = Stashed(leaf, out, meter.bytes)
         self.stash_bytes += meter.bytes
         self.peak_stash = max(self.peak_stash, self.stash_bytes)
         self.reap_sends()
+
+    def stage_pass(self, a: Action, x: torch.Tensor, deposit: bool = True) -> torch.Tensor:
+        """The stage's forward (and the loss on the last stage); `deposit`: hand its output or loss on (not when recomputed)."""
+        part = self.ex.stages[a.stage]
+        with self.autocast():
+            out = part.forward(x)
+        if part.is_last:
+            out = self.loss_of(out, self.batches[a.microbatch][1].to(self.ex.device))
+        if deposit and part.is_last:
+            self.loss += out.detach()
+        elif deposit:
+            self.mailbox[(ACT, a.stage, a.microbatch)] = out.detach().to(self.ex.activations.dtype)
+        return out
 
     def output_grad(self, a: Action, s: Stashed) -> torch.Tensor | None:
         """The gradient of this stage's output (None on the last stage, whose output is the loss), in its dtype."""
@@ -375,9 +405,9 @@ class _Step:
         for pending, index, a, _ in self.sends:
             self.ex.wait(pending, index, a, "for its send to complete")
         self.sends = []
-        if self.posted or self.stash:
+        if self.posted or self.stash or self.kept:
             raise BehemothError(
-                f"pipeline rank {self.ex.rank}: the step ended with {len(self.posted)} unconsumed receives "
-                f"and {len(self.stash)} stashed micro-batches",
+                f"pipeline rank {self.ex.rank}: the step ended with {len(self.posted)} unconsumed receives, "
+                f"{len(self.stash)} stashed micro-batches and {len(self.kept)} never recomputed",
                 "the schedule is incomplete; validate it",
             )

@@ -14,6 +14,7 @@ COLORS = {
     Kind.BACKWARD_INPUT: "#C44E52",
     Kind.BACKWARD_WEIGHT: "#55A868",
     Kind.GRAD_SYNC: "#8172B3",
+    Kind.RECOMPUTE: "#937860",
 }
 NAMES = {
     Kind.FORWARD: "forward",
@@ -21,6 +22,7 @@ NAMES = {
     Kind.BACKWARD_INPUT: "input grad (B)",
     Kind.BACKWARD_WEIGHT: "weight grad (W)",
     Kind.GRAD_SYNC: "grad sync",
+    Kind.RECOMPUTE: "recompute (R)",
 }
 
 

@@ -16,7 +16,7 @@ from behemoth.errors import BehemothError, exit_code
 from behemoth.parallel.pipeline.analysis.gantt import draw_gantt, format_grid
 from behemoth.parallel.pipeline.analysis.simulate import ClosedForm, Costs, SimResult, closed_form_bubble, simulate
 from behemoth.parallel.pipeline.analysis.validate import validate
-from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request
+from behemoth.parallel.pipeline.schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, check_request, schedule_chunks
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class Comparison:
 
 
 def stage_costs(name: str, chunks: int, costs: Costs) -> Costs:
-    """Per-model-stage costs for `name`: a rank's share split into `chunks` stages for interleaving."""
-    if name != "interleaved":
+    """Per-model-stage costs for `name`: a rank's share split into `chunks` stages (interleaving, the V schedules)."""
+    if chunks == 1:
         return costs
     scale = lambda v: v / chunks if isinstance(v, (int, float)) else [x / chunks for x in v]  # noqa: E731
     return Costs(scale(costs.forward), scale(costs.backward), scale(costs.weight), costs.p2p, costs.grad_sync)
@@ -42,7 +42,7 @@ def compare(stages: int, microbatches: int, chunks: int, costs: Costs) -> list[C
     """Build, validate and simulate every schedule for one configuration; skip those it cannot run."""
     rows = []
     for name in SCHEDULES:
-        v = chunks if name == "interleaved" else 1
+        v = schedule_chunks(name, chunks)
         try:
             schedule = build_schedule(name, stages, microbatches, v)
         except ScheduleError as err:
@@ -76,7 +76,10 @@ def format_table(rows: list[Comparison], unit: str = "ms") -> str:
         lines.append(
             f"{row.name:<12} {res.step_time:>10.4g} {res.bubble_fraction:>10.4f} {cf.bubble_fraction:>11.4f}{mark:1}  {cf.formula:<16} {stash:>20}"
         )
-    notes = ["bubble = idle / (p x step time) over all ranks; stash = activations held at once (per model chunk for interleaved; until W for zb-h1)"]
+    notes = [
+        "bubble = idle / (p x step time) over all ranks; stash = activations held at once (per model chunk for interleaved, zbv, dualpipev;"
+        " until W for zb-h1; from R to B for a recomputed micro-batch of 1f1b-scp)"
+    ]
     return "\n".join(lines + starred + notes)
 
 

@@ -6,7 +6,8 @@ reproduces the published closed forms exactly (`closed_form_bubble` states each 
 
 Execution model (shared with the validator's deadlock check and the grid printer):
 - each rank runs its actions in order, one at a time, starting at time 0;
-- a compute action (F, B, BI, W) occupies its rank for its cost; B costs `backward + weight`;
+- a compute action (F, B, BI, W, R) occupies its rank for its cost; B costs `backward + weight`, a recomputation
+  R its forward's;
 - a SEND costs its rank nothing (non-blocking, buffered) and its message arrives `p2p` later;
 - a RECV takes no time but blocks until its message has arrived;
 - a GRAD_SYNC is a blocking collective of the two ranks holding a stage: it starts when both have
@@ -37,7 +38,7 @@ class Costs:
     def of(self, action: Action) -> float:
         """Time `action` occupies its rank."""
         pick = lambda v: float(v) if isinstance(v, (int, float)) else float(v[action.stage])  # noqa: E731
-        if action.kind is Kind.FORWARD:
+        if action.kind in (Kind.FORWARD, Kind.RECOMPUTE):
             return pick(self.forward)
         if action.kind is Kind.BACKWARD:
             return pick(self.backward) + pick(self.weight)
@@ -144,21 +145,24 @@ def peak_stash(schedule: Schedule) -> tuple[int, ...]:
     A forward's activations are stashed until the backward pass frees its graph: its B, or for split
     schedules its input-gradient pass BI (the weight pass then needs only the deferred linear layers'
     inputs and output gradients, parallel/deferred.py) — except on stage 0, whose input pass does
-    nothing and whose W is the whole backward. Counted per (stage, microbatch), so with interleaving one
+    nothing and whose W is the whole backward. A forward that a recomputation R repeats keeps only its input
+    (counted as nothing): its activations are held from R to the backward. Counted per (stage, microbatch), so with interleaving one
     unit is one chunk's activations, 1/v of a full pipeline stage's. The count follows from the action
     order alone, not from timing.
     """
 
     def releases(a: Action) -> bool:
-        if not schedule.split_backward:
+        if not schedule.split_backward or a.kind is Kind.BACKWARD:  # DualPipeV mixes full and split backwards
             return a.kind is Kind.BACKWARD
         return a.kind is (Kind.BACKWARD_WEIGHT if a.stage == 0 else Kind.BACKWARD_INPUT)
 
     peaks = []
     for actions in schedule.per_rank:
+        again = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.RECOMPUTE}
         held = peak = 0
         for a in actions:
-            held += (a.kind is Kind.FORWARD) - releases(a)
+            holds = a.kind is Kind.RECOMPUTE or (a.kind is Kind.FORWARD and (a.stage, a.microbatch) not in again)
+            held += holds - releases(a)
             peak = max(peak, held)
         peaks.append(peak)
     return tuple(peaks)
@@ -218,6 +222,13 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs = Cos
         multiple of D): (D-2)/(2N+D-2), counting the forward and the full backward of a micro-batch as
         one equal slot each (tF = tB + tW), as the paper's figures do: D-2 idle slots per rank against
         2N busy ones. With backward = 2 x forward the ratio is larger (D=4, N=4: 0.25, not 0.2).
+    zbv, dualpipev: 2p stages in a V, costs per chunk (half a rank's share): with tF = tB = tW = t a step takes
+        (6m+p-1)t, so the bubble is (p-1)/(6m+p-1): the only idle time is the p-1 chunk slots the first forward takes to
+        reach the last rank, the least any schedule can have; the zero-bubble paper's (p-1)(tF+tB-2tW) = 0 counts the
+        rest. Exact for m >= 2p-1 (ZBV) and m >= 2p (DualPipeV, its minimum); unequal passes leave more (simulate).
+    1f1b-scp: with forward f <= full backward B = tB+tW and R = f, a step takes m(2f+B) + (p-1)(f+B) - 3f for m >= max(p, 3):
+        1F1B with recomputation inside the backward takes (m+p-1)(2f+B). The busy time counts each rank's
+        recomputations (rank r < p-1 recomputes all but its last micro-batch), so the fraction is of that work.
     All assume uniform costs over stages, zero p2p latency and (Chimera) free gradient syncs.
     """
     tf, tb, tw = _uniform(costs.forward), _uniform(costs.backward), _uniform(costs.weight)
@@ -240,4 +251,19 @@ def closed_form_bubble(name: str, p: int, m: int, v: int = 1, costs: Costs = Cos
             equal and m % p == 0,
             base + ", free grad sync, forward = full backward (tF = tB + tW), N a multiple of D",
         )
-    raise ScheduleError(f"schedule={name!r} has no closed form", "use one of gpipe, 1f1b, interleaved, zb-h1, chimera")
+    if name in ("zbv", "dualpipev"):
+        equal = uniform and tf == tb == tw
+        return ClosedForm((p - 1) / (6 * m + p - 1), "(p-1)/(6m+p-1)", equal and m >= 2 * p - 1, base + ", tF = tB = tW per chunk, m >= 2p-1")
+    if name == "1f1b-scp":
+        return _scp_closed_form(p, m, tf, tb, tw, uniform)
+    raise ScheduleError(f"schedule={name!r} has no closed form", "use one of gpipe, 1f1b, interleaved, zb-h1, chimera, zbv, dualpipev, 1f1b-scp")
+
+
+def _scp_closed_form(p: int, m: int, tf: float | None, tb: float | None, tw: float | None, uniform: bool) -> ClosedForm:
+    """1F1B-SCP's bubble: step m(2f+B) + (p-1)(f+B) - 3f against busy p*m(f+B) plus f per recomputation (B = tB + tW)."""
+    f, b = (tf, tb + tw) if uniform else (1.0, 2.0)
+    recomputes = (p - 1) * (m - 1)
+    step = m * (f + b) if p == 1 else m * (2 * f + b) + (p - 1) * (f + b) - 3 * f
+    busy = p * m * (f + b) + recomputes * f
+    exact = uniform and f <= b and (p == 1 or m >= max(p, 3))
+    return ClosedForm(1 - busy / (p * step), "1-busy/(p*step)", exact, "uniform per-stage costs and zero p2p, tF <= tB + tW, m >= max(p, 3)")

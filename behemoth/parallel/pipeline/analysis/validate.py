@@ -76,7 +76,8 @@ def _check_placement(s: Schedule) -> None:
 
 
 def _check_complete(s: Schedule) -> None:
-    """Every (stage, microbatch) has one forward and one backward (or one BI and one W), nothing twice."""
+    """Every (stage, microbatch) has one forward and one backward (or, in a split schedule, one BI and one W), nothing
+    twice; at most one recomputation."""
     seen: dict[tuple[Kind, int, int], tuple[int, int]] = {}
     for rank, actions in enumerate(s.per_rank):
         for index, a in enumerate(actions):
@@ -84,14 +85,16 @@ def _check_complete(s: Schedule) -> None:
             if a.kind in COMPUTE and key in seen:
                 raise _fail(s, rank, index, f"repeats action {seen[key][1]} on rank {seen[key][0]}")
             seen[key] = (rank, index)
-    wanted = [Kind.FORWARD] + ([Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT] if s.split_backward else [Kind.BACKWARD])
-    unwanted = {Kind.BACKWARD} if s.split_backward else {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}
+    unwanted = set() if s.split_backward else {Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT}  # a split one may also run B
     for (kind, stage, mb), (rank, index) in seen.items():
         if kind in unwanted:
-            raise _fail(s, rank, index, f"a {'split' if s.split_backward else 'full-backward'} schedule cannot run {kind.name}")
+            raise _fail(s, rank, index, f"a full-backward schedule cannot run {kind.name}")
+        if kind is Kind.BACKWARD and {(Kind.BACKWARD_INPUT, stage, mb), (Kind.BACKWARD_WEIGHT, stage, mb)} & seen.keys():
+            raise _fail(s, rank, index, f"runs both a full and a split backward of stage {stage}, micro-batch {mb}")
     for stage in range(s.num_stages):
         for mb in range(s.microbatches):
-            for kind in wanted:
+            split = s.split_backward and (Kind.BACKWARD, stage, mb) not in seen
+            for kind in [Kind.FORWARD] + ([Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT] if split else [Kind.BACKWARD]):
                 if (kind, stage, mb) not in seen:
                     raise _fail(s, s.rank_of(stage, mb), None, f"never runs {kind.name} of stage {stage}, micro-batch {mb}")
 
@@ -112,6 +115,8 @@ def _requirements(s: Schedule, rank: int, a: Action) -> list[tuple[frozenset[Kin
         return needs
     if a.kind is Kind.BACKWARD_WEIGHT:
         return [(frozenset({Kind.BACKWARD_INPUT}), st, "its input-gradient pass")]
+    if a.kind is Kind.RECOMPUTE:
+        return [(frozenset({Kind.FORWARD}), st, "the forward it repeats")]
     if a.kind is Kind.SEND_ACT:
         return [(frozenset({Kind.FORWARD}), st, "the forward that makes the activation")]
     if a.kind is Kind.SEND_GRAD:
@@ -126,20 +131,23 @@ def _runs_here(s: Schedule, rank: int, stage: int) -> int:
 
 def _check_order(s: Schedule) -> None:
     """On each rank, every action comes after what it consumes; syncs after the stage's last backward; OPT_STEP last."""
-    release = Kind.BACKWARD_WEIGHT if s.split_backward else Kind.BACKWARD
+    release = {Kind.BACKWARD_WEIGHT, Kind.BACKWARD} if s.split_backward else {Kind.BACKWARD}
     for rank, actions in enumerate(s.per_rank):
         done: set[tuple[Kind, int, int]] = set()
         finished: Counter[int] = Counter()  # stage -> micro-batches whose last backward pass ran here
+        again = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.RECOMPUTE}
         for index, a in enumerate(actions):
             for kinds, stage, what in _requirements(s, rank, a):
                 if not any((k, stage, a.microbatch) in done for k in kinds):
                     raise _fail(s, rank, index, f"comes before {what} (stage {stage})")
+            if a.kind in BACKWARDS and (a.stage, a.microbatch) in again and (Kind.RECOMPUTE, a.stage, a.microbatch) not in done:
+                raise _fail(s, rank, index, f"comes before the recomputation of its activations (stage {a.stage})")
             if a.kind is Kind.GRAD_SYNC and finished[a.stage] < (owned := _runs_here(s, rank, a.stage)):
                 raise _fail(s, rank, index, f"syncs stage {a.stage} after {finished[a.stage]} of its {owned} backward passes")
             if a.kind is Kind.OPT_STEP and index != len(actions) - 1:
                 raise _fail(s, rank, index, "the optimizer step must be the rank's last action")
             done.add((a.kind, a.stage, a.microbatch))
-            finished[a.stage] += a.kind is release
+            finished[a.stage] += a.kind in release
         if not actions or actions[-1].kind is not Kind.OPT_STEP:
             raise _fail(s, rank, None, "does not end with the optimizer step")
 
