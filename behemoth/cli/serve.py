@@ -50,6 +50,13 @@ def serve_parser() -> argparse.ArgumentParser:
         help="share the KV blocks of equal prompt prefixes between requests (a shared system prompt is prefilled once)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also read from BEHEMOTH_API_KEY); 401 without it",
@@ -69,11 +76,16 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
 
     if not args.body_timeout_s > 0:
         raise BehemothError(f"--body-timeout-s {args.body_timeout_s} is not a positive number of seconds", "use e.g. 30")
-    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens"):
+    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
     return SchedulerPolicy(
-        max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching, prefix_caching=args.prefix_caching
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        context=context,
+        policy=args.batching,
+        prefix_caching=args.prefix_caching,
+        prefill_chunk=args.prefill_chunk,
     )
 
 

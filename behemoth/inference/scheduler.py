@@ -8,6 +8,9 @@ When the cache cannot give a running request its next block, the request admitte
 its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
 tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
 starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
+With `prefill_chunk`, a step prefills at most that many prompt tokens (Sarathi / vLLM chunked prefill): a long
+prompt is prefilled over several steps, each also decoding every running request, so running streams keep
+getting a token per step while it is admitted; its first token is drawn when its last chunk is in the cache.
 
 `policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
 when the previous one has completely finished, so early finishers leave their rows idle.
@@ -60,6 +63,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
+    prefilled: bool = False  # its prompt (and tokens so far, after a preemption) is in the cache: it decodes
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -85,6 +89,11 @@ class SchedulerPolicy:
     context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
     prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most (None: whole prompts, max_prefill_tokens)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise BehemothError(f"a prefill chunk of {self.prefill_chunk} tokens", "use --prefill-chunk 1 or more (e.g. 256), or leave it unset")
 
 
 class Scheduler:
@@ -140,17 +149,30 @@ class Scheduler:
         return not self.running and not self.waiting and not self.aborts
 
     def step(self) -> list[Request]:
-        """One iteration: abort, admit, prefill newcomers, decode the rest, retire. The requests that finished."""
+        """One iteration: abort, admit, prefill newcomers (a chunk of them), decode the rest, retire. The requests that
+        finished."""
         finished = self._drop_aborted()
-        newcomers = self._admit()
-        decoding = [r for r in self.running if r not in newcomers]
-        decoding = self._make_room(decoding)
-        for group, is_prefill in ((newcomers, True), (decoding, False)):
-            group = [r for r in group if r in self.running]
+        self._admit()
+        decoding = self._make_room([r for r in self.running if r.prefilled])
+        chunks = self._prefill_chunks([r for r in self.running if not r.prefilled])
+        for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
+            group = [(r, n) for r, n in group if r in self.running]
             if group:
                 finished += self._run(group, is_prefill)
         self.stats["steps"] += 1
         return finished
+
+    def _prefill_chunks(self, prefilling: list[Request]) -> list[tuple[Request, int]]:
+        """(request, tokens to prefill this step) of the requests still prefilling, within the step's prefill chunk."""
+        budget, out = self.policy.prefill_chunk, []
+        for r in prefilling:
+            left = len(r.tokens) - r.cached
+            take = left if budget is None else min(left, budget)
+            if take < 1:
+                break
+            out.append((r, take))
+            budget = None if budget is None else budget - take
+        return out
 
     def _drop_aborted(self) -> list[Request]:
         with self.lock:
@@ -171,13 +193,15 @@ class Scheduler:
             return []
         admitted: list[Request] = []
         pending: set[bytes] = set()  # names of the blocks this step's newcomers will fill
-        budget = p.max_prefill_tokens
+        chunk = p.prefill_chunk
+        budget = p.max_prefill_tokens if chunk is None else chunk - sum(len(r.tokens) - r.cached for r in self.running if not r.prefilled)
         with self.lock:
-            while self.waiting and len(self.running) < p.max_batch:
+            while self.waiting and len(self.running) < p.max_batch and (chunk is None or budget > 0):
                 req = self.waiting[0]
                 n = len(req.tokens)
                 hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
-                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
+                too_many = chunk is None and admitted and n - hit > budget
+                if too_many or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
                     self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
@@ -217,19 +241,27 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.release(req.id)
-        req.cached = 0
+        req.cached, req.prefilled = 0, False
         with self.lock:
             self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
 
-    def _run(self, group: list[Request], prefill: bool) -> list[Request]:
-        rows = [(r.id, r.tokens[r.cached :], r.cached) for r in group]
+    def _run(self, chunks: list[tuple[Request, int]], prefill: bool) -> list[Request]:
+        """One forward of `chunks` (request, its next n tokens); a token for each request whose tokens are all cached."""
+        rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
         logits = self.runner.forward(plan_step(self.alloc, rows))
-        for r, (_, new, _) in zip(group, rows):
+        for (r, _), (_, new, _) in zip(chunks, rows):
             r.cached += len(new)
             if self.prefixes is not None:
                 self.prefixes.register(r.id, r.tokens[: r.cached])
         self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
+        ready = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.tokens)]
+        group = [chunks[i][0] for i in ready]
+        for r in group:
+            r.prefilled = True
+        if not group:
+            return []
+        logits = logits if len(ready) == len(chunks) else logits[torch.tensor(ready, device=logits.device)]
         params, generators = [r.params for r in group], [r.generator for r in group]
         choices = choose_tokens(logits, params, [r.tokens for r in group], generators, [r.output for r in group])
         finished = []
