@@ -3,7 +3,8 @@
 A random-weight Llama (bench_inference's shapes, saved as a local folder) runs S greedy streams through behemoth's
 continuous-batching scheduler (the engine `behemoth serve` runs); once they decode, L long prompts arrive. Per
 mode: the streams' inter-token gaps (p50, p99, max, over every gap after the arrival), the long prompts' time to
-first token, and whether every token equals the whole-prompt run's (it must). The baseline is the same streams
+first token, the most tokens the model computed between two of the streams' tokens ("max work": the stall, independent
+of how loaded the machine is), and whether every token equals the whole-prompt run's (it must). The baseline is the same streams
 with no arrival; the peer is the same engine prefilling whole prompts (what it did before `--prefill-chunk`).
 Modes run interleaved, twice each, and the faster run of each is reported (the machine may be loaded). Run:
 
@@ -41,17 +42,19 @@ def run(gen, streams: list[list[int]], longs: list[list[int]], new: int, chunk: 
 
     sched = gen.scheduler(SchedulerPolicy(max_batch=64, context=gen.context, max_prefill_tokens=1 << 20, prefill_chunk=chunk))
     running = [sched.submit(p, SamplingParams(max_tokens=new)) for p in streams]
-    arrived, step, gaps, last = [], 0, [], None
+    arrived, step, gaps, last, work, most = [], 0, [], None, 0, 0
     while not sched.idle:
         if step == arrive_at:
             arrived = [sched.submit(p, SamplingParams(max_tokens=8)) for p in longs]
-        before = [len(r.output) for r in running]
+        before, computed = [len(r.output) for r in running], sched.stats["prefill_tokens"] + sched.stats["decode_tokens"]
         sched.step()
         now = time.perf_counter()
+        work += sched.stats["prefill_tokens"] + sched.stats["decode_tokens"] - computed
         if any(len(r.output) > b for r, b in zip(running, before)):
             if last is not None and step > arrive_at and any(r.finish_reason is None for r in running):
                 gaps.append(now - last)
-            last = now
+                most = max(most, work)
+            last, work = now, 0
         step += 1
     ttft = [r.first_token_at - r.arrival for r in arrived]
     gaps.sort()
@@ -61,6 +64,7 @@ def run(gen, streams: list[list[int]], longs: list[list[int]], new: int, chunk: 
         p99_ms=1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
         max_ms=1e3 * gaps[-1],
         ttft_s=max(ttft) if ttft else 0.0,
+        max_tokens_between=most,
         wall_s=sum(gaps),
     )
 
@@ -90,13 +94,16 @@ def main() -> None:
         best = [min((t[i] for t in trials), key=lambda r: r["p99_ms"]) for i in range(len(modes))]
     base, whole = best[0], best[1]
     print(f"{args.streams} streams decoding, {args.long} prompts of {length - 16} tokens arriving; Llama {shape}\n")
-    print(f"{'mode':<15}{'p50 gap ms':>11}{'p99 gap ms':>11}{'max gap ms':>11}{'p99/base':>9}{'long TTFT s':>12}{'same tokens':>12}")
+    print(f"{'mode':<15}{'p50 gap ms':>11}{'p99 gap ms':>11}{'max gap ms':>11}{'p99/base':>9}{'long TTFT s':>12}{'max work':>9}{'same tokens':>12}")
     rows = []
     for (name, _, chunk), r in zip(modes, best):
         same = r["tokens"] == whole["tokens"] if name != "no arrival" else r["tokens"] == whole["tokens"][: args.streams]
         ratio = r["p99_ms"] / base["p99_ms"]
         ttft = f"{r['ttft_s']:.2f}" if name != "no arrival" else "-"
-        print(f"{name:<15}{r['p50_ms']:>11.1f}{r['p99_ms']:>11.1f}{r['max_ms']:>11.1f}{ratio:>9.2f}{ttft:>12}{str(same):>12}")
+        print(
+            f"{name:<15}{r['p50_ms']:>11.1f}{r['p99_ms']:>11.1f}{r['max_ms']:>11.1f}{ratio:>9.2f}{ttft:>12}"
+            f"{r['max_tokens_between']:>9}{str(same):>12}"
+        )
         numbers = {k: v for k, v in r.items() if k != "tokens"}
         rows.append({"mode": name, "prefill_chunk": chunk, **numbers, "p99_vs_base": ratio, "same_tokens": same})
     write_rows(args.json, rows)

@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   behemoth serve path/to/hf_folder --api-key "$KEY"   # every /v1/ request needs "Authorization: Bearer $KEY"
   behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
   behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
+  behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
+  behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
 """
 
 
@@ -57,6 +59,13 @@ def serve_parser() -> argparse.ArgumentParser:
         help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
     )
     p.add_argument(
+        "--draft",
+        metavar="MODEL_DIR",
+        default=None,
+        help="speculative decoding: a small model with the same vocabulary proposes tokens the served model checks in one forward",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the --draft model proposes per step (default 4)")
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also read from BEHEMOTH_API_KEY); 401 without it",
@@ -87,6 +96,22 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
         prefix_caching=args.prefix_caching,
         prefill_chunk=args.prefill_chunk,
     )
+
+
+def check_draft(args: argparse.Namespace, nproc: int) -> None:
+    """--draft before anything loads: one process, at least one proposed token, a folder that exists."""
+    from pathlib import Path
+
+    if not args.draft:
+        return
+    if nproc > 1:
+        raise BehemothError(f"--draft with {nproc} processes: speculative decoding runs on one process", "drop --draft, or --nproc/--tp/--pp")
+    if args.draft_tokens < 1:
+        raise BehemothError(
+            f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
+        )
+    if not Path(args.draft).exists():
+        raise BehemothError(f"--draft {args.draft} does not exist", "give a checkpoint, run directory or save_pretrained folder")
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
@@ -124,6 +149,10 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
         follow_model(model, cache)
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
+    if args.draft:
+        from behemoth.inference.generate import draft_for
+
+        gen.draft = draft_for(gen, args.draft, args.draft_tokens, rt, args.kv_cache_mb)
     engine = gen.engine(policy_of(args, gen.context))
     limits = serve_limits(args, gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens))
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
@@ -159,6 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
     nproc = world_size(args)
     check_plan(args, nproc)
     policy_of(args, 1)
+    check_draft(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

@@ -82,6 +82,12 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.head(self.hidden(batch), batch.lengths)
 
+    @torch.no_grad()
+    def verify(self, batch: StepBatch) -> torch.Tensor:
+        """[B, T, V] float32: the logits after every new token (speculative decoding checks a draft's tokens with them)."""
+        logits = self.view.head(self.lm.module, self.hidden(batch))
+        return logits[..., : self.vocab_size].float()
+
     def keepalive(self) -> None:
         pass
 

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -96,13 +96,29 @@ class SchedulerPolicy:
             raise BehemothError(f"a prefill chunk of {self.prefill_chunk} tokens", "use --prefill-chunk 1 or more (e.g. 256), or leave it unset")
 
 
+class Speculative(Protocol):
+    """A decode step that may give a request several tokens (speculative.py's SpeculativeDecoder)."""
+
+    def decode(self, sched: Scheduler, rows: list[Request]) -> list[Request]: ...
+
+    def release(self, request_id: int) -> None: ...
+
+
 class Scheduler:
     """Requests in, one token per running request per step out, blocks taken and given back as they go."""
 
-    def __init__(self, runner: Runner, alloc: BlockAllocator, policy: SchedulerPolicy, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        alloc: BlockAllocator,
+        policy: SchedulerPolicy,
+        tokenizer: Tokenizer | None = None,
+        speculative: Speculative | None = None,
+    ) -> None:
         if policy.prefix_caching and not isinstance(alloc, PrefixCachingAllocator):
             alloc = PrefixCachingAllocator(alloc.num_blocks, alloc.block_size)
         self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
+        self.speculative = speculative  # a draft model proposes, the target checks (speculative.py)
         self.prefixes = alloc if isinstance(alloc, PrefixCachingAllocator) else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -110,6 +126,8 @@ class Scheduler:
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
+        if speculative is not None:
+            self.stats.update(draft_tokens=0, accepted_tokens=0)  # tokens a draft proposed, and those the target kept
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -157,7 +175,9 @@ class Scheduler:
         chunks = self._prefill_chunks([r for r in self.running if not r.prefilled])
         for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
             group = [(r, n) for r, n in group if r in self.running]
-            if group:
+            if group and not is_prefill and self.speculative is not None:
+                finished += self.speculative.decode(self, [r for r, _ in group])
+            elif group:
                 finished += self._run(group, is_prefill)
         self.stats["steps"] += 1
         return finished
@@ -241,6 +261,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.alloc.release(req.id)
+        if self.speculative is not None:
+            self.speculative.release(req.id)
         req.cached, req.prefilled = 0, False
         with self.lock:
             self.waiting.appendleft(req)
@@ -292,6 +314,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.alloc.release(req.id)
+        if self.speculative is not None:
+            self.speculative.release(req.id)
         self.stats["finished"] += 1
         rest = "" if reason == "abort" else req.tracker.update(req.output, final=True)[0]
         if req.sink is not None:
