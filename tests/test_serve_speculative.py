@@ -128,3 +128,23 @@ def test_a_bad_draft_is_refused_by_name(folders):
         load(folders["target"], draft=folders["wide_vocab"])
     with pytest.raises(BehemothError, match="--draft-tokens 0"):
         load(folders["target"], draft=folders["small"], draft_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--draft", "{small}", "--tp", "2"], "--draft with 2 processes: speculative decoding runs on one process"),
+        (["--draft", "{small}", "--draft-tokens", "0"], "--draft-tokens 0: a draft proposes at least one token per step"),
+        (["--draft", "/no/such/folder"], "--draft /no/such/folder does not exist"),
+        (["--adapter", "a={small}", "--prefix-caching"], "batched adapters run on one process, without it"),
+        (["--adapter", "a=/no/such/folder"], "--adapter a=/no/such/folder: not a NAME=DIR of an adapter folder"),
+        (["--prefill-chunk", "0"], "--prefill-chunk 0 is not a positive count"),
+    ],
+)
+def test_serve_refuses_bad_draft_adapter_and_chunk_options_before_loading(folders, capsys, argv, message):
+    from behemoth.cli import main
+
+    argv = [a.replace("{small}", folders["small"]) for a in argv]
+    assert main(["serve", folders["target"], *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err

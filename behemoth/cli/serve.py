@@ -98,6 +98,19 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     )
 
 
+def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
+    """--adapter NAME=DIR before anything loads: one process, no prefix caching (its blocks are named by tokens alone),
+    distinct names that exist as folders."""
+    from pathlib import Path
+
+    for name, folder in args.batched_adapters.items():
+        if nproc > 1 or args.prefix_caching:
+            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching"
+            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
+        if not name or not Path(folder).is_dir():
+            raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
+
+
 def check_draft(args: argparse.Namespace, nproc: int) -> None:
     """--draft before anything loads: one process, at least one proposed token, a folder that exists."""
     from pathlib import Path
@@ -129,6 +142,7 @@ def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
         body_timeout_s=args.body_timeout_s,
         api_key=args.api_key or os.environ.get("BEHEMOTH_API_KEY") or None,
         adapters=(Path(args.adapter).resolve().name,) if args.adapter else (),
+        batched_adapters=tuple(args.batched_adapters),
     )
 
 
@@ -153,6 +167,10 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
         from behemoth.inference.generate import draft_for
 
         gen.draft = draft_for(gen, args.draft, args.draft_tokens, rt, args.kv_cache_mb)
+    if args.batched_adapters:
+        from behemoth.inference.generate import attach_adapters
+
+        attach_adapters(gen, args.batched_adapters)
     engine = gen.engine(policy_of(args, gen.context))
     limits = serve_limits(args, gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens))
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
@@ -189,6 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_plan(args, nproc)
     policy_of(args, 1)
     check_draft(args, nproc)
+    check_batched_adapters(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

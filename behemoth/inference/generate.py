@@ -20,6 +20,7 @@ import torch
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
 from behemoth.inference.loading import Source, load_model, resolve_source
+from behemoth.inference.lora_bank import LoRABank
 from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
@@ -180,6 +181,19 @@ def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: fl
         )
     runner = local_runner(model, CachePolicy(gen.block_size, memory_mb, max_blocks=gen.num_blocks))
     return DraftModel(runner, runner.storage.layout.num_blocks, tokens)
+
+
+def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
+    """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
+    `SamplingParams.adapter`) and rows of different adapters share a batch."""
+    runner = gen.runner
+    if not isinstance(runner, ModelRunner) or runner.tp is not None:
+        raise BehemothError(
+            f"batched adapters {sorted(folders)} with a {type(runner).__name__}: they run on one process with the model in memory",
+            "serve without --tp/--pp/--offload, or merge one adapter with --adapter DIR",
+        )
+    runner.lora = LoRABank(runner.lm.module, folders)
+    return runner.lora
 
 
 def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:

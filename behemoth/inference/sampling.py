@@ -37,6 +37,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time a token was generated so far")
     logit_bias: dict[int, float] = Field(default_factory=dict, description="added to the logits of these token ids (-100 to 100)")
     logprobs: int | None = Field(None, ge=0, le=20, description="report each token's log-probability and this many most likely ones")
+    adapter: int = Field(0, ge=0, description="the served LoRA adapter's slot this request runs with (0: the base model)")
 
     @field_validator("stop")
     @classmethod

@@ -271,7 +271,7 @@ class Scheduler:
     def _run(self, chunks: list[tuple[Request, int]], prefill: bool) -> list[Request]:
         """One forward of `chunks` (request, its next n tokens); a token for each request whose tokens are all cached."""
         rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
-        logits = self.runner.forward(plan_step(self.alloc, rows))
+        logits = self.runner.forward(plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks]))
         for (r, _), (_, new, _) in zip(chunks, rows):
             r.cached += len(new)
             if self.prefixes is not None:

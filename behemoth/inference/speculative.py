@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         ks = [self.budget(sched, r) for r in rows]
         drafts, dists = self.propose(rows, ks)
         batch = [(r.id, [r.tokens[r.cached]] + d, r.cached) for r, d in zip(rows, drafts)]
-        logits = sched.runner.verify(plan_step(sched.alloc, batch))
+        logits = sched.runner.verify(plan_step(sched.alloc, batch, [r.params.adapter for r in rows]))
         sched.stats["decode_tokens"] += sum(len(new) for _, new, _ in batch)
         sched.stats["draft_tokens"] += sum(ks)
         finished = []
