@@ -90,7 +90,12 @@ def generate_parser() -> argparse.ArgumentParser:
         help="stream weights layer by layer from host memory (cpu or host) or disk (offload.prefetch=N units read ahead, default 1)",
     )
     p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization: int8 (a scale per channel) or int4 (a scale per 64 inputs)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, text, finish reason, timings")
     return p
 

@@ -59,6 +59,12 @@ def serve_parser() -> argparse.ArgumentParser:
         help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
     )
     p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization: int8 (a scale per channel) or int4 (a scale per 64 inputs)",
+    )
+    p.add_argument(
         "--draft",
         metavar="MODEL_DIR",
         default=None,
@@ -104,8 +110,8 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
     from pathlib import Path
 
     for name, folder in args.batched_adapters.items():
-        if nproc > 1 or args.prefix_caching:
-            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching"
+        if nproc > 1 or args.prefix_caching or args.quantize:
+            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
@@ -157,7 +163,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
     source = resolve_source(args.source, args.overrides)
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp)
-    model = load_model(source, rt, tp=args.tp, pp=args.pp)
+    model = load_model(source, rt, tp=args.tp, pp=args.pp, quantize=args.quantize)
     cache = CachePolicy(args.block_size, args.kv_cache_mb)
     if rt.rank != 0:
         follow_model(model, cache)
