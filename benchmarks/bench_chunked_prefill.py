@@ -51,7 +51,7 @@ def run(gen, streams: list[list[int]], longs: list[list[int]], new: int, chunk: 
         now = time.perf_counter()
         work += sched.stats["prefill_tokens"] + sched.stats["decode_tokens"] - computed
         if any(len(r.output) > b for r, b in zip(running, before)):
-            if last is not None and step > arrive_at and any(r.finish_reason is None for r in running):
+            if last is not None and step >= arrive_at and any(r.finish_reason is None for r in running):
                 gaps.append(now - last)
                 most = max(most, work)
             last, work = now, 0
