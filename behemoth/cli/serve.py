@@ -59,6 +59,11 @@ def serve_parser() -> argparse.ArgumentParser:
         help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
     )
     p.add_argument(
+        "--kv-offload",
+        action="store_true",
+        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation)",
+    )
+    p.add_argument(
         "--quantize",
         choices=["int8", "int4"],
         default=None,
@@ -101,6 +106,7 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
         policy=args.batching,
         prefix_caching=args.prefix_caching,
         prefill_chunk=args.prefill_chunk,
+        kv_offload=args.kv_offload,
     )
 
 
@@ -115,6 +121,11 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
+
+
+def check_kv_offload(args: argparse.Namespace, nproc: int) -> None:
+    if args.kv_offload and nproc > 1:
+        raise BehemothError(f"--kv-offload with {nproc} processes: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
 
 
 def check_draft(args: argparse.Namespace, nproc: int) -> None:
@@ -214,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
     policy_of(args, 1)
     check_draft(args, nproc)
     check_batched_adapters(args, nproc)
+    check_kv_offload(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

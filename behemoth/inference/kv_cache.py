@@ -167,6 +167,18 @@ class KVStorage:
     def step(self, batch: StepBatch) -> CacheStep:
         return CacheStep(batch.to(self.device), self)
 
+    def offload(self, slots: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Copies in host memory of the keys and values at `slots`, per layer (a preempted sequence's cache)."""
+        index = slots.to(self.device)
+        return {layer: (self.keys[layer][index].cpu(), self.values[layer][index].cpu()) for layer in self.layout.layers}
+
+    def restore(self, slots: torch.Tensor, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write keys and values `offload` saved back into (new) `slots`."""
+        index = slots.to(self.device)
+        for layer, (keys, values) in saved.items():
+            self.keys[layer].index_copy_(0, index, keys.to(self.device))
+            self.values[layer].index_copy_(0, index, values.to(self.device))
+
 
 class CacheStep:
     """A `StepBatch` bound to this rank's storage: what the model's attention layers write to and read from."""

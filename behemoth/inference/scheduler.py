@@ -8,12 +8,11 @@ When the cache cannot give a running request its next block, the request admitte
 its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
 tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
 starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
-With `prefill_chunk`, a step prefills at most that many prompt tokens (Sarathi / vLLM chunked prefill): a long
-prompt is prefilled over several steps, each also decoding every running request, so running streams keep
-getting a token per step while it is admitted; its first token is drawn when its last chunk is in the cache.
-
-`policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
-when the previous one has completely finished, so early finishers leave their rows idle.
+With `kv_offload`, a preempted request's keys and values are copied to host memory and written back into new blocks
+when it is admitted again, so only its last token is computed anew. With `prefill_chunk`, a step prefills at most
+that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt is prefilled over several steps, each also
+decoding every running request, so running streams keep getting a token per step while it is admitted; its first
+token is drawn when its last chunk is in the cache.
 """
 
 from __future__ import annotations
@@ -64,6 +63,7 @@ class Request:
     choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
     prefilled: bool = False  # its prompt (and tokens so far, after a preemption) is in the cache: it decodes
+    offloaded: dict[int, Any] | None = None  # its keys and values in host memory while preempted (kv_offload)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -90,6 +90,7 @@ class SchedulerPolicy:
     policy: Literal["continuous", "static"] = "continuous"
     prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
     prefill_chunk: int | None = None  # prompt tokens prefilled per step at most (None: whole prompts, max_prefill_tokens)
+    kv_offload: bool = False  # a preempted request's KV blocks go to host memory and come back, instead of recomputation
 
     def __post_init__(self) -> None:
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -127,7 +128,11 @@ class Scheduler:
         self.ids = itertools.count()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
         if speculative is not None:
-            self.stats.update(draft_tokens=0, accepted_tokens=0)  # tokens a draft proposed, and those the target kept
+            self.stats.update(draft_tokens=0, accepted_tokens=0)
+        if policy.kv_offload:
+            if not hasattr(runner, "storage"):
+                raise BehemothError(f"KV offload with a {type(runner).__name__}: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
+            self.stats.update(offloaded_tokens=0, restored_tokens=0)  # tokens a draft proposed, and those the target kept
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -219,14 +224,14 @@ class Scheduler:
             while self.waiting and len(self.running) < p.max_batch and (chunk is None or budget > 0):
                 req = self.waiting[0]
                 n = len(req.tokens)
-                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
+                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None and req.offloaded is None else 0
                 too_many = chunk is None and admitted and n - hit > budget
                 if too_many or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
                     self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
                 self.alloc.grow(req.id, n)
-                req.cached = hit
+                req.cached = hit if req.offloaded is None else self._restore(req)
                 self.stats["prefix_hit_tokens"] += hit
                 self.running.append(req)
                 admitted.append(req)
@@ -258,8 +263,23 @@ class Scheduler:
                 ready.append(req)
         return [r for r in ready if r in self.running]
 
+    def _offload(self, req: Request) -> None:
+        """Keep a preempted request's cached keys and values in host memory (kv_offload), to skip its recomputation."""
+        if self.policy.kv_offload and req.cached > 0:
+            req.offloaded = {"tokens": req.cached, "kv": self.runner.storage.offload(self.alloc.slots(req.id, 0, req.cached))}
+            self.stats["offloaded_tokens"] += req.cached
+
+    def _restore(self, req: Request) -> int:
+        """Bring an offloaded request's keys and values back into its new blocks; how many tokens they hold."""
+        count, saved = req.offloaded["tokens"], req.offloaded["kv"]
+        self.runner.storage.restore(self.alloc.slots(req.id, 0, count), saved)
+        req.offloaded = None
+        self.stats["restored_tokens"] += count
+        return count
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._offload(req)
         self.alloc.release(req.id)
         if self.speculative is not None:
             self.speculative.release(req.id)
