@@ -31,16 +31,36 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
-    p.add_argument("--adapter", metavar="DIR", help="a PEFT LoRA folder applied to the model's weights (finetune.adapter=DIR)")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="DIR|NAME=DIR",
+        help="a PEFT LoRA folder merged into the model's weights (finetune.adapter=DIR); serve: NAME=DIR (repeatable) serves "
+        "adapters unmerged, batched together, each request choosing one by its model field",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. run.timeout_s=600")
 
 
 def with_adapter(args: argparse.Namespace) -> argparse.Namespace:
-    """--adapter DIR as the finetune.adapter=DIR option every loading path reads."""
+    """--adapter DIR as the finetune.adapter=DIR option every loading path reads; NAME=DIR ones in args.batched_adapters."""
+    merged = [a for a in args.adapter if "=" not in a]
+    args.batched_adapters = dict(a.split("=", 1) for a in args.adapter if "=" in a)
+    if len(merged) > 1:
+        raise BehemothError(f"--adapter {merged[0]} and --adapter {merged[1]}: one adapter is merged at most", "name the others: --adapter NAME=DIR")
     if args.adapter and getattr(args, "offload", None):
         raise BehemothError("--adapter with --offload: streamed weights take no adapter", "drop --offload, or use behemoth export --merge")
+    args.adapter = merged[0] if merged else None
     if args.adapter:
         args.overrides = [*args.overrides, f"finetune.adapter={args.adapter}"]
+    return args
+
+
+def without_batched_adapters(args: argparse.Namespace) -> argparse.Namespace:
+    """generate merges one adapter: NAME=DIR (a server's batched adapters) has no request to choose it."""
+    if args.batched_adapters:
+        name = next(iter(args.batched_adapters))
+        raise BehemothError(f"--adapter {name}=...: generate has no requests that choose an adapter", "give --adapter DIR to merge one")
     return args
 
 
@@ -70,7 +90,12 @@ def generate_parser() -> argparse.ArgumentParser:
         help="stream weights layer by layer from host memory (cpu or host) or disk (offload.prefetch=N units read ahead, default 1)",
     )
     p.add_argument("--offload-dir", default=None, help="folder for --offload disk (default: a temporary folder)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only quantization (per-channel scales)")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization: int8 (a scale per channel) or int4 (a scale per 64 inputs)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per prompt: tokens, text, finish reason, timings")
     return p
 
@@ -225,4 +250,4 @@ def print_completions(completions: list[Any], as_json: bool) -> int:
 
 def generate_main(argv: list[str]) -> int:
     args = generate_parser().parse_intermixed_args(argv)
-    return exit_code(lambda a: run_generate(with_adapter(a)), args)
+    return exit_code(lambda a: run_generate(without_batched_adapters(with_adapter(a))), args)

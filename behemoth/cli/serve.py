@@ -21,6 +21,8 @@ EXAMPLES = """examples:
   behemoth serve path/to/hf_folder --api-key "$KEY"   # every /v1/ request needs "Authorization: Bearer $KEY"
   behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
   behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
+  behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
+  behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
 """
 
 
@@ -50,6 +52,31 @@ def serve_parser() -> argparse.ArgumentParser:
         help="share the KV blocks of equal prompt prefixes between requests (a shared system prompt is prefilled once)",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
+    )
+    p.add_argument(
+        "--kv-offload",
+        action="store_true",
+        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only quantization: int8 (a scale per channel) or int4 (a scale per 64 inputs)",
+    )
+    p.add_argument(
+        "--draft",
+        metavar="MODEL_DIR",
+        default=None,
+        help="speculative decoding: a small model with the same vocabulary proposes tokens the served model checks in one forward",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the --draft model proposes per step (default 4)")
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/ (default: none; also read from BEHEMOTH_API_KEY); 401 without it",
@@ -69,12 +96,52 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
 
     if not args.body_timeout_s > 0:
         raise BehemothError(f"--body-timeout-s {args.body_timeout_s} is not a positive number of seconds", "use e.g. 30")
-    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens"):
+    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens", "prefill_chunk"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
     return SchedulerPolicy(
-        max_batch=args.max_batch, max_waiting=args.max_waiting, context=context, policy=args.batching, prefix_caching=args.prefix_caching
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        context=context,
+        policy=args.batching,
+        prefix_caching=args.prefix_caching,
+        prefill_chunk=args.prefill_chunk,
+        kv_offload=args.kv_offload,
     )
+
+
+def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
+    """--adapter NAME=DIR before anything loads: one process, no prefix caching (its blocks are named by tokens alone),
+    distinct names that exist as folders."""
+    from pathlib import Path
+
+    for name, folder in args.batched_adapters.items():
+        if nproc > 1 or args.prefix_caching or args.quantize:
+            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
+            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
+        if not name or not Path(folder).is_dir():
+            raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
+
+
+def check_kv_offload(args: argparse.Namespace, nproc: int) -> None:
+    if args.kv_offload and nproc > 1:
+        raise BehemothError(f"--kv-offload with {nproc} processes: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
+
+
+def check_draft(args: argparse.Namespace, nproc: int) -> None:
+    """--draft before anything loads: one process, at least one proposed token, a folder that exists."""
+    from pathlib import Path
+
+    if not args.draft:
+        return
+    if nproc > 1:
+        raise BehemothError(f"--draft with {nproc} processes: speculative decoding runs on one process", "drop --draft, or --nproc/--tp/--pp")
+    if args.draft_tokens < 1:
+        raise BehemothError(
+            f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
+        )
+    if not Path(args.draft).exists():
+        raise BehemothError(f"--draft {args.draft} does not exist", "give a checkpoint, run directory or save_pretrained folder")
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
@@ -92,6 +159,7 @@ def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
         body_timeout_s=args.body_timeout_s,
         api_key=args.api_key or os.environ.get("BEHEMOTH_API_KEY") or None,
         adapters=(Path(args.adapter).resolve().name,) if args.adapter else (),
+        batched_adapters=tuple(args.batched_adapters),
     )
 
 
@@ -106,12 +174,20 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
     source = resolve_source(args.source, args.overrides)
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp)
-    model = load_model(source, rt, tp=args.tp, pp=args.pp)
+    model = load_model(source, rt, tp=args.tp, pp=args.pp, quantize=args.quantize)
     cache = CachePolicy(args.block_size, args.kv_cache_mb)
     if rt.rank != 0:
         follow_model(model, cache)
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
+    if args.draft:
+        from behemoth.inference.generate import draft_for
+
+        gen.draft = draft_for(gen, args.draft, args.draft_tokens, rt, args.kv_cache_mb)
+    if args.batched_adapters:
+        from behemoth.inference.generate import attach_adapters
+
+        attach_adapters(gen, args.batched_adapters)
     engine = gen.engine(policy_of(args, gen.context))
     limits = serve_limits(args, gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens))
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
@@ -147,6 +223,9 @@ def run_serve(args: argparse.Namespace) -> int:
     nproc = world_size(args)
     check_plan(args, nproc)
     policy_of(args, 1)
+    check_draft(args, nproc)
+    check_batched_adapters(args, nproc)
+    check_kv_offload(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

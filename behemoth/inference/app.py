@@ -147,7 +147,8 @@ def authorized(header: str | None, key: str) -> bool:
 def model_cards(limits: ServeLimits) -> list[dict[str, Any]]:
     """The served model, and each adapter merged into it (its `parent`): a request may name any of them."""
     base = {"id": limits.model_name, "object": "model", "created": 0, "owned_by": "behemoth", "max_model_len": limits.context}
-    return [base] + [{**base, "id": name, "parent": limits.model_name, "root": limits.model_name} for name in limits.adapters]
+    names = limits.adapters + limits.batched_adapters
+    return [base] + [{**base, "id": name, "parent": limits.model_name, "root": limits.model_name} for name in names]
 
 
 async def read_body(request: Any, limit: int, timeout_s: float) -> bytes:

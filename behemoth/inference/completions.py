@@ -102,6 +102,7 @@ class SamplingFields(BaseModel):
             stop=stops,
             stop_token_ids=[] if self.ignore_eos else list(limits.eos_token_ids),
             seed=self.seed,
+            adapter=limits.adapter_slot(self.model),
         )
 
     def choice_params(self, base: SamplingParams, count: int) -> list[SamplingParams]:

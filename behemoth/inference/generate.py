@@ -20,12 +20,14 @@ import torch
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
 from behemoth.inference.loading import Source, load_model, resolve_source
+from behemoth.inference.lora_bank import LoRABank
 from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
 from behemoth.inference.server import ServeLimits
 from behemoth.inference.serving import EngineLoop
+from behemoth.inference.speculative import SpeculativeDecoder
 from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
 from behemoth.parallelize import ParallelModel
 from behemoth.topology import Runtime, init_runtime
@@ -53,6 +55,15 @@ class CachePolicy:
         batch then allocates (and keeps resident) no block it cannot use, and is never preempted."""
         need = sum(-(-(n + m) // self.block_size) for n, m in zip(prompt_lengths, max_tokens))
         return replace(self, max_blocks=max(1, need))
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """A draft model for speculative decoding: its runner over its own KV storage, its blocks, tokens it proposes per step."""
+
+    runner: ModelRunner
+    num_blocks: int
+    tokens: int = 4
 
 
 @dataclass(frozen=True)
@@ -101,15 +112,19 @@ class Generator:
         tokenizer: Tokenizer | None,
         eos_token_ids: list[int] = (),
         max_batch: int = 64,
+        draft: DraftModel | None = None,
     ) -> None:
-        self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, list(eos_token_ids)
+        self.runner, self.tokenizer, self.eos_token_ids, self.draft = runner, tokenizer, list(eos_token_ids), draft
         self.num_blocks, self.block_size, self.context, self.max_batch = num_blocks, block_size, context, max_batch
         self.stats: dict[str, int] = {}  # the last generate()'s scheduler counters (steps, tokens, preemptions)
 
     def scheduler(self, policy: SchedulerPolicy | None = None) -> Scheduler:
         """A scheduler over a fresh block table of this generator's cache."""
         policy = policy or SchedulerPolicy(max_batch=self.max_batch, context=self.context, max_waiting=1 << 30)
-        return Scheduler(self.runner, BlockAllocator(self.num_blocks, self.block_size), policy, self.tokenizer)
+        speculative = None
+        if self.draft is not None:
+            speculative = SpeculativeDecoder(self.draft.runner, BlockAllocator(self.draft.num_blocks, self.block_size), self.draft.tokens)
+        return Scheduler(self.runner, BlockAllocator(self.num_blocks, self.block_size), policy, self.tokenizer, speculative)
 
     def with_eos(self, params: SamplingParams, ignore_eos: bool = False) -> SamplingParams:
         """The model's end-of-sequence ids as stop tokens, unless the request names its own or ignores them."""
@@ -148,6 +163,37 @@ class Generator:
 def completion(r: Request) -> Completion:
     ttft = (r.first_token_at or r.finished_at) - r.arrival
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
+
+
+def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
+    """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
+    if not isinstance(gen.runner, ModelRunner) or gen.runner.tp is not None:
+        raise BehemothError(
+            f"--draft {path} with a {type(gen.runner).__name__}: speculative decoding runs on one process with the model in memory",
+            "drop --draft, or serve without --tp/--pp/--offload",
+        )
+    SpeculativeDecoder.check_tokens(tokens)
+    model = load_model(resolve_source(path, []), rt)
+    if model.lm.shape.vocab_size != gen.runner.vocab_size:
+        raise BehemothError(
+            f"the draft {path} has a vocabulary of {model.lm.shape.vocab_size}, the target {gen.runner.vocab_size}",
+            "use a draft with the target's tokenizer and vocabulary",
+        )
+    runner = local_runner(model, CachePolicy(gen.block_size, memory_mb, max_blocks=gen.num_blocks))
+    return DraftModel(runner, runner.storage.layout.num_blocks, tokens)
+
+
+def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
+    """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
+    `SamplingParams.adapter`) and rows of different adapters share a batch."""
+    runner = gen.runner
+    if not isinstance(runner, ModelRunner) or runner.tp is not None:
+        raise BehemothError(
+            f"batched adapters {sorted(folders)} with a {type(runner).__name__}: they run on one process with the model in memory",
+            "serve without --tp/--pp/--offload, or merge one adapter with --adapter DIR",
+        )
+    runner.lora = LoRABank(runner.lm.module, folders)
+    return runner.lora
 
 
 def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:
@@ -189,12 +235,18 @@ def load(
     max_batch: int = 64,
     quantize: str | None = None,
     offload: OffloadPolicy | None = None,
+    draft: str | None = None,
+    draft_tokens: int = 4,
 ) -> Generator:
     """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this
-    process; with `offload` (`offload.generation_policy`), its blocks streamed from host memory or disk."""
+    process; with `offload` (`offload.generation_policy`), its blocks streamed from host memory or disk; with `draft` (a
+    folder of a model with the same vocabulary), speculative decoding of `draft_tokens` per step."""
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
-    return generator_for(load_for_generation(source, rt, quantize=quantize, offload=offload), source, cache, max_batch=max_batch)
+    gen = generator_for(load_for_generation(source, rt, quantize=quantize, offload=offload), source, cache, max_batch=max_batch)
+    if draft is not None:
+        gen.draft = draft_for(gen, draft, draft_tokens, rt, cache.memory_mb)
+    return gen
 
 
 @dataclass

@@ -113,6 +113,7 @@ class StepBatch:
     lengths: torch.Tensor  # [B] new tokens per row
     slots: torch.Tensor  # [N] the slot of every real new token, row by row
     gather: torch.Tensor  # [B, L] the slot of every position a row attends to (0 past its end)
+    adapters: torch.Tensor | None = None  # [B] each row's LoRA adapter slot (lora_bank.py; 0: the base), None: all base
 
     @property
     def valid(self) -> torch.Tensor:
@@ -124,12 +125,13 @@ class StepBatch:
         return (keys <= self.positions.to(device).unsqueeze(-1)).unsqueeze(1)
 
     def to(self, device: torch.device) -> StepBatch:
-        return StepBatch(*(t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather)))
+        moved = (t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather))
+        return StepBatch(*moved, adapters=None if self.adapters is None else self.adapters.to(device))
 
 
-def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> StepBatch:
-    """The batch that runs `rows` = (sequence, new token ids, position of the first) with their slots; every sequence
-    must already hold blocks for its new length (`BlockAllocator.grow`)."""
+def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], adapters: list[int] | None = None) -> StepBatch:
+    """The batch that runs `rows` = (sequence, new token ids, position of the first) with their slots (and each row's
+    adapter slot, when any is not the base); every sequence must already hold blocks for its new length (`BlockAllocator.grow`)."""
     if not rows:
         raise ValueError("a step needs at least one sequence")
     B, T = len(rows), max(len(tokens) for _, tokens, _ in rows)
@@ -148,7 +150,8 @@ def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> 
         gather[b, :end] = every
         slots.append(every[start:])
     lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
-    return StepBatch(ids, positions, lengths, torch.cat(slots), gather)
+    rows_adapters = torch.tensor(adapters, dtype=torch.long) if adapters is not None and any(adapters) else None
+    return StepBatch(ids, positions, lengths, torch.cat(slots), gather, rows_adapters)
 
 
 class KVStorage:
@@ -163,6 +166,18 @@ class KVStorage:
 
     def step(self, batch: StepBatch) -> CacheStep:
         return CacheStep(batch.to(self.device), self)
+
+    def offload(self, slots: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Copies in host memory of the keys and values at `slots`, per layer (a preempted sequence's cache)."""
+        index = slots.to(self.device)
+        return {layer: (self.keys[layer][index].cpu(), self.values[layer][index].cpu()) for layer in self.layout.layers}
+
+    def restore(self, slots: torch.Tensor, saved: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write keys and values `offload` saved back into (new) `slots`."""
+        index = slots.to(self.device)
+        for layer, (keys, values) in saved.items():
+            self.keys[layer].index_copy_(0, index, keys.to(self.device))
+            self.values[layer].index_copy_(0, index, values.to(self.device))
 
 
 class CacheStep:

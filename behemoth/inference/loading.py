@@ -94,7 +94,7 @@ def check_inference_plan(cfg: Config, world: int) -> None:
 
 def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None) -> ParallelModel:
     """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
-    linear weights in int8, per-channel scales)."""
+    linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels)."""
     cfg = inference_config(source.config, tp=tp, pp=pp)
     lm = build_causal_lm(cfg.model, cfg.hf)
     lora = cfg.finetune.lora if source.checkpoint is not None and cfg.finetune.lora.enabled else None  # a LoRA run's checkpoint: adapters
@@ -102,8 +102,8 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         lm.weights = None  # the checkpoint holds the weights (a run started from hf.weights overwrote them)
     if source.checkpoint is not None or lm.weights:
         lm.init_spec = lambda name: ZEROS  # every value is read from the files: drawing them first is time and a transient copy
-    if quantize not in (None, "int8"):
-        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8")
+    if quantize not in (None, "int8", "int4"):
+        raise BehemothError(f"quantization {quantize!r} is unknown", "use int8 or int4")
     model = parallelize(
         lm,
         cfg.parallel,
@@ -131,6 +131,10 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         from behemoth.inference.quantize import quantize_int8
 
         quantize_int8(model.module, transposed=model.lm.transposed)
+    if quantize == "int4":  # group-wise, 64 input channels a group (quantize_int4.py)
+        from behemoth.inference.quantize_int4 import quantize_int4
+
+        quantize_int4(model.module, transposed=model.lm.transposed)
     return model
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from behemoth.comm import all_gather, broadcast_object
 from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
+from behemoth.inference.lora_bank import LoRABank
 from behemoth.models.causal_lm import CausalLM
 from behemoth.parallel.tensor import TensorParallel
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.layers = storage.layout.layers
         self.vocab_size = lm.shape.vocab_size
         self.device = device or storage.device
+        self.lora: LoRABank | None = None  # adapters served unmerged (lora_bank.py)
         lm.module.eval()
 
     @torch.no_grad()
@@ -65,6 +67,8 @@ class ModelRunner:
         rank's blocks)."""
         step = self.storage.step(batch)
         model, positions = self.lm.module, step.batch.positions
+        if self.lora is not None:
+            self.lora.rows = step.batch.adapters
         if h is None:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
@@ -81,6 +85,12 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
         return self.head(self.hidden(batch), batch.lengths)
+
+    @torch.no_grad()
+    def verify(self, batch: StepBatch) -> torch.Tensor:
+        """[B, T, V] float32: the logits after every new token (speculative decoding checks a draft's tokens with them)."""
+        logits = self.view.head(self.lm.module, self.hidden(batch))
+        return logits[..., : self.vocab_size].float()
 
     def keepalive(self) -> None:
         pass

@@ -37,6 +37,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once per time a token was generated so far")
     logit_bias: dict[int, float] = Field(default_factory=dict, description="added to the logits of these token ids (-100 to 100)")
     logprobs: int | None = Field(None, ge=0, le=20, description="report each token's log-probability and this many most likely ones")
+    adapter: int = Field(0, ge=0, description="the served LoRA adapter's slot this request runs with (0: the base model)")
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +111,24 @@ def apply_openai_penalties(logits: torch.Tensor, params: list[SamplingParams], g
     return out
 
 
+def processed_logits(
+    raw: torch.Tensor, params: list[SamplingParams], seen: list[list[int]], generated: list[list[int]] | None = None
+) -> torch.Tensor:
+    """The logits after logit bias, presence/frequency penalties (over `generated`) and repetition penalty (over `seen`):
+    what greedy rows take the argmax of."""
+    logits = apply_openai_penalties(raw.float(), params, generated if generated is not None else [[] for _ in params])
+    penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)
+    return apply_repetition_penalty(logits, seen, penalty)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[B, V] on the CPU: the distribution sampled rows draw from (temperature, then top-k, then top-p, of processed logits)."""
+    rows = logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(-1)
+    rows = top_k_filter(rows, torch.tensor([p.top_k for p in params], device=logits.device))
+    rows = top_p_filter(rows, torch.tensor([p.top_p for p in params], device=logits.device))
+    return rows.softmax(dim=-1).cpu()
+
+
 def choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -120,16 +139,11 @@ def choose_tokens(
     """The next token of each row (argmax for greedy rows, a draw from the processed distribution otherwise), with its
     log-probability under the model's raw distribution and, when asked, the most likely tokens'."""
     raw = logits.float()
-    logits = apply_openai_penalties(raw, params, generated if generated is not None else [[] for _ in params])
-    penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)
-    logits = apply_repetition_penalty(logits, seen, penalty)
+    logits = processed_logits(raw, params, seen, generated)
     out = logits.argmax(dim=-1).tolist()
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = logits[sampled] / torch.tensor([params[b].temperature for b in sampled], device=logits.device).unsqueeze(-1)
-        rows = top_k_filter(rows, torch.tensor([params[b].top_k for b in sampled], device=logits.device))
-        rows = top_p_filter(rows, torch.tensor([params[b].top_p for b in sampled], device=logits.device))
-        probs = rows.softmax(dim=-1).cpu()
+        probs = sampling_probs(logits[sampled], [params[b] for b in sampled])
         for i, b in enumerate(sampled):
             out[b] = int(torch.multinomial(probs[i], 1, generator=generators[b]))
     return token_choices(raw, params, out)

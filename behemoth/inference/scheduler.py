@@ -8,9 +8,11 @@ When the cache cannot give a running request its next block, the request admitte
 its blocks are freed and it waits again at the head of the queue, to be prefilled anew with its
 tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
 starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
-
-`policy="static"` is the baseline continuous batching is measured against: a batch is admitted only
-when the previous one has completely finished, so early finishers leave their rows idle.
+With `kv_offload`, a preempted request's keys and values are copied to host memory and written back into new blocks
+when it is admitted again, so only its last token is computed anew. With `prefill_chunk`, a step prefills at most
+that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt is prefilled over several steps, each also
+decoding every running request, so running streams keep getting a token per step while it is admitted; its first
+token is drawn when its last chunk is in the cache.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -60,6 +62,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
+    prefilled: bool = False  # its prompt (and tokens so far, after a preemption) is in the cache: it decodes
+    offloaded: dict[int, Any] | None = None  # its keys and values in host memory while preempted (kv_offload)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -85,15 +89,37 @@ class SchedulerPolicy:
     context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
     prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most (None: whole prompts, max_prefill_tokens)
+    kv_offload: bool = False  # a preempted request's KV blocks go to host memory and come back, instead of recomputation
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise BehemothError(f"a prefill chunk of {self.prefill_chunk} tokens", "use --prefill-chunk 1 or more (e.g. 256), or leave it unset")
+
+
+class Speculative(Protocol):
+    """A decode step that may give a request several tokens (speculative.py's SpeculativeDecoder)."""
+
+    def decode(self, sched: Scheduler, rows: list[Request]) -> list[Request]: ...
+
+    def release(self, request_id: int) -> None: ...
 
 
 class Scheduler:
     """Requests in, one token per running request per step out, blocks taken and given back as they go."""
 
-    def __init__(self, runner: Runner, alloc: BlockAllocator, policy: SchedulerPolicy, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        alloc: BlockAllocator,
+        policy: SchedulerPolicy,
+        tokenizer: Tokenizer | None = None,
+        speculative: Speculative | None = None,
+    ) -> None:
         if policy.prefix_caching and not isinstance(alloc, PrefixCachingAllocator):
             alloc = PrefixCachingAllocator(alloc.num_blocks, alloc.block_size)
         self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
+        self.speculative = speculative  # a draft model proposes, the target checks (speculative.py)
         self.prefixes = alloc if isinstance(alloc, PrefixCachingAllocator) else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -101,6 +127,12 @@ class Scheduler:
         self.lock = threading.Lock()
         self.ids = itertools.count()
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
+        if speculative is not None:
+            self.stats.update(draft_tokens=0, accepted_tokens=0)
+        if policy.kv_offload:
+            if not hasattr(runner, "storage"):
+                raise BehemothError(f"KV offload with a {type(runner).__name__}: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
+            self.stats.update(offloaded_tokens=0, restored_tokens=0)  # tokens a draft proposed, and those the target kept
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -140,17 +172,32 @@ class Scheduler:
         return not self.running and not self.waiting and not self.aborts
 
     def step(self) -> list[Request]:
-        """One iteration: abort, admit, prefill newcomers, decode the rest, retire. The requests that finished."""
+        """One iteration: abort, admit, prefill newcomers (a chunk of them), decode the rest, retire. The requests that
+        finished."""
         finished = self._drop_aborted()
-        newcomers = self._admit()
-        decoding = [r for r in self.running if r not in newcomers]
-        decoding = self._make_room(decoding)
-        for group, is_prefill in ((newcomers, True), (decoding, False)):
-            group = [r for r in group if r in self.running]
-            if group:
+        self._admit()
+        decoding = self._make_room([r for r in self.running if r.prefilled])
+        chunks = self._prefill_chunks([r for r in self.running if not r.prefilled])
+        for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
+            group = [(r, n) for r, n in group if r in self.running]
+            if group and not is_prefill and self.speculative is not None:
+                finished += self.speculative.decode(self, [r for r, _ in group])
+            elif group:
                 finished += self._run(group, is_prefill)
         self.stats["steps"] += 1
         return finished
+
+    def _prefill_chunks(self, prefilling: list[Request]) -> list[tuple[Request, int]]:
+        """(request, tokens to prefill this step) of the requests still prefilling, within the step's prefill chunk."""
+        budget, out = self.policy.prefill_chunk, []
+        for r in prefilling:
+            left = len(r.tokens) - r.cached
+            take = left if budget is None else min(left, budget)
+            if take < 1:
+                break
+            out.append((r, take))
+            budget = None if budget is None else budget - take
+        return out
 
     def _drop_aborted(self) -> list[Request]:
         with self.lock:
@@ -171,18 +218,20 @@ class Scheduler:
             return []
         admitted: list[Request] = []
         pending: set[bytes] = set()  # names of the blocks this step's newcomers will fill
-        budget = p.max_prefill_tokens
+        chunk = p.prefill_chunk
+        budget = p.max_prefill_tokens if chunk is None else chunk - sum(len(r.tokens) - r.cached for r in self.running if not r.prefilled)
         with self.lock:
-            while self.waiting and len(self.running) < p.max_batch:
+            while self.waiting and len(self.running) < p.max_batch and (chunk is None or budget > 0):
                 req = self.waiting[0]
                 n = len(req.tokens)
-                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None else 0
-                if (admitted and n - hit > budget) or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
+                hit = self.prefixes.adopt(req.id, req.tokens) if self.prefixes is not None and req.offloaded is None else 0
+                too_many = chunk is None and admitted and n - hit > budget
+                if too_many or not self.alloc.can_grow(req.id, n) or self._shares_pending(req, hit, pending):
                     self.alloc.release(req.id)  # the cached blocks it adopted go back as they were
                     break
                 self.waiting.popleft()
                 self.alloc.grow(req.id, n)
-                req.cached = hit
+                req.cached = hit if req.offloaded is None else self._restore(req)
                 self.stats["prefix_hit_tokens"] += hit
                 self.running.append(req)
                 admitted.append(req)
@@ -214,22 +263,47 @@ class Scheduler:
                 ready.append(req)
         return [r for r in ready if r in self.running]
 
+    def _offload(self, req: Request) -> None:
+        """Keep a preempted request's cached keys and values in host memory (kv_offload), to skip its recomputation."""
+        if self.policy.kv_offload and req.cached > 0:
+            req.offloaded = {"tokens": req.cached, "kv": self.runner.storage.offload(self.alloc.slots(req.id, 0, req.cached))}
+            self.stats["offloaded_tokens"] += req.cached
+
+    def _restore(self, req: Request) -> int:
+        """Bring an offloaded request's keys and values back into its new blocks; how many tokens they hold."""
+        count, saved = req.offloaded["tokens"], req.offloaded["kv"]
+        self.runner.storage.restore(self.alloc.slots(req.id, 0, count), saved)
+        req.offloaded = None
+        self.stats["restored_tokens"] += count
+        return count
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._offload(req)
         self.alloc.release(req.id)
-        req.cached = 0
+        if self.speculative is not None:
+            self.speculative.release(req.id)
+        req.cached, req.prefilled = 0, False
         with self.lock:
             self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
 
-    def _run(self, group: list[Request], prefill: bool) -> list[Request]:
-        rows = [(r.id, r.tokens[r.cached :], r.cached) for r in group]
-        logits = self.runner.forward(plan_step(self.alloc, rows))
-        for r, (_, new, _) in zip(group, rows):
+    def _run(self, chunks: list[tuple[Request, int]], prefill: bool) -> list[Request]:
+        """One forward of `chunks` (request, its next n tokens); a token for each request whose tokens are all cached."""
+        rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
+        logits = self.runner.forward(plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks]))
+        for (r, _), (_, new, _) in zip(chunks, rows):
             r.cached += len(new)
             if self.prefixes is not None:
                 self.prefixes.register(r.id, r.tokens[: r.cached])
         self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
+        ready = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.tokens)]
+        group = [chunks[i][0] for i in ready]
+        for r in group:
+            r.prefilled = True
+        if not group:
+            return []
+        logits = logits if len(ready) == len(chunks) else logits[torch.tensor(ready, device=logits.device)]
         params, generators = [r.params for r in group], [r.generator for r in group]
         choices = choose_tokens(logits, params, [r.tokens for r in group], generators, [r.output for r in group])
         finished = []
@@ -260,6 +334,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.alloc.release(req.id)
+        if self.speculative is not None:
+            self.speculative.release(req.id)
         self.stats["finished"] += 1
         rest = "" if reason == "abort" else req.tracker.update(req.output, final=True)[0]
         if req.sink is not None:

@@ -45,10 +45,15 @@ class ServeLimits:
     max_streams: int = 64  # streamed responses open at once; one more gets 429
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     adapters: tuple[str, ...] = ()  # LoRA adapters merged into the served weights (listed by /v1/models)
+    batched_adapters: tuple[str, ...] = ()  # LoRA adapters served unmerged, in their slot order (lora_bank.py)
 
     @property
     def model_names(self) -> tuple[str, ...]:
-        return (self.model_name, *self.adapters)
+        return (self.model_name, *self.adapters, *self.batched_adapters)
+
+    def adapter_slot(self, model: str | None) -> int:
+        """The bank slot a request naming `model` runs with (0: the base, or an adapter merged into it)."""
+        return 1 + self.batched_adapters.index(model) if model in self.batched_adapters else 0
 
 
 class ApiError(Exception):

@@ -1,0 +1,98 @@
+"""Speculative decoding at batch 1: tokens/s and acceptance rate with a draft model, against the same engine without one.
+
+A random-weight Llama (bench_inference's shapes, saved as a local folder) is the target. Drafts: the target itself
+(every token accepted: the mechanics at their best, though a draft as costly as the target cannot be faster),
+the target truncated to its first `--keep` layers (its own embedding, norm and head), and an unrelated 1-layer
+random Llama. Random weights make a truncated model a poor predictor of the full one: a trained small model of
+the same family is what speculative decoding is for, and none is available offline here. Per mode: output
+tokens/s, acceptance (draft tokens kept / proposed), tokens per target forward, and whether the tokens equal the
+no-draft run's (greedy: they must). Modes run interleaved, `--repeats` times, the fastest reported. Run:
+
+    python benchmarks/bench_speculative.py --quick     # the small Llama: about a minute
+    python benchmarks/bench_speculative.py             # the 25M Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ratios import write_rows  # noqa: E402
+
+from benchmarks.bench_inference import SHAPES, make_prompts, save_llama  # noqa: E402
+
+
+def save_truncated(target: str, keep: int, out: str) -> None:
+    """The target with only its first `keep` decoder layers (embedding, final norm and head unchanged)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
+    model.model.layers = model.model.layers[:keep]
+    model.config.num_hidden_layers = keep
+    model.save_pretrained(out)
+
+
+def run(gen, prompt: list[int], new: int) -> dict:
+    """One greedy request at batch 1: its tokens, wall time and the scheduler's counters."""
+    from behemoth.inference.sampling import SamplingParams
+
+    sched = gen.scheduler()
+    start = time.perf_counter()
+    req = sched.submit(prompt, SamplingParams(max_tokens=new))
+    sched.run_until_done()
+    wall = time.perf_counter() - start
+    return dict(tokens=req.output, wall_s=wall, tok_s=len(req.output) / wall, **sched.stats)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--keep", type=int, default=2, help="layers of the truncated draft")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from behemoth.inference import load
+    from behemoth.inference.generate import draft_for
+    from behemoth.topology import init_runtime
+
+    shape = SHAPES["quick" if args.quick else "full"]
+    with tempfile.TemporaryDirectory() as root:
+        target, truncated, other = (str(Path(root) / n) for n in ("target", "truncated", "other"))
+        save_llama(shape, target)
+        save_truncated(target, args.keep, truncated)
+        save_llama({**shape, "n_layer": 1}, other)
+        gen = load(target)
+        drafts = {"no draft": None, "target itself": target, f"first {args.keep} layers": truncated, "other 1-layer": other}
+        drafts = {name: folder and draft_for(gen, folder, args.draft_tokens, init_runtime(), 256.0) for name, folder in drafts.items()}
+        prompt = make_prompts(1, args.prompt, shape["vocab_size"])[0]
+        gen.draft = None
+        run(gen, prompt, 8)  # warm-up, untimed
+        trials = {name: [] for name in drafts}
+        for _ in range(args.repeats):
+            for name, draft in drafts.items():
+                gen.draft = draft
+                trials[name].append(run(gen, prompt, args.new))
+    best = {name: max(t, key=lambda r: r["tok_s"]) for name, t in trials.items()}
+    base = best["no draft"]
+    print(f"batch 1, {args.prompt}-token prompt, {args.new} greedy tokens, K={args.draft_tokens}; Llama {shape}\n")
+    print(f"{'draft':<18}{'tok/s':>8}{'vs none':>9}{'accepted':>10}{'tok/forward':>13}{'same tokens':>13}")
+    rows = []
+    for name, r in best.items():
+        rate = r["accepted_tokens"] / r["draft_tokens"] if r.get("draft_tokens") else float("nan")
+        per_forward = (len(r["tokens"]) - 1) / max(1, r["steps"] - 1)  # the prefill step gives 1, then a target forward a step
+        same = r["tokens"] == base["tokens"]
+        print(f"{name:<18}{r['tok_s']:>8.1f}{r['tok_s'] / base['tok_s']:>9.2f}{rate:>10.2f}{per_forward:>13.2f}{str(same):>13}")
+        rows.append({"draft": name, "tok_s": r["tok_s"], "vs_none": r["tok_s"] / base["tok_s"], "acceptance": rate, "same_tokens": same})
+    write_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Chunked prefill: a long prompt admitted while a stream decodes is prefilled `prefill_chunk` tokens per step, the
+stream gets a token at every step meanwhile, and every request's greedy tokens equal those of whole-prompt prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from behemoth.errors import BehemothError
+from behemoth.inference import SamplingParams
+from behemoth.inference.scheduler import SchedulerPolicy
+
+
+class CountingRunner:
+    """The real runner, recording how many new tokens each forward carried (the step's prefill size)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.vocab_size, self.sizes = inner, inner.vocab_size, []
+
+    def forward(self, batch):
+        self.sizes.append(int(batch.lengths.sum()))
+        return self.inner.forward(batch)
+
+
+@pytest.fixture(scope="module")
+def generator():
+    from behemoth.config import load_config
+    from behemoth.inference import CachePolicy, load
+    from behemoth.inference.loading import Source
+
+    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=192"]), None, None), cache=CachePolicy(block_size=8, memory_mb=2))
+    yield gen
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_arrival(gen, policy: SchedulerPolicy, *, arrive_at: int = 3, long: int = 120) -> tuple[list[list[int]], list[int], CountingRunner]:
+    """A stream decodes; at step `arrive_at` two long prompts arrive. Every request's tokens, the steps at which the stream got
+    its tokens, and the runner's forward sizes."""
+    sched = gen.scheduler(policy)
+    runner = sched.runner = CountingRunner(gen.runner)
+    greedy = SamplingParams(max_tokens=40)
+    stream = sched.submit(prompt(6, 0), greedy)
+    got_at, others = [], []
+    for step in range(400):
+        if step == arrive_at:
+            others = [sched.submit(prompt(long, 1), SamplingParams(max_tokens=12)), sched.submit(prompt(long - 37, 2), SamplingParams(max_tokens=9))]
+        before = len(stream.output)
+        sched.step()
+        if len(stream.output) > before:
+            got_at.append(step)
+        if sched.idle and step > arrive_at:
+            break
+    return [r.output for r in [stream, *others]], got_at, runner
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chunked_prefill_keeps_a_stream_decoding_and_changes_no_token(generator, prefix_caching):
+    whole, whole_at, whole_runner = run_arrival(generator, SchedulerPolicy(context=generator.context, prefix_caching=prefix_caching))
+    chunked, chunked_at, runner = run_arrival(generator, SchedulerPolicy(context=generator.context, prefix_caching=prefix_caching, prefill_chunk=16))
+    assert chunked == whole and all(len(t) > 5 for t in whole)
+    assert max(runner.sizes) <= 16 and max(whole_runner.sizes) >= 203  # both long prompts in one forward without chunks
+    assert chunked_at == list(range(len(chunked[0])))  # a token at every step while 203 prompt tokens go in 16 at a time
+
+
+def test_chunked_prefill_under_preemption_and_sampling_changes_no_token(generator):
+    """A cache too small for every request: chunked prompts are preempted mid-prefill and recomputed; seeded sampling too."""
+    from behemoth.inference.kv_cache import BlockAllocator
+    from behemoth.inference.scheduler import Scheduler
+
+    def run(chunk):
+        policy = SchedulerPolicy(context=generator.context, prefill_chunk=chunk)
+        sched = Scheduler(generator.runner, BlockAllocator(24, 8), policy)
+        params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=25, temperature=0.8, seed=3), SamplingParams(max_tokens=20)]
+        reqs = [sched.submit(prompt(n, i), p) for i, (n, p) in enumerate(zip((50, 40, 60), params))]
+        sched.run_until_done()
+        return [r.output for r in reqs], sched.stats["preemptions"]
+
+    (whole, _), (chunked, preempted) = run(None), run(7)
+    assert chunked == whole and preempted > 0
+
+
+def test_a_prefill_chunk_below_one_is_refused_by_name():
+    with pytest.raises(BehemothError, match="prefill chunk of 0 tokens"):
+        SchedulerPolicy(prefill_chunk=0)
