@@ -6,6 +6,7 @@ worker holds two tasks: the one running and the next, whose shard it prefetches 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import multiprocessing as mp
 import os
@@ -78,8 +79,8 @@ class Workers:
 class HydraExecutor:
     """The Executor protocol over Hydra's shard scheduler: `capacity` trials interleaved on `workers` workers."""
 
-    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, report: Path | None = None) -> None:
+        self.capacity, self.report = capacity, report
         self.budget = None if budget_mb is None else int(budget_mb * 2**20)
         self.spill = spill
         self.workers = Workers(workers)
@@ -92,6 +93,8 @@ class HydraExecutor:
         self.rate = 0.0  # seconds per (shard element x token), measured: prices tasks not yet measured
         self.resident_peak = [0] * len(self.workers.procs)
         self.busy_s = [0.0] * len(self.workers.procs)
+        self.plans: dict[str, dict[str, int]] = {}
+        self.started = time.time()
 
     def submit(self, job: Job) -> None:
         name = job["trial"]
@@ -101,6 +104,7 @@ class HydraExecutor:
             self.done.append((job, {"rc": 1, "error": one_line(err), "wall_s": 0.0}))
             return
         self.trials[name] = trial
+        self.plans[name] = {"shards": len(trial.plan.shards), "state_bytes": trial.plan.state_bytes, "max_shard_bytes": max(map(trial.plan.resident_bytes, trial.plan.shards))}
         run = Running(job, trial, trial.chain(job["stop_at"]))
         self.running[name] = run
         self.advance(run, None)
@@ -207,7 +211,18 @@ class HydraExecutor:
         return total if math.isfinite(total) else 0.0
 
     def close(self) -> None:
+        """Stop the workers; write what they measured (resident model-state bytes, busy time) beside the leaderboard."""
         self.workers.close()
+        if self.report is not None:
+            summary = {
+                "budget_bytes": self.budget,
+                "workers": len(self.workers.procs),
+                "resident_peak_bytes": self.resident_peak,
+                "busy_s": [round(b, 3) for b in self.busy_s],
+                "wall_s": round(time.time() - self.started, 3),
+                "trials": self.plans,
+            }
+            self.report.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def folder_of(job: Job) -> Path:
@@ -224,7 +239,7 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
         why = unsupported(load_config(setup.trial_dir(trial.name) / "trial.yaml"))
         if why:
             raise BehemothError(f"{trial.name} ({trial.diff()}): hydra execution does not run {why}", "use sweep.execution=sequential or concurrent")
-    return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill)
+    return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill, report=setup.dir / "hydra.json")
 
 
 def one_line(err: BaseException) -> str:
