@@ -6,7 +6,6 @@ within it; a trial that diverges is reported failed while the others finish."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -16,7 +15,7 @@ from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.models.gpt import GPTConfig
 from behemoth.sweep.hydra.shards import FIRST, LAST, plan_shards
-from tests.test_sweep_run import alone, base, corpus, csv_rows, curve, write_sweep  # noqa: F401 - corpus is a fixture
+from tests.test_sweep_run import alone, base, corpus, csv_rows, curve, run_killed, write_sweep  # noqa: F401 - corpus is a fixture
 
 BUDGET_MB = 0.4  # a block of the 8-layer, 32-wide GPT holds 0.19 MiB of states: one block a shard (half the budget)
 DEEP = {"model": {"preset": "gpt-tiny", "n_layer": 8, "tie_embeddings": True}}
@@ -96,4 +95,29 @@ def test_a_diverging_trial_is_reported_without_stopping_the_others(hydra_sweep):
     assert rows["trial-000"]["status"] == "done" and rows["trial-001"]["status"] == "done"
     assert rows["trial-002"]["status"].startswith("failed: step ") and "gradient norm is nan" in rows["trial-002"]["status"]
     log = (root / "sweep" / "sweep.log").read_text()
-    assert "sweep: trial-002 failed before step 4" in log and "2 trials" not in log
+    assert "sweep: 3 trials, hydra on local" in log and "sweep: trial-002 failed before step 4" in log
+
+
+@pytest.mark.slow  # a sweep killed and resumed, then the winner trained alone: ~40 s on a quiet 2-core machine (-m slow -k hydra)
+def test_killed_hydra_sweep_with_successive_halving_resumes(corpus, tmp_path):  # noqa: F811
+    """ASHA over 4 learning rates under hydra (shards spilled to disk), killed once the first trial's first rung is
+    saved, then --resume: the winner (reloaded from its hydra/state.pt) ends with exactly the losses and weights of the
+    trial alone."""
+    cfg = base(corpus, 8, train={"eval_every": 2}, checkpoint={"export": True})
+    sweep = {
+        "dir": str(tmp_path / "sweep"),
+        "execution": "hydra",
+        "hydra": {"budget_mb": 0.45, "spill": "disk"},
+        "prune": {"min_steps": 2, "reduction_factor": 2},
+    }
+    path = write_sweep(tmp_path / "asha.yaml", sweep, cfg, list=[{"train.lr": lr} for lr in (0.01, 0.003, 1e-7, 2e-7)])
+    run_killed(path, tmp_path / "sweep" / "trial-000" / "hydra" / "state.pt")
+    assert main(["sweep", str(path), "--resume"]) == 0
+    rows = {r["trial"]: r["status"] for r in csv_rows(tmp_path / "sweep" / "leaderboard.csv")}
+    assert rows["trial-000"] == "done" and rows["trial-002"] == "stopped at 2"
+    events = [(e["trial"], e["step"]) for e in map(json.loads, (tmp_path / "sweep" / "events.jsonl").read_text().splitlines())]
+    assert len(events) == len(set(events)) and ("trial-000", 8) in events
+    trial = tmp_path / "sweep" / "trial-000"
+    assert curve(trial) == alone(trial, tmp_path / "alone")
+    ours, theirs = load_file(trial / "model.safetensors"), load_file(tmp_path / "alone" / "model.safetensors")
+    assert all(ours[name].equal(t) for name, t in theirs.items())

@@ -14,16 +14,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome
+from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
-from behemoth.sweep.setup import SweepSetup
 from behemoth.sweep.hydra.worker import worker_main
+from behemoth.sweep.setup import SweepSetup
 
 DEPTH = 2  # tasks a worker holds: the running one and the prefetched next
 
@@ -104,7 +105,8 @@ class HydraExecutor:
             self.done.append((job, {"rc": 1, "error": one_line(err), "wall_s": 0.0}))
             return
         self.trials[name] = trial
-        self.plans[name] = {"shards": len(trial.plan.shards), "state_bytes": trial.plan.state_bytes, "max_shard_bytes": max(map(trial.plan.resident_bytes, trial.plan.shards))}
+        plan = trial.plan
+        self.plans[name] = {"shards": len(plan.shards), "state_bytes": plan.state_bytes, "max_shard": max(map(plan.resident_bytes, plan.shards))}
         run = Running(job, trial, trial.chain(job["stop_at"]))
         self.running[name] = run
         self.advance(run, None)
@@ -196,7 +198,8 @@ class HydraExecutor:
             run = self.running.get(name)
             if run is not None:
                 run.chain.close()
-                self.finish(name, {"rc": 1, "error": f"hydra worker {worker} died (exit code {proc.exitcode}) running its shard", "wall_s": run.trial.busy_s})
+                error = f"hydra worker {worker} died (exit code {proc.exitcode}) running its shard"
+                self.finish(name, {"rc": 1, "error": error, "wall_s": run.trial.busy_s})
         self.workers.held[worker] = {}
         self.workers.start(worker)
 
@@ -234,11 +237,17 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
     before any worker starts)."""
     options = setup.spec.sweep
     if options.backend != "local":
-        raise BehemothError(f"sweep.execution=hydra with sweep.backend={options.backend}", "hydra schedules this machine's workers: set sweep.backend=local")
+        raise BehemothError(f"sweep.execution=hydra with sweep.backend={options.backend}", "hydra runs on this machine: use backend local")
+    budget = None if options.hydra.budget_mb is None else int(options.hydra.budget_mb * 2**20)
     for trial in setup.trials:
-        why = unsupported(load_config(setup.trial_dir(trial.name) / "trial.yaml"))
+        cfg = load_config(setup.trial_dir(trial.name) / "trial.yaml")
+        why = unsupported(cfg)
         if why:
             raise BehemothError(f"{trial.name} ({trial.diff()}): hydra execution does not run {why}", "use sweep.execution=sequential or concurrent")
+        try:
+            plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
+        except BehemothError as err:
+            raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
     return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill, report=setup.dir / "hydra.json")
 
 

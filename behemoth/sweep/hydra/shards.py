@@ -94,7 +94,7 @@ def plan_shards(lm: CausalLM, budget_bytes: int | None) -> ShardPlan:
     owned = {piece: [n for n in piece_params(lm, piece) if n in named] for piece in pieces}
     missing = set(named) - {n for names in owned.values() for n in names}
     if missing:
-        raise BehemothError(f"hydra execution: parameters {sorted(missing)[:3]} belong to no embedding, block or head", "use a model with a layered view")
+        raise BehemothError(f"hydra execution: parameters {sorted(missing)[:3]} belong to no embedding, block or head", "use a layered model")
     borrowed = lm.layers.embedding + ".weight" if lm.shape.tied and not any(n == "lm_head.weight" for n in owned[LAST]) else None
     borrowed_numel = named[borrowed].numel() if borrowed else 0
     limit = None if budget_bytes is None else budget_bytes // 2

@@ -89,7 +89,7 @@ class HydraTrial:
         materialize(lm.module, seed=self.cfg.train.seed, device=torch.device("cpu"), init_spec=lm.init_spec)
         named = dict(lm.module.named_parameters())
         for shard, buf in zip(self.plan.shards, self.host):
-            for name, offset, shape in zip(shard.names, shard.offsets(), shard.shapes):
+            for name, offset in zip(shard.names, shard.offsets()):
                 buf[offset : offset + named[name].numel()].copy_(named[name].detach().flatten())
 
     @property
