@@ -116,9 +116,9 @@ def pack(pieces: list[str | int], size: dict[str | int, int], limit: int | None,
         need = size[piece] + (last_extra if piece == LAST else 0)
         if limit is not None and need > limit:
             raise BehemothError(
-                f"hydra execution: piece {piece!r} holds {need / 2**20:.2f} MiB of model states, over half the device budget "
-                f"({limit / 2**20:.2f} MiB: the running shard and the prefetched one share the budget)",
-                f"raise sweep.hydra.budget_mb to at least {2 * need / 2**20:.2f}",
+                f"hydra execution: piece {piece!r} holds {need / 2**20:.3f} MiB of model states, over half the device budget "
+                f"({limit / 2**20:.3f} MiB: the running shard and the prefetched one share the budget)",
+                f"raise sweep.hydra.budget_mb to at least {2 * need / 2**20:.3f}",
             )
         if groups[-1] and limit is not None and used + need > limit:
             groups.append([])
