@@ -125,7 +125,7 @@ class HydraExecutor:
     def finish(self, name: str, outcome: Outcome) -> None:
         run = self.running.pop(name)
         run.trial.busy_s = 0.0
-        if outcome["rc"] != 0:
+        if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
             self.trials.pop(name, None)
         self.done.append((run.job, outcome))
 
