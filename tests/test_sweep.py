@@ -70,7 +70,7 @@ def test_bad_sweeps_are_refused_in_one_line(parts, message):
 def test_bad_sweep_file_names_the_key(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text(yaml.safe_dump({"sweep": {"execution": "parallel"}}))
-    with pytest.raises(BehemothError, match=r"sweep.execution='parallel': Input should be 'sequential' or 'concurrent'"):
+    with pytest.raises(BehemothError, match=r"sweep.execution='parallel': Input should be 'sequential', 'concurrent' or 'hydra'"):
         read_sweep_file(path)
 
 

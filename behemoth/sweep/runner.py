@@ -27,11 +27,17 @@ def capacity_of(setup: SweepSetup) -> int:
         return 1
     if options.concurrency:
         return min(options.concurrency, len(setup.trials))
+    if options.execution == "hydra":  # every trial interleaved, shard by shard
+        return len(setup.trials)
     units = len(visible_gpus()) or len(os.sched_getaffinity(0))
     return max(1, min(len(setup.trials), units // setup.nproc))
 
 
 def make_executor(setup: SweepSetup, segment: Segment) -> Executor:
+    if setup.spec.sweep.execution == "hydra":
+        from behemoth.sweep.hydra.scheduler import hydra_executor
+
+        return hydra_executor(setup, capacity_of(setup))
     if setup.spec.sweep.backend == "ray":
         from behemoth.sweep.ray_backend import RayTasks
 

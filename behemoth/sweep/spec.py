@@ -37,14 +37,22 @@ class RaySpec(SweepSection):
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the local instance (default: this machine's cores)")
 
 
+class HydraSpec(SweepSection):
+    budget_mb: float | None = Field(None, gt=0, description="each worker's device budget for model states, MiB (default: none, a trial is one shard)")
+    spill: Literal["host", "disk"] = Field("host", description="where shards wait while they do not run: shared host memory, or files")
+
+
 class SweepOptions(SweepSection):
     dir: str | None = Field(None, description="the sweep directory (default runs/sweeps/<sweep file name>)")
-    execution: Literal["sequential", "concurrent"] = Field("sequential", description="one trial at a time, or several sharing the machine")
+    execution: Literal["sequential", "concurrent", "hydra"] = Field(
+        "sequential", description="one trial at a time, several sharing the machine, or hydra: every trial's shards scheduled over --nproc workers"
+    )
     concurrency: int | None = Field(None, ge=1, description="trials at once (concurrent, ray; default: devices or cores / nproc)")
     nproc: int | None = Field(None, ge=1, description="processes per trial (default 1; --nproc overrides)")
     backend: Literal["local", "ray"] = Field("local", description="local: processes of this machine; ray: Ray tasks on a Ray cluster")
     prune: PruneSpec | None = None
     ray: RaySpec = Field(default_factory=RaySpec)
+    hydra: HydraSpec = Field(default_factory=HydraSpec)
 
 
 class RandomSpec(SweepSection):

@@ -1,0 +1,255 @@
+"""Hydra's scheduler as a sweep executor: the runner submits trial segments (a trial to a step), and the scheduler
+interleaves the shard tasks of every submitted trial over the workers. Each free worker slot gets the ready task of the
+trial with the longest remaining time, priced with the shard times measured so far (re-measured after every task). A
+worker holds two tasks: the one running and the next, whose shard it prefetches meanwhile."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from behemoth.config import load_config
+from behemoth.errors import BehemothError
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.sweep.executors import Job, Outcome
+from behemoth.sweep.hydra.shards import plan_shards
+from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
+from behemoth.sweep.hydra.worker import worker_main
+from behemoth.sweep.setup import SweepSetup
+
+DEPTH = 2  # tasks a worker holds: the running one and the prefetched next
+
+
+@dataclass
+class Running:
+    """A submitted segment: its trial, its chain of tasks, the task it waits to run (None while one is in flight)."""
+
+    job: Job
+    trial: HydraTrial
+    chain: Chain
+    ready: Task | None = None
+    in_flight: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class Workers:
+    """The worker processes (spawned, each with its share of threads) and the tasks each holds."""
+
+    def __init__(self, count: int) -> None:
+        self.ctx = mp.get_context("spawn")
+        threads = max(1, int(os.environ.get("OMP_NUM_THREADS") or (os.cpu_count() or 1) // count))
+        self.threads = threads
+        self.procs: list[Any] = [None] * count
+        self.conns: list[Connection] = [None] * count  # type: ignore[list-item]
+        for i in range(count):
+            self.start(i)
+        self.held: list[dict[int, str]] = [{} for _ in range(count)]  # worker -> task id -> trial
+
+    def start(self, i: int) -> None:
+        ours, theirs = self.ctx.Pipe()
+        proc = self.ctx.Process(target=worker_main, args=(theirs, i, self.threads), name=f"hydra-worker-{i}", daemon=True)
+        proc.start()
+        theirs.close()
+        self.procs[i], self.conns[i] = proc, ours
+
+    def free_slots(self) -> list[int]:
+        """Workers that can take a task, the idle ones first."""
+        return sorted((i for i in range(len(self.procs)) if len(self.held[i]) < DEPTH), key=lambda i: len(self.held[i]))
+
+    def close(self) -> None:
+        for proc, conn in zip(self.procs, self.conns):
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class HydraExecutor:
+    """The Executor protocol over Hydra's shard scheduler: `capacity` trials interleaved on `workers` workers."""
+
+    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, report: Path | None = None) -> None:
+        self.capacity, self.report = capacity, report
+        self.budget = None if budget_mb is None else int(budget_mb * 2**20)
+        self.spill = spill
+        self.workers = Workers(workers)
+        self.trials: dict[str, HydraTrial] = {}  # kept between a trial's segments (successive halving's rungs)
+        self.running: dict[str, Running] = {}
+        self.done: deque[tuple[Job, Outcome]] = deque()
+        self.ids = itertools.count()
+        self.tasks: dict[int, str] = {}  # task id -> trial
+        self.times: dict[tuple[str, str, int], float] = {}  # (trial, kind, shard) -> last measured seconds
+        self.rate = 0.0  # seconds per (shard element x token), measured: prices tasks not yet measured
+        self.resident_peak = [0] * len(self.workers.procs)
+        self.busy_s = [0.0] * len(self.workers.procs)
+        self.plans: dict[str, dict[str, int]] = {}
+        self.started = time.time()
+
+    def submit(self, job: Job) -> None:
+        name = job["trial"]
+        try:
+            trial = self.trials.get(name) or HydraTrial(name, folder_of(job), job["config"], self.budget, self.spill)
+        except Exception as err:  # noqa: BLE001 - a trial that cannot start fails alone
+            self.done.append((job, {"rc": 1, "error": one_line(err), "wall_s": 0.0}))
+            return
+        self.trials[name] = trial
+        plan = trial.plan
+        self.plans[name] = {"shards": len(plan.shards), "state_bytes": plan.state_bytes, "max_shard": max(map(plan.resident_bytes, plan.shards))}
+        run = Running(job, trial, trial.chain(job["stop_at"]))
+        self.running[name] = run
+        self.advance(run, None)
+
+    def advance(self, run: Running, result: dict[str, Any] | None) -> None:
+        """Hand the chain its last task's result; keep its next task ready, or end the segment (done or failed)."""
+        name = run.job["trial"]
+        try:
+            task = next(run.chain) if result is None else run.chain.send(result)
+            run.ready, run.in_flight = task, False
+        except StopIteration:
+            self.finish(name, {"rc": 0, "error": None, "wall_s": run.trial.busy_s})
+        except Exception as err:  # noqa: BLE001 - BehemothError (a non-finite step) or a failed task
+            self.finish(name, {"rc": 1, "error": one_line(err), "wall_s": run.trial.busy_s})
+
+    def finish(self, name: str, outcome: Outcome) -> None:
+        run = self.running.pop(name)
+        run.trial.busy_s = 0.0
+        if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
+            self.trials.pop(name, None)
+        self.done.append((run.job, outcome))
+
+    def wait(self) -> tuple[Job, Outcome]:
+        while not self.done:
+            self.dispatch()
+            self.collect()
+        return self.done.popleft()
+
+    def dispatch(self) -> None:
+        """Each free worker slot gets the ready task of the trial with the longest remaining time."""
+        for worker in self.workers.free_slots():
+            ready = [r for r in self.running.values() if r.ready is not None and not r.in_flight]
+            if not ready:
+                return
+            run = max(ready, key=self.remaining_s)
+            task_id = next(self.ids)
+            task = {**run.ready, "id": task_id}  # type: ignore[dict-item]
+            self.workers.conns[worker].send(task)
+            self.workers.held[worker][task_id] = run.job["trial"]
+            self.tasks[task_id] = run.job["trial"]
+            run.in_flight = True
+
+    def collect(self) -> None:
+        """Wait for a worker to answer (or die); hand each answer to its trial."""
+        handles = {c: i for i, c in enumerate(self.workers.conns)} | {p.sentinel: i for i, p in enumerate(self.workers.procs)}
+        if not any(self.workers.held):
+            raise BehemothError("hydra: no task in flight and no segment finished", "this is a scheduler bug: report it")
+        seen = set()
+        for ready in wait(list(handles)):
+            worker = handles[ready]
+            if worker in seen:
+                continue
+            seen.add(worker)
+            if ready is self.workers.conns[worker]:
+                try:
+                    answer = self.workers.conns[worker].recv()
+                except (EOFError, OSError):
+                    self.worker_died(worker)
+                    continue
+                self.answered(worker, answer)
+            else:
+                self.worker_died(worker)
+
+    def answered(self, worker: int, answer: dict[str, Any]) -> None:
+        name = self.tasks.pop(answer["id"])
+        self.workers.held[worker].pop(answer["id"], None)
+        run = self.running.get(name)
+        if run is None:
+            return
+        kind, shard = run.ready["kind"], run.ready["shard"]  # type: ignore[index]
+        self.resident_peak[worker] = max(self.resident_peak[worker], answer["resident_peak"])
+        self.busy_s[worker] += answer["wall_s"]
+        run.trial.busy_s += answer["wall_s"]
+        self.times[(name, kind, shard.index)] = answer["wall_s"]
+        units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
+        self.rate = answer["wall_s"] / units if self.rate == 0 else 0.8 * self.rate + 0.2 * answer["wall_s"] / units
+        if not answer["ok"]:
+            run.chain.close()
+            self.finish(name, {"rc": 1, "error": f"shard {shard.index} {kind}: {answer['error']}", "wall_s": run.trial.busy_s})
+            return
+        self.advance(run, answer)
+
+    def worker_died(self, worker: int) -> None:
+        """A worker that died fails the trials whose tasks it held; the others go on."""
+        proc = self.workers.procs[worker]
+        proc.join(timeout=5)
+        for task_id, name in self.workers.held[worker].items():
+            self.tasks.pop(task_id, None)
+            run = self.running.get(name)
+            if run is not None:
+                run.chain.close()
+                error = f"hydra worker {worker} died (exit code {proc.exitcode}) running its shard"
+                self.finish(name, {"rc": 1, "error": error, "wall_s": run.trial.busy_s})
+        self.workers.held[worker] = {}
+        self.workers.start(worker)
+
+    def remaining_s(self, run: Running) -> float:
+        """The trial's remaining time: its tasks left, each priced by its last measured time (or the measured rate)."""
+        trial, name = run.trial, run.job["trial"]
+        tokens = trial.cfg.train.global_batch * trial.cfg.seq_len
+        total = 0.0
+        for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
+            measured = self.times.get((name, kind, s))
+            total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (self.rate or 1.0))
+        return total if math.isfinite(total) else 0.0
+
+    def close(self) -> None:
+        """Stop the workers; write what they measured (resident model-state bytes, busy time) beside the leaderboard."""
+        self.workers.close()
+        if self.report is not None:
+            summary = {
+                "budget_bytes": self.budget,
+                "workers": len(self.workers.procs),
+                "resident_peak_bytes": self.resident_peak,
+                "busy_s": [round(b, 3) for b in self.busy_s],
+                "wall_s": round(time.time() - self.started, 3),
+                "trials": self.plans,
+            }
+            self.report.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def folder_of(job: Job) -> Path:
+    return Path(job["dir"])
+
+
+def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
+    """Hydra over --nproc workers, after every trial's config is checked (a trial hydra cannot run exactly is refused
+    before any worker starts)."""
+    options = setup.spec.sweep
+    if options.backend != "local":
+        raise BehemothError(f"sweep.execution=hydra with sweep.backend={options.backend}", "hydra runs on this machine: use backend local")
+    budget = None if options.hydra.budget_mb is None else int(options.hydra.budget_mb * 2**20)
+    for trial in setup.trials:
+        cfg = load_config(setup.trial_dir(trial.name) / "trial.yaml")
+        why = unsupported(cfg)
+        if why:
+            raise BehemothError(f"{trial.name} ({trial.diff()}): hydra execution does not run {why}", "use sweep.execution=sequential or concurrent")
+        try:
+            plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
+        except BehemothError as err:
+            raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
+    return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill, report=setup.dir / "hydra.json")
+
+
+def one_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0][:300]

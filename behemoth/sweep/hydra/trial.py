@@ -1,0 +1,230 @@
+"""One trial under Hydra, on the sweep's side: its config, data, spilled shards and the chain of shard tasks its steps
+are (forward through the shards, the last shard's forward and backward, backward through the others), with everything
+the engine does between steps done as the engine does it: the loss scaled over the step's counted targets, the global
+gradient norm summed in the model's parameter order, the clip, AdamW, the LR schedule, validation. So a trial ends with
+the losses and weights it has trained alone."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from behemoth.config import Config, load_config
+from behemoth.data import BatchSampler
+from behemoth.engine import lr_at
+from behemoth.errors import BehemothError
+from behemoth.faults.preflight import exports
+from behemoth.metrics import MetricsLog
+from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.init import materialize
+from behemoth.parallel.clip import clip_coefficient
+from behemoth.sweep.hydra.shards import STATES, ShardPlan, plan_shards
+from behemoth.sweep.hydra.worker import disk_buffer
+from behemoth.topology import ParallelDims
+
+Task = dict[str, Any]
+Chain = Generator[Task, dict[str, Any], None]
+TRAIN_STREAM, VAL_STREAM = 0, 1  # as the trainer draws its train and validation batches
+
+
+def unsupported(cfg: Config) -> str | None:
+    """Why hydra cannot run this trial exactly as `behemoth train` would (None: it can)."""
+    checks = [
+        (any((d or 1) > 1 for d in cfg.parallel.degrees().values()), "a parallel plan (hydra runs each trial's shards one at a time)"),
+        (cfg.offload.enabled, "offload (hydra spills the shards itself)"),
+        (cfg.finetune.lora.enabled, "LoRA"),
+        (cfg.model.moe.enabled, "a mixture of experts"),
+        (cfg.model.dropout_p > 0, f"dropout {cfg.model.dropout_p} (its random draws follow the whole model's order)"),
+        (cfg.train.precision != "fp32", f"precision {cfg.train.precision}"),
+        (cfg.hf.arch is not None, f"hf.arch={cfg.hf.arch} (its rotary buffers are not sharded yet)"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+class HydraTrial:
+    """A trial's spilled state (each shard's flat buffer on the host or on disk) and its chain of tasks."""
+
+    def __init__(self, name: str, run_dir: Path, config: str, budget_bytes: int | None, spill: str) -> None:
+        self.name, self.run_dir, self.config = name, run_dir, config
+        self.cfg = load_config(config)
+        why = unsupported(self.cfg)
+        if why:
+            raise BehemothError(f"{name}: hydra execution does not run {why}", "run this sweep with sweep.execution=sequential or concurrent")
+        lm = build_causal_lm(self.cfg.model, self.cfg.hf)
+        self.plan: ShardPlan = plan_shards(lm, budget_bytes)
+        self.host = [self.new_buffer(s.index, STATES * s.numel, spill) for s in self.plan.shards]
+        self.step = self.adam_steps = 0
+        self.pending: list[dict[str, Any] | None] = [None] * len(self.plan.shards)
+        if not self.restore():
+            self.initialize(lm)
+        corpus = self.cfg.prepare_corpus(progress=False)
+        problem = corpus.vocab_problem(self.cfg.model.vocab_size)
+        if problem:
+            raise BehemothError(problem)
+        layout = self.cfg.batch_layout(ParallelDims(1))
+        self.train_data = BatchSampler(self.cfg.corpus_split(corpus, "train"), self.cfg.seq_len, layout, 0, self.cfg.train.seed, TRAIN_STREAM)
+        val = BatchSampler(self.cfg.corpus_split(corpus, "val"), self.cfg.seq_len, layout, 0, self.cfg.train.seed, VAL_STREAM)
+        self.val_batches = [mb for i in range(self.cfg.train.eval_batches) for mb in val.micro_batches(i)]
+        self.busy_s = 0.0
+
+    def new_buffer(self, index: int, numel: int, spill: str) -> torch.Tensor:
+        if spill == "disk":
+            self.spill_dir = self.run_dir / "hydra" / "spill"
+            return disk_buffer(self.spill_dir / f"shard_{index}.bin", numel)
+        return torch.zeros(numel).share_memory_()
+
+    def handle(self, index: int) -> Any:
+        """What a worker opens to reach shard `index`: the shared tensor, or its file and size."""
+        buf = self.host[index]
+        return (self.spill_dir / f"shard_{index}.bin", buf.numel()) if hasattr(self, "spill_dir") else buf
+
+    def initialize(self, lm: Any) -> None:
+        """Every parameter drawn from (seed, name) as the trial's own run draws it, into its shard's flat buffer."""
+        materialize(lm.module, seed=self.cfg.train.seed, device=torch.device("cpu"), init_spec=lm.init_spec)
+        named = dict(lm.module.named_parameters())
+        for shard, buf in zip(self.plan.shards, self.host):
+            for name, offset in zip(shard.names, shard.offsets()):
+                buf[offset : offset + named[name].numel()].copy_(named[name].detach().flatten())
+
+    @property
+    def state_path(self) -> Path:
+        return self.run_dir / "hydra" / "state.pt"
+
+    def restore(self) -> bool:
+        """Continue from the state saved at the end of the trial's last segment (a resumed sweep), if there is one."""
+        if not self.state_path.is_file():
+            return False
+        state = torch.load(self.state_path, weights_only=True)
+        for buf, saved in zip(self.host, state["shards"]):
+            buf.copy_(saved)
+        self.step, self.adam_steps = state["step"], state["adam_steps"]
+        return True
+
+    def save(self) -> None:
+        """The shards' states (all steps applied) and the step, written atomically: where a resumed sweep continues."""
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        torch.save({"step": self.step, "adam_steps": self.adam_steps, "shards": [b.clone() for b in self.host]}, tmp)
+        os.replace(tmp, self.state_path)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter by its single-process name (copies), from the spilled shards."""
+        out = {}
+        for shard, buf in zip(self.plan.shards, self.host):
+            for name, offset, shape in zip(shard.names, shard.offsets(), shard.shapes):
+                out[name] = buf[offset : offset + math.prod(shape)].clone().view(shape)
+        return out
+
+    def task(self, kind: str, index: int, **fields: Any) -> Task:
+        shard = self.plan.shards[index]
+        borrow = None
+        if shard.borrowed:
+            owner = self.plan.shards[0]
+            at = owner.names.index(shard.borrowed)
+            borrow = (self.handle(0), owner.offsets()[at], owner.shapes[at])
+        out = {"kind": kind, "shard": shard, "host": self.handle(index), "borrow": borrow, "config": self.config, "pending": self.pending[index]}
+        self.pending[index] = None  # the worker applies it as it loads the shard
+        return out | fields
+
+    def chain(self, stop_at: int) -> Chain:
+        """The tasks of this trial up to step `stop_at`: validation at the start (unless logged), then each step."""
+        end = min(stop_at, self.cfg.train.steps)
+        log = self.open_log()
+        try:
+            if not log.has_val(self.step):
+                log.write({"step": self.step, "val_loss": (yield from self.validate())})
+            train = self.cfg.train
+            while self.step < end:
+                record = yield from self.train_step(self.step)
+                self.step += 1
+                if train.eval_every and self.step % train.eval_every == 0 or self.step == end:
+                    record["val_loss"] = yield from self.validate()
+                log.write(record)
+        finally:
+            log.close()
+        self.save()
+        if self.step == self.cfg.train.steps and exports(self.cfg):
+            from safetensors.torch import save_file
+
+            save_file(self.weights(), str(self.run_dir / "model.safetensors"))
+
+    def open_log(self) -> MetricsLog:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step)
+
+    def validate(self) -> Generator[Task, dict[str, Any], float]:
+        """The engine's evaluation: every validation batch forward, shard after shard; mean token loss."""
+        h: list[torch.Tensor] = [x for x, _ in self.val_batches]
+        for s in range(len(self.plan.shards)):
+            result = yield self.task("validate", s, inputs=h, targets=[y for _, y in self.val_batches])
+            h = result.get("outputs", h)
+        total, count = result["stats"]
+        return total / count
+
+    def train_step(self, step: int) -> Generator[Task, dict[str, Any], dict[str, Any]]:
+        """One optimizer step as tasks: forward through shards 0..S-2 (their inputs kept), the last shard's turn, backward
+        through S-2..0; then the gradient norm and the step that each shard takes as it is next loaded."""
+        t0, busy0 = time.time(), self.busy_s
+        batches, train = self.train_data.micro_batches(step), self.cfg.train
+        scale = max(1, self.train_data.trained_targets(step))
+        last = len(self.plan.shards) - 1
+        kept, h = [], [x for x, _ in batches]
+        for s in range(last):
+            kept.append(h)
+            h = (yield self.task("forward", s, inputs=h))["outputs"]
+        turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
+        squares, grads, tied = {last: turn["squares"]}, turn["grad_inputs"], turn["tied_grads"]
+        for s in reversed(range(last)):
+            result = yield self.task("backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None)
+            squares[s], grads = result["squares"], result["grad_inputs"]
+        loss = torch.zeros(())
+        for value in turn["losses"]:
+            loss += torch.tensor(value)
+        lr = lr_at(step, train)
+        norm = self.grad_norm(squares)
+        self.schedule_update(norm, lr, step)
+        busy = self.busy_s - busy0
+        return {"step": step + 1, "loss": float(loss), "lr": lr, "grad_norm": norm, "step_time_s": busy, "wall_s": time.time() - t0}
+
+    def grad_norm(self, squares: dict[int, list[float]]) -> float:
+        """The global norm as the engine sums it: |g|^2 of every parameter, in the model's order, into a float32 total."""
+        total = torch.zeros((), dtype=torch.float32)
+        for s in sorted(squares):
+            for value in squares[s]:
+                total += torch.tensor(value, dtype=torch.float32) * 1.0
+        return float(total.sqrt())
+
+    def schedule_update(self, norm: float, lr: float, step: int) -> None:
+        """Every shard's step (clip coefficient, learning rate, AdamW count), taken when the shard is next loaded; a
+        non-finite norm skips it (train.nonfinite=skip) or ends the trial as its own run would."""
+        train = self.cfg.train
+        if not math.isfinite(norm):
+            if train.nonfinite == "stop":
+                raise BehemothError(
+                    f"step {step + 1}: the gradient norm is {norm}: training stopped without applying the update",
+                    "lower train.lr or train.grad_clip, or set train.nonfinite=skip to skip such steps",
+                )
+            self.pending = [{"apply": False} for _ in self.pending]
+            return
+        self.adam_steps += 1
+        coef = float(clip_coefficient(torch.tensor(norm, dtype=torch.float32), train.grad_clip)) if train.grad_clip > 0 else None
+        self.pending = [{"apply": True, "coef": coef, "lr": lr, "adam_step": self.adam_steps - 1} for _ in self.pending]
+
+    def remaining(self, stop_at: int) -> dict[tuple[str, int], int]:
+        """Tasks left to `stop_at`, by (kind, shard): what the scheduler prices with the times it has measured."""
+        end, shards = min(stop_at, self.cfg.train.steps), len(self.plan.shards)
+        steps = max(0, end - self.step)
+        every = self.cfg.train.eval_every
+        evals = (steps // every if every else 0) + 1
+        out = {("validate", s): evals for s in range(shards)}
+        for s in range(shards - 1):
+            out[("forward", s)] = out[("backward", s)] = steps
+        out[("turn", shards - 1)] = steps
+        return out
