@@ -215,7 +215,7 @@ def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
 
 def flow(value: Any) -> str:
     """A value as one YAML word (what `key=value` on the command line parses back)."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return str(yaml.safe_dump(value, default_flow_style=True)).strip().removesuffix("...").strip()
 
 
 def plan_yaml(cfg: Config, cost: PlanCost) -> str:

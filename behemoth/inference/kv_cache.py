@@ -125,8 +125,9 @@ class StepBatch:
         return (keys <= self.positions.to(device).unsqueeze(-1)).unsqueeze(1)
 
     def to(self, device: torch.device) -> StepBatch:
-        moved = (t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather))
-        return StepBatch(*moved, adapters=None if self.adapters is None else self.adapters.to(device))
+        adapters = None if self.adapters is None else self.adapters.to(device)
+        ids, positions, lengths, slots, gather = (t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather))
+        return StepBatch(ids, positions, lengths, slots, gather, adapters=adapters)
 
 
 def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], adapters: list[int] | None = None) -> StepBatch:

@@ -23,14 +23,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
 from behemoth.inference.prefix_cache import PrefixCachingAllocator
-from behemoth.inference.runner import Runner
+from behemoth.inference.runner import ModelRunner, Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
 from behemoth.inference.text import TextTracker, Tokenizer
 
@@ -63,7 +63,7 @@ class Request:
     choices: list[TokenChoice] = field(default_factory=list)  # one per output token
     cached: int = 0  # tokens whose keys and values are in the cache
     prefilled: bool = False  # its prompt (and tokens so far, after a preemption) is in the cache: it decodes
-    offloaded: dict[int, Any] | None = None  # its keys and values in host memory while preempted (kv_offload)
+    offloaded: dict[str, Any] | None = None  # its keys and values in host memory while preempted (kv_offload)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -266,13 +266,15 @@ class Scheduler:
     def _offload(self, req: Request) -> None:
         """Keep a preempted request's cached keys and values in host memory (kv_offload), to skip its recomputation."""
         if self.policy.kv_offload and req.cached > 0:
-            req.offloaded = {"tokens": req.cached, "kv": self.runner.storage.offload(self.alloc.slots(req.id, 0, req.cached))}
+            storage = cast(ModelRunner, self.runner).storage  # a one-process runner (checked when the scheduler was built)
+            req.offloaded = {"tokens": req.cached, "kv": storage.offload(self.alloc.slots(req.id, 0, req.cached))}
             self.stats["offloaded_tokens"] += req.cached
 
     def _restore(self, req: Request) -> int:
         """Bring an offloaded request's keys and values back into its new blocks; how many tokens they hold."""
-        count, saved = req.offloaded["tokens"], req.offloaded["kv"]
-        self.runner.storage.restore(self.alloc.slots(req.id, 0, count), saved)
+        assert req.offloaded is not None
+        count, saved = int(req.offloaded["tokens"]), req.offloaded["kv"]
+        cast(ModelRunner, self.runner).storage.restore(self.alloc.slots(req.id, 0, count), saved)
         req.offloaded = None
         self.stats["restored_tokens"] += count
         return count

@@ -14,13 +14,13 @@ stay in the cache past its length and are overwritten before anything attends to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
-from behemoth.inference.runner import Runner
+from behemoth.inference.runner import ModelRunner, Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, processed_logits, sampling_probs, token_choices
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class SpeculativeDecoder:
         ks = [self.budget(sched, r) for r in rows]
         drafts, dists = self.propose(rows, ks)
         batch = [(r.id, [r.tokens[r.cached]] + d, r.cached) for r, d in zip(rows, drafts)]
-        logits = sched.runner.verify(plan_step(sched.alloc, batch, [r.params.adapter for r in rows]))
+        logits = cast(ModelRunner, sched.runner).verify(plan_step(sched.alloc, batch, [r.params.adapter for r in rows]))
         sched.stats["decode_tokens"] += sum(len(new) for _, new, _ in batch)
         sched.stats["draft_tokens"] += sum(ks)
         finished = []

@@ -235,7 +235,8 @@ class BurstProblem:
                     if cost < best[end][k]:
                         best[end][k], back[end][k] = cost, prev
         k = min(range(len(widths)), key=lambda j: best[n][j])
-        seconds, out, end = best[n][k], [], n
+        out: list[int] = []
+        seconds, end = best[n][k], n
         while end > 0:
             start, j = back[end][k]
             start = max(start, 0)

@@ -213,7 +213,7 @@ def attention_efficiency(
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq, hd, device=device, generator=g, requires_grad=True) for _ in range(3))
-    seconds = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 5, device, group)
+    seconds = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 5, device, group)  # type: ignore[no-untyped-call]
     flops = 0.5 * 4.0 * heads * seq * seq * hd * 3.5
     return min(1.0, max(0.01, flops / seconds / (peak_tflops * 1e12)))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -89,7 +90,7 @@ class GemmCurve(Spec):
         return self.ceiling * (m / (m + h)) * (n / (n + h)) * (k / (k + h))
 
 
-def fit_gemm(points: list[tuple[float, float, float, float]], *, source: str = "") -> GemmCurve:
+def fit_gemm(points: Sequence[tuple[float, float, float, float]], *, source: str = "") -> GemmCurve:
     """The curve closest (least squares in log efficiency) to measured (m, n, k, share of peak) points: a grid over
     `half`, the best `ceiling` for each in closed form (the geometric mean of the ratios)."""
     if not points:

@@ -125,7 +125,7 @@ def block_products(work: Workload, lay: Layout) -> list[tuple[float, float, floa
     MLP (gate and up fused, down), an MoE block's router and its E / ep local experts over the tokens routed to them."""
     shape, tokens, t = work.census.shape, lay.micro_batch * work.seq_len, lay.tp
     d = shape.d_model
-    products = [(1, tokens, (shape.q_width + 2 * shape.kv_width) / t, d), (1, tokens, d, shape.q_width / t)]
+    products: list[tuple[float, float, float, float]] = [(1, tokens, (shape.q_width + 2 * shape.kv_width) / t, d), (1, tokens, d, shape.q_width / t)]
     up = (2 if shape.gated else 1) * shape.ffn / t
     experts = shape.experts[0] if shape.experts else 0
     if experts:

@@ -79,7 +79,7 @@ def stream_priorities() -> tuple[int, int] | None:
     """(foreground, background) CUDA stream priorities (the greatest and the least), or None without a GPU."""
     if not torch.cuda.is_available():
         return None
-    least, greatest = torch.cuda.Stream.priority_range()
+    least, greatest = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # a static method the stubs call an instance method
     return greatest, least
 
 

@@ -11,7 +11,9 @@ embedding) is summed over the widest of them, which includes every rank that tou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +44,7 @@ class BurstModel:
     def __init__(self, lm: CausalLM, widths: Sequence[int], groups: BurstGroups, *, batch: int) -> None:
         check_widths(widths, lm.shape.n_layer, groups.world, batch)
         self.lm, self.widths, self.groups, self.batch = lm, tuple(widths), groups, batch
-        self.blocks = lm.module.get_submodule(lm.layers.blocks)
+        self.blocks = cast(nn.ModuleList, lm.module.get_submodule(lm.layers.blocks))
         self.layer_params = self._layer_params()
         self.param_width = self._param_widths()
 
@@ -51,7 +53,7 @@ class BurstModel:
         first = [p for name in view.first for p in _params_of(model, name)]
         last = [p for name in view.last for p in _params_of(model, name)]
         if self.lm.shape.tied:
-            last.append(model.get_submodule(view.embedding).weight)
+            last.append(cast(nn.Parameter, model.get_submodule(view.embedding).weight))
         return [first, *[list(b.parameters()) for b in self.blocks], last]
 
     def _param_widths(self) -> dict[int, tuple[nn.Parameter, int]]:
@@ -79,11 +81,12 @@ class BurstModel:
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of the global batch `idx` -> `targets` (every rank passes all of it); the global mean loss."""
         count = int(counted_targets(targets))
-        weight = self.lm.module.get_submodule(self.lm.layers.embedding).weight
+        weight = cast(torch.Tensor, self.lm.module.get_submodule(self.lm.layers.embedding).weight)
         rows = Rows(self.batch, (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
         stash = self._forward(idx, targets, count, rows)
         self._backward(stash, rows)
-        local = stash[self.last][1].detach() * count if stash[self.last] is not None else torch.zeros((), device=weight.device)
+        last = stash[self.last]
+        local = last[1].detach() * count if last is not None else torch.zeros((), device=weight.device)
         total = local.reshape(1).clone()
         all_reduce(total, self.groups.job)
         self.sync_gradients()
@@ -130,7 +133,11 @@ class BurstModel:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             for bucket in plan_buckets(params, BUCKET_BYTES):
-                reduce_flat([p.grad for p in bucket], lambda flat, g=group: all_reduce(flat, g))
+                reduce_flat([cast(torch.Tensor, p.grad) for p in bucket], functools.partial(_all_reduce_on, group=group))
+
+
+def _all_reduce_on(flat: torch.Tensor, group: Any) -> None:
+    all_reduce(flat, group)
 
 
 def _params_of(model: nn.Module, name: str) -> list[nn.Parameter]:

@@ -5,6 +5,7 @@ shard that runs and the next one, prefetched, fit it together. Each shard's stat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -89,7 +90,7 @@ def plan_shards(lm: CausalLM, budget_bytes: int | None) -> ShardPlan:
     for name, p in named.items():
         if p.dtype != torch.float32:
             raise BehemothError(f"hydra execution: {name} is {p.dtype}", "hydra trains float32 models (set the model's dtype to float32)")
-    blocks = len(lm.module.get_submodule(lm.layers.blocks))
+    blocks = len(cast(nn.ModuleList, lm.module.get_submodule(lm.layers.blocks)))
     pieces: list[str | int] = [FIRST, *range(blocks), LAST]
     owned = {piece: [n for n in piece_params(lm, piece) if n in named] for piece in pieces}
     missing = set(named) - {n for names in owned.values() for n in names}

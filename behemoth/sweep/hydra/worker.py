@@ -13,7 +13,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ class Skeleton:
         self.cfg = load_config(config)
         self.lm: CausalLM = build_causal_lm(self.cfg.model, self.cfg.hf)
         self.owners: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = {}
-        first_name = {}
+        first_name: dict[int, str] = {}
         for mod_name, module in self.lm.module.named_modules():
             for leaf, p in module.named_parameters(recurse=False):
                 name = first_name.setdefault(id(p), f"{mod_name}.{leaf}" if mod_name else leaf)  # a tied weight: every holder
@@ -117,14 +117,14 @@ class Skeleton:
     def run(self, pieces: tuple[str | int, ...], h: torch.Tensor) -> torch.Tensor:
         """The shard's pieces in order: the view's embedding, blocks (each with its context), head."""
         view, m = self.lm.layers, self.lm.module
-        blocks = m.get_submodule(view.blocks)
+        blocks = cast(nn.ModuleList, m.get_submodule(view.blocks))
         for piece in pieces:
             if piece == FIRST:
                 h = view.embed(m, h)
             elif piece == LAST:
                 h = view.head(m, h)
             else:
-                h = view.block(blocks[piece], h, view.context(m, h))
+                h = view.block(blocks[int(piece)], h, view.context(m, h))
         return h
 
     def loss_head(self) -> contextlib.AbstractContextManager:
@@ -143,6 +143,7 @@ def apply_pending(skeleton: Skeleton, shard: Shard, views: list[list[torch.Tenso
         for p, g in zip(wrapped, grads):
             p.grad = g
         optimizer = adamw_with_state([p for p in wrapped if decays(p.shape)], [p for p in wrapped if not decays(p.shape)], skeleton.settings)
+        assert optimizer is not None  # the shard has parameters
         for p, m, v in zip(wrapped, exp_avgs, exp_avg_sqs):
             optimizer.state[p] = {"step": torch.tensor(float(pending["adam_step"])), "exp_avg": m, "exp_avg_sq": v}
         for group in optimizer.param_groups:
@@ -162,7 +163,7 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     params = skeleton.install(list(shard.names), views[0])
     for p, g in zip(params, views[1]):
         p.grad = g  # backward accumulates into the shard's flat gradients
-    tied = skeleton.install([shard.borrowed], [loaded.borrowed])[0] if shard.borrowed else None
+    tied = skeleton.install([shard.borrowed], [cast(torch.Tensor, loaded.borrowed)])[0] if shard.borrowed else None
     try:
         kind = task["kind"]
         out = {"validate": run_validate, "forward": run_forward, "turn": run_turn, "backward": run_backward}[kind](skeleton, task, params, tied)
@@ -245,7 +246,7 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
     from behemoth.sweep.executors import die_with_parent
 
     die_with_parent()
-    resident, inbox, skeletons = Resident(), queue.Queue(), {}
+    resident, inbox, skeletons = Resident(), queue.Queue[Any](), cast(dict[str, Skeleton], {})
     threading.Thread(target=receive, args=(conn, inbox, resident), daemon=True).start()
     while (item := inbox.get()) is not None:
         task, loaded = item
