@@ -222,11 +222,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> Config:
-        """LoRA composes with dp, ZeRO 1-2, tp and pp; a ZeRO-3 or offloaded frozen base is not supported yet."""
+        """LoRA composes with dp, ZeRO 1-3, tp and pp; an offloaded frozen base is not supported yet."""
         if not self.finetune.lora.enabled:
             return self
-        if self.parallel.zero_stage == 3:
-            raise ValueError("finetune.lora with parallel.zero_stage=3: ZeRO-3 does not shard a frozen base yet; use parallel.zero_stage=2 (or 0/1)")
         if self.offload.enabled:
             raise ValueError("finetune.lora with offload: offload does not stream a frozen base yet; set offload.params/grads/optimizer=none")
         return self

@@ -239,8 +239,9 @@ def build_syncs(
     if plan.zero_stage == 0:
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype, optimizer_tier)
-    if plan.zero_stage == 3:
-        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter)]
+    if plan.zero_stage == 3:  # a frozen base's units have no gradient: the adapters, whole, are all-reduced beside them
+        adapters = [apply_data_parallel(model, kinds[0][0], DataParallelPolicy(plan.bucket_mb), meter=meter)] if frozen else []
+        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter), *adapters]
     stage_params = pipeline.stage_parameters() if pipeline is not None else None
     return [apply_zero(model, group, policy, stage_params=stage_params, meter=meter, select=select) for group, select in kinds]
 
@@ -334,7 +335,8 @@ def parallelize(
     units = None
     if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
         expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
-        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units)
+        frozen = lora is not None and lora.enabled  # a LoRA base: only frozen parameters in units, adapters whole
+        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units, frozen_only=frozen)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
     if not for_training:
