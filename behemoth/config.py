@@ -222,11 +222,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> Config:
-        """LoRA composes with dp, ZeRO 1-3, tp and pp; an offloaded frozen base is not supported yet."""
-        if not self.finetune.lora.enabled:
-            return self
-        if self.offload.enabled:
-            raise ValueError("finetune.lora with offload: offload does not stream a frozen base yet; set offload.params/grads/optimizer=none")
+        """LoRA composes with dp, ZeRO 1-3, tp and pp, and offload of the frozen base (with dp; not yet with tp)."""
+        if self.finetune.lora.enabled and self.offload_streams and self.parallel.tp > 1:
+            raise ValueError(f"finetune.lora with offload and parallel.tp={self.parallel.tp}: a streamed frozen base runs with dp only; set parallel.tp=1")
         return self
 
     @property

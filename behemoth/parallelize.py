@@ -326,9 +326,14 @@ def parallelize(
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
         if pipeline is not None or experts is not None:
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
-        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
+        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied, frozen_only=frozen)
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
-        return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
+        adapters = []
+        if frozen:
+            materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
+            adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
+        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, executor=StreamedSteps(sync, adapters))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)

@@ -208,13 +208,13 @@ def test_lora_layouts_equal_one_process(folder, reference, single, tmp_path, lay
         assert_same_training(single, rank)
 
 
-def test_lora_with_offload_is_refused(folder, tmp_path):
+def test_lora_with_offload_and_tp_is_refused(folder, tmp_path):
     from behemoth.config import load_config
     from behemoth.errors import BehemothError
 
-    for option, words in (("offload.params=cpu", "offload"),):
+    for option, words in (("offload.params=disk", "parallel.tp=2"),):
         with pytest.raises(BehemothError, match=words):
-            load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", option])
+            load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", "parallel.tp=2", option])
 
 
 def test_targets_that_match_nothing_are_refused(folder):
