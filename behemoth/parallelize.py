@@ -41,7 +41,7 @@ from behemoth.comm import CommMeter, all_reduce, broadcast_object
 from behemoth.data import BatchLayout
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
-from behemoth.models.lora import inject_lora
+from behemoth.models.lora import inject_lora, quantize_base
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
@@ -344,6 +344,8 @@ def parallelize(
         units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units, frozen_only=frozen)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
+    if for_training and lora is not None and lora.enabled and lora.base_bits == 8:  # QLoRA-style: the loaded base in int8
+        quantize_base(model, lm.layers.blocks)
     if not for_training:
         return inference_model(lm, rt, pipeline, tp, meter, experts)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)

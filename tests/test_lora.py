@@ -82,8 +82,9 @@ def peft_adapters(model: Any) -> dict[str, torch.Tensor]:
     return {n.removeprefix("base_model.model.").replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def peft_loop(folder: str, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """The reference: a plain loop over peft's model, torch's AdamW (decay on matrices), clip, behemoth's LR schedule."""
+def peft_loop(folder: str, cfg_dict: dict[str, Any], prepare: Any = None) -> dict[str, Any]:
+    """The reference: a plain loop over peft's model, torch's AdamW (decay on matrices), clip, behemoth's LR schedule
+    (`prepare(model)`: changes the base first, e.g. to dequantized weights)."""
     import torch.nn.functional as F
 
     from behemoth.config import Config
@@ -91,6 +92,8 @@ def peft_loop(folder: str, cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
     train = Config.model_validate(cfg_dict).train
     model = peft_model(folder)
+    if prepare is not None:
+        prepare(model)
     init = peft_adapters(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)

@@ -74,7 +74,11 @@ def train_run(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str, 
     cfg = Config.model_validate(cfg_dict)
     trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s), resume=Path(resume) if resume else None)
     summary = trainer.run()
-    return {"losses": summary["losses"], "start": trainer.start_step, "adapters": load_file(str(Path(cfg.run.dir) / "adapter" / "adapter_model.safetensors"))}
+    return {
+        "losses": summary["losses"],
+        "start": trainer.start_step,
+        "adapters": load_file(str(Path(cfg.run.dir) / "adapter" / "adapter_model.safetensors")),
+    }
 
 
 def test_offloaded_lora_checkpoints_hold_adapters_and_resume(folder, tmp_path):  # noqa: F811

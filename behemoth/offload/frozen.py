@@ -31,7 +31,9 @@ class FolderWeights:
         self.folder = folder
         files = sorted(Path(folder).expanduser().glob("*.safetensors"))
         if not files:
-            raise BehemothError(f"hf.weights={folder} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
+            raise BehemothError(
+                f"hf.weights={folder} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)"
+            )
         self.index = read_index(files)
 
     def entry(self, name: str) -> StoredTensor:

@@ -29,12 +29,12 @@ from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, fit_budget, return_freed_memory
 from behemoth.offload.executor import Batch, Streamer
+from behemoth.offload.frozen import FolderShards, FolderWeights
 from behemoth.offload.io import IOPool
 from behemoth.offload.optimizer import OffloadOptimizer
 from behemoth.offload.order import forward_order, make_order
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.offload.stepper import UnitSteps
-from behemoth.offload.frozen import FolderShards, FolderWeights
 from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, initial_shard
 from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
@@ -73,7 +73,13 @@ class OffloadSync(GradSync):
         refuse_root_units(units)
         layouts = [FlatLayout(u.names, u.shapes, dist.get_world_size(self.group)) for u in units]
         self.prefetch, in_flight, self.peak = fit_budget(
-            policy, layouts, dist.get_rank(self.group), activation, device_type=rt.device.type, tied=bool(units[-1].reads)
+            policy,
+            layouts,
+            dist.get_rank(self.group),
+            activation,
+            device_type=rt.device.type,
+            tied=bool(units[-1].reads),
+            frozen=[u.frozen for u in units],
         )
         if rt.device.type == "cpu":
             return_freed_memory()
