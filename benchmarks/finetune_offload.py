@@ -96,21 +96,22 @@ def offload_worker(folder: str, work: str, steps: int, seq: int, budget_gb: floa
 
     options = [f"hf.weights={folder}", "finetune.lora.enabled=true", f"finetune.lora.rank={rank}", f"finetune.lora.alpha={2 * rank}"]
     options += ["offload.params=disk", f"offload.dir={work}/scratch", f"offload.max_memory_gb={budget_gb}", f"run.dir={work}/run"]
-    cfg = load_config(None, [*options, "train.global_batch=1", f"train.seq_len={seq}", "train.lr=5e-3", "train.grad_clip=1.0"])
+    cfg = load_config(None, [*options, "train.global_batch=1", f"train.seq_len={seq}", "train.lr=1e-3", "train.grad_clip=1.0"])
     start = vm_kb("VmRSS")
     engine = build_engine(cfg, init_runtime())
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=g)
     y = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=g)
-    times, losses, read = [], [], []
+    times, losses, read, waited = [], [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        result = engine.train_step([(x, y)], 5e-3)
+        result = engine.train_step([(x, y)], 1e-3)
         times.append(time.perf_counter() - t0)
         losses.append(result.loss)
         read.append(sum(v for k, v in result.metrics.items() if k.startswith("offload_read_mb_")) * 2**20)
+        waited.append(result.metrics.get("offload_io_wait_s", 0.0))
     engine.close()
-    return {"times": times, "losses": losses, "read": read, "peak_kb": vm_kb("VmHWM"), "start_kb": start}
+    return {"times": times, "losses": losses, "read": read, "waited": waited, "peak_kb": vm_kb("VmHWM"), "start_kb": start}
 
 
 def bench_offload(args: Any) -> list[dict[str, Any]]:
@@ -152,11 +153,12 @@ def report(run: dict[str, Any], rate: float, size: int, args: Any, ratio: Any) -
     read = statistics.median(run["read"][later])
     bound = read / rate
     peak_gib = run["peak_kb"] * 1024 / GiB
-    print("| base on disk | step (median) | read per step | I/O bound | step / bound | peak RSS | budget | losses |")
-    print("|---|---|---|---|---|---|---|---|")
+    waited = statistics.median(run["waited"][later])
+    print("| base on disk | step (median) | read per step | I/O bound | step / bound | compute waited for I/O | peak RSS | budget | losses |")
+    print("|---|---|---|---|---|---|---|---|---|")
     losses = ", ".join(f"{x:.4f}" for x in run["losses"])
     print(
-        f"| {size / GB:.1f} GB | {step:.1f} s | {read / GB:.1f} GB | {bound:.1f} s | {step / bound:.2f}x | {peak_gib:.2f} GiB "
+        f"| {size / GB:.1f} GB | {step:.1f} s | {read / GB:.1f} GB | {bound:.1f} s | {step / bound:.2f}x | {waited:.1f} s | {peak_gib:.2f} GiB "
         f"| {args.max_memory_gb} GiB | {losses} |"
     )
     print(f"\nstep times: {', '.join(f'{t:.1f}' for t in run['times'])} s; loss fell: {run['losses'][-1] < run['losses'][0]}")
