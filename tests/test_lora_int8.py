@@ -45,6 +45,7 @@ def base_bytes(cfg_dict: dict[str, Any]) -> dict[str, int]:
     }
 
 
+@pytest.mark.slow
 def test_int8_base_trains_and_equals_the_dequantized_reference(folder, tmp_path):  # noqa: F811
     """Loss falls over the steps and equals peft on the dequantized base (loss per step, adapters); peft on the float
     base differs (the quantization is really there); the int8 block weights and scales take < 0.3x float32's bytes."""

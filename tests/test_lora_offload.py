@@ -81,6 +81,7 @@ def train_run(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str, 
     }
 
 
+@pytest.mark.slow
 def test_offloaded_lora_checkpoints_hold_adapters_and_resume(folder, tmp_path):  # noqa: F811
     """A streamed-base LoRA run's checkpoint holds the adapters and their optimizer state only; resumed from it (the base
     read from the folder again) the run continues the uninterrupted curve to the same adapters."""
