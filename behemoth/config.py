@@ -169,6 +169,7 @@ class LoRAConfig(Section):
     alpha: float = Field(16.0, gt=0, description="scaling numerator: the adapter's output is multiplied by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
     targets: tuple[str, ...] = Field(LORA_TARGETS, min_length=1, description="linear modules to adapt: names or dotted suffixes (PEFT's rule)")
+    base_bits: Literal[32, 8] = Field(32, description="8: the frozen base's block linears in int8, a scale per output channel (QLoRA-style)")
 
 
 class FinetuneConfig(Section):
@@ -230,13 +231,15 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> Config:
-        """LoRA composes with dp, ZeRO 1-2, tp and pp; a ZeRO-3 or offloaded frozen base is not supported yet."""
-        if not self.finetune.lora.enabled:
-            return self
-        if self.parallel.zero_stage == 3:
-            raise ValueError("finetune.lora with parallel.zero_stage=3: ZeRO-3 does not shard a frozen base yet; use parallel.zero_stage=2 (or 0/1)")
-        if self.offload.enabled:
-            raise ValueError("finetune.lora with offload: offload does not stream a frozen base yet; set offload.params/grads/optimizer=none")
+        """LoRA composes with dp, ZeRO 1-3, tp and pp, and offload of the frozen base (with dp; not yet with tp)."""
+        lora, plan = self.finetune.lora, self.parallel
+        if lora.enabled and self.offload_streams and plan.tp > 1:
+            raise ValueError(f"finetune.lora with offload and parallel.tp={plan.tp}: a streamed frozen base runs with dp only; set parallel.tp=1")
+        others = plan.tp > 1 or plan.pp > 1 or plan.zero_stage == 3 or self.offload.enabled
+        if lora.enabled and lora.base_bits == 8 and others:
+            raise ValueError(
+                "finetune.lora.base_bits=8 runs with data parallelism and ZeRO 0-2 only; set parallel.tp/pp=1, zero_stage<=2, no offload"
+            )
         return self
 
     @property

@@ -42,7 +42,7 @@ from behemoth.data import BatchLayout
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, summed_token_loss
 from behemoth.models.init import materialize
-from behemoth.models.lora import inject_lora
+from behemoth.models.lora import inject_lora, quantize_base
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
@@ -240,8 +240,9 @@ def build_syncs(
     if plan.zero_stage == 0:
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype, optimizer_tier)
-    if plan.zero_stage == 3:
-        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter)]
+    if plan.zero_stage == 3:  # a frozen base's units have no gradient: the adapters, whole, are all-reduced beside them
+        adapters = [apply_data_parallel(model, kinds[0][0], DataParallelPolicy(plan.bucket_mb), meter=meter)] if frozen else []
+        return [apply_zero(model, kinds[0][0], policy, units=units, meter=meter), *adapters]
     stage_params = pipeline.stage_parameters() if pipeline is not None else None
     return [apply_zero(model, group, policy, stage_params=stage_params, meter=meter, select=select) for group, select in kinds]
 
@@ -331,18 +332,26 @@ def parallelize(
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
         if pipeline is not None or experts is not None:
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
-        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
+        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied, frozen_only=frozen)
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
-        return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
+        adapters = []
+        if frozen:
+            materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
+            adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
+        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, executor=StreamedSteps(sync, adapters))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
     units = None
     if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
         expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
-        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units)
+        frozen = lora is not None and lora.enabled  # a LoRA base: only frozen parameters in units, adapters whole
+        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units, frozen_only=frozen)
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
+    if for_training and lora is not None and lora.enabled and lora.base_bits == 8:  # QLoRA-style: the loaded base in int8
+        quantize_base(model, lm.layers.blocks)
     if not for_training:
         return inference_model(lm, rt, pipeline, tp, meter, experts)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)

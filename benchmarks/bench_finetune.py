@@ -9,6 +9,12 @@ torch's AdamW, on the same random token batches. Each system runs in its own fre
 median after the warm-up steps is kept; memory is the process's peak resident set (VmHWM) and its growth from just
 before the model was loaded.
 
+`--part offload`: LoRA on a frozen base larger than this machine's memory (>= 30 GB of float32 weights on disk),
+streamed from disk under offload.max_memory_gb: step time vs the I/O bound, peak resident memory, losses
+(benchmarks/finetune_offload.py; the free disk is checked first and the base removed afterwards):
+
+    python benchmarks/bench_finetune.py --part offload [--gb 30] [--max-memory-gb 3] [--offload-steps 4] [--dir DIR]
+
 `--part tokenize`: behemoth's corpus tokenization vs `datasets.map(batched=True, num_proc=N)`.
 
 Tokenization: a JSONL corpus of >= 200 MB (the interpreter's stdlib sources, repeated with a per-copy prefix so no two
@@ -246,10 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--part",
-        choices=["lora", "tokenize"],
+        choices=["lora", "tokenize", "offload"],
         default="lora",
-        help="lora: LoRA fine-tuning vs transformers + peft; tokenize: corpus tokenization vs datasets.map",
+        help="lora: LoRA fine-tuning vs transformers + peft; tokenize: corpus tokenization vs datasets.map; "
+        "offload: LoRA on a base larger than memory, streamed from disk, vs the I/O bound",
     )
+    p.add_argument("--gb", type=float, default=30.0, help="offload: GB of float32 base weights written to disk (default 30)")
+    p.add_argument("--dir", help="offload: where the base is written (default a folder in the temporary directory; removed afterwards)")
+    p.add_argument("--max-memory-gb", type=float, default=3.0, help="offload: offload.max_memory_gb (default 3)")
+    p.add_argument("--offload-steps", type=int, default=4, help="offload: steps (default 4)")
     p.add_argument("--mb", type=int, default=200, help="tokenize: corpus size in MB (default 200)")
     p.add_argument("--workers", type=int, default=2, help="tokenize: tokenizer processes on both sides (default 2)")
     p.add_argument("--vocab", type=int, default=8000, help="tokenize: BPE vocabulary size (default 8000)")
@@ -271,6 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "lora":
         print(f"$ {command_line('bench_finetune.py', argv)}\n")
         rows += lora_vs_peft(args)
+    elif args.part == "offload":
+        from finetune_offload import bench_offload
+
+        print(f"$ {command_line('bench_finetune.py', argv)}\n")
+        args.steps, args.seq = args.offload_steps, args.seq if "--seq" in (argv or sys.argv) else 16
+        rows += bench_offload(args)
     elif args.part == "tokenize":
         runs = bench_tokenization(args.mb, args.workers, args.vocab)
         print_tokenization(runs)

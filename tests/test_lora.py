@@ -82,8 +82,9 @@ def peft_adapters(model: Any) -> dict[str, torch.Tensor]:
     return {n.removeprefix("base_model.model.").replace(".default.", "."): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def peft_loop(folder: str, cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """The reference: a plain loop over peft's model, torch's AdamW (decay on matrices), clip, behemoth's LR schedule."""
+def peft_loop(folder: str, cfg_dict: dict[str, Any], prepare: Any = None) -> dict[str, Any]:
+    """The reference: a plain loop over peft's model, torch's AdamW (decay on matrices), clip, behemoth's LR schedule
+    (`prepare(model)`: changes the base first, e.g. to dequantized weights)."""
     import torch.nn.functional as F
 
     from behemoth.config import Config
@@ -91,6 +92,8 @@ def peft_loop(folder: str, cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
     train = Config.model_validate(cfg_dict).train
     model = peft_model(folder)
+    if prepare is not None:
+        prepare(model)
     init = peft_adapters(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
@@ -208,13 +211,13 @@ def test_lora_layouts_equal_one_process(folder, reference, single, tmp_path, lay
         assert_same_training(single, rank)
 
 
-def test_lora_with_zero3_or_offload_is_refused(folder, tmp_path):
+def test_lora_with_offload_and_tp_is_refused(folder, tmp_path):
     from behemoth.config import load_config
     from behemoth.errors import BehemothError
 
-    for option, words in (("parallel.zero_stage=3", "zero_stage=3"), ("offload.params=cpu", "offload")):
+    for option, words in (("offload.params=disk", "parallel.tp=2"),):
         with pytest.raises(BehemothError, match=words):
-            load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", option])
+            load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", "parallel.tp=2", option])
 
 
 def test_targets_that_match_nothing_are_refused(folder):

@@ -121,3 +121,50 @@ def merge_adapters(model: nn.Module) -> int:
             delattr(module, attr)
         merged += 1
     return merged
+
+
+INT8_WEIGHT, INT8_SCALE = "weight_int8", "weight_scale"  # buffers of a base layer quantized by `quantize_base`
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, float32 scale per output row) of a [out, in] weight: symmetric, scale = max |w| / 127 over the row."""
+    scale = w.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127.0
+    return torch.round(w.detach().float() / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(torch.autograd.Function):
+    """x W^T for an int8 W with per-row scales: W is rebuilt in x's dtype for the product and again for the input's
+    gradient, so autograd keeps the int8 weight (1 byte per element), never a float copy; no gradient for W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(q, scale)
+        return torch.nn.functional.linear(x, q.to(x.dtype) * scale.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        q, scale = ctx.saved_tensors
+        return grad @ (q.to(grad.dtype) * scale.to(grad.dtype)), None, None
+
+
+def int8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A quantized base layer's forward (its adapter's hook adds the low-rank term after, as for a float layer)."""
+    out = Int8Linear.apply(x, getattr(self, INT8_WEIGHT), getattr(self, INT8_SCALE))
+    return out if self.bias is None else out + self.bias
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module, blocks: str) -> int:
+    """QLoRA-style: every frozen nn.Linear weight under `blocks` (attention and MLP; embeddings, norms and the head stay
+    float) becomes int8 with a scale per output channel, its float weight freed. Returns the bytes the base gave up."""
+    saved = 0
+    for module in model.get_submodule(blocks).modules():
+        if type(module) is not nn.Linear or module.weight.requires_grad:  # adapters are trained, in float32
+            continue
+        q, scale = quantize_per_channel(module.weight)
+        saved += module.weight.numel() * module.weight.element_size() - q.numel() - scale.numel() * 4
+        del module._parameters["weight"]
+        module.register_buffer(INT8_WEIGHT, q)
+        module.register_buffer(INT8_SCALE, scale)
+        module.forward = int8_forward.__get__(module)
+    return saved

@@ -35,6 +35,7 @@ class UnitSize:
     full: int
     shard: int
     state_bytes: int
+    frozen: bool = False  # a frozen base's unit (LoRA): no gradient, no step
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,12 @@ def activation_bytes(a: ActivationShape) -> int:
 def job_bytes(u: UnitSize) -> int:
     """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries (it steps at most CHUNK
     elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks)."""
-    return u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
+    return 0 if u.frozen else u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
 
 
 def queued_bytes(u: UnitSize) -> int:
     """A step waiting for an I/O thread: its parameter and gradient shards."""
-    return u.shard * F32 * 2
+    return 0 if u.frozen else u.shard * F32 * 2
 
 
 @dataclass(frozen=True)
@@ -99,10 +100,10 @@ def peak_bytes(
 ) -> MemoryPeak:
     """The step's peak: see the module docstring. `sharded`: more than one data-parallel rank (a shard is kept apart);
     of `in_flight` jobs, `io_threads` run and the others wait with their inputs."""
-    per_unit = [u.full * F32 * 2 + (u.shard * F32 if sharded else 0) for u in units]
+    per_unit = [u.full * F32 * (1 if u.frozen else 2) + (u.shard * F32 if sharded else 0) for u in units]
     resident = max(per_unit, default=0) + (per_unit[0] if tied and units else 0)
     largest_shard = max((u.shard for u in units), default=0)
-    prefetched = prefetch * largest_shard * F32 * 2
+    prefetched = prefetch * largest_shard * F32 * (1 if units and all(u.frozen for u in units) else 2)
     running = min(in_flight, io_threads)
     jobs = running * max((job_bytes(u) for u in units), default=0) + (in_flight - running) * max((queued_bytes(u) for u in units), default=0)
     return MemoryPeak(in_memory_states, resident, prefetched, jobs, activation_bytes(act))
@@ -131,11 +132,12 @@ def fit_prefetch(
     return None
 
 
-def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int) -> list[UnitSize]:
-    """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits)."""
+def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int, frozen: list[bool] | None = None) -> list[UnitSize]:
+    """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits; a frozen unit has none)."""
     out = []
-    for lay in layouts:
-        out.append(UnitSize(lay.padded, lay.shard_size, state_bytes(shard_pieces(lay, rank), lay.shard_size, bits)))
+    for i, lay in enumerate(layouts):
+        still = bool(frozen and frozen[i])
+        out.append(UnitSize(lay.padded, lay.shard_size, 0 if still else state_bytes(shard_pieces(lay, rank), lay.shard_size, bits), still))
     return out
 
 
@@ -145,17 +147,25 @@ def in_memory_state_bytes(units: list[UnitSize], tiers: dict[str, str], device_t
     if in_device_memory(tiers["params"], device_type):
         total += sum(u.shard * F32 for u in units)
     if grads_stored and in_device_memory(tiers["grads"], device_type):
-        total += sum(u.shard * F32 for u in units)
+        total += sum(u.shard * F32 for u in units if not u.frozen)
     if in_device_memory(tiers["optimizer"], device_type):
         total += sum(u.state_bytes for u in units)
     return total
 
 
 def fit_budget(
-    policy: OffloadPolicy, layouts: list[FlatLayout], rank: int, act: ActivationShape, *, device_type: str, tied: bool
+    policy: OffloadPolicy,
+    layouts: list[FlatLayout],
+    rank: int,
+    act: ActivationShape,
+    *,
+    device_type: str,
+    tied: bool,
+    frozen: list[bool] | None = None,
 ) -> tuple[int, int, MemoryPeak]:
-    """(prefetch depth, jobs in flight, peak) for the policy within its budget; a one-line refusal when nothing fits."""
-    sizes = unit_sizes(layouts, rank, policy.bits)
+    """(prefetch depth, jobs in flight, peak) for the policy within its budget (`frozen`: which units are a frozen
+    base's, with no gradient or step); a one-line refusal when nothing fits."""
+    sizes = unit_sizes(layouts, rank, policy.bits, frozen)
     plan = plan_residencies(make_order(policy.order, act.n_layer, act.microbatches), {len(layouts) - 1: (0,)} if tied else {})
     held = in_memory_state_bytes(sizes, policy.tiers, device_type, grads_stored=stores_grads(plan, deferred=not policy.fused))
     sharded = layouts[0].world > 1 if layouts else False

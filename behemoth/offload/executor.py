@@ -230,7 +230,7 @@ class Streamer:
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
         full = store.gather(shard)[0] if self.world > 1 else shard
-        self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads), waiting)
+        self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads and not store.frozen), waiting)
 
     def install(self, action: Action) -> None:
         """Fresh views of the flat parameters wherever the model reads them (fresh: each backward graph its own)."""
@@ -245,7 +245,7 @@ class Streamer:
         """Evict: views removed; the stay's gradient summed over ranks to this rank's shard and handed on."""
         loaded = self.resident.pop(stay.unit)
         self.uninstall(stay.unit)
-        if not stay.grads:
+        if not stay.grads or loaded.store.frozen:  # a frozen unit is read-only: nothing to reduce or write back
             return
         store, grad = loaded.store, loaded.flat.grad
         if grad is None:  # the unit took no part in this rank's loss: it still joins the sum

@@ -37,6 +37,8 @@ class OffloadOptimizer(Optimizer):
         out: dict[str, dict[str, torch.Tensor]] = {}
         world, rank = dist.get_world_size(sync.group), dist.get_rank(sync.group)
         for store in sync.stores:
+            if store.adam is None:  # a frozen unit: no optimizer state
+                continue
             if store.adam.bits == 32:
                 m, v = (sync.tiers.optimizer.view(store.state_keys[k]) for k in ("m", "v"))
                 out.update(store.moment_chunks(m, v, self.step_tensor))

@@ -29,12 +29,13 @@ from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, fit_budget, return_freed_memory
 from behemoth.offload.executor import Batch, Streamer
+from behemoth.offload.frozen import FolderShards, FolderWeights
 from behemoth.offload.io import IOPool
 from behemoth.offload.optimizer import OffloadOptimizer
 from behemoth.offload.order import forward_order, make_order
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.offload.stepper import UnitSteps
-from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, initial_shard, safetensors_source
+from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, initial_shard
 from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
@@ -72,7 +73,13 @@ class OffloadSync(GradSync):
         refuse_root_units(units)
         layouts = [FlatLayout(u.names, u.shapes, dist.get_world_size(self.group)) for u in units]
         self.prefetch, in_flight, self.peak = fit_budget(
-            policy, layouts, dist.get_rank(self.group), activation, device_type=rt.device.type, tied=bool(units[-1].reads)
+            policy,
+            layouts,
+            dist.get_rank(self.group),
+            activation,
+            device_type=rt.device.type,
+            tied=bool(units[-1].reads),
+            frozen=[u.frozen for u in units],
         )
         if rt.device.type == "cpu":
             return_freed_memory()
@@ -92,10 +99,15 @@ class OffloadSync(GradSync):
         self.meter_tiers = TierMeter(self.tiers)
 
     def _materialize(self, value: ValueSource) -> None:
-        """Each unit's shard drawn (or loaded) one unit at a time and put on its tier: the model is never whole in memory."""
+        """Each unit's shard drawn (or loaded) one unit at a time and put on its tier: the model is never whole in memory.
+        A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder."""
+        from_folder = FolderShards(value, self.tiers.params) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
         for i, spec in enumerate(self.specs):
             store = UnitStore(i, spec, self.group, self.tiers, self.meter)
-            store.allocate_params(initial_shard(spec, store.layout, store.rank, value))
+            if spec.frozen and from_folder is not None:
+                store.source = from_folder.plan(spec, store.layout, store.rank)
+            else:
+                store.allocate_params(initial_shard(spec, store.layout, store.rank, value))
             for locations in spec.locations:
                 for module, attr in locations:
                     delattr(module, attr)
@@ -130,7 +142,8 @@ class OffloadSync(GradSync):
         self.flush()
         out: dict[str, Any] = {}
         for store in self.stores:
-            out.update(store.param_chunks())
+            if not store.frozen:  # a frozen base is not checkpointed: a resumed run reads it from its folder again
+                out.update(store.param_chunks())
         return with_tied_names(out, self.aliases)
 
     def state_bytes(self) -> dict[str, int]:
@@ -211,15 +224,20 @@ class StreamedSteps:
     """The streamer as the model's executor (parallel/executor.py): every micro-batch through each unit while it is
     resident, the units in the policy's order."""
 
-    def __init__(self, sync: OffloadSync) -> None:
-        self.sync = sync
+    def __init__(self, sync: OffloadSync, others: list[GradSync] | None = None) -> None:
+        self.sync, self.others = sync, others or []  # others: resident parameters' syncs (a frozen base's adapters)
 
     def run(self, micro_batches: Batch, loss_fn: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
-        """Forward and backward of every micro-batch, streaming the units in the policy's order."""
+        """Forward and backward of every micro-batch, streaming the units in the policy's order (a frozen embedding
+        takes no backward: its lookup has no gradient to give)."""
         sync = self.sync
         if sync.optimizer is None:
             raise RuntimeError("build the optimizer before training: the offload runtime steps units during the step")
+        for other in self.others:  # the units' order interleaves micro-batches: resident gradients are reduced at finish
+            other.begin_micro_batch(False)
         actions = make_order(sync.policy.order, len(sync.stores) - 2, len(micro_batches))
+        if sync.stores[0].frozen:
+            actions = [a for a in actions if not (a.kind == "B" and a.unit == 0)]
         return sync.streamer.train(actions, micro_batches, loss_fn, autocast)
 
     def forward_only(self, batches: Batch, loss_sum: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
@@ -276,7 +294,7 @@ def apply_offload(
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
     (seed, name) or read from the model's weights one unit at a time."""
     if lm.weights:
-        value = safetensors_source(lm.weights)
+        value = FolderWeights(lm.weights)
     else:
 
         def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
+from behemoth.offload.frozen import FrozenShard
 from behemoth.parallel.chunked import ChunkedTensor
 from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.parallel.zero.layout import FlatLayout
@@ -90,6 +91,8 @@ class UnitStore(UnitRuntime):
         self.state_keys: dict[str, str] = {}
         self.grad_waiting = False  # a gradient (partial, or complete and deferred) is on the gradient tier
         self.pending: PendingStep | None = None
+        self.frozen = spec.frozen  # a LoRA base: read-only, no gradient, no optimizer state
+        self.source: FrozenShard | None = None  # a frozen unit read straight from its model folder at every fetch
 
     def allocate_params(self, initial: torch.Tensor) -> None:
         """Create the unit's parameter shard on its tier, holding `initial`."""
@@ -97,7 +100,9 @@ class UnitStore(UnitRuntime):
         self.tiers.params.store(self.p_key, initial)
 
     def attach_optimizer(self, adam: AdamFP32 | Adam8bit) -> None:
-        """The optimizer that steps this unit; its zero state is created on the optimizer tier now."""
+        """The optimizer that steps this unit; its zero state is created on the optimizer tier now (a frozen unit: none)."""
+        if self.frozen:
+            return
         self.adam = adam
         spec = adam.state_spec(self.pieces, self.shard_size)
         self.state_keys = {name: f"{name}.{self.index}" for name in spec}
@@ -108,6 +113,8 @@ class UnitStore(UnitRuntime):
 
     def load(self, pending: PendingStep | None, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The parameter shard (stepped first if a step is owed) and, if asked, the gradient waiting on its tier."""
+        if self.source is not None:
+            return self.source.read().to(self.tiers.params.device), None
         p = self.tiers.params.fetch(self.p_key)
         if pending is not None:
             self.apply_step(p, self.tiers.grads.fetch(self.g_key), pending)

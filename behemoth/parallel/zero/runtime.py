@@ -287,7 +287,7 @@ class ZeroStage3(ZeroSync):
     ) -> None:
         super().__init__(model, group, policy, meter)
         self.stage3 = Stage3(model, units, group, prefetch=policy.prefetch, compute_dtype=self.compute_dtype, meter=meter)
-        self.groups = list(self.stage3.units)
+        self.groups = [u for u in self.stage3.units if not u.frozen]  # a frozen unit has no gradient, master or optimizer state
 
     def begin_micro_batch(self, last: bool) -> None:
         self.stage3.drain()
@@ -296,7 +296,7 @@ class ZeroStage3(ZeroSync):
         self.stage3.finish()
 
     def param_bytes(self) -> int:
-        return held_bytes(g.shard for g in self.groups)
+        return held_bytes(u.shard for u in self.stage3.units)
 
     def state_bytes(self) -> dict[str, int]:
         meters = self.stage3.gathered_bytes, self.stage3.grad_bytes

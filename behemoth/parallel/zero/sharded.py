@@ -21,6 +21,10 @@ steps offload's streamer runs for a unit whose shard is on the host or disk tier
   (in place, asynchronously, overlapped with the next unit's backward), frees the gathered buffer,
   and the summed shard is added to the persistent gradient shard when the reduce-scatter is done.
   A unit entered twice (the tied embedding) sums the gradients of its uses and reduce-scatters once.
+- a frozen unit (a LoRA base, `UnitSpec.frozen`) keeps only its shard in the compute dtype: no float32 master, no
+  gradient, no reduce-scatter, no optimizer state. It is installed without `GatherParams` (nothing flows back to
+  it), re-gathered in backward by the saved-tensor hook like any unit, and, since no gradient says when its part of
+  backward is over, freed once backward re-gathers a unit after it in backward order (or at `finish`).
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ class ShardedUnit(FlatGroup, UnitRuntime):
         self, spec: UnitSpec, group: dist.ProcessGroup, stage3: Stage3, *, key: str, compute_dtype: torch.dtype, meter: CommMeter | None
     ) -> None:
         super().__init__(spec.names, spec.shapes, group, compute_dtype=compute_dtype, meter=meter)
-        self.spec, self.stage3 = spec, stage3
+        self.spec, self.stage3, self.frozen = spec, stage3, spec.frozen
         device = stage3.tier.device
-        stage3.tier.allocate(key, self.layout.shard_size, torch.float32)
+        stage3.tier.allocate(key, self.layout.shard_size, compute_dtype if self.frozen else torch.float32)
         self.master = stage3.tier.fetch(key)  # the device tier hands out the stored tensor itself
         for piece in self.layout.pieces(self.rank):
             local = getattr(*spec.locations[piece.index][0])
@@ -78,8 +82,8 @@ class ShardedUnit(FlatGroup, UnitRuntime):
         for locations in spec.locations:
             for module, attr in locations:
                 delattr(module, attr)
-        self.shard = self.master if compute_dtype == torch.float32 else self.master.to(compute_dtype)
-        self.grad_shard = torch.zeros(self.layout.shard_size, dtype=compute_dtype, device=device)
+        self.shard = self.master if self.master.dtype == compute_dtype else self.master.to(compute_dtype)
+        self.grad_shard = torch.zeros(0 if self.frozen else self.layout.shard_size, dtype=compute_dtype, device=device)
         self.anchor = torch.empty(0, device=device, requires_grad=True)  # puts GatherParams in the graph
         self.buffer: torch.Tensor | None = None
         self.pending: Pending | None = None
@@ -178,8 +182,8 @@ class Stage3:
         """Install the unit's gathered parameters for its part of the forward (a use whose gradient will come back)."""
         if unit in self.entered:
             return
-        full = GatherParams.apply(unit.anchor, unit)
-        if torch.is_grad_enabled():
+        full = unit.gathered() if unit.frozen else GatherParams.apply(unit.anchor, unit)
+        if torch.is_grad_enabled() and not unit.frozen:
             unit.uses += 1
         unit.install(full)
         self.entered.append(unit)
@@ -231,7 +235,8 @@ class Stage3:
 
         def hook(module: nn.Module, args: Any) -> None:
             if not unit.installed:  # views that require grad, as in forward, so the same tensors are saved
-                unit.install(unit.gathered().detach().requires_grad_(torch.is_grad_enabled()))
+                unit.install(unit.gathered().detach().requires_grad_(torch.is_grad_enabled() and not unit.frozen))
+                self.retire_frozen(unit)
                 self.prefetch_after(unit, self.backward_order)
 
         return hook
@@ -256,10 +261,20 @@ class Stage3:
         unit = saved.unit
         if unit.buffer is None or unit.pending is not None:
             full = unit.gathered()
+            self.retire_frozen(unit)
             self.prefetch_after(unit, self.backward_order)
         else:
             full = unit.buffer
         return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def retire_frozen(self, unit: ShardedUnit) -> None:
+        """Backward re-gathered `unit`: frozen units before it in backward order are done (no gradient tells when)."""
+        if unit not in self.backward_order:
+            return
+        for done in self.backward_order[: self.backward_order.index(unit)]:
+            if done.frozen and done.buffer is not None and done.pending is None:
+                done.uninstall()
+                done.release()
 
     def drain(self, keep: int = 0) -> None:
         """Finish reduce-scatters until at most `keep` are in flight, adding each shard into its unit's gradient."""
@@ -277,4 +292,6 @@ class Stage3:
                 unit.start_reduce_scatter(grad)
         self.drain()
         for unit in self.units:
+            if unit.frozen:  # views a recomputation installed: no gradient removed them
+                unit.uninstall()
             unit.release()

@@ -18,6 +18,10 @@ MoE layer: the stacked experts are read, not called) installs them when a recomp
 A tied LM head reads the embedding's weight. That weight stays in the embedding unit (one shard, one
 master, one gradient), which the head gathers again for its forward and backward (`reads`); the
 gradients of the two uses are summed before the unit's one reduce-scatter.
+
+A frozen base (LoRA: `frozen_only=True`) puts only parameters without gradients in units: a frozen unit is
+gathered and freed like any other, but has no gradient, no reduce-scatter and no optimizer state; the trainable
+parameters (the adapters) stay whole on their modules, outside every unit, for a sync of their own.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class UnitSpec:
     reads: list[UnitSpec] = field(default_factory=list)
     group: dist.ProcessGroup | None = None  # sharded over this group (None: the sync's group)
     callers: list[nn.Module] = field(default_factory=list)  # modules whose forward reads these parameters (default: their owners)
+    frozen: bool = False  # no parameter of the unit takes a gradient (a LoRA base): gathered for compute only
 
     def install(self, layout: FlatLayout, full: torch.Tensor) -> None:
         """Every parameter registered as a view of the unit's gathered flat buffer `full`, wherever the model reads it
@@ -153,6 +158,7 @@ def split_expert_units(model: nn.Module, specs: list[UnitSpec], experts: ExpertU
             [spec.names[i] for i in idx],
             [spec.shapes[i] for i in idx],  # noqa: E731
             [spec.locations[i] for i in idx],
+            frozen=spec.frozen,
             **kw,
         )
         owners = {names[id(m)].rpartition(".")[0] for i in picked for m, _ in spec.locations[i]}
@@ -173,8 +179,9 @@ def _submodules(model: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
     return out
 
 
-def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = False) -> list[UnitSpec]:
-    """Assign every parameter to the innermost unit that contains it: root, embedding, blocks (forward order), head."""
+def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = False, frozen_only: bool = False) -> list[UnitSpec]:
+    """Assign every parameter to the innermost unit that contains it: root, embedding, blocks (forward order), head.
+    `frozen_only`: only parameters without gradients (a frozen base); trainable ones are left out of every unit."""
     blocks = list(model.get_submodule(layers.blocks))
     specs = [UnitSpec("root"), UnitSpec("embedding"), *(UnitSpec("block", b) for b in blocks), UnitSpec("head")]
     anchor = {id(model): 0}
@@ -185,6 +192,8 @@ def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = F
     for mod_name, module in model.named_modules(remove_duplicate=False):
         unit = _owning_unit(model, mod_name, anchor)
         for attr, p in module.named_parameters(recurse=False):
+            if frozen_only and p.requires_grad:
+                continue
             if id(p) in seen:  # registered again: a tied weight
                 u, i = seen[id(p)]
                 if u != unit:
@@ -203,6 +212,7 @@ def plan_units(model: nn.Module, *, layers: LayerNames, tie_embeddings: bool = F
     kept = [s for s in specs if s.names]
     for s in kept:
         s.reads = [r for r in {id(r): r for r in s.reads}.values() if r.names]
+        s.frozen = frozen_only
     return kept
 
 
@@ -216,14 +226,21 @@ def _owning_unit(model: nn.Module, mod_name: str, anchor: dict[int, int]) -> int
 
 
 def shard_parameters(
-    model: nn.Module, group: dist.ProcessGroup, *, layers: LayerNames, tie_embeddings: bool = False, experts: ExpertUnits | None = None
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    *,
+    layers: LayerNames,
+    tie_embeddings: bool = False,
+    experts: ExpertUnits | None = None,
+    frozen_only: bool = False,
 ) -> list[UnitSpec]:
     """Before materialize: replace each meta parameter by this rank's 1-D piece of it, marked partial.
 
     `materialize` then draws each full parameter from (seed, name) and keeps only the piece, so a rank never
     stores more than its shard; weights loaded from a file (hf.weights) go through the same `take_local`.
+    `frozen_only`: only the frozen parameters are sharded (a LoRA base); the trainable ones stay whole.
     """
-    specs = plan_units(model, layers=layers, tie_embeddings=tie_embeddings)
+    specs = plan_units(model, layers=layers, tie_embeddings=tie_embeddings, frozen_only=frozen_only)
     if experts is not None:
         specs = split_expert_units(model, specs, experts)
     for spec in specs:

@@ -1,0 +1,98 @@
+"""LoRA on a frozen base that ZeRO-3 shards or offload streams: the base's units are gathered for compute only (no
+gradient, no reduce-scatter, no optimizer state), the adapters stay whole with their Adam state, and training equals
+single-process LoRA (loss per step and adapter weights, float32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.dist import run_ranks
+from tests.test_lora import assert_same_training, behemoth_lora, folder, lora_config, peft_adapters, peft_model  # noqa: F401  (folder: a fixture)
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module")
+def init(folder, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
+    """The adapters' initial values (peft's, A and B random) every run starts from."""
+    return peft_adapters(peft_model(folder))
+
+
+@pytest.fixture(scope="module")
+def single(folder, init, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
+    return run_ranks(1, behemoth_lora, lora_config(tmp_path_factory.mktemp("one"), folder), init)[0]
+
+
+def adapter_bytes(single: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in single["adapters"].values())
+
+
+def test_lora_under_zero3_equals_one_process(folder, init, single, tmp_path):  # noqa: F811
+    """ZeRO-3 over 2 ranks shards the frozen base (half of it per rank, no gradient or optimizer state for it); the
+    adapters are whole on every rank and all-reduced: the single-process curve and adapters."""
+    got = run_ranks(2, behemoth_lora, lora_config(tmp_path, folder, "parallel.dp=2", "parallel.zero_stage=3"), init)
+    base = single["states"]["params"] - adapter_bytes(single)
+    for rank in got:
+        assert_same_training(single, rank)
+        assert not rank["held"]  # every base parameter lives in a unit's shard
+        states = rank["states"]
+        assert states["grads"] == adapter_bytes(single) and states["optimizer"] == 2 * adapter_bytes(single), states
+        assert states["params"] - adapter_bytes(single) <= base // 2 + 1024, (states, base)  # half the base (+ padding)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("offload.params=disk",), pytest.param(("offload.params=host", "parallel.dp=2"), marks=pytest.mark.slow)],
+    ids=["disk", "host-dp2"],
+)
+def test_lora_with_an_offloaded_base_equals_one_process(folder, init, single, tmp_path, layout):  # noqa: F811
+    """The frozen base streams unit by unit (from the folder itself at offload.params=disk: nothing written, no scratch
+    copy, no gradient or moment of it anywhere); the adapters and their Adam state stay resident: the single-process
+    curve and adapters."""
+    world = 2 if "parallel.dp=2" in layout else 1
+    got = run_ranks(world, behemoth_lora, lora_config(tmp_path, folder, *layout, f"offload.dir={tmp_path / 'scratch'}"), init)
+    for rank in got:
+        assert_same_training(single, rank)
+        assert not rank["held"]
+        states = rank["states"]
+        assert states["grads"] == adapter_bytes(single) and states["optimizer"] == 2 * adapter_bytes(single), states
+        assert set(rank["optim"]["model"]) == set(single["adapters"])  # checkpoints hold the adapters only
+
+
+def train_run(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str, Any]:
+    """A LoRA run through the trainer (data, adapter-only checkpoints); its losses and the adapters it wrote at the end."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from behemoth.config import Config
+    from behemoth.topology import init_runtime
+    from behemoth.train import Trainer
+
+    cfg = Config.model_validate(cfg_dict)
+    trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s), resume=Path(resume) if resume else None)
+    summary = trainer.run()
+    return {
+        "losses": summary["losses"],
+        "start": trainer.start_step,
+        "adapters": load_file(str(Path(cfg.run.dir) / "adapter" / "adapter_model.safetensors")),
+    }
+
+
+@pytest.mark.slow
+def test_offloaded_lora_checkpoints_hold_adapters_and_resume(folder, tmp_path):  # noqa: F811
+    """A streamed-base LoRA run's checkpoint holds the adapters and their optimizer state only; resumed from it (the base
+    read from the folder again) the run continues the uninterrupted curve to the same adapters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    options = ("train.steps=4", "checkpoint.every=2", "checkpoint.async_save=false", "offload.params=disk")
+    full = run_ranks(1, train_run, lora_config(tmp_path / "full", folder, *options, f"offload.dir={tmp_path / 's1'}"))[0]
+    ckpt = tmp_path / "full" / "checkpoints" / "step_0000002"
+    stored = [k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith(("model.", "optim."))]
+    assert stored and all(".lora_A." in k or ".lora_B." in k for k in stored), sorted(stored)  # no base weight, no moment of one
+    assert len([k for k in stored if k.startswith("model.")]) == len(full["adapters"])
+    resumed = run_ranks(1, train_run, lora_config(tmp_path / "again", folder, *options, f"offload.dir={tmp_path / 's2'}"), str(ckpt))[0]
+    assert resumed["start"] == 2
+    assert_same_training({"losses": full["losses"][2:], "adapters": full["adapters"]}, resumed)
