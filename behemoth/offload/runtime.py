@@ -293,11 +293,9 @@ def apply_offload(
 ) -> OffloadSync:
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
     (seed, name) or read from the model's weights one unit at a time."""
-    if lm.weights:
-        value = FolderWeights(lm.weights)
-    else:
+    def drawn(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return draw_full(lm.init_spec(name), tuple(shape), seed, name)
 
-        def value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            return draw_full(lm.init_spec(name), tuple(shape), seed, name)
+    value: Callable[[str, tuple[int, ...]], torch.Tensor] = FolderWeights(lm.weights) if lm.weights else drawn
 
     return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, meter=meter)
