@@ -46,6 +46,7 @@ from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
+from behemoth.parallel.compile import apply_compile
 from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
 from behemoth.parallel.context.apply import ContextParallelLoop
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
@@ -295,11 +296,13 @@ def parallelize(
     offload: OffloadPolicy | None = None,
     for_training: bool = True,
     lora: Any = None,
+    compile: bool = False,
 ) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
     with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
     for inference, steps 4 and 7 are skipped (`inference_model`). `lora` (finetune.lora): the base is frozen and adapters
-    are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt."""
+    are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt. `compile`
+    (train.compile): each block's forward compiled, before step 4 (parallel/compile.py)."""
     if lora is not None and lora.enabled:
         inject_lora(lm, lora)
     model, meter = lm.module, CommMeter()
@@ -320,6 +323,9 @@ def parallelize(
     optimizer_tier = "device"
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
         optimizer_tier, offload = offload.optimizer, None
+    # compiled block forwards (training only: generation's cached decoding changes shapes every token) before recomputation,
+    # which checkpoints the compiled forward; offload's streamer calls and recomputes it (parallel/compile.py)
+    apply_compile(model.get_submodule(lm.layers.blocks), compile and for_training)
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
