@@ -302,7 +302,7 @@ def parallelize(
     with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
     for inference, steps 4 and 7 are skipped (`inference_model`). `lora` (finetune.lora): the base is frozen and adapters
     are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt. `compile`
-    (train.compile): each block's forward compiled, before step 4 (parallel/compile.py)."""
+    (train.compile): each block's forward compiled, after step 4 (parallel/compile.py)."""
     if lora is not None and lora.enabled:
         inject_lora(lm, lora)
     model, meter = lm.module, CommMeter()
@@ -323,20 +323,21 @@ def parallelize(
     optimizer_tier = "device"
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
         optimizer_tier, offload = offload.optimizer, None
-    # compiled block forwards (training only: generation's cached decoding changes shapes every token) before recomputation,
-    # which checkpoints the compiled forward; offload's streamer calls and recomputes it (parallel/compile.py)
-    apply_compile(model.get_submodule(lm.layers.blocks), compile and for_training)
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
         if pipeline is not None or experts is not None:
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied)
+        apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         return ParallelModel(lm, rt, [sync], None, tp, meter, executor=StreamedSteps(sync))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
+        # then compiled block forwards (training only: cached decoding changes shapes every token), recomputation inside the
+        # compiled region as torchtitan has it, so the compiler's partitioner recomputes (parallel/compile.py)
+        apply_compile(model.get_submodule(lm.layers.blocks), compile)
     units = None
     if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
         expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None

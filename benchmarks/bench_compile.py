@@ -67,17 +67,17 @@ def peer_loop(model: str, seq: int, batch: int, steps: int, compiled: bool) -> N
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)
     fwd = torch.compile(net, dynamic=False) if compiled else net
     idx = torch.randint(0, p["vocab_size"], (batch, seq))
-    times, first = [], 0.0
-    for i in range(steps):
+    times = []
+    for _ in range(steps):
         t0 = time.perf_counter()
         loss = fwd(input_ids=idx, labels=idx).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        (times.append if i else lambda s: None)(time.perf_counter() - t0)
-        first = first or time.perf_counter() - t0
-    print(json.dumps({"step_s": statistics.median(times), "compile_s": first - statistics.median(times)}))
+        times.append(time.perf_counter() - t0)
+    first, step = times[0], statistics.median(times[1:])
+    print(json.dumps({"step_s": step, "compile_s": first - step}))
 
 
 def peer_run(args: argparse.Namespace, compiled: bool, cache: Path) -> dict[str, float]:
@@ -92,9 +92,23 @@ def peer_run(args: argparse.Namespace, compiled: bool, cache: Path) -> dict[str,
 
 
 def row(system: str, layout: str, kind: str, r: dict[str, float], tokens: int, eager: dict[str, float] | None, note: str = "") -> dict[str, float]:
+    """Print one table row (ratio: the eager row's step time / this one's); `r` back."""
     ratio = f"{eager['step_s'] / r['step_s']:.2f}" if eager else "1.00"
-    print(f"| {system} | {layout} | {kind} | {tokens / r['step_s']:.0f} | {r['step_s'] * 1e3:.1f} | {r['compile_s']:.1f} | {ratio} | {note} |", flush=True)
+    cells = [system, layout, kind, f"{tokens / r['step_s']:.0f}", f"{r['step_s'] * 1e3:.1f}", f"{r['compile_s']:.1f}", ratio, note]
+    print("| " + " | ".join(cells) + " |", flush=True)
     return r
+
+
+def bench_layout(args: argparse.Namespace, layout: str, tmp: Path, cache: Path, tokens: int) -> dict[str, float]:
+    """behemoth eager, then compiled with an empty cache (and, for one process, again with the cache it filled)."""
+    nproc, options = LAYOUTS[layout]
+    name = layout.replace(" ", "_").replace("=", "")
+    eager = row("behemoth", layout, "eager", behemoth_run(args, nproc, options, False, tmp / f"{name}-eager", cache), tokens, None)
+    got = row("behemoth", layout, "compiled", behemoth_run(args, nproc, options, True, tmp / f"{name}-compiled", cache), tokens, eager, "empty cache")
+    if nproc == 1:
+        again = behemoth_run(args, nproc, options, True, tmp / f"{name}-cached", cache)
+        row("behemoth", layout, "compiled", again, tokens, eager, "cache of the run above")
+    return got
 
 
 def main() -> None:
@@ -115,19 +129,11 @@ def main() -> None:
     print("|---|---|---|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "inductor"
-        compiled_one = None
-        for layout in args.layouts:
-            nproc, options = LAYOUTS[layout]
-            run = lambda c, name: behemoth_run(args, nproc, options, c, Path(tmp) / f"{layout}-{name}".replace(" ", "_"), cache)  # noqa: E731
-            eager = row("behemoth", layout, "eager", run(False, "eager"), tokens, None)
-            got = row("behemoth", layout, "compiled", run(True, "compiled"), tokens, eager, "empty cache")
-            if layout == "one process":
-                compiled_one = got
-                row("behemoth", layout, "compiled", run(True, "cached"), tokens, eager, "cache of the run above")
+        compiled = {layout: bench_layout(args, layout, Path(tmp), cache, tokens) for layout in args.layouts}
         peer_eager = row("transformers GPT-2", "one process", "eager", peer_run(args, False, cache), tokens, None)
-        peer = row("transformers GPT-2", "one process", "torch.compile", peer_run(args, True, cache), tokens, peer_eager, "compile s: first step - median")
-        if compiled_one is not None:
-            print(f"\nbehemoth compiled / transformers compiled (one process, tokens/s): {peer['step_s'] / compiled_one['step_s']:.2f}")
+        peer = row("transformers GPT-2", "one process", "torch.compile", peer_run(args, True, cache), tokens, peer_eager, "first step - median")
+        if "one process" in compiled:
+            print(f"\nbehemoth compiled / transformers compiled (one process, tokens/s): {peer['step_s'] / compiled['one process']['step_s']:.2f}")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ outside the compiled regions:
 - ZeRO-3's gathers and frees are forward hooks on the block module; the compiled region is the block's `forward`
   (wrapped in place, as recomputation wraps it, so module and parameter names stay the single-process ones), so the
   hooks run eagerly around it and the gathered views enter the graph as inputs (the same graph every step);
-- recomputation (parallel/recompute.py) wraps the compiled forward in torch.utils.checkpoint: the backward re-runs the
-  compiled forward, and offload's streamer does the same by itself;
+- recomputation (parallel/recompute.py) wraps the block's forward in torch.utils.checkpoint first, and that is what is
+  compiled (torchtitan's order): Dynamo traces the checkpoint as a region and the compiled backward recomputes it from
+  the saved inputs (ZeRO-3's saved-tensor hooks re-gather the parameters among them); offload's streamer runs the
+  compiled forward and recomputes it by itself;
 - a pipeline stage calls its blocks like any module; tensor parallelism's collectives (behemoth's autograd functions,
   metered) are not traced: Dynamo breaks the graph around each one and runs it eagerly, so a block under tp is a few
   graphs between its collectives.
@@ -58,8 +60,8 @@ def compile_block(module: nn.Module) -> None:
 
 
 def apply_compile(blocks: Iterable[nn.Module], enabled: bool) -> int:
-    """Compile every block in `blocks` if `enabled` (each once); the number compiled. Before recomputation, which then
-    checkpoints the compiled forward."""
+    """Compile every block in `blocks` if `enabled` (each once); the number compiled. After recomputation, whose
+    checkpointed forward is then compiled whole."""
     count = 0
     for block in blocks if enabled else ():
         if not getattr(block, COMPILED, False):

@@ -16,8 +16,8 @@ from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
 from behemoth.offload.policy import steps_in_backward
-from behemoth.parallel.context.apply import resolve_mode as context_mode
 from behemoth.parallel.compile import compile_problems
+from behemoth.parallel.context.apply import resolve_mode as context_mode
 from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
