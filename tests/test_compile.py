@@ -54,6 +54,8 @@ LAYOUTS = {
     "dp": ("parallel.dp=2",),
     "zero3": ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch=1"),
     "zero3-recompute": ("parallel.dp=2", "parallel.zero_stage=3", "parallel.recompute=full"),
+    "tp": ("parallel.tp=2",),
+    "tp-sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
     "pp": ("model.n_layer=2", "parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=1"),
 }
 
@@ -61,8 +63,8 @@ LAYOUTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_compiled_blocks_compose_with_layouts(layout, tmp_path):
-    """Two processes: compiled blocks under data parallelism, ZeRO-3's gathers (with recomputation), a pipeline: the eager
-    run of the same layout, within the same tolerance."""
+    """Two processes: compiled blocks under data parallelism, ZeRO-3's gathers (with recomputation), tp's collectives
+    (graph breaks), a pipeline: the eager run of the same layout, within the same tolerance, compiled in the first step only."""
     eager, compiled = _runs(tmp_path, *LAYOUTS[layout], world=2)
     assert_close_runs(eager, compiled, loss_rtol=LOSS_RTOL, weight_rtol=WEIGHT_RTOL)
     _compiled_once(tmp_path / "compiled")
@@ -87,10 +89,10 @@ def test_compiled_blocks_with_recomputation_and_offload(tmp_path):
 
 @pytest.mark.parametrize(
     "overrides, reason",
-    [(("model=gpt-moe-tiny",), "mixture-of-experts"), (("parallel.tp=2",), "parallel.tp=2"), (("parallel.dp=2", "parallel.zero_stage=3"), None)],
+    [(("model=gpt-moe-tiny",), "mixture-of-experts"), (("parallel.tp=2",), None), (("parallel.dp=2", "parallel.zero_stage=3"), None)],
 )
 def test_layouts_compile_cannot_serve_are_refused_before_launch(overrides, reason):
-    """MoE (data-dependent shapes) and tensor parallelism (recompiles every step) are refused with the reason; ZeRO-3 is not."""
+    """MoE (data-dependent shapes) is refused with the reason; tensor parallelism and ZeRO-3 are not."""
     from behemoth.config import load_config
     from behemoth.planner.feasibility import problems
 

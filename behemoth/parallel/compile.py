@@ -12,8 +12,9 @@ outside the compiled regions:
   the saved inputs (ZeRO-3's saved-tensor hooks re-gather the parameters among them); offload's streamer runs the
   compiled forward and recomputes it by itself;
 - a pipeline stage calls its blocks like any module;
-- tensor parallelism's collectives (behemoth's autograd functions, metered) break the graph: the run trains the eager
-  curve, but the graphs between them recompile every step, so `compile_problems` refuses tp > 1 for now.
+- tensor parallelism's collectives (behemoth's autograd functions, metered) are opaque to Dynamo (`torch.compiler.disable`
+  in parallel/tensor/comm.py): the graph breaks around each and it runs eagerly; traced, the meter's byte counters were
+  guarded on and every step recompiled.
 
 Compilation happens on first use (the first step and the first evaluation), and the inductor cache
 (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/behemoth/inductor) keeps the generated code between runs; `CompileClock`
@@ -73,32 +74,19 @@ def apply_compile(blocks: Iterable[nn.Module], enabled: bool) -> int:
     return count
 
 
-def compile_problems(enabled: bool, has_experts: bool, tp: int) -> list[Problem]:
+def compile_problems(enabled: bool, has_experts: bool) -> list[Problem]:
     """train.compile with a layout whose blocks it cannot compile once: a mixture of experts routes a different number of
-    tokens to each expert every step (data-dependent shapes); under tensor parallelism the graphs Dynamo resumes after
-    each collective's graph break were measured to recompile every step (trained right, but never faster)."""
-    if not enabled:
+    tokens to each expert every step (data-dependent shapes), so a shape-specialized graph would recompile step after step."""
+    if not enabled or not has_experts:
         return []
-    out = []
-    if has_experts:
-        out.append(
-            Problem.of(
-                "train.compile",
-                "train.compile=true with a mixture-of-experts model: its dispatch has data-dependent shapes (tokens per expert change "
-                "every step), so compiled blocks would recompile every step",
-                "set train.compile=false for MoE models",
-            )
+    return [
+        Problem.of(
+            "train.compile",
+            "train.compile=true with a mixture-of-experts model: its dispatch has data-dependent shapes (tokens per expert change "
+            "every step), so compiled blocks would recompile every step",
+            "set train.compile=false for MoE models",
         )
-    if tp > 1:
-        out.append(
-            Problem.of(
-                "train.compile",
-                f"train.compile=true with parallel.tp={tp}: the block graphs between tensor parallelism's collectives recompile every "
-                "step (measured: ~5 s per step on gpt-tiny)",
-                "set train.compile=false under tensor parallelism, or parallel.tp=1 (dp, ZeRO, pipelines and offload compile)",
-            )
-        )
-    return out
+    ]
 
 
 class CompileClock:

@@ -35,7 +35,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     if not model:  # a model that cannot be built has no shape to split
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
-        out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts), plan.tp)
+        out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts))
     out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     if plan.dims_problems(world):
         return out
