@@ -79,6 +79,11 @@ class TrainConfig(Section):
     adamw: Literal["auto", "for-loop", "foreach", "fused"] = Field(
         "auto", description="torch's AdamW implementation (auto: fused on CUDA, foreach elsewhere; docs/performance.md)"
     )
+    compile: bool = Field(
+        False,
+        description="compile each transformer block with torch.compile (regional; compile time reported apart and cached in "
+        "~/.cache/behemoth/inductor; not for MoE models; docs/performance.md)",
+    )
     loss_chunk: int = Field(
         -1,
         ge=-1,

@@ -174,6 +174,7 @@ def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
         timeout_s=cfg.run.timeout_s,
         offload=offload,
         lora=cfg.finetune.lora,
+        compile=cfg.train.compile,
     )
 
 

@@ -47,6 +47,7 @@ from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
+from behemoth.parallel.compile import apply_compile
 from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
 from behemoth.parallel.context.apply import ContextParallelLoop
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
@@ -302,11 +303,13 @@ def parallelize(
     offload: OffloadPolicy | None = None,
     for_training: bool = True,
     lora: Any = None,
+    compile: bool = False,
 ) -> ParallelModel:
     """Lay `lm` (on the meta device) out over `rt`'s mesh as `plan` says, in the order of the module docstring;
     with `offload`, its states go to the policy's tiers (steps 5-7 are the offload runtime's). `for_training=False`:
     for inference, steps 4 and 7 are skipped (`inference_model`). `lora` (finetune.lora): the base is frozen and adapters
-    are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt."""
+    are added first, step 0, so every later transform splits, shards or stages them with the layer they adapt. `compile`
+    (train.compile): each block's forward compiled, after step 4 (parallel/compile.py)."""
     if lora is not None and lora.enabled:
         inject_lora(lm, lora)
     model, meter = lm.module, CommMeter()
@@ -334,6 +337,7 @@ def parallelize(
             raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
         frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied, frozen_only=frozen)
+        apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         adapters = []
         if frozen:
@@ -343,6 +347,9 @@ def parallelize(
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
+        # then compiled block forwards (training only: cached decoding changes shapes every token), recomputation inside the
+        # compiled region as torchtitan has it, so the compiler's partitioner recomputes (parallel/compile.py)
+        apply_compile(model.get_submodule(lm.layers.blocks), compile)
     units = None
     if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
         expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None

@@ -30,6 +30,7 @@ from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import persist
 from behemoth.offload.optimizer import EIGHT_BIT
 from behemoth.offload.runtime import OffloadSync
+from behemoth.parallel.compile import CLOCK, compile_cache_dir
 from behemoth.planner.feasibility import describe_plan, refuse
 from behemoth.planner.replan import agreed_plan
 from behemoth.profiler.energy import read_counters, run_energy
@@ -126,6 +127,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         cfg, main = self.cfg, self.rt.is_main
+        self.compiled_before = CLOCK.total  # this run's compile time is what the clock adds from here
         log = self.open_log()
         tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
         bar = tqdm(
@@ -175,10 +177,12 @@ class Trainer:
         lr = lr_at(step, self.cfg.train)
         batches = self.train_data.micro_batches(step)
         synchronize(self.rt.device)
+        CLOCK.take()  # compiling outside the step (an evaluation's graph) is counted in the run's total only
         t0 = time.perf_counter()
         result = self.engine.train_step(batches, lr, self.train_data.trained_targets(step))
         synchronize(self.rt.device)
-        dt = time.perf_counter() - t0
+        compile_s = CLOCK.take()  # train.compile: the first step's compilation, reported apart from its time
+        dt = time.perf_counter() - t0 - compile_s
         if result.skipped and self.cfg.train.nonfinite == "stop":
             self.stop_nonfinite(step + 1, result)
         self.history.append(result)
@@ -192,6 +196,8 @@ class Trainer:
             "tokens_per_s": self.engine.tokens_per_step / dt,
             "mfu": self.mfus[-1],
         }
+        if self.cfg.train.compile:
+            record["compile_s"] = compile_s
         written = self.saver.poll()
         record |= ({"skipped": True} if result.skipped else {}) | ({"ckpt_write_s": written[-1]} if written else {})
         return record | layout_record(
@@ -273,6 +279,8 @@ class Trainer:
             "adapter": self.cfg.finetune.lora.enabled,
             "energy": self.energy,
         }
+        if self.cfg.train.compile:  # every graph this rank compiled (steps and evaluations), and where the code is cached
+            summary |= {"compile_s": CLOCK.total - self.compiled_before, "compile_cache": str(compile_cache_dir())}
         if log is None:
             barrier(self.rt.world_group)
             return summary

@@ -341,6 +341,8 @@ def report(summary: dict[str, Any], seconds: float) -> None:
             f"behemoth: MFU {100 * summary['mfu']:.1f}% (median step) of a {summary['peak_tflops']:.3g} TFLOP/s peak over all ranks "
             f"({summary['peak_source']})"
         )
+    if "compile_s" in summary:  # train.compile: step times and MFU above exclude it
+        print(f"behemoth: compiled in {summary['compile_s']:.1f} s (not in step times; cache {summary['compile_cache']})")
     if summary.get("energy") is not None:
         from behemoth.profiler.energy import run_energy_line
 

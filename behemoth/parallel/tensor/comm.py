@@ -122,27 +122,32 @@ class _SequenceConjugate(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.tp), None, None, None
 
 
+@torch.compiler.disable  # opaque to torch.compile: a graph break, no guards on the meter's counters
 def copy_to_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """f: identity forward, all-reduce of the input gradient backward."""
     return _CopyToTP.apply(x, tp)
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """g: all-reduce forward (partial sums become the full sum), identity backward. In place: pass a fresh product
     that nothing else reads."""
     return _ReduceFromTP.apply(x, tp)
 
 
+@torch.compiler.disable
 def gather_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """f under sequence parallelism: all-gather the sequence forward, reduce-scatter backward."""
     return _SequenceConjugate.apply(x, tp, gather_sequence, reduce_scatter_sequence)
 
 
+@torch.compiler.disable
 def reduce_scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """g under sequence parallelism: reduce-scatter the sequence forward, all-gather backward."""
     return _SequenceConjugate.apply(x, tp, reduce_scatter_sequence, gather_sequence)
 
 
+@torch.compiler.disable
 def scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
     return _SequenceConjugate.apply(x, tp, split_sequence, gather_sequence)
