@@ -293,6 +293,7 @@ def apply_offload(
 ) -> OffloadSync:
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
     (seed, name) or read from the model's weights one unit at a time."""
+
     def drawn(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return draw_full(lm.init_spec(name), tuple(shape), seed, name)
 
