@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import signal
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,9 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(folder: str | None, loss_on: str) -> None:
+    # A forked worker inherits its parent's handlers: torch's elastic launcher leaves one on SIGTERM that raises in the
+    # parent, and a worker raising it on the way out can hang the pool's terminate. SIGTERM must simply end a worker.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: the processes are the parallelism
     _WORKER["tok"], _WORKER["loss_on"] = load_tokenizer(folder), loss_on
 
