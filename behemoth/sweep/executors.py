@@ -129,12 +129,18 @@ class LocalSlots:
             proc, conn = slot
             if i in self.busy:
                 proc.kill()
-            elif proc.is_alive():
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-                proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
                 proc.join()
+            else:
+                stop_worker(proc, conn)
+
+
+def stop_worker(proc: Any, conn: Connection, timeout_s: float = 10.0) -> None:
+    """Ask a worker process to finish (None on its pipe), and kill it if it has not within `timeout_s`."""
+    try:
+        conn.send(None)
+    except OSError:  # it is gone already
+        pass
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

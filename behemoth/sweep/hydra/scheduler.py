@@ -20,7 +20,7 @@ from typing import Any
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
-from behemoth.sweep.executors import Job, Outcome
+from behemoth.sweep.executors import Job, Outcome, stop_worker
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
 from behemoth.sweep.hydra.worker import worker_main
@@ -67,14 +67,7 @@ class Workers:
 
     def close(self) -> None:
         for proc, conn in zip(self.procs, self.conns):
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            stop_worker(proc, conn)
 
 
 class HydraExecutor:
