@@ -17,6 +17,7 @@ from behemoth.errors import ERROR_PREFIX, BehemothError, Problem, exit_code
 
 if TYPE_CHECKING:  # the config module is imported by the commands that use it (a fast --help)
     from behemoth.config import Config
+    from behemoth.planner.cluster import ClusterSpec
 
 
 def option_table(model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
@@ -156,6 +157,23 @@ def default_nproc() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def cluster_and_world(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
+    """The cluster to plan on and its device count (`behemoth plan`, `plan --burst`): a file or preset (and --world), or
+    this machine's --nproc processes."""
+    from behemoth.planner.calibrate import local_cluster
+    from behemoth.planner.cluster import load_cluster
+
+    if args.cluster:
+        cluster = load_cluster(args.cluster)
+        world = args.world or cluster.world
+    else:
+        world = args.nproc or default_nproc()
+        cluster = local_cluster(world)
+    if world < 1:
+        raise BehemothError(f"--world {world} is not a device count", "use --world 1 or more")
+    return cluster.with_nodes(world), world
 
 
 def newest_run(root: Path = Path("runs")) -> Path:

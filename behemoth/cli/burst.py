@@ -9,11 +9,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from behemoth.errors import BehemothError, exit_code
+from behemoth.errors import exit_code
 
 if TYPE_CHECKING:  # the planner is imported when the command runs (a fast --help)
     from behemoth.planner.burst import BurstPlan, BurstProblem
-    from behemoth.planner.cluster import ClusterSpec
 
 
 def burst_parser() -> argparse.ArgumentParser:
@@ -49,23 +48,6 @@ def burst_parser() -> argparse.ArgumentParser:
 BACKGROUND_BATCH = 8  # sequences per device of the background job the cluster throughput assumes
 
 
-def cluster_and_world(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
-    """The cluster (a file or preset and --world, or this machine's --nproc processes) and its device count."""
-    from behemoth.cli import default_nproc
-    from behemoth.planner.calibrate import local_cluster
-    from behemoth.planner.cluster import load_cluster
-
-    if args.cluster:
-        cluster = load_cluster(args.cluster)
-        world = args.world or cluster.world
-    else:
-        world = args.nproc or default_nproc()
-        cluster = local_cluster(world)
-    if world < 1:
-        raise BehemothError(f"--world {world} is not a device count", "use --world 1 or more")
-    return cluster.with_nodes(world), world
-
-
 def burst_main(argv: list[str] | None = None) -> int:
     """Entry point of `behemoth plan --burst` (exit code 2 for a refused request)."""
     return exit_code(run_burst, burst_parser().parse_args(argv))
@@ -77,6 +59,8 @@ def run_burst(args: argparse.Namespace) -> int:
     from behemoth.planner.layout import Workload
 
     cfg = load_config(args.config, args.overrides)
+    from behemoth.cli import cluster_and_world
+
     cluster, world = cluster_and_world(args)
     work = Workload.of(cfg)
     problem = BurstProblem(work, cluster, world)

@@ -69,24 +69,6 @@ def plan_main(argv: list[str] | None = None) -> int:
     return exit_code(run_plan, plan_parser().parse_args(argv))
 
 
-def cluster_and_world(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
-    """The cluster to plan on and the number of devices: a file or preset (and --world), or this machine's processes."""
-    from behemoth.planner.calibrate import local_cluster
-    from behemoth.planner.cluster import load_cluster
-
-    if args.cluster:
-        cluster = load_cluster(args.cluster)
-        world = args.world or cluster.world
-    else:
-        from behemoth.cli import default_nproc
-
-        world = args.nproc or default_nproc()
-        cluster = local_cluster(world)
-    if world < 1:
-        raise BehemothError(f"--world {world} is not a device count", "use --world 1 or more")
-    return cluster.with_nodes(world), world
-
-
 def space_of(cfg: Config) -> Space:
     """The search space a config leaves open: every parallel option it sets explicitly is pinned."""
     from behemoth.planner.layout import Offload
@@ -136,6 +118,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, [o for o in args.overrides if o != AUTO])
+    from behemoth.cli import cluster_and_world
+
     cluster, world = cluster_and_world(args)
     work = Workload.of(cfg)
     result = search(work, cluster, world, space_of(cfg), cfg=cfg, top=args.top)
