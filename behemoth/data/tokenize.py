@@ -152,8 +152,9 @@ def _encode_in_worker(docs: list[Document]) -> list[Encoded]:
 
 
 def encode_stream(tok: ByteTokenizer | FolderTokenizer, batches: Iterable[list[Document]], loss_on: str, workers: int) -> Iterator[list[Encoded]]:
-    """Encoded batches in input order, by `workers` processes (1: in this process)."""
-    if workers <= 1:
+    """Encoded batches in input order, by `workers` processes (1, or a daemonic process that may not start any,
+    such as a test's rank: in this process)."""
+    if workers <= 1 or multiprocessing.current_process().daemon:
         for docs in batches:
             yield tok.encode_documents(docs, loss_on)
         return

@@ -1,4 +1,4 @@
-"""Run a function on N local processes joined by gloo over a file store, with bounded waits.
+"""Run a function on N local processes joined by gloo over a TCP store the caller hosts, with bounded waits.
 
     results = run_ranks(4, body, arg1, arg2)   # body(arg1, arg2) runs on ranks 0..3
 
@@ -8,6 +8,10 @@ workers by reference). Each rank has `threads` intra-op threads, a default proce
 short timeout, and returns a picklable value. A rank that raises fails the call with its
 traceback; a rank still running at the deadline is killed and the call fails naming it, so a hung
 collective can never hang a test suite.
+
+The store is served by the calling process, which no test stops: a rank stopped with SIGSTOP (the fault tests do
+that) cannot wedge it, as it could a file store whose lock it held when it stopped. Each rank also finds it through
+MASTER_ADDR/MASTER_PORT, as under torchrun, so the flight recorder's heartbeats get a connection of their own.
 """
 
 from __future__ import annotations
@@ -45,16 +49,18 @@ def context() -> mp.context.BaseContext:
     return _context
 
 
-def _rank_main(rank: int, world: int, folder: str, threads: int, body: Callable[..., Any], args: tuple) -> None:
+def _rank_main(rank: int, world: int, folder: str, port: int, threads: int, body: Callable[..., Any], args: tuple) -> None:
     os.environ.update(OMP_NUM_THREADS=str(threads), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     out = Path(folder) / f"rank{rank}.pkl"
     try:
-        store = dist.FileStore(str(Path(folder) / "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         result = ("ok", body(*args))
     except BaseException:  # report everything, including assertion failures, to the parent
         result = ("error", traceback.format_exc())
@@ -66,9 +72,12 @@ def _rank_main(rank: int, world: int, folder: str, threads: int, body: Callable[
 
 def run_ranks(world: int, body: Callable[..., Any], *args: Any, timeout: float = 180.0, threads: int = 1) -> list[Any]:
     """`body(*args)` on `world` ranks; the list of their return values, rank order."""
+    import torch.distributed as dist
+
     ctx = context()
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     with tempfile.TemporaryDirectory(prefix="behemoth-ranks-") as folder:
-        procs = [ctx.Process(target=_rank_main, args=(r, world, folder, threads, body, args), daemon=True) for r in range(world)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, folder, store.port, threads, body, args), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         _join(procs, folder, timeout)
