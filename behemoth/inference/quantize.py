@@ -17,6 +17,7 @@ tensor-parallel layers built from it, so behemoth writes this small version that
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,29 +80,41 @@ def _rebuild(module: nn.Module, _args: tuple) -> None:
 
 
 def _drop(module: nn.Module, _args: tuple, _out: object) -> None:
-    module.weight = None
+    module.weight = None  # the float weight lives only while the layer runs
+
+
+def quantizable(module: nn.Module, transposed: frozenset[str], skip: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
+    """The linear layers of `module` to quantize: all but those under a `skip` prefix and those whose weight an
+    embedding shares (a tied head stays in floating point with its embedding)."""
+    shared = {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
+    for name, layer in list(module.named_modules()):
+        if is_linear(layer, name, transposed) and not name.startswith(skip) and id(layer.weight) not in shared:
+            yield name, layer
+
+
+def install_quantized(layer: nn.Module, attr: str, stored: tuple, rebuild: Callable[[nn.Module, tuple], None], stats: QuantStats) -> None:
+    """Replace `layer`'s float weight by `stored` (its quantized tensors first, then anything `rebuild` needs), rebuilt
+    by `rebuild` just before the layer runs and dropped after; the bytes of the stored tensors are counted."""
+    w = layer._parameters.pop("weight")
+    setattr(layer, attr, stored)
+    layer.weight = None
+    layer.register_forward_pre_hook(rebuild)
+    layer.register_forward_hook(_drop)
+    stats.layers += 1
+    stats.weights += w.numel()
+    stats.float_bytes += w.numel() * w.element_size()
+    stats.int8_bytes += sum(t.numel() * t.element_size() for t in stored if isinstance(t, torch.Tensor))
 
 
 @torch.no_grad()
 def quantize_int8(module: nn.Module, *, transposed: frozenset[str] = frozenset(), skip: tuple[str, ...] = ()) -> QuantStats:
     """Quantize every linear weight of `module` (but those under a `skip` prefix, and weights shared with an embedding)."""
     stats = QuantStats()
-    shared = {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}  # a tied head's
-    for name, layer in list(module.named_modules()):
-        if not is_linear(layer, name, transposed) or name.startswith(skip) or id(layer.weight) in shared:
-            continue
+    for name, layer in quantizable(module, transposed, skip):
         w = layer.weight
         q, scale = quantize_tensor(w, _output_dim(layer, name, transposed), layer.tp if isinstance(layer, RowParallelLinear) else None)
-        del layer._parameters["weight"]
-        setattr(layer, QUANTIZED, (q, scale, w.dtype))
-        layer.weight = None
-        layer.register_forward_pre_hook(_rebuild)
-        layer.register_forward_hook(_drop)
-        stats.layers += 1
-        stats.weights += w.numel()
-        stats.float_bytes += w.numel() * w.element_size()
-        stats.int8_bytes += q.numel() + scale.numel() * scale.element_size()
-    del w
+        install_quantized(layer, QUANTIZED, (q, scale, w.dtype), _rebuild, stats)
+        del w
     release_freed_memory()
     return stats
 

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from behemoth.errors import BehemothError
-from behemoth.inference.quantize import QuantStats, _output_dim, is_linear, release_freed_memory
-from behemoth.parallel.tensor.layers import VocabParallelEmbedding
+from behemoth.inference.quantize import QuantStats, _output_dim, install_quantized, quantizable, release_freed_memory
 
 INT4 = "_behemoth_int4"
 
@@ -52,34 +51,18 @@ def _rebuild(module: nn.Module, _args: tuple) -> None:
     module.weight = dequantize_int4(packed, scale, out_dim, dtype)
 
 
-def _drop(module: nn.Module, _args: tuple, _out: object) -> None:
-    module.weight = None  # type: ignore[assignment]  # the float weight lives only while the layer runs
-
-
 @torch.no_grad()
 def quantize_int4(module: nn.Module, *, transposed: frozenset[str] = frozenset(), group: int = 64, skip: tuple[str, ...] = ()) -> QuantStats:
     """Quantize every linear weight of `module` to group-wise int4 (but those under `skip`, and weights an embedding shares)."""
     if group < 2 or group % 2:
         raise BehemothError(f"an int4 group of {group} input channels", "use an even group size of at least 2 (e.g. 64 or 128)")
-    stats, w = QuantStats(), None
-    shared = {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
-    for name, layer in list(module.named_modules()):
-        if not is_linear(layer, name, transposed) or name.startswith(skip) or id(layer.weight) in shared:
-            continue
+    stats = QuantStats()
+    for name, layer in quantizable(module, transposed, skip):
         w, out_dim = layer.weight, _output_dim(layer, name, transposed)
         size = group_for(w.shape[1 - out_dim], group)
-        if size is None:
-            continue
-        packed, scale = quantize_int4_tensor(w, out_dim, size)
-        del layer._parameters["weight"]
-        setattr(layer, INT4, (packed, scale, out_dim, w.dtype))
-        layer.weight = None
-        layer.register_forward_pre_hook(_rebuild)
-        layer.register_forward_hook(_drop)
-        stats.layers += 1
-        stats.weights += w.numel()
-        stats.float_bytes += w.numel() * w.element_size()
-        stats.int8_bytes += packed.numel() + scale.numel() * scale.element_size()  # the quantized bytes (int4 here)
-    del w
+        if size is not None:
+            packed, scale = quantize_int4_tensor(w, out_dim, size)
+            install_quantized(layer, INT4, (packed, scale, out_dim, w.dtype), _rebuild, stats)
+        del w
     release_freed_memory()
     return stats
