@@ -77,6 +77,8 @@ ZERO3_PIPELINE = ("gather every stage's parameters again",)
 OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
+OFFLOAD_SPLIT = ("splits each backward into input- and weight-gradient passes",)
+OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
 OFFLOAD_EXPERTS = ("expert units are not streamed",)
 CP_PIPELINE = ("pipeline stages do not pass context-parallel shards",)
 CP_EXPERTS = ("expert routing over a sharded sequence",)
@@ -136,13 +138,13 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("pp-gpipe", "host", OFFLOAD_PIPELINE),
     ("pp-1f1b", "host", OFFLOAD_PIPELINE),
     ("pp-interleaved", "host", OFFLOAD_PIPELINE),
-    ("pp-zb-h1", "host", OFFLOAD_PIPELINE),
-    ("pp-chimera", "host", OFFLOAD_PIPELINE),
+    ("pp-zb-h1", "host", OFFLOAD_SPLIT),
+    ("pp-chimera", "host", OFFLOAD_REPLICAS),
     ("pp-gpipe", "disk", OFFLOAD_PIPELINE),
     ("pp-1f1b", "disk", OFFLOAD_PIPELINE),
     ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
-    ("pp-zb-h1", "disk", OFFLOAD_PIPELINE),
-    ("pp-chimera", "disk", OFFLOAD_PIPELINE),
+    ("pp-zb-h1", "disk", OFFLOAD_SPLIT),
+    ("pp-chimera", "disk", OFFLOAD_REPLICAS),
     ("ep", "host", OFFLOAD_EXPERTS),
     ("ep", "disk", OFFLOAD_EXPERTS),
     ("host", "disk", TRAINS),  # parameters and gradients in host memory, Adam moments on disk

@@ -20,6 +20,7 @@ from behemoth.offload.budget import MemoryPeak, fit_budget, unit_sizes
 from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
 from behemoth.offload.policy import OffloadPolicy
+from behemoth.offload.stage_order import pipeline_refusal
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import in_device_memory
 from behemoth.parallel.zero.units import plan_units
@@ -129,6 +130,24 @@ def streams(cfg: Any) -> bool:
     return bool(cfg.offload_streams)
 
 
+def pipeline_offload_problem(cfg: Any, dp: int) -> Problem:
+    """Offload under a pipeline, refused in one line: the schedule's own reason where a stage could not follow its passes
+    (offload/stage_order.py), else that the stage streamer is not built (each stage would stream its own units)."""
+    from behemoth.parallel.pipeline.schedules import build_schedule
+
+    plan = cfg.parallel
+    try:
+        why = pipeline_refusal(build_schedule(plan.schedule, plan.pp, cfg.batch_layout(rank_dims(cfg, dp)).accum, plan.schedule_chunks))
+    except BehemothError:
+        why = ""  # an impossible schedule request: pipeline_problems names it
+    reason = why or "pipelines are not streamed: the streamer runs one rank's whole-model unit order, not a stage's passes"
+    return Problem.of(
+        "parallel.pp",
+        f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {reason}",
+        "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
+    )
+
+
 def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
     """Why an offload plan cannot run, before launch, from the config alone (pure); `fit`: also size it against its budget."""
     off, plan = cfg.offload, cfg.parallel
@@ -146,13 +165,7 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
         return []
     out = []
     if plan.pp > 1:
-        out.append(
-            Problem.of(
-                "parallel.pp",
-                f"offload with parallel.pp={plan.pp}: pipelines are not streamed",
-                "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
-            )
-        )
+        out.append(pipeline_offload_problem(cfg, dp))
     if plan.zero_stage in (1, 2):
         out.append(
             Problem.of(

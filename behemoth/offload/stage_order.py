@@ -1,0 +1,53 @@
+"""One pipeline stage's unit visits, derived from the pipeline's own action list (pure).
+
+Under a pipeline each rank would stream only its own stages' units, in the order its schedule runs its compute passes:
+a forward of stage s for micro-batch k visits s's units in forward order, its backward visits them in reverse. Units
+are numbered as in `order.py` (0 the embedding, 1..L the blocks, L+1 the head); `stage_units[s]` are stage s's. The
+last stage's forward ends in the head's forward, loss and backward at once (`FB`), as a streamed step's head does, so
+its backward pass visits the blocks only.
+
+    visits = stage_order(build_schedule("1f1b", 2, 4), rank=1, stage_units=[(0, 1, 2), (3, 4, 5)])
+    plan = plan_residencies(visits, reads={})        # fetches and evictions of that stage
+    swap_bytes(plan, sizes, deferred=False)          # what one step of that stage moves per tier
+
+`pipeline_refusal` says, in one line, why a schedule cannot be streamed this way (empty: it can).
+"""
+
+from __future__ import annotations
+
+from behemoth.offload.order import Action
+from behemoth.parallel.pipeline.actions import Kind, Schedule
+
+
+def pipeline_refusal(schedule: Schedule) -> str:
+    """Why a streamed stage cannot follow `schedule` (empty: it can): the streamer recomputes a unit's forward and runs
+    its whole backward in one stay, and reduces each unit's gradient over its own data-parallel group only."""
+    if schedule.split_backward:
+        return (
+            f"schedule {schedule.name} splits each backward into input- and weight-gradient passes, but a streamed unit "
+            "runs its whole backward (recomputed from its kept input) in one stay"
+        )
+    if any(len(replicas) > 1 for replicas in schedule.stage_ranks):
+        return (
+            f"schedule {schedule.name} keeps two replicas of every stage and all-reduces their gradients (GRAD_SYNC) "
+            "before the step, but a streamed unit's gradient is reduce-scattered and stepped as its backward completes"
+        )
+    if any(a.kind is Kind.RECOMPUTE for actions in schedule.per_rank for a in actions):
+        return f"schedule {schedule.name} recomputes dropped forwards as passes of its own, which a streamed stage already does per unit"
+    return ""
+
+
+def stage_order(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[Action]:
+    """The unit visits of `rank` for one step of `schedule`: its compute passes, each expanded into its stage's units."""
+    why = pipeline_refusal(schedule)
+    if why:
+        raise ValueError(why)
+    head = max(stage_units[-1])
+    out: list[Action] = []
+    for a in schedule.per_rank[rank]:
+        units = stage_units[a.stage]
+        if a.kind is Kind.FORWARD:
+            out += [Action("FB" if u == head else "F", u, a.microbatch) for u in units]
+        elif a.kind is Kind.BACKWARD:
+            out += [Action("B", u, a.microbatch) for u in reversed(units) if u != head]
+    return out

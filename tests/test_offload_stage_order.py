@@ -1,0 +1,59 @@
+"""A pipeline stage's unit visits follow its schedule's own passes (offload/stage_order.py), and the schedules a streamed
+stage cannot follow are named with their reason."""
+
+import pytest
+
+from behemoth.offload.order import harmony_order, plan_residencies
+from behemoth.offload.stage_order import pipeline_refusal, stage_order
+from behemoth.parallel.pipeline.actions import Kind
+from behemoth.parallel.pipeline.schedules import build_schedule
+
+UNITS = [(0, 1, 2), (3, 4, 5)]  # embedding + 2 blocks | 2 blocks + head
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_each_pass_visits_its_stage_units_in_the_schedules_order(name):
+    sch = build_schedule(name, 2, 4)
+    for rank, units in enumerate(UNITS):
+        visits = stage_order(sch, rank, UNITS)
+        passes = [a for a in sch.per_rank[rank] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        expected = []
+        for a in passes:
+            if a.kind is Kind.FORWARD:
+                expected += [("FB" if u == 5 else "F", u, a.microbatch) for u in units]
+            else:
+                expected += [("B", u, a.microbatch) for u in reversed(units) if u != 5]
+        assert [(v.kind, v.unit, v.mb) for v in visits] == expected
+        assert {v.unit for v in visits} == set(units)
+
+
+def test_gpipe_stage_fetches_each_unit_per_micro_batch_and_gradients_complete_once():
+    """GPipe stage 0, 4 micro-batches, 3 units: 12 forward stays, 12 backward ones less the one that the last forward
+    and the first backward share (unit 2); every unit's gradient completes in exactly one stay."""
+    plan = plan_residencies(stage_order(build_schedule("gpipe", 2, 4), 0, UNITS), {})
+    assert len(plan.stays) == 23
+    assert sorted(s.unit for s in plan.stays if s.completes) == [0, 1, 2]
+    whole = plan_residencies([a for a in harmony_order(4, 4) if a.unit in UNITS[0]], {})
+    assert len(whole.stays) == 5  # Harmony: F0, F1, F2 + B2 (one stay), B1, B0
+
+
+@pytest.mark.parametrize(
+    "name,chunks,words",
+    [
+        ("gpipe", 1, ""),
+        ("1f1b", 1, ""),
+        ("interleaved", 2, ""),
+        ("zb-h1", 1, "splits each backward"),
+        ("zbv", 1, "splits each backward"),
+        ("dualpipev", 1, "splits each backward"),
+        ("chimera", 1, "two replicas of every stage"),
+        ("1f1b-scp", 1, "recomputes dropped forwards"),
+    ],
+)
+def test_schedules_a_streamed_stage_cannot_follow_are_named(name, chunks, words):
+    sch = build_schedule(name, 2, 4, chunks)
+    why = pipeline_refusal(sch)
+    assert (words in why and name in why) if words else why == ""
+    if words:
+        with pytest.raises(ValueError, match=words):
+            stage_order(sch, 0, UNITS)
