@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     for dtype, r in got.items():
         print(f"| {dtype} | {r['peak_rss_mib']:.0f} | {r['step_s']:.3f} | {r['loss']:.4f} |")
     rows = [
-        ratio("offload-dtype", model[0], "offload fp32", "peak RSS", got["bf16"]["peak_rss_mib"], got["fp32"]["peak_rss_mib"], higher_is_better=False),
+        ratio(
+            "offload-dtype", model[0], "offload fp32", "peak RSS", got["bf16"]["peak_rss_mib"], got["fp32"]["peak_rss_mib"], higher_is_better=False
+        ),
         ratio("offload-dtype", model[0], "offload fp32", "step time", got["bf16"]["step_s"], got["fp32"]["step_s"], higher_is_better=False),
     ]
     for r in rows:
