@@ -163,7 +163,11 @@ class Engine:
 
 def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
-    offload = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip) if cfg.offload.enabled else None
+    offload = (
+        OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype)
+        if cfg.offload.enabled
+        else None
+    )
     return parallelize(
         build_causal_lm(cfg.model, cfg.hf),
         cfg.parallel,

@@ -116,15 +116,16 @@ class ParallelPlan(BaseModel):
             return [Problem.of("--nproc", f"--nproc {world_size} is not a process count", "use --nproc 1 or more")]
         return collect("parallel", self.dims, world_size)
 
-    def combination_problems(self) -> list[Problem]:
-        """Settings that cannot go together, whatever the model and world."""
+    def combination_problems(self, *, streamed: bool = False) -> list[Problem]:
+        """Settings that cannot go together, whatever the model and world (`streamed`: offload streams ZeRO-3's units,
+        whose float32 masters it keeps, at any zero_stage)."""
         out = []
-        if self.param_dtype != "fp32" and self.zero_stage == 0:
+        if self.param_dtype != "fp32" and self.zero_stage == 0 and not streamed:
             out.append(
                 Problem.of(
                     "parallel.param_dtype",
-                    f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO keeps",
-                    "set parallel.zero_stage=1, 2 or 3 (or use train.precision=bf16 autocast)",
+                    f"parallel.param_dtype={self.param_dtype} needs float32 master weights, which ZeRO (or offload) keeps",
+                    "set parallel.zero_stage=1, 2 or 3, or offload the states (offload.params=...), or use train.precision=bf16 autocast",
                 )
             )
         if self.zero_stage == 3 and self.pp > 1:

@@ -297,7 +297,8 @@ def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
     if cfg.offload.enabled:
         off = cfg.offload
         line += (
-            f"\nbehemoth: offload: params {off.params}, grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
+            f"\nbehemoth: offload: params {off.params}{' (float32 masters, bf16 compute)' if cfg.parallel.param_dtype == 'bf16' else ''}, "
+            f"grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
             f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else "")
         )
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}

@@ -4,19 +4,23 @@ Bytes a rank holds at the worst moment of a step, on the compute device:
 
 - states kept in memory: every shard whose tier is device memory (`device`, and `host` on a CPU-only machine);
 - the resident units of one action (the head with a tied embedding is two): full flat parameters, their
-  gradient and, over several ranks, this rank's shard kept for the step;
+  gradient and, over several ranks or in bf16, this rank's float32 shard kept for the step;
 - prefetched stays: a parameter shard each (and a waiting gradient shard);
 - background jobs in flight: an optimizer step holds a parameter, gradient and state shard and Adam's
   temporaries (two float32 moments' worth; the 8-bit kernel works on dequantized moments);
 - activations: every block's input for every micro-batch (kept at block boundaries), one boundary's
   gradients, one block recomputed with its backward, and the head's logits and their gradient.
 
+With parallel.param_dtype=bf16 the gathered parameters, gradients and activations take 2 bytes an element
+(`UnitSize.compute`, `ActivationShape.dtype_bytes`); master shards and moments stay float32, and a step
+casts its bf16 gradient shard to float32 (one more float32 shard).
+
 The runtime and `behemoth estimate` both use this model; the tests measure the resident set against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from behemoth.errors import BehemothError
 from behemoth.offload.order import make_order, plan_residencies, stores_grads
@@ -36,6 +40,17 @@ class UnitSize:
     shard: int
     state_bytes: int
     frozen: bool = False  # a frozen base's unit (LoRA): no gradient, no step
+    compute: int = F32  # bytes of an element as computed with (and of its gradient): 2 with bf16 parameters
+
+    @property
+    def stored(self) -> int:
+        """Bytes of an element of the stored parameter shard: a float32 master (a frozen unit: the compute dtype)."""
+        return self.compute if self.frozen else F32
+
+    @property
+    def kept_shard(self) -> int:
+        """Bytes of the fetched shard kept beside the gathered parameters (none when they are the shard itself)."""
+        return self.shard * self.stored
 
 
 @dataclass(frozen=True)
@@ -49,27 +64,30 @@ class ActivationShape:
     vocab: int
     n_layer: int
     microbatches: int
+    dtype_bytes: int = F32  # of an activation element: 2 with bf16 parameters
 
 
 def activation_bytes(a: ActivationShape) -> int:
     """Block inputs of every micro-batch, one boundary's gradients, one block's recomputation and the head's logits."""
-    token = a.micro_batch * a.seq_len
-    boundaries = (a.n_layer + 1) * a.microbatches * token * a.d_model * F32
-    grads = a.microbatches * token * a.d_model * F32
-    block = 2 * token * (8 * a.d_model + 2 * a.ffn) * F32  # saved tensors and their gradients during one backward
-    head = 3 * token * a.vocab * F32  # logits, their float32 copy in the loss, their gradient
+    token, c = a.micro_batch * a.seq_len, a.dtype_bytes
+    boundaries = (a.n_layer + 1) * a.microbatches * token * a.d_model * c
+    grads = a.microbatches * token * a.d_model * c
+    block = 2 * token * (8 * a.d_model + 2 * a.ffn) * c  # saved tensors and their gradients during one backward
+    head = token * a.vocab * (2 * c + F32)  # logits, their float32 copy in the loss, their gradient
     return boundaries + grads + block + head
 
 
 def job_bytes(u: UnitSize) -> int:
     """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries (it steps at most CHUNK
-    elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks)."""
-    return 0 if u.frozen else u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
+    elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks); a bf16
+    gradient is stepped as a float32 copy."""
+    cast = u.shard * F32 if u.compute != F32 else 0
+    return 0 if u.frozen else u.shard * (F32 + u.compute) + cast + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
 
 
 def queued_bytes(u: UnitSize) -> int:
     """A step waiting for an I/O thread: its parameter and gradient shards."""
-    return 0 if u.frozen else u.shard * F32 * 2
+    return 0 if u.frozen else u.shard * (F32 + u.compute)
 
 
 @dataclass(frozen=True)
@@ -100,10 +118,12 @@ def peak_bytes(
 ) -> MemoryPeak:
     """The step's peak: see the module docstring. `sharded`: more than one data-parallel rank (a shard is kept apart);
     of `in_flight` jobs, `io_threads` run and the others wait with their inputs."""
-    per_unit = [u.full * F32 * (1 if u.frozen else 2) + (u.shard * F32 if sharded else 0) for u in units]
+    per_unit = [u.full * u.compute * (1 if u.frozen else 2) + (u.kept_shard if sharded or u.stored != u.compute else 0) for u in units]
     resident = max(per_unit, default=0) + (per_unit[0] if tied and units else 0)
     largest_shard = max((u.shard for u in units), default=0)
-    prefetched = prefetch * largest_shard * F32 * (1 if units and all(u.frozen for u in units) else 2)
+    still = bool(units) and all(u.frozen for u in units)
+    element = max((u.stored for u in units), default=F32) + (0 if still else max((u.compute for u in units), default=F32))
+    prefetched = prefetch * largest_shard * element  # a parameter shard as stored and a waiting gradient shard
     running = min(in_flight, io_threads)
     jobs = running * max((job_bytes(u) for u in units), default=0) + (in_flight - running) * max((queued_bytes(u) for u in units), default=0)
     return MemoryPeak(in_memory_states, resident, prefetched, jobs, activation_bytes(act))
@@ -132,12 +152,14 @@ def fit_prefetch(
     return None
 
 
-def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int, frozen: list[bool] | None = None) -> list[UnitSize]:
-    """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits; a frozen unit has none)."""
+def unit_sizes(layouts: list[FlatLayout], rank: int, bits: int, frozen: list[bool] | None = None, compute: int = F32) -> list[UnitSize]:
+    """Each unit's size on `rank` from its flat layout (the optimizer's state from its bits; a frozen unit has none;
+    `compute`: bytes of an element as computed with)."""
     out = []
     for i, lay in enumerate(layouts):
         still = bool(frozen and frozen[i])
-        out.append(UnitSize(lay.padded, lay.shard_size, 0 if still else state_bytes(shard_pieces(lay, rank), lay.shard_size, bits), still))
+        moments = 0 if still else state_bytes(shard_pieces(lay, rank), lay.shard_size, bits)
+        out.append(UnitSize(lay.padded, lay.shard_size, moments, still, compute))
     return out
 
 
@@ -145,9 +167,9 @@ def in_memory_state_bytes(units: list[UnitSize], tiers: dict[str, str], device_t
     """Bytes of the states whose tier is device memory (`tiers`: kind -> tier name; the gradient tier only if used)."""
     total = 0
     if in_device_memory(tiers["params"], device_type):
-        total += sum(u.shard * F32 for u in units)
+        total += sum(u.shard * u.stored for u in units)
     if grads_stored and in_device_memory(tiers["grads"], device_type):
-        total += sum(u.shard * F32 for u in units if not u.frozen)
+        total += sum(u.shard * u.compute for u in units if not u.frozen)
     if in_device_memory(tiers["optimizer"], device_type):
         total += sum(u.state_bytes for u in units)
     return total
@@ -165,7 +187,8 @@ def fit_budget(
 ) -> tuple[int, int, MemoryPeak]:
     """(prefetch depth, jobs in flight, peak) for the policy within its budget (`frozen`: which units are a frozen
     base's, with no gradient or step); a one-line refusal when nothing fits."""
-    sizes = unit_sizes(layouts, rank, policy.bits, frozen)
+    sizes = unit_sizes(layouts, rank, policy.bits, frozen, policy.compute_bytes)
+    act = replace(act, dtype_bytes=policy.compute_bytes)
     plan = plan_residencies(make_order(policy.order, act.n_layer, act.microbatches), {len(layouts) - 1: (0,)} if tied else {})
     held = in_memory_state_bytes(sizes, policy.tiers, device_type, grads_stored=stores_grads(plan, deferred=not policy.fused))
     sharded = layouts[0].world > 1 if layouts else False

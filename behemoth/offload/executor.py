@@ -229,7 +229,8 @@ class Streamer:
         self.fetching.discard(stay.unit)
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
-        full = store.gather(shard)[0] if self.world > 1 else shard
+        compute = store.compute_shard(shard)
+        full = store.gather(compute)[0] if self.world > 1 else compute
         self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads and not store.frozen), waiting)
 
     def install(self, action: Action) -> None:
@@ -249,7 +250,7 @@ class Streamer:
             return
         store, grad = loaded.store, loaded.flat.grad
         if grad is None:  # the unit took no part in this rank's loss: it still joins the sum
-            grad = torch.zeros(store.layout.padded, dtype=torch.float32, device=self.device)
+            grad = torch.zeros(store.layout.padded, dtype=store.compute_dtype, device=self.device)
         loaded.flat.grad = None
         if self.world > 1:
             store.reduce_scatter(grad)

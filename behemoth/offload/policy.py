@@ -25,14 +25,16 @@ class OffloadPolicy:
     fused: bool = False  # step during backward (no clipping) or deferred to the next fetch
     bits: int = 32
     max_memory_bytes: float | None = None  # the budget the prefetch depth and the jobs in flight must fit
+    param_dtype: str = "fp32"  # parallel.param_dtype: units computed with in bf16, float32 masters on their tier (as ZeRO-3)
 
     def __post_init__(self) -> None:
         for kind in ("params", "grads", "optimizer"):
             object.__setattr__(self, kind, tier_name(getattr(self, kind)))
 
     @classmethod
-    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float) -> OffloadPolicy:
-        """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping)."""
+    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float, param_dtype: str = "fp32") -> OffloadPolicy:
+        """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping;
+        `param_dtype`: parallel.param_dtype)."""
         fused = steps_in_backward(offload.step, grad_clip)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
         return cls(
@@ -47,6 +49,7 @@ class OffloadPolicy:
             fused,
             offload.optimizer_bits,
             budget,
+            param_dtype,
         )
 
     @property
@@ -58,6 +61,11 @@ class OffloadPolicy:
         """Only the optimizer's float32 moments off the device, in host memory: at ZeRO stages 1-2 that is ZeRO-Offload
         (the ZeRO sync keeps its moments on the host tier; nothing streams)."""
         return self.params == self.grads == "device" and self.optimizer == "host" and self.bits == 32
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one element of a unit as computed with (and of its gradient): 2 for bf16, 4 for float32."""
+        return 2 if self.param_dtype == "bf16" else 4
 
     @property
     def uses_disk(self) -> bool:

@@ -10,6 +10,11 @@ Each rank keeps its 1/dp shard of every unit (the ZeRO-3 partition) on the tiers
 streams only that shard; the model is all-gathered unit by unit for compute by the unit runtime in-memory
 ZeRO-3 runs (parallel/zero/units.py `UnitRuntime`). The optimizer step happens where the state lives, unit
 by unit, during backward (fused) or at the unit's next fetch (deferred): stepper.py.
+
+With parallel.param_dtype=bf16 the precision is ZeRO-3's: float32 master shards and moments stay on their tiers; a
+fetched shard is cast to bf16 and the unit all-gathered and computed with in bf16; its gradient is reduce-scattered,
+accumulated (and, partial or deferred, kept on the gradient tier) in bf16, clipped in bf16 and stepped in float32.
+Checkpoints hold the float32 masters, so they load into any layout and either dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, ini
 from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
+from behemoth.parallel.zero.runtime import DTYPES
 from behemoth.parallel.zero.tiers import make_tier
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
@@ -103,7 +109,7 @@ class OffloadSync(GradSync):
         A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder."""
         from_folder = FolderShards(value, self.tiers.params) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
         for i, spec in enumerate(self.specs):
-            store = UnitStore(i, spec, self.group, self.tiers, self.meter)
+            store = UnitStore(i, spec, self.group, self.tiers, self.meter, compute_dtype=DTYPES[self.policy.param_dtype])
             if spec.frozen and from_folder is not None:
                 store.source = from_folder.plan(spec, store.layout, store.rank)
             else:

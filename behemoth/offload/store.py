@@ -79,8 +79,18 @@ class PendingStep:
 class UnitStore(UnitRuntime):
     """A ZeRO-3 unit whose shard of parameters, gradients and optimizer state lives on tiers, by key."""
 
-    def __init__(self, index: int, spec: UnitSpec, group: dist.ProcessGroup, tiers: Tiers, meter: CommMeter | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        spec: UnitSpec,
+        group: dist.ProcessGroup,
+        tiers: Tiers,
+        meter: CommMeter | None = None,
+        *,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.index, self.spec, self.tiers, self.group, self.meter = index, spec, tiers, group, meter
+        self.compute_dtype = compute_dtype  # the gathered parameters and the gradient; masters and moments stay float32
         rank = self.rank = dist.get_rank(group)
         self.layout = FlatLayout(spec.names, spec.shapes, dist.get_world_size(group))
         self.raw_pieces = self.layout.pieces(rank)
@@ -94,10 +104,20 @@ class UnitStore(UnitRuntime):
         self.frozen = spec.frozen  # a LoRA base: read-only, no gradient, no optimizer state
         self.source: FrozenShard | None = None  # a frozen unit read straight from its model folder at every fetch
 
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The parameter shard's dtype on its tier: float32 masters; a frozen unit (no step) in the compute dtype, as ZeRO-3."""
+        return self.compute_dtype if self.frozen else torch.float32
+
     def allocate_params(self, initial: torch.Tensor) -> None:
         """Create the unit's parameter shard on its tier, holding `initial`."""
-        self.tiers.params.allocate(self.p_key, self.shard_size, torch.float32)
-        self.tiers.params.store(self.p_key, initial)
+        self.tiers.params.allocate(self.p_key, self.shard_size, self.stored_dtype)
+        self.tiers.params.store(self.p_key, initial.to(self.stored_dtype))
+
+    def compute_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """The fetched shard in the compute dtype, the one all-gathered and computed with (bf16 from the float32 master,
+        as ZeRO-3 keeps its compute copy; the shard itself when the dtypes agree)."""
+        return shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
 
     def attach_optimizer(self, adam: AdamFP32 | Adam8bit) -> None:
         """The optimizer that steps this unit; its zero state is created on the optimizer tier now (a frozen unit: none)."""
@@ -114,7 +134,7 @@ class UnitStore(UnitRuntime):
     def load(self, pending: PendingStep | None, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The parameter shard (stepped first if a step is owed) and, if asked, the gradient waiting on its tier."""
         if self.source is not None:
-            return self.source.read().to(self.tiers.params.device), None
+            return self.source.read().to(self.tiers.params.device, self.stored_dtype), None
         p = self.tiers.params.fetch(self.p_key)
         if pending is not None:
             self.apply_step(p, self.tiers.grads.fetch(self.g_key), pending)
@@ -122,16 +142,22 @@ class UnitStore(UnitRuntime):
         return p, g
 
     def apply_step(self, p: torch.Tensor, g: torch.Tensor, step: PendingStep) -> None:
-        """AdamW where the state lives: read it, update parameters and state, write both back."""
+        """AdamW where the state lives: read it, update parameters and state, write both back. A bf16 gradient is clipped in
+        its dtype and stepped in float32, as ZeRO-3 clips (parallel/clip.py) and steps (zero/optim.py) it."""
         state = {name: self.tiers.optimizer.fetch(key) for name, key in self.state_keys.items()}
-        self.adam.step(p, g, state, self.pieces, lr=step.lr, coef=step.coef, step=step.step)
+        coef = step.coef
+        if g.dtype != torch.float32:
+            if coef != 1.0:
+                g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
+            g, coef = g.float(), 1.0
+        self.adam.step(p, g, state, self.pieces, lr=step.lr, coef=coef, step=step.step)
         self.tiers.params.store(self.p_key, p)
         for name, key in self.state_keys.items():
             self.tiers.optimizer.store(key, state[name])
 
     def save_grad(self, g: torch.Tensor) -> None:
         if not self.tiers.grads.has(self.g_key):  # created on first use: many plans never need it
-            self.tiers.grads.allocate(self.g_key, self.shard_size, torch.float32)
+            self.tiers.grads.allocate(self.g_key, self.shard_size, self.compute_dtype)
         self.tiers.grads.store(self.g_key, g)
 
     # --- checkpoints: views of the stored data (memory maps for files) ---

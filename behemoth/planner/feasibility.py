@@ -31,7 +31,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     """Every reason `cfg` cannot run on `world` processes (empty: it can)."""
     plan = cfg.parallel
     model = [Problem("hf", message) for message in model_problems(cfg.model, cfg.hf, plan)]
-    out = model + plan.dims_problems(world) + plan.combination_problems()
+    out = model + plan.dims_problems(world) + plan.combination_problems(streamed=streams(cfg))
     if not model:  # a model that cannot be built has no shape to split
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)

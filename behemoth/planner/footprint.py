@@ -92,6 +92,8 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
     if lay.offload.enabled:
         k = OFFLOAD_MOMENT_BYTES[lay.offload.bits]
+    if lay.offload.streams:  # the float32 master is the stored shard; a bf16 compute copy exists only while gathered
+        p = 4
     dense = elements - experts
 
     def per_rank(nbytes: int, sharded_from: int) -> float:
@@ -111,9 +113,10 @@ def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blo
     """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks);
     offloaded, the units resident on the device (1 + offload.prefetch) and one unit's gradient."""
     p = STATE_BYTES_ZERO0[0] if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][0]
-    if lay.offload.streams:
+    if lay.offload.streams:  # gathered units and one gradient in the compute dtype (bf16: and the float32 shard kept)
         window = min(1 + lay.offload.prefetch, max(1, blocks)) * share.block
-        return 4 * max(window, share.embed, share.head + share.tied) + 4 * share.block
+        c = BYTES_PER_PARAM[work.param_dtype][0] if lay.zero else 4
+        return c * max(window, share.embed, share.head + share.tied) + (c + (4 if c != 4 else 0)) * share.block
     if lay.zero == 2:
         return min(elements * p, (MAX_BUCKETS_IN_FLIGHT + 1) * work.bucket_mb * 2**20)
     if lay.zero == 3:

@@ -84,21 +84,21 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     lm, tp = rank_model(cfg, dims).lm, dims.tp  # split by tp on meta, then cut into units over dp, as parallelize does
     specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
     layouts = [FlatLayout(s.names, s.shapes, dp) for s in specs]
-    policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
+    policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype)
     batch = cfg.batch_layout(dims)
     shape = lm.shape
     act = offload_activations(lm, batch, cfg.seq_len, tp)
     tied = bool(specs[-1].reads)
     prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
-    sizes = unit_sizes(layouts, 0, policy.bits)
+    sizes = unit_sizes(layouts, 0, policy.bits, compute=policy.compute_bytes)  # float32 masters; bf16 gradients with bf16 params
     plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), {len(specs) - 1: (0,)} if tied else {})
     grads_kept = stores_grads(plan, deferred=not policy.fused)
     stored = {
-        "params": sum(4 * u.shard for u in sizes),
-        "grads": sum(4 * u.shard for u in sizes) if grads_kept else 0,
+        "params": sum(u.stored * u.shard for u in sizes),
+        "grads": sum(u.compute * u.shard for u in sizes) if grads_kept else 0,
         "optimizer": sum(u.state_bytes for u in sizes),
     }
-    moved = swap_bytes(plan, [StateSizes(4 * u.shard, 4 * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
+    moved = swap_bytes(plan, [StateSizes(u.stored * u.shard, u.compute * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
     flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
     return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak, prefetch, flops, len(specs))
@@ -175,15 +175,6 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
                 "shards (at stages 1-2 only the optimizer's float32 moments move, to host memory: ZeRO-Offload)",
                 f"set parallel.zero_stage=3, or keep parameters and gradients on the device with offload.optimizer=host "
                 f"(offload.optimizer_bits=32) at stage {plan.zero_stage}",
-            )
-        )
-    if plan.param_dtype != "fp32":
-        out.append(
-            Problem.of(
-                "parallel.param_dtype",
-                f"parallel.param_dtype={plan.param_dtype} with offload: a streamed unit is gathered from its float32 shard as stored "
-                "and computed with (no bf16 compute copy of a shard is kept or gathered, so there is none to cast to)",
-                "use train.precision=bf16 (autocast: bf16 compute from the float32 weights)",
             )
         )
     if off.step == "fused" and cfg.train.grad_clip > 0:

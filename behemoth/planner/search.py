@@ -102,12 +102,12 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
 
 def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
     """Whether the runtime can run this placement at this stage (`offload_problems`): ZeRO-Offload's moments at stages
-    1-2, streamed units at stage 3 without a pipeline, float32 compute parameters, no streamed experts."""
+    1-2, streamed units at stage 3 without a pipeline (float32 or bf16 compute parameters), no streamed experts."""
     if not off.enabled:
         return True
     if off.zero_offload:
         return zero in (1, 2)
-    return zero == 3 and pp == 1 and work.param_dtype == "fp32" and not any(work.census.shape.experts)
+    return zero == 3 and pp == 1 and not any(work.census.shape.experts)
 
 
 def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec, offload: tuple[Offload, ...] | None = None) -> list[Layout]:
