@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -83,19 +83,19 @@ def _drop(module: nn.Module, _args: tuple, _out: object) -> None:
     module.weight = None  # the float weight lives only while the layer runs
 
 
-def quantizable(module: nn.Module, transposed: frozenset[str], skip: tuple[str, ...]) -> Iterator[tuple[str, nn.Module]]:
-    """The linear layers of `module` to quantize: all but those under a `skip` prefix and those whose weight an
-    embedding shares (a tied head stays in floating point with its embedding)."""
+def quantizable(module: nn.Module, transposed: frozenset[str], skip: tuple[str, ...]) -> Iterator[tuple[str, nn.Module, torch.Tensor]]:
+    """The linear layers of `module` to quantize, with their weights: all but those under a `skip` prefix and those
+    whose weight an embedding shares (a tied head stays in floating point with its embedding)."""
     shared = {id(m.weight) for m in module.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
     for name, layer in list(module.named_modules()):
         if is_linear(layer, name, transposed) and not name.startswith(skip) and id(layer.weight) not in shared:
-            yield name, layer
+            yield name, layer, cast(torch.Tensor, layer.weight)
 
 
 def install_quantized(layer: nn.Module, attr: str, stored: tuple, rebuild: Callable[[nn.Module, tuple], None], stats: QuantStats) -> None:
     """Replace `layer`'s float weight by `stored` (its quantized tensors first, then anything `rebuild` needs), rebuilt
     by `rebuild` just before the layer runs and dropped after; the bytes of the stored tensors are counted."""
-    w = layer._parameters.pop("weight")
+    w = cast(torch.Tensor, layer._parameters.pop("weight"))
     setattr(layer, attr, stored)
     layer.weight = None
     layer.register_forward_pre_hook(rebuild)
@@ -110,8 +110,7 @@ def install_quantized(layer: nn.Module, attr: str, stored: tuple, rebuild: Calla
 def quantize_int8(module: nn.Module, *, transposed: frozenset[str] = frozenset(), skip: tuple[str, ...] = ()) -> QuantStats:
     """Quantize every linear weight of `module` (but those under a `skip` prefix, and weights shared with an embedding)."""
     stats = QuantStats()
-    for name, layer in quantizable(module, transposed, skip):
-        w = layer.weight
+    for name, layer, w in quantizable(module, transposed, skip):
         q, scale = quantize_tensor(w, _output_dim(layer, name, transposed), layer.tp if isinstance(layer, RowParallelLinear) else None)
         install_quantized(layer, QUANTIZED, (q, scale, w.dtype), _rebuild, stats)
         del w

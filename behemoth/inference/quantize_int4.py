@@ -57,8 +57,8 @@ def quantize_int4(module: nn.Module, *, transposed: frozenset[str] = frozenset()
     if group < 2 or group % 2:
         raise BehemothError(f"an int4 group of {group} input channels", "use an even group size of at least 2 (e.g. 64 or 128)")
     stats = QuantStats()
-    for name, layer in quantizable(module, transposed, skip):
-        w, out_dim = layer.weight, _output_dim(layer, name, transposed)
+    for name, layer, w in quantizable(module, transposed, skip):
+        out_dim = _output_dim(layer, name, transposed)
         size = group_for(w.shape[1 - out_dim], group)
         if size is not None:
             packed, scale = quantize_int4_tensor(w, out_dim, size)
