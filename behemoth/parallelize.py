@@ -333,8 +333,8 @@ def parallelize(
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
-        if pipeline is not None or experts is not None:
-            raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
+        if pipeline is not None or rt.dims.ep > 1:
+            raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts over ep > 1")
         frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
         units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied, frozen_only=frozen)
         apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
@@ -343,7 +343,7 @@ def parallelize(
         if frozen:
             materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
             adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
-        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, executor=StreamedSteps(sync, adapters))
+        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)

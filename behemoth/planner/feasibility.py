@@ -150,14 +150,14 @@ def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
     """Offload of a mixture-of-experts model: the streamer holds dense ZeRO-3 units only (parallelize() would refuse it
     at run time, after launch)."""
     experts = sorted({e for e in shape.experts if e})
-    if not streams(cfg) or not experts:
+    if not streams(cfg) or not experts or cfg.parallel.ep == 1:  # at ep = 1 a block's experts stream with its unit
         return []
     return [
         Problem.of(
             "offload",
             f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}): "
-            "expert units are not streamed, offload holds dense ZeRO-3 units only",
-            "keep the model states in memory (offload.params=device, offload.optimizer=device) or train a dense model",
+            "expert units sharded over ep are not streamed, offload holds each block's experts whole in its unit (ep=1 only)",
+            "set parallel.ep=1 (the experts stream with their block), or keep the model states in memory (offload.params=device, offload.optimizer=device)",
         )
     ]
 
