@@ -77,7 +77,6 @@ ZERO3_PIPELINE = ("gather every stage's parameters again",)
 OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
-OFFLOAD_EXPERTS = ("expert units sharded over ep are not streamed",)
 CP_PIPELINE = ("pipeline stages do not pass context-parallel shards",)
 CP_EXPERTS = ("expert routing over a sharded sequence",)
 CP_OFFLOAD = ("cp ranks are not streamed",)
@@ -143,8 +142,8 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
     ("pp-zb-h1", "disk", OFFLOAD_PIPELINE),
     ("pp-chimera", "disk", OFFLOAD_PIPELINE),
-    ("ep", "host", OFFLOAD_EXPERTS),
-    ("ep", "disk", OFFLOAD_EXPERTS),
+    ("ep", "host", TRAINS),
+    ("ep", "disk", TRAINS),
     ("host", "disk", TRAINS),  # parameters and gradients in host memory, Adam moments on disk
     ("dp", "cp", TRAINS),
     ("zero1", "cp", TRAINS),

@@ -229,7 +229,7 @@ class Streamer:
         self.fetching.discard(stay.unit)
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
-        full = store.gather(shard)[0] if self.world > 1 else shard
+        full = store.gather(shard)[0] if store.layout.world > 1 else shard
         self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads and not store.frozen), waiting)
 
     def install(self, action: Action) -> None:
@@ -251,7 +251,7 @@ class Streamer:
         if grad is None:  # the unit took no part in this rank's loss: it still joins the sum
             grad = torch.zeros(store.layout.padded, dtype=torch.float32, device=self.device)
         loaded.flat.grad = None
-        if self.world > 1:
+        if store.layout.world > 1:
             store.reduce_scatter(grad)
             grad = store.shard_of(grad).clone()
         if loaded.waiting is not None:
