@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.common import assert_close_runs, tiny_config
+from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
 
@@ -26,3 +26,17 @@ def test_moe_offload_over_ep_trains_the_single_process_curve(tmp_path):
     ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "moe")], timeout=120)[0][0]
     got = run_ranks(2, train_plans, [offload_config(tmp_path / "ep2", "disk", "parallel.ep=2")], timeout=240)[0][0]
     assert_close_runs(ref, got)
+
+
+MOVES = [(2, ["parallel.ep=2", "offload.params=disk", "offload.optimizer=disk"], 1, []), (1, [], 2, ["parallel.ep=2", "offload.params=host", "offload.optimizer=host"])]
+
+
+@pytest.mark.parametrize("w1, place1, w2, place2", MOVES, ids=["ep2-disk-to-memory", "memory-to-ep2-host"])
+def test_moe_offload_checkpoint_moves_between_ep_layouts(tmp_path, w1, place1, w2, place2):
+    """An offloaded MoE run's checkpoint (its experts saved from each rank's streamed shards) resumes on another ep
+    layout in memory, and the reverse: the resumed run continues the curve."""
+    steps = ["model.n_layer=2", "train.steps=4", "train.eval_every=0", "checkpoint.every=2", "checkpoint.async_save=false"]
+    full = run_ranks(w1, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place1))[0]
+    resumed = run_ranks(w2, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place2), str(tmp_path / "checkpoints/step_0000002"))[0]
+    assert resumed["start"] == 2
+    assert_close_runs({"losses": full["losses"][2:], "weights": full["weights"]}, resumed)
