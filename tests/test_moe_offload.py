@@ -40,3 +40,33 @@ def test_moe_offload_checkpoint_moves_between_ep_layouts(tmp_path, w1, place1, w
     resumed = run_ranks(w2, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place2), str(tmp_path / "checkpoints/step_0000002"))[0]
     assert resumed["start"] == 2
     assert_close_runs({"losses": full["losses"][2:], "weights": full["weights"]}, resumed)
+
+
+def _bytes_body(cfg_dict):
+    """Three steps of the engine on this rank's micro-batches; the last step's counted bytes and the planner's."""
+    import torch
+
+    from behemoth.config import Config
+    from behemoth.engine import build_engine
+    from behemoth.planner.offload import offload_estimate, rank_dims
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(timeout_s=60, **cfg.parallel.degrees())
+    engine = build_engine(cfg, rt)
+    layout = cfg.batch_layout(rank_dims(cfg, rt.dims.dp))
+    tokens = torch.randint(0, 256, (layout.accum * layout.micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rt.rank))
+    batch = [(t[:, :-1], t[:, 1:]) for t in tokens.split(layout.micro_batch)]
+    for _ in range(3):
+        engine.train_step(batch, lr=1e-3)
+    counted = {k: tuple(v) for k, v in engine.model.syncs[0].step_bytes().items()}
+    engine.close()
+    rt.close()
+    return counted, offload_estimate(cfg, rt.dims.dp).moved
+
+
+def test_the_planner_counts_the_bytes_an_offloaded_moe_moves(tmp_path):
+    """offload_estimate (on meta) moves the bytes the streamer counts, expert units included, at ep = 2."""
+    cfg = offload_config(tmp_path, "disk", "parallel.ep=2", "offload.step=deferred")
+    counted, planned = run_ranks(2, _bytes_body, cfg, timeout=120)[0]
+    assert counted == planned and counted["params"][0] > 0

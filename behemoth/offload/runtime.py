@@ -221,12 +221,13 @@ def refuse_root_units(units: list[UnitSpec]) -> None:
         raise BehemothError(f"offload streams the embedding, blocks and head; {names[0]} belongs to none of them", "train this model without offload")
 
 
-def stream_order(units: list[UnitSpec]) -> tuple[list[UnitSpec], dict[int, tuple[int, ...]]]:
+def stream_order(units: list[UnitSpec], apart: list[bool] | None = None) -> tuple[list[UnitSpec], dict[int, tuple[int, ...]]]:
     """The units numbered as the streamer visits them (embedding, blocks, head: order.py), then each block's expert unit
-    (ZeRO-3 with experts over ep splits it off its block, over the experts' group); `reads`: the units an action needs
-    besides its own (a block its experts, a tied head the embedding)."""
-    dense = [u for u in units if u.group is None]
-    experts = [u for u in units if u.group is not None]
+    (ZeRO-3 with experts over ep splits it off its block, over the experts' group; `apart` marks them, by default those
+    with a group); `reads`: the units an action needs besides its own (a block its experts, a tied head the embedding)."""
+    apart = apart if apart is not None else [u.group is not None for u in units]
+    dense = [u for u, e in zip(units, apart) if not e]
+    experts = [u for u, e in zip(units, apart) if e]
     reads: dict[int, tuple[int, ...]] = {}
     for j, spec in enumerate(experts):
         block = units[units.index(spec) - 1]  # split_expert_units puts a block's experts right after it
