@@ -70,3 +70,11 @@ def test_the_planner_counts_the_bytes_an_offloaded_moe_moves(tmp_path):
     cfg = offload_config(tmp_path, "disk", "parallel.ep=2", "offload.step=deferred")
     counted, planned = run_ranks(2, _bytes_body, cfg, timeout=120)[0]
     assert counted == planned and counted["params"][0] > 0
+
+
+@pytest.mark.slow
+def test_moe_offload_over_dp_and_ep_trains_the_single_process_curve(tmp_path):
+    """dp=2 x ep=2: each expert unit sharded over the 2 ranks holding the same experts, the dense ones over all 4."""
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "moe")], timeout=120)[0][0]
+    got = run_ranks(4, train_plans, [offload_config(tmp_path / "dp2ep2", "host", "parallel.ep=2", "parallel.dp=2")], timeout=300)[0][0]
+    assert_close_runs(ref, got)
