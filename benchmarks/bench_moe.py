@@ -388,13 +388,26 @@ def offload_vs_memory(args: dict) -> str:
         with tempfile.TemporaryDirectory(prefix="bench-moe-offload-") as run_dir:
             memory = measure("behemoth", ep, args, [f"parallel.ep={ep}", f"run.dir={run_dir}/m"], f"in memory ep={ep}")
             disk = measure(
-                "behemoth", ep, args, [f"parallel.ep={ep}", f"run.dir={run_dir}/d", "offload.params=disk", "offload.optimizer=disk"], f"offload disk ep={ep}"
+                "behemoth",
+                ep,
+                args,
+                [f"parallel.ep={ep}", f"run.dir={run_dir}/d", "offload.params=disk", "offload.optimizer=disk"],
+                f"offload disk ep={ep}",
             )
         for r in (memory, disk):
             step_s = args["batch"] * args["seq"] / r["tokens_per_s"]
             ratio_cell = f"{memory['tokens_per_s'] / disk['tokens_per_s']:.2f}" if r is disk else ""
             rows.append(f"| {ep} | {r['label'].rsplit(' ', 1)[0]} | {step_s:.3f} | {ratio_cell} | {r['peak_rss_mib']:.0f} | {r['moved_mib']:.1f} |")
-        ROWS.append(ratio("mixture of experts", f"{' '.join(args['model'])}, ep={ep}, offload disk", "in memory", "tokens/s", disk["tokens_per_s"], memory["tokens_per_s"]))
+        ROWS.append(
+            ratio(
+                "mixture of experts",
+                f"{' '.join(args['model'])}, ep={ep}, offload disk",
+                "in memory",
+                "tokens/s",
+                disk["tokens_per_s"],
+                memory["tokens_per_s"],
+            )
+        )
     return "\n".join(rows) + "\n"
 
 

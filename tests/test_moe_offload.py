@@ -28,7 +28,10 @@ def test_moe_offload_over_ep_trains_the_single_process_curve(tmp_path):
     assert_close_runs(ref, got)
 
 
-MOVES = [(2, ["parallel.ep=2", "offload.params=disk", "offload.optimizer=disk"], 1, []), (1, [], 2, ["parallel.ep=2", "offload.params=host", "offload.optimizer=host"])]
+MOVES = [
+    (2, ["parallel.ep=2", "offload.params=disk", "offload.optimizer=disk"], 1, []),
+    (1, [], 2, ["parallel.ep=2", "offload.params=host", "offload.optimizer=host"]),
+]
 
 
 @pytest.mark.parametrize("w1, place1, w2, place2", MOVES, ids=["ep2-disk-to-memory", "memory-to-ep2-host"])
@@ -37,7 +40,8 @@ def test_moe_offload_checkpoint_moves_between_ep_layouts(tmp_path, w1, place1, w
     layout in memory, and the reverse: the resumed run continues the curve."""
     steps = ["model.n_layer=2", "train.steps=4", "train.eval_every=0", "checkpoint.every=2", "checkpoint.async_save=false"]
     full = run_ranks(w1, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place1))[0]
-    resumed = run_ranks(w2, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place2), str(tmp_path / "checkpoints/step_0000002"))[0]
+    second = tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place2)
+    resumed = run_ranks(w2, train_body, second, str(tmp_path / "checkpoints/step_0000002"))[0]
     assert resumed["start"] == 2
     assert_close_runs({"losses": full["losses"][2:], "weights": full["weights"]}, resumed)
 

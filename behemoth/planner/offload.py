@@ -112,7 +112,7 @@ def stream_units(lm: Any, is_expert: Any) -> tuple[list[UnitSpec], dict[int, tup
     if is_expert is None:
         apart = [False] * len(specs)
     else:
-        specs = split_expert_units(lm.module, specs, ExpertUnits(is_expert, None))  # type: ignore[arg-type]  # shapes only
+        specs = split_expert_units(lm.module, specs, ExpertUnits(is_expert, None))  # no group: shapes only
         apart = [all(is_expert(n) for n in s.names) for s in specs]
     ordered, reads = stream_order(specs, apart)
     return ordered, reads, sorted(apart)
