@@ -333,17 +333,19 @@ def parallelize(
     if offload is not None:
         if not for_training:
             raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
-        if pipeline is not None or experts is not None:
-            raise ValueError("offload streams whole-model units; it runs neither under a pipeline nor with experts")
+        if pipeline is not None:
+            raise ValueError("offload streams whole-model units; it does not run under a pipeline")
         frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
-        units = shard_parameters(model, rt.group("dp"), layers=lm.layers, tie_embeddings=lm.shape.tied, frozen_only=frozen)
+        units = shard_parameters(
+            model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units(experts, rt), frozen_only=frozen
+        )
         apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
         sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
         adapters = []
         if frozen:
             materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
             adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
-        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, executor=StreamedSteps(sync, adapters))
+        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
@@ -352,9 +354,10 @@ def parallelize(
         apply_compile(model.get_submodule(lm.layers.blocks), compile)
     units = None
     if plan.zero_stage == 3 and for_training:  # inference holds its (tp/pp) part whole: nothing would gather a ZeRO-3 shard
-        expert_units = ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
         frozen = lora is not None and lora.enabled  # a LoRA base: only frozen parameters in units, adapters whole
-        units = shard_parameters(model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units, frozen_only=frozen)
+        units = shard_parameters(
+            model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units(experts, rt), frozen_only=frozen
+        )
     materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)
     lm.after_materialize(rt.device)
     if for_training and lora is not None and lora.enabled and lora.base_bits == 8:  # QLoRA-style: the loaded base in int8
@@ -370,6 +373,12 @@ def parallelize(
         else None
     )
     return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter, context=context)
+
+
+def expert_units(experts: ExpertParallel | None, rt: Runtime) -> ExpertUnits | None:
+    """Expert weights in units of their own over dp (the ranks holding the same experts) when ep > 1; at ep = 1 every
+    rank holds every expert and a block's experts stay in its unit (over dp, as the rest)."""
+    return ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

@@ -29,6 +29,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,7 @@ def run_system(kind: str, args: dict, extra: list[str]) -> dict:
         "sent_mib": statistics.median(sent) / MiB,
         "peak_rss_mib": peak_rss_mib(),
         "dropped": statistics.mean(dropped) if dropped else None,
+        "moved_mib": sum(v for k, v in info.get("state", {}).get("metrics", {}).items() if k.startswith(("offload_read_mb", "offload_written_mb"))),
     }
     adapter = info["engine"].model.adapter if "engine" in info else None
     if adapter is not None:
@@ -297,6 +299,7 @@ def measure(kind: str, nproc: int, args: dict, extra: list[str], label: str) -> 
         "losses": ranks[0]["losses"],
         "dropped": ranks[0]["dropped"],
         "chosen": ranks[0].get("chosen"),
+        "moved_mib": max(r["moved_mib"] for r in ranks),
     }
     print(
         f"{label:<34} {row['tokens_per_s']:>9.0f} tokens/s  a2a {row['sent_mib']:.2f} MiB/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
@@ -374,6 +377,40 @@ def adaptive_vs_fixed(args: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def offload_vs_memory(args: dict) -> str:
+    """The same MoE trained with its model states (experts included) streamed from disk and held in memory: step time,
+    peak resident memory per rank, bytes moved to and from the disk tier per rank per step (the last step's)."""
+    rows = [
+        "| ep | states | step time (s) | step time ratio (disk / memory) | peak RSS per rank (MiB) | offload MiB read + written per rank per step |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for ep in (1, 2):
+        with tempfile.TemporaryDirectory(prefix="bench-moe-offload-") as run_dir:
+            memory = measure("behemoth", ep, args, [f"parallel.ep={ep}", f"run.dir={run_dir}/m"], f"in memory ep={ep}")
+            disk = measure(
+                "behemoth",
+                ep,
+                args,
+                [f"parallel.ep={ep}", f"run.dir={run_dir}/d", "offload.params=disk", "offload.optimizer=disk"],
+                f"offload disk ep={ep}",
+            )
+        for r in (memory, disk):
+            step_s = args["batch"] * args["seq"] / r["tokens_per_s"]
+            ratio_cell = f"{memory['tokens_per_s'] / disk['tokens_per_s']:.2f}" if r is disk else ""
+            rows.append(f"| {ep} | {r['label'].rsplit(' ', 1)[0]} | {step_s:.3f} | {ratio_cell} | {r['peak_rss_mib']:.0f} | {r['moved_mib']:.1f} |")
+        ROWS.append(
+            ratio(
+                "mixture of experts",
+                f"{' '.join(args['model'])}, ep={ep}, offload disk",
+                "in memory",
+                "tokens/s",
+                disk["tokens_per_s"],
+                memory["tokens_per_s"],
+            )
+        )
+    return "\n".join(rows) + "\n"
+
+
 def write_readme(text: str, command: str) -> Path:
     """Replace this benchmark's section of benchmarks/README.md (other benchmarks' sections are left alone)."""
     path = ROOT / "benchmarks" / "README.md"
@@ -391,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 processes, a small model, few steps (a minute or two); prints only")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
-    p.add_argument("--parts", default="deepspeed,capacity,adaptive", help="comma-separated: deepspeed, capacity, adaptive")
+    p.add_argument("--parts", default="deepspeed,capacity,adaptive", help="comma-separated: deepspeed, capacity, adaptive, offload")
     p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/README.md alone")
     p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     a = p.parse_args(argv)
@@ -408,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
         text += "### Dropless vs capacity\n\n" + dropless_vs_capacity(args) + "\n"
     if "adaptive" in parts:
         text += "### Adaptive vs fixed expert layouts on a shifting routing\n\n" + adaptive_vs_fixed(args)
+    if "offload" in parts:
+        text += "### Model states (experts included) offloaded to disk vs in memory\n\n" + offload_vs_memory(args)
     print("\n" + text)
     write_rows(a.json, ROWS)
     if not (a.no_write or a.quick):

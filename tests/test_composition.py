@@ -79,7 +79,6 @@ SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
 OFFLOAD_SPLIT = ("splits each backward into input- and weight-gradient passes",)
 OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
-OFFLOAD_EXPERTS = ("expert units are not streamed",)
 CP_PIPELINE = ("pipeline stages do not pass context-parallel shards",)
 CP_EXPERTS = ("expert routing over a sharded sequence",)
 CP_OFFLOAD = ("cp ranks are not streamed",)
@@ -145,8 +144,8 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
     ("pp-zb-h1", "disk", OFFLOAD_SPLIT),
     ("pp-chimera", "disk", OFFLOAD_REPLICAS),
-    ("ep", "host", OFFLOAD_EXPERTS),
-    ("ep", "disk", OFFLOAD_EXPERTS),
+    ("ep", "host", TRAINS),
+    ("ep", "disk", TRAINS),
     ("host", "disk", TRAINS),  # parameters and gradients in host memory, Adam moments on disk
     ("dp", "cp", TRAINS),
     ("zero1", "cp", TRAINS),

@@ -230,7 +230,7 @@ class Streamer:
         shard, waiting = self.io.wait(self.fetches.pop(id(stay)))
         store = self.stores[stay.unit]
         compute = store.compute_shard(shard)
-        full = store.gather(compute)[0] if self.world > 1 else compute
+        full = store.gather(compute)[0] if store.layout.world > 1 else compute
         self.resident[stay.unit] = Loaded(store, shard, full.detach().requires_grad_(stay.grads and not store.frozen), waiting)
 
     def install(self, action: Action) -> None:
@@ -252,7 +252,7 @@ class Streamer:
         if grad is None:  # the unit took no part in this rank's loss: it still joins the sum
             grad = torch.zeros(store.layout.padded, dtype=store.compute_dtype, device=self.device)
         loaded.flat.grad = None
-        if self.world > 1:
+        if store.layout.world > 1:
             store.reduce_scatter(grad)
             grad = store.shard_of(grad).clone()
         if loaded.waiting is not None:

@@ -74,17 +74,19 @@ class OffloadSync(GradSync):
         meter: CommMeter | None = None,
     ) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
-        self.group = rt.group("dp")
+        self.group = rt.data_group()  # dense units over dp x ep; an expert unit over its own group (dp)
         self.aliases = tied_names(self.model)
         refuse_root_units(units)
-        layouts = [FlatLayout(u.names, u.shapes, dist.get_world_size(self.group)) for u in units]
+        units, reads = stream_order(units)
+        self.n_blocks = sum(u.role == "block" and u.group is None for u in units)
+        layouts = [FlatLayout(u.names, u.shapes, dist.get_world_size(u.group or self.group)) for u in units]
         self.prefetch, in_flight, self.peak = fit_budget(
             policy,
             layouts,
             dist.get_rank(self.group),
             activation,
             device_type=rt.device.type,
-            tied=bool(units[-1].reads),
+            tied=bool(units[self.n_blocks + 1].reads),
             frozen=[u.frozen for u in units],
         )
         if rt.device.type == "cpu":
@@ -98,7 +100,6 @@ class OffloadSync(GradSync):
         self.optimizer: OffloadOptimizer | None = None
         self._materialize(value)
         self.steps = UnitSteps(self.stores, self.io, fused=policy.fused, device=rt.device, tp=tp)
-        reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
         self.streamer = Streamer(
             self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps
         )
@@ -109,7 +110,7 @@ class OffloadSync(GradSync):
         A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder."""
         from_folder = FolderShards(value, self.tiers.params) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
         for i, spec in enumerate(self.specs):
-            store = UnitStore(i, spec, self.group, self.tiers, self.meter, compute_dtype=DTYPES[self.policy.param_dtype])
+            store = UnitStore(i, spec, spec.group or self.group, self.tiers, self.meter, compute_dtype=DTYPES[self.policy.param_dtype])
             if spec.frozen and from_folder is not None:
                 store.source = from_folder.plan(spec, store.layout, store.rank)
             else:
@@ -226,6 +227,22 @@ def refuse_root_units(units: list[UnitSpec]) -> None:
         raise BehemothError(f"offload streams the embedding, blocks and head; {names[0]} belongs to none of them", "train this model without offload")
 
 
+def stream_order(units: list[UnitSpec], apart: list[bool] | None = None) -> tuple[list[UnitSpec], dict[int, tuple[int, ...]]]:
+    """The units numbered as the streamer visits them (embedding, blocks, head: order.py), then each block's expert unit
+    (ZeRO-3 with experts over ep splits it off its block, over the experts' group; `apart` marks them, by default those
+    with a group); `reads`: the units an action needs besides its own (a block its experts, a tied head the embedding)."""
+    apart = apart if apart is not None else [u.group is not None for u in units]
+    dense = [u for u, e in zip(units, apart) if not e]
+    experts = [u for u, e in zip(units, apart) if e]
+    reads: dict[int, tuple[int, ...]] = {}
+    for j, spec in enumerate(experts):
+        block = units[units.index(spec) - 1]  # split_expert_units puts a block's experts right after it
+        reads[dense.index(block)] = (len(dense) + j,)
+    head = len(dense) - 1
+    reads[head] = tuple(dense.index(r) for r in dense[head].reads)
+    return dense + experts, reads
+
+
 class StreamedSteps:
     """The streamer as the model's executor (parallel/executor.py): every micro-batch through each unit while it is
     resident, the units in the policy's order."""
@@ -241,7 +258,7 @@ class StreamedSteps:
             raise RuntimeError("build the optimizer before training: the offload runtime steps units during the step")
         for other in self.others:  # the units' order interleaves micro-batches: resident gradients are reduced at finish
             other.begin_micro_batch(False)
-        actions = make_order(sync.policy.order, len(sync.stores) - 2, len(micro_batches))
+        actions = make_order(sync.policy.order, sync.n_blocks, len(micro_batches))
         if sync.stores[0].frozen:
             actions = [a for a in actions if not (a.kind == "B" and a.unit == 0)]
         return sync.streamer.train(actions, micro_batches, loss_fn, autocast)
@@ -274,7 +291,7 @@ class StreamedSteps:
 
     def _stream(self, inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None], autocast: Callable) -> None:
         sync = self.sync
-        sync.streamer.forward_only(forward_order(len(sync.stores) - 2, len(inputs)), inputs, on_logits, autocast)
+        sync.streamer.forward_only(forward_order(sync.n_blocks, len(inputs)), inputs, on_logits, autocast)
         sync.io.drain()
 
 

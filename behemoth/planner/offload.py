@@ -20,10 +20,11 @@ from behemoth.offload.budget import MemoryPeak, fit_budget, unit_sizes
 from behemoth.offload.calibrate import Rates
 from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
 from behemoth.offload.policy import OffloadPolicy
+from behemoth.offload.runtime import stream_order
 from behemoth.offload.stage_order import pipeline_refusal
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import in_device_memory
-from behemoth.parallel.zero.units import plan_units
+from behemoth.parallel.zero.units import ExpertUnits, UnitSpec, plan_units, split_expert_units
 from behemoth.parallelize import offload_activations
 from behemoth.planner.rank import rank_model
 from behemoth.topology import ParallelDims
@@ -81,17 +82,18 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     """The offload plan of `cfg` on dp data-parallel ranks (tp from the config), rank 0's share."""
     dims = rank_dims(cfg, dp)
     psi = sum(p.numel() for p in build_causal_lm(cfg.model, cfg.hf).module.parameters())
-    lm, tp = rank_model(cfg, dims).lm, dims.tp  # split by tp on meta, then cut into units over dp, as parallelize does
-    specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
-    layouts = [FlatLayout(s.names, s.shapes, dp) for s in specs]
+    ranked = rank_model(cfg, dims)  # split by tp and ep on meta, then cut into units as parallelize does
+    lm, tp = ranked.lm, dims.tp
+    specs, reads, apart = stream_units(lm, ranked.is_expert if dims.ep > 1 else None)
+    layouts = [FlatLayout(s.names, s.shapes, dp if e else dp * dims.ep) for s, e in zip(specs, apart)]
     policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype)
     batch = cfg.batch_layout(dims)
     shape = lm.shape
     act = offload_activations(lm, batch, cfg.seq_len, tp)
-    tied = bool(specs[-1].reads)
+    tied = bool(specs[shape.n_layer + 1].reads)
     prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
     sizes = unit_sizes(layouts, 0, policy.bits, compute=policy.compute_bytes)  # float32 masters; bf16 gradients with bf16 params
-    plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), {len(specs) - 1: (0,)} if tied else {})
+    plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), reads)
     grads_kept = stores_grads(plan, deferred=not policy.fused)
     stored = {
         "params": sum(u.stored * u.shard for u in sizes),
@@ -102,6 +104,19 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
     flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
     return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak, prefetch, flops, len(specs))
+
+
+def stream_units(lm: Any, is_expert: Any) -> tuple[list[UnitSpec], dict[int, tuple[int, ...]], list[bool]]:
+    """The streamer's units in its order, what each action reads, and which are expert units (over dp alone): with
+    experts over ep (`is_expert`), each block's experts in a unit of their own, as `shard_parameters` cuts them."""
+    specs = plan_units(lm.module, layers=lm.layers, tie_embeddings=lm.shape.tied)
+    if is_expert is None:
+        apart = [False] * len(specs)
+    else:
+        specs = split_expert_units(lm.module, specs, ExpertUnits(is_expert, None))  # no group: shapes only
+        apart = [all(is_expert(n) for n in s.names) for s in specs]
+    ordered, reads = stream_order(specs, apart)
+    return ordered, reads, sorted(apart)
 
 
 def rank_dims(cfg: Any, dp: int) -> ParallelDims:

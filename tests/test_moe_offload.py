@@ -1,0 +1,84 @@
+"""A mixture of experts with offloaded model states: each block's experts stream with its ZeRO-3 unit on the host or
+disk tier (parallel.ep=1) and the run trains the single-process curve (loss and final weights, float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.common import assert_close_runs, tiny_config, train_body
+from tests.dist import run_ranks
+from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
+
+
+def offload_config(run_dir, tier: str, *extra: str):
+    return tiny_config(run_dir, f"data.path={CORPUS}", *BASE, *MOE, f"offload.params={tier}", f"offload.optimizer={tier}", *extra)
+
+
+@pytest.mark.parametrize("tier", ["disk"])
+def test_moe_offload_trains_the_single_process_curve(tmp_path, tier):
+    cfgs = [reference_config(True, tmp_path / "moe"), offload_config(tmp_path / tier, tier)]
+    ref, got = run_ranks(1, train_plans, cfgs, timeout=240)[0]
+    assert_close_runs(ref, got)
+
+
+def test_moe_offload_over_ep_trains_the_single_process_curve(tmp_path):
+    """ep=2: each rank streams its own experts' units (over dp) and the dense units over dp x ep."""
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "moe")], timeout=120)[0][0]
+    got = run_ranks(2, train_plans, [offload_config(tmp_path / "ep2", "disk", "parallel.ep=2")], timeout=240)[0][0]
+    assert_close_runs(ref, got)
+
+
+MOVES = [
+    (2, ["parallel.ep=2", "offload.params=disk", "offload.optimizer=disk"], 1, []),
+    (1, [], 2, ["parallel.ep=2", "offload.params=host", "offload.optimizer=host"]),
+]
+
+
+@pytest.mark.parametrize("w1, place1, w2, place2", MOVES, ids=["ep2-disk-to-memory", "memory-to-ep2-host"])
+def test_moe_offload_checkpoint_moves_between_ep_layouts(tmp_path, w1, place1, w2, place2):
+    """An offloaded MoE run's checkpoint (its experts saved from each rank's streamed shards) resumes on another ep
+    layout in memory, and the reverse: the resumed run continues the curve."""
+    steps = ["model.n_layer=2", "train.steps=4", "train.eval_every=0", "checkpoint.every=2", "checkpoint.async_save=false"]
+    full = run_ranks(w1, train_body, tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place1))[0]
+    second = tiny_config(tmp_path, f"data.path={CORPUS}", *MOE, *steps, *place2)
+    resumed = run_ranks(w2, train_body, second, str(tmp_path / "checkpoints/step_0000002"))[0]
+    assert resumed["start"] == 2
+    assert_close_runs({"losses": full["losses"][2:], "weights": full["weights"]}, resumed)
+
+
+def _bytes_body(cfg_dict):
+    """Three steps of the engine on this rank's micro-batches; the last step's counted bytes and the planner's."""
+    import torch
+
+    from behemoth.config import Config
+    from behemoth.engine import build_engine
+    from behemoth.planner.offload import offload_estimate, rank_dims
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(timeout_s=60, **cfg.parallel.degrees())
+    engine = build_engine(cfg, rt)
+    layout = cfg.batch_layout(rank_dims(cfg, rt.dims.dp))
+    tokens = torch.randint(0, 256, (layout.accum * layout.micro_batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(rt.rank))
+    batch = [(t[:, :-1], t[:, 1:]) for t in tokens.split(layout.micro_batch)]
+    for _ in range(3):
+        engine.train_step(batch, lr=1e-3)
+    counted = {k: tuple(v) for k, v in engine.model.syncs[0].step_bytes().items()}
+    engine.close()
+    rt.close()
+    return counted, offload_estimate(cfg, rt.dims.dp).moved
+
+
+def test_the_planner_counts_the_bytes_an_offloaded_moe_moves(tmp_path):
+    """offload_estimate (on meta) moves the bytes the streamer counts, expert units included, at ep = 2."""
+    cfg = offload_config(tmp_path, "disk", "parallel.ep=2", "offload.step=deferred")
+    counted, planned = run_ranks(2, _bytes_body, cfg, timeout=120)[0]
+    assert counted == planned and counted["params"][0] > 0
+
+
+@pytest.mark.slow
+def test_moe_offload_over_dp_and_ep_trains_the_single_process_curve(tmp_path):
+    """dp=2 x ep=2: each expert unit sharded over the 2 ranks holding the same experts, the dense ones over all 4."""
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "moe")], timeout=120)[0][0]
+    got = run_ranks(4, train_plans, [offload_config(tmp_path / "dp2ep2", "host", "parallel.ep=2", "parallel.dp=2")], timeout=300)[0][0]
+    assert_close_runs(ref, got)
