@@ -34,7 +34,8 @@ def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
     model = trainer.engine.model
     weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     norms = [r.grad_norm for r in trainer.history]
-    return {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": isinstance(model.executor, BurstSteps), "norms": norms}
+    burst = isinstance(model.executor, BurstSteps)
+    return {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms}
 
 
 @pytest.fixture(scope="module")

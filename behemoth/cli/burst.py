@@ -96,7 +96,8 @@ def burst_config_yaml(cfg: Config, plan: BurstPlan) -> str:
     the plan (`burst:` as `BurstPlan.to_yaml` writes it, commented) and its prediction."""
     import yaml
 
-    data = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"burst": list(plan.widths)})}).model_dump(mode="json", exclude_defaults=True)
+    parallel = cfg.parallel.model_copy(update={"burst": list(plan.widths)})
+    data = cfg.model_copy(update={"parallel": parallel}).model_dump(mode="json", exclude_defaults=True)
     note = "".join(f"# {line}\n" for line in plan.to_yaml().splitlines())
     head = f"# behemoth plan --burst: {plan.step_seconds * 1e3:.2f} ms per step predicted on {plan.world} devices\n"
     return head + note + str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))

@@ -14,23 +14,27 @@ def burst_problems(cfg: Config, world: int, shape: ModelShape | None) -> list[Pr
     widths = cfg.parallel.burst
     if widths is None:
         return []
-    out = [Problem.of(OPTION, f"parallel.burst with {what}: the burst runtime runs plain layers on sub-meshes of the job only", fix) for what, fix in _others(cfg)]
+    why = "the burst runtime runs plain layers on sub-meshes of the job only"
+    out = [Problem.of(OPTION, f"parallel.burst with {what}: {why}", fix) for what, fix in _others(cfg)]
     if shape is not None and any(shape.experts):
-        out.append(Problem.of(OPTION, "parallel.burst with a mixture-of-experts model: the burst runtime runs dense blocks only", "use a dense model"))
+        out.append(Problem.of(OPTION, "parallel.burst with a mixture-of-experts model: the burst runtime runs dense blocks only", "use a dense one"))
     n_layer = shape.n_layer if shape is not None else None
     top = min(world, cfg.train.global_batch)
     if n_layer is not None and len(widths) != n_layer + 2:
-        out.append(Problem.of(OPTION, f"parallel.burst has {len(widths)} widths for {n_layer + 2} layers (embedding, {n_layer} blocks, head)", "write it with behemoth plan --burst --out FILE for this model"))
+        what = f"parallel.burst has {len(widths)} widths for {n_layer + 2} layers (embedding, {n_layer} blocks, head)"
+        out.append(Problem.of(OPTION, what, "write it with behemoth plan --burst --out FILE for this model"))
     bad = [w for w in widths if not 1 <= w <= top]
     if bad:
-        out.append(Problem.of(OPTION, f"parallel.burst widths {bad} outside 1..{top} (world {world}, global batch {cfg.train.global_batch})", f"replan with behemoth plan --burst --nproc {world}"))
+        what = f"parallel.burst widths {bad} outside 1..{top} (world {world}, global batch {cfg.train.global_batch})"
+        out.append(Problem.of(OPTION, what, f"replan with behemoth plan --burst --nproc {world}"))
     return out
 
 
 def _others(cfg: Config) -> list[tuple[str, str]]:
     """(the setting, the fix) for each setting a burst plan does not compose with."""
     plan, train = cfg.parallel, cfg.train
-    out = [(f"parallel.{k}={v}", f"set parallel.{k}=1 (or drop parallel.burst)") for k, v in plan.degrees().items() if k != "dp" and v not in (None, 1)]
+    degrees = {k: v for k, v in plan.degrees().items() if k != "dp" and v not in (None, 1)}
+    out = [(f"parallel.{k}={v}", f"set parallel.{k}=1 (or drop parallel.burst)") for k, v in degrees.items()]
     if plan.zero_stage:
         out.append((f"parallel.zero_stage={plan.zero_stage}", "set parallel.zero_stage=0 (every rank keeps the whole model)"))
     if plan.recompute != "none":

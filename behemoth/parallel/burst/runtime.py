@@ -26,6 +26,7 @@ from behemoth.parallel.burst.groups import BurstGroups, batch_rows
 from behemoth.parallel.burst.reshard import Rows, reshard
 
 BUCKET_BYTES = 25 * 2**20
+Stashed = tuple[torch.Tensor | None, torch.Tensor] | None  # a layer's input leaf and output on this rank (None: outside)
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the rows' scaled summed loss
 
 
@@ -103,8 +104,8 @@ class BurstModel:
         last = stash[self.last]
         return last[1].detach().float() if last is not None else torch.zeros((), device=weight.device)
 
-    def _forward(self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, rows: Rows) -> list[tuple[torch.Tensor | None, torch.Tensor] | None]:
-        stash: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, rows: Rows) -> list[Stashed]:
+        stash: list[Stashed] = []
         h: torch.Tensor | None = None
         for layer, width in enumerate(self.widths):
             if layer:
@@ -120,7 +121,7 @@ class BurstModel:
             h = out.detach()
         return stash
 
-    def _backward(self, stash: list[tuple[torch.Tensor | None, torch.Tensor] | None], rows: Rows) -> None:
+    def _backward(self, stash: list[Stashed], rows: Rows) -> None:
         grad: torch.Tensor | None = None
         for layer in range(self.last, -1, -1):
             entry = stash[layer]

@@ -91,4 +91,3 @@ class BurstSteps(MicroBatchLoop):
         out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=self.device)
         all_gather(out, local, self.burst.groups.job)
         return out
-
