@@ -108,8 +108,18 @@ def test_burst_refusals_are_one_line_before_launch(extra, message, tmp_path, cap
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["[2,4,1,3]", "[1,1,4,2]"])
+@pytest.mark.parametrize("plan", ["[4,1,4,4]", "[1,4,1,4]"])
 def test_burst_plan_on_four_ranks(single, plan, tmp_path):
     results = run_ranks(4, burst_body, tiny_config(tmp_path, *COMMON, f"parallel.burst={plan}"))
     assert_close_runs(single, results[0])
     _assert_replicas_equal(results)
+
+
+def test_burst_widths_between_one_and_the_world_are_refused(tmp_path, capsys):
+    from behemoth.cli import main
+
+    argv = ["train", "--nproc", "4", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", f"run.dir={tmp_path}/run"]
+    argv.append("parallel.burst=[2,4,1,3]")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "parallel.burst widths [2, 3] between 1 and the world (4)" in err and "\n" not in err
