@@ -46,6 +46,8 @@ from behemoth.models.lora import inject_lora, quantize_base
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
+from behemoth.parallel.burst import BurstGroups, BurstModel
+from behemoth.parallel.burst.train import BurstSteps, BurstSync
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.compile import apply_compile
 from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
@@ -364,6 +366,8 @@ def parallelize(
         quantize_base(model, lm.layers.blocks)
     if not for_training:
         return inference_model(lm, rt, pipeline, tp, meter, experts)
+    if plan.burst is not None:  # DeepPool's burst plan: layer by layer at each layer's width (parallel/burst/train.py)
+        return burst_model(lm, plan.burst, rt, batch)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
@@ -379,6 +383,14 @@ def expert_units(experts: ExpertParallel | None, rt: Runtime) -> ExpertUnits | N
     """Expert weights in units of their own over dp (the ranks holding the same experts) when ep > 1; at ep = 1 every
     rank holds every expert and a block's experts stay in its unit (over dp, as the rest)."""
     return ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
+
+
+def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout) -> ParallelModel:
+    """A materialized model run as a burst plan: its executor and its sync (the only dimension it composes with is the
+    job itself; planner/feasibility refuses the others before launch)."""
+    burst = BurstModel(lm, widths, BurstGroups.of(widths, rt.world_group, rt.device), batch=batch.global_batch)
+    sync = BurstSync(burst)
+    return ParallelModel(lm, rt, [sync], executor=BurstSteps(burst, [sync], rt.device))
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

@@ -57,6 +57,9 @@ class ParallelPlan(BaseModel):
     expert_a2a: Literal["auto", "flat", "2dh"] = Field(
         "auto", description="expert all-to-all: 2dh (two levels, one message per node), flat (one per rank), auto: 2dh when ep spans nodes"
     )
+    burst: list[int] | None = Field(
+        None, description="burst plan (DeepPool): a data-parallel width per layer (embedding, each block, head); from behemoth plan --burst --out"
+    )
 
     @field_validator("zero_stage")
     @classmethod

@@ -1,6 +1,6 @@
 """Burst parallelism (DeepPool) against data parallelism: simulated clusters, measured CPU ranks, multiplexing.
 
-    python benchmarks/bench_burst.py [--part simulate|measure|multiplex|all] [--nproc 2] [--quick] [--json FILE]
+    python benchmarks/bench_burst.py [--part simulate|measure|trainer|multiplex|all] [--nproc 2] [--quick] [--json FILE]
 
 - `simulate`: the planner's cost model over cluster presets (A100 and H100 servers, InfiniBand between them) at
   strong-scaling points too large for this machine (1 or 2 sequences per device): data parallelism's step, the burst
@@ -10,6 +10,8 @@
 - `measure`: `--nproc` CPU ranks at one sequence per rank: the burst plan the planner makes for this machine (its
   cached calibration) executed by behemoth/parallel/burst, against the same runtime with every layer on every rank
   (data parallelism); measured and predicted step times.
+- `trainer`: the same plan through `behemoth train`'s Trainer (parallel.burst: AdamW, global-norm clipping, metrics)
+  against the trainer's plain data parallelism on the same world and batch: median step time and tokens/s.
 - `multiplex`: the burst foreground alone, a background training job alone (1 process, nice 19), then both at once:
   the foreground's slowdown and the share of its solo throughput the background keeps.
 """
@@ -136,6 +138,56 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     return widths
 
 
+def trainer_rank(overrides: list[str]) -> dict:
+    """One rank of `behemoth train` (the Trainer the command runs) on the current process group; rank 0 reports."""
+    from behemoth.config import load_config
+    from behemoth.topology import init_runtime
+    from behemoth.train import Trainer
+
+    cfg = load_config(None, overrides)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
+    summary = Trainer(cfg, rt).run()
+    return {"losses": summary["losses"]}
+
+
+def run_trainer(args: argparse.Namespace, run_dir: Path, batch: int, widths: tuple[int, ...] | None, steps: int, warmup: int = 2) -> float:
+    """The median step time (s) of `steps` steps after `warmup`, as the trainer's metrics.jsonl records them."""
+    import json
+
+    from behemoth.faults.ranks import run_ranks
+
+    over = [f"model={args.model}", f"train.seq_len={args.seq}", f"train.global_batch={batch}", f"train.steps={warmup + steps}"]
+    over += ["train.log_every=1", f"train.eval_every={warmup + steps}", "train.eval_batches=1", "checkpoint.every=0", "run.progress=false"]
+    over += ["run.tensorboard=false", "run.timeout_s=300", f"run.dir={run_dir}"]
+    if widths is not None:
+        over.append("parallel.burst=[" + ",".join(map(str, widths)) + "]")
+    run_ranks(args.nproc, trainer_rank, over, timeout=1800)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records if "step_time_s" in r and r.get("step", 0) > warmup]
+    return statistics.median(times)
+
+
+def trainer(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The burst plan through behemoth's trainer (AdamW, clipping, metrics: parallel.burst) against its plain data
+    parallelism (DataParallel's overlapped bucketed all-reduce) on the same world and batch."""
+    n, batch = args.nproc, args.nproc * args.per_device
+    plan, dp_pred, name, problem = local_plan(n, args.model, args.seq, batch, args.amplification)
+    widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced_plan(plan.widths, n)
+    steps = 3 if args.quick else args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        burst_s = run_trainer(args, Path(tmp) / "burst", batch, widths, steps)
+        dp_s = run_trainer(args, Path(tmp) / "dp", batch, None, steps)
+    tokens = batch * args.seq
+    planned = "the planner's" if widths == plan.widths else f"a hand-made one (the planner's was {plan.describe()})"
+    print(f"\n## behemoth train on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, parallel.burst={list(widths)} ({planned})\n")
+    print("| trainer run | step ms (median) | tokens/s | predicted ms |")
+    print("|---|---|---|---|")
+    for label, got, want in (("parallel.burst", burst_s, problem.plan_of(widths).step_seconds), ("data parallelism", dp_s, dp_pred)):
+        print(f"| {label} | {got * 1e3:.1f} | {tokens / got:.0f} | {want * 1e3:.1f} |")
+    print(f"\nburst / data parallelism: step time {burst_s / dp_s:.2f}x, throughput {dp_s / burst_s:.2f}x")
+    rows.append(ratio("burst", f"trainer {n} CPU ranks", "data parallelism (trainer)", "step time", burst_s, dp_s, higher_is_better=False))
+
+
 def forced_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
     """Where the planner keeps every layer on every rank, a plan with idle time to multiplex: blocks on one rank."""
     return (world, *([1] * (len(widths) - 2)), world)
@@ -229,7 +281,7 @@ def multiplex(args: argparse.Namespace, widths: tuple[int, ...], rows: list[dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["simulate", "measure", "multiplex", "all"], default="all")
+    p.add_argument("--part", choices=["simulate", "measure", "trainer", "multiplex", "all"], default="all")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--model", default="gpt-1m")
     p.add_argument("--seq", type=int, default=128)
@@ -250,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("simulate", "all"):
         simulate(rows)
     widths = None
+    if args.part in ("trainer", "all"):
+        trainer(args, rows)
     if args.part in ("measure", "all"):
         widths = measure(args, rows)
     if args.part in ("multiplex", "all"):

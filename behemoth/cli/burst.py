@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from behemoth.errors import exit_code
 
 if TYPE_CHECKING:  # the planner is imported when the command runs (a fast --help)
+    from behemoth.config import Config
     from behemoth.planner.burst import BurstPlan, BurstProblem
 
 
@@ -40,7 +41,7 @@ def burst_parser() -> argparse.ArgumentParser:
     p.add_argument("--amplification", type=float, default=2.0, metavar="A", help="cap on a layer's device-time amplification (default 2; inf: none)")
     p.add_argument("--uniform", action="store_true", help="one width for every layer (the best data-parallel degree under the cap)")
     p.add_argument("--background-share", type=float, default=0.5, metavar="S", help="share of its solo rate a background job keeps (default 0.5)")
-    p.add_argument("--out", metavar="FILE", help="write the burst plan as YAML (parallel.burst=FILE runs it)")
+    p.add_argument("--out", metavar="FILE", help="write the config with the plan as parallel.burst (behemoth train --config FILE runs it)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, as for behemoth train")
     return p
 
@@ -85,9 +86,21 @@ def run_burst(args: argparse.Namespace) -> int:
         f"{point.dp_multiplexed:.2f}x)"
     )
     if args.out:
-        Path(args.out).write_text(plan.to_yaml())
-        print(f"wrote {args.out}")
+        Path(args.out).write_text(burst_config_yaml(cfg, plan))
+        print(f"wrote {args.out}: behemoth train --nproc {world} --config {args.out}")
     return 0
+
+
+def burst_config_yaml(cfg: Config, plan: BurstPlan) -> str:
+    """The config with the plan's widths as `parallel.burst`, in the YAML a user writes (defaults left out), headed by
+    the plan (`burst:` as `BurstPlan.to_yaml` writes it, commented) and its prediction."""
+    import yaml
+
+    parallel = cfg.parallel.model_copy(update={"burst": list(plan.widths)})
+    data = cfg.model_copy(update={"parallel": parallel}).model_dump(mode="json", exclude_defaults=True)
+    note = "".join(f"# {line}\n" for line in plan.to_yaml().splitlines())
+    head = f"# behemoth plan --burst: {plan.step_seconds * 1e3:.2f} ms per step predicted on {plan.world} devices\n"
+    return head + note + str(yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
 def layer_table(problem: BurstProblem, plan: BurstPlan) -> str:

@@ -16,6 +16,7 @@ from behemoth.config import Config
 from behemoth.errors import BehemothError, Problem, Refused, collect
 from behemoth.models.causal_lm import model_problems, model_shape
 from behemoth.offload.policy import steps_in_backward
+from behemoth.parallel.burst.problems import burst_problems
 from behemoth.parallel.compile import compile_problems
 from behemoth.parallel.context.apply import resolve_mode as context_mode
 from behemoth.parallel.context.problems import context_problems
@@ -37,6 +38,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
         out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts))
     out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
+    out += burst_problems(cfg, world, None if model else model_shape(cfg.model, cfg.hf))
     if plan.dims_problems(world):
         return out
     dims = plan.dims(world)

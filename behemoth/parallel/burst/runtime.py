@@ -12,7 +12,8 @@ embedding) is summed over the widest of them, which includes every rank that tou
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -25,6 +26,8 @@ from behemoth.parallel.burst.groups import BurstGroups, batch_rows
 from behemoth.parallel.burst.reshard import Rows, reshard
 
 BUCKET_BYTES = 25 * 2**20
+Stashed = tuple[torch.Tensor | None, torch.Tensor] | None  # a layer's input leaf and output on this rank (None: outside)
+HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the rows' scaled summed loss
 
 
 def check_widths(widths: Sequence[int], n_layer: int, world: int, batch: int) -> None:
@@ -68,32 +71,41 @@ class BurstModel:
     def last(self) -> int:
         return len(self.widths) - 1
 
-    def _layer(self, layer: int, x: torch.Tensor | None, idx: torch.Tensor, targets: torch.Tensor, count: int) -> torch.Tensor:
-        """One layer's forward on this rank's rows; the head returns its rows' summed loss over the global count."""
+    def _layer(self, layer: int, x: torch.Tensor | None, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss) -> torch.Tensor:
+        """One layer's forward on this rank's rows; the head returns `head_loss` of its rows (their scaled summed loss)."""
         model, view = self.lm.module, self.lm.layers
         if layer == 0:
             return view.embed(model, idx)
         assert x is not None
         if layer == self.last:
-            return summed_token_loss(view.head(model, x), targets) / count
+            return head_loss(view.head(model, x), targets)
         return view.block(self.blocks[layer - 1], x, view.context(model, x))
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward and backward of the global batch `idx` -> `targets` (every rank passes all of it); the global mean loss."""
+        """Forward and backward of the global batch `idx` -> `targets` (every rank passes all of it), gradients summed over
+        their groups; the global mean loss."""
         count = int(counted_targets(targets))
-        weight = cast(torch.Tensor, self.lm.module.get_submodule(self.lm.layers.embedding).weight)
-        rows = Rows(self.batch, (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
-        stash = self._forward(idx, targets, count, rows)
-        self._backward(stash, rows)
-        last = stash[self.last]
-        local = last[1].detach() * count if last is not None else torch.zeros((), device=weight.device)
-        total = local.reshape(1).clone()
+        local = self.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count)
+        total = (local * count).reshape(1).clone()
         all_reduce(total, self.groups.job)
         self.sync_gradients()
         return float(total) / count
 
-    def _forward(self, idx: torch.Tensor, targets: torch.Tensor, count: int, rows: Rows) -> list[tuple[torch.Tensor | None, torch.Tensor] | None]:
-        stash: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
+    def forward_backward(
+        self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, autocast: Callable[[], AbstractContextManager] = nullcontext
+    ) -> torch.Tensor:
+        """Forward (under `autocast`) and backward of the global batch, gradients left unsummed; this rank's head loss
+        (0 on ranks outside the head's group)."""
+        weight = cast(torch.Tensor, self.lm.module.get_submodule(self.lm.layers.embedding).weight)
+        rows = Rows(self.batch, (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
+        with autocast():
+            stash = self._forward(idx, targets, head_loss, rows)
+        self._backward(stash, rows)
+        last = stash[self.last]
+        return last[1].detach().float() if last is not None else torch.zeros((), device=weight.device)
+
+    def _forward(self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, rows: Rows) -> list[Stashed]:
+        stash: list[Stashed] = []
         h: torch.Tensor | None = None
         for layer, width in enumerate(self.widths):
             if layer:
@@ -104,12 +116,12 @@ class BurstModel:
                 h = None
                 continue
             x = h.detach().requires_grad_() if h is not None and layer else None
-            out = self._layer(layer, x, idx[start:end], targets[start:end], count)
+            out = self._layer(layer, x, idx[start:end], targets[start:end], head_loss)
             stash.append((x, out))
             h = out.detach()
         return stash
 
-    def _backward(self, stash: list[tuple[torch.Tensor | None, torch.Tensor] | None], rows: Rows) -> None:
+    def _backward(self, stash: list[Stashed], rows: Rows) -> None:
         grad: torch.Tensor | None = None
         for layer in range(self.last, -1, -1):
             entry = stash[layer]

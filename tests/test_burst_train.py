@@ -1,0 +1,125 @@
+"""`behemoth train` with a burst plan (parallel.burst, as `behemoth plan --burst --out` writes it) gives the
+single-process curve: float32 losses and weights after AdamW steps with global-norm clipping, every rank holding the
+same weights; a checkpoint of a burst run resumes on the same curve; combinations it cannot run are refused in one line
+before launch."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.common import assert_close_runs, tiny_config
+from tests.dist import run_ranks
+
+CKPT6 = "checkpoints/step_0000006"
+# gpt-tiny: embedding, 2 blocks, head; a tied head, so the embedding's weight is used at width 1 and 2
+PLAN_2 = "[1,2,1,2]"
+COMMON = ("checkpoint.every=6", "train.grad_clip=0.05")  # a clip that binds: the global norm over every layer's gradient
+
+
+def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
+    """Train under the current process group; every rank returns its losses and its own weights."""
+    from pathlib import Path
+
+    from behemoth.config import Config
+    from behemoth.parallel.burst.train import BurstSteps
+    from behemoth.topology import init_runtime
+    from behemoth.train import Trainer
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
+    trainer = Trainer(cfg, rt, resume=Path(resume) if resume else None)
+    summary = trainer.run()
+    model = trainer.engine.model
+    weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    norms = [r.grad_norm for r in trainer.history]
+    burst = isinstance(model.executor, BurstSteps)
+    return {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run_ranks(1, burst_body, tiny_config(tmp_path_factory.mktemp("single"), *COMMON))[0]
+
+
+@pytest.fixture(scope="module")
+def burst_on_2(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("burst2")
+    return run_dir, run_ranks(2, burst_body, tiny_config(run_dir, *COMMON, f"parallel.burst={PLAN_2}"))
+
+
+def _assert_replicas_equal(results: list[dict]) -> None:
+    for other in results[1:]:
+        for name, w in results[0]["weights"].items():
+            assert (other["weights"][name] - w).abs().max().item() == 0.0, f"{name}: ranks hold different weights"
+
+
+def test_burst_plan_trains_like_single_process(single, burst_on_2):
+    _, results = burst_on_2
+    assert all(r["burst"] for r in results)
+    assert min(single["norms"]) > 0.05, "the clip must bind for the test to cover clipping"
+    assert_close_runs(single, results[0])
+    for a, b in zip(single["norms"], results[0]["norms"]):
+        assert abs(a - b) <= 1e-4 * a, f"global grad norm {b} vs single process {a}"
+    _assert_replicas_equal(results)
+
+
+def test_burst_checkpoint_resumes_the_same_curve(burst_on_2, tmp_path):
+    run_dir, results = burst_on_2
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    resumed = run_ranks(2, burst_body, tiny_config(copy, *COMMON, f"parallel.burst={PLAN_2}"), str(copy / CKPT6))
+    assert resumed[0]["start"] == 6 and len(resumed[0]["losses"]) == 6
+    assert_close_runs({"losses": results[0]["losses"][6:], "weights": results[0]["weights"]}, resumed[0], loss_rtol=1e-6, weight_rtol=1e-6)
+    _assert_replicas_equal(resumed)
+
+
+def test_plan_burst_out_is_a_config_train_runs(tmp_path, capsys):
+    from behemoth.cli import main
+    from behemoth.config import load_config
+
+    out = tmp_path / "burst.yaml"
+    argv = ["plan", "--burst", "--nproc", "2", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "--out", str(out)]
+    assert main(argv) == 0
+    assert f"behemoth train --nproc 2 --config {out}" in capsys.readouterr().out
+    cfg = load_config(str(out), [])
+    assert cfg.parallel.burst is not None and len(cfg.parallel.burst) == 4 and max(cfg.parallel.burst) <= 2
+    assert cfg.train.global_batch == 8 and cfg.model.n_layer == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["parallel.burst=[1,2,2]"], "parallel.burst has 3 widths for 4 layers"),
+        (["parallel.burst=[1,3,2,2]"], "parallel.burst widths [3] outside 1..2"),
+        (["parallel.burst=[1,2,1,2]", "parallel.zero_stage=1"], "parallel.burst with parallel.zero_stage=1"),
+        (["parallel.burst=[1,2,1,2]", "parallel.tp=2"], "parallel.burst with parallel.tp=2"),
+    ],
+)
+def test_burst_refusals_are_one_line_before_launch(extra, message, tmp_path, capsys):
+    from behemoth.cli import main
+
+    argv = ["train", "--nproc", "2", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", f"run.dir={tmp_path}/run", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("behemoth: error:") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["[4,1,4,4]", "[1,4,1,4]"])
+def test_burst_plan_on_four_ranks(single, plan, tmp_path):
+    results = run_ranks(4, burst_body, tiny_config(tmp_path, *COMMON, f"parallel.burst={plan}"))
+    assert_close_runs(single, results[0])
+    _assert_replicas_equal(results)
+
+
+def test_burst_widths_between_one_and_the_world_are_refused(tmp_path, capsys):
+    from behemoth.cli import main
+
+    argv = ["train", "--nproc", "4", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", f"run.dir={tmp_path}/run"]
+    argv.append("parallel.burst=[2,4,1,3]")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "parallel.burst widths [2, 3] between 1 and the world (4)" in err and "\n" not in err
