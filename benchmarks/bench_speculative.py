@@ -6,7 +6,12 @@ the target truncated to its first `--keep` layers (its own embedding, norm and h
 random Llama. Random weights make a truncated model a poor predictor of the full one: a trained small model of
 the same family is what speculative decoding is for, and none is available offline here. Per mode: output
 tokens/s, acceptance (draft tokens kept / proposed), tokens per target forward, and whether the tokens equal the
-no-draft run's (greedy: they must). Modes run interleaved, `--repeats` times, the fastest reported. Run:
+no-draft run's (greedy: they must). Modes run interleaved, `--repeats` times, the fastest reported.
+
+n-gram (prompt lookup) proposals need no draft model: they help exactly when the text repeats. Two workloads: the
+target above ("varied": its random-weight greedy output does not repeat, so lookup finds little), and the same
+weights scaled down ("repeating": a small init whose greedy output falls into a cycle, as a model copying from its
+prompt or repeating a pattern does), each against its own no-draft run. Run:
 
     python benchmarks/bench_speculative.py --quick     # the small Llama: about a minute
     python benchmarks/bench_speculative.py             # the 25M Llama
@@ -49,6 +54,48 @@ def run(gen, prompt: list[int], new: int) -> dict:
     return dict(tokens=req.output, wall_s=wall, tok_s=len(req.output) / wall, **sched.stats)
 
 
+def save_scaled(target: str, factor: float, out: str) -> None:
+    """The target with every weight but the norms' scaled by `factor`: a smaller init, whose greedy output repeats."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, local_files_only=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(factor)
+    model.save_pretrained(out)
+
+
+def print_table(workloads: dict[str, dict[str, dict]], args: argparse.Namespace) -> list[dict]:
+    """Per workload, each mode's best run against that workload's no-draft run; the rows for --json."""
+    print(f"{'workload':<12}{'draft':<18}{'tok/s':>8}{'vs none':>9}{'accepted':>10}{'tok/forward':>13}{'same tokens':>13}")
+    rows = []
+    for workload, best in workloads.items():
+        base = best["no draft"]
+        for name, r in best.items():
+            rate = r["accepted_tokens"] / r["draft_tokens"] if r.get("draft_tokens") else float("nan")
+            per_forward = (len(r["tokens"]) - 1) / max(1, r["steps"] - 1)  # the prefill step gives 1, then a target forward a step
+            same = r["tokens"] == base["tokens"]
+            vs = r["tok_s"] / base["tok_s"]
+            print(f"{workload:<12}{name:<18}{r['tok_s']:>8.1f}{vs:>9.2f}{rate:>10.2f}{per_forward:>13.2f}{str(same):>13}")
+            rows.append({"workload": workload, "draft": name, "tok_s": r["tok_s"], "vs_none": vs, "acceptance": rate, "same_tokens": same})
+    return rows
+
+
+def trials(modes: dict[str, tuple], prompt: list[int], args: argparse.Namespace) -> dict[str, dict]:
+    """Each mode (a generator and its draft) run `--repeats` times, interleaved; the fastest run of each."""
+    runs: dict[str, list[dict]] = {name: [] for name in modes}
+    for gen, _ in {id(g): (g, d) for g, d in modes.values()}.values():
+        gen.draft = None
+        run(gen, prompt, 8)  # warm-up, untimed
+    for _ in range(args.repeats):
+        for name, (gen, draft) in modes.items():
+            gen.draft = draft
+            runs[name].append(run(gen, prompt, args.new))
+    return {name: max(t, key=lambda r: r["tok_s"]) for name, t in runs.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -56,42 +103,34 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--keep", type=int, default=2, help="layers of the truncated draft")
+    p.add_argument("--scale", type=float, default=0.2, help="weight scale of the repeating target (its init std is 0.1 x this)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from behemoth.inference import load
     from behemoth.inference.generate import draft_for
+    from behemoth.inference.ngram import NgramDraft
     from behemoth.topology import init_runtime
 
     shape = SHAPES["quick" if args.quick else "full"]
+    ngram = NgramDraft(args.draft_tokens)
     with tempfile.TemporaryDirectory() as root:
-        target, truncated, other = (str(Path(root) / n) for n in ("target", "truncated", "other"))
+        target, truncated, other, repeating = (str(Path(root) / n) for n in ("target", "truncated", "other", "repeating"))
         save_llama(shape, target)
         save_truncated(target, args.keep, truncated)
         save_llama({**shape, "n_layer": 1}, other)
-        gen = load(target)
-        drafts = {"no draft": None, "target itself": target, f"first {args.keep} layers": truncated, "other 1-layer": other}
-        drafts = {name: folder and draft_for(gen, folder, args.draft_tokens, init_runtime(), 256.0) for name, folder in drafts.items()}
+        save_scaled(target, args.scale, repeating)
+        gen, rep = load(target), load(repeating)
+        drafts = {"target itself": target, f"first {args.keep} layers": truncated, "other 1-layer": other}
+        varied = {"no draft": (gen, None), **{n: (gen, draft_for(gen, f, args.draft_tokens, init_runtime(), 256.0)) for n, f in drafts.items()}}
         prompt = make_prompts(1, args.prompt, shape["vocab_size"])[0]
-        gen.draft = None
-        run(gen, prompt, 8)  # warm-up, untimed
-        trials = {name: [] for name in drafts}
-        for _ in range(args.repeats):
-            for name, draft in drafts.items():
-                gen.draft = draft
-                trials[name].append(run(gen, prompt, args.new))
-    best = {name: max(t, key=lambda r: r["tok_s"]) for name, t in trials.items()}
-    base = best["no draft"]
-    print(f"batch 1, {args.prompt}-token prompt, {args.new} greedy tokens, K={args.draft_tokens}; Llama {shape}\n")
-    print(f"{'draft':<18}{'tok/s':>8}{'vs none':>9}{'accepted':>10}{'tok/forward':>13}{'same tokens':>13}")
-    rows = []
-    for name, r in best.items():
-        rate = r["accepted_tokens"] / r["draft_tokens"] if r.get("draft_tokens") else float("nan")
-        per_forward = (len(r["tokens"]) - 1) / max(1, r["steps"] - 1)  # the prefill step gives 1, then a target forward a step
-        same = r["tokens"] == base["tokens"]
-        print(f"{name:<18}{r['tok_s']:>8.1f}{r['tok_s'] / base['tok_s']:>9.2f}{rate:>10.2f}{per_forward:>13.2f}{str(same):>13}")
-        rows.append({"draft": name, "tok_s": r["tok_s"], "vs_none": r["tok_s"] / base["tok_s"], "acceptance": rate, "same_tokens": same})
-    write_rows(args.json, rows)
+        workloads = {
+            "varied": trials({**varied, "ngram": (gen, ngram)}, prompt, args),
+            "repeating": trials({"no draft": (rep, None), "ngram": (rep, ngram)}, prompt, args),
+        }
+    print(f"batch 1, {args.prompt}-token prompt, {args.new} greedy tokens, K={args.draft_tokens}; Llama {shape}")
+    print(f"varied: init std 0.1 (output does not repeat); repeating: the same weights x {args.scale} (its greedy output cycles)\n")
+    write_rows(args.json, print_table(workloads, args))
 
 
 if __name__ == "__main__":

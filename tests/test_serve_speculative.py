@@ -15,7 +15,7 @@ from tests.test_generate import LLAMA, prompts
 transformers = pytest.importorskip("transformers")
 
 
-def save_llama(folder: str, overrides: list[str], seed: int) -> str:
+def save_llama(folder: str, overrides: list[str], seed: int, std: float = 0.3) -> str:
     from behemoth.config import load_config
     from behemoth.models.hf import transformers_config
 
@@ -24,7 +24,7 @@ def save_llama(folder: str, overrides: list[str], seed: int) -> str:
     model = transformers.LlamaForCausalLM(transformers_config(cfg.model, cfg.hf))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.3)
+            p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, std)
     model.save_pretrained(folder)
     return folder
 
@@ -36,6 +36,7 @@ def folders(tmp_path_factory):
         "target": save_llama(str(mk("target")), [], 7),
         "small": save_llama(str(mk("small")), ["model.n_layer=1"], 8),
         "wide_vocab": save_llama(str(mk("wide")), ["model.n_layer=1", "model.vocab_size=300"], 9),
+        "repeating": save_llama(str(mk("repeating")), [], 7, std=0.05),  # a small init: its greedy output cycles
     }
     import torch.distributed as dist
 

@@ -20,6 +20,8 @@ EXAMPLES_GENERATE = """examples:
   behemoth generate runs/X --offload disk --prompt "def "            # weights streamed layer by layer
   behemoth generate runs/X --offload disk --nproc 2 --tp 2 --prompt "def "  # each rank streams its shard of every block
   behemoth generate runs/X --quantize int8 --prompt "def "           # int8 weight-only
+  behemoth generate runs/X --speculative ngram --prompt "..."        # prompt lookup: proposals from the text itself
+  behemoth generate big_model --draft small_model --prompt "def "     # speculative decoding with a draft model
 """
 
 
@@ -40,6 +42,50 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "adapters unmerged, batched together, each request choosing one by its model field",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config options, e.g. run.timeout_s=600")
+
+
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (generate and serve): a draft model, or n-gram lookup in the request's own tokens."""
+    p.add_argument(
+        "--draft",
+        metavar="MODEL_DIR",
+        default=None,
+        help="speculative decoding: a small model with the same vocabulary proposes tokens the served model checks in one forward",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="ngram: speculative decoding without a draft model, proposing the tokens that followed the last n tokens earlier in "
+        "the prompt or output (prompt lookup)",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens proposed per step (default 4)")
+    p.add_argument("--ngram-max", type=int, default=3, metavar="N", help="--speculative ngram: longest suffix looked up (default 3)")
+    p.add_argument("--ngram-min", type=int, default=1, metavar="N", help="--speculative ngram: shortest suffix looked up (default 1)")
+
+
+def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
+    """What --draft / --speculative ask for (a folder, an NgramDraft, or None), refused before anything loads when it
+    cannot run: one process with the model in memory, one kind of proposal, at least one token, a draft that exists."""
+    from pathlib import Path
+
+    from behemoth.inference.ngram import NgramDraft
+
+    what = "--draft" if args.draft else "--speculative ngram" if args.speculative else None
+    if what is None:
+        return None
+    if args.draft and args.speculative:
+        raise BehemothError(f"--draft {args.draft} with --speculative {args.speculative}: one kind of proposal at a time", "drop one of them")
+    if nproc > 1 or getattr(args, "offload", None):
+        why = f"{nproc} processes" if nproc > 1 else f"--offload {args.offload}"
+        raise BehemothError(f"{what} with {why}: speculative decoding runs on one process with the model in memory", f"drop {what}, or {why}")
+    if args.draft_tokens < 1:
+        raise BehemothError(f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)")
+    if args.speculative:
+        return NgramDraft(args.draft_tokens, args.ngram_max, args.ngram_min)
+    if not Path(args.draft).exists():
+        raise BehemothError(f"--draft {args.draft} does not exist", "give a checkpoint, run directory or save_pretrained folder")
+    return args.draft
 
 
 def with_adapter(args: argparse.Namespace) -> argparse.Namespace:
@@ -73,6 +119,7 @@ def generate_parser() -> argparse.ArgumentParser:
         "with a paged KV cache; several prompts are batched.",
     )
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="I,J,K", help="a prompt as comma-separated token ids")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
@@ -144,8 +191,10 @@ def worker(
     ignore_eos: bool,
     quantize: str | None,
     offload: Any = None,
+    speculative: tuple[Any, int] = (None, 4),
 ) -> Any:
-    """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation."""
+    """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
+    folder or NgramDraft, tokens per step)."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -160,6 +209,8 @@ def worker(
             ignore_eos=ignore_eos,
             quantize=quantize,
             offload=offload,
+            draft=speculative[0],
+            draft_tokens=speculative[1],
         )
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
@@ -192,9 +243,10 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts, nproc = prompts_of(args), world_size(args)
     params = sampling_dicts(args, len(prompts))
     check_plan(args, nproc)
+    speculative = (speculative_of(args, nproc), args.draft_tokens)
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
-        out = worker(*call, offload) if nproc == 1 else launch(nproc, worker, *call, offload)[0]
+        out = worker(*call, offload, speculative) if nproc == 1 else launch(nproc, worker, *call, offload)[0]
     return print_completions(out, args.json)
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from behemoth.cli.generate import add_model_options, check_plan, with_adapter, world_size
+from behemoth.cli.generate import add_model_options, add_speculative_options, check_plan, speculative_of, with_adapter, world_size
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
 
 if TYPE_CHECKING:  # the serving stack is imported when the server starts
@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
   behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
   behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
+  behemoth serve runs/X --speculative ngram                        # speculative decoding by prompt lookup (no draft model)
   behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
 """
 
@@ -35,6 +36,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "(streaming or not), /health, /metrics (docs/serving.md); continuous batching over a paged KV cache, 429 when the queue is full.",
     )
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--model-name", default=None, help="the model's name in the API (default: the source folder's name)")
@@ -69,13 +71,6 @@ def serve_parser() -> argparse.ArgumentParser:
         default=None,
         help="weight-only quantization: int8 (a scale per channel) or int4 (a scale per 64 inputs)",
     )
-    p.add_argument(
-        "--draft",
-        metavar="MODEL_DIR",
-        default=None,
-        help="speculative decoding: a small model with the same vocabulary proposes tokens the served model checks in one forward",
-    )
-    p.add_argument("--draft-tokens", type=int, default=4, metavar="K", help="tokens the --draft model proposes per step (default 4)")
     p.add_argument(
         "--api-key",
         default=None,
@@ -128,22 +123,6 @@ def check_kv_offload(args: argparse.Namespace, nproc: int) -> None:
         raise BehemothError(f"--kv-offload with {nproc} processes: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
 
 
-def check_draft(args: argparse.Namespace, nproc: int) -> None:
-    """--draft before anything loads: one process, at least one proposed token, a folder that exists."""
-    from pathlib import Path
-
-    if not args.draft:
-        return
-    if nproc > 1:
-        raise BehemothError(f"--draft with {nproc} processes: speculative decoding runs on one process", "drop --draft, or --nproc/--tp/--pp")
-    if args.draft_tokens < 1:
-        raise BehemothError(
-            f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
-        )
-    if not Path(args.draft).exists():
-        raise BehemothError(f"--draft {args.draft} does not exist", "give a checkpoint, run directory or save_pretrained folder")
-
-
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
     """The model's limits with the command line's: prompt length, streams, choices, body size, API key, adapter names."""
     import os
@@ -180,10 +159,10 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
         follow_model(model, cache)
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
-    if args.draft:
-        from behemoth.inference.generate import draft_for
+    if args.draft or args.speculative:
+        from behemoth.inference.generate import attach_speculative
 
-        gen.draft = draft_for(gen, args.draft, args.draft_tokens, rt, args.kv_cache_mb)
+        attach_speculative(gen, speculative_of(args, 1), args.draft_tokens, rt, args.kv_cache_mb)
     if args.batched_adapters:
         from behemoth.inference.generate import attach_adapters
 
@@ -223,7 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
     nproc = world_size(args)
     check_plan(args, nproc)
     policy_of(args, 1)
-    check_draft(args, nproc)
+    speculative_of(args, nproc)
     check_batched_adapters(args, nproc)
     check_kv_offload(args, nproc)
     if nproc == 1:

@@ -12,6 +12,7 @@ Under tensor or pipeline parallelism the scheduling rank's runner sends every st
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +22,7 @@ from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, KVStorage, blocks_for_memory
 from behemoth.inference.loading import Source, load_model, resolve_source
 from behemoth.inference.lora_bank import LoRABank
+from behemoth.inference.ngram import NgramDraft, NgramProposer
 from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
 from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
 from behemoth.inference.sampling import SamplingParams
@@ -112,7 +114,7 @@ class Generator:
         tokenizer: Tokenizer | None,
         eos_token_ids: list[int] = (),
         max_batch: int = 64,
-        draft: DraftModel | None = None,
+        draft: DraftModel | NgramDraft | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.eos_token_ids, self.draft = runner, tokenizer, list(eos_token_ids), draft
         self.num_blocks, self.block_size, self.context, self.max_batch = num_blocks, block_size, context, max_batch
@@ -122,7 +124,9 @@ class Generator:
         """A scheduler over a fresh block table of this generator's cache."""
         policy = policy or SchedulerPolicy(max_batch=self.max_batch, context=self.context, max_waiting=1 << 30)
         speculative = None
-        if self.draft is not None:
+        if isinstance(self.draft, NgramDraft):
+            speculative = SpeculativeDecoder(NgramProposer(self.draft), k=self.draft.tokens)
+        elif self.draft is not None:
             speculative = SpeculativeDecoder(self.draft.runner, BlockAllocator(self.draft.num_blocks, self.block_size), self.draft.tokens)
         return Scheduler(self.runner, BlockAllocator(self.num_blocks, self.block_size), policy, self.tokenizer, speculative)
 
@@ -165,13 +169,24 @@ def completion(r: Request) -> Completion:
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
 
 
-def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
-    """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
+def check_speculative(gen: Generator, what: str) -> None:
+    """Speculative decoding verifies in one forward of the whole model: one process, the model in memory."""
     if not isinstance(gen.runner, ModelRunner) or gen.runner.tp is not None:
         raise BehemothError(
-            f"--draft {path} with a {type(gen.runner).__name__}: speculative decoding runs on one process with the model in memory",
-            "drop --draft, or serve without --tp/--pp/--offload",
+            f"{what} with a {type(gen.runner).__name__}: speculative decoding runs on one process with the model in memory",
+            f"drop {what.split()[0]}, or serve without --tp/--pp/--offload",
         )
+
+
+def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
+    """`--speculative ngram`: prompt-lookup proposals for this generator (one process)."""
+    check_speculative(gen, "--speculative ngram")
+    return spec
+
+
+def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
+    """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
+    check_speculative(gen, f"--draft {path}")
     SpeculativeDecoder.check_tokens(tokens)
     model = load_model(resolve_source(path, []), rt)
     if model.lm.shape.vocab_size != gen.runner.vocab_size:
@@ -181,6 +196,14 @@ def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: fl
         )
     runner = local_runner(model, CachePolicy(gen.block_size, memory_mb, max_blocks=gen.num_blocks))
     return DraftModel(runner, runner.storage.layout.num_blocks, tokens)
+
+
+def attach_speculative(gen: Generator, draft: str | NgramDraft | None, tokens: int, rt: Runtime, memory_mb: float) -> None:
+    """Speculative decoding for `gen`: n-gram lookup (an NgramDraft) or the draft model in folder `draft` (None: off)."""
+    if isinstance(draft, NgramDraft):
+        gen.draft = ngram_for(gen, draft)
+    elif draft is not None:
+        gen.draft = draft_for(gen, draft, tokens, rt, memory_mb)
 
 
 def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
@@ -235,17 +258,16 @@ def load(
     max_batch: int = 64,
     quantize: str | None = None,
     offload: OffloadPolicy | None = None,
-    draft: str | None = None,
+    draft: str | NgramDraft | None = None,
     draft_tokens: int = 4,
 ) -> Generator:
     """A Generator for a checkpoint, an HF folder or a `Source` (a config alone: weights drawn from its seed), in this
     process; with `offload` (`offload.generation_policy`), its blocks streamed from host memory or disk; with `draft` (a
-    folder of a model with the same vocabulary), speculative decoding of `draft_tokens` per step."""
+    folder of a model with the same vocabulary, or an NgramDraft), speculative decoding of `draft_tokens` per step."""
     source = path if isinstance(path, Source) else resolve_source(path, list(overrides))
     rt = init_runtime(timeout_s=source.config.run.timeout_s)
     gen = generator_for(load_for_generation(source, rt, quantize=quantize, offload=offload), source, cache, max_batch=max_batch)
-    if draft is not None:
-        gen.draft = draft_for(gen, draft, draft_tokens, rt, cache.memory_mb)
+    attach_speculative(gen, draft, draft_tokens, rt, cache.memory_mb)
     return gen
 
 
@@ -303,20 +325,29 @@ def generate_on_ranks(
     quantize: str | None = None,
     offload: OffloadPolicy | None = None,
     rt: Runtime | None = None,
+    draft: str | NgramDraft | None = None,
+    draft_tokens: int = 4,
 ) -> list[Completion] | None:
     """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None).
-    With `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier."""
+    With `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier; with `draft`
+    (one process), speculative decoding (`attach_speculative`)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
     model = load_for_generation(source, rt, tp=tp, pp=pp, quantize=quantize, offload=offload)
     try:
-        return _generate_loaded(model, source, prompts, params, cache, ignore_eos)
+        return _generate_loaded(model, source, prompts, params, cache, ignore_eos, (draft, draft_tokens))
     finally:
         model.close()
 
 
 def _generate_loaded(
-    model: LoadedModel, source: Source, prompts: list[Any], params: list[dict[str, Any]], cache: CachePolicy, ignore_eos: bool
+    model: LoadedModel,
+    source: Source,
+    prompts: list[Any],
+    params: list[dict[str, Any]],
+    cache: CachePolicy,
+    ignore_eos: bool,
+    speculative: tuple[str | NgramDraft | None, int] = (None, 4),
 ) -> list[Completion] | None:
     """Rank 0 generates for the prompts (its cache sized for them), the others follow its steps."""
     rt = model.rt
@@ -330,9 +361,19 @@ def _generate_loaded(
         return None
     gen = generator_for(model, source, cache)
     try:
-        return gen.generate(prompts, sampling, ignore_eos=ignore_eos)
+        attach_speculative(gen, *speculative, rt, cache.memory_mb)
+        out = gen.generate(prompts, sampling, ignore_eos=ignore_eos)
+        if "draft_tokens" in gen.stats:
+            print(speculation_line(gen.stats), file=sys.stderr, flush=True)
+        return out
     finally:
         gen.close()
+
+
+def speculation_line(stats: dict[str, int]) -> str:
+    """One line of a speculative run's counters: tokens proposed, accepted, their ratio."""
+    rate = stats["accepted_tokens"] / stats["draft_tokens"] if stats["draft_tokens"] else 0.0
+    return f"behemoth: speculative decoding: {stats['accepted_tokens']} of {stats['draft_tokens']} proposed tokens accepted ({rate:.2f})"
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ stay in the cache past its length and are overwritten before anything attends to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -49,37 +49,49 @@ def greedy_accept(logits: torch.Tensor, drafts: list[int]) -> list[int]:
     return drafts[:kept] + [choice[kept]]
 
 
+def point_masses(drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """[k, V]: the distributions of deterministic proposals (n-gram lookup): all mass on each proposed token."""
+    return torch.nn.functional.one_hot(torch.tensor(drafts, dtype=torch.long), vocab_size).float()
+
+
 def positions_of(req: Request, drafts: list[int]) -> tuple[list[list[int]], list[list[int]]]:
     """(tokens seen, tokens generated) before each of the k + 1 checked positions: the penalties' histories."""
     return [req.tokens + drafts[:i] for i in range(len(drafts) + 1)], [req.output + drafts[:i] for i in range(len(drafts) + 1)]
 
 
-class SpeculativeDecoder:
-    """The draft model's runner and block table, and the proposal / verification of one decode step."""
+class Proposer(Protocol):
+    """Where a step's proposals come from: a draft model (DraftProposer) or the request's own tokens (ngram.py)."""
 
-    def __init__(self, draft: Runner, alloc: BlockAllocator, k: int) -> None:
-        self.check_tokens(k)
-        self.draft, self.alloc, self.k = draft, alloc, k
+    def reserve(self, req: Request, k: int) -> bool: ...
+
+    def propose(self, rows: list[Request], ks: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]: ...
+
+    def kept(self, req: Request, kept: int) -> None: ...
+
+    def release(self, request_id: int) -> None: ...
+
+
+class DraftProposer:
+    """A draft model's runner and block table: K cheap forwards propose K tokens per decoding row."""
+
+    def __init__(self, draft: Runner, alloc: BlockAllocator) -> None:
+        self.draft, self.alloc = draft, alloc
         self.cached: dict[int, int] = {}  # request id -> its tokens in the draft's cache
 
-    @staticmethod
-    def check_tokens(k: int) -> None:
-        if k < 1:
-            raise BehemothError(f"--draft-tokens {k}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)")
+    def reserve(self, req: Request, k: int) -> bool:
+        """Room in the draft's cache for `req`'s k proposals (taken now), or False."""
+        if not self.alloc.can_grow(req.id, len(req.tokens) + k - 1):
+            return False
+        self.alloc.grow(req.id, max(self.alloc.lengths.get(req.id, 0), len(req.tokens) + k - 1))
+        return True
+
+    def kept(self, req: Request, kept: int) -> None:
+        """`req` kept `kept` tokens (its drafts and the target's own): the draft's cache is valid up to them."""
+        self.cached[req.id] = min(self.cached.get(req.id, 0), len(req.tokens) + kept - 1)
 
     def release(self, request_id: int) -> None:
-        """A request finished, was aborted or preempted: its draft blocks go back."""
         self.alloc.release(request_id)
         self.cached.pop(request_id, None)
-
-    def budget(self, sched: Scheduler, req: Request) -> int:
-        """Tokens to propose for `req`: K, fewer near its max_tokens, 0 when either cache cannot hold them now."""
-        k = min(self.k, req.params.max_tokens - len(req.output) - 1)
-        if k < 1 or not sched.alloc.can_grow(req.id, req.cached + 1 + k) or not self.alloc.can_grow(req.id, len(req.tokens) + k - 1):
-            return 0
-        sched.alloc.grow(req.id, req.cached + 1 + k)
-        self.alloc.grow(req.id, max(self.alloc.lengths.get(req.id, 0), len(req.tokens) + k - 1))
-        return k
 
     def propose(self, rows: list[Request], ks: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
         """Each row's draft tokens (k of them) and, for sampled rows, the draft distribution each was drawn from."""
@@ -110,20 +122,49 @@ class SpeculativeDecoder:
             dists[b].append(q)
             d.append(int(torch.multinomial(q, 1, generator=r.generator)))
 
+
+class SpeculativeDecoder:
+    """A proposer (draft model or n-gram lookup) and the verification of one decode step in one target forward."""
+
+    def __init__(self, proposer: Proposer | Runner, alloc: BlockAllocator | None = None, k: int = 4) -> None:
+        self.check_tokens(k)
+        self.proposer: Proposer = DraftProposer(cast(Runner, proposer), alloc) if alloc is not None else cast(Proposer, proposer)
+        self.k = k
+
+    @staticmethod
+    def check_tokens(k: int) -> None:
+        if k < 1:
+            raise BehemothError(f"--draft-tokens {k}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)")
+
+    def release(self, request_id: int) -> None:
+        """A request finished, was aborted or preempted: what the proposer holds for it goes back."""
+        self.proposer.release(request_id)
+
+    def budget(self, sched: Scheduler, req: Request) -> int:
+        """Tokens `req` may be proposed: K, fewer near its max_tokens, 0 when the target's cache or the proposer's cannot
+        hold them now (the target's blocks are taken once the proposals are known)."""
+        k = min(self.k, req.params.max_tokens - len(req.output) - 1)
+        if k < 1 or not sched.alloc.can_grow(req.id, req.cached + 1 + k) or not self.proposer.reserve(req, k):
+            return 0
+        return k
+
     def decode(self, sched: Scheduler, rows: list[Request]) -> list[Request]:
         """One speculative decode step of `rows` (each holds a slot for its next token): propose, verify, keep, retire."""
         ks = [self.budget(sched, r) for r in rows]
-        drafts, dists = self.propose(rows, ks)
+        drafts, dists = self.proposer.propose(rows, ks)
+        for r, d in zip(rows, drafts):
+            if d:
+                sched.alloc.grow(r.id, max(sched.alloc.lengths.get(r.id, 0), r.cached + 1 + len(d)))
         batch = [(r.id, [r.tokens[r.cached]] + d, r.cached) for r, d in zip(rows, drafts)]
         logits = cast(ModelRunner, sched.runner).verify(plan_step(sched.alloc, batch, [r.params.adapter for r in rows]))
         sched.stats["decode_tokens"] += sum(len(new) for _, new, _ in batch)
-        sched.stats["draft_tokens"] += sum(ks)
+        sched.stats["draft_tokens"] += sum(len(d) for d in drafts)
         finished = []
         for b, (r, d) in enumerate(zip(rows, drafts)):
             kept, choices = self.keep(r, d, dists[b], logits[b, : len(d) + 1])
             sched.stats["accepted_tokens"] += len(kept) - 1
             r.cached += len(kept)  # the checked tokens up to the last kept one; the new last token is not cached yet
-            self.cached[r.id] = min(self.cached.get(r.id, 0), len(r.tokens) + len(kept) - 1)
+            self.proposer.kept(r, len(kept))
             if sched.prefixes is not None:
                 sched.prefixes.register(r.id, (r.tokens + kept)[: r.cached])
             if any(sched._append(r, c) for c in choices):
@@ -138,5 +179,6 @@ class SpeculativeDecoder:
         if req.params.greedy:
             kept = greedy_accept(proc, drafts)
         else:
-            kept = speculative_sample(sampling_probs(proc, params), torch.stack(dists) if dists else proc.new_zeros(0), drafts, req.generator)
+            q = torch.stack(dists) if dists else point_masses(drafts, proc.shape[-1])
+            kept = speculative_sample(sampling_probs(proc, params), q, drafts, req.generator)
         return kept, token_choices(logits[: len(kept)], params[: len(kept)], kept)
