@@ -80,7 +80,9 @@ def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
         why = f"{nproc} processes" if nproc > 1 else f"--offload {args.offload}"
         raise BehemothError(f"{what} with {why}: speculative decoding runs on one process with the model in memory", f"drop {what}, or {why}")
     if args.draft_tokens < 1:
-        raise BehemothError(f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)")
+        raise BehemothError(
+            f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
+        )
     if args.speculative:
         return NgramDraft(args.draft_tokens, args.ngram_max, args.ngram_min)
     if not Path(args.draft).exists():

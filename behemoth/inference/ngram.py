@@ -32,7 +32,9 @@ class NgramDraft:
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
-            raise BehemothError(f"--draft-tokens {self.tokens}: n-gram lookup proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)")
+            raise BehemothError(
+                f"--draft-tokens {self.tokens}: n-gram lookup proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
+            )
         if not 1 <= self.min_n <= self.max_n:
             raise BehemothError(f"n-gram sizes {self.min_n}..{self.max_n}: need 1 <= min <= max", "use e.g. --ngram 3 (sizes 1 to 3)")
 
