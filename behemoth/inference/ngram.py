@@ -36,7 +36,7 @@ class NgramDraft:
                 f"--draft-tokens {self.tokens}: n-gram lookup proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
             )
         if not 1 <= self.min_n <= self.max_n:
-            raise BehemothError(f"n-gram sizes {self.min_n}..{self.max_n}: need 1 <= min <= max", "use e.g. --ngram 3 (sizes 1 to 3)")
+            raise BehemothError(f"n-gram sizes {self.min_n}..{self.max_n}: need 1 <= min <= max", "use e.g. --ngram-min 1 --ngram-max 3")
 
 
 @dataclass
