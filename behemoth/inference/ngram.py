@@ -55,9 +55,9 @@ def lookup(tokens: list[int], index: NgramIndex, spec: NgramDraft, k: int) -> li
             index.ends[tuple(tokens[end - n + 1 : end + 1])] = end
     index.upto = max(index.upto, last)
     for n in range(min(spec.max_n, len(tokens)), spec.min_n - 1, -1):
-        end = index.ends.get(tuple(tokens[-n:]))
-        if end is not None:
-            return overlapping_copy(tokens, end + 1, k)
+        found = index.ends.get(tuple(tokens[-n:]))
+        if found is not None:
+            return overlapping_copy(tokens, found + 1, k)
     return []
 
 
