@@ -65,7 +65,27 @@ class ReplicatedAdamW(Optimizer):
         return sum(t.numel() * t.element_size() for s in states for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
 
 
-class DataParallel(GradSync):
+class ReplicatedSync(GradSync):
+    """A sync under which every rank holds every parameter whole (`named`, with the tied `aliases`): its gradients,
+    optimizer and state are the single-process ones."""
+
+    named: list[tuple[str, nn.Parameter]]
+    aliases: dict[str, list[str]]
+
+    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.grad) for name, p in self.named if p.grad is not None]
+
+    def build_optimizer(self, settings: AdamWSettings) -> ReplicatedAdamW:
+        return ReplicatedAdamW(self.named, settings)
+
+    def model_state(self) -> dict[str, Any]:
+        return with_tied_names({name: p.detach() for name, p in self.named}, self.aliases)
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.named)
+
+
+class DataParallel(ReplicatedSync):
     """Keeps data-parallel replicas' gradients equal: the sum over ranks, overlapped with backward."""
 
     sharded = False
@@ -118,18 +138,8 @@ class DataParallel(GradSync):
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
-    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p.grad) for name, p in self.named if p.grad is not None]
-
-    def build_optimizer(self, settings: AdamWSettings) -> ReplicatedAdamW:
-        return ReplicatedAdamW(self.named, settings)
-
-    def model_state(self) -> dict[str, Any]:
-        return with_tied_names({name: p.detach() for name, p in self.named}, self.aliases)
-
     def state_bytes(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for _, p in self.named)
-        return {"params": params, "grads": sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)}
+        return {"params": self.param_bytes(), "grads": sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)}
 
 
 def apply_data_parallel(

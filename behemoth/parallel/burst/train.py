@@ -12,7 +12,7 @@ rank keeps the whole model and steps it alike.
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,12 @@ from behemoth.comm import Pending, all_gather, issue, plan_buckets, reduce_flat
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.burst.runtime import BUCKET_BYTES, BurstModel
-from behemoth.parallel.data import ReplicatedAdamW
+from behemoth.parallel.data import ReplicatedSync
 from behemoth.parallel.executor import Autocast, Batch, LossFn, MicroBatchLoop
-from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
+from behemoth.parallel.sync import GradSync
 
 
-class BurstSync(GradSync):
+class BurstSync(ReplicatedSync):
     """Gradients of a burst plan: summed within each parameter's group, then shared with the ranks outside it."""
 
     sharded = False
@@ -51,18 +51,8 @@ class BurstSync(GradSync):
             for bucket in plan_buckets(params, self.bucket_bytes):
                 reduce_flat([cast(torch.Tensor, p.grad) for p in bucket], functools.partial(_broadcast_from_first, group=self.group))
 
-    def grad_slices(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p.grad) for name, p in self.named if p.grad is not None]
-
-    def build_optimizer(self, settings: AdamWSettings) -> ReplicatedAdamW:
-        return ReplicatedAdamW(self.named, settings)
-
-    def model_state(self) -> dict[str, Any]:
-        return with_tied_names({name: p.detach() for name, p in self.named}, self.aliases)
-
     def state_bytes(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for _, p in self.named)
-        return {"params": params, "grads": sum(p.grad.numel() * p.grad.element_size() for _, p in self.named if p.grad is not None)}
+        return {"params": self.param_bytes(), "grads": sum(p.grad.numel() * p.grad.element_size() for _, p in self.named if p.grad is not None)}
 
 
 def _broadcast_from_first(flat: torch.Tensor, group: dist.ProcessGroup) -> Pending:
