@@ -333,21 +333,9 @@ def parallelize(
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
         optimizer_tier, offload = offload.optimizer, None
     if offload is not None:
-        if not for_training:
-            raise ValueError("offloaded generation streams blocks itself (inference/offload.py); parallelize offloads training")
-        if pipeline is not None:
-            raise ValueError("offload streams whole-model units; it does not run under a pipeline")
-        frozen = lora is not None and lora.enabled  # a LoRA base streams read-only; the adapters stay resident, whole
-        units = shard_parameters(
-            model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units(experts, rt), frozen_only=frozen
-        )
-        apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
-        sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
-        adapters = []
-        if frozen:
-            materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
-            adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
-        return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
+        if not for_training or pipeline is not None:
+            raise ValueError("offload streams training's whole-model units: not for inference (inference/offload.py) nor under a pipeline")
+        return offloaded_model(lm, plan, rt, offload, batch=batch, seq_len=seq_len, seed=seed, lora=lora, compile=compile, parts=(tp, experts, meter))
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
@@ -377,6 +365,37 @@ def parallelize(
         else None
     )
     return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter, context=context)
+
+
+def offloaded_model(
+    lm: CausalLM,
+    plan: ParallelPlan,
+    rt: Runtime,
+    offload: OffloadPolicy,
+    *,
+    batch: BatchLayout,
+    seq_len: int,
+    seed: int,
+    lora: Any,
+    compile: bool,
+    parts: tuple[TensorParallel | None, ExpertParallel | None, CommMeter],
+) -> ParallelModel:
+    """Steps 5-7 of `parallelize` for a model whose states live on offload's tiers: ZeRO-3 units streamed by the offload
+    runtime (tp, experts and the meter are the earlier steps' parts). A LoRA base streams read-only; its adapters stay
+    resident and whole, synchronized as data parallelism does."""
+    tp, experts, meter = parts
+    model = lm.module
+    frozen = lora is not None and lora.enabled
+    units = shard_parameters(
+        model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units(experts, rt), frozen_only=frozen
+    )
+    apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
+    sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
+    adapters = []
+    if frozen:
+        materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
+        adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
+    return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
 
 
 def expert_units(experts: ExpertParallel | None, rt: Runtime) -> ExpertUnits | None:
