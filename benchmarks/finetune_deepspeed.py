@@ -14,9 +14,10 @@ global-norm clipping at 1.0:
   JIT-built with ninja on first use; the build is not timed: it happens before the first step).
 
 A step is timed between barriers; the median after `--warmup` steps is kept (with `--rounds` > 1 each system keeps its
-fastest round, and its least CPU time per step, the steadier figure on a shared machine). Memory is the rank's peak resident set (VmHWM, the larger of the ranks) and its growth from just
-before the model was built. The loss curves (global batch means) are printed side by side: they should agree to
-float32 rounding, since every system trains the same objective from the same weights on the same data.
+fastest round, and its least CPU time per step, the steadier figure on a shared machine). Memory is the rank's peak
+resident set (VmHWM, the larger of the ranks) and its growth from just before the model was built. The loss curves
+(global batch means) are printed side by side: they should agree to float32 rounding, since every system trains the
+same objective from the same weights on the same data.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def deepspeed_system(folder: str, args: dict, offload: bool) -> Callable[[tuple[
     deepspeed.init_distributed(dist_backend="gloo")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32)
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decay, rest = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": DECAY}, {"params": rest, "weight_decay": 0.0}]
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -147,7 +149,8 @@ def measure(folder: str, args: dict) -> tuple[dict[str, dict[str, Any]], dict[st
                 "peak_mib": max(x["peak_mib"] for x in ranks),
                 "grown_mib": max(x["grown_mib"] for x in ranks),
             }
-            print(f"round {r + 1}: {name:<23} {row['tokens_per_s']:>7.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_mib']:.0f} MiB/rank", flush=True)
+            speed = f"{row['tokens_per_s']:>7.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step"
+            print(f"round {r + 1}: {name:<23} {speed}  peak RSS {row['peak_mib']:.0f} MiB/rank", flush=True)
             cpu = min(row["cpu_s"], best[name]["cpu_s"]) if name in best else row["cpu_s"]
             if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = row
@@ -173,7 +176,8 @@ def print_tables(results: dict[str, dict[str, Any]], failed: dict[str, str], arg
         if {ours, theirs} <= set(results):
             b, d = results[ours], results[theirs]
             print(
-                f"\n{ours} / {theirs}: tokens/s x{b['tokens_per_s'] / d['tokens_per_s']:.2f}, CPU time x{b['cpu_s'] / d['cpu_s']:.2f}, peak RSS x{b['peak_mib'] / d['peak_mib']:.2f} "
+                f"\n{ours} / {theirs}: tokens/s x{b['tokens_per_s'] / d['tokens_per_s']:.2f}, CPU time x{b['cpu_s'] / d['cpu_s']:.2f}, "
+                f"peak RSS x{b['peak_mib'] / d['peak_mib']:.2f} "
                 f"(above 1: more memory), RSS growth x{b['grown_mib'] / d['grown_mib']:.2f}"
             )
     print_losses(results)
@@ -187,7 +191,7 @@ def print_losses(results: dict[str, dict[str, Any]]) -> None:
     ref = results[names[0]]["losses"]
     print("\n| step | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
-    for i, base in enumerate(ref):
+    for i in range(len(ref)):
         print(f"| {i + 1} | " + " | ".join(f"{results[n]['losses'][i]:.7f}" for n in names) + " |")
     diffs = {n: max(abs(a - b) / abs(a) for a, b in zip(ref, results[n]["losses"], strict=True)) for n in names[1:]}
     print("\nlargest relative loss difference from " + names[0] + ": " + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()))
@@ -195,7 +199,8 @@ def print_losses(results: dict[str, dict[str, Any]]) -> None:
 
 def bench_zero_offload(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the four systems on one saved folder; print the tables; the ratio rows (behemoth to DeepSpeed)."""
-    opts = {"nproc": args.nproc, "batch": args.batch, "seq": args.seq, "steps": args.steps - args.warmup, "warmup": args.warmup, "rounds": args.rounds}
+    opts = {"nproc": args.nproc, "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "rounds": args.rounds}
+    opts["steps"] = args.steps - args.warmup  # timed steps (--steps counts the warm-up too, as in --part lora)
     with tempfile.TemporaryDirectory(prefix="bench-zero-offload-") as tmp:
         save_llama(Path(tmp) / "llama", args.seq)
         results, failed = measure(str(Path(tmp) / "llama"), opts)
