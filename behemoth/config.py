@@ -236,10 +236,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_lora(self) -> Config:
-        """LoRA composes with dp, ZeRO 1-3, tp and pp, and offload of the frozen base (with dp; not yet with tp)."""
+        """LoRA composes with dp, ZeRO 1-3, tp and pp, and offload of the frozen base (with dp and tp)."""
         lora, plan = self.finetune.lora, self.parallel
-        if lora.enabled and self.offload_streams and plan.tp > 1:
-            raise ValueError(f"finetune.lora with offload and parallel.tp={plan.tp}: a streamed frozen base runs with dp only; set parallel.tp=1")
         others = plan.tp > 1 or plan.pp > 1 or plan.zero_stage == 3 or self.offload.enabled
         if lora.enabled and lora.base_bits == 8 and others:
             raise ValueError(

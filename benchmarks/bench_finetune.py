@@ -15,6 +15,13 @@ streamed from disk under offload.max_memory_gb: step time vs the I/O bound, peak
 
     python benchmarks/bench_finetune.py --part offload [--gb 30] [--max-memory-gb 3] [--offload-steps 4] [--dir DIR]
 
+`--part zero-offload`: full fine-tuning of the same Llama-shaped folder over 2 gloo ranks, behemoth (ZeRO-2, plain and
+with offload.optimizer=host: ZeRO-Offload) vs DeepSpeed (ZeRO-2, plain and offload_optimizer=cpu with DeepSpeedCPUAdam):
+tokens/s, peak RSS per rank with ratios, and the loss curves side by side (benchmarks/finetune_deepspeed.py; needs the
+bench extra, `pip install -e .[bench]`):
+
+    python benchmarks/bench_finetune.py --part zero-offload [--nproc 2] [--rounds 1] [--batch 4] [--seq 256] [--steps 12]
+
 `--part tokenize`: behemoth's corpus tokenization vs `datasets.map(batched=True, num_proc=N)`.
 
 Tokenization: a JSONL corpus of >= 200 MB (the interpreter's stdlib sources, repeated with a per-copy prefix so no two
@@ -252,11 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--part",
-        choices=["lora", "tokenize", "offload"],
+        choices=["lora", "tokenize", "offload", "zero-offload"],
         default="lora",
         help="lora: LoRA fine-tuning vs transformers + peft; tokenize: corpus tokenization vs datasets.map; "
-        "offload: LoRA on a base larger than memory, streamed from disk, vs the I/O bound",
+        "offload: LoRA on a base larger than memory, streamed from disk, vs the I/O bound; "
+        "zero-offload: full fine-tuning, ZeRO-2 with and without ZeRO-Offload, vs DeepSpeed",
     )
+    p.add_argument("--nproc", type=int, default=2, help="zero-offload: gloo ranks (default 2)")
+    p.add_argument("--rounds", type=int, default=1, help="zero-offload: rounds; each system keeps its fastest (default 1)")
     p.add_argument("--gb", type=float, default=30.0, help="offload: GB of float32 base weights written to disk (default 30)")
     p.add_argument("--dir", help="offload: where the base is written (default a folder in the temporary directory; removed afterwards)")
     p.add_argument("--max-memory-gb", type=float, default=3.0, help="offload: offload.max_memory_gb (default 3)")
@@ -288,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"$ {command_line('bench_finetune.py', argv)}\n")
         args.steps, args.seq = args.offload_steps, args.seq if "--seq" in (argv or sys.argv) else 16
         rows += bench_offload(args)
+    elif args.part == "zero-offload":
+        from finetune_deepspeed import bench_zero_offload
+
+        print(f"$ {command_line('bench_finetune.py', argv)}\n")
+        rows += bench_zero_offload(args)
     elif args.part == "tokenize":
         runs = bench_tokenization(args.mb, args.workers, args.vocab)
         print_tokenization(runs)

@@ -156,7 +156,18 @@ def behemoth_lora(cfg_dict: dict[str, Any], init: dict[str, torch.Tensor]) -> di
     weights = {getattr(p, FULL_NAME, n): full_tensor(p, tp) for n, p in adapters.items()}
     held = {n: p for n, p in model.module.named_parameters() if n not in adapters}
     state = engine.model_state_bytes()
-    return {"losses": losses, "adapters": weights, "held": sorted(held), "rank": dist.get_rank(), "states": state, "optim": engine.state_dict()}
+    local = sum(p.numel() * p.element_size() for p in adapters.values())  # this rank's parts of the adapters
+    read = sum(v for k, v in model.step_metrics().items() if k.startswith("offload_read_mb_params"))  # the last step's base reads
+    return {
+        "losses": losses,
+        "adapters": weights,
+        "held": sorted(held),
+        "rank": dist.get_rank(),
+        "states": state,
+        "optim": engine.state_dict(),
+        "local_adapter_bytes": local,
+        "read_mb": read,
+    }
 
 
 def assert_same_training(ref: dict[str, Any], got: dict[str, Any], loss_rtol: float = 1e-5, weight_rtol: float = 1e-4) -> None:
@@ -209,15 +220,6 @@ def test_lora_layouts_equal_one_process(folder, reference, single, tmp_path, lay
         got = [{"losses": got[1]["losses"], "adapters": {**got[0]["adapters"], **got[1]["adapters"]}}] * 2
     for rank in got:
         assert_same_training(single, rank)
-
-
-def test_lora_with_offload_and_tp_is_refused(folder, tmp_path):
-    from behemoth.config import load_config
-    from behemoth.errors import BehemothError
-
-    for option, words in (("offload.params=disk", "parallel.tp=2"),):
-        with pytest.raises(BehemothError, match=words):
-            load_config(None, [f"hf.weights={folder}", "finetune.lora.enabled=true", "parallel.tp=2", option])
 
 
 def test_targets_that_match_nothing_are_refused(folder):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.dist import run_ranks
 from tests.test_lora import assert_same_training, behemoth_lora, folder, lora_config, peft_adapters, peft_model  # noqa: F401  (folder: a fixture)
@@ -44,21 +45,32 @@ def test_lora_under_zero3_equals_one_process(folder, init, single, tmp_path):  #
 
 @pytest.mark.parametrize(
     "layout",
-    [("offload.params=disk",), pytest.param(("offload.params=host", "parallel.dp=2"), marks=pytest.mark.slow)],
-    ids=["disk", "host-dp2"],
+    [
+        ("offload.params=disk",),
+        pytest.param(("offload.params=host", "parallel.dp=2"), marks=pytest.mark.slow),
+        ("offload.params=disk", "parallel.tp=2"),
+        pytest.param(("offload.params=host", "parallel.tp=2"), marks=pytest.mark.slow),
+    ],
+    ids=["disk", "host-dp2", "disk-tp2", "host-tp2"],
 )
 def test_lora_with_an_offloaded_base_equals_one_process(folder, init, single, tmp_path, layout):  # noqa: F811
     """The frozen base streams unit by unit (from the folder itself at offload.params=disk: nothing written, no scratch
     copy, no gradient or moment of it anywhere); the adapters and their Adam state stay resident: the single-process
     curve and adapters."""
-    world = 2 if "parallel.dp=2" in layout else 1
+    world = 2 if "parallel.dp=2" in layout or "parallel.tp=2" in layout else 1
     got = run_ranks(world, behemoth_lora, lora_config(tmp_path, folder, *layout, f"offload.dir={tmp_path / 'scratch'}"), init)
     for rank in got:
         assert_same_training(single, rank)
         assert not rank["held"]
-        states = rank["states"]
-        assert states["grads"] == adapter_bytes(single) and states["optimizer"] == 2 * adapter_bytes(single), states
+        states, adapters = rank["states"], rank["local_adapter_bytes"]
+        assert states["grads"] == adapters and states["optimizer"] == 2 * adapters, states
         assert set(rank["optim"]["model"]) == set(single["adapters"])  # checkpoints hold the adapters only
+    if "parallel.tp=2" in layout:  # each tp rank holds (and, from the folder, reads) its half of the split weights
+        assert all(rank["local_adapter_bytes"] < adapter_bytes(single) for rank in got)
+        if "offload.params=disk" in layout:
+            whole = run_ranks(1, behemoth_lora, lora_config(tmp_path / "one", folder, *layout[:1], f"offload.dir={tmp_path / 's1'}"), init)[0]
+            for rank in got:  # the norms are replicated: a little over half
+                assert 0.5 * whole["read_mb"] < rank["read_mb"] < 0.6 * whole["read_mb"], (rank["read_mb"], whole["read_mb"])
 
 
 def train_run(cfg_dict: dict[str, Any], resume: str | None = None) -> dict[str, Any]:
@@ -96,3 +108,28 @@ def test_offloaded_lora_checkpoints_hold_adapters_and_resume(folder, tmp_path): 
     resumed = run_ranks(1, train_run, lora_config(tmp_path / "again", folder, *options, f"offload.dir={tmp_path / 's2'}"), str(ckpt))[0]
     assert resumed["start"] == 2
     assert_same_training({"losses": full["losses"][2:], "adapters": full["adapters"]}, resumed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_split_tensor_is_read_alone_from_its_file(tmp_path, dtype):
+    """Each tp rank's part of a stored tensor (rows, columns row by row, a fused layer's pieces, padded vocabulary rows)
+    read from its safetensors file equals the part cut from the whole tensor, in float32, reading only the part's bytes."""
+    from safetensors.torch import save_file
+
+    from behemoth.models.safetensors_io import read_index
+    from behemoth.offload.frozen import read_split
+    from behemoth.parallel.tensor.comm import TPComm
+    from behemoth.parallel.tensor.layers import ShardLayout
+
+    full = torch.randn(10, 12, 3).to(dtype)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    entry = read_index([tmp_path / "model.safetensors"])["w"]
+    layouts = [
+        *(ShardLayout.split("w", full.shape, 0, TPComm(None, 2, r)) for r in range(2)),  # type: ignore[arg-type]  # a layout reads size and rank only
+        *(ShardLayout.split("w", full.shape, 1, TPComm(None, 2, r), parts=3) for r in range(2)),  # type: ignore[arg-type]
+        *(ShardLayout.padded(full.shape, 0, TPComm(None, 3, r)) for r in range(3)),  # type: ignore[arg-type]  # 4, 4, 2 rows
+    ]
+    for layout in layouts:
+        part, read = read_split(entry, layout)
+        assert torch.equal(part, layout.take_local(full.float())), layout
+        assert read == sum(length for _, _, length in layout.pieces) * full.numel() // full.shape[layout.dim] * dtype.itemsize, layout

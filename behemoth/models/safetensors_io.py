@@ -68,17 +68,49 @@ def read_index(files: list[Path]) -> dict[str, StoredTensor]:
 
 def read_into(entry: StoredTensor, out: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor `out` (the entry's dtype and element count) with the entry's bytes."""
-    if not out.is_contiguous() or out.device.type != "cpu" or out.dtype != entry.dtype or out.numel() != math.prod(entry.shape):
-        raise ValueError(f"{entry.path}: cannot read a {entry.dtype} {entry.shape} tensor into a {out.dtype} {tuple(out.shape)} on {out.device}")
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    with open(entry.path, "rb", buffering=0) as f:
-        f.seek(entry.offset)
-        done = 0
-        while done < entry.nbytes:
-            n = f.readinto(view[done:])
-            if not n:
-                raise BehemothError(f"{entry.path} ends inside a tensor", "the file is truncated; save the model again")
-            done += n
+    _check_out(entry, out, math.prod(entry.shape))
+    _read_ranges(entry.path, [(entry.offset, entry.nbytes)], _bytes_of(out))
+
+
+def read_narrow(entry: StoredTensor, dim: int, start: int, length: int, out: torch.Tensor) -> int:
+    """Fill `out` (contiguous, the entry's dtype, its shape with `length` along `dim`) with the entry's rows
+    [start, start + length) along `dim`, reading only their bytes: one range per index of the dimensions before `dim`
+    (one range in all when `dim` is 0 or the slice is whole). Returns the bytes read."""
+    shape = entry.shape
+    if not 0 <= dim < len(shape) or start < 0 or length < 0 or start + length > shape[dim]:
+        raise ValueError(f"{entry.path}: rows [{start}, {start + length}) of dimension {dim} of a {shape} tensor")
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1 :]) * entry.dtype.itemsize
+    _check_out(entry, out, outer * length * inner // entry.dtype.itemsize)
+    row, n = shape[dim] * inner, length * inner
+    if length == shape[dim]:
+        outer, n = 1, outer * n
+    ranges = [(entry.offset + o * row + start * inner, n) for o in range(outer)]
+    _read_ranges(entry.path, ranges, _bytes_of(out))
+    return outer * n
+
+
+def _check_out(entry: StoredTensor, out: torch.Tensor, numel: int) -> None:
+    if not out.is_contiguous() or out.device.type != "cpu" or out.dtype != entry.dtype or out.numel() != numel:
+        got = f"a {out.dtype} {tuple(out.shape)} on {out.device}"
+        raise ValueError(f"{entry.path}: cannot read {numel} {entry.dtype} elements of a {entry.shape} tensor into {got}")
+
+
+def _bytes_of(out: torch.Tensor) -> memoryview:
+    return memoryview(out.reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_ranges(path: Path, ranges: list[tuple[int, int]], view: memoryview) -> None:
+    """Read each (file offset, length) range of `path` in turn into consecutive bytes of `view`."""
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        for offset, nbytes in ranges:
+            f.seek(offset)
+            end = done + nbytes
+            while done < end:
+                n = f.readinto(view[done:end])
+                if not n:
+                    raise BehemothError(f"{path} ends inside a tensor", "the file is truncated; save the model again")
+                done += n
 
 
 def read_tensor(entry: StoredTensor) -> torch.Tensor:

@@ -3,22 +3,25 @@
 A LoRA base never changes, so its units need no scratch copy: with `offload.params=disk` and `hf.weights`, each
 fetch reads this rank's shard of the unit from the folder's files with plain reads (models/safetensors_io.py: no
 memory map, so nothing stays in the process's resident set but the shard), converting to float32 as the in-memory
-run does. A parameter that fills its part of the shard whole, already float32, is read straight into it. Nothing is
-ever written: no write-back, no gradient, no optimizer state.
+run does. A parameter that fills its part of the shard whole, already float32, is read straight into it. Under tensor
+parallelism a split parameter's rank part is read alone (models/safetensors_io.py `read_narrow`: its rows, or its
+columns row by row), so each tp rank reads 1/tp of the split weights. Nothing is ever written: no write-back, no
+gradient, no optimizer state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
-from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_tensor
+from behemoth.models.safetensors_io import StoredTensor, read_index, read_into, read_narrow, read_tensor
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import Tier
 from behemoth.parallel.zero.units import UnitSpec
@@ -55,13 +58,17 @@ class PieceRead:
     take_local: Callable[[torch.Tensor], torch.Tensor] | None  # None: the piece is the whole stored tensor
     offset: int  # in the shard
     numel: int
+    split: Any = None  # the tensor-parallel ShardLayout of the parameter (None: not split): only its part is read
+    start: int = 0  # the piece's range in the flattened tensor-parallel part
+    stop: int = 0
 
 
 class FolderShards:
-    """Reads a frozen unit's shard from the folder at every fetch; counts the bytes as the parameters' tier's reads."""
+    """Reads a frozen unit's shard from the folder at every fetch; counts the bytes as the parameters' tier's reads.
+    `splits`: the tensor-parallel layout (parallel/tensor/layers.py ShardLayout) of each split parameter, by name."""
 
-    def __init__(self, weights: FolderWeights, counter: Tier) -> None:
-        self.weights, self.counter = weights, counter
+    def __init__(self, weights: FolderWeights, counter: Tier, splits: Mapping[str, Any] | None = None) -> None:
+        self.weights, self.counter, self.splits = weights, counter, splits or {}
 
     def plan(self, spec: UnitSpec, layout: FlatLayout, rank: int) -> FrozenShard:
         """The reads of this rank's shard of `spec`, taken from the meta parameters `shard_parameters` left (before
@@ -69,11 +76,14 @@ class FolderShards:
         reads = []
         for pc in layout.pieces(rank):
             meta = getattr(*spec.locations[pc.index][0])
-            entry = self.weights.entry(getattr(meta, FULL_NAME, spec.names[pc.index]))
+            name = getattr(meta, FULL_NAME, spec.names[pc.index])
+            entry = self.weights.entry(name)
+            full_shape = tuple(getattr(meta, FULL_SHAPE, entry.shape))
+            split = self.splits.get(name) if full_shape == entry.shape else None  # a stored tensor of another shape: read whole
             numel = math.prod(entry.shape)  # the piece is the whole stored tensor (no tensor-parallel or ZeRO cut)
-            whole = pc.start == 0 and pc.stop == numel == math.prod(layout.shapes[pc.index])
+            whole = split is None and pc.start == 0 and pc.stop == numel == math.prod(layout.shapes[pc.index])
             cut = None if whole else getattr(meta, TAKE_LOCAL, lambda t, a=pc.start, b=pc.stop: t.reshape(-1)[a:b])
-            reads.append(PieceRead(entry, tuple(getattr(meta, FULL_SHAPE, entry.shape)), cut, pc.shard_offset, pc.numel))
+            reads.append(PieceRead(entry, full_shape, cut, pc.shard_offset, pc.numel, split, pc.start, pc.stop))
         return FrozenShard(reads, layout.shard_size, self.counter)
 
 
@@ -84,13 +94,31 @@ class FrozenShard:
         self.reads, self.shard_size, self.counter = reads, shard_size, counter
 
     def read(self) -> torch.Tensor:
-        shard = torch.zeros(self.shard_size)
+        shard, done = torch.zeros(self.shard_size), 0
         for r in self.reads:
             out = shard[r.offset : r.offset + r.numel]
+            if r.split is not None:  # this rank's tensor-parallel part alone, then its ZeRO piece
+                part, n = read_split(r.entry, r.split)
+                out.copy_(part.reshape(-1)[r.start : r.stop])
+                done += n
+                continue
             if r.take_local is None and r.entry.dtype == torch.float32:
                 read_into(r.entry, out)
-            else:  # another dtype, or the cut shard_parameters made (tensor-parallel part, then this rank's piece)
+            else:  # another dtype, or the ZeRO cut shard_parameters made (this rank's piece)
                 full = read_tensor(r.entry).float().reshape(r.full_shape)
                 out.copy_(full.reshape(-1) if r.take_local is None else r.take_local(full).reshape(-1))
-        self.counter.count(read=sum(r.entry.nbytes for r in self.reads))
+            done += r.entry.nbytes
+        self.counter.count(read=done)
         return shard
+
+
+def read_split(entry: StoredTensor, split: Any) -> tuple[torch.Tensor, int]:
+    """A split parameter's tensor-parallel part in float32 (padding rows zero) read piece by piece, and the bytes read."""
+    part, done = torch.zeros(split.local_shape), 0
+    for start, local, length in split.pieces:
+        shape = list(entry.shape)
+        shape[split.dim] = length
+        stored = torch.empty(shape, dtype=entry.dtype)
+        done += read_narrow(entry, split.dim, start, length, stored)
+        part.narrow(split.dim, local, length).copy_(stored)
+    return part, done

@@ -107,8 +107,10 @@ class OffloadSync(GradSync):
 
     def _materialize(self, value: ValueSource) -> None:
         """Each unit's shard drawn (or loaded) one unit at a time and put on its tier: the model is never whole in memory.
-        A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder."""
-        from_folder = FolderShards(value, self.tiers.params) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
+        A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder
+        (under tp, this rank's part of each split parameter only)."""
+        splits = self.tp.split_layouts if self.tp is not None else None  # under tp each rank reads its part alone
+        from_folder = FolderShards(value, self.tiers.params, splits) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
         for i, spec in enumerate(self.specs):
             store = UnitStore(i, spec, spec.group or self.group, self.tiers, self.meter, compute_dtype=DTYPES[self.policy.param_dtype])
             if spec.frozen and from_folder is not None:

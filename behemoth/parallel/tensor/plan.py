@@ -103,6 +103,7 @@ class TensorParallel:
         # single-process names of replicated parameters whose gradients SP leaves partial
         self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
         self.partial = {getattr(p, FULL_NAME, n) for n, p in named if getattr(p, TP_PARTIAL_GRAD, False)}
+        self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
 
     @torch.no_grad()
     def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
