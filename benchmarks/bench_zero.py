@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ratios import add_report_args, command_line, failure, ratio, write_rows
+from ratios import add_report_args, best_of_rounds, command_line, failure, ratio, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -214,33 +214,19 @@ def measure(systems: list[str], args: dict) -> dict[str, dict]:
     system's fastest round, and its least CPU time per step over rounds (memory: rank max)."""
     from behemoth.faults.ranks import run_ranks
 
-    best: dict[str, dict] = {}
-    for r in range(args["rounds"]):
-        for name in systems if r % 2 == 0 else systems[::-1]:
-            if name in FAILED:
-                continue
-            try:
-                ranks = run_ranks(args["nproc"], run_system, name, args, timeout=1800.0, threads=args["threads"])
-            except AssertionError as err:  # a peer that does not install or run here is reported, not fatal
-                FAILED[name] = str(err)
-                print(f"{name} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
-                continue
-            row = {
-                "tokens_per_s": min(x["tokens_per_s"] for x in ranks),
-                "first_loss": ranks[0]["first_loss"],
-                "cpu_s": max(x["cpu_s"] for x in ranks),
-                **{k: max(x[k] for x in ranks) for k in ranks[0] if k.endswith("_mib")},
-            }
-            print(
-                f"round {r + 1}: {name:<12} {row['tokens_per_s']:>9.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_rss_mib']:.0f} MiB  "
-                f"loss {row['first_loss']:.4f}",
-                flush=True,
-            )
-            cpu = min(row["cpu_s"], best[name]["cpu_s"]) if name in best else row["cpu_s"]
-            if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = row
-            best[name]["cpu_s"] = cpu
-    return {name: best[name] for name in systems if name in best}
+    def run(name: str) -> dict:
+        ranks = run_ranks(args["nproc"], run_system, name, args, timeout=1800.0, threads=args["threads"])
+        return {
+            "tokens_per_s": min(x["tokens_per_s"] for x in ranks),
+            "first_loss": ranks[0]["first_loss"],
+            "cpu_s": max(x["cpu_s"] for x in ranks),
+            **{k: max(x[k] for x in ranks) for k in ranks[0] if k.endswith("_mib")},
+        }
+
+    def label(row: dict) -> str:
+        return f"{row['tokens_per_s']:>9.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_rss_mib']:.0f} MiB  loss {row['first_loss']:.4f}"
+
+    return best_of_rounds(systems, args["rounds"], run, label, FAILED)
 
 
 def table(results: dict[str, dict], args: dict) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 from bench_finetune import LLAMA, save_llama, token_batches
 from bench_zero import global_mean, proc_status_kb
-from ratios import failure, ratio
+from ratios import best_of_rounds, failure, ratio
 
 SYSTEMS = ("behemoth-zero2", "behemoth-zero-offload", "deepspeed-zero2", "deepspeed-zero-offload")
 PEERS = {"behemoth-zero-offload": "deepspeed-zero-offload", "behemoth-zero2": "deepspeed-zero2"}
@@ -129,33 +129,22 @@ def measure(folder: str, args: dict) -> tuple[dict[str, dict[str, Any]], dict[st
     """Each system in fresh processes, `rounds` times in turn; its fastest round (memory: the larger rank)."""
     from behemoth.faults.ranks import run_ranks
 
-    best: dict[str, dict[str, Any]] = {}
+    def run(name: str) -> dict[str, Any]:
+        ranks = run_ranks(args["nproc"], run_system, name, folder, args, timeout=3600.0)
+        return {
+            "tokens_per_s": min(x["tokens_per_s"] for x in ranks),
+            "step_s": max(x["step_s"] for x in ranks),
+            "cpu_s": max(x["cpu_s"] for x in ranks),
+            "losses": ranks[0]["losses"],
+            "peak_mib": max(x["peak_mib"] for x in ranks),
+            "grown_mib": max(x["grown_mib"] for x in ranks),
+        }
+
+    def label(row: dict[str, Any]) -> str:
+        return f"{row['tokens_per_s']:>7.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step  peak RSS {row['peak_mib']:.0f} MiB/rank"
+
     failed: dict[str, str] = {}
-    for r in range(args["rounds"]):
-        for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
-            if name in failed:
-                continue
-            try:
-                ranks = run_ranks(args["nproc"], run_system, name, folder, args, timeout=3600.0)
-            except AssertionError as err:  # a peer that does not build or run here is reported, not fatal
-                failed[name] = str(err)
-                print(f"{name} failed: {str(err).strip().splitlines()[-1][:300]}", flush=True)
-                continue
-            row = {
-                "tokens_per_s": min(x["tokens_per_s"] for x in ranks),
-                "step_s": max(x["step_s"] for x in ranks),
-                "cpu_s": max(x["cpu_s"] for x in ranks),
-                "losses": ranks[0]["losses"],
-                "peak_mib": max(x["peak_mib"] for x in ranks),
-                "grown_mib": max(x["grown_mib"] for x in ranks),
-            }
-            speed = f"{row['tokens_per_s']:>7.0f} tokens/s  CPU {row['cpu_s']:.2f} s/step"
-            print(f"round {r + 1}: {name:<23} {speed}  peak RSS {row['peak_mib']:.0f} MiB/rank", flush=True)
-            cpu = min(row["cpu_s"], best[name]["cpu_s"]) if name in best else row["cpu_s"]
-            if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = row
-            best[name]["cpu_s"] = cpu
-    return {n: best[n] for n in SYSTEMS if n in best}, failed
+    return best_of_rounds(list(SYSTEMS), args["rounds"], run, label, failed), failed
 
 
 def print_tables(results: dict[str, dict[str, Any]], failed: dict[str, str], args: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +44,29 @@ def failure(family: str, peer: str, reason: str) -> dict[str, Any]:
 def write_rows(path: str | None, rows: list[dict[str, Any]]) -> None:
     if path:
         Path(path).write_text(json.dumps(rows, indent=1))
+
+
+def best_of_rounds(
+    systems: list[str], rounds: int, run: Callable[[str], dict[str, Any]], label: Callable[[dict[str, Any]], str], failed: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Each system run `rounds` times in turn (every other round in reverse order, so no system always goes first).
+    `run(name)` gives a row with `tokens_per_s` and `cpu_s`; kept per system: its fastest round, with the least CPU time
+    per step over its rounds. A system whose run fails (a peer that does not install or run here: AssertionError from
+    run_ranks) is recorded in `failed`, reported, and not run again."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in range(rounds):
+        for name in systems if r % 2 == 0 else systems[::-1]:
+            if name in failed:
+                continue
+            try:
+                row = run(name)
+            except AssertionError as err:
+                failed[name] = str(err)
+                print(f"{name} failed: {str(err).strip().splitlines()[-1][:300]}", flush=True)
+                continue
+            print(f"round {r + 1}: {name:<23} {label(row)}", flush=True)
+            cpu = min(row["cpu_s"], best[name]["cpu_s"]) if name in best else row["cpu_s"]
+            if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = row
+            best[name]["cpu_s"] = cpu
+    return {n: best[n] for n in systems if n in best}
