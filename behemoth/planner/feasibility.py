@@ -235,6 +235,8 @@ def describe_plan(cfg: Config, world: int) -> str:
     plan, dims = cfg.parallel, cfg.parallel.dims(world)
     degrees = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "") + (f" x tp={dims.tp}" if dims.tp > 1 else "")
     degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp)})" if dims.cp > 1 else ""
+    if plan.burst is not None:  # every layer at its own width over the job (parallel/burst)
+        return f"burst (layer widths {list(plan.burst)})"
     if plan.pp == 1:
         return degrees
     if plan.stage_boundaries is not None:
