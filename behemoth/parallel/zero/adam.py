@@ -159,15 +159,14 @@ class Adam8bit:
 
     def __init__(self, settings: AdamWSettings, device: torch.device, kernel: Literal["auto", "torch", "bitsandbytes"] = "auto") -> None:
         """kernel: "auto" steps with bitsandbytes' kernel on a GPU and with `BlockwiseAdam8` on the CPU."""
-        self.settings = settings
-        self.F = bitsandbytes_functional()
-        self.qmap1 = self.F.create_dynamic_map(signed=True).to(device)  # signed map for the first moment
-        self.qmap2 = self.F.create_dynamic_map(signed=False).to(device)  # unsigned for the second
         if kernel == "auto":
             kernel = "torch" if device.type == "cpu" else "bitsandbytes"
         if kernel == "torch" and device.type != "cpu":
-            raise BehemothError(f"the torch 8-bit Adam kernel steps CPU shards, not {device}", "use kernel='bitsandbytes' (the default there)")
-        self.kernel = kernel
+            raise BehemothError(f"the torch 8-bit Adam kernel steps shards in CPU memory, not on {device}", "use kernel='bitsandbytes' there")
+        self.settings, self.kernel = settings, kernel
+        self.F = bitsandbytes_functional()
+        self.qmap1 = self.F.create_dynamic_map(signed=True).to(device)  # signed map for the first moment
+        self.qmap2 = self.F.create_dynamic_map(signed=False).to(device)  # unsigned for the second
         self.cpu = BlockwiseAdam8(self.qmap1, self.qmap2) if kernel == "torch" else None
 
     def state_spec(self, pieces: list[ShardPiece], shard_numel: int) -> StateSpec:
@@ -182,46 +181,29 @@ class Adam8bit:
     def step(
         self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pieces: list[ShardPiece], *, lr: float, coef: float, step: int
     ) -> None:
-        b1, b2 = self.settings.betas
-        starts = dict(zip((pc.offset for pc in pieces), block_offsets(pieces)))
-        for pc in pieces:
+        """One AdamW step of every piece (the optimizer's `step` count is `step` after it); the gradient may be scaled
+        in place by `coef`."""
+        for pc, start in zip(pieces, block_offsets(pieces)):
+            hp = AdamStep(lr, self.settings.betas, EPS, self.settings.weight_decay if pc.decay else 0.0, step)
             if self.cpu is not None:
-                self._step_cpu(p, g, state, pc, starts[pc.offset], lr=lr, coef=coef, step=step)
-                continue
-            for part, at in chunks([pc]):
-                m, v, ma, va = self._slices(state, starts[pc.offset] + at, part.numel)
-                self.F.optimizer_update_8bit_blockwise(
-                    "adam",
-                    g[part.offset : part.offset + part.numel],
-                    p[part.offset : part.offset + part.numel],
-                    m,
-                    v,
-                    b1,
-                    b2,
-                    0.0,
-                    0.0,
-                    EPS,
-                    step,
-                    lr,
-                    self.qmap1,
-                    self.qmap2,
-                    ma,
-                    va,
-                    weight_decay=self.settings.weight_decay if pc.decay else 0.0,
-                    gnorm_scale=coef,
-                )
+                where = slice(pc.offset, pc.offset + pc.numel)
+                if coef != 1.0:
+                    g[where].mul_(coef)  # as bitsandbytes' gnorm_scale: the gradient times the clipping coefficient
+                self.cpu.update(p[where], g[where], *self._slices(state, start, pc.numel), hp)
+            else:
+                self._step_bitsandbytes(p, g, state, pc, start, hp, coef)
 
-    def _step_cpu(
-        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pc: ShardPiece, start: int, *, lr: float, coef: float, step: int
+    def _step_bitsandbytes(
+        self, p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], pc: ShardPiece, start: int, hp: AdamStep, coef: float
     ) -> None:
-        """One piece through `BlockwiseAdam8` (its moments start at `start` in the 8-bit state)."""
-        assert self.cpu is not None
-        where = slice(pc.offset, pc.offset + pc.numel)
-        if coef != 1.0:
-            g[where].mul_(coef)  # as bitsandbytes' gnorm_scale: the gradient times the clipping coefficient
-        decay = self.settings.weight_decay if pc.decay else 0.0
-        hp = AdamStep(lr, self.settings.betas, EPS, decay, step)
-        self.cpu.update(p[where], g[where], *self._slices(state, start, pc.numel), hp)
+        for part, at in chunks([pc]):
+            m, v, ma, va = self._slices(state, start + at, part.numel)
+            where = slice(part.offset, part.offset + part.numel)
+            b1, b2 = hp.betas
+            self.F.optimizer_update_8bit_blockwise(
+                "adam", g[where], p[where], m, v, b1, b2, 0.0, 0.0, hp.eps, hp.step, hp.lr, self.qmap1, self.qmap2, ma, va,
+                weight_decay=hp.weight_decay, gnorm_scale=coef,
+            )  # fmt: skip
 
     def moments(self, state: dict[str, torch.Tensor], pieces: list[ShardPiece]) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized moments as float32 shards (the values the next step starts from)."""
