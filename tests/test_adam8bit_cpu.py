@@ -22,15 +22,6 @@ N = 45 * BLOCK + 137
 SAME_CODES = 0.999  # fraction of codes the two paths must write alike from the same state
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Exact comparisons in one thread (a parallel split may change which lanes a vector kernel rounds)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def grads(steps: int, seed: int = 0) -> list[torch.Tensor]:
     """Gradients over six decades of scale, with one block of zeros (a row no token reached)."""
     gen = torch.Generator().manual_seed(seed)
@@ -124,14 +115,30 @@ def test_a_state_written_by_one_path_steps_on_the_other(switch):
     assert float((p - p_ref).abs().max()) <= 0.02 * float((p_ref - p0).abs().max())
 
 
-def test_spans_change_no_value(monkeypatch):
-    """Stepping in spans of one block gives exactly the step in spans of many."""
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_spans_and_threads_change_no_value(monkeypatch, threads):
+    """Stepping in spans of one block, or of three, on one thread or on four, gives exactly the same step."""
     results = []
-    for span in (blockwise8.SPAN, BLOCK, 3 * BLOCK):
+    for span, count in ((blockwise8.SPAN, 1), (BLOCK, 1), (3 * BLOCK, 1), (3 * BLOCK, 4)):
         monkeypatch.setattr(blockwise8, "SPAN", span)
+        threads(count)
         adam = Adam8bit(SETTINGS, CPU)
         p, state = torch.randn(N, generator=torch.Generator().manual_seed(4)), fresh_state(adam)
         run(adam, p, state, grads(2))
         results.append((p, state))
     for p, state in results[1:]:
         assert torch.equal(p, results[0][0]) and all(torch.equal(state[k], results[0][1][k]) for k in state)
+
+
+def test_kernels_in_a_stepping_thread_are_serial_and_the_setting_comes_back(threads):
+    threads(2)
+    seen = []
+    with blockwise8.serial_kernels():
+        seen.append(torch.get_num_threads())
+    assert seen == [1 if blockwise8.openmp() is not None else 2] and torch.get_num_threads() == 2
