@@ -149,7 +149,7 @@ def eight_bit_worker(n: int, rounds: int) -> dict[str, Any]:
 
 def eight_bit(args: argparse.Namespace) -> None:
     n, rounds = (int(4e6), 3) if args.quick else (int(args.numel), args.rounds)
-    print(f"8-bit AdamW, one shard of {n / 1e6:.0f}M elements, median (range) of {rounds} rounds after a warm-up, torch {torch.__version__}")
+    print(f"8-bit AdamW, one shard of {n / 1e6:.1f}M elements, median (range) of {rounds} rounds after a warm-up, torch {torch.__version__}")
     print("\n| threads | optimizer | state bytes per element | M elements/s | behemoth 8-bit / this |")
     print("|---:|---|---:|---:|---:|")
     notes = []
@@ -164,7 +164,9 @@ def eight_bit(args: argparse.Namespace) -> None:
             print(
                 f"| {threads} | {name} | {state:.2f} | {statistics.median(r):.1f} ({min(r):.1f}-{max(r):.1f}) | {ours / statistics.median(r):.2f} |"
             )
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
         notes.append(f"{threads} thread(s): codes behemoth's and bitsandbytes' steps wrote alike after {rounds + 1} steps: {100 * out['alike']:.4f}%")
+        notes.append(f"{threads} thread(s): load average after the run (1, 5, 15 min): {load}")
         if "torchao AdamW8bit (compiled)" in out["warm"]:
             notes.append(f"{threads} thread(s): torchao's first step (torch.compile) took {out['warm']['torchao AdamW8bit (compiled)']:.1f} s")
     print("\n" + "\n".join(notes))

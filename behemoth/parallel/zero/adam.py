@@ -173,7 +173,7 @@ class Adam8bit:
         n = block_offsets(pieces)[-1]
         return {"m": (n, torch.uint8), "v": (n, torch.uint8), "m_absmax": (n // BLOCK, torch.float32), "v_absmax": (n // BLOCK, torch.float32)}
 
-    def _slices(self, state: dict[str, torch.Tensor], start: int, numel: int) -> tuple[torch.Tensor, ...]:
+    def _slices(self, state: dict[str, torch.Tensor], start: int, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         blocks = slice(start // BLOCK, (start + math.ceil(numel / BLOCK) * BLOCK) // BLOCK)
         return state["m"][start : start + numel], state["v"][start : start + numel], state["m_absmax"][blocks], state["v_absmax"][blocks]
 
