@@ -122,6 +122,8 @@ class BlockwiseAdam8:
         self.first, self.second = BlockwiseMap(signed), BlockwiseMap(unsigned)
         self.local = threading.local()  # offload steps units on several I/O threads at once: scratch per thread
         self.pool: ThreadPoolExecutor | None = None
+        self.pool_size = 0
+        self.pool_lock = threading.Lock()
 
     def scratch(self) -> Scratch:
         s = getattr(self.local, "scratch", None)
@@ -140,11 +142,13 @@ class BlockwiseAdam8:
         if workers <= 1:
             self._spans(p, g, m, v, m_absmax, v_absmax, hp, starts)
             return
-        if self.pool is None or self.pool._max_workers < workers - 1:
-            self.pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="behemoth-adam8")
+        with self.pool_lock:
+            if self.pool is None or self.pool_size < workers - 1:
+                self.pool, self.pool_size = ThreadPoolExecutor(workers - 1, thread_name_prefix="behemoth-adam8"), workers - 1
+            pool = self.pool
         share = -(-len(starts) // workers)
         parts = [starts[i : i + share] for i in range(0, len(starts), share)]
-        futures = [self.pool.submit(self._spans, p, g, m, v, m_absmax, v_absmax, hp, part) for part in parts[1:]]
+        futures = [pool.submit(self._spans, p, g, m, v, m_absmax, v_absmax, hp, part) for part in parts[1:]]
         self._spans(p, g, m, v, m_absmax, v_absmax, hp, parts[0])
         for f in futures:
             f.result()
