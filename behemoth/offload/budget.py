@@ -63,8 +63,7 @@ def activation_bytes(a: ActivationShape) -> int:
 
 def job_bytes(u: UnitSize) -> int:
     """An optimizer step running: parameter, gradient and state shards, and Adam's temporaries (it steps at most CHUNK
-    elements at once; bitsandbytes' 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks;
-    the CPU 8-bit step holds less, 4 MiB per thread)."""
+    elements at once; the 8-bit kernel dequantizes both moments and copies the gradient: four float32 chunks)."""
     return 0 if u.frozen else u.shard * F32 * 2 + u.state_bytes + 4 * min(u.shard, CHUNK) * F32
 
 
