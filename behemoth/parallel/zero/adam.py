@@ -185,7 +185,7 @@ class Adam8bit:
         in place by `coef`."""
         for pc, start in zip(pieces, block_offsets(pieces)):
             hp = AdamStep(lr, self.settings.betas, EPS, self.settings.weight_decay if pc.decay else 0.0, step)
-            if self.cpu is not None:
+            if self.cpu is not None and p.dtype == g.dtype == torch.float32:  # float32 shards (others: bitsandbytes' path)
                 where = slice(pc.offset, pc.offset + pc.numel)
                 if coef != 1.0:
                     g[where].mul_(coef)  # as bitsandbytes' gnorm_scale: the gradient times the clipping coefficient
