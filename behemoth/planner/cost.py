@@ -73,7 +73,7 @@ class PlanCost:
         messages), recomputation, tensor- and data-parallel traffic, the optimizer step."""
         t = self.time
         total = t.total
-        compute = t.passes - t.bubble - t.tp_comm - t.recompute
+        compute = t.passes - t.bubble - t.tp_comm - t.recompute - t.cp_comm
         return {
             "compute": max(compute, 0.0) / total,
             "bubble": t.bubble / total,
@@ -83,6 +83,7 @@ class PlanCost:
             "optimizer": t.optimizer / total,
             "ep_comm": t.ep_comm / total,
             "offload": t.offload / total,
+            "cp_comm": t.cp_comm / total,
         }
 
     def binding(self, cluster: ClusterSpec) -> str:
@@ -95,7 +96,7 @@ class PlanCost:
         if share < 0.05:
             return "compute"
         lay = self.layout
-        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.data_ranks, "ep_comm": lay.tp * lay.ep}.get(name)
+        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.shard_ranks, "ep_comm": lay.tp * lay.ep, "cp_comm": lay.tp * lay.cp}.get(name)
         where = "" if span is None else (" (intra-node link)" if cluster.link(span) is cluster.intra_node else " (inter-node link)")
         label = {
             "tp_comm": "tensor-parallel traffic",
@@ -105,6 +106,7 @@ class PlanCost:
             "optimizer": "optimizer step",
             "ep_comm": "expert all-to-all",
             "offload": "offload traffic",
+            "cp_comm": "context-parallel traffic",
         }[name]
         return f"{label}{where} {share:.0%}"
 

@@ -17,6 +17,7 @@ PARTS = {
     "optimizer": "optimizer step",
     "ep_comm": "expert all-to-all",
     "offload": "exposed offload traffic",
+    "cp_comm": "exposed context-parallel traffic",
 }
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.parallel.zero.tiers import TIER_NAMES
+from behemoth.planner.attention import context_backward_working, context_saved_elements
 from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
@@ -95,7 +96,7 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     dense = elements - experts
 
     def per_rank(nbytes: int, sharded_from: int) -> float:
-        return nbytes * (dense / lay.data_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
+        return nbytes * (dense / lay.shard_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
 
     return per_rank(p, 3), per_rank(g, 2), per_rank(k, 1)
 
@@ -140,8 +141,8 @@ def stash_units(lay: Layout, rank: int) -> int:
 
 
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
-    """What one block saves for backward for `tokens` tokens on one tensor-parallel rank."""
-    return work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
+    """What one block saves for backward for `tokens` tokens on one tensor-parallel rank (and context-parallel rank)."""
+    return (work.census.activations.elements(tokens, lay.tp, lay.sp) + context_saved_elements(work, lay, tokens)) * work.act_bytes
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
@@ -224,7 +225,8 @@ def pending_weight_passes(lay: Layout, rank: int) -> int:
 
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
     """The largest transient of the rank's passes (module docstring), per held stage."""
-    block = block_working(share, lay, work, tokens)
+    grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
+    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes))
     worst = 0.0
     for stage, _ in stages:
         if stage == lay.stages - 1:
@@ -256,12 +258,12 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     tiers = placed(state_bytes(trained, lay, work, blocks * share.experts), lay)
     params, grads, optimizer = tiers["device"]
     params += FROZEN_PARAM_BYTES * frozen
-    tokens = lay.micro_batch * work.seq_len
+    tokens = lay.tokens(work.seq_len)
     recomputes = rank in lay.recompute if recompute is None else recompute
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
-    opt_elements = trained / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
+    opt_elements = trained / (lay.shard_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(
         rank,
