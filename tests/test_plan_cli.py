@@ -37,7 +37,7 @@ def test_plan_prints_a_ranked_explained_table_and_writes_the_plan(tmp_path, caps
     out = capsys.readouterr().out
     assert "36 layers x d_model 4096, 32 heads" in out and "128 devices of a100-80gb" in out
     assert re.search(r"#\s+plan\s+GiB/rank\s+step\s+tokens/s\s+MFU\s+HFU\s+binding constraint", out)
-    rows = re.findall(r"^\s*(\d+)  (dp=\d+ tp=\d+ pp=\d+ zero=\d+.*?)\s{2,}", out, re.M)
+    rows = re.findall(r"^\s*(\d+)  (dp=\d+ (?:cp=\d+\(\w+\) )?tp=\d+ pp=\d+ zero=\d+.*?)\s{2,}", out, re.M)
     assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 2
     assert re.search(r"beats .* by [\d.]+% \(.* against .* per step\)", out) and "what binds it:" in out
     cfg = load_config(out_file)  # the same YAML a user writes: it loads, runs on 128 devices, and is the first plan
