@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from behemoth.cli import main
 from behemoth.config import load_config
@@ -66,6 +67,28 @@ def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would(capsys):
     assert abs(need - usable - over) < 0.2
     more = re.search(r"What would: (\d+) devices", out)
     assert more and int(more.group(1)) > 64 and int(more.group(1)) % 64 == 0
+    assert "Offload was searched" not in out and "does not try offload" not in out  # the user pinned the placement
+
+
+def test_the_advice_says_whether_offload_was_searched():
+    """Nothing fits even offloaded (64 devices of 0.5 GB, 8 GB of host memory per node): the advice says the search tried
+    offload and does not tell the user to; with the placement pinned to the devices and the optimizer state larger
+    than the shortfall, it names the option that would make room."""
+    from behemoth.planner.explain import unfit_advice
+    from behemoth.planner.layout import Offload, Workload
+    from behemoth.planner.search import Space, search
+
+    cfg = load_config(None, GPT_7B)
+    a100 = load_cluster("a100-80gb")
+    small = a100.model_copy(update={"device": a100.device.model_copy(update={"memory_gb": 0.5}), "host": a100.host.model_copy(update={"memory_gb": 8.0})})
+    result = search(Workload.of(cfg), small, 64, cfg=cfg, exact=0)
+    assert result.ranked == [] and any(c.layout.offload.enabled for c in result.unfit)
+    text = unfit_advice(result.unfit, small.with_nodes(64), 64, lambda w: None)
+    assert "Offload was searched too" in text and "offload.optimizer=host" not in text, text
+    pinned = search(Workload.of(cfg), small, 64, Space(offload=(Offload(),)), cfg=cfg, exact=0).unfit[0]
+    short = replace(pinned, limit=pinned.peak_memory - pinned.busiest.optimizer / 2)  # short by half its optimizer state
+    text = unfit_advice([short], small.with_nodes(64), 64, lambda w: None, offload_searched=False)
+    assert "offload.optimizer=host" in text and "Offload was searched" not in text, text
 
 
 def test_estimate_sizes_a_layout_on_paper(capsys):

@@ -132,7 +132,8 @@ def run_plan(args: argparse.Namespace) -> int:
     result = search(work, cluster, world, space_of(cfg), cfg=cfg, top=args.top)
     print(header(cfg, work, cluster, world))
     if not result.ranked:
-        print(unfit_advice(result.unfit, cluster, world, lambda w: devices_that_fit(work, cluster, w, space_of(cfg))))
+        space = space_of(cfg)
+        print(unfit_advice(result.unfit, cluster, world, lambda w: devices_that_fit(work, cluster, w, space), offload_searched=space.offload is None))
         return 3
     print(table(result.ranked, cluster))
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
