@@ -130,13 +130,30 @@ def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blo
 LISTED_SCHEDULES = (*V_SCHEDULES, "1f1b-scp")  # schedules whose stash is read off their action lists, not a closed form
 
 
+LISTED_ACTIONS = 6_000  # a listed schedule this short is read off its action lists; longer ones by `steady_peaks`
+
+
 @lru_cache(maxsize=1024)
 def schedule_peaks(name: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]:
     """Per pipeline rank, at its stash's peak (the most activations held; of those points, the most weight passes
     deferred and inputs kept): (activations, deferred weight passes, kept inputs), from the schedule's own action
-    lists (`simulate.stash_profile`)."""
-    schedule = build_schedule(name, p, m, 2 if name in V_SCHEDULES else 1)
-    return tuple(max(profile, default=(0, 0, 0)) for profile in stash_profile(schedule))
+    lists (`simulate.stash_profile`), or for a long pipeline from their closed form."""
+    v = 2 if name in V_SCHEDULES else 1
+    if p * m * v * 6 > LISTED_ACTIONS and m >= 2 * p:
+        return steady_peaks(name, p, m)
+    return tuple(max(profile, default=(0, 0, 0)) for profile in stash_profile(build_schedule(name, p, m, v)))
+
+
+def steady_peaks(name: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """`schedule_peaks` in closed form for m >= 2p (tests/test_planner_schedules.py checks it against the lists): every
+    ZBV rank holds 2p chunk activations at the end of its warm-up, DualPipeV's 2p + 1, both before any weight pass is
+    deferred; 1f1b-scp rank r < p-1 holds two micro-batches' activations (its kept cool-down one and a recomputed one)
+    and the inputs of p - r - 2 more, the last rank one."""
+    if name == "zbv":
+        return ((2 * p, 0, 0),) * p
+    if name == "dualpipev":
+        return ((2 * p + 1, 0, 0),) * p
+    return tuple((2, 0, max(p - r - 2, 0)) if r < p - 1 else (1, 0, 0) for r in range(p))
 
 
 def stash_units(lay: Layout, rank: int) -> int:

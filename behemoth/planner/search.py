@@ -2,7 +2,8 @@
 
 Enumeration runs over the degrees (tp within a node and dividing every width it splits, pp up to the depth, ep dividing
 every MoE layer's experts, dp what remains and divides the batch), the micro-batch size (and so the count), the schedule
-(interleaved with each chunk count, zb-h1, Chimera where it can run), the ZeRO stage and sequence parallelism; the
+(interleaved with each chunk count, zb-h1, Chimera, the V-shaped zbv and dualpipev and Merak's 1f1b-scp where they can
+run), the ZeRO stage and sequence parallelism; the
 options a user pins (`parallel.tp=2` on the command line) are not varied. Offload (`OFFLOAD_PLACEMENTS`: the moments in
 host memory, then whole ZeRO-3 units on host memory or disk) is searched only when no plan fits the devices: it is always
 slower than a plan that fits. A plan fits when its busiest rank stays `margin` (5%) below the device's usable memory:
@@ -94,6 +95,12 @@ def schedules_for(pp: int, m: int, n_layer: int, space: Space) -> list[tuple[str
         out += [("interleaved", v) for v in space.chunks if pp * v <= n_layer]
     if "chimera" in space.schedules and pp % 2 == 0 and m % pp == 0:
         out.append(("chimera", 1))
+    if "zbv" in space.schedules and 2 * pp <= n_layer:
+        out.append(("zbv", 2))
+    if "dualpipev" in space.schedules and 2 * pp <= n_layer and m >= 2 * pp:
+        out.append(("dualpipev", 2))
+    if "1f1b-scp" in space.schedules:
+        out.append(("1f1b-scp", 1))
     return out
 
 
@@ -199,6 +206,8 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
             return within_margin(price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False), cluster, space)
     bounds = planned_bounds(work, lay)
     plain = lay.but(boundaries=bounds)
+    if lay.schedule == "1f1b-scp":  # the schedule itself recomputes (check_scp_recompute): no rank is chosen to
+        return within_margin(price(work, plain, cluster, every_rank=False), cluster, space)
     over = [r for r in range(lay.pp) if stage_memory(work, plain, r, [(s, bounds[s + 1] - bounds[s]) for s in plain.held_stages(r)]).peak > limit]
     cost = price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)
     return within_margin(cost, cluster, space)

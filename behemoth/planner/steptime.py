@@ -21,6 +21,7 @@ from behemoth.models.shape import LayerCosts
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.pipeline.schedules import build_schedule
+from behemoth.parallel.pipeline.shifted import recomputed
 from behemoth.planner.attention import attention_seconds, context_comm_seconds
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
@@ -221,10 +222,17 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
         fwd.append(n * (c.forward + c.comm) + ends)
         bwd.append(n * (c.input_grad + c.comm) + ends + again)
         wgt.append(n * c.weight_grad + ends)
+    if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
+        recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
     p2p = pipeline_message_seconds(work, lay, cluster)
     tp_comm = work.census.shape.n_layer / lay.pp * c.comm * 2  # one rank's blocks, forward and input-gradient passes
     context = work.census.shape.n_layer / lay.pp * c.context
     return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp, context)
+
+
+def scp_share(lay: Layout, rank: int) -> float:
+    """1f1b-scp: the share of a step's micro-batches pipeline rank `rank` recomputes (its schedule's R passes)."""
+    return len(recomputed(rank, lay.pp, lay.microbatches)) / lay.microbatches
 
 
 def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
@@ -249,11 +257,58 @@ def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[flo
     return closed_form_step(lay, per_rank, costs)
 
 
+LISTED_SCHEDULES = ("zbv", "dualpipev", "1f1b-scp")  # priced from their own action lists (simulated at uniform costs)
+UNIFORM_SIMULATE_LIMIT = 6_000  # actions: a listed pipeline this short is simulated at uniform costs while searching
+
+
+@lru_cache(maxsize=4096)
+def uniform_step(name: str, p: int, m: int, backward: float, weight: float, p2p: float) -> tuple[float, float]:
+    """(step, mean busy) of schedule `name`'s action lists simulated with every stage costing forward 1, `backward` and
+    `weight` (per model stage) and messages `p2p`: the exact step of uniform stages, in forward units."""
+    schedule = build_schedule(name, p, m, 2 if name in ("zbv", "dualpipev") else 1)
+    sim = simulate(schedule, Costs(1.0, backward, weight, p2p=p2p))
+    return sim.step_time, sum(sim.busy) / p
+
+
+def listed_step(lay: Layout, per_rank: list[float], costs: PassCosts) -> tuple[float, float]:
+    """(step, bubble) of a V-shaped or shifted schedule: its action lists simulated with every stage at the mean
+    per-stage forward f, input-gradient b and weight w passes and the p2p latency (exact for uniform stages), plus the
+    slowest rank's excess over the mean on every micro-batch. A pipeline of more than 6,000 actions takes a closed form
+    read off the same simulations (`closed_listed_step`)."""
+    m, p, n = lay.microbatches, lay.pp, len(costs.forward)
+    f, b, w = (sum(x) / n for x in (costs.forward, costs.backward, costs.weight))
+    excess = m * (max(per_rank) - sum(per_rank) / p)
+    if p * m * lay.chunks * 6 > UNIFORM_SIMULATE_LIMIT or f <= 0:
+        step, busy = closed_listed_step(lay.schedule, p, m, f, b, w)
+        hops = 2 * (p - 1) * costs.p2p
+        return step + hops + excess, step + hops - busy + excess
+    step, busy = uniform_step(lay.schedule, p, m, b / f, w / f, costs.p2p / f)
+    return step * f + excess, (step - busy) * f + excess
+
+
+def closed_listed_step(name: str, p: int, m: int, f: float, b: float, w: float) -> tuple[float, float]:
+    """(step, mean busy) at uniform per-stage passes f, b, w and no p2p latency, in closed form: 1f1b-scp's is
+    `closed_form_bubble`'s m(2f+B) + (p-1)(f+B) - 3f (B = b + w; exact for m >= max(p, 3), f <= B), ZBV's and (an
+    approximation) DualPipeV's 2m(f+b+w) + (p-1) max(f, b) + (p-2) max(f-b, 0) (exact for m >= 2p-1 and w >= f,
+    tests/test_planner_schedules.py)."""
+    if name == "1f1b-scp":
+        return m * (2 * f + b + w) + (p - 1) * (f + b + w) - 3 * f, m * (f + b + w) + (p - 1) * (m - 1) * f / p
+    busy = 2 * m * (f + b + w)
+    return busy + (p - 1) * max(f, b) + (p - 2) * max(f - b, 0.0), busy
+
+
+def listed_floor(lay: Layout, mean: float, forward: float, p2p: float) -> float:
+    """A lower bound of `listed_step` for ranks of `mean` work: the last rank's first forward waits for p - 1 forwards."""
+    return lay.microbatches * mean + (lay.pp - 1) * forward + 2 * (lay.pp - 1) * p2p
+
+
 def closed_form_step(lay: Layout, per_rank: list[float], costs: PassCosts) -> tuple[float, float]:
     """The pipeline step without simulation: the slowest rank's work plus the schedule's published bubble."""
     m, p, v = lay.microbatches, lay.pp, lay.chunks
     slowest, mean = max(per_rank), sum(per_rank) / p
     hops = 2 * (p - 1) * costs.p2p
+    if lay.schedule in LISTED_SCHEDULES:
+        return listed_step(lay, per_rank, costs)
     if lay.schedule == "chimera":
         work = m * slowest / 2
         bubble = (p - 2) / 2 * mean / 2 + hops / 2
@@ -417,7 +472,12 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     third = per_stage / 3
     p2p = pipeline_message_seconds(work, lay, cluster)
     flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, p2p, 0.0, 0.0)
-    passes = lay.microbatches * mean if lay.pp == 1 else closed_form_step(lay, [mean] * lay.pp, flat)[0]
+    if lay.pp == 1:
+        passes = lay.microbatches * mean
+    elif lay.schedule in LISTED_SCHEDULES:
+        passes = listed_floor(lay, mean, third, p2p)
+    else:
+        passes = closed_form_step(lay, [mean] * lay.pp, flat)[0]
     share = work.census.at(lay.tp, lay.ep)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     passes = shared_cores(cluster, passes, passes - lay.microbatches * mean)[0] if lay.pp > 1 else passes
