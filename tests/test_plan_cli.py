@@ -80,7 +80,9 @@ def test_the_advice_says_whether_offload_was_searched():
 
     cfg = load_config(None, GPT_7B)
     a100 = load_cluster("a100-80gb")
-    small = a100.model_copy(update={"device": a100.device.model_copy(update={"memory_gb": 0.5}), "host": a100.host.model_copy(update={"memory_gb": 8.0})})
+    small = a100.model_copy(
+        update={"device": a100.device.model_copy(update={"memory_gb": 0.5}), "host": a100.host.model_copy(update={"memory_gb": 8.0})}
+    )
     result = search(Workload.of(cfg), small, 64, cfg=cfg, exact=0)
     assert result.ranked == [] and any(c.layout.offload.enabled for c in result.unfit)
     text = unfit_advice(result.unfit, small.with_nodes(64), 64, lambda w: None)

@@ -1,7 +1,7 @@
 """Memory predicted by the planner against memory measured on real processes, per rank, within 5%: the peak bytes of
 live tensors during a training step (`profiler/measure.LiveBytes`) for a grid of small plans — data parallelism, ZeRO 0-3,
-tensor and sequence parallelism, a pipeline under each schedule (the V-shaped and shifted ones too), recomputation — on 1, 2 and 4 processes. The model
-states part must also equal the engine's own count to the byte. The default grid runs in well under a minute; the
+tensor and sequence parallelism, a pipeline under each schedule (the V-shaped and shifted ones too), recomputation —
+on 1, 2 and 4 processes. The model states part must also equal the engine's own count to the byte. The default grid runs in well under a minute; the
 wider one is `pytest -m slow tests/test_planner_memory.py`."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ SLOW_GRID = {
         ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=2", "parallel.schedule=interleaved"),
         ("parallel.zero_stage=3",),
         ("parallel.pp=4", "train.micro_batch=2", "parallel.schedule=chimera"),
-        ("parallel.pp=4", "train.micro_batch=1", "parallel.schedule=zbv"),
+        ("parallel.pp=4", "train.micro_batch=1", "parallel.schedule=zbv", "model.n_layer=8"),
         ("parallel.pp=4", "train.micro_batch=1", "parallel.schedule=1f1b-scp"),
     ],
 }

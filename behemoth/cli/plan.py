@@ -197,7 +197,21 @@ def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Sp
 def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
     """The best plan as `parallel.*` (and, offloaded, `offload.*`) options: what a user would type."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
-    keys = ("dp", "ep", "cp", "cp_mode", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
+    keys = (
+        "dp",
+        "ep",
+        "cp",
+        "cp_mode",
+        "tp",
+        "pp",
+        "zero_stage",
+        "sequence_parallel",
+        "microbatches",
+        "schedule",
+        "chunks",
+        "recompute",
+        "stage_boundaries",
+    )
     out = [f"parallel.{k}={flow(getattr(plan, k))}" for k in keys if getattr(plan, k) is not None and (k != "cp_mode" or plan.cp > 1)]
     off = cost.layout.offload
     if off.enabled:

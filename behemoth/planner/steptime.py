@@ -144,7 +144,19 @@ _BLOCK_COSTS: dict[tuple, tuple] = {}  # the search prices thousands of layouts 
 
 def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes (remembered per shape, degrees and hardware; see `price_block`)."""
-    key = (id(work.census), work.seq_len, work.compute_dtype, lay.micro_batch, lay.tp, lay.sp, lay.ep, lay.cp, lay.cp_mode, id(cluster.device), id(cluster.intra_node))
+    key = (
+        id(work.census),
+        work.seq_len,
+        work.compute_dtype,
+        lay.micro_batch,
+        lay.tp,
+        lay.sp,
+        lay.ep,
+        lay.cp,
+        lay.cp_mode,
+        id(cluster.device),
+        id(cluster.intra_node),
+    )
     found = _BLOCK_COSTS.get(key)
     if found is None or found[0] is not work.census or found[1] is not cluster.device or found[2] is not cluster.intra_node:
         if len(_BLOCK_COSTS) > 4096:
