@@ -31,7 +31,7 @@ def test_every_row_of_a_ranking_is_priced_by_one_function(a100, gpt2xl):
 
     cfg, work = gpt2xl
     cluster = a100.with_nodes(64)
-    ranked = search(work, cluster, 64, Space(), cfg=cfg, top=8).ranked
+    ranked = search(work, cluster, 64, Space(cp=(1,)), cfg=cfg, top=8).ranked  # cp=2 wins unpinned: no pipeline is ranked
     assert len(ranked) == 8
     assert {c.time.simulated for c in ranked if c.layout.pp > 1} == {True}
     for c in ranked:

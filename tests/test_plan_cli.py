@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from behemoth.cli import main
 from behemoth.config import load_config
@@ -37,7 +38,7 @@ def test_plan_prints_a_ranked_explained_table_and_writes_the_plan(tmp_path, caps
     out = capsys.readouterr().out
     assert "36 layers x d_model 4096, 32 heads" in out and "128 devices of a100-80gb" in out
     assert re.search(r"#\s+plan\s+GiB/rank\s+step\s+tokens/s\s+MFU\s+HFU\s+binding constraint", out)
-    rows = re.findall(r"^\s*(\d+)  (dp=\d+ tp=\d+ pp=\d+ zero=\d+.*?)\s{2,}", out, re.M)
+    rows = re.findall(r"^\s*(\d+)  (dp=\d+ (?:cp=\d+\(\w+\) )?tp=\d+ pp=\d+ zero=\d+.*?)\s{2,}", out, re.M)
     assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 2
     assert re.search(r"beats .* by [\d.]+% \(.* against .* per step\)", out) and "what binds it:" in out
     cfg = load_config(out_file)  # the same YAML a user writes: it loads, runs on 128 devices, and is the first plan
@@ -66,6 +67,30 @@ def test_a_model_that_fits_nowhere_says_by_how_much_and_what_would(capsys):
     assert abs(need - usable - over) < 0.2
     more = re.search(r"What would: (\d+) devices", out)
     assert more and int(more.group(1)) > 64 and int(more.group(1)) % 64 == 0
+    assert "Offload was searched" not in out and "does not try offload" not in out  # the user pinned the placement
+
+
+def test_the_advice_says_whether_offload_was_searched():
+    """Nothing fits even offloaded (64 devices of 0.5 GB, 8 GB of host memory per node): the advice says the search tried
+    offload and does not tell the user to; with the placement pinned to the devices and the optimizer state larger
+    than the shortfall, it names the option that would make room."""
+    from behemoth.planner.explain import unfit_advice
+    from behemoth.planner.layout import Offload, Workload
+    from behemoth.planner.search import Space, search
+
+    cfg = load_config(None, GPT_7B)
+    a100 = load_cluster("a100-80gb")
+    small = a100.model_copy(
+        update={"device": a100.device.model_copy(update={"memory_gb": 0.5}), "host": a100.host.model_copy(update={"memory_gb": 8.0})}
+    )
+    result = search(Workload.of(cfg), small, 64, cfg=cfg, exact=0)
+    assert result.ranked == [] and any(c.layout.offload.enabled for c in result.unfit)
+    text = unfit_advice(result.unfit, small.with_nodes(64), 64, lambda w: None)
+    assert "Offload was searched too" in text and "offload.optimizer=host" not in text, text
+    pinned = search(Workload.of(cfg), small, 64, Space(offload=(Offload(),)), cfg=cfg, exact=0).unfit[0]
+    short = replace(pinned, limit=pinned.peak_memory - pinned.busiest.optimizer / 2)  # short by half its optimizer state
+    text = unfit_advice([short], small.with_nodes(64), 64, lambda w: None, offload_searched=False)
+    assert "offload.optimizer=host" in text and "Offload was searched" not in text, text
 
 
 def test_estimate_sizes_a_layout_on_paper(capsys):

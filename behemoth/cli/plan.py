@@ -28,8 +28,9 @@ def plan_parser() -> argparse.ArgumentParser:
         prog="behemoth plan",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Search every parallel layout of a model on a cluster (dp, ep for MoE models, tp, pp, ZeRO stage, sequence parallelism, "
-            "micro-batch size and count, schedule, per-stage recomputation, stage boundaries; offload to host memory or disk only "
+            "Search every parallel layout of a model on a cluster (dp, ep for MoE models, cp with ring or Ulysses attention for "
+            "dense models without a pipeline, tp, pp, ZeRO stage, sequence parallelism, micro-batch size and count, schedule "
+            "(V-shaped zbv and dualpipev and 1f1b-scp among them), per-stage recomputation, stage boundaries; offload to host memory or disk only "
             "when nothing fits), price each with the cost model (memory per rank, kept 5% below the device's usable memory; step "
             "time), and print the best ones with what binds them, why the first beats the second and the assumptions behind them."
         ),
@@ -93,6 +94,12 @@ def space_of(cfg: Config) -> Space:
         pins["micro_batch"] = (train.micro_batch,)
     if "ep" in given:
         pins["ep"] = (plan.ep,)
+    if "cp" in given:
+        pins["cp"] = (plan.cp,)
+    elif cfg.model.dropout:  # the sharded attention has no dropout (context_problems): not searched
+        pins["cp"] = (1,)
+    if "cp_mode" in given and plan.cp_mode != "auto":
+        pins["cp_modes"] = (plan.cp_mode,)
     if cfg.offload.model_fields_set & {"params", "grads", "optimizer", "optimizer_bits"}:  # placed by the user: not searched
         pins["offload"] = (Offload.of(cfg),)
     return Space(**pins)
@@ -125,7 +132,8 @@ def run_plan(args: argparse.Namespace) -> int:
     result = search(work, cluster, world, space_of(cfg), cfg=cfg, top=args.top)
     print(header(cfg, work, cluster, world))
     if not result.ranked:
-        print(unfit_advice(result.unfit, cluster, world, lambda w: devices_that_fit(work, cluster, w, space_of(cfg))))
+        space = space_of(cfg)
+        print(unfit_advice(result.unfit, cluster, world, lambda w: devices_that_fit(work, cluster, w, space), offload_searched=space.offload is None))
         return 3
     print(table(result.ranked, cluster))
     print(why(result.ranked[0], result.ranked[1] if len(result.ranked) > 1 else None, cluster))
@@ -189,8 +197,22 @@ def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Sp
 def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
     """The best plan as `parallel.*` (and, offloaded, `offload.*`) options: what a user would type."""
     plan = cost.layout.but(boundaries=cost.bounds).to_plan(cfg.parallel)
-    keys = ("dp", "ep", "tp", "pp", "zero_stage", "sequence_parallel", "microbatches", "schedule", "chunks", "recompute", "stage_boundaries")
-    out = [f"parallel.{k}={flow(getattr(plan, k))}" for k in keys if getattr(plan, k) is not None]
+    keys = (
+        "dp",
+        "ep",
+        "cp",
+        "cp_mode",
+        "tp",
+        "pp",
+        "zero_stage",
+        "sequence_parallel",
+        "microbatches",
+        "schedule",
+        "chunks",
+        "recompute",
+        "stage_boundaries",
+    )
+    out = [f"parallel.{k}={flow(getattr(plan, k))}" for k in keys if getattr(plan, k) is not None and (k != "cp_mode" or plan.cp > 1)]
     off = cost.layout.offload
     if off.enabled:
         out += [f"offload.{k}={flow(v)}" for k, v in off.to_config(cfg.offload).items() if k in ("params", "grads", "optimizer", "optimizer_bits")]

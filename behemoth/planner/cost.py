@@ -14,7 +14,7 @@ from behemoth.models.shape import hardware_flops_per_token, layer_flops
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import RankMemory, rank_memory
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import StepTime, runtime_bounds, step_time, uniform_bounds
+from behemoth.planner.steptime import StepTime, runtime_bounds, scp_share, step_time, uniform_bounds
 
 GiB = 2**30
 TIGHT_MEMORY = 0.9  # a plan whose busiest rank uses more than this share of the device is memory-bound
@@ -73,7 +73,7 @@ class PlanCost:
         messages), recomputation, tensor- and data-parallel traffic, the optimizer step."""
         t = self.time
         total = t.total
-        compute = t.passes - t.bubble - t.tp_comm - t.recompute
+        compute = t.passes - t.bubble - t.tp_comm - t.recompute - t.cp_comm
         return {
             "compute": max(compute, 0.0) / total,
             "bubble": t.bubble / total,
@@ -83,6 +83,7 @@ class PlanCost:
             "optimizer": t.optimizer / total,
             "ep_comm": t.ep_comm / total,
             "offload": t.offload / total,
+            "cp_comm": t.cp_comm / total,
         }
 
     def binding(self, cluster: ClusterSpec) -> str:
@@ -95,7 +96,7 @@ class PlanCost:
         if share < 0.05:
             return "compute"
         lay = self.layout
-        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.data_ranks, "ep_comm": lay.tp * lay.ep}.get(name)
+        span = {"tp_comm": lay.tp, "dp_comm": lay.tp * lay.shard_ranks, "ep_comm": lay.tp * lay.ep, "cp_comm": lay.tp * lay.cp}.get(name)
         where = "" if span is None else (" (intra-node link)" if cluster.link(span) is cluster.intra_node else " (inter-node link)")
         label = {
             "tp_comm": "tensor-parallel traffic",
@@ -105,6 +106,7 @@ class PlanCost:
             "optimizer": "optimizer step",
             "ep_comm": "expert all-to-all",
             "offload": "offload traffic",
+            "cp_comm": "context-parallel traffic",
         }[name]
         return f"{label}{where} {share:.0%}"
 
@@ -138,7 +140,9 @@ def price(work: Workload, lay: Layout, cluster: ClusterSpec, *, exact: bool = Fa
     time = step_time(work, lay, cluster, bounds, exact=exact)
     census, tokens = work.census, work.tokens_per_step
     per_token = census.flops_per_token(work.seq_len)
-    recomputed = sum(bounds[s + 1] - bounds[s] for r in lay.recompute for s in lay.held_stages(r)) if lay.recompute else 0
+    recomputed: float = sum(bounds[s + 1] - bounds[s] for r in lay.recompute for s in lay.held_stages(r)) if lay.recompute else 0
+    if lay.schedule == "1f1b-scp" and lay.pp > 1:  # blocks rerun per micro-batch, on average
+        recomputed += sum((bounds[r + 1] - bounds[r]) * scp_share(lay, r) for r in range(lay.pp))
     hardware = hardware_flops_per_token(census.shape, census.matmul_params, work.seq_len, recomputed)
     peak = cluster.device.peak(work.compute_dtype)
     return PlanCost(lay, bounds, memory, time, cluster.device.usable_bytes, per_token * tokens, hardware * tokens, peak, per_token)

@@ -17,6 +17,7 @@ PARTS = {
     "optimizer": "optimizer step",
     "ep_comm": "expert all-to-all",
     "offload": "exposed offload traffic",
+    "cp_comm": "exposed context-parallel traffic",
 }
 
 
@@ -74,8 +75,11 @@ def why(best: PlanCost, runner: PlanCost | None, cluster: ClusterSpec) -> str:
     return text
 
 
-def unfit_advice(unfit: list[PlanCost], cluster: ClusterSpec, world: int, fits_on: Callable[[int], int | None]) -> str:
-    """Nothing fits: the lightest plan's shortfall, and what would fit it (more devices, offload, a smaller batch)."""
+def unfit_advice(
+    unfit: list[PlanCost], cluster: ClusterSpec, world: int, fits_on: Callable[[int], int | None], *, offload_searched: bool = True
+) -> str:
+    """Nothing fits: the lightest plan's shortfall, and what would fit it (more devices, offload, a smaller batch).
+    `offload_searched`: the search tried the offload placements too (False: the user's offload.* options pinned one)."""
     if not unfit:
         return f"No layout of {world} devices can run this model and batch (no degrees divide them): change the world size or the batch."
     light = unfit[0]
@@ -90,10 +94,16 @@ def unfit_advice(unfit: list[PlanCost], cluster: ClusterSpec, world: int, fits_o
     if more is not None:
         lines.append(f"What would: {more} devices ({more // max(1, cluster.devices_per_node)} nodes of {cluster.devices_per_node}) fit a plan.")
     host = cluster.host.memory_gb * 1e9 / cluster.devices_per_node
-    if mem.optimizer > over:
+    if offload_searched:
+        lines.append(
+            "Offload was searched too (the Adam moments in host memory, ZeRO-3 units with the moments or every state on host "
+            f"memory or disk, {gib(host)} GiB of host memory per device): no placement fits either."
+        )
+    elif mem.optimizer > over:
         lines.append(
             f"Offloading the optimizer state ({gib(mem.optimizer)} GiB per device) to host memory ({gib(host)} GiB per device) "
-            "would make room: offload.optimizer=cpu (the search does not try offload yet)."
+            "would make room: offload.optimizer=host (the offload.* options given pin the placement; without them the search "
+            "tries offload when nothing fits on the devices)."
         )
     if light.layout.micro_batch > 1 or not light.layout.recompute:
         lines.append("A smaller micro-batch or recomputation would not be enough: the search tried micro-batch 1 and full recomputation.")

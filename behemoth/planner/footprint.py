@@ -25,9 +25,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from behemoth.parallel.pipeline.analysis.simulate import stash_profile
+from behemoth.parallel.pipeline.refusals import V_SCHEDULES
+from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.parallel.zero.tiers import TIER_NAMES
+from behemoth.planner.attention import context_backward_working, context_saved_elements
 from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
@@ -97,7 +102,7 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     dense = elements - experts
 
     def per_rank(nbytes: int, sharded_from: int) -> float:
-        return nbytes * (dense / lay.data_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
+        return nbytes * (dense / lay.shard_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
 
     return per_rank(p, 3), per_rank(g, 2), per_rank(k, 1)
 
@@ -125,11 +130,43 @@ def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blo
     return 0.0
 
 
+LISTED_SCHEDULES = (*V_SCHEDULES, "1f1b-scp")  # schedules whose stash is read off their action lists, not a closed form
+
+
+LISTED_ACTIONS = 6_000  # a listed schedule this short is read off its action lists; longer ones by `steady_peaks`
+
+
+@lru_cache(maxsize=1024)
+def schedule_peaks(name: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """Per pipeline rank, at its stash's peak (the most activations held; of those points, the most weight passes
+    deferred and inputs kept): (activations, deferred weight passes, kept inputs), from the schedule's own action
+    lists (`simulate.stash_profile`), or for a long pipeline from their closed form."""
+    v = 2 if name in V_SCHEDULES else 1
+    if p * m * v * 6 > LISTED_ACTIONS and m >= 2 * p:
+        return steady_peaks(name, p, m)
+    return tuple(max(profile, default=(0, 0, 0)) for profile in stash_profile(build_schedule(name, p, m, v)))
+
+
+def steady_peaks(name: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """`schedule_peaks` in closed form for m >= 2p (tests/test_planner_schedules.py checks it against the lists): every
+    ZBV rank holds 2p chunk activations at the end of its warm-up, DualPipeV's 2p + 1, both before any weight pass is
+    deferred; 1f1b-scp rank r < p-1 holds two micro-batches' activations (its kept cool-down one and a recomputed one)
+    and the inputs of p - r - 2 more, the last rank one."""
+    if name == "zbv":
+        return ((2 * p, 0, 0),) * p
+    if name == "dualpipev":
+        return ((2 * p + 1, 0, 0),) * p
+    return tuple((2, 0, max(p - r - 2, 0)) if r < p - 1 else (1, 0, 0) for r in range(p))
+
+
 def stash_units(lay: Layout, rank: int) -> int:
-    """Micro-batches (interleaved: chunk passes) pipeline rank `rank` holds at once; `simulate.peak_stash` in closed form."""
+    """Micro-batches (interleaved: chunk passes) pipeline rank `rank` holds at once; `simulate.peak_stash` in closed form
+    (for the V-shaped and shifted schedules: read off their action lists)."""
     p, m, v, r = lay.pp, lay.microbatches, lay.chunks, rank
     if p == 1:
         return 1
+    if lay.schedule in LISTED_SCHEDULES:
+        return schedule_peaks(lay.schedule, p, m)[r][0]
     if lay.schedule == "gpipe":
         return m
     if lay.schedule in ("1f1b", "zb-h1"):  # zb-h1's input passes free the graph where 1F1B's backward does
@@ -143,8 +180,8 @@ def stash_units(lay: Layout, rank: int) -> int:
 
 
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
-    """What one block saves for backward for `tokens` tokens on one tensor-parallel rank."""
-    return work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
+    """What one block saves for backward for `tokens` tokens on one tensor-parallel rank (and context-parallel rank)."""
+    return (work.census.activations.elements(tokens, lay.tp, lay.sp) + context_saved_elements(work, lay, tokens)) * work.act_bytes
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
@@ -197,37 +234,53 @@ def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int
         return 0.0
     directions = sum((s != lay.stages - 1) + (s != 0) for s, _ in stages)
     message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
-    held = lay.microbatches if lay.schedule in ("1f1b", "gpipe", "zb-h1") else 1
+    held = lay.microbatches if lay.schedule in ("1f1b", "gpipe", "zb-h1", "1f1b-scp") else 1
     return held * directions * message
 
 
 def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
-    """zb-h1: a micro-batch's input-gradient pass frees its graph but keeps, for the weight pass, each deferred linear
-    layer's input and output gradient (parallel/deferred.py). At the rank's peak (an input pass, with its own graph
-    still alive) min(rank, m - 1) earlier micro-batches wait for their weight passes (the schedule's order; measured);
-    the first stage, whose backward is not split, keeps its output's gradient for one."""
-    if lay.schedule != "zb-h1" or lay.pp == 1:
+    """zb-h1 and the V schedules: a micro-batch's input-gradient pass frees its graph but keeps, for the weight pass,
+    each deferred linear layer's input and output gradient (parallel/deferred.py). At the rank's peak (an input pass,
+    with its own graph still alive) `pending_weight_passes` earlier passes wait for their weight passes; under zb-h1
+    the first stage, whose backward is not split, keeps its output's gradient for one. A V rank's pending passes are
+    chunk passes: each holds one of its split stages' share (stage 0 never splits)."""
+    if lay.pp == 1 or lay.schedule not in ("zb-h1", *V_SCHEDULES):
         return 0.0
     shape, t = work.census.shape, lay.tp
-    if rank == 0:
+    if lay.schedule == "zb-h1" and rank == 0:
         return tokens * shape.d_model * work.act_bytes / (t if lay.sp else 1)
     ffn = shape.ffn * (2 if shape.gated else 1)
     grads = (shape.q_width + 2 * shape.kv_width + ffn) / t + 2 * shape.d_model
     inputs = 2 * shape.d_model / (t if lay.sp else 1) + (shape.q_width + shape.ffn) / t  # qkv and MLP inputs; proj inputs
-    per_token = sum(n * (grads + inputs) for _, n in stages)
-    if any(s == lay.stages - 1 for s, _ in stages):
+    split = [(s, n) for s, n in stages if s != 0]
+    per_token = sum(n * (grads + inputs) for _, n in split)
+    if any(s == lay.stages - 1 for s, _ in split):
         per_token += share.vocab + shape.d_model  # the LM head's output gradient and input
+    per_token /= max(1, len(split)) if lay.schedule in V_SCHEDULES else 1
     return pending_weight_passes(lay, rank) * per_token * tokens * work.act_bytes
 
 
 def pending_weight_passes(lay: Layout, rank: int) -> int:
-    """zb-h1: micro-batches whose weight pass is still to come when pipeline rank `rank` (> 0) runs an input pass."""
+    """Passes whose weight pass is still to come when pipeline rank `rank` runs an input pass: zb-h1 (rank > 0)
+    min(rank, m - 1) micro-batches (the schedule's order; measured); a V schedule's chunk passes at its stash's peak."""
+    if lay.schedule in V_SCHEDULES:
+        return schedule_peaks(lay.schedule, lay.pp, lay.microbatches)[rank][1]
     return min(rank, lay.microbatches - 1)
+
+
+def kept_inputs(lay: Layout, work: Workload, rank: int, first: bool, tokens: int) -> float:
+    """1f1b-scp: the inputs a recomputed micro-batch's forward keeps until its recomputation, at the rank's peak (the
+    first stage's are token ids: counted with the embedding's stash)."""
+    if lay.schedule != "1f1b-scp" or lay.pp == 1 or first:
+        return 0.0
+    kept = schedule_peaks(lay.schedule, lay.pp, lay.microbatches)[rank][2]
+    return kept * tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
 
 
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
     """The largest transient of the rank's passes (module docstring), per held stage."""
-    block = block_working(share, lay, work, tokens)
+    grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
+    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes))
     worst = 0.0
     for stage, _ in stages:
         if stage == lay.stages - 1:
@@ -259,12 +312,13 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     tiers = placed(state_bytes(trained, lay, work, blocks * share.experts), lay)
     params, grads, optimizer = tiers["device"]
     params += FROZEN_PARAM_BYTES * frozen
-    tokens = lay.micro_batch * work.seq_len
+    tokens = lay.tokens(work.seq_len)
     recomputes = rank in lay.recompute if recompute is None else recompute
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
-    stash = per_micro_batch * units / len(stages)  # interleaved and Chimera count one unit per (stage, micro-batch)
-    opt_elements = trained / (lay.data_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
+    stash = per_micro_batch * units / len(stages)  # interleaved, Chimera and V count one unit per (stage, micro-batch)
+    stash += kept_inputs(lay, work, rank, first, tokens)
+    opt_elements = trained / (lay.shard_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
     return RankMemory(
         rank,

@@ -1,6 +1,6 @@
 """A candidate plan as the planner prices it, and where its pipeline stages sit.
 
-`Layout` holds what the search varies — the degrees (ep included), the ZeRO stage, sequence parallelism, the micro-batch
+`Layout` holds what the search varies — the degrees (ep and cp with its attention included), the ZeRO stage, sequence parallelism, the micro-batch
 size and count, the schedule and its chunks, the pipeline ranks that recompute, the stage boundaries and where the
 model states live (`Offload`: the device, host memory or disk, per kind of state) — and
 converts to and from the `ParallelPlan` a user writes (`to_plan`, `of_config`): the automatic planner emits
@@ -14,11 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from behemoth.offload.policy import OffloadPolicy
+from behemoth.parallel.pipeline.refusals import V_SCHEDULES  # two model chunks per rank in a V: stages r and 2p-1-r
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.plan import ParallelPlan
 from behemoth.planner.census import ModelCensus
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera", "zbv", "dualpipev", "1f1b-scp")
+CP_MODES = ("ring", "ulysses")  # context-parallel attention, resolved (parallel.cp_mode=auto picks one of them)
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,22 @@ class Layout:
     boundaries: tuple[int, ...] | None = None  # first block of every model stage, then n_layer (None: the planner balances)
     ep: int = 1  # expert parallelism: each rank holds 1/ep of every MoE layer's experts
     offload: Offload = Offload()  # where the model states live
+    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence's tokens
+    cp_mode: str = "ring"  # ring or ulysses (what parallel.cp_mode resolves to; unused at cp=1)
 
     @property
     def world(self) -> int:
-        return self.dp * self.ep * self.tp * self.pp
+        return self.dp * self.cp * self.ep * self.tp * self.pp
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks that hold the same dense parameters and see different tokens, over which their gradients are summed and
+        ZeRO shards them: dp x cp x ep (`Runtime.data_group`)."""
+        return self.dp * self.cp * self.ep
+
+    def tokens(self, seq_len: int) -> int:
+        """Tokens of one micro-batch on one rank: its sequences' share of 1/cp."""
+        return self.micro_batch * seq_len // self.cp
 
     @property
     def data_ranks(self) -> int:
@@ -166,6 +180,8 @@ class Layout:
             return (0,)
         if self.schedule == "chimera":
             return tuple(sorted({rank, self.pp - 1 - rank}))
+        if self.schedule in V_SCHEDULES:
+            return (rank, 2 * self.pp - 1 - rank)
         return tuple(rank + c * self.pp for c in range(self.chunks))
 
     def describe(self) -> str:
@@ -173,10 +189,12 @@ class Layout:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}", f"zero={self.zero}"]
         if self.ep > 1:
             parts.insert(1, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(1, f"cp={self.cp}({self.cp_mode})")
         if self.sp:
             parts.append("sp")
         if self.pp > 1:
-            parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 else ""))
+            parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 and self.schedule == "interleaved" else ""))
         parts.append(f"mb={self.micro_batch}x{self.microbatches}")
         if self.recompute:
             parts.append("rc" + ("all" if len(self.recompute) == self.pp else str(list(self.recompute))))
@@ -193,6 +211,8 @@ class Layout:
         fields.update(
             dp=self.dp,
             ep=self.ep,
+            cp=self.cp,
+            cp_mode=self.cp_mode if self.cp > 1 else (base or ParallelPlan()).cp_mode,
             tp=self.tp,
             pp=self.pp,
             zero_stage=self.zero,
@@ -214,6 +234,8 @@ class Layout:
     def of_config(cls, cfg: Any, world: int) -> Layout:
         """The layout a config's plan (and offload section) describes on `world` processes (its recompute policy resolved
         to ranks)."""
+        from behemoth.models.causal_lm import model_shape
+        from behemoth.parallel.context.apply import resolve_mode
         from behemoth.parallel.pipeline.analysis.simulate import peak_stash
         from behemoth.parallel.pipeline.schedules import build_schedule
         from behemoth.parallel.recompute import recompute_ranks
@@ -239,6 +261,8 @@ class Layout:
             bounds,
             dims.ep,
             Offload.of(cfg),
+            dims.cp,
+            resolve_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp) if dims.cp > 1 else "ring",
         )
 
     def but(self, **changes: Any) -> Layout:

@@ -2,7 +2,8 @@
 
 Enumeration runs over the degrees (tp within a node and dividing every width it splits, pp up to the depth, ep dividing
 every MoE layer's experts, dp what remains and divides the batch), the micro-batch size (and so the count), the schedule
-(interleaved with each chunk count, zb-h1, Chimera where it can run), the ZeRO stage and sequence parallelism; the
+(interleaved with each chunk count, zb-h1, Chimera, the V-shaped zbv and dualpipev and Merak's 1f1b-scp where they can
+run), the ZeRO stage and sequence parallelism; the
 options a user pins (`parallel.tp=2` on the command line) are not varied. Offload (`OFFLOAD_PLACEMENTS`: the moments in
 host memory, then whole ZeRO-3 units on host memory or disk) is searched only when no plan fits the devices: it is always
 slower than a plan that fits. A plan fits when its busiest rank stays `margin` (5%) below the device's usable memory:
@@ -22,7 +23,7 @@ from typing import Any
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
 from behemoth.planner.footprint import placed, stage_memory, state_bytes
-from behemoth.planner.layout import SCHEDULES, Layout, Offload, Workload
+from behemoth.planner.layout import CP_MODES, SCHEDULES, Layout, Offload, Workload
 from behemoth.planner.stages import SINGLE_STAGE_SCHEDULES, cut_stages, stage_models
 from behemoth.planner.steptime import step_floor
 
@@ -51,6 +52,9 @@ class Space:
     recompute: bool = True
     max_tp: int | None = None  # default: the devices of one node
     ep: tuple[int, ...] | None = None  # default: every degree that divides the experts (1 for a dense model)
+    cp: tuple[int, ...] | None = None  # default: every degree up to max_cp where the runtime composes it (cp_degrees)
+    cp_modes: tuple[str, ...] = CP_MODES
+    max_cp: int | None = None  # default: the devices of one node
     offload: tuple[Offload, ...] | None = None  # pinned placements; default: on the device, OFFLOAD_PLACEMENTS if nothing fits
     margin: float = MEMORY_MARGIN
 
@@ -91,6 +95,12 @@ def schedules_for(pp: int, m: int, n_layer: int, space: Space) -> list[tuple[str
         out += [("interleaved", v) for v in space.chunks if pp * v <= n_layer]
     if "chimera" in space.schedules and pp % 2 == 0 and m % pp == 0:
         out.append(("chimera", 1))
+    if "zbv" in space.schedules and 2 * pp <= n_layer:
+        out.append(("zbv", 2))
+    if "dualpipev" in space.schedules and 2 * pp <= n_layer and m >= 2 * pp:
+        out.append(("dualpipev", 2))
+    if "1f1b-scp" in space.schedules:
+        out.append(("1f1b-scp", 1))
     return out
 
 
@@ -98,6 +108,26 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
     """Expert-parallel degrees that divide `room` (the world over tp x pp) and every MoE layer's experts."""
     experts = {e for e in work.census.shape.experts if e}
     return [e for e in allowed(space.ep, divisors(room)) if (experts and all(n % e == 0 for n in experts)) or e == 1]
+
+
+def cp_degrees(work: Workload, room: int, pp: int, ep: int, space: Space, cluster: ClusterSpec) -> list[int]:
+    """Context-parallel degrees that divide `room` (the world over tp x pp x ep), up to a node's devices unless pinned,
+    where the runtime composes cp (`context_problems`): no pipeline, a dense model (no experts)."""
+    if pp > 1 or ep > 1 or any(work.census.shape.experts):
+        return [1]
+    cap = space.max_cp or cluster.devices_per_node
+    return [c for c in allowed(space.cp, divisors(room)) if c == 1 or space.cp is not None or c <= cap]
+
+
+def cp_modes(work: Workload, tp: int, cp: int, sp: bool, space: Space) -> list[str]:
+    """The context-parallel attentions that can split this sequence over cp ranks (`context_problems`): the ring cuts it
+    into 2cp equal chunks, Ulysses into cp and needs cp to divide each tp rank's heads; under sequence parallelism each
+    cp rank's tokens must split over tp."""
+    if cp == 1:
+        return ["ring"]
+    s, heads = work.seq_len, work.census.shape.n_head // tp
+    fits = {"ring": s % (2 * cp) == 0, "ulysses": s % cp == 0 and heads % cp == 0}
+    return [m for m in space.cp_modes if fits.get(m) and not (sp and (s // cp) % tp)]
 
 
 def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
@@ -113,28 +143,36 @@ def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
 def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec, offload: tuple[Offload, ...] | None = None) -> list[Layout]:
     """Every layout of `world` processes the space allows (before boundaries and recomputation are chosen), with each
     placement of `offload` (default: the space's pinned ones, else the device only)."""
+    out = []
+    for tp in tp_degrees(work, world, space, cluster):
+        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer]):
+            for ep in ep_degrees(work, world // (tp * pp), space):
+                for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster):
+                    out += degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
+    return out
+
+
+def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: int, cp: int, offload: tuple[Offload, ...] | None) -> list[Layout]:
+    """The layouts of one choice of degrees: micro-batch sizes, schedules, ZeRO stages, SP, cp attentions, placements."""
     shape, batch = work.census.shape, work.global_batch
     placements = offload or space.offload or (Offload(),)
     moe = any(shape.experts)
+    if (space.dp is not None and dp not in space.dp) or batch % (dp * ep):
+        return []
     out = []
-    for tp in tp_degrees(work, world, space, cluster):
-        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= shape.n_layer]):
-            for ep in ep_degrees(work, world // (tp * pp), space):
-                dp = world // (tp * pp * ep)
-                if (space.dp is not None and dp not in space.dp) or batch % (dp * ep):
+    for mb in allowed(space.micro_batch, divisors(batch // (dp * ep))):
+        m = batch // (dp * ep * mb)
+        for schedule, v in schedules_for(pp, m, shape.n_layer, space):
+            for zero in space.zero:
+                if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
                     continue
-                for mb in allowed(space.micro_batch, divisors(batch // (dp * ep))):
-                    m = batch // (dp * ep * mb)
-                    for schedule, v in schedules_for(pp, m, shape.n_layer, space):
-                        for zero in space.zero:
-                            if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
-                                continue
-                            for sp in sorted({s and tp > 1 and not moe for s in space.sp}):
-                                if sp and work.seq_len % tp:
-                                    continue
-                                for off in placements:
-                                    if offload_allowed(off, zero, pp, work):
-                                        out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v, ep=ep, offload=off))
+                for sp in sorted({s and tp > 1 and not moe for s in space.sp}):
+                    if sp and work.seq_len % tp:
+                        continue
+                    for mode in cp_modes(work, tp, cp, sp, space):
+                        for off in placements:
+                            if offload_allowed(off, zero, pp, work) and not (cp > 1 and off.enabled):
+                                out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v, ep=ep, offload=off, cp=cp, cp_mode=mode))
     return out
 
 
@@ -168,6 +206,8 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
             return within_margin(price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False), cluster, space)
     bounds = planned_bounds(work, lay)
     plain = lay.but(boundaries=bounds)
+    if lay.schedule == "1f1b-scp":  # the schedule itself recomputes (check_scp_recompute): no rank is chosen to
+        return within_margin(price(work, plain, cluster, every_rank=False), cluster, space)
     over = [r for r in range(lay.pp) if stage_memory(work, plain, r, [(s, bounds[s + 1] - bounds[s]) for s in plain.held_stages(r)]).peak > limit]
     cost = price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)
     return within_margin(cost, cluster, space)

@@ -21,6 +21,8 @@ from behemoth.models.shape import LayerCosts
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.pipeline.schedules import build_schedule
+from behemoth.parallel.pipeline.shifted import recomputed
+from behemoth.planner.attention import attention_seconds, context_comm_seconds
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
@@ -30,8 +32,6 @@ FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, mat
 HEAD_OPS = 12  # final norm, head, loss
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
 ELEMENTWISE_PASSES = 2.0  # each saved activation element is written once and read about once more in forward
-FLASH_BACKWARD = 2.5  # a flash kernel's backward runs five products to its forward's two (the scores recomputed)
-SCORE_PASSES = (4, 7)  # materialized s x s scores: forward and backward passes over them through memory
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class PassCosts:
     p2p: float
     tp_comm: float  # of all passes of one micro-batch through the whole model, included above
     recompute: float  # of all passes of one micro-batch, included above
+    context: float = 0.0  # context parallelism's exposed seconds of one micro-batch through one rank's blocks, included above
 
 
 @dataclass
@@ -61,6 +62,7 @@ class StepTime:
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
     offload_io: float = 0.0  # seconds the offload tiers move bytes in a step, of which `offload` is exposed
     dp_traffic: float = 0.0  # the data-parallel collectives' seconds on their link, of which `dp_comm` is exposed
+    cp_comm: float = 0.0  # context parallelism's exposed ring hops or all-to-alls, inside the passes
 
     @property
     def offload(self) -> float:
@@ -113,6 +115,7 @@ class BlockCosts:
     input_grad: float
     weight_grad: float
     comm: float
+    context: float = 0.0  # context parallelism's exposed seconds, forward and input-gradient passes (included above)
 
     @property
     def passes(self) -> float:
@@ -123,7 +126,7 @@ class BlockCosts:
 def block_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
     """(batch, m, n, k) of each matrix product of one block's forward on one rank: q/k/v, the attention output, the
     MLP (gate and up fused, down), an MoE block's router and its E / ep local experts over the tokens routed to them."""
-    shape, tokens, t = work.census.shape, lay.micro_batch * work.seq_len, lay.tp
+    shape, tokens, t = work.census.shape, lay.tokens(work.seq_len), lay.tp
     d = shape.d_model
     products: list[tuple[float, float, float, float]] = [(1, tokens, (shape.q_width + 2 * shape.kv_width) / t, d), (1, tokens, d, shape.q_width / t)]
     up = (2 if shape.gated else 1) * shape.ffn / t
@@ -136,28 +139,24 @@ def block_products(work: Workload, lay: Layout) -> list[tuple[float, float, floa
     return products
 
 
-def attention_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention scores and values for one micro-batch on one rank.
-    flash: the FLOPs (causal: half the tiles run) at the kernel's share of peak, backward 2.5x forward (five products
-    to two, the scores recomputed); materialized: the batched products at their (m, n, k) rate plus the s x s scores'
-    traffic (forward: written, read and written by the softmax, read; backward: seven passes)."""
-    dev, shape, s = cluster.device, work.census.shape, work.seq_len
-    heads, hd, dtype = lay.micro_batch * shape.n_head / lay.tp, shape.head_dim, work.compute_dtype
-    if dev.attention_kernel == "flash":
-        forward = 0.5 * 4.0 * heads * s * s * hd / (dev.peak_rate(dtype) * dev.flash_efficiency)
-        return forward, FLASH_BACKWARD * forward
-    scores = heads * s * s * work.act_bytes / (dev.memory_bandwidth_gbs * 1e9)
-    forward = dev.gemm_seconds(dtype, s, s, hd, heads) + dev.gemm_seconds(dtype, s, hd, s, heads) + SCORE_PASSES[0] * scores
-    backward = dev.gemm_seconds(dtype, s, s, hd, heads) + 3 * dev.gemm_seconds(dtype, s, hd, s, heads) + SCORE_PASSES[1] * scores
-    return forward, backward
-
-
 _BLOCK_COSTS: dict[tuple, tuple] = {}  # the search prices thousands of layouts sharing a few block shapes (the keys' objects kept alive)
 
 
 def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes (remembered per shape, degrees and hardware; see `price_block`)."""
-    key = (id(work.census), work.seq_len, work.compute_dtype, lay.micro_batch, lay.tp, lay.sp, lay.ep, id(cluster.device), id(cluster.intra_node))
+    key = (
+        id(work.census),
+        work.seq_len,
+        work.compute_dtype,
+        lay.micro_batch,
+        lay.tp,
+        lay.sp,
+        lay.ep,
+        lay.cp,
+        lay.cp_mode,
+        id(cluster.device),
+        id(cluster.intra_node),
+    )
     found = _BLOCK_COSTS.get(key)
     if found is None or found[0] is not work.census or found[1] is not cluster.device or found[2] is not cluster.intra_node:
         if len(_BLOCK_COSTS) > 4096:
@@ -169,12 +168,13 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
 def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
     weight-gradient product (k, n, m)), attention, elementwise traffic at the memory bandwidth, a launch per operator."""
-    dev, dtype, tokens = cluster.device, work.compute_dtype, lay.micro_batch * work.seq_len
+    dev, dtype, tokens = cluster.device, work.compute_dtype, lay.tokens(work.seq_len)
     products = block_products(work, lay)
     forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
     input_grad = sum(dev.gemm_seconds(dtype, m, k, n, b) for b, m, n, k in products)
     weight_grad = sum(dev.gemm_seconds(dtype, k, n, m, b) for b, m, n, k in products)
     attn_f, attn_b = attention_seconds(work, lay, cluster)
+    cp_f, cp_b = context_comm_seconds(work, lay, cluster)  # exposed ring hops or Ulysses all-to-alls
     saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
     elementwise = ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9)
     launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
@@ -185,10 +185,11 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     else:
         comm = cluster.collective("all_reduce", hidden, lay.tp)
     return BlockCosts(
-        (forward + attn_f) / eff + elementwise + launches,
-        (input_grad + attn_b) / eff + elementwise + launches,
+        (forward + attn_f) / eff + elementwise + launches + cp_f,
+        (input_grad + attn_b) / eff + elementwise + launches + cp_b,
         weight_grad / eff + launches / 2,
         2 * comm,
+        cp_f + cp_b,
     )
 
 
@@ -201,7 +202,7 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
 
 def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the head's and loss's forward for one micro-batch (logits over this rank's vocabulary)."""
-    dev, tokens = cluster.device, lay.micro_batch * work.seq_len
+    dev, tokens = cluster.device, lay.tokens(work.seq_len)
     share = work.census.at(lay.tp, lay.ep)
     logits = dev.gemm_seconds(work.compute_dtype, tokens, share.vocab, work.census.shape.d_model)
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
@@ -211,7 +212,7 @@ def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
 
 def embed_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the embedding lookup (a gather, memory-bound) and, under tensor parallelism, its all-reduce."""
-    tokens = lay.micro_batch * work.seq_len
+    tokens = lay.tokens(work.seq_len)
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     return 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9) + cluster.collective("all_reduce", hidden, lay.tp)
 
@@ -233,16 +234,24 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
         fwd.append(n * (c.forward + c.comm) + ends)
         bwd.append(n * (c.input_grad + c.comm) + ends + again)
         wgt.append(n * c.weight_grad + ends)
+    if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
+        recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
     p2p = pipeline_message_seconds(work, lay, cluster)
     tp_comm = work.census.shape.n_layer / lay.pp * c.comm * 2  # one rank's blocks, forward and input-gradient passes
-    return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp)
+    context = work.census.shape.n_layer / lay.pp * c.context
+    return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp, context)
+
+
+def scp_share(lay: Layout, rank: int) -> float:
+    """1f1b-scp: the share of a step's micro-batches pipeline rank `rank` recomputes (its schedule's R passes)."""
+    return len(recomputed(rank, lay.pp, lay.microbatches)) / lay.microbatches
 
 
 def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline)."""
     if lay.pp == 1:
         return 0.0
-    message = lay.micro_batch * work.seq_len * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
     return cluster.link(lay.world).seconds("p2p", message, 2)
 
 
@@ -260,11 +269,58 @@ def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[flo
     return closed_form_step(lay, per_rank, costs)
 
 
+LISTED_SCHEDULES = ("zbv", "dualpipev", "1f1b-scp")  # priced from their own action lists (simulated at uniform costs)
+UNIFORM_SIMULATE_LIMIT = 6_000  # actions: a listed pipeline this short is simulated at uniform costs while searching
+
+
+@lru_cache(maxsize=4096)
+def uniform_step(name: str, p: int, m: int, backward: float, weight: float, p2p: float) -> tuple[float, float]:
+    """(step, mean busy) of schedule `name`'s action lists simulated with every stage costing forward 1, `backward` and
+    `weight` (per model stage) and messages `p2p`: the exact step of uniform stages, in forward units."""
+    schedule = build_schedule(name, p, m, 2 if name in ("zbv", "dualpipev") else 1)
+    sim = simulate(schedule, Costs(1.0, backward, weight, p2p=p2p))
+    return sim.step_time, sum(sim.busy) / p
+
+
+def listed_step(lay: Layout, per_rank: list[float], costs: PassCosts) -> tuple[float, float]:
+    """(step, bubble) of a V-shaped or shifted schedule: its action lists simulated with every stage at the mean
+    per-stage forward f, input-gradient b and weight w passes and the p2p latency (exact for uniform stages), plus the
+    slowest rank's excess over the mean on every micro-batch. A pipeline of more than 6,000 actions takes a closed form
+    read off the same simulations (`closed_listed_step`)."""
+    m, p, n = lay.microbatches, lay.pp, len(costs.forward)
+    f, b, w = (sum(x) / n for x in (costs.forward, costs.backward, costs.weight))
+    excess = m * (max(per_rank) - sum(per_rank) / p)
+    if p * m * lay.chunks * 6 > UNIFORM_SIMULATE_LIMIT or f <= 0:
+        step, busy = closed_listed_step(lay.schedule, p, m, f, b, w)
+        hops = 2 * (p - 1) * costs.p2p
+        return step + hops + excess, step + hops - busy + excess
+    step, busy = uniform_step(lay.schedule, p, m, b / f, w / f, costs.p2p / f)
+    return step * f + excess, (step - busy) * f + excess
+
+
+def closed_listed_step(name: str, p: int, m: int, f: float, b: float, w: float) -> tuple[float, float]:
+    """(step, mean busy) at uniform per-stage passes f, b, w and no p2p latency, in closed form: 1f1b-scp's is
+    `closed_form_bubble`'s m(2f+B) + (p-1)(f+B) - 3f (B = b + w; exact for m >= max(p, 3), f <= B), ZBV's and (an
+    approximation) DualPipeV's 2m(f+b+w) + (p-1) max(f, b) + (p-2) max(f-b, 0) (exact for m >= 2p-1 and w >= f,
+    tests/test_planner_schedules.py)."""
+    if name == "1f1b-scp":
+        return m * (2 * f + b + w) + (p - 1) * (f + b + w) - 3 * f, m * (f + b + w) + (p - 1) * (m - 1) * f / p
+    busy = 2 * m * (f + b + w)
+    return busy + (p - 1) * max(f, b) + (p - 2) * max(f - b, 0.0), busy
+
+
+def listed_floor(lay: Layout, mean: float, forward: float, p2p: float) -> float:
+    """A lower bound of `listed_step` for ranks of `mean` work: the last rank's first forward waits for p - 1 forwards."""
+    return lay.microbatches * mean + (lay.pp - 1) * forward + 2 * (lay.pp - 1) * p2p
+
+
 def closed_form_step(lay: Layout, per_rank: list[float], costs: PassCosts) -> tuple[float, float]:
     """The pipeline step without simulation: the slowest rank's work plus the schedule's published bubble."""
     m, p, v = lay.microbatches, lay.pp, lay.chunks
     slowest, mean = max(per_rank), sum(per_rank) / p
     hops = 2 * (p - 1) * costs.p2p
+    if lay.schedule in LISTED_SCHEDULES:
+        return listed_step(lay, per_rank, costs)
     if lay.schedule == "chimera":
         work = m * slowest / 2
         bubble = (p - 2) / 2 * mean / 2 + hops / 2
@@ -310,7 +366,7 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     ZeRO-2) and the parameters' all-gather after the step; ZeRO-3's per-unit all-gathers in forward and backward and
     reduce-scatters in backward, every micro-batch, behind `forward` and `backward`. A pipeline reduces once, after
     its passes (nothing hides it)."""
-    n = lay.data_ranks
+    n = lay.shard_ranks
     if n == 1:
         return DataParallelTime(0.0, 0.0)
     p, g = bytes_per(lay, work)
@@ -340,7 +396,7 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
 
 def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
     """The AdamW step over the rank's optimizer elements (its share of `elements` under ZeRO), memory-bound."""
-    local = elements / (lay.data_ranks if lay.zero or lay.offload.enabled else 1)
+    local = elements / (lay.shard_ranks if lay.zero or lay.offload.enabled else 1)
     return OPTIMIZER_BYTES_PER_ELEMENT * local / (cluster.device.memory_bandwidth_gbs * 1e9) + 40 * cluster.device.op_overhead_us * 1e-6
 
 
@@ -358,7 +414,7 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     if lay.ep == 1 or not shape.experts:
         return 0.0
     moe_blocks = sum(1 for e in shape.experts if e) / lay.pp
-    routed = lay.micro_batch * work.seq_len * shape.d_model * work.routed_rows * work.act_bytes  # capacity-padded slots
+    routed = lay.tokens(work.seq_len) * shape.d_model * work.routed_rows * work.act_bytes  # capacity-padded slots
     return 4 * lay.microbatches * moe_blocks * cluster.collective("all_to_all", routed, lay.ep, lay.tp)
 
 
@@ -400,6 +456,7 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
         ep_comm=expert_seconds(work, lay, cluster),
         offload_io=offload_seconds(work, lay, cluster, elements, experts),
         dp_traffic=dp.traffic,
+        cp_comm=costs.context * m,
     )
 
 
@@ -427,7 +484,12 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     third = per_stage / 3
     p2p = pipeline_message_seconds(work, lay, cluster)
     flat = PassCosts((third,) * lay.stages, (third,) * lay.stages, (third,) * lay.stages, p2p, 0.0, 0.0)
-    passes = lay.microbatches * mean if lay.pp == 1 else closed_form_step(lay, [mean] * lay.pp, flat)[0]
+    if lay.pp == 1:
+        passes = lay.microbatches * mean
+    elif lay.schedule in LISTED_SCHEDULES:
+        passes = listed_floor(lay, mean, third, p2p)
+    else:
+        passes = closed_form_step(lay, [mean] * lay.pp, flat)[0]
     share = work.census.at(lay.tp, lay.ep)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     passes = shared_cores(cluster, passes, passes - lay.microbatches * mean)[0] if lay.pp > 1 else passes

@@ -80,8 +80,8 @@ def activation_bytes(engine: Any, micro_batches: list) -> int:
     meter.exclude([p for p in model.module.parameters()])
     inputs, targets = micro_batches[0]
     with meter.measure():
-        with engine.autocast():
-            logits = model.logits(inputs)
+        with engine.autocast():  # a context-parallel rank's forward runs its shard of each sequence
+            logits, targets = model.executor.forward(inputs, targets) if model.context is not None else (model.logits(inputs), targets)
         loss = engine.micro_loss(logits, targets.to(engine.device))
     del logits, loss
     return meter.bytes

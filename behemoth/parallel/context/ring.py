@@ -68,6 +68,15 @@ def _step_kind(i: int, j: int) -> str:
     return "diag" if i == j else ("early" if j < i else "late")
 
 
+STEP_BLOCKS = {"diag": (2, 2, True), "early": (2, 1, False), "late": (1, 2, False)}  # (query chunks, key chunks, causal)
+
+
+def ring_steps(size: int, rank: int) -> list[tuple[int, int, bool]]:
+    """(query chunks, key chunks, causal mask) of the block each of the `size` ring steps of `rank` attends (the
+    forward's and the backward's, a chunk being seq_len / 2C tokens): what the planner prices the ring by."""
+    return [STEP_BLOCKS[_step_kind(rank, (rank - s) % size)] for s in range(size)]
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's two chunks against the whole sequence's keys and values, by the ring."""
 

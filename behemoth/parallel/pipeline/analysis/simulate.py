@@ -150,22 +150,34 @@ def peak_stash(schedule: Schedule) -> tuple[int, ...]:
     unit is one chunk's activations, 1/v of a full pipeline stage's. The count follows from the action
     order alone, not from timing.
     """
+    return tuple(max((held for held, _, _ in profile), default=0) for profile in stash_profile(schedule))
+
+
+def stash_profile(schedule: Schedule) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per rank, after each action: (stashed activations, deferred weight passes, kept inputs), counted per (stage,
+    micro-batch) as `peak_stash` counts the first: a split backward's BI leaves its W pending (the deferred layers'
+    inputs and output gradients held) until the W; a forward that R repeats keeps its input from F to R."""
 
     def releases(a: Action) -> bool:
         if not schedule.split_backward or a.kind is Kind.BACKWARD:  # DualPipeV mixes full and split backwards
             return a.kind is Kind.BACKWARD
         return a.kind is (Kind.BACKWARD_WEIGHT if a.stage == 0 else Kind.BACKWARD_INPUT)
 
-    peaks = []
+    out = []
     for actions in schedule.per_rank:
         again = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.RECOMPUTE}
-        held = peak = 0
+        held = pending = kept = 0
+        profile = []
         for a in actions:
             holds = a.kind is Kind.RECOMPUTE or (a.kind is Kind.FORWARD and (a.stage, a.microbatch) not in again)
             held += holds - releases(a)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return tuple(peaks)
+            split = schedule.split_backward and a.stage != 0
+            pending += split and a.kind is Kind.BACKWARD_INPUT
+            pending -= split and a.kind is Kind.BACKWARD_WEIGHT
+            kept += (a.kind is Kind.FORWARD and (a.stage, a.microbatch) in again) - (a.kind is Kind.RECOMPUTE)
+            profile.append((held, pending, kept))
+        out.append(tuple(profile))
+    return tuple(out)
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
