@@ -51,7 +51,6 @@ from behemoth.parallel.burst.train import BurstSteps, BurstSync
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.compile import apply_compile
 from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
-from behemoth.parallel.context.apply import ContextParallelLoop
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.executor import Executor, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
@@ -87,7 +86,7 @@ class ParallelModel:
 
     def __post_init__(self) -> None:
         if self.executor is None and self.context is not None:
-            self.executor = ContextParallelLoop(self.lm, self.syncs, self.rt.device, self.context)
+            self.executor = self.context.executor(self.lm, self.syncs, self.rt.device, self.pipeline)
         if self.executor is None:
             self.executor = (
                 PipelineSteps(self.pipeline, self.syncs) if self.pipeline is not None else MicroBatchLoop(self.lm, self.syncs, self.rt.device)

@@ -116,7 +116,6 @@ def refusal(*options: str, world: int = 2) -> list[str]:
 @pytest.mark.parametrize(
     "options,world,words",
     [
-        (["parallel.cp=2", "parallel.pp=2"], 4, "pipeline stages do not pass context-parallel shards"),
         (["parallel.cp=2", "model=gpt-moe-tiny"], 2, "expert routing over a sharded sequence"),
         (["parallel.cp=2", "offload.params=host"], 2, "cp ranks are not streamed"),
         (["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, "does not divide model.n_head=2"),
@@ -142,6 +141,7 @@ def test_a_sliding_window_model_is_refused(tmp_path) -> None:
 
 def test_plain_layouts_pass() -> None:
     assert refusal("parallel.cp=2") == [] and refusal("parallel.cp=2", "parallel.zero_stage=3") == []
+    assert refusal("parallel.cp=2", "parallel.pp=2", world=4) == []
     with pytest.raises(BehemothError, match="cp=2"):
         from behemoth.topology import resolve_dims
 
@@ -183,3 +183,31 @@ def test_cp4_trains_the_single_process_curve(tmp_path, model: str, mode: str) ->
     ref = run_ranks(1, train_runs, [(config(model, tmp_path / "ref"), False)], timeout=240)[0][0]
     got = run_ranks(4, train_runs, [(config(model, tmp_path / "cp4", "parallel.cp=4", f"parallel.cp_mode={mode}"), False)], timeout=600)[0][0]
     assert_same_run(ref, got)
+
+
+PIPELINED = {  # name: (model, options) on 4 processes, pp=2 x cp=2
+    "llama-ulysses-1f1b": ("llama", ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.pp=2", "parallel.microbatches=2"]),
+    "gpt-ring-zb-h1": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"]),
+    "llama-ring-1f1b-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.pp=2", "parallel.microbatches=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def pipelined(runs, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """pp=2 x cp=2 runs on one set of 4 processes: each stage receives its cp shard of the previous stage's activations
+    and embeds / rotates its tokens at their global positions (parallel/context/apply.py ContextPipelineSteps)."""
+    tmp = tmp_path_factory.mktemp("context-pp")
+    cfgs = [(config(model, tmp / name, *options), name.endswith("local-positions")) for name, (model, options) in PIPELINED.items()]
+    ranks = run_ranks(4, train_runs, cfgs, timeout=60 + 60 * len(cfgs))
+    return dict(zip(PIPELINED, ranks[0]))
+
+
+@pytest.mark.parametrize("name", [n for n in PIPELINED if not n.endswith("local-positions")])
+def test_context_parallel_under_a_pipeline_trains_the_single_process_curve(runs, pipelined, name: str) -> None:
+    assert_same_run(runs[f"ref-{PIPELINED[name][0]}"], pipelined[name])
+
+
+def test_a_pipeline_stage_at_local_positions_is_caught(runs, pipelined) -> None:
+    """Every stage's shard rotated as if it began the sequence: the comparison above fails."""
+    with pytest.raises(AssertionError):
+        assert_same_run(runs["ref-llama"], pipelined["llama-ring-1f1b-local-positions"])

@@ -112,8 +112,9 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
 
 def cp_degrees(work: Workload, room: int, pp: int, ep: int, space: Space, cluster: ClusterSpec) -> list[int]:
     """Context-parallel degrees that divide `room` (the world over tp x pp x ep), up to a node's devices unless pinned,
-    where the runtime composes cp (`context_problems`): no pipeline, a dense model (no experts)."""
-    if pp > 1 or ep > 1 or any(work.census.shape.experts):
+    where the runtime composes cp (`context_problems`): a dense model (no experts); under a pipeline too (each stage
+    passes its cp shard on)."""
+    if ep > 1 or any(work.census.shape.experts):
         return [1]
     cap = space.max_cp or cluster.devices_per_node
     return [c for c in allowed(space.cp, divisors(room)) if c == 1 or space.cp is not None or c <= cap]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from behemoth.models.causal_lm import CausalLM
 from behemoth.parallel.context.layout import ContextLayout
 from behemoth.parallel.context.ring import RingComm, ring_attention
 from behemoth.parallel.context.ulysses import UlyssesComm, ulysses_attention
-from behemoth.parallel.executor import Autocast, MicroBatchLoop
+from behemoth.parallel.executor import Autocast, Batch, LossFn, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.sync import GradSync
 
 
@@ -78,6 +79,19 @@ class ContextParallel:
         positions = self.layout.positions(inputs.shape[1], inputs.device).expand(inputs.shape[0], -1)
         return self.layout.shard(inputs), self.layout.shard(targets), positions
 
+    def positions_of_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """The global positions [B, T/cp] of the tokens a shard [B, T/cp, ...] holds (a pipeline stage's input)."""
+        return self.layout.positions(x.shape[1] * self.layout.cp, x.device).expand(x.shape[0], -1)
+
+    def executor(self, lm: CausalLM, syncs: list[GradSync], device: torch.device, pipeline: Any = None) -> MicroBatchLoop | PipelineSteps:
+        """The executor of a context-parallel model: the micro-batch loop, or under a pipeline (`PipelineParallel`) its
+        schedule over sharded micro-batches, each stage at its tokens' global positions."""
+        if pipeline is None:
+            return ContextParallelLoop(lm, syncs, device, self)
+        for stage in pipeline.stages.values():
+            stage.positions = self.positions_of_shard
+        return ContextPipelineSteps(pipeline, syncs, self)
+
 
 def apply_context_parallel(lm: CausalLM, group: dist.ProcessGroup, policy: ContextPolicy, meter: CommMeter | None = None) -> ContextParallel:
     """Route `lm`'s attention through ring or Ulysses attention over `group`; the layout its data is sharded by."""
@@ -101,3 +115,22 @@ class ContextParallelLoop(MicroBatchLoop):
 
     def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:
         raise BehemothError("a context-parallel model holds 1/cp of each sequence's logits", "generate with parallel.cp=1")
+
+
+class ContextPipelineSteps(PipelineSteps):
+    """A pipelined, context-parallel model: each micro-batch (tokens and targets) cut to this rank's tokens before the
+    schedule runs it, so stages exchange [B, T/cp, hidden] activations with the stages of the same cp index and every
+    stage attends over the whole sequence through its cp group."""
+
+    def __init__(self, pipeline: Any, syncs: list[GradSync], cp: ContextParallel) -> None:
+        super().__init__(pipeline, syncs)
+        self.cp = cp
+
+    def shard(self, batches: Batch) -> Batch:
+        return [(self.cp.layout.shard(x), self.cp.layout.shard(t)) for x, t in batches]
+
+    def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
+        return super().run(self.shard(micro_batches), loss_fn, autocast)
+
+    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
+        return super().forward_only(self.shard(batches), loss_sum, autocast)

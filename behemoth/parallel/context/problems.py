@@ -57,14 +57,6 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
 def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
     plan, cp = cfg.parallel, cfg.parallel.cp
     out = []
-    if plan.pp > 1:
-        out.append(
-            Problem.of(
-                "parallel.cp",
-                f"parallel.cp={cp} with parallel.pp={plan.pp}: pipeline stages do not pass context-parallel shards yet",
-                "use parallel.cp with dp, ZeRO or tp, or parallel.pp without cp",
-            )
-        )
     if plan.ep > 1 or cfg.model.moe.enabled or (shape is not None and shape.experts):
         out.append(
             Problem.of(

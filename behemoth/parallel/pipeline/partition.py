@@ -16,7 +16,7 @@ copies' gradients before the data-parallel reduction (Megatron's embedding group
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -117,14 +117,17 @@ class PipelineStage:
         self.blocks = range(bounds[stage], bounds[stage + 1])
         self.is_first, self.is_last = stage == 0, stage == len(bounds) - 2
         self.seq_split = 1  # sequence parallelism: a later stage's input is 1/seq_split of the sequence
+        # context parallelism: the global positions [batch, tokens] of the tokens a micro-batch's input holds (None: 0..T-1)
+        self.positions: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> hidden states (first stage), hidden -> hidden, or hidden -> logits (last stage)."""
         view, model = self.view, self.model
-        h = view.embed(model, x) if self.is_first else x
+        positions = None if self.positions is None else self.positions(x if self.is_first else full_sequence_like(x, self.seq_split))
+        h = view.embed(model, x, positions) if self.is_first else x
         if len(self.blocks):
             whole = h if self.is_first else full_sequence_like(h, self.seq_split)  # the first stage splits in block 0
-            blocks, context = model.get_submodule(view.blocks), view.context(model, whole)
+            blocks, context = model.get_submodule(view.blocks), view.context(model, whole, positions)
             for i in self.blocks:
                 h = view.block(blocks[i], h, context)
         return view.head(model, h) if self.is_last else h
