@@ -232,10 +232,12 @@ def build_syncs(
     optimizer_tier: str = "device",
 ) -> list[GradSync]:
     """Replicated data parallelism (zero_stage 0) or ZeRO 1-3, for every parameter: over dp, or with ep > 1 dense
-    parameters over dp x ep and expert parameters over dp (two syncs; ZeRO-3 gives each kind of unit its group);
+    parameters over dp x cp x ep and expert parameters over dp x cp (two syncs; ZeRO-3 gives each kind of unit its group);
     `optimizer_tier`: where ZeRO-1/2 keep their moments (host: ZeRO-Offload)."""
     split = experts is not None and rt.dims.ep > 1
-    kinds = [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.group("dp"), experts.is_expert)] if split else [(rt.data_group(), None)]
+    kinds = (
+        [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.expert_data_group(), experts.is_expert)] if split else [(rt.data_group(), None)]
+    )
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
@@ -398,9 +400,9 @@ def offloaded_model(
 
 
 def expert_units(experts: ExpertParallel | None, rt: Runtime) -> ExpertUnits | None:
-    """Expert weights in units of their own over dp (the ranks holding the same experts) when ep > 1; at ep = 1 every
-    rank holds every expert and a block's experts stay in its unit (over dp, as the rest)."""
-    return ExpertUnits(experts.is_expert, rt.group("dp")) if experts is not None and rt.dims.ep > 1 else None
+    """Expert weights in units of their own over dp x cp (the ranks holding the same experts) when ep > 1; at ep = 1
+    every rank holds every expert and a block's experts stay in its unit (over dp x cp, as the rest)."""
+    return ExpertUnits(experts.is_expert, rt.expert_data_group()) if experts is not None and rt.dims.ep > 1 else None
 
 
 def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout) -> ParallelModel:

@@ -91,7 +91,15 @@ class Runtime:
         """The ranks of dp x cp x ep (this rank's pp and tp fixed): they hold the same dense parameters and different
         tokens (cp ranks: different parts of the same sequences). The dp group itself when cp and ep are 1; otherwise
         created on first use, which every rank of the job must reach."""
-        dims = tuple(d for d in ("dp", "cp", "ep") if d == "dp" or getattr(self.dims, d) > 1)
+        return self._flat_group(("dp", "cp", "ep"))
+
+    def expert_data_group(self) -> dist.ProcessGroup:
+        """The ranks of dp x cp (this rank's pp, ep and tp fixed): they hold the same experts and different tokens, over
+        which expert gradients are summed. The dp group itself when cp is 1."""
+        return self._flat_group(("dp", "cp"))
+
+    def _flat_group(self, among: tuple[str, ...]) -> dist.ProcessGroup:
+        dims = tuple(d for d in among if d == "dp" or getattr(self.dims, d) > 1)
         if len(dims) == 1:
             return self.group("dp")
         name = "_".join(dims)

@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp=2) trains the single-process curve: losses, gradient norms and final weights of
-behemoth's GPT and a Hugging Face Llama (grouped-query attention) under ring and Ulysses attention, and with ZeRO-3 over
-the cp ranks; a wrong RoPE offset (each shard's local positions instead of its global ones) is caught by the same
-comparison; what cp does not compose with is refused before launch. The attention functions themselves are tested
+behemoth's GPT, a Hugging Face Llama (grouped-query attention) and an MoE GPT under ring and Ulysses attention, with
+ZeRO-3 over the cp ranks, under pipelines (pp=2 x cp=2) and with expert parallelism (ep=2 x cp=2); a wrong RoPE offset
+(each shard's local positions instead of its global ones) and load-balancing counts taken over a shard are caught by
+the same comparison; what cp does not compose with is refused before launch. The attention functions themselves are tested
 against SDPA in tests/test_context_attention.py."""
 
 from __future__ import annotations
@@ -17,34 +18,46 @@ from tests.dist import run_ranks
 
 BASE = ["train.steps=3", "train.eval_every=0", "train.log_every=3", "checkpoint.async_save=false"]
 LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]
-MODELS = {"gpt": [], "llama": LLAMA}
+MOE = ["model=gpt-moe-tiny", "model.moe.aux_coef=0.1"]  # 4 experts, top-2, dropless; a load-balancing loss that moves the weights
+MODELS = {"gpt": [], "llama": LLAMA, "moe": MOE}
 RUNS = {  # name: (model, cp options)
     "gpt-ring": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring"]),
     "gpt-ulysses": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
     "llama-ring": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),
     "llama-ulysses": ("llama", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
     "gpt-ring-zero3": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.zero_stage=3"]),
-    "llama-ring-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),  # the deliberate bug
+    "moe-ring": ("moe", ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "llama-ring-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),  # the deliberate bugs
+    "moe-ring-local-aux": ("moe", ["parallel.cp=2", "parallel.cp_mode=ring"]),
 }
+BUGS = ("local-positions", "local-aux")
+
+
+def bug_of(name: str) -> str | None:
+    return next((b for b in BUGS if name.endswith(b)), None)
 
 
 def config(model: str, run_dir: Path, *options: str) -> dict[str, Any]:
     return tiny_config(run_dir, *BASE, *MODELS[model], *options)
 
 
-def train_runs(cfgs: list[tuple[dict[str, Any], bool]]) -> list[dict[str, Any]]:
+def train_runs(cfgs: list[tuple[dict[str, Any], str | None]]) -> list[dict[str, Any]]:
     """Train each config in this set of processes: per step the loss and gradient norm; rank 0 the exported weights.
-    `local_positions`: the deliberate bug, every shard embedded at positions 0 .. T/cp - 1."""
+    A deliberate bug by name: `local-positions`, every shard embedded at positions 0 .. T/cp - 1; `local-aux`, an MoE
+    layer's load-balancing counts taken over its shard of each sequence instead of the whole sequence."""
+    from behemoth.parallel.context import apply
     from behemoth.parallel.context.layout import ContextLayout
 
-    out, positions = [], ContextLayout.positions
-    for cfg_dict, local_positions in cfgs:
-        if local_positions:
+    out, positions, summed = [], ContextLayout.positions, apply.summed_over
+    for cfg_dict, bug in cfgs:
+        if bug == "local-positions":
             ContextLayout.positions = lambda self, seq_len, device=None: positions(ContextLayout(1, 0, False), seq_len // self.cp, device)
+        if bug == "local-aux":
+            apply.summed_over = lambda t, group, meter: t
         try:
             out.append(train_one_config(cfg_dict))
         finally:
-            ContextLayout.positions = positions
+            ContextLayout.positions, apply.summed_over = positions, summed
     return out
 
 
@@ -79,8 +92,8 @@ def train_one_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
     """The single-process run of each model, and every cp=2 run on one pair of processes."""
     tmp = tmp_path_factory.mktemp("context")
-    refs = run_ranks(1, train_runs, [(config(m, tmp / f"ref-{m}"), False) for m in MODELS], timeout=240)[0]
-    cfgs = [(config(model, tmp / name, *options), name.endswith("local-positions")) for name, (model, options) in RUNS.items()]
+    refs = run_ranks(1, train_runs, [(config(m, tmp / f"ref-{m}"), None) for m in MODELS], timeout=240)[0]
+    cfgs = [(config(model, tmp / name, *options), bug_of(name)) for name, (model, options) in RUNS.items()]
     ranks = run_ranks(2, train_runs, cfgs, timeout=60 + 40 * len(cfgs))
     for i, name in enumerate(RUNS):
         assert ranks[0][i]["losses"] == ranks[1][i]["losses"], f"{name}: the cp ranks disagree on the loss"
@@ -94,7 +107,7 @@ def assert_same_run(ref: dict[str, Any], got: dict[str, Any]) -> None:
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: gradient norm {b!r} vs reference {a!r}"
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("local-positions")])
+@pytest.mark.parametrize("name", [n for n in RUNS if bug_of(n) is None])
 def test_context_parallel_trains_the_single_process_curve(runs, name: str) -> None:
     assert_same_run(runs[f"ref-{RUNS[name][0]}"], runs[name])
 
@@ -103,6 +116,12 @@ def test_a_wrong_rope_offset_is_caught(runs) -> None:
     """Each shard rotated as if it began the sequence: the comparison that passes above fails."""
     with pytest.raises(AssertionError):
         assert_same_run(runs["ref-llama"], runs["llama-ring-local-positions"])
+
+
+def test_load_balancing_counted_over_a_shard_is_caught(runs) -> None:
+    """An MoE layer's expert fractions counted over each rank's half of the sequence: the comparison above fails."""
+    with pytest.raises(AssertionError):
+        assert_same_run(runs["ref-moe"], runs["moe-ring-local-aux"])
 
 
 def refusal(*options: str, world: int = 2) -> list[str]:
@@ -116,7 +135,8 @@ def refusal(*options: str, world: int = 2) -> list[str]:
 @pytest.mark.parametrize(
     "options,world,words",
     [
-        (["parallel.cp=2", "model=gpt-moe-tiny"], 2, "expert routing over a sharded sequence"),
+        (["parallel.cp=2", "model=gpt-moe-tiny", "model.moe.capacity_factor=1.25"], 2, "capacity is filled in token order"),
+        (["parallel.cp=2", "model=gpt-moe-tiny", "model.moe.noise=gumbel"], 2, "would draw other noise"),
         (["parallel.cp=2", "offload.params=host"], 2, "cp ranks are not streamed"),
         (["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, "does not divide model.n_head=2"),
         (["parallel.cp=2", "parallel.cp_mode=ring", "train.seq_len=30"], 2, "does not cut into ring attention's 2 x parallel.cp=2 = 4"),
@@ -180,34 +200,36 @@ def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path) -> None:
 @pytest.mark.parametrize("model,mode", [("gpt", "ring"), ("llama", "ulysses")])
 def test_cp4_trains_the_single_process_curve(tmp_path, model: str, mode: str) -> None:
     """cp=4 on 4 processes (4 K/V blocks around the ring; Ulysses with 4 heads, 2 K/V heads repeated)."""
-    ref = run_ranks(1, train_runs, [(config(model, tmp_path / "ref"), False)], timeout=240)[0][0]
-    got = run_ranks(4, train_runs, [(config(model, tmp_path / "cp4", "parallel.cp=4", f"parallel.cp_mode={mode}"), False)], timeout=600)[0][0]
+    ref = run_ranks(1, train_runs, [(config(model, tmp_path / "ref"), None)], timeout=240)[0][0]
+    got = run_ranks(4, train_runs, [(config(model, tmp_path / "cp4", "parallel.cp=4", f"parallel.cp_mode={mode}"), None)], timeout=600)[0][0]
     assert_same_run(ref, got)
 
 
-PIPELINED = {  # name: (model, options) on 4 processes, pp=2 x cp=2
+FOUR = {  # name: (model, options) on 4 processes: pp=2 x cp=2, and ep=2 x cp=2
     "llama-ulysses-1f1b": ("llama", ["parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.pp=2", "parallel.microbatches=2"]),
     "gpt-ring-zb-h1": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.pp=2", "parallel.schedule=zb-h1", "parallel.microbatches=2"]),
+    "moe-ring-ep2": ("moe", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.ep=2"]),
     "llama-ring-1f1b-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.pp=2", "parallel.microbatches=2"]),
 }
 
 
 @pytest.fixture(scope="module")
-def pipelined(runs, tmp_path_factory) -> dict[str, dict[str, Any]]:
-    """pp=2 x cp=2 runs on one set of 4 processes: each stage receives its cp shard of the previous stage's activations
-    and embeds / rotates its tokens at their global positions (parallel/context/apply.py ContextPipelineSteps)."""
+def four(runs, tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """Runs on one set of 4 processes. pp=2 x cp=2: each stage receives its cp shard of the previous stage's activations
+    and embeds / rotates its tokens at their global positions (parallel/context/apply.py ContextPipelineSteps).
+    ep=2 x cp=2: expert gradients summed over dp x cp, the ranks holding the same experts (Runtime.expert_data_group)."""
     tmp = tmp_path_factory.mktemp("context-pp")
-    cfgs = [(config(model, tmp / name, *options), name.endswith("local-positions")) for name, (model, options) in PIPELINED.items()]
+    cfgs = [(config(model, tmp / name, *options), bug_of(name)) for name, (model, options) in FOUR.items()]
     ranks = run_ranks(4, train_runs, cfgs, timeout=60 + 60 * len(cfgs))
-    return dict(zip(PIPELINED, ranks[0]))
+    return dict(zip(FOUR, ranks[0]))
 
 
-@pytest.mark.parametrize("name", [n for n in PIPELINED if not n.endswith("local-positions")])
-def test_context_parallel_under_a_pipeline_trains_the_single_process_curve(runs, pipelined, name: str) -> None:
-    assert_same_run(runs[f"ref-{PIPELINED[name][0]}"], pipelined[name])
+@pytest.mark.parametrize("name", [n for n in FOUR if bug_of(n) is None])
+def test_context_parallel_with_a_pipeline_or_experts_trains_the_single_process_curve(runs, four, name: str) -> None:
+    assert_same_run(runs[f"ref-{FOUR[name][0]}"], four[name])
 
 
-def test_a_pipeline_stage_at_local_positions_is_caught(runs, pipelined) -> None:
+def test_a_pipeline_stage_at_local_positions_is_caught(runs, four) -> None:
     """Every stage's shard rotated as if it began the sequence: the comparison above fails."""
     with pytest.raises(AssertionError):
-        assert_same_run(runs["ref-llama"], pipelined["llama-ring-1f1b-local-positions"])
+        assert_same_run(runs["ref-llama"], four["llama-ring-1f1b-local-positions"])

@@ -169,6 +169,8 @@ class RouterStats:
         self.loss_scale = 1.0
         self.sums: dict[int, torch.Tensor] = {}
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # sums over the ranks that see other tokens
+        # sums a routing group's counts over the context-parallel ranks holding the other tokens of its sequences
+        self.context_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.round: PooledRound | None = None
 
     def reset(self) -> None:
@@ -348,7 +350,7 @@ class MoELayer(nn.Module):
             x = x * torch.empty_like(x).uniform_(1 - eps, 1 + eps)
         tokens = x.reshape(-1, d)
         logits = self.router_logits(tokens).view(self.groups(shape[0] if x.dim() == 3 else 1), -1, E)
-        r = route(logits, self.policy, training=self.training)
+        r = route(logits, self.policy, training=self.training, reduce=self.stats.context_reduce)
         plan = dispatch_plan(r, E)
         rows = self.run_experts(gather_rows(tokens, plan), plan.counts)
         out = combine_rows(rows, r.gates, plan, tokens.shape[0]).view(shape)

@@ -19,6 +19,7 @@ receive batches of whatever size the routing gives them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 CapacityDefinition = Literal["deepspeed", "tutel"]
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a sum over the ranks that hold the other tokens of the same sequences
 
 
 @dataclass(frozen=True)
@@ -96,18 +98,26 @@ def assign_slots(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     return place.view(G, k, T).permute(0, 2, 1)
 
 
-def load_balancing_sum(probs: torch.Tensor, experts: torch.Tensor, kind: str) -> torch.Tensor:
+def load_balancing_sum(probs: torch.Tensor, experts: torch.Tensor, kind: str, reduce: Reduce | None = None) -> torch.Tensor:
     """Sum over groups of T x E x sum_e f_e P_e: f the fraction of the group's tokens routed to e (first choices, or
-    all k summed), P the mean router probability of e. Each group's loss is 1 (k for `topk`) when balanced."""
+    all k summed), P the mean router probability of e. Each group's loss is 1 (k for `topk`) when balanced.
+    `reduce`: the group's sequences are split over ranks (context parallelism) and this sums the group's counts over
+    them; then f is the whole group's and P this rank's part of it, so the ranks' sums add up to the group's loss."""
     G, T, E = probs.shape
     chosen = experts[..., :1] if kind == "switch" else experts
-    f = F.one_hot(chosen, E).sum(2).float().mean(1)  # [G, E]
-    per_group = E * (probs.mean(1) * f).sum(-1)  # [G]
-    return per_group.sum() * T
+    counts = F.one_hot(chosen, E).sum(2).float()  # [G, T, E]
+    if reduce is None:
+        f = counts.mean(1)  # [G, E]
+        per_group = E * (probs.mean(1) * f).sum(-1)  # [G]
+        return per_group.sum() * T
+    total = reduce(torch.cat([counts.sum(1), counts.new_full((G, 1), T)], dim=1))  # [G, E + 1]: counts and tokens
+    tokens = total[:, -1:]
+    return E * (probs.sum(1) / tokens * total[:, :-1] / tokens).sum(-1).mul(tokens.squeeze(1)).sum()
 
 
-def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Routing:
-    """Route G groups of T tokens given their router logits [G, T, E] (float32)."""
+def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool, reduce: Reduce | None = None) -> Routing:
+    """Route G groups of T tokens given their router logits [G, T, E] (float32); `reduce`: sums a group's statistics
+    over the ranks holding the other tokens of its sequences (context parallelism: `load_balancing_sum`)."""
     G, T, E = logits.shape
     probs = torch.softmax(logits, dim=-1)
     select = logits + gumbel_like(logits) if training and policy.noise == "gumbel" else logits
@@ -121,7 +131,7 @@ def route(logits: torch.Tensor, policy: RoutingPolicy, *, training: bool) -> Rou
         total = (gates if policy.normalize == "chosen" else gates * kept).sum(-1, keepdim=True)
         gates = gates / total.clamp_min(torch.finfo(gates.dtype).eps)
     z_sum = torch.logsumexp(logits, dim=-1).square().sum()
-    aux_sum = logits.new_zeros(()) if policy.aux == "pooled" else load_balancing_sum(probs, experts, policy.aux)
+    aux_sum = logits.new_zeros(()) if policy.aux == "pooled" else load_balancing_sum(probs, experts, policy.aux, reduce)
     chosen = torch.bincount(experts.flatten(), minlength=E)
     return Routing(experts, gates, slots, kept, capacity, aux_sum, z_sum, probs.sum((0, 1)), chosen)
 

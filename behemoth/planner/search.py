@@ -112,8 +112,8 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
 
 def cp_degrees(work: Workload, room: int, pp: int, ep: int, space: Space, cluster: ClusterSpec) -> list[int]:
     """Context-parallel degrees that divide `room` (the world over tp x pp x ep), up to a node's devices unless pinned,
-    where the runtime composes cp (`context_problems`): a dense model (no experts); under a pipeline too (each stage
-    passes its cp shard on)."""
+    for a dense model, under a pipeline too (each stage passes its cp shard on); an MoE model trains under cp (dropless)
+    but its cp layouts are not priced here, so the search keeps it at cp=1."""
     if ep > 1 or any(work.census.shape.experts):
         return [1]
     cap = space.max_cp or cluster.devices_per_node

@@ -11,13 +11,14 @@ sum over cp and dp ranks is the single-process loss, and so are the gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import CommMeter
+from behemoth.comm import CommMeter, all_reduce
 from behemoth.errors import BehemothError
 from behemoth.models.attention import use_attention
 from behemoth.models.causal_lm import CausalLM
@@ -93,10 +94,19 @@ class ContextParallel:
         return ContextPipelineSteps(pipeline, syncs, self)
 
 
+def summed_over(t: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter) -> torch.Tensor:
+    """`t` summed over `group` (a copy: the caller's tensor is left as it was)."""
+    out = t.clone()
+    all_reduce(out, group, meter)
+    return out
+
+
 def apply_context_parallel(lm: CausalLM, group: dist.ProcessGroup, policy: ContextPolicy, meter: CommMeter | None = None) -> ContextParallel:
     """Route `lm`'s attention through ring or Ulysses attention over `group`; the layout its data is sharded by."""
     attention = context_attention(policy.mode, group, meter, policy.timeout_s)
     use_attention(lm.module, attention)
+    if lm.routers is not None:  # MoE: a routing group's load-balancing counts are its whole sequences' (models/routing.py)
+        lm.routers.context_reduce = functools.partial(summed_over, group=group, meter=meter)
     layout = ContextLayout(dist.get_world_size(group), dist.get_rank(group), balanced=policy.mode == "ring")
     return ContextParallel(layout, attention)
 

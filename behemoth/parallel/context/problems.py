@@ -57,12 +57,19 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
 def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
     plan, cp = cfg.parallel, cfg.parallel.cp
     out = []
-    if plan.ep > 1 or cfg.model.moe.enabled or (shape is not None and shape.experts):
+    moe = cfg.model.moe
+    if (plan.ep > 1 or moe.enabled or (shape is not None and shape.experts)) and (moe.capacity_factor is not None or moe.noise != "none"):
+        what = f"model.moe.capacity_factor={moe.capacity_factor}" if moe.capacity_factor is not None else f"model.moe.noise={moe.noise}"
         out.append(
             Problem.of(
                 "parallel.cp",
-                f"parallel.cp={cp} with MoE experts (parallel.ep={plan.ep}): expert routing over a sharded sequence is not composed yet",
-                "train a dense model under parallel.cp",
+                f"parallel.cp={cp} with MoE experts and {what}: "
+                + (
+                    "a routing group's capacity is filled in token order over its whole sequences"
+                    if moe.capacity_factor is not None
+                    else "each cp rank would draw other noise than one process does for its tokens"
+                ),
+                "use dropless routing (unset model.moe.capacity_factor) and model.moe.noise=none under parallel.cp",
             )
         )
     if cfg.offload.enabled:
