@@ -101,9 +101,7 @@ class OffloadSync(GradSync):
         self.optimizer: OffloadOptimizer | None = None
         self._materialize(value)
         self.steps = UnitSteps(self.stores, self.io, fused=policy.fused, device=rt.device, tp=tp, copies=copies)
-        self.streamer = Streamer(
-            self.model, lm.layers, self.stores, reads, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps
-        )
+        self.streamer = Streamer(self.model, lm.layers, self.stores, reads, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps)
         self.meter_tiers = TierMeter(self.tiers)
 
     def _materialize(self, value: ValueSource) -> None:
