@@ -29,6 +29,7 @@ parameters this rank will not keep.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,10 +150,7 @@ class ParallelModel:
         return terms, self.rt.world_group
 
     def tp_copies(self, name: str) -> int:
-        """tp ranks holding an identical copy of this parameter's gradient piece (an expert's, per its own split)."""
-        if self.tp is None:
-            return 1
-        return self.experts.copies(name) if self.experts is not None and self.experts.is_expert(name) else self.tp.copies(name)
+        return gradient_copies(self.tp, self.experts, name)
 
     def clip_grads(self, max_norm: float, device: torch.device) -> float:
         """The global gradient norm, every gradient scaled by max_norm / norm when that is below 1 (gradients a sync keeps
@@ -202,6 +200,14 @@ class ParallelModel:
         """Split tensors as full-shape views, so DCP reshards to any tp or ep degree and export consolidates."""
         state = self.tp.checkpoint_views(state) if self.tp is not None else state
         return self.experts.checkpoint_views(state) if self.experts is not None else state
+
+
+def gradient_copies(tp: TensorParallel | None, experts: ExpertParallel | None, name: str) -> int:
+    """tp ranks holding an identical copy of this parameter's gradient piece (an expert's, per its own split): the weight
+    of its square in the clipping norm is 1 / that, in memory and on offload's tiers alike."""
+    if tp is None:
+        return 1
+    return experts.copies(name) if experts is not None and experts.is_expert(name) else tp.copies(name)
 
 
 def resolve_stage_boundaries(plan: ParallelPlan, lm: CausalLM, seq_len: int, micro_batch: int, rt: Runtime | None = None) -> list[int]:
@@ -391,7 +397,9 @@ def offloaded_model(
         model, rt.data_group(), layers=lm.layers, tie_embeddings=lm.shape.tied, experts=expert_units(experts, rt), frozen_only=frozen
     )
     apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
-    sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, meter=meter, activation=offload_activations(lm, batch, seq_len, rt.dims.tp))
+    copies = functools.partial(gradient_copies, tp, experts)  # an expert split over tp by its width: one copy, not tp
+    activation = offload_activations(lm, batch, seq_len, rt.dims.tp)
+    sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, copies=copies, meter=meter, activation=activation)
     adapters = []
     if frozen:
         materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters

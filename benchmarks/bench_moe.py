@@ -120,8 +120,10 @@ def behemoth_system(args: dict, extra: list[str]) -> tuple[Any, Any]:
     from behemoth.topology import init_runtime
 
     cfg = config(args, extra)
-    engine = build_engine(cfg, init_runtime(timeout_s=600, **cfg.parallel.degrees()))
-    batch = [local_batch(args, dist.get_rank(), dist.get_world_size())]
+    rt = init_runtime(timeout_s=600, **cfg.parallel.degrees())
+    engine = build_engine(cfg, rt)
+    data = rt.data_group()  # the ranks that see different tokens (dp x ep); tp ranks share theirs
+    batch = [local_batch(args, dist.get_rank(data), dist.get_world_size(data))]
     state = {"metrics": {}}
 
     def step(i: int) -> float:
@@ -377,31 +379,29 @@ def adaptive_vs_fixed(args: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+OFFLOAD_LAYOUTS = (("ep=1", 1, "parallel.ep=1"), ("ep=2", 2, "parallel.ep=2"), ("tp=2", 2, "parallel.tp=2"))  # tp=2: expert widths split
+
+
 def offload_vs_memory(args: dict) -> str:
-    """The same MoE trained with its model states (experts included) streamed from disk and held in memory: step time,
-    peak resident memory per rank, bytes moved to and from the disk tier per rank per step (the last step's)."""
+    """The same MoE trained with its model states (experts included) streamed from disk and held in memory, at ep = 1,
+    ep = 2 and tp = 2: step time, peak resident memory per rank, bytes moved to and from the disk tier per rank per step
+    (the last step's)."""
     rows = [
-        "| ep | states | step time (s) | step time ratio (disk / memory) | peak RSS per rank (MiB) | offload MiB read + written per rank per step |",
+        "| layout | states | step time (s) | step time ratio (disk / memory) | peak RSS per rank (MiB) | offload MiB read + written per rank per step |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    for ep in (1, 2):
+    for name, nproc, option in OFFLOAD_LAYOUTS:
         with tempfile.TemporaryDirectory(prefix="bench-moe-offload-") as run_dir:
-            memory = measure("behemoth", ep, args, [f"parallel.ep={ep}", f"run.dir={run_dir}/m"], f"in memory ep={ep}")
-            disk = measure(
-                "behemoth",
-                ep,
-                args,
-                [f"parallel.ep={ep}", f"run.dir={run_dir}/d", "offload.params=disk", "offload.optimizer=disk"],
-                f"offload disk ep={ep}",
-            )
+            memory = measure("behemoth", nproc, args, [option, f"run.dir={run_dir}/m"], "in memory")
+            disk = measure("behemoth", nproc, args, [option, f"run.dir={run_dir}/d", "offload.params=disk", "offload.optimizer=disk"], "offload disk")
         for r in (memory, disk):
             step_s = args["batch"] * args["seq"] / r["tokens_per_s"]
             ratio_cell = f"{memory['tokens_per_s'] / disk['tokens_per_s']:.2f}" if r is disk else ""
-            rows.append(f"| {ep} | {r['label'].rsplit(' ', 1)[0]} | {step_s:.3f} | {ratio_cell} | {r['peak_rss_mib']:.0f} | {r['moved_mib']:.1f} |")
+            rows.append(f"| {name} | {r['label']} | {step_s:.3f} | {ratio_cell} | {r['peak_rss_mib']:.0f} | {r['moved_mib']:.1f} |")
         ROWS.append(
             ratio(
                 "mixture of experts",
-                f"{' '.join(args['model'])}, ep={ep}, offload disk",
+                f"{' '.join(args['model'])}, {name}, offload disk",
                 "in memory",
                 "tokens/s",
                 disk["tokens_per_s"],

@@ -193,7 +193,8 @@ def train_plans(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def train_plan(cfg_dict: dict[str, Any]) -> dict[str, Any]:
-    """`train.steps` steps of the Trainer, then its checkpoint consolidated: the loop without validation or plotting."""
+    """`train.steps` steps of the Trainer, then its checkpoint consolidated: the loop without validation or plotting (the
+    losses, the global gradient norms before clipping, and on rank 0 the weights)."""
     import torch.distributed as dist
 
     from behemoth.config import Config
@@ -206,7 +207,7 @@ def train_plan(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     cfg = Config.model_validate(cfg_dict)
     trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
     try:
-        losses = [trainer.train_one(step, 1.0)["loss"] for step in range(cfg.train.steps)]
+        records = [trainer.train_one(step, 1.0) for step in range(cfg.train.steps)]
         trainer.save(cfg.train.steps)
         trainer.saver.wait()
         weights = None
@@ -218,7 +219,7 @@ def train_plan(cfg_dict: dict[str, Any]) -> dict[str, Any]:
         dist.barrier()
     finally:
         trainer.engine.close()
-    return {"losses": losses, "weights": weights}
+    return {"losses": [r["loss"] for r in records], "norms": [r["grad_norm"] for r in records], "weights": weights}
 
 
 @functools.cache

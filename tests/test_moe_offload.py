@@ -1,5 +1,6 @@
 """A mixture of experts with offloaded model states: each block's experts stream with its ZeRO-3 unit on the host or
-disk tier (parallel.ep=1) and the run trains the single-process curve (loss and final weights, float32)."""
+disk tier (parallel.ep=1), in units of their own over ep, or as each tp rank's width slice under tp, and the run trains
+the single-process curve (loss and final weights, float32; under tp with clipping that binds, and the same norms)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,38 @@ def test_moe_offload_over_ep_trains_the_single_process_curve(tmp_path):
     ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "moe")], timeout=120)[0][0]
     got = run_ranks(2, train_plans, [offload_config(tmp_path / "ep2", "disk", "parallel.ep=2")], timeout=240)[0][0]
     assert_close_runs(ref, got)
+
+
+CLIP = 2.0  # binds at some of the 3 steps and not at others (asserted): a misweighted norm moves the weights too
+
+
+def clipped_reference(run_dir):
+    return run_ranks(1, train_plans, [tiny_config(run_dir, f"data.path={CORPUS}", *BASE, *MOE, f"train.grad_clip={CLIP}")], timeout=120)[0][0]
+
+
+def assert_same_clipped_curve(ref, got):
+    """The losses, the final weights and every step's global gradient norm (before clipping) of the single-process run."""
+    assert min(ref["norms"]) < CLIP < max(ref["norms"]), f"train.grad_clip={CLIP} must bind on some steps only: {ref['norms']}"
+    for step, (a, b) in enumerate(zip(ref["norms"], got["norms"], strict=True), 1):
+        assert abs(a - b) <= 1e-5 * a, f"step {step}: gradient norm {b!r} vs reference {a!r}"
+    assert_close_runs(ref, got)
+
+
+def test_moe_offload_over_tp_trains_and_clips_the_single_process_curve(tmp_path):
+    """tp=2: each tp rank streams its width slice of every expert (and of the dense split weights) from host memory and
+    from disk; an expert gradient split over tp counts once in the clipping norm, a replicated one 1/tp on each rank."""
+    ref = clipped_reference(tmp_path / "moe")
+    cfgs = [offload_config(tmp_path / tier, tier, "parallel.tp=2", f"train.grad_clip={CLIP}") for tier in ("host", "disk")]
+    for got in run_ranks(2, train_plans, cfgs, timeout=240)[0]:
+        assert_same_clipped_curve(ref, got)
+
+
+@pytest.mark.slow
+def test_moe_offload_over_tp_and_ep_trains_and_clips_the_single_process_curve(tmp_path):
+    """tp=2 x ep=2: each rank streams its two experts' width slices (units over dp) and its dense slices over dp x ep."""
+    ref = clipped_reference(tmp_path / "moe")
+    cfg = offload_config(tmp_path / "tp2ep2", "disk", "parallel.tp=2", "parallel.ep=2", f"train.grad_clip={CLIP}")
+    assert_same_clipped_curve(ref, run_ranks(4, train_plans, [cfg], timeout=300)[0][0])
 
 
 MOVES = [
@@ -69,9 +102,11 @@ def _bytes_body(cfg_dict):
     return counted, offload_estimate(cfg, rt.dims.dp).moved
 
 
-def test_the_planner_counts_the_bytes_an_offloaded_moe_moves(tmp_path):
-    """offload_estimate (on meta) moves the bytes the streamer counts, expert units included, at ep = 2."""
-    cfg = offload_config(tmp_path, "disk", "parallel.ep=2", "offload.step=deferred")
+@pytest.mark.parametrize("split", ["parallel.ep=2", "parallel.tp=2"])
+def test_the_planner_counts_the_bytes_an_offloaded_moe_moves(tmp_path, split):
+    """offload_estimate (on meta) moves the bytes the streamer counts, expert units included, at ep = 2 and at tp = 2
+    (each rank's width slices of the experts)."""
+    cfg = offload_config(tmp_path, "disk", split, "offload.step=deferred")
     counted, planned = run_ranks(2, _bytes_body, cfg, timeout=120)[0]
     assert counted == planned and counted["params"][0] > 0
 

@@ -264,5 +264,5 @@ def load_offloaded(source: Source, rt: Runtime, policy: OffloadPolicy, *, tp: in
     lm.after_materialize(rt.device)  # buffers (rotary frequencies) on the device; no parameter is left on the module
     io = IOPool(policy.io_threads, max_in_flight=policy.prefetch + policy.io_threads + 1)
     reads = {len(units) - 1: tuple(units.index(r) for r in units[-1].reads)}
-    streamer = Streamer(lm.module, lm.layers, stores, reads, group=rt.group("dp"), io=io, prefetch=policy.prefetch, device=rt.device, hooks=NoSteps())
+    streamer = Streamer(lm.module, lm.layers, stores, reads, io=io, prefetch=policy.prefetch, device=rt.device, hooks=NoSteps())
     return StreamedModel(lm, rt, tensor, stores, streamer, io, block_tier)

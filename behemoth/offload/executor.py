@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from behemoth.models.layered import LayeredView
@@ -119,7 +118,6 @@ class Streamer:
         stores: list[UnitStore],
         reads: dict[int, tuple[int, ...]],
         *,
-        group: dist.ProcessGroup,
         io: IOPool,
         prefetch: int,
         device: torch.device,
@@ -127,8 +125,7 @@ class Streamer:
     ) -> None:
         self.model, self.view, self.stores, self.reads = model, view, stores, reads
         self.blocks = list(model.get_submodule(view.blocks))
-        self.group, self.io, self.prefetch, self.device, self.hooks = group, io, prefetch, device, hooks
-        self.world = dist.get_world_size(group)
+        self.io, self.prefetch, self.device, self.hooks = io, prefetch, device, hooks  # each unit gathers over its own group
         self.resident: dict[int, Loaded] = {}
         self.peak_activation_bytes = 0
 

@@ -71,6 +71,7 @@ class OffloadSync(GradSync):
         value: ValueSource,
         activation: ActivationShape,
         tp: Any = None,
+        copies: Callable[[str], int] | None = None,
         meter: CommMeter | None = None,
     ) -> None:
         self.lm, self.model, self.rt, self.policy, self.tp, self.meter = lm, lm.module, rt, policy, tp, meter
@@ -99,10 +100,8 @@ class OffloadSync(GradSync):
         self.stores: list[UnitStore] = []
         self.optimizer: OffloadOptimizer | None = None
         self._materialize(value)
-        self.steps = UnitSteps(self.stores, self.io, fused=policy.fused, device=rt.device, tp=tp)
-        self.streamer = Streamer(
-            self.model, lm.layers, self.stores, reads, group=self.group, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps
-        )
+        self.steps = UnitSteps(self.stores, self.io, fused=policy.fused, device=rt.device, tp=tp, copies=copies)
+        self.streamer = Streamer(self.model, lm.layers, self.stores, reads, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps)
         self.meter_tiers = TierMeter(self.tiers)
 
     def _materialize(self, value: ValueSource) -> None:
@@ -314,14 +313,16 @@ def apply_offload(
     seed: int,
     activation: ActivationShape,
     tp: Any = None,
+    copies: Callable[[str], int] | None = None,
     meter: CommMeter | None = None,
 ) -> OffloadSync:
     """Put `lm`'s units (ZeRO-3's, from `shard_parameters` on the meta model) on the policy's tiers, drawn from
-    (seed, name) or read from the model's weights one unit at a time."""
+    (seed, name) or read from the model's weights one unit at a time. `copies(name)`: the tp ranks holding an identical
+    copy of a parameter's gradient, for the clipping norm (default: the dense split's, `tp.copies`)."""
 
     def drawn(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return draw_full(lm.init_spec(name), tuple(shape), seed, name)
 
     value: Callable[[str, tuple[int, ...]], torch.Tensor] = FolderWeights(lm.weights) if lm.weights else drawn
 
-    return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, meter=meter)
+    return OffloadSync(lm, units, rt, policy, value=value, activation=activation, tp=tp, copies=copies, meter=meter)

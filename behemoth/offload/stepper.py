@@ -25,8 +25,11 @@ class UnitSteps:
     """The streamer's step hooks (executor.py `StepHooks`): a complete gradient counted into the norm, then its unit stepped
     (fused) or its gradient kept for the step it owes (deferred); owed steps handed to the fetch that applies them."""
 
-    def __init__(self, stores: list[UnitStore], io: IOPool, *, fused: bool, device: torch.device, tp: Any = None) -> None:
+    def __init__(
+        self, stores: list[UnitStore], io: IOPool, *, fused: bool, device: torch.device, tp: Any = None, copies: Callable[[str], int] | None = None
+    ) -> None:
         self.stores, self.io, self.fused, self.tp = stores, io, fused, tp
+        self.copies = copies or (tp.copies if tp is not None else None)  # tp ranks holding a copy of a gradient, by name
         self.lr: Callable[[], float] = lambda: 0.0  # the optimizer's learning rate now (set when it is built)
         self.step_count, self.norm_sq, self.coef = 0, torch.zeros((), dtype=torch.float32, device=device), 1.0
         self.nonfinite = False  # a gradient of this step was not finite: no fused step from then on
@@ -62,11 +65,13 @@ class UnitSteps:
             self.io.submit(store.index, store.save_grad, grad)
 
     def weighted_square(self, store: UnitStore, grad: torch.Tensor) -> torch.Tensor:
-        """|g|^2 of this rank's shard, each piece weighted 1 / (tensor-parallel ranks holding a copy of it), as clip weighs."""
-        if self.tp is None:
+        """|g|^2 of this rank's shard, each piece weighted 1 / (tensor-parallel ranks holding a copy of it), as clip weighs
+        (an expert weight split over tp by its own width split, not the dense one: `copies`)."""
+        copies = self.copies
+        if copies is None:
             return weighted_square([(grad, 1.0)])
         return weighted_square(
-            [(grad[pc.shard_offset : pc.shard_offset + pc.numel], 1.0 / self.tp.copies(store.layout.names[pc.index])) for pc in store.raw_pieces],
+            [(grad[pc.shard_offset : pc.shard_offset + pc.numel], 1.0 / copies(store.layout.names[pc.index])) for pc in store.raw_pieces],
             grad.device,
         )
 

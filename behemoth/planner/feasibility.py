@@ -24,7 +24,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.planner.memory import fit_problems
-from behemoth.planner.offload import offload_launch_problems, offload_placement, offload_problems, streams
+from behemoth.planner.offload import offload_launch_problems, offload_problems, streams
 from behemoth.topology import ParallelDims
 
 
@@ -36,7 +36,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     if not model:  # a model that cannot be built has no shape to split
         shape = model_shape(cfg.model, cfg.hf)
         out += plan.tensor_parallel_problems(shape.tensor_parallel_sizes(), cfg.seq_len) + expert_problems(cfg, shape)
-        out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts))
+        out += compile_problems(cfg.train.compile, any(shape.experts))
     out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     out += burst_problems(cfg, world, None if model else model_shape(cfg.model, cfg.hf))
     if plan.dims_problems(world):
@@ -146,22 +146,6 @@ def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
             )
         )
     return out
-
-
-def offload_expert_problems(cfg: Config, shape: Any) -> list[Problem]:
-    """Offload of a mixture-of-experts model under tensor parallelism: the streamer weights a gradient's tp copies by the
-    dense split, and an expert's own split differs (the clipping norm would be misweighted); untested, so refused."""
-    experts = sorted({e for e in shape.experts if e})
-    if not streams(cfg) or not experts or cfg.parallel.tp == 1:
-        return []
-    return [
-        Problem.of(
-            "offload",
-            f"{offload_placement(cfg)} with the MoE layers of {experts[-1]} experts (parallel.ep={cfg.parallel.ep}, parallel.tp={cfg.parallel.tp}): "
-            "streamed expert units are not split over tp",
-            "set parallel.tp=1 with offload, or keep the model states in memory (offload.params=device, offload.optimizer=device)",
-        )
-    ]
 
 
 def routing_group_problems(cfg: Config, dims: ParallelDims) -> list[Problem]:
