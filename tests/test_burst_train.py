@@ -115,11 +115,32 @@ def test_burst_plan_on_four_ranks(single, plan, tmp_path):
     _assert_replicas_equal(results)
 
 
-def test_burst_widths_between_one_and_the_world_are_refused(tmp_path, capsys):
-    from behemoth.cli import main
+def groups_then_local_group(widths: list[int]) -> int:
+    """Burst groups for `widths`, then a group made with use_local_synchronization (as the checkpoint saver makes its
+    own) and one all-reduce on it; the sum."""
+    import torch
+    import torch.distributed as dist
 
-    argv = ["train", "--nproc", "4", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", f"run.dir={tmp_path}/run"]
-    argv.append("parallel.burst=[2,4,1,3]")
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "parallel.burst widths [2, 3] between 1 and the world (4)" in err and "\n" not in err
+    from behemoth.parallel.burst import BurstGroups
+
+    BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu"))
+    group = dist.new_group(list(range(dist.get_world_size())), backend="gloo", use_local_synchronization=True)
+    one = torch.ones(1)
+    dist.all_reduce(one, group=group)
+    return int(one.item())
+
+
+def test_middle_widths_leave_later_local_groups_working():
+    """Widths 2 and 3 on 4 ranks: c10d names a locally synchronized group by the count of groups a rank belongs to, so
+    uneven memberships (3, 3, 2, 1) gave every rank another name and the rendezvous hung; BurstGroups evens them."""
+    assert run_ranks(4, groups_then_local_group, [2, 4, 1, 3], timeout=60) == [4, 4, 4, 4]
+
+
+@pytest.mark.slow
+def test_middle_widths_on_four_ranks_train_like_single_process(single, tmp_path):
+    results = run_ranks(4, burst_body, tiny_config(tmp_path, *COMMON, "parallel.burst=[2,4,1,3]"), timeout=120)
+    assert all(r["burst"] for r in results)
+    assert_close_runs(single, results[0])
+    for a, b in zip(single["norms"], results[0]["norms"]):
+        assert abs(a - b) <= 1e-4 * a, f"global grad norm {b} vs single process {a}"
+    _assert_replicas_equal(results)
