@@ -104,7 +104,9 @@ class BurstModel:
         return last[1].detach().float() if last is not None else torch.zeros((), device=rows.device)
 
     @torch.no_grad()
-    def forward_loss(self, idx: torch.Tensor, targets: torch.Tensor, loss_sum: HeadLoss, autocast: Callable[[], AbstractContextManager] = nullcontext) -> torch.Tensor:
+    def forward_loss(
+        self, idx: torch.Tensor, targets: torch.Tensor, loss_sum: HeadLoss, autocast: Callable[[], AbstractContextManager] = nullcontext
+    ) -> torch.Tensor:
         """The forward of a global batch (any number of rows, at least the widest layer's width), no gradients:
         [summed token loss, counted targets] (float64) of this rank's head rows (zeros outside the head's group)."""
         rows = self._rows(idx)

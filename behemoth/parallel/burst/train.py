@@ -12,6 +12,7 @@ under single-process names (DCP writes each once), loadable under any layout.
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 from behemoth.comm import all_gather
@@ -106,4 +107,3 @@ class BurstSteps(MicroBatchLoop):
         out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=self.device)
         all_gather(out, local, self.burst.groups.job)
         return out
-
