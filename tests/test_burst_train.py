@@ -162,7 +162,8 @@ def test_middle_widths_leave_later_local_groups_working():
 
 def test_middle_widths_on_four_ranks_train_like_single_process(tmp_path):
     """(2, 4, 1, 3) on 4 ranks with a tied head (the embedding's weight at widths 2 and 3): the single-process losses,
-    clipped norms, evaluation losses and weights; rank 3 holds block 0 only, and its parameter + AdamW bytes say so."""
+    clipped norms, evaluation losses and weights; rank 3 holds block 0 only, and its parameter + AdamW bytes say so;
+    the checkpoint the four ranks wrote together resumes in a single process."""
     tied = (*COMMON, "model.tie_embeddings=true")
     single = run_ranks(1, burst_body, tiny_config(tmp_path / "single", *tied))[0]
     results = run_ranks(4, burst_body, tiny_config(tmp_path / "burst", *tied, "parallel.burst=[2,4,1,3]"), timeout=120)
@@ -174,3 +175,9 @@ def test_middle_widths_on_four_ranks_train_like_single_process(tmp_path):
     assert evals and all(b == pytest.approx(a, rel=1e-5) for a, b in evals), f"evaluation losses {evals}"
     _assert_replicas_equal(results)
     _assert_each_rank_holds_its_layers(single, results, [2, 4, 1, 3], tied=True)
+    # the ranks' union is the whole model: its step-6 checkpoint resumes in one process (no burst) on the same curve
+    copy = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "burst", copy)
+    resumed = run_ranks(1, burst_body, tiny_config(copy, *tied), str(copy / CKPT6))[0]
+    assert resumed["start"] == 6
+    assert_close_runs({"losses": results[0]["losses"][6:], "weights": results[0]["weights"]}, resumed)
