@@ -48,7 +48,7 @@ from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
 from behemoth.parallel.burst import BurstGroups, BurstModel
-from behemoth.parallel.burst.train import BurstSteps, BurstSync
+from behemoth.parallel.burst.train import BurstSteps, burst_syncs
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.compile import apply_compile
 from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
@@ -417,8 +417,8 @@ def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout
     """A materialized model run as a burst plan: its executor and its sync (the only dimension it composes with is the
     job itself; planner/feasibility refuses the others before launch)."""
     burst = BurstModel(lm, widths, BurstGroups.of(widths, rt.world_group, rt.device), batch=batch.global_batch)
-    sync = BurstSync(burst)
-    return ParallelModel(lm, rt, [sync], executor=BurstSteps(burst, [sync], rt.device))
+    syncs: list[GradSync] = list(burst_syncs(burst))  # this rank keeps only the parameters its layers use
+    return ParallelModel(lm, rt, syncs, executor=BurstSteps(burst, syncs, rt.device))
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

@@ -10,8 +10,10 @@
 - `measure`: `--nproc` CPU ranks at one sequence per rank: the burst plan the planner makes for this machine (its
   cached calibration) executed by behemoth/parallel/burst, against the same runtime with every layer on every rank
   (data parallelism); measured and predicted step times.
-- `trainer`: the same plan through `behemoth train`'s Trainer (parallel.burst: AdamW, global-norm clipping, metrics)
-  against the trainer's plain data parallelism on the same world and batch: median step time and tokens/s.
+- `trainer`: a plan through `behemoth train`'s Trainer (parallel.burst: AdamW, global-norm clipping, metrics) against
+  the trainer's plain data parallelism on the same world and batch: median step time, CPU seconds of all ranks per
+  step, tokens/s, measured / predicted, and each rank's parameter + AdamW bytes. The plan: `--widths`, else the
+  planner's, else (it keeps every layer on every rank) the blocks on half the ranks (`middle_plan`).
 - `multiplex`: the burst foreground alone, a background training job alone (1 process, nice 19), then both at once:
   the foreground's slowdown and the share of its solo throughput the background keeps.
 """
@@ -25,13 +27,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ratios import add_report_args, command_line, ratio, write_rows  # noqa: E402
+from ratios import add_report_args, best_of_rounds, command_line, ratio, write_rows  # noqa: E402
 
 SIM_POINTS = [  # (model, seq_len, devices, global batch)
     ("gpt2-124m", 1024, 64, 64),
@@ -146,12 +150,31 @@ def trainer_rank(overrides: list[str]) -> dict:
 
     cfg = load_config(None, overrides)
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
-    summary = Trainer(cfg, rt).run()
-    return {"losses": summary["losses"]}
+    trainer = Trainer(cfg, rt)
+    cpu: list[float] = []
+    step = trainer.engine.train_step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:  # this process's CPU seconds (all its threads) per step
+        t0 = time.process_time()
+        out = step(*args, **kwargs)
+        cpu.append(time.process_time() - t0)
+        return out
+
+    trainer.engine.train_step = timed_step  # type: ignore[method-assign]
+    summary = trainer.run()
+    held = trainer.engine.model_state_bytes()
+    return {"losses": summary["losses"], "cpu_s": cpu, "held_bytes": held["params"] + held["optimizer"]}
 
 
-def run_trainer(args: argparse.Namespace, run_dir: Path, batch: int, widths: tuple[int, ...] | None, steps: int, warmup: int = 2) -> float:
-    """The median step time (s) of `steps` steps after `warmup`, as the trainer's metrics.jsonl records them."""
+@dataclass(frozen=True)
+class TrainerRun:
+    step_s: float  # median step time after the warm-up, as metrics.jsonl records it
+    cpu_s: float  # median over those steps of the CPU seconds all ranks spent in the step
+    held_mb: list[float]  # per rank: parameters + AdamW state
+
+
+def run_trainer(args: argparse.Namespace, run_dir: Path, batch: int, widths: tuple[int, ...] | None, steps: int, warmup: int = 2) -> TrainerRun:
+    """`steps` trainer steps after `warmup`: the median step time and CPU seconds, and each rank's model states."""
     import json
 
     from behemoth.faults.ranks import run_ranks
@@ -161,31 +184,68 @@ def run_trainer(args: argparse.Namespace, run_dir: Path, batch: int, widths: tup
     over += ["run.tensorboard=false", "run.timeout_s=300", f"run.dir={run_dir}"]
     if widths is not None:
         over.append("parallel.burst=[" + ",".join(map(str, widths)) + "]")
-    run_ranks(args.nproc, trainer_rank, over, timeout=1800)
+    ranks = run_ranks(args.nproc, trainer_rank, over, timeout=1800)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in records if "step_time_s" in r and r.get("step", 0) > warmup]
-    return statistics.median(times)
+    cpu = [sum(r["cpu_s"][i] for r in ranks) for i in range(warmup, warmup + steps)]
+    return TrainerRun(statistics.median(times), statistics.median(cpu), [r["held_bytes"] / 2**20 for r in ranks])
 
 
 def trainer(args: argparse.Namespace, rows: list[dict]) -> None:
     """The burst plan through behemoth's trainer (AdamW, clipping, metrics: parallel.burst) against its plain data
-    parallelism (DataParallel's overlapped bucketed all-reduce) on the same world and batch."""
+    parallelism (DataParallel's overlapped bucketed all-reduce) on the same world and batch, best of `--rounds`."""
     n, batch = args.nproc, args.nproc * args.per_device
     plan, dp_pred, name, problem = local_plan(n, args.model, args.seq, batch, args.amplification)
-    widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced_plan(plan.widths, n)
-    steps = 3 if args.quick else args.steps
+    widths = chosen_plan(args, plan.widths, n, middle=True)
+    steps, tokens, load = 3 if args.quick else args.steps, batch * args.seq, os.getloadavg()[0]
+    rounds = 1 if args.quick else args.rounds
     with tempfile.TemporaryDirectory() as tmp:
-        burst_s = run_trainer(args, Path(tmp) / "burst", batch, widths, steps)
-        dp_s = run_trainer(args, Path(tmp) / "dp", batch, None, steps)
-    tokens = batch * args.seq
-    planned = "the planner's" if widths == plan.widths else f"a hand-made one (the planner's was {plan.describe()})"
-    print(f"\n## behemoth train on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, parallel.burst={list(widths)} ({planned})\n")
-    print("| trainer run | step ms (median) | tokens/s | predicted ms |")
-    print("|---|---|---|---|")
-    for label, got, want in (("parallel.burst", burst_s, problem.plan_of(widths).step_seconds), ("data parallelism", dp_s, dp_pred)):
-        print(f"| {label} | {got * 1e3:.1f} | {tokens / got:.0f} | {want * 1e3:.1f} |")
-    print(f"\nburst / data parallelism: step time {burst_s / dp_s:.2f}x, throughput {dp_s / burst_s:.2f}x")
-    rows.append(ratio("burst", f"trainer {n} CPU ranks", "data parallelism (trainer)", "step time", burst_s, dp_s, higher_is_better=False))
+        runs = iter(range(1000))
+
+        def one(system: str) -> dict[str, Any]:
+            got = run_trainer(args, Path(tmp) / f"{system}{next(runs)}", batch, widths if system == "burst" else None, steps)
+            return {"tokens_per_s": tokens / got.step_s, "cpu_s": got.cpu_s, "run": got}
+
+        best = best_of_rounds(["burst", "dp"], rounds, one, lambda r: f"{r['run'].step_s * 1e3:.1f} ms, {r['cpu_s']:.3f} CPU s", {})
+    burst, dp = (TrainerRun(tokens / best[k]["tokens_per_s"], best[k]["cpu_s"], best[k]["run"].held_mb) for k in ("burst", "dp"))
+    pred = problem.plan_of(widths).step_seconds
+    planned = "the planner's" if widths == plan.widths else f"{'given' if args.widths else 'a hand-made one'} (the planner's was {plan.describe()})"
+    print(f"\n## behemoth train on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, parallel.burst={list(widths)} ({planned})")
+    print(f"(best of {rounds} rounds each; load average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n")
+    print_trainer_table(tokens, [("parallel.burst", burst, pred), ("data parallelism", dp, dp_pred)])
+    cpu = burst.cpu_s / dp.cpu_s
+    print(f"\nburst / data parallelism: step time {burst.step_s / dp.step_s:.2f}x (predicted {pred / dp_pred:.2f}x), CPU seconds {cpu:.2f}x")
+    case = f"trainer {n} CPU ranks"
+    rows.append(ratio("burst", case, "data parallelism (trainer)", "step time", burst.step_s, dp.step_s, higher_is_better=False))
+    rows.append(ratio("burst", case, "data parallelism (trainer)", "CPU seconds", burst.cpu_s, dp.cpu_s, higher_is_better=False))
+    rows.append(ratio("burst", case, "predicted", "step time", burst.step_s, pred, higher_is_better=False))
+
+
+def print_trainer_table(tokens: int, runs: list[tuple[str, TrainerRun, float]]) -> None:
+    """One row per (label, measured run, predicted step seconds)."""
+    print(
+        "| trainer run | step ms (median) | CPU s per step, all ranks | tokens/s | predicted ms | measured / predicted | params + AdamW MB per rank |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, got, want in runs:
+        held = " / ".join(f"{mb:.2f}" for mb in got.held_mb)
+        ms, per_s = got.step_s * 1e3, tokens / got.step_s
+        print(f"| {label} | {ms:.1f} | {got.cpu_s:.3f} | {per_s:.0f} | {want * 1e3:.1f} | {got.step_s / want:.2f} | {held} |")
+
+
+def chosen_plan(args: argparse.Namespace, planned: tuple[int, ...], world: int, *, middle: bool = False) -> tuple[int, ...]:
+    """`--widths` where given, else the planner's plan unless it keeps every layer on every rank; then a hand-made one
+    with idle ranks (`middle`: the blocks on half the ranks, else on one)."""
+    if args.widths:
+        return tuple(int(w) for w in args.widths.split(","))
+    if len(set(planned)) > 1 or planned[0] < world:
+        return planned
+    return middle_plan(planned, world) if middle and world > 2 else forced_plan(planned, world)
+
+
+def middle_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """The embedding and the head on every rank, the blocks on half of them: widths strictly between 1 and the world."""
+    return (world, *([world // 2] * (len(widths) - 2)), world)
 
 
 def forced_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
@@ -287,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--per-device", type=int, default=1, help="sequences per rank (strong scaling: 1 or 2)")
     p.add_argument("--amplification", type=float, default=2.0)
+    p.add_argument("--widths", help="a burst plan to run instead of the planner's, e.g. 4,2,2,2,2,4 (trainer part)")
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=2, help="trainer part: each plan run this many times in turn, the best kept")
     p.add_argument("--bg-batch", type=int, default=8)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)

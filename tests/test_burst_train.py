@@ -35,7 +35,9 @@ def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
     weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
     norms = [r.grad_norm for r in trainer.history]
     burst = isinstance(model.executor, BurstSteps)
-    return {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms}
+    held = trainer.engine.model_state_bytes()
+    out = {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms}
+    return out | {"held_bytes": held["params"] + held["optimizer"], "eval": [v for _, v in trainer.val_history]}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,31 @@ def burst_on_2(tmp_path_factory):
 
 
 def _assert_replicas_equal(results: list[dict]) -> None:
+    """Every rank's copy of a parameter it holds equals rank 0's (rank 0 is in every layer's group: it holds all)."""
     for other in results[1:]:
         for name, w in results[0]["weights"].items():
-            assert (other["weights"][name] - w).abs().max().item() == 0.0, f"{name}: ranks hold different weights"
+            if other["weights"][name].numel():
+                assert (other["weights"][name] - w).abs().max().item() == 0.0, f"{name}: ranks hold different weights"
+
+
+def _layers_using(name: str, n_layer: int, tied: bool) -> list[int]:
+    """The layers (0: embedding, 1 .. n_layer: blocks, n_layer + 1: head) of gpt-tiny that use parameter `name`."""
+    if name.startswith("blocks."):
+        return [int(name.split(".")[1]) + 1]
+    if name.startswith(("wte.", "wpe.")):
+        return [0, n_layer + 1] if tied and name.startswith("wte.") else [0]
+    return [n_layer + 1]
+
+
+def _assert_each_rank_holds_its_layers(single: dict, results: list[dict], widths: list[int], tied: bool) -> None:
+    """Rank r holds (and keeps AdamW state for) exactly the parameters of layers at least r + 1 wide: their bytes x 3."""
+    for rank, got in enumerate(results):
+        held = {n for n, w in got["weights"].items() if w.numel()}
+        wanted = {n for n in single["weights"] if max(widths[i] for i in _layers_using(n, len(widths) - 2, tied)) > rank}
+        wanted -= {"lm_head.weight"} if tied else set()  # the head's tied weight is the embedding's, counted once
+        assert held == wanted | ({"lm_head.weight"} & held), f"rank {rank} holds {sorted(held ^ wanted)} it should not, or lacks them"
+        size = sum(single["weights"][n].numel() * 4 for n in wanted)
+        assert got["held_bytes"] == 3 * size, f"rank {rank}: parameter + AdamW bytes {got['held_bytes']} vs {3 * size}"
 
 
 def test_burst_plan_trains_like_single_process(single, burst_on_2):
@@ -115,11 +139,45 @@ def test_burst_plan_on_four_ranks(single, plan, tmp_path):
     _assert_replicas_equal(results)
 
 
-def test_burst_widths_between_one_and_the_world_are_refused(tmp_path, capsys):
-    from behemoth.cli import main
+def groups_then_local_group(widths: list[int]) -> int:
+    """Burst groups for `widths`, then a group made with use_local_synchronization (as the checkpoint saver makes its
+    own) and one all-reduce on it; the sum."""
+    import torch
+    import torch.distributed as dist
 
-    argv = ["train", "--nproc", "4", "model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", f"run.dir={tmp_path}/run"]
-    argv.append("parallel.burst=[2,4,1,3]")
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "parallel.burst widths [2, 3] between 1 and the world (4)" in err and "\n" not in err
+    from behemoth.parallel.burst import BurstGroups
+
+    BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu"))
+    group = dist.new_group(list(range(dist.get_world_size())), backend="gloo", use_local_synchronization=True)
+    one = torch.ones(1)
+    dist.all_reduce(one, group=group)
+    return int(one.item())
+
+
+def test_middle_widths_leave_later_local_groups_working():
+    """Widths 2 and 3 on 4 ranks: c10d names a locally synchronized group by the count of groups a rank belongs to, so
+    uneven memberships (3, 3, 2, 1) gave every rank another name and the rendezvous hung; BurstGroups evens them."""
+    assert run_ranks(4, groups_then_local_group, [2, 4, 1, 3], timeout=60) == [4, 4, 4, 4]
+
+
+def test_middle_widths_on_four_ranks_train_like_single_process(tmp_path):
+    """(2, 4, 1, 3) on 4 ranks with a tied head (the embedding's weight at widths 2 and 3): the single-process losses,
+    clipped norms, evaluation losses and weights; rank 3 holds block 0 only, and its parameter + AdamW bytes say so;
+    the checkpoint the four ranks wrote together resumes in a single process."""
+    tied = (*COMMON, "model.tie_embeddings=true")
+    single = run_ranks(1, burst_body, tiny_config(tmp_path / "single", *tied))[0]
+    results = run_ranks(4, burst_body, tiny_config(tmp_path / "burst", *tied, "parallel.burst=[2,4,1,3]"), timeout=120)
+    assert all(r["burst"] for r in results)
+    assert_close_runs(single, results[0])
+    for a, b in zip(single["norms"], results[0]["norms"]):
+        assert abs(a - b) <= 1e-4 * a, f"global grad norm {b} vs single process {a}"
+    evals = list(zip(single["eval"], results[0]["eval"], strict=True))
+    assert evals and all(b == pytest.approx(a, rel=1e-5) for a, b in evals), f"evaluation losses {evals}"
+    _assert_replicas_equal(results)
+    _assert_each_rank_holds_its_layers(single, results, [2, 4, 1, 3], tied=True)
+    # the ranks' union is the whole model: its step-6 checkpoint resumes in one process (no burst) on the same curve
+    copy = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "burst", copy)
+    resumed = run_ranks(1, burst_body, tiny_config(copy, *tied), str(copy / CKPT6))[0]
+    assert resumed["start"] == 6
+    assert_close_runs({"losses": results[0]["losses"][6:], "weights": results[0]["weights"]}, resumed)

@@ -21,12 +21,19 @@ def batch_rows(batch: int, width: int, rank: int) -> tuple[int, int]:
 @dataclass
 class BurstGroups:
     """This rank, the job's group, and a group for each width (ranks 0 .. width-1), created in the same order on every
-    rank (c10d's rule for new_group) and warmed up with one tiny all-reduce so the first real one fails fast if broken."""
+    rank (c10d's rule for new_group) and warmed up with one tiny all-reduce so the first real one fails fast if broken.
+
+    A width strictly between 1 and the world also gets the group of the other ranks (width .. world-1), so that every
+    rank is a member of as many process groups as every other: c10d names a group made later with
+    `use_local_synchronization=True` (the checkpoint saver's) by its ranks and the number of groups *this* rank belongs
+    to, and with uneven memberships the ranks derive different names, so their rendezvous never meets (4 gloo ranks,
+    widths 2 and 3: ranks 0, 1, 2, 3 in 3, 3, 2, 1 groups, each waiting under its own prefix)."""
 
     rank: int
     world: int
     job: dist.ProcessGroup = field(repr=False)
     by_width: dict[int, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)
+    others: dict[int, dist.ProcessGroup | None] = field(default_factory=dict, repr=False)  # width -> ranks width .. world-1
 
     @classmethod
     def of(cls, widths: Sequence[int], job: dist.ProcessGroup, device: torch.device) -> BurstGroups:
@@ -39,6 +46,9 @@ class BurstGroups:
                 continue
             group = dist.new_group(members[:width]) if width > 1 else None
             out.by_width[width] = group if rank < width else None
+            if width > 1:  # the rest of the job: an equal count of memberships on every rank (see the class)
+                rest = dist.new_group(members[width:])
+                out.others[width] = rest if rank >= width else None
         for width, group in sorted(out.by_width.items()):
             if group is not None and width > 1:
                 all_reduce(torch.zeros(1, device=device), group)

@@ -27,10 +27,6 @@ def burst_problems(cfg: Config, world: int, shape: ModelShape | None) -> list[Pr
     if bad:
         what = f"parallel.burst widths {bad} outside 1..{top} (world {world}, global batch {cfg.train.global_batch})"
         out.append(Problem.of(OPTION, what, f"replan with behemoth plan --burst --nproc {world}"))
-    middle = sorted({w for w in widths if 1 < w < world})
-    if middle:  # a sub-group of 2 .. world-1 ranks stalls the trainer's next collective on the whole job (found on 4 gloo ranks)
-        what = f"parallel.burst widths {middle} between 1 and the world ({world}): the trainer runs widths 1 and {world} only for now"
-        out.append(Problem.of(OPTION, what, f"use widths 1 or {world} (behemoth plan --burst --uniform, or edit the list)"))
     return out
 
 

@@ -96,13 +96,36 @@ class BurstModel:
     ) -> torch.Tensor:
         """Forward (under `autocast`) and backward of the global batch, gradients left unsummed; this rank's head loss
         (0 on ranks outside the head's group)."""
-        weight = cast(torch.Tensor, self.lm.module.get_submodule(self.lm.layers.embedding).weight)
-        rows = Rows(self.batch, (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
+        rows = self._rows(idx)
         with autocast():
             stash = self._forward(idx, targets, head_loss, rows)
         self._backward(stash, rows)
         last = stash[self.last]
-        return last[1].detach().float() if last is not None else torch.zeros((), device=weight.device)
+        return last[1].detach().float() if last is not None else torch.zeros((), device=rows.device)
+
+    @torch.no_grad()
+    def forward_loss(
+        self, idx: torch.Tensor, targets: torch.Tensor, loss_sum: HeadLoss, autocast: Callable[[], AbstractContextManager] = nullcontext
+    ) -> torch.Tensor:
+        """The forward of a global batch (any number of rows, at least the widest layer's width), no gradients:
+        [summed token loss, counted targets] (float64) of this rank's head rows (zeros outside the head's group)."""
+        rows = self._rows(idx)
+        stats = torch.zeros(2, dtype=torch.float64, device=rows.device)
+
+        def head(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            stats[1] += counted_targets(t)
+            return loss_sum(logits, t)
+
+        with autocast():
+            last = self._forward(idx, targets, head, rows)[self.last]
+        if last is not None:
+            stats[0] += last[1].double()
+        return stats
+
+    def _rows(self, idx: torch.Tensor) -> Rows:
+        """What is re-sharded between layers for the global batch `idx`: its rows of hidden states."""
+        weight = cast(torch.Tensor, self.lm.module.get_submodule(self.lm.layers.embedding).weight)
+        return Rows(idx.shape[0], (idx.shape[1], self.lm.shape.d_model), weight.dtype, weight.device)
 
     def _forward(self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, rows: Rows) -> list[Stashed]:
         stash: list[Stashed] = []
@@ -110,7 +133,7 @@ class BurstModel:
         for layer, width in enumerate(self.widths):
             if layer:
                 h = reshard(h, rows, self.widths[layer - 1], width, self.groups, tag=layer)
-            start, end = batch_rows(self.batch, width, self.groups.rank)
+            start, end = batch_rows(rows.batch, width, self.groups.rank)
             if end == start:
                 stash.append(None)
                 h = None
@@ -133,14 +156,19 @@ class BurstModel:
             if layer:
                 grad = reshard(grad_in, rows, self.widths[layer], self.widths[layer - 1], self.groups, tag=len(self.widths) + layer)
 
+    def params_of_width(self, width: int) -> list[nn.Parameter]:
+        """The trainable parameters whose widest layer is `width` wide (held and summed by ranks 0 .. width-1)."""
+        return [p for p, w in self.param_width.values() if w == width and p.requires_grad]
+
     @torch.no_grad()
-    def sync_gradients(self) -> None:
-        """Sum each parameter's gradient over its group (ranks 0 .. width-1), in buckets of one width at a time."""
-        for width in sorted({w for _, w in self.param_width.values()}):
+    def sync_gradients(self, widths: Sequence[int] | None = None) -> None:
+        """Sum each parameter's gradient over its group (ranks 0 .. width-1), in buckets of one width at a time (every
+        width, or those of `widths`)."""
+        for width in sorted(set(widths) if widths is not None else {w for _, w in self.param_width.values()}):
             group = self.groups.group(width)
             if group is None:
                 continue
-            params = [p for p, w in self.param_width.values() if w == width and p.requires_grad]
+            params = self.params_of_width(width)
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -1,69 +1,84 @@
-"""A burst plan under behemoth's engine: the executor that runs a step through `BurstModel`, and the gradient sync
-that leaves every rank the single-process gradient of every parameter, so clipping, AdamW and checkpoints are
-data parallelism's.
+"""A burst plan under behemoth's engine: the executor that runs a step through `BurstModel`, and one gradient sync per
+distinct parameter width, so that each rank holds, sums, clips and steps only the parameters its layers use.
 
 The data loader gives each rank its data-parallel share of the global batch (rows in rank order); the executor
-gathers them back into the global batch, which every layer then re-splits over its own width. A parameter's gradient
-is first summed over the group of the widest layer that uses it (ranks 0 .. c-1, as the plan prices it), then, for a
-layer narrower than the job, broadcast from rank 0 (a member of every group) to the ranks outside that group: every
-rank keeps the whole model and steps it alike.
+gathers them back into the global batch, which every layer then re-splits over its own width. A parameter belongs to
+the group of the widest layer that uses it (ranks 0 .. c-1, as the plan prices it): its gradient is summed there, its
+AdamW state lives there, and the ranks outside it release its storage (DeepPool keeps a layer's parameters only on
+its group). Rank 0 is in every group, so it holds the whole model; a checkpoint is the union of the ranks' parameters
+under single-process names (DCP writes each once), loadable under any layout.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import cast
+import contextlib
 
 import torch
-import torch.distributed as dist
 
-from behemoth.comm import Pending, all_gather, issue, plan_buckets, reduce_flat
+from behemoth.comm import all_gather
 from behemoth.models.causal_lm import tied_names
 from behemoth.models.init import FULL_NAME
-from behemoth.parallel.burst.runtime import BUCKET_BYTES, BurstModel
+from behemoth.parallel.burst.runtime import BurstModel
 from behemoth.parallel.data import ReplicatedSync
 from behemoth.parallel.executor import Autocast, Batch, LossFn, MicroBatchLoop
 from behemoth.parallel.sync import GradSync
 
 
 class BurstSync(ReplicatedSync):
-    """Gradients of a burst plan: summed within each parameter's group, then shared with the ranks outside it."""
+    """The parameters whose widest layer is `width` wide: held, summed over and stepped by ranks 0 .. width-1 only.
+    On the other ranks it holds nothing (no parameter, gradient or optimizer state) and does nothing."""
 
     sharded = False
 
-    def __init__(self, burst: BurstModel, *, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.burst, self.bucket_bytes = burst, bucket_bytes
-        self.group = burst.groups.job
+    def __init__(self, burst: BurstModel, width: int) -> None:
+        self.burst, self.width = burst, width
+        self.member = burst.groups.rank < width
+        self.group = burst.groups.group(width) or burst.groups.job  # (unused outside the group; a group of one sums nothing)
         model = burst.lm.module
-        self.named = [(getattr(p, FULL_NAME, n), p) for n, p in model.named_parameters() if p.requires_grad]
+        ours = {id(p) for p in burst.params_of_width(width)}
+        named = [(getattr(p, FULL_NAME, n), p) for n, p in model.named_parameters() if id(p) in ours]
+        self.named = named if self.member else []
         self.aliases = tied_names(model)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding an identical copy of each gradient: the group's (the global norm weighs each copy 1/width)."""
+        return self.width
 
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
 
     def finish(self) -> None:
-        """Sum over each parameter's group, then broadcast from rank 0 to every rank outside the narrower groups."""
-        self.burst.sync_gradients()
-        world = self.burst.groups.world
-        for width in sorted({w for _, w in self.burst.param_width.values() if w < world}):
-            params = [p for p, w in self.burst.param_width.values() if w == width and p.requires_grad]
-            for bucket in plan_buckets(params, self.bucket_bytes):
-                reduce_flat([cast(torch.Tensor, p.grad) for p in bucket], functools.partial(_broadcast_from_first, group=self.group))
+        """Sum the gradients over the group (members only: the others hold none)."""
+        if self.member:
+            self.burst.sync_gradients([self.width])
 
     def state_bytes(self) -> dict[str, int]:
         return {"params": self.param_bytes(), "grads": sum(p.grad.numel() * p.grad.element_size() for _, p in self.named if p.grad is not None)}
 
 
-def _broadcast_from_first(flat: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """`flat` from the group's first rank to all of it."""
-    source = dist.get_global_rank(group, 0)
-    return issue("broadcast", group, flat, lambda: dist.broadcast(flat, source, group=group, async_op=True), async_op=False)
+def burst_syncs(burst: BurstModel) -> list[BurstSync]:
+    """One sync per distinct parameter width (narrowest first, the same list on every rank), after releasing the
+    storage of the parameters this rank does not use."""
+    release_unused(burst)
+    return [BurstSync(burst, w) for w in sorted({w for _, w in burst.param_width.values()})]
+
+
+def release_unused(burst: BurstModel) -> int:
+    """Free the storage of every parameter this rank's layers never use (an empty tensor in its place); the bytes."""
+    freed = 0
+    for p, width in burst.param_width.values():
+        if burst.groups.rank >= width and p.numel():
+            freed += p.numel() * p.element_size()
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
+    return freed
 
 
 class BurstSteps(MicroBatchLoop):
-    """The executor of a burst plan: the step's rows gathered into the global batch and run layer by layer at each
-    layer's width (evaluation and logits: this rank's whole model, as the plain loop runs them)."""
+    """The executor of a burst plan: the step's rows (and evaluation's) gathered into the global batch and run layer by
+    layer at each layer's width; logits only where every layer is held (rank 0)."""
 
     def __init__(self, burst: BurstModel, syncs: list[GradSync], device: torch.device) -> None:
         super().__init__(burst.lm, syncs, device)
@@ -73,6 +88,17 @@ class BurstSteps(MicroBatchLoop):
         idx = self.global_rows(torch.cat([x for x, _ in micro_batches]))
         targets = self.global_rows(torch.cat([t for _, t in micro_batches]))
         return self.burst.forward_backward(idx, targets, loss_fn, autocast)
+
+    def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for inputs, targets in batches:
+            stats += self.burst.forward_loss(self.global_rows(inputs), self.global_rows(targets), loss_sum, autocast)
+        return stats
+
+    def logits(self, inputs: list[torch.Tensor], autocast: Autocast = contextlib.nullcontext) -> list[torch.Tensor]:
+        if any(p.numel() == 0 for p in self.lm.module.parameters()):
+            raise RuntimeError(f"rank {self.burst.groups.rank} of a burst plan holds only its layers: logits run on rank 0")
+        return super().logits(inputs, autocast)
 
     def global_rows(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the batch and every other rank's, in rank order (the data loader's order)."""
