@@ -94,7 +94,7 @@ class ContextParallel:
         return ContextPipelineSteps(pipeline, syncs, self)
 
 
-def summed_over(t: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter) -> torch.Tensor:
+def summed_over(t: torch.Tensor, group: dist.ProcessGroup, meter: CommMeter | None) -> torch.Tensor:
     """`t` summed over `group` (a copy: the caller's tensor is left as it was)."""
     out = t.clone()
     all_reduce(out, group, meter)
