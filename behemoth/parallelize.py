@@ -278,6 +278,7 @@ def apply_experts(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMete
         ExpertPolicy(plan.expert_layout, plan.expert_chunks),
         layers=lm.moe_layers,
         tp=tp,
+        sequence_parallel=plan.sequence_parallel,
     )
 
 

@@ -75,7 +75,6 @@ TRAINS = "trains"
 CHIMERA_ZERO2 = ("Chimera sums each stage's full gradient", "ZeRO-2 does not keep")
 ZERO3_PIPELINE = ("gather every stage's parameters again",)
 OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
-SP_EXPERTS = ("route a different part of the sequence",)
 OFFLOAD_PIPELINE = ("pipelines are not streamed",)
 OFFLOAD_SPLIT = ("splits each backward into input- and weight-gradient passes",)
 OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
@@ -124,7 +123,7 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("tp+sp", "pp-interleaved", TRAINS),
     ("tp+sp", "pp-zb-h1", TRAINS),
     ("tp+sp", "pp-chimera", TRAINS),
-    ("tp+sp", "ep", SP_EXPERTS),
+    ("tp+sp", "ep", TRAINS),
     ("tp+sp", "host", TRAINS),
     ("tp+sp", "disk", TRAINS),
     ("pp-gpipe", "ep", TRAINS),

@@ -47,13 +47,21 @@ def mixtral_reference(tmp_path_factory):
     return run_ranks(1, train_body, tiny_config(tmp_path_factory.mktemp("mixtral"), *MIXTRAL))[0]
 
 
-@pytest.mark.parametrize("plan", [("parallel.ep=2",), ("parallel.ep=2", "parallel.zero_stage=2", "model.moe.capacity_factor=4.0")])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ("parallel.ep=2",),
+        ("parallel.ep=2", "parallel.zero_stage=2", "model.moe.capacity_factor=4.0"),
+        ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    ],
+)
 def test_mixtral_ep2_matches_single_process(mixtral_reference, tmp_path, plan):
     """Mixtral's experts over 2 ranks (gate_up_proj / down_proj split along the experts) train the single-process curve;
-    a capacity that drops nothing (factor 4 of 4 experts) is the dropless curve."""
+    a capacity that drops nothing (factor 4 of 4 experts) is the dropless curve; under tp=2 with sequence parallelism
+    each MoE layer runs on the gathered sequence with its experts' widths split, and its output re-enters the SP region."""
     got = run_ranks(2, train_body, tiny_config(tmp_path, *MIXTRAL, *plan))[0]
     assert_close_runs(mixtral_reference, got)
-    assert got["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 32)
+    assert got["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 32)  # consolidated: the full tensor
 
 
 def test_mixtral_weights_from_and_to_the_hf_layout(tmp_path):

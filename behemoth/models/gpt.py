@@ -267,9 +267,10 @@ GPT_TP_PLAN: dict[str, str] = {
 
 
 def gpt_tp_plan(cfg: GPTConfig) -> dict[str, str]:
-    """The GPT plan; an MoE block's ln_2 stays replicated: its experts enter the tensor-parallel region themselves
-    (parallel/expert/), after the router, whose input gradient is complete on every tp rank."""
-    moe = {f"blocks.{i}.ln_2": "replicate" for i in cfg.moe.moe_blocks(cfg.n_layer)}
+    """The GPT plan; an MoE block's ln_2 feeds a layer computed whole on every tp rank: its experts enter the
+    tensor-parallel region themselves (parallel/expert/), after the router, whose input gradient is complete on every tp
+    rank (under SP the norm's output is gathered for it, `sequence_replicate`)."""
+    moe = {f"blocks.{i}.ln_2": "sequence_replicate" for i in cfg.moe.moe_blocks(cfg.n_layer)}
     return {**moe, **GPT_TP_PLAN}
 
 

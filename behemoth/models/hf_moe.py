@@ -28,7 +28,8 @@ from torch import nn
 
 from behemoth.models.moe import ExpertSpec, MoEConfig, MoELayer, RouterStats
 
-MOE_EXTRA_PLAN = {"model.layers.*.post_attention_layernorm": "replicate"}  # the MoE input: experts enter the TP region themselves
+# the MoE input: experts enter the TP region themselves; under SP the norm's output is gathered for the layer
+MOE_EXTRA_PLAN = {"model.layers.*.post_attention_layernorm": "sequence_replicate"}
 LEGACY = re.compile(r"^(.*\.layers\.\d+)\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])\.weight|gate\.weight)$")
 
 

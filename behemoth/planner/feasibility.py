@@ -98,7 +98,7 @@ def pipeline_problems(cfg: Config, dims: ParallelDims, *, microbatches: int | No
 
 def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
     """A mixture-of-experts plan that cannot run: experts ep does not divide, k > E, a capacity factor <= 0, ep > 1
-    without experts, sequence parallelism (an expert's batch differs from rank to rank along the sequence)."""
+    without experts."""
     plan, moe = cfg.parallel, cfg.model.moe
     experts = sorted({e for e in shape.experts if e})
     if not experts:
@@ -137,14 +137,6 @@ def expert_problems(cfg: Config, shape: Any) -> list[Problem]:
                     "set a factor > 0 (e.g. 1.25), or leave it unset for dropless routing",
                 )
             )
-    if plan.sequence_parallel and plan.tp > 1:
-        out.append(
-            Problem.of(
-                "parallel.sequence_parallel",
-                "parallel.sequence_parallel=true with MoE layers: each tp rank would route a different part of the sequence to the experts it shares",
-                "set parallel.sequence_parallel=false",
-            )
-        )
     return out
 
 

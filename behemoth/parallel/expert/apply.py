@@ -29,7 +29,7 @@ from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.expert.comm import EPComm
 from behemoth.parallel.expert.dispatch import AllToAllExperts, ExpertCompute, GatherExperts
 from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard
-from behemoth.parallel.tensor.comm import TPComm
+from behemoth.parallel.tensor.comm import TPComm, scatter_seq
 
 Layout = Literal["alltoall", "gather"]
 LAYOUTS: tuple[str, ...] = ("alltoall", "gather")
@@ -103,14 +103,20 @@ def shard_experts(layer: MoELayer, name: str, ep: EPComm, tp: TPComm | None) -> 
         setattr(experts, attr, new)
 
 
-def apply_expert_parallel(model: nn.Module, ep: EPComm, policy: ExpertPolicy, *, layers: tuple[str, ...], tp: TPComm | None = None) -> ExpertParallel:
-    """Split the experts of the MoE layers `layers` names (those this rank holds) over `ep`, and over `tp` their widths."""
+def apply_expert_parallel(
+    model: nn.Module, ep: EPComm, policy: ExpertPolicy, *, layers: tuple[str, ...], tp: TPComm | None = None, sequence_parallel: bool = False
+) -> ExpertParallel:
+    """Split the experts of the MoE layers `layers` names (those this rank holds) over `ep`, and over `tp` their widths.
+    `sequence_parallel`: an MoE layer runs on the whole sequence (its input norm gathered it, tp plan style
+    `sequence_replicate`), and its output, whole on every tp rank, re-enters the SP region as this rank's shard."""
     present = {n for n, _ in model.named_modules()}
     held = {name: model.get_submodule(name) for name in layers if name in present}
     for name, layer in held.items():
         if not isinstance(layer, MoELayer):
             raise BehemothError(f"{name} is a {type(layer).__name__}, not an MoE layer", "list only the model's MoE layers")
         shard_experts(layer, name, ep, tp)
+        if sequence_parallel and tp is not None and tp.size > 1:
+            layer.register_forward_hook(lambda _m, _args, out, tp=tp: scatter_seq(out, tp))
     return ExpertParallel(held, ep, tp, policy)
 
 

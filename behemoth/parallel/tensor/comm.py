@@ -148,6 +148,14 @@ def reduce_scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
 
 
 @torch.compiler.disable
+def gather_seq_whole(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
+    """Leave the sequence-parallel region for a consumer that computes whole on every tp rank (an MoE layer: its
+    router is replicated and its experts enter the tensor-parallel region themselves): all-gather the sequence forward;
+    backward, the input gradient is complete on every rank, so each keeps its shard of it."""
+    return _SequenceConjugate.apply(x, tp, gather_sequence, split_sequence)
+
+
+@torch.compiler.disable
 def scatter_seq(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
     """Enter the sequence-parallel region: keep this rank's shard forward, all-gather backward."""
     return _SequenceConjugate.apply(x, tp, split_sequence, gather_sequence)

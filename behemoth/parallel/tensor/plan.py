@@ -15,6 +15,10 @@ Styles:
                        first block reduce-scatters them (Megatron's reduce-scattered embedding), only tp rank 0 adds
                        the position embedding, and its gradient is summed over tp. Whatever runs between the
                        embeddings and the first block must be linear (sums, dropout with the same seed on every rank)
+    sequence_replicate a norm whose output feeds a module computed whole on every tp rank (an MoE layer): left as is
+                       without SP; under SP it runs on this rank's sequence shard, all-gathers its output (backward:
+                       the shard of a gradient complete on every rank), and its parameters' gradients are summed over
+                       tp. The MoE layer's whole output re-enters the SP region in parallel/expert/ (its shard kept)
     grad_sum           left whole, but its parameters' gradients are partial sums over tp (a norm applied to each
                        rank's heads, as Qwen3's q_norm / k_norm: transformers' replicated_with_grad_allreduce)
     replicate          left as is
@@ -42,7 +46,7 @@ from behemoth.models.chunked_loss import VocabSplit, chunked_cross_entropy_sum, 
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.adapters import carry_adapter
-from behemoth.parallel.tensor.comm import TPComm, reduce_scatter_seq, scatter_seq
+from behemoth.parallel.tensor.comm import TPComm, gather_seq_whole, reduce_scatter_seq, scatter_seq
 from behemoth.parallel.tensor.layers import (
     TP_LAYOUT,
     TP_PARTIAL_GRAD,
@@ -54,7 +58,19 @@ from behemoth.parallel.tensor.layers import (
     vocab_parallel_cross_entropy,
 )
 
-STYLES = ("colwise", "packed_colwise", "rowwise", "vocab", "sequence_norm", "sequence_input", "position_embedding", "grad_sum", "replicate")
+STYLES = (
+    "colwise",
+    "packed_colwise",
+    "rowwise",
+    "vocab",
+    "sequence_norm",
+    "sequence_replicate",
+    "sequence_input",
+    "position_embedding",
+    "grad_sum",
+    "replicate",
+)
+NORM_STYLES = ("sequence_norm", "sequence_replicate")  # what SP accepts for a norm
 
 
 def pattern_regex(pattern: str) -> re.Pattern:
@@ -196,6 +212,10 @@ def build_parallel(module: nn.Module, name: str, kind: str, parts: int, build: B
     elif kind == "sequence_norm":
         add_sequence_norm(module, tp, sp)
         return None
+    elif kind == "sequence_replicate":
+        if sp:
+            add_sequence_replicate(module, tp)
+        return None
     elif kind == "sequence_input":
         if sp:
             module.register_forward_pre_hook(sequence_input_hook(tp, build.scatter_embedding), with_kwargs=True)
@@ -223,6 +243,14 @@ def add_sequence_norm(module: nn.Module, tp: TPComm, sequence_parallel: bool) ->
         for p in module.parameters(recurse=False):
             setattr(p, TP_PARTIAL_GRAD, True)
     module.register_forward_hook(lambda _m, _args, out: enter_tp_region(out, tp, sequence_parallel))
+
+
+def add_sequence_replicate(module: nn.Module, tp: TPComm) -> None:
+    """Under SP: the norm runs on this rank's shard, its parameters' gradients are partial, its output is gathered for
+    a consumer computed whole on every rank (`gather_seq_whole`)."""
+    for p in module.parameters(recurse=False):
+        setattr(p, TP_PARTIAL_GRAD, True)
+    module.register_forward_hook(lambda _m, _args, out: gather_seq_whole(out, tp))
 
 
 def add_position_embedding(module: nn.Module, tp: TPComm) -> None:
@@ -261,7 +289,7 @@ def check_plan(model: nn.Module, policy: TensorPolicy, styles: dict[str, str]) -
     if not policy.sequence_parallel:
         return
     present = {n for n, _ in model.named_modules()}
-    missing = sorted(n for n in policy.norms & present if styles.get(n) != "sequence_norm")
+    missing = sorted(n for n in policy.norms & present if styles.get(n) not in NORM_STYLES)
     if missing:
         raise BehemothError(
             f"sequence parallelism needs every norm in the plan, but {', '.join(missing[:3])} has no sequence_norm style",
