@@ -116,6 +116,7 @@ class BlockCosts:
     weight_grad: float
     comm: float
     context: float = 0.0  # context parallelism's exposed seconds, forward and input-gradient passes (included above)
+    selective: float = 0.0  # what an op-level checkpointing policy reruns before the input-gradient pass (not included)
 
     @property
     def passes(self) -> float:
@@ -154,6 +155,8 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         lay.ep,
         lay.cp,
         lay.cp_mode,
+        work.dropout > 0,
+        work.op_checkpointing,
         id(cluster.device),
         id(cluster.intra_node),
     )
@@ -179,6 +182,7 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     elementwise = ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9)
     launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     eff = dev.block_efficiency
+    rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     if lay.sp:
         comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
@@ -190,7 +194,21 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         weight_grad / eff + launches / 2,
         2 * comm,
         cp_f + cp_b,
+        rerun if work.op_checkpointing else 0.0,
     )
+
+
+def op_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
+    """One block's forward products one by one, in the order a block calls them (q, k, v, the output projection; the
+    MLP's gate, up and down, or its two): what an op-level checkpointing policy counts. torchtitan's `op` policy
+    (torchtitan/parallelisms/parallelize_llama.py, `_custom_policy`: "saves output of all compute ops, except every
+    second mm") reruns the 2nd, 4th and 6th of them, and every elementwise operator, before the block's backward."""
+    shape, tokens, t = work.census.shape, lay.tokens(work.seq_len), lay.tp
+    if shape.experts and shape.experts[0]:
+        return block_products(work, lay)
+    d, q, kv, ffn = shape.d_model, shape.q_width / t, shape.kv_width / t, shape.ffn / t
+    attention = [(1, tokens, q, d), (1, tokens, kv, d), (1, tokens, kv, d), (1, tokens, d, q)]
+    return attention + [(1, tokens, ffn, d)] * (2 if shape.gated else 1) + [(1, tokens, d, ffn)]
 
 
 def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
@@ -229,7 +247,7 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     for s in range(lay.stages):
         n = bounds[s + 1] - bounds[s]
         ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
-        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else 0.0
+        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else n * c.selective
         recompute += again
         fwd.append(n * (c.forward + c.comm) + ends)
         bwd.append(n * (c.input_grad + c.comm) + ends + again)
