@@ -121,13 +121,13 @@ def price_row(source: dict[str, Any], row: dict[str, Any]) -> PublishedRow:
     from behemoth.config import load_config
 
     work = Workload.of(load_config(None, config_options(row)))
-    if row["recompute"] == "op":
-        work = replace(work, op_checkpointing=True)
+    work = replace(work, op_checkpointing=row["recompute"] == "op", p2p_inline=row.get("p2p_inline", "none"), p2p_split=row.get("p2p_split", False))
     lay = row_layout(row)
     lay = lay.but(boundaries=planned_bounds(work, lay))
     cost = price(work, lay, source_cluster(source, row["gpus"]), exact=True, every_rank=False)
     predicted = cost.tokens_per_s / row["gpus"]
-    return PublishedRow(source["source"], row["name"], row.get("where", ""), lay.describe(), published_tokens(source["metric"], row), predicted, cost)
+    described = lay.describe() + (" rc-op" if work.op_checkpointing else "")
+    return PublishedRow(source["source"], row["name"], row.get("where", ""), described, published_tokens(source["metric"], row), predicted, cost)
 
 
 def validate(folder: Path = PUBLISHED_DIR, names: set[str] | None = None) -> list[PublishedRow]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from behemoth.errors import BehemothError
 from behemoth.models.shape import LayerCosts
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
@@ -24,6 +25,7 @@ from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.parallel.pipeline.shifted import recomputed
 from behemoth.planner.attention import attention_seconds, context_comm_seconds
 from behemoth.planner.cluster import ClusterSpec
+from behemoth.planner.elementwise import elementwise_seconds
 from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
@@ -31,7 +33,6 @@ from behemoth.planner.memory import BYTES_PER_PARAM
 FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, matrices, attention, activation, adds)
 HEAD_OPS = 12  # final norm, head, loss
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
-ELEMENTWISE_PASSES = 2.0  # each saved activation element is written once and read about once more in forward
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
 
 def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
-    weight-gradient product (k, n, m)), attention, elementwise traffic at the memory bandwidth, a launch per operator."""
+    weight-gradient product (k, n, m)), attention, elementwise traffic (`elementwise.py`), a launch per operator."""
     dev, dtype, tokens = cluster.device, work.compute_dtype, lay.tokens(work.seq_len)
     products = block_products(work, lay)
     forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
@@ -178,8 +179,7 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     weight_grad = sum(dev.gemm_seconds(dtype, k, n, m, b) for b, m, n, k in products)
     attn_f, attn_b = attention_seconds(work, lay, cluster)
     cp_f, cp_b = context_comm_seconds(work, lay, cluster)  # exposed ring hops or Ulysses all-to-alls
-    saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
-    elementwise = ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9)
+    elementwise, elementwise_b = elementwise_seconds(work, lay, cluster)
     launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     eff = dev.block_efficiency
     rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
@@ -190,7 +190,7 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         comm = cluster.collective("all_reduce", hidden, lay.tp)
     return BlockCosts(
         (forward + attn_f) / eff + elementwise + launches + cp_f,
-        (input_grad + attn_b) / eff + elementwise + launches + cp_b,
+        (input_grad + attn_b) / eff + elementwise_b + launches + cp_b,
         weight_grad / eff + launches / 2,
         2 * comm,
         cp_f + cp_b,
@@ -242,6 +242,7 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     c = block_costs(work, lay, cluster)
     head, embed = head_pass(work, lay, cluster), embed_pass(work, lay, cluster)
     stage_rank = {s: r for r in range(lay.pp) for s in lay.held_stages(r)}
+    inline = pipeline_message_seconds(work, lay, cluster)
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
     for s in range(lay.stages):
@@ -249,8 +250,9 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
         ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
         again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else n * c.selective
         recompute += again
-        fwd.append(n * (c.forward + c.comm) + ends)
-        bwd.append(n * (c.input_grad + c.comm) + ends + again)
+        waits = inline_transfers(work, lay, s) * inline
+        fwd.append(n * (c.forward + c.comm) + ends + waits)
+        bwd.append(n * (c.input_grad + c.comm) + ends + again + waits)
         wgt.append(n * c.weight_grad + ends)
     if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
         recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
@@ -266,11 +268,33 @@ def scp_share(lay: Layout, rank: int) -> float:
 
 
 def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
-    """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline)."""
+    """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline): a sequence
+    shard under SP; under `p2p_split` (Megatron-LM's scatter/gather, Narayanan et al. 2021 Section 4.1; DeepSpeed's
+    partitioned pipeline activations) each tp rank's 1/tp and the all-gather that rebuilds it within the node."""
     if lay.pp == 1:
         return 0.0
-    message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes
+    if lay.sp:
+        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2)
+    if work.p2p_split and lay.tp > 1:
+        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2) + cluster.collective("all_gather", message, lay.tp)
     return cluster.link(lay.world).seconds("p2p", message, 2)
+
+
+P2P_INLINE = ("none", "batched", "separate")
+
+
+def inline_transfers(work: Workload, lay: Layout, stage: int) -> int:
+    """Pipeline transfers stage `stage` waits out in each of its passes when they run in line with the computation:
+    none (behemoth's runtime posts them beside its passes); `batched` (Megatron-LM 2021: a send and a receive in one
+    `batch_isend_irecv`, then a device synchronize, p2p_communication.py), one per pass; `separate` (DeepSpeed's
+    pipeline engine: each send and receive a broadcast on a two-rank group, runtime/pipe/p2p.py), one per neighbour."""
+    if work.p2p_inline not in P2P_INLINE:
+        raise BehemothError(f"p2p_inline={work.p2p_inline!r} is not one of {', '.join(P2P_INLINE)}", "write none, batched or separate")
+    if lay.pp == 1 or work.p2p_inline == "none":
+        return 0
+    neighbours = (stage > 0) + (stage < lay.stages - 1)
+    return neighbours if work.p2p_inline == "separate" else min(1, neighbours)
 
 
 def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[float, float]:
