@@ -44,8 +44,12 @@ def kernel_seconds(work: Workload, cluster: ClusterSpec, heads: float, q_len: fl
         return forward, FLASH_BACKWARD * forward
     scores = heads * q_len * k_len * work.act_bytes / (dev.memory_bandwidth_gbs * 1e9)
     dropout = DROPOUT_PASSES if work.dropout > 0 else 0.0
-    forward = dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[0] + dropout) * scores
-    backward = dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + 3 * dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[1] + dropout) * scores
+    forward = (
+        dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[0] + dropout) * scores
+    )
+    backward = (
+        dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + 3 * dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[1] + dropout) * scores
+    )
     return forward, backward
 
 

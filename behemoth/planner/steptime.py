@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from behemoth.errors import BehemothError
 from behemoth.models.shape import LayerCosts
 from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate
 from behemoth.parallel.pipeline.partition import balance_stages
@@ -29,6 +28,7 @@ from behemoth.planner.elementwise import elementwise_seconds
 from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
+from behemoth.planner.messages import inline_transfers, pipeline_message_seconds
 
 FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, matrices, attention, activation, adds)
 HEAD_OPS = 12  # final norm, head, loss
@@ -207,7 +207,7 @@ def op_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, 
     if shape.experts and shape.experts[0]:
         return block_products(work, lay)
     d, q, kv, ffn = shape.d_model, shape.q_width / t, shape.kv_width / t, shape.ffn / t
-    attention = [(1, tokens, q, d), (1, tokens, kv, d), (1, tokens, kv, d), (1, tokens, d, q)]
+    attention: list[tuple[float, float, float, float]] = [(1, tokens, q, d), (1, tokens, kv, d), (1, tokens, kv, d), (1, tokens, d, q)]
     return attention + [(1, tokens, ffn, d)] * (2 if shape.gated else 1) + [(1, tokens, d, ffn)]
 
 
@@ -265,36 +265,6 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
 def scp_share(lay: Layout, rank: int) -> float:
     """1f1b-scp: the share of a step's micro-batches pipeline rank `rank` recomputes (its schedule's R passes)."""
     return len(recomputed(rank, lay.pp, lay.microbatches)) / lay.microbatches
-
-
-def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
-    """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline): a sequence
-    shard under SP; under `p2p_split` (Megatron-LM's scatter/gather, Narayanan et al. 2021 Section 4.1; DeepSpeed's
-    partitioned pipeline activations) each tp rank's 1/tp and the all-gather that rebuilds it within the node."""
-    if lay.pp == 1:
-        return 0.0
-    message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes
-    if lay.sp:
-        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2)
-    if work.p2p_split and lay.tp > 1:
-        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2) + cluster.collective("all_gather", message, lay.tp)
-    return cluster.link(lay.world).seconds("p2p", message, 2)
-
-
-P2P_INLINE = ("none", "batched", "separate")
-
-
-def inline_transfers(work: Workload, lay: Layout, stage: int) -> int:
-    """Pipeline transfers stage `stage` waits out in each of its passes when they run in line with the computation:
-    none (behemoth's runtime posts them beside its passes); `batched` (Megatron-LM 2021: a send and a receive in one
-    `batch_isend_irecv`, then a device synchronize, p2p_communication.py), one per pass; `separate` (DeepSpeed's
-    pipeline engine: each send and receive a broadcast on a two-rank group, runtime/pipe/p2p.py), one per neighbour."""
-    if work.p2p_inline not in P2P_INLINE:
-        raise BehemothError(f"p2p_inline={work.p2p_inline!r} is not one of {', '.join(P2P_INLINE)}", "write none, batched or separate")
-    if lay.pp == 1 or work.p2p_inline == "none":
-        return 0
-    neighbours = (stage > 0) + (stage < lay.stages - 1)
-    return neighbours if work.p2p_inline == "separate" else min(1, neighbours)
 
 
 def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[float, float]:
