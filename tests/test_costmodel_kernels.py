@@ -64,8 +64,11 @@ def test_op_checkpointing_reruns_every_second_product_and_the_elementwise_forwar
 def test_eager_elementwise_counts_each_operator_through_memory(a100):
     work = Workload.of(load_config(None, [*LLAMA, *RUN]))
     lay = Layout(4, 2, 1, 0, False, 1, 1)
-    d, q, kv, ffn, a = 256, 256 / 2, 64 / 2, 640 / 2, 2
-    per_token = 2 * (24 + 4 * a) * d + (16 + 2 * a) * (q + kv) + 2 * a * q + 6 * a * d + 5 * a * ffn
+    d, q, kv, ffn = 256, 256 / 2, 64 / 2, 640 / 2
+    rms_norm = 6 + 8 + 4 + 8 + 6 + 4  # bf16 -> f32 (read 2, write 4), pow, mean, x * rsqrt, f32 -> bf16, * weight
+    rotary = 6 + 8 + 6  # to float32, the complex multiply, back to bf16
+    swiglu = 4 + 6  # silu (read, write), the gate's multiply (read two, write one)
+    per_token = 2 * rms_norm * d + rotary * (q + kv) + 4 * q + 2 * 6 * d + swiglu * ffn  # + transpose, residual adds
     assert eager_forward_bytes(work, lay) == pytest.approx(per_token * 512)
     eager = with_device(a100, elementwise="eager")
     forward, backward = elementwise_seconds(work, lay, eager)

@@ -8,7 +8,7 @@
   element, activations of `a` bytes, float32 where the model upcasts):
   a gated family (Llama: RMSNorm, rotary, SwiGLU, as Meta's reference model and torchtitan's `RMSNorm` write them)
   - RMSNorm, twice per block, over d: `x.float()` (a + 4), `pow(2)` (8), `mean` (4), `x * rsqrt` (8), `type_as`
-    (4 + a), `* weight` (2a): 24 + 4a;
+    (4 + a), `* weight` (2a): 28 + 4a;
   - rotary on q and k: `float()` (a + 4), the complex multiply (8), `type_as` (4 + a): 16 + 2a;
   a GPT block: LayerNorm twice (one kernel: 2a), GELU on the MLP width (2a); either family: the attention output
   back to token-major (`transpose(1, 2).contiguous()`, 2a over q), two residual adds (3a each over d), the SwiGLU's
@@ -31,7 +31,7 @@ def eager_forward_bytes(work: Workload, lay: Layout) -> float:
     hidden = shape.d_model / (t if lay.sp else 1)  # norms and residual adds see the whole hidden state (its shard under SP)
     q, kv, ffn = shape.q_width / t, shape.kv_width / t, shape.ffn / t
     if shape.gated:
-        norms, rotary, mlp = 2 * (24 + 4 * a) * hidden, (16 + 2 * a) * (q + kv), 5 * a * ffn
+        norms, rotary, mlp = 2 * (28 + 4 * a) * hidden, (16 + 2 * a) * (q + kv), 5 * a * ffn
     else:
         norms, rotary, mlp = 2 * 2 * a * hidden, 0.0, 2 * a * ffn
     per_token = norms + rotary + 2 * a * q + 2 * 3 * a * hidden + mlp
