@@ -4,7 +4,10 @@
 - **The kernel** (q queries against k keys, `heads` query heads of one micro-batch): a flash kernel runs the tiles the
   mask leaves (causal and square: half) at the device's `flash_efficiency` of peak, backward 2.5x forward (five
   products to two, the scores recomputed); materialized scores run the two batched products at their (m, n, k) rate
-  plus the q x k scores' traffic (forward: written, read and written by the softmax, read; backward: seven passes).
+  plus the q x k scores' traffic (forward: written, read and written by the softmax, read; backward: seven passes);
+  with dropout (`model.dropout`, Megatron-LM's and OPT's 0.1) the probabilities also pass through a dropout kernel
+  each way (forward: read, written, a 1-byte mask written; backward: the gradient read, the mask read, written). A
+  flash kernel draws its dropout mask in registers: no traffic.
 - **Ring attention** (parallel/context/ring.py): rank i holds chunks i and 2C-1-i of 2C, and attends over C steps, the
   blocks `ring_steps` lists (the runtime's own table: the local causal block, then half a local block per step),
   merging each step's output into float32 accumulators. While a step computes, the K/V block (this rank's keys and
@@ -28,6 +31,7 @@ from behemoth.planner.layout import Layout, Workload
 
 FLASH_BACKWARD = 2.5  # a flash kernel's backward runs five products to its forward's two (the scores recomputed)
 SCORE_PASSES = (4, 7)  # materialized q x k scores: forward and backward passes over them through memory
+DROPOUT_PASSES = 2.5  # a dropout kernel over the probabilities, each way: two score-sized passes and a 1-byte mask
 MERGE_PASSES = 3  # the ring's online-softmax merge: the float32 accumulator read and written, the step's output read
 
 
@@ -39,8 +43,13 @@ def kernel_seconds(work: Workload, cluster: ClusterSpec, heads: float, q_len: fl
         forward = 4.0 * heads * tiles * hd / (dev.peak_rate(dtype) * dev.flash_efficiency)
         return forward, FLASH_BACKWARD * forward
     scores = heads * q_len * k_len * work.act_bytes / (dev.memory_bandwidth_gbs * 1e9)
-    forward = dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + SCORE_PASSES[0] * scores
-    backward = dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + 3 * dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + SCORE_PASSES[1] * scores
+    dropout = DROPOUT_PASSES if work.dropout > 0 else 0.0
+    forward = (
+        dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[0] + dropout) * scores
+    )
+    backward = (
+        dev.gemm_seconds(dtype, q_len, k_len, hd, heads) + 3 * dev.gemm_seconds(dtype, q_len, hd, k_len, heads) + (SCORE_PASSES[1] + dropout) * scores
+    )
     return forward, backward
 
 

@@ -125,6 +125,9 @@ class DeviceSpec(Spec):
         "materialized", description="flash: scores never leave on-chip memory; materialized: s x s scores written and read"
     )
     flash_efficiency: float = Field(0.5, gt=0, le=1, description="share of peak a flash-attention kernel reaches (forward and backward)")
+    elementwise: Literal["fused", "eager"] = Field(
+        "fused", description="fused: saved activations written and read once more; eager: every operator through memory (planner/elementwise.py)"
+    )
     _curves: dict[str, GemmCurve] = PrivateAttr(default_factory=dict)
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")

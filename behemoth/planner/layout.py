@@ -35,6 +35,10 @@ class Workload:
     bucket_mb: float = 25.0
     prefetch: int = 1
     capacity_factor: float | None = None  # model.moe.capacity_factor: slots per expert as a multiple of its even share
+    dropout: float = 0.0  # model.dropout: materialized attention probabilities pass through a dropout kernel each way
+    op_checkpointing: bool = False  # a selective op-level policy (torchtitan's "op"): every second product rerun in backward
+    p2p_inline: str = "none"  # pipeline transfers a stage waits out in line with its passes: none, batched, separate (steptime.py)
+    p2p_split: bool = False  # each tp rank sends 1/tp of a pipeline message, all-gathered within the tp group on arrival
 
     @classmethod
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
@@ -48,6 +52,7 @@ class Workload:
             plan.bucket_mb,
             plan.prefetch,
             cfg.model.moe.capacity_factor if cfg.model.moe.enabled else None,
+            float(getattr(cfg.model, "dropout_p", 0.0) or 0.0),
         )
 
     @property

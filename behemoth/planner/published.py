@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,15 @@ def config_options(row: dict[str, Any]) -> list[str]:
         shape.append("model.tie_embeddings=true")
     else:
         raise BehemothError(f"published row {row['name']}: family={row['family']} is not gpt or llama", "write family: gpt or family: llama")
+    if row.get("dropout"):
+        shape.append(f"model.dropout={row['dropout']}")
     run = [f"train.seq_len={s}", f"train.global_batch={row['global_batch']}", "train.precision=bf16", "parallel.param_dtype=bf16"]
     return shape + run + [f"parallel.zero_stage={max(1, row['zero'])}"]
 
 
 def row_layout(row: dict[str, Any]) -> Layout:
-    """The layout a row states: data parallel = GPUs / (tp x pp), micro-batches = batch / (dp x micro-batch)."""
+    """The layout a row states: data parallel = GPUs / (tp x pp), micro-batches = batch / (dp x micro-batch); recompute
+    `all` (every block), `none`, or `op` (an op-level policy: no block recomputed whole, see `Workload.op_checkpointing`)."""
     tp, pp, gpus, mb = row["tp"], row["pp"], row["gpus"], row["micro_batch"]
     dp, rest = divmod(gpus, tp * pp)
     m, left = divmod(row["global_batch"], max(1, dp) * mb)
@@ -73,6 +76,8 @@ def row_layout(row: dict[str, Any]) -> Layout:
             f"published row {row['name']}: {gpus} GPUs, tp={tp}, pp={pp}, batch {row['global_batch']}, micro-batch {mb} do not divide",
             "state a layout whose degrees divide the GPUs and whose data ranks divide the batch",
         )
+    if row["recompute"] not in ("all", "none", "op"):
+        raise BehemothError(f"published row {row['name']}: recompute={row['recompute']!r} is not all, none or op", "write recompute: all, none or op")
     recompute = tuple(range(pp)) if row["recompute"] == "all" else ()
     return Layout(dp, tp, pp, row["zero"], False, mb, m, row["schedule"], 1, recompute)
 
@@ -116,11 +121,13 @@ def price_row(source: dict[str, Any], row: dict[str, Any]) -> PublishedRow:
     from behemoth.config import load_config
 
     work = Workload.of(load_config(None, config_options(row)))
+    work = replace(work, op_checkpointing=row["recompute"] == "op", p2p_inline=row.get("p2p_inline", "none"), p2p_split=row.get("p2p_split", False))
     lay = row_layout(row)
     lay = lay.but(boundaries=planned_bounds(work, lay))
     cost = price(work, lay, source_cluster(source, row["gpus"]), exact=True, every_rank=False)
     predicted = cost.tokens_per_s / row["gpus"]
-    return PublishedRow(source["source"], row["name"], row.get("where", ""), lay.describe(), published_tokens(source["metric"], row), predicted, cost)
+    described = lay.describe() + (" rc-op" if work.op_checkpointing else "")
+    return PublishedRow(source["source"], row["name"], row.get("where", ""), described, published_tokens(source["metric"], row), predicted, cost)
 
 
 def validate(folder: Path = PUBLISHED_DIR, names: set[str] | None = None) -> list[PublishedRow]:

@@ -24,14 +24,15 @@ from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.parallel.pipeline.shifted import recomputed
 from behemoth.planner.attention import attention_seconds, context_comm_seconds
 from behemoth.planner.cluster import ClusterSpec
+from behemoth.planner.elementwise import elementwise_seconds
 from behemoth.planner.footprint import STATE_BYTES_ZERO0, placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
+from behemoth.planner.messages import inline_transfers, pipeline_message_seconds
 
 FORWARD_OPS_PER_BLOCK = 30  # operators one block's forward launches (norms, matrices, attention, activation, adds)
 HEAD_OPS = 12  # final norm, head, loss
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
-ELEMENTWISE_PASSES = 2.0  # each saved activation element is written once and read about once more in forward
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class BlockCosts:
     weight_grad: float
     comm: float
     context: float = 0.0  # context parallelism's exposed seconds, forward and input-gradient passes (included above)
+    selective: float = 0.0  # what an op-level checkpointing policy reruns before the input-gradient pass (not included)
 
     @property
     def passes(self) -> float:
@@ -154,6 +156,8 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         lay.ep,
         lay.cp,
         lay.cp_mode,
+        work.dropout > 0,
+        work.op_checkpointing,
         id(cluster.device),
         id(cluster.intra_node),
     )
@@ -167,7 +171,7 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
 
 def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
-    weight-gradient product (k, n, m)), attention, elementwise traffic at the memory bandwidth, a launch per operator."""
+    weight-gradient product (k, n, m)), attention, elementwise traffic (`elementwise.py`), a launch per operator."""
     dev, dtype, tokens = cluster.device, work.compute_dtype, lay.tokens(work.seq_len)
     products = block_products(work, lay)
     forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
@@ -175,10 +179,10 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     weight_grad = sum(dev.gemm_seconds(dtype, k, n, m, b) for b, m, n, k in products)
     attn_f, attn_b = attention_seconds(work, lay, cluster)
     cp_f, cp_b = context_comm_seconds(work, lay, cluster)  # exposed ring hops or Ulysses all-to-alls
-    saved = work.census.activations.elements(tokens, lay.tp, lay.sp) * work.act_bytes
-    elementwise = ELEMENTWISE_PASSES * saved / (dev.memory_bandwidth_gbs * 1e9)
+    elementwise, elementwise_b = elementwise_seconds(work, lay, cluster)
     launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
     eff = dev.block_efficiency
+    rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     if lay.sp:
         comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
@@ -186,11 +190,25 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         comm = cluster.collective("all_reduce", hidden, lay.tp)
     return BlockCosts(
         (forward + attn_f) / eff + elementwise + launches + cp_f,
-        (input_grad + attn_b) / eff + elementwise + launches + cp_b,
+        (input_grad + attn_b) / eff + elementwise_b + launches + cp_b,
         weight_grad / eff + launches / 2,
         2 * comm,
         cp_f + cp_b,
+        rerun if work.op_checkpointing else 0.0,
     )
+
+
+def op_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
+    """One block's forward products one by one, in the order a block calls them (q, k, v, the output projection; the
+    MLP's gate, up and down, or its two): what an op-level checkpointing policy counts. torchtitan's `op` policy
+    (torchtitan/parallelisms/parallelize_llama.py, `_custom_policy`: "saves output of all compute ops, except every
+    second mm") reruns the 2nd, 4th and 6th of them, and every elementwise operator, before the block's backward."""
+    shape, tokens, t = work.census.shape, lay.tokens(work.seq_len), lay.tp
+    if shape.experts and shape.experts[0]:
+        return block_products(work, lay)
+    d, q, kv, ffn = shape.d_model, shape.q_width / t, shape.kv_width / t, shape.ffn / t
+    attention: list[tuple[float, float, float, float]] = [(1, tokens, q, d), (1, tokens, kv, d), (1, tokens, kv, d), (1, tokens, d, q)]
+    return attention + [(1, tokens, ffn, d)] * (2 if shape.gated else 1) + [(1, tokens, d, ffn)]
 
 
 def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float, float]:
@@ -224,15 +242,17 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     c = block_costs(work, lay, cluster)
     head, embed = head_pass(work, lay, cluster), embed_pass(work, lay, cluster)
     stage_rank = {s: r for r in range(lay.pp) for s in lay.held_stages(r)}
+    inline = pipeline_message_seconds(work, lay, cluster)
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
     for s in range(lay.stages):
         n = bounds[s + 1] - bounds[s]
         ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
-        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else 0.0
+        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else n * c.selective
         recompute += again
-        fwd.append(n * (c.forward + c.comm) + ends)
-        bwd.append(n * (c.input_grad + c.comm) + ends + again)
+        waits = inline_transfers(work, lay, s) * inline
+        fwd.append(n * (c.forward + c.comm) + ends + waits)
+        bwd.append(n * (c.input_grad + c.comm) + ends + again + waits)
         wgt.append(n * c.weight_grad + ends)
     if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
         recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
@@ -245,14 +265,6 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
 def scp_share(lay: Layout, rank: int) -> float:
     """1f1b-scp: the share of a step's micro-batches pipeline rank `rank` recomputes (its schedule's R passes)."""
     return len(recomputed(rank, lay.pp, lay.microbatches)) / lay.microbatches
-
-
-def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
-    """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline)."""
-    if lay.pp == 1:
-        return 0.0
-    message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
-    return cluster.link(lay.world).seconds("p2p", message, 2)
 
 
 def pipeline_seconds(lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[float, float]:
