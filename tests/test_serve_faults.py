@@ -18,7 +18,10 @@ import time
 import pytest
 
 from behemoth.inference.scheduler import SchedulerPolicy
-from tests.test_serve import SlowRunner, complete, generator, scheduler_counter, server, stream_text, wait_for_idle  # noqa: F401
+from tests import test_serve
+from tests.test_serve import SlowRunner, complete, scheduler_counter, server, stream_text, wait_for_idle
+
+generator = test_serve.generator  # the same module-scoped fixture: gpt-tiny, a Latin-1 tokenizer
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")

@@ -192,19 +192,19 @@ def uvicorn_server(app: Any, host: str, port: int, on_signal: Any = None, drain_
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     if on_signal is not None:
-        stop_now = server.handle_exit
+        stop_now, draining = server.handle_exit, threading.Event()
 
         def handle_exit(sig: int, frame: Any) -> None:
             import signal
 
-            if server.should_exit or getattr(server, "draining", False):  # a second signal stops at once
+            if server.should_exit or draining.is_set():  # a second signal stops at once
                 stop_now(sig, frame)
                 return
-            server.draining = True
+            draining.set()
             on_signal(signal.Signals(sig).name)
             threading.Timer(drain_s, stop_now, (sig, frame)).start()
 
-        server.handle_exit = handle_exit
+        server.handle_exit = handle_exit  # type: ignore[method-assign]  # uvicorn installs it as the signal handler
     return server
 
 

@@ -79,7 +79,7 @@ def engine_failed() -> ApiError:
 def unavailable(engine: EngineLoop) -> ApiError:
     """The 503 of a server that cannot take a request: its engine failed, or it is stopping (it was signalled)."""
     if engine.closing is not None and engine.error is None:
-        return ApiError(503, f"the server is stopping ({engine.closing}); retry on another replica", code="server_stopping")
+        return ApiError(503, f"the server is stopping ({engine.closing}); retry later", code="server_stopping")
     return engine_failed()
 
 
