@@ -271,3 +271,13 @@ def test_a_tensor_parallel_worker_that_dies_or_hangs_makes_the_server_answer_503
         assert result["status"] == 503 and json.loads(result["lines"][0])["error"]["code"] == "engine_failed", result
     print(f"{how}: /health 503 after {seen:.1f} s, the server exited {code} after {exited:.1f} s; stream: {result['status']}")
     assert "worker rank 1 failed: killed by signal SIGKILL" in err if how == "kill" else "step timeout of 3 s" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--step-timeout-s 0", "--stream-idle-timeout-s -1", "--stream-max-unsent-kb 0"])
+def test_bad_fault_limits_are_refused_by_name(flag):
+    from behemoth.cli.serve import policy_of, serve_parser
+    from behemoth.errors import BehemothError
+
+    args = serve_parser().parse_args(["some/folder", *flag.split()])
+    with pytest.raises(BehemothError, match=flag.split()[0]):
+        policy_of(args, 64)

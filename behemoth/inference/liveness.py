@@ -36,13 +36,13 @@ def hung_reason(waited_s: float, step_timeout_s: float) -> str:
 
 
 class EngineWatchdog:
-    """A thread that fails `engine` when one of its steps outlives `step_timeout_s`, and calls `on_failed` once,
-    `exit_after_s` after the engine failed (a failed step, a hung one, or a dead engine thread)."""
+    """A thread that fails `engine` when one of its steps outlives `step_timeout_s` (None: steps are not timed), and
+    calls `on_failed` once, `exit_after_s` after the engine failed (a failed step, a hung one, or a dead engine thread)."""
 
     def __init__(
         self,
         engine: EngineLoop,
-        step_timeout_s: float,
+        step_timeout_s: float | None,
         on_failed: Callable[[], None] | None = None,
         *,
         exit_after_s: float = 2.0,
@@ -68,8 +68,9 @@ class EngineWatchdog:
         engine = self.engine
         if engine.error is None:
             since = engine.busy_since
-            if since is not None and time.monotonic() - since > self.step_timeout_s:
-                engine.fail(hung_reason(time.monotonic() - since, self.step_timeout_s))
+            limit = self.step_timeout_s
+            if since is not None and limit is not None and time.monotonic() - since > limit:
+                engine.fail(hung_reason(time.monotonic() - since, limit))
             elif engine.thread.ident is not None and not engine.thread.is_alive() and not engine.stopping:
                 engine.fail("the engine thread ended")
         return engine.error is not None
