@@ -10,8 +10,10 @@ from behemoth.cli.generate import add_model_options, add_speculative_options, ch
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
 
 if TYPE_CHECKING:  # the serving stack is imported when the server starts
+    from behemoth.inference.generate import Generator
     from behemoth.inference.scheduler import SchedulerPolicy
     from behemoth.inference.server import ServeLimits
+    from behemoth.inference.serving import EngineLoop
 
 EXAMPLES = """examples:
   behemoth serve runs/20261130-075637 --port 8000
@@ -48,6 +50,25 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
     p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body slower than this between pieces gets 408 (default 30)")
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=120.0,
+        help="with several processes: an engine step (its collectives with the other ranks) running longer fails the server: "
+        "/health 503, requests 503, exit non-zero (default 120)",
+    )
+    p.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=30.0,
+        help="a stream whose client takes none of its waiting bytes for this long is cancelled and its KV blocks freed (default 30)",
+    )
+    p.add_argument(
+        "--stream-max-unsent-kb",
+        type=int,
+        default=256,
+        help="a stream with more KiB written that its client has not taken is cancelled and its KV blocks freed (default 256)",
+    )
     p.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -89,9 +110,11 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     """The scheduler's limits from the command line (each a positive count)."""
     from behemoth.inference.scheduler import SchedulerPolicy
 
-    if not args.body_timeout_s > 0:
-        raise BehemothError(f"--body-timeout-s {args.body_timeout_s} is not a positive number of seconds", "use e.g. 30")
-    for name in ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens", "prefill_chunk"):
+    for name in ("body_timeout_s", "step_timeout_s", "stream_idle_timeout_s"):
+        if not getattr(args, name) > 0:
+            raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive number of seconds", "use e.g. 30")
+    counts = ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens", "prefill_chunk")
+    for name in (*counts, "stream_max_unsent_kb"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
     return SchedulerPolicy(
@@ -136,6 +159,8 @@ def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
         max_choices=args.max_choices,
         max_body_bytes=args.max_body_kb * 1024,
         body_timeout_s=args.body_timeout_s,
+        stream_idle_timeout_s=args.stream_idle_timeout_s,
+        stream_max_unsent_bytes=args.stream_max_unsent_kb * 1024,
         api_key=args.api_key or os.environ.get("BEHEMOTH_API_KEY") or None,
         adapters=(Path(args.adapter).resolve().name,) if args.adapter else (),
         batched_adapters=tuple(args.batched_adapters),
@@ -146,7 +171,6 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     """One process of the server: rank 0 runs HTTP and the scheduler, the others run the steps it sends."""
     from pathlib import Path
 
-    from behemoth.inference.app import build_app, uvicorn_server
     from behemoth.inference.generate import CachePolicy, follow_model, generator_for
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.topology import init_runtime
@@ -155,6 +179,10 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp)
     model = load_model(source, rt, tp=args.tp, pp=args.pp, quantize=args.quantize)
     cache = CachePolicy(args.block_size, args.kv_cache_mb)
+    if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
+        from behemoth.flight import RECORDER
+
+        RECORDER.arm(run_dir=None, timeout_s=source.config.run.timeout_s)
     if rt.rank != 0:
         follow_model(model, cache)
         return
@@ -169,8 +197,28 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
         attach_adapters(gen, args.batched_adapters)
     engine = gen.engine(policy_of(args, gen.context))
     limits = serve_limits(args, gen.limits(args.model_name or Path(args.source).resolve().name, args.max_tokens))
-    server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port)
+    serve_engine(args, engine, limits, gen, several_ranks=rt.world_size > 1)
+
+
+def serve_engine(args: argparse.Namespace, engine: EngineLoop, limits: ServeLimits, gen: Generator, *, several_ranks: bool) -> None:
+    """Rank 0: HTTP until a signal or a failed engine. A failed engine (a step raised, or outlived --step-timeout-s)
+    answers 503 for two seconds, then the server stops and this raises (exit code non-zero: a supervisor restarts it).
+    A signal makes /health answer 503 for a second before the server stops; with several ranks it fails the engine
+    (the launcher signals rank 0 when another worker failed: its steps cannot finish)."""
+    from behemoth.inference.app import build_app, uvicorn_server
+    from behemoth.inference.liveness import EngineWatchdog
+
+    def on_signal(name: str) -> None:
+        if several_ranks:
+            engine.fail(f"stopped by {name}: the launcher stops every worker when one of them fails or the server is interrupted")
+        else:
+            engine.closing = f"stopped by {name}"
+
+    server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port, on_signal=on_signal)
+    step_timeout_s = args.step_timeout_s if several_ranks else None  # one process: a long step (disk offload) is no hang
+    watchdog = EngineWatchdog(engine, step_timeout_s, on_failed=lambda: setattr(server, "should_exit", True))
     engine.start()
+    watchdog.start()
     if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_key:
         print(f"behemoth: warning: listening on {args.host} with no --api-key: anyone who reaches this port can use the model", file=sys.stderr)
     print(
@@ -181,7 +229,11 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     try:
         server.run()
     finally:
+        watchdog.stop()
         engine.stop()
+    if engine.error is not None:
+        last = engine.error.strip().splitlines()[-1]
+        raise BehemothError(f"the serving engine failed, so the server stopped: {last}", "see the log above; start the server again")
 
 
 def serve_worker(args: argparse.Namespace) -> None:

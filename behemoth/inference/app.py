@@ -13,6 +13,7 @@ from typing import Any
 
 from behemoth.errors import BehemothError
 from behemoth.faults.launch import free_port
+from behemoth.inference.backpressure import TRANSPORT_KEY, StreamGuard, TransportTap
 from behemoth.inference.chat import ChatRequest, chat_prompt, chat_response, start_chat, stream_chat
 from behemoth.inference.completions import CompletionRequest, completion_prompts, completion_response, start_completion, stream_completion
 from behemoth.inference.server import ApiError, ServeLimits, StreamSlots, collect, parse_body
@@ -57,6 +58,19 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def internal_error(_request: Request, exc: Exception) -> JSONResponse:  # a defect, never a bad request
         return error(ApiError(500, f"internal error ({exc.__class__.__name__})", code="internal_error"))
 
+    def streamed(request: Request, chunks: Any, flight: Any, slot: Any) -> StreamingResponse:
+        """A stream's response, guarded against a client that stops reading (`backpressure.py`)."""
+        name = f"of request {flight.requests[0].id}" if flight is not None else "without generations"
+        abort = flight.abort if flight is not None else (lambda: None)
+        guard = StreamGuard(
+            request.scope.get(TRANSPORT_KEY),
+            abort,
+            name,
+            max_unsent_bytes=limits.stream_max_unsent_bytes,
+            idle_timeout_s=limits.stream_idle_timeout_s,
+        ).start()
+        return StreamingResponse(guard.passing(chunks), media_type="text/event-stream", background=BackgroundTask(slot.release))
+
     if limits.api_key:
         app.add_middleware(ApiKeyGate, key=limits.api_key, refuse=lambda: error(ApiError(401, UNAUTHORIZED, code="invalid_api_key")))
 
@@ -70,8 +84,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
             flight = start_completion(engine, req, prompts, limits)
             if slot is not None:
                 metrics.response(200)
-                gen = stream_completion(req, prompts, flight, tokenizer, limits.model_name, slot)
-                return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(slot.release))
+                return streamed(request, stream_completion(req, prompts, flight, tokenizer, limits.model_name, slot), flight, slot)
             results = await collect(flight, request.is_disconnected) if flight is not None else []
         except ApiError as err:
             if slot is not None:
@@ -90,8 +103,7 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
             flight = start_chat(engine, req, ids, max_tokens, limits)
             if slot is not None:
                 metrics.response(200)
-                gen = stream_chat(req, ids, flight, tokenizer, limits.model_name, slot)
-                return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(slot.release))
+                return streamed(request, stream_chat(req, ids, flight, tokenizer, limits.model_name, slot), flight, slot)
             results = await collect(flight, request.is_disconnected)
         except ApiError as err:
             if slot is not None:
@@ -108,13 +120,15 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
     async def health() -> Any:
         if engine.healthy:
             return {"status": "ok", **engine.scheduler.gauges(), "streams_open": slots.open}
-        return JSONResponse({"status": "failed", "error": (engine.error or "engine stopped").splitlines()[-1]}, status_code=503)
+        if engine.error is None and engine.closing is not None:
+            return JSONResponse({"status": "stopping", "error": engine.closing}, status_code=503)
+        return JSONResponse({"status": "failed", "error": (engine.error or "engine stopped").strip().splitlines()[-1]}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Any:
         return PlainTextResponse(metrics.render(engine.scheduler.gauges(), engine.scheduler.stats), media_type="text/plain; version=0.0.4")
 
-    return app
+    return TransportTap(app)
 
 
 UNAUTHORIZED = "a valid API key is needed: send the header 'Authorization: Bearer <key>'"
@@ -170,11 +184,28 @@ async def read_body(request: Any, limit: int, timeout_s: float) -> bytes:
             return bytes(body)
 
 
-def uvicorn_server(app: Any, host: str, port: int) -> Any:
+def uvicorn_server(app: Any, host: str, port: int, on_signal: Any = None, drain_s: float = 1.0) -> Any:
+    """uvicorn's server; with `on_signal`, its first SIGTERM/SIGINT calls `on_signal(name)` (the engine then refuses
+    new requests, /health answers 503) and the server stops `drain_s` later, so that probes and clients see the 503."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    server = uvicorn.Server(config)
+    if on_signal is not None:
+        stop_now, draining = server.handle_exit, threading.Event()
+
+        def handle_exit(sig: int, frame: Any) -> None:
+            import signal
+
+            if server.should_exit or draining.is_set():  # a second signal stops at once
+                stop_now(sig, frame)
+                return
+            draining.set()
+            on_signal(signal.Signals(sig).name)
+            threading.Timer(drain_s, stop_now, (sig, frame)).start()
+
+        server.handle_exit = handle_exit  # type: ignore[method-assign]  # uvicorn installs it as the signal handler
+    return server
 
 
 class ServerThread:

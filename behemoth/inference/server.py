@@ -40,6 +40,8 @@ class ServeLimits:
     eos_token_ids: tuple[int, ...] = ()  # stop tokens unless a request sets ignore_eos
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a body slower than this between pieces gets 408
+    stream_idle_timeout_s: float = 30.0  # a stream whose client takes none of its waiting bytes this long is cancelled
+    stream_max_unsent_bytes: int = 256 << 10  # a stream with more bytes written that its client has not taken is cancelled
     max_prompt_tokens: int | None = None  # a longer prompt is refused (None: the context is the bound)
     max_choices: int = 16  # n x best_of x prompts of one request
     max_streams: int = 64  # streamed responses open at once; one more gets 429
@@ -72,6 +74,13 @@ class ApiError(Exception):
 
 def engine_failed() -> ApiError:
     return ApiError(503, "the engine failed while generating; see the server log", code="engine_failed")
+
+
+def unavailable(engine: EngineLoop) -> ApiError:
+    """The 503 of a server that cannot take a request: its engine failed, or it is stopping (it was signalled)."""
+    if engine.closing is not None and engine.error is None:
+        return ApiError(503, f"the server is stopping ({engine.closing}); retry later", code="server_stopping")
+    return engine_failed()
 
 
 def parse_body(raw: bytes, limits: ServeLimits, schema: type[BaseModel]) -> Any:
@@ -154,8 +163,8 @@ class InFlight:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.requests: list[Request] = []
-        if not engine.healthy:  # a failed engine would never answer: say so now
-            raise engine_failed()
+        if not engine.healthy:  # a failed or stopping engine would never answer: say so now
+            raise unavailable(engine)
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 self.requests.append(engine.submit(prompt, sp, partial(self._sink, i)))

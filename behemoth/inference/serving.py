@@ -3,7 +3,9 @@
 HTTP handlers (on the event loop) submit requests and abort them; the engine thread owns the
 scheduler's running batch and the KV cache and steps while there is work. Tokens go back to each
 handler through its sink (a thread-safe hand-off to the event loop). An idle engine wakes on the next
-submission; while idle it tells the other ranks of a sharded model that the job is alive.
+submission; while idle it tells the other ranks of a sharded model that the job is alive. `busy_since` says
+when the step in progress began, so that a watchdog (`liveness.py`) can fail an engine whose step never
+returns (a tensor- or pipeline-parallel worker that hangs); `fail` ends every request from any thread.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class EngineLoop:
         self.wake = threading.Event()
         self.stopping = False
         self.error: str | None = None
+        self.closing: str | None = None  # why new requests are refused while the server stops (it was signalled)
+        self.busy_since: float | None = None  # monotonic time the step (or keepalive) in progress began; None while idle
         self.thread = threading.Thread(target=self._loop, name="behemoth-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -109,25 +113,34 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self.thread.is_alive()
+        return self.error is None and self.closing is None and self.thread.is_alive()
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine failed (from any thread: its own may be stuck in a step that never returns): every request
+        in flight ends with an error event, later ones are refused, /health answers 503 with `reason`."""
+        if self.error is None:
+            self.error = reason
+            self._fail_all()
+        self.wake.set()
 
     def _loop(self) -> None:
         last = time.monotonic()
         try:
-            while not self.stopping:
+            while not self.stopping and self.error is None:
                 if self.scheduler.idle:
                     self.wake.wait(timeout=1.0)
                     self.wake.clear()
                     if time.monotonic() - last > KEEPALIVE_S:
+                        self.busy_since = time.monotonic()
                         self.runner.keepalive()
-                        last = time.monotonic()
+                        last, self.busy_since = time.monotonic(), None
                     continue
+                self.busy_since = time.monotonic()
                 for req in self.scheduler.step():
                     self.metrics.finished(req)
-                last = time.monotonic()
+                last, self.busy_since = time.monotonic(), None
         except Exception:  # a failed step: report unhealthy, end every request rather than hang its client
-            self.error = traceback.format_exc()
-            self._fail_all()
+            self.fail(traceback.format_exc())
 
     def _fail_all(self) -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -135,8 +148,11 @@ class EngineLoop:
                 req.sink(Event(req.id, None, "", "error"))
 
     def stop(self) -> None:
-        """Finish the thread and tell the other ranks to stop."""
+        """Finish the thread and tell the other ranks to stop (not after a failure: a peer may be dead or hung, and a
+        failed engine's thread may be stuck in a collective; the launcher stops the other ranks)."""
         self.stopping = True
         self.wake.set()
+        if self.error is not None:
+            return
         self.thread.join(timeout=60)
         self.runner.close()
