@@ -23,6 +23,7 @@ from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
+from behemoth.parallel.tensor.twod_problems import tensor2d_problems
 from behemoth.planner.memory import fit_problems
 from behemoth.planner.offload import offload_launch_problems, offload_placement, offload_problems, streams
 from behemoth.topology import ParallelDims
@@ -39,10 +40,12 @@ def problems(cfg: Config, world: int) -> list[Problem]:
         out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts))
     out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     out += burst_problems(cfg, world, None if model else model_shape(cfg.model, cfg.hf))
+    shape = None if model else model_shape(cfg.model, cfg.hf)
     if plan.dims_problems(world):
-        return out
+        return out + tensor2d_problems(cfg, shape, None)
     dims = plan.dims(world)
     batch = collect("train.global_batch", cfg.batch_layout, dims)
+    out += tensor2d_problems(cfg, shape, None if batch else cfg.batch_layout(dims).micro_batch)
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)

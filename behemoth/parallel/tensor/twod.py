@@ -1,0 +1,189 @@
+"""2-D tensor parallelism applied to a model: its linear layers as SUMMA products, its embeddings, norms and loss in
+the same q x q decomposition (summa.py has the grid and the products).
+
+Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
+    linear       nn.Linear as a SUMMA product: weight block (i, j) = inputs of row i x outputs of column j; its bias
+                 column j's block, cut in q by row i
+    linear:K     the same for K fused equal output segments (a fused [q|k|v]): column j holds whole heads of each
+    embedding    nn.Embedding with its features cut in q^2 (column j's block, cut by row i), all-gathered along the
+                 column before the lookup; a [batch, T] input keeps grid row i's sequences, a [T] input (positions) all
+    norm         nn.LayerNorm on feature blocks: mean and variance summed along the row, weight and bias as vectors
+Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
+
+The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
+vocabulary-parallel along the row (layers.py's, two small all-reduces per token) and the rows' sums are all-reduced
+along the column (identity backward), so every rank holds the micro-batch's summed loss, as under 1-D TP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from behemoth.comm import CommMeter
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME
+from behemoth.parallel.chunked import checkpoint_views
+from behemoth.parallel.tensor.comm import reduce_from_tp
+from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, vocab_parallel_cross_entropy
+from behemoth.parallel.tensor.plan import match_plan
+from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, gather_column, packed, row_sum, sub, summa_linear
+
+STYLES_2D = ("linear", "embedding", "norm")
+
+
+def vector_pieces(n: int, grid: Grid2D, name: str) -> BlockLayout:
+    """A vector's 1/q^2 piece on this rank: column j's block of [0, n), cut in q by row i."""
+    return BlockLayout.of((n,), d0=sub(even(n, grid.q, grid.col, name), grid.q, grid.row, name))
+
+
+def batch_block(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Grid row i's sequences of a [batch, ...] tensor."""
+    if t.shape[0] % grid.q:
+        raise BehemothError(
+            f"2-D tensor parallelism splits each micro-batch's {t.shape[0]} sequences over q={grid.q} grid rows",
+            f"use a micro-batch (train.micro_batch) that is a multiple of {grid.q}",
+        )
+    return t.chunk(grid.q, 0)[grid.row]
+
+
+class Linear2D(nn.Module):
+    """Y_ij = X W + b on the grid (SUMMA): input [..., in/q] of row i's tokens, output [..., out/q] of column j."""
+
+    chunkable = False  # a head computed across ranks: the chunked loss (models/chunked_loss.py) leaves it alone
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, grid: Grid2D) -> None:
+        super().__init__()
+        self.weight, self.bias, self.grid = weight, bias, grid
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D, parts: int = 1) -> Linear2D:
+        if not isinstance(module, nn.Linear):
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D linear style applies to nn.Linear", "map it to another 2-D style")
+        out, inp = module.weight.shape
+        cols = packed(out, parts, grid.q, grid.col, f"{name}.weight")
+        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=even(inp, grid.q, grid.row, f"{name}.weight")))
+        bias = None
+        if module.bias is not None:
+            bias = block_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
+        return cls(weight, bias, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = summa_linear(x.reshape(-1, x.shape[-1]), self.weight, self.grid)
+        if self.bias is not None:
+            y = y + gather_column(self.bias, self.grid)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Embedding2D(nn.Module):
+    """A lookup into column j's feature block of the table (all-gathered from the column's q pieces)."""
+
+    def __init__(self, weight: nn.Parameter, grid: Grid2D, padding_idx: int | None) -> None:
+        super().__init__()
+        self.weight, self.grid, self.padding_idx = weight, grid, padding_idx
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> Embedding2D:
+        if not isinstance(module, nn.Embedding):
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D embedding style applies to nn.Embedding", "map it to another style")
+        rows, width = module.weight.shape
+        layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, f"{name}.weight").dims[0])
+        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = batch_block(ids, self.grid) if ids.dim() == 2 else ids
+        return F.embedding(ids, gather_column(self.weight, self.grid), padding_idx=self.padding_idx)
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over features split along the row: mean and variance from row sums (two passes, as nn.LayerNorm)."""
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D) -> None:
+        super().__init__()
+        self.weight, self.bias, self.width, self.eps, self.grid = weight, bias, width, eps, grid
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> LayerNorm2D:
+        if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension", "map it")
+        width = module.normalized_shape[0]
+        split = [block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None for n, p in (("weight", module.weight), ("bias", module.bias))]
+        return cls(split[0], split[1], width, module.eps, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = row_sum(x.sum(-1, keepdim=True), self.grid) / self.width
+        centered = x - mean
+        var = row_sum((centered * centered).sum(-1, keepdim=True), self.grid) / self.width
+        y = centered * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * gather_column(self.weight, self.grid)
+        return y if self.bias is None else y + gather_column(self.bias, self.grid)
+
+
+class TensorParallel2D:
+    """What applying a 2-D plan leaves behind (the interface of plan.TensorParallel): the head's vocabulary block for
+    the loss, the layouts for checkpoints. No gradient is partial: each rank's blocks get their whole gradients from the
+    grid's reductions, and no two tp ranks hold the same parameter piece."""
+
+    sequence_parallel = False
+
+    def __init__(self, model: nn.Module, grid: Grid2D, vocab: VocabShard | None) -> None:
+        self.grid, self.vocab = grid, vocab
+        named = list(model.named_parameters(remove_duplicate=False))
+        self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
+        self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
+
+    def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to sum: every gradient already is this rank's block's whole gradient."""
+
+    def copies(self, name: str) -> int:
+        return 1
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed token loss on every rank, from row i's sequences x column j's vocabulary logits."""
+        if self.vocab is None or logits.shape[-1] != self.vocab.padded:
+            raise BehemothError("2-D tensor parallelism needs the LM head in its plan (a vocabulary block per column)", "map lm_head to linear")
+        mine = batch_block(targets, self.grid)
+        loss = vocab_parallel_cross_entropy(logits, mine, self.vocab, self.grid.row_comm()).sum()
+        return reduce_from_tp(loss, self.grid.col_comm())
+
+    def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Blocks as full-shape views under single-process names, so DCP reshards to any layout."""
+        return checkpoint_views(state, self.layouts)
+
+
+def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str]) -> TensorParallel2D:
+    """Replace the modules `plan` names by their 2-D versions (on the meta device or not); refuse a plan that leaves a
+    parameter whole or a tied head (its one table would need two layouts)."""
+    styles = match_plan(plan, [n for n, _ in model.named_modules() if n], STYLES_2D)
+    vocab = None
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        kind, _, arg = style.partition(":")
+        new: nn.Module
+        if kind == "linear":
+            new = Linear2D.from_module(module, name, grid, int(arg or 1))
+        elif kind == "embedding":
+            new = Embedding2D.from_module(module, name, grid)
+        else:
+            new = LayerNorm2D.from_module(module, name, grid)
+        model.set_submodule(name, new)
+    whole = [n for n, p in model.named_parameters(remove_duplicate=False) if not hasattr(p, TP_LAYOUT)]
+    if whole:
+        raise BehemothError(f"2-D tensor parallelism: {', '.join(whole[:3])} is not split by the 2-D plan (a tied head?)", "untie the head or map it")
+    head = styles.get("lm_head")
+    if head is not None:
+        v = model.get_submodule("lm_head").weight.shape[0]
+        vocab = VocabShard(grid.col * v, v, v)
+    return TensorParallel2D(model, grid, vocab)
+
+
+def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter) -> Grid2D:
+    """This rank's grid from the mesh's global ranks (every tp group's, in tp order)."""
+    tp = mesh_ranks.shape[tp_dim]
+    groups = mesh_ranks.movedim(tp_dim, -1).reshape(-1, tp).tolist()
+    return Grid2D.build(groups, dist.get_rank(), meter)
