@@ -57,7 +57,8 @@ def _check_linear(grid) -> dict[str, float]:
     _close(mine.grad, block.take_local(x.grad), "SUMMA input grad")
     _close(layer.weight.grad, getattr(layer.weight, TP_LAYOUT).take_local(full.weight.grad), "SUMMA weight grad")
     own = mine.detach() @ layer.weight.detach().t()  # a product missing the other k steps: what a lost broadcast gives
-    return {"counted": counted, "formula": summa_volume(n, d_in, d_out, Q), "bug_err": (own - out_block.take_local(full(x).detach())).abs().max().item()}
+    bug_err = (own - out_block.take_local(full(x).detach())).abs().max().item()
+    return {"counted": counted, "formula": summa_volume(n, d_in, d_out, Q), "bug_err": bug_err}
 
 
 def _check_gpt(grid) -> dict[str, float]:

@@ -40,12 +40,12 @@ def problems(cfg: Config, world: int) -> list[Problem]:
         out += offload_expert_problems(cfg, shape) + compile_problems(cfg.train.compile, any(shape.experts))
     out += context_problems(cfg, None if model else model_shape(cfg.model, cfg.hf))
     out += burst_problems(cfg, world, None if model else model_shape(cfg.model, cfg.hf))
-    shape = None if model else model_shape(cfg.model, cfg.hf)
+    built = None if model else model_shape(cfg.model, cfg.hf)
     if plan.dims_problems(world):
-        return out + tensor2d_problems(cfg, shape, None)
+        return out + tensor2d_problems(cfg, built, None)
     dims = plan.dims(world)
     batch = collect("train.global_batch", cfg.batch_layout, dims)
-    out += tensor2d_problems(cfg, shape, None if batch else cfg.batch_layout(dims).micro_batch)
+    out += tensor2d_problems(cfg, built, None if batch else cfg.batch_layout(dims).micro_batch)
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)

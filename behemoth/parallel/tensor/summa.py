@@ -54,11 +54,12 @@ class Grid2D:
         q = math.isqrt(len(tp_groups[0]))
         rows = [g[i * q : (i + 1) * q] for g in tp_groups for i in range(q)]
         cols = [g[j::q] for g in tp_groups for j in range(q)]
-        made = {tuple(r): dist.new_group(r) for r in rows} | {("col", *c): dist.new_group(c) for c in cols}
-        for g in tp_groups:
+        row_groups = [dist.new_group(r) for r in rows]
+        col_groups = [dist.new_group(c) for c in cols]
+        for n, g in enumerate(tp_groups):
             if rank in g:
                 i, j = divmod(g.index(rank), q)
-                return cls(q, i, j, made[tuple(rows[tp_groups.index(g) * q + i])], made[("col", *g[j::q])], meter)
+                return cls(q, i, j, row_groups[n * q + i], col_groups[n * q + j], meter)
         raise BehemothError(f"rank {rank} is in no tensor-parallel group", "build the grid from the mesh's tp groups")
 
     def row_comm(self) -> TPComm:
@@ -170,6 +171,7 @@ class _Summa(torch.autograd.Function):
             w = _broadcast_block(weight.detach(), k, grid.row == k, grid.col_group, grid.meter)
             part = a @ w.t().to(a.dtype)
             out = part if out is None else out + part
+        assert out is not None  # q >= 1 steps
         return out
 
     @staticmethod

@@ -66,7 +66,8 @@ class Linear2D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D linear style applies to nn.Linear", "map it to another 2-D style")
         out, inp = module.weight.shape
         cols = packed(out, parts, grid.q, grid.col, f"{name}.weight")
-        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=even(inp, grid.q, grid.row, f"{name}.weight")))
+        rows = even(inp, grid.q, grid.row, f"{name}.weight")
+        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
         bias = None
         if module.bias is not None:
             bias = block_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
@@ -92,7 +93,7 @@ class Embedding2D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D embedding style applies to nn.Embedding", "map it to another style")
         rows, width = module.weight.shape
         layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, f"{name}.weight").dims[0])
-        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)
+        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = batch_block(ids, self.grid) if ids.dim() == 2 else ids
@@ -111,8 +112,11 @@ class LayerNorm2D(nn.Module):
         if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension", "map it")
         width = module.normalized_shape[0]
-        split = [block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None for n, p in (("weight", module.weight), ("bias", module.bias))]
-        return cls(split[0], split[1], width, module.eps, grid)
+        weight, bias = (
+            block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None
+            for n, p in (("weight", module.weight), ("bias", module.bias))
+        )
+        return cls(weight, bias, width, module.eps, grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mean = row_sum(x.sum(-1, keepdim=True), self.grid) / self.width
@@ -177,7 +181,7 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
         raise BehemothError(f"2-D tensor parallelism: {', '.join(whole[:3])} is not split by the 2-D plan (a tied head?)", "untie the head or map it")
     head = styles.get("lm_head")
     if head is not None:
-        v = model.get_submodule("lm_head").weight.shape[0]
+        v = int(model.get_submodule("lm_head").weight.shape[0])  # type: ignore[index]  # a Linear2D's block
         vocab = VocabShard(grid.col * v, v, v)
     return TensorParallel2D(model, grid, vocab)
 

@@ -19,14 +19,16 @@ def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
     q = math.isqrt(plan.tp)
     if q * q != plan.tp or q < 2:
         near = max(2, q) ** 2
-        return [Problem.of("parallel.tp_mode", f"parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got {plan.tp})", f"use parallel.tp={near}")]
+        message = f"parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got {plan.tp})"
+        return [Problem.of("parallel.tp_mode", message, f"use parallel.tp={near} (a {max(2, q)} x {max(2, q)} grid)")]
     out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode=2d with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
     if shape is not None:
         sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q * q), "the MLP width": (shape.ffn, q * q)}
         sizes["model.vocab_size"] = (shape.vocab_size, q)
         bad = [f"{name}={n} (by {d})" for name, (n, d) in sizes.items() if n % d]
         if bad:
-            out.append(Problem.of("parallel.tp", f"parallel.tp={plan.tp} (a {q} x {q} grid) does not split {', '.join(bad)}", "choose sizes the grid divides"))
+            message = f"parallel.tp={plan.tp} (a {q} x {q} grid) does not split {', '.join(bad)}"
+            out.append(Problem.of("parallel.tp", message, "choose sizes the grid divides"))
     if micro_batch is not None and micro_batch % q:
         out.append(
             Problem.of(
