@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from behemoth.comm import CommMeter, all_gather, all_reduce, broadcast, reduce, reduce_scatter
+from behemoth.comm import CommMeter, all_gather, broadcast, reduce, reduce_scatter
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, mark_partial
 from behemoth.parallel.chunked import Box, narrow_box
@@ -223,24 +223,3 @@ class _GatherColumn(torch.autograd.Function):
 def gather_column(piece: torch.Tensor, grid: Grid2D) -> torch.Tensor:
     """Column j's block of a vector (or of an embedding table's features) from this rank's 1/q^2 piece of it."""
     return _GatherColumn.apply(piece, grid)
-
-
-class _RowSum(torch.autograd.Function):
-    """Sum over the row (the features of the same tokens): all-reduce forward, all-reduce of the gradients backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
-        ctx.grid = grid
-        out = x.detach().clone()
-        all_reduce(out, grid.row_group, grid.meter)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        all_reduce(grad, ctx.grid.row_group, ctx.grid.meter)
-        return grad, None
-
-
-def row_sum(x: torch.Tensor, grid: Grid2D) -> torch.Tensor:
-    return _RowSum.apply(x, grid)

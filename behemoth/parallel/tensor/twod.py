@@ -24,14 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from behemoth.comm import CommMeter
+from behemoth.comm import CommMeter, all_reduce
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import reduce_from_tp
 from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, vocab_parallel_cross_entropy
 from behemoth.parallel.tensor.plan import match_plan
-from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, gather_column, packed, row_sum, sub, summa_linear
+from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, gather_column, packed, sub, summa_linear
 
 STYLES_2D = ("linear", "embedding", "norm")
 
@@ -101,7 +101,8 @@ class Embedding2D(nn.Module):
 
 
 class LayerNorm2D(nn.Module):
-    """LayerNorm over features split along the row: mean and variance from row sums (two passes, as nn.LayerNorm)."""
+    """LayerNorm over features split along the row: mean and variance from row sums (two passes, as nn.LayerNorm);
+    its weight and bias are column j's blocks, gathered from the column's pieces."""
 
     def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D) -> None:
         super().__init__()
@@ -119,13 +120,45 @@ class LayerNorm2D(nn.Module):
         return cls(weight, bias, width, module.eps, grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mean = row_sum(x.sum(-1, keepdim=True), self.grid) / self.width
-        centered = x - mean
-        var = row_sum((centered * centered).sum(-1, keepdim=True), self.grid) / self.width
-        y = centered * torch.rsqrt(var + self.eps)
-        if self.weight is not None:
-            y = y * gather_column(self.weight, self.grid)
-        return y if self.bias is None else y + gather_column(self.bias, self.grid)
+        weight = gather_column(self.weight, self.grid) if self.weight is not None else None
+        bias = gather_column(self.bias, self.grid) if self.bias is not None else None
+        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid))
+
+
+def _row_sums(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Sums over the last dimension of every rank of the row (the full feature width of these tokens)."""
+    out = t.sum(-1, keepdim=True)
+    all_reduce(out, grid.row_group, grid.meter)
+    return out
+
+
+class _LayerNorm2D(torch.autograd.Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over features split along the row; saves only the normalized block and
+    the per-token 1/std, as nn.LayerNorm does (row sums: two in forward, one of two numbers per token in backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, spec: tuple[int, float, Grid2D]) -> torch.Tensor:
+        width, eps, grid = spec
+        centered = x - _row_sums(x, grid) / width
+        rstd = torch.rsqrt(_row_sums(centered * centered, grid) / width + eps)
+        normed = centered.mul_(rstd)
+        ctx.save_for_backward(normed, rstd, weight)
+        ctx.width, ctx.grid, ctx.has_bias = width, grid, bias is not None
+        y = normed if weight is None else normed * weight
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        tokens = tuple(range(grad.dim() - 1))
+        grad_w = (grad * normed).sum(tokens) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(tokens) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        g = grad if weight is None else grad * weight
+        sums = torch.stack([g.sum(-1), (g * normed).sum(-1)], dim=-1)
+        all_reduce(sums, ctx.grid.row_group, ctx.grid.meter)
+        mean_g, mean_gn = (sums / ctx.width).unbind(-1)
+        grad_x = rstd * (g - mean_g.unsqueeze(-1) - normed * mean_gn.unsqueeze(-1))
+        return grad_x, grad_w, grad_b, None
 
 
 class TensorParallel2D:
