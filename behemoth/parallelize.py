@@ -324,8 +324,8 @@ def parallelize(
         )
         pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
     tp: TensorParallel | TensorParallel2D | None = None
-    if rt.dims.tp > 1 and plan.tp_mode == "2d":
-        tp = apply_2d(lm, rt, meter, for_training)
+    if rt.dims.tp > 1 and plan.tp_mode != "1d":
+        tp = apply_2d(lm, rt, meter, for_training, plan.tp_depth if plan.tp_mode == "2.5d" else 1)
     elif rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
@@ -415,14 +415,15 @@ def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout
     return ParallelModel(lm, rt, [sync], executor=BurstSteps(burst, [sync], rt.device))
 
 
-def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool) -> TensorParallel2D:
-    """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan."""
+def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, depth: int) -> TensorParallel2D:
+    """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan; 2.5-D
+    (tp_mode=2.5d) as `depth` such grids, each with its share of the batch."""
     if lm.tp2d_plan is None or not for_training or rt.world_size != dist.get_world_size():
         raise BehemothError(
-            "parallel.tp_mode=2d trains behemoth's GPT in a job that is the whole world",
+            "parallel.tp_mode=2d/2.5d trains behemoth's GPT in a job that is the whole world",
             "use tp_mode=1d here (generation loads a 2-D checkpoint in any layout)",
         )
-    return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter), lm.tp2d_plan)
+    return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), lm.tp2d_plan)
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

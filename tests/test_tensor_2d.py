@@ -117,6 +117,17 @@ def test_dp2_tp2d_zero1_equals_single_process(tmp_path):
     assert_close_runs(ref, got[0])
 
 
+@pytest.mark.slow
+def test_tp25d_depth2_equals_single_process(tmp_path):
+    """2.5-D (Tesseract): 2 layers of a 2 x 2 grid (8 ranks), each with half of every micro-batch, weight gradients
+    summed over the depth: the single-process losses and weights."""
+    steps = ["train.steps=4", "train.eval_every=2", "checkpoint.every=4"]
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
+    extra = ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"]
+    got = run_ranks(8, train_body, tiny_config(tmp_path / "25d", *steps, *extra), timeout=400)
+    assert_close_runs(ref, got[0])
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -127,6 +138,8 @@ def test_dp2_tp2d_zero1_equals_single_process(tmp_path):
         (["parallel.tp=4", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
         (["parallel.tp=4", "model.n_head=1", "model.d_model=34"], "does not split model.n_head=1 (by 2), model.d_model=34 (by 4)"),
         (["parallel.tp=4", "train.micro_batch=1"], "a micro-batch has 1"),
+        (["parallel.tp=4", "parallel.tp_depth=2"], "parallel.tp_depth=2 needs parallel.tp_mode=2.5d"),
+        (["parallel.tp=4", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"], "parallel.tp_depth=2 x a square q*q >= 4 (got 4)"),
     ],
 )
 def test_tp2d_refused_before_launch(tmp_path, overrides, message):

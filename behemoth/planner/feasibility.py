@@ -238,7 +238,9 @@ def describe_plan(cfg: Config, world: int) -> str:
 
     plan, dims = cfg.parallel, cfg.parallel.dims(world)
     degrees = f"dp={dims.dp}" + (f" x ep={dims.ep}" if dims.ep > 1 else "") + (f" x tp={dims.tp}" if dims.tp > 1 else "")
-    degrees += f" (2-D: a {math.isqrt(dims.tp)} x {math.isqrt(dims.tp)} grid)" if dims.tp > 1 and plan.tp_mode == "2d" else ""
+    side = math.isqrt(dims.tp // plan.tp_depth)
+    degrees += f" (2-D: a {side} x {side} grid)" if dims.tp > 1 and plan.tp_mode == "2d" else ""
+    degrees += f" (2.5-D: {plan.tp_depth} x {side} x {side})" if dims.tp > 1 and plan.tp_mode == "2.5d" else ""
     degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp)})" if dims.cp > 1 else ""
     if plan.burst is not None:  # every layer at its own width over the job (parallel/burst)
         return f"burst (layer widths {list(plan.burst)})"

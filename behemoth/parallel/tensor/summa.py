@@ -38,7 +38,11 @@ Pieces = tuple[tuple[int, int, int], ...]  # along one dimension: (full start, l
 @dataclass(frozen=True)
 class Grid2D:
     """This rank's place (row, col) in a q x q tensor-parallel grid, the groups along its row (indexed by column) and
-    its column (indexed by row), and the meter their traffic goes to. Groups may be None for planning (shapes only)."""
+    its column (indexed by row), and the meter their traffic goes to. Groups may be None for planning (shapes only).
+
+    2.5-D (Tesseract): `depth` d such grids, one per layer; each holds the same weight blocks and its own 1/d of the
+    batch (`layer`), and the layers' weight gradients are summed over `depth_group` (the ranks at (row, col) of every
+    layer) once per step."""
 
     q: int
     row: int
@@ -46,21 +50,35 @@ class Grid2D:
     row_group: Any  # dist.ProcessGroup of ranks (row, 0..q-1)
     col_group: Any  # dist.ProcessGroup of ranks (0..q-1, col)
     meter: CommMeter | None = None
+    depth: int = 1
+    layer: int = 0
+    depth_group: Any = None  # dist.ProcessGroup of ranks (row, col) of layers 0..d-1 (depth > 1)
 
     @classmethod
-    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None) -> Grid2D:
-        """The grids of every tp group (global ranks, in tp order: rank i*q + j is (i, j)). Every rank of the world creates
-        every row and column group, in the same order (c10d's rule for new_group)."""
-        q = math.isqrt(len(tp_groups[0]))
-        rows = [g[i * q : (i + 1) * q] for g in tp_groups for i in range(q)]
-        cols = [g[j::q] for g in tp_groups for j in range(q)]
-        row_groups = [dist.new_group(r) for r in rows]
-        col_groups = [dist.new_group(c) for c in cols]
-        for n, g in enumerate(tp_groups):
+    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None, depth: int = 1) -> Grid2D:
+        """The grids of every tp group (global ranks, in tp order: rank l*q*q + i*q + j is (i, j) of layer l). Every rank
+        of the world creates every row, column and depth group, in the same order (c10d's rule for new_group)."""
+        q = math.isqrt(len(tp_groups[0]) // depth)
+        layers = [g[n * q * q : (n + 1) * q * q] for g in tp_groups for n in range(depth)]
+        row_groups = [dist.new_group(g[i * q : (i + 1) * q]) for g in layers for i in range(q)]
+        col_groups = [dist.new_group(g[j::q]) for g in layers for j in range(q)]
+        depth_groups = [dist.new_group(g[m :: q * q]) for g in tp_groups for m in range(q * q)] if depth > 1 else []
+        for n, g in enumerate(layers):
             if rank in g:
                 i, j = divmod(g.index(rank), q)
-                return cls(q, i, j, row_groups[n * q + i], col_groups[n * q + j], meter)
+                tp_index = n // depth
+                deep = depth_groups[tp_index * q * q + i * q + j] if depth > 1 else None
+                return cls(q, i, j, row_groups[n * q + i], col_groups[n * q + j], meter, depth, n % depth, deep)
         raise BehemothError(f"rank {rank} is in no tensor-parallel group", "build the grid from the mesh's tp groups")
+
+    @property
+    def batch_blocks(self) -> int:
+        """How many parts a micro-batch's sequences are cut into: q rows of each of the d layers."""
+        return self.depth * self.q
+
+    @property
+    def batch_index(self) -> int:
+        return self.layer * self.q + self.row
 
     def row_comm(self) -> TPComm:
         """The row as a TPComm (the vocabulary-parallel loss over column j's vocabulary block)."""
@@ -68,6 +86,9 @@ class Grid2D:
 
     def col_comm(self) -> TPComm:
         return TPComm(self.col_group, self.q, self.row, self.meter)
+
+    def depth_comm(self) -> TPComm | None:
+        return TPComm(self.depth_group, self.depth, self.layer, self.meter) if self.depth > 1 else None
 
 
 def summa_volume(tokens: int, h_in: int, h_out: int, q: int) -> int:

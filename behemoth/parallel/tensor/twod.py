@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from behemoth.comm import CommMeter, all_reduce
+from behemoth.comm import CommMeter, all_reduce, reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
@@ -42,13 +42,14 @@ def vector_pieces(n: int, grid: Grid2D, name: str) -> BlockLayout:
 
 
 def batch_block(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
-    """Grid row i's sequences of a [batch, ...] tensor."""
-    if t.shape[0] % grid.q:
+    """Grid row i's sequences of a [batch, ...] tensor (of this rank's layer's share under 2.5-D)."""
+    parts = grid.batch_blocks
+    if t.shape[0] % parts:
         raise BehemothError(
-            f"2-D tensor parallelism splits each micro-batch's {t.shape[0]} sequences over q={grid.q} grid rows",
-            f"use a micro-batch (train.micro_batch) that is a multiple of {grid.q}",
+            f"2-D tensor parallelism splits each micro-batch's {t.shape[0]} sequences over {parts} grid rows",
+            f"use a micro-batch (train.micro_batch) that is a multiple of {parts}",
         )
-    return t.chunk(grid.q, 0)[grid.row]
+    return t.chunk(parts, 0)[grid.batch_index]
 
 
 class Linear2D(nn.Module):
@@ -174,19 +175,26 @@ class TensorParallel2D:
         self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
         self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
 
+    @torch.no_grad()
     def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to sum: every gradient already is this rank's block's whole gradient."""
+        """2-D: nothing to sum (every gradient already is this rank's block's whole gradient). 2.5-D: each layer's is
+        its share of the batch's, summed over the depth in one all-reduce (whole or ZeRO slices: equal layouts)."""
+        depth = self.grid.depth_comm()
+        if depth is not None:
+            reduce_flat([g for _, g in slices], depth.all_reduce)
 
     def copies(self, name: str) -> int:
-        return 1
+        """Ranks of the tp group holding this parameter's piece: one per layer of the depth."""
+        return self.grid.depth
 
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed token loss on every rank, from row i's sequences x column j's vocabulary logits."""
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:
             raise BehemothError("2-D tensor parallelism needs the LM head in its plan (a vocabulary block per column)", "map lm_head to linear")
         mine = batch_block(targets, self.grid)
-        loss = vocab_parallel_cross_entropy(logits, mine, self.vocab, self.grid.row_comm()).sum()
-        return reduce_from_tp(loss, self.grid.col_comm())
+        loss = reduce_from_tp(vocab_parallel_cross_entropy(logits, mine, self.vocab, self.grid.row_comm()).sum(), self.grid.col_comm())
+        depth = self.grid.depth_comm()
+        return loss if depth is None else reduce_from_tp(loss, depth)
 
     def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
         """Blocks as full-shape views under single-process names, so DCP reshards to any layout."""
@@ -219,8 +227,8 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
     return TensorParallel2D(model, grid, vocab)
 
 
-def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter) -> Grid2D:
-    """This rank's grid from the mesh's global ranks (every tp group's, in tp order)."""
+def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, depth: int = 1) -> Grid2D:
+    """This rank's grid from the mesh's global ranks (every tp group's, in tp order); `depth` > 1: 2.5-D."""
     tp = mesh_ranks.shape[tp_dim]
     groups = mesh_ranks.movedim(tp_dim, -1).reshape(-1, tp).tolist()
-    return Grid2D.build(groups, dist.get_rank(), meter)
+    return Grid2D.build(groups, dist.get_rank(), meter, depth)

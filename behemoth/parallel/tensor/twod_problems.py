@@ -11,30 +11,36 @@ from behemoth.models.shape import ModelShape
 
 
 def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | None) -> list[Problem]:
-    """Every reason `cfg`'s 2-D tensor parallelism cannot run (empty when tp_mode is 1d or it can); `shape`: the model's
+    """Every reason `cfg`'s 2-D / 2.5-D tensor parallelism cannot run (empty when tp_mode is 1d or it can); `shape`: the model's
     (None: it cannot be built), `micro_batch`: sequences per micro-batch (None: unknown)."""
     plan = cfg.parallel
-    if plan.tp_mode != "2d":
+    if plan.tp_mode != "2.5d" and plan.tp_depth > 1:
+        return [Problem.of("parallel.tp_depth", f"parallel.tp_depth={plan.tp_depth} needs parallel.tp_mode=2.5d", "set parallel.tp_mode=2.5d")]
+    if plan.tp_mode == "1d":
         return []
-    q = math.isqrt(plan.tp)
-    if q * q != plan.tp or q < 2:
-        near = max(2, q) ** 2
-        message = f"parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got {plan.tp})"
-        return [Problem.of("parallel.tp_mode", message, f"use parallel.tp={near} (a {max(2, q)} x {max(2, q)} grid)")]
-    out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode=2d with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
+    mode, d = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
+    q = math.isqrt(plan.tp // d)
+    if q * q * d != plan.tp or q < 2:
+        near, side = max(2, q) ** 2 * d, max(2, q)
+        needed = "a square q*q >= 4" if d == 1 else f"parallel.tp_depth={d} x a square q*q >= 4"
+        message = f"parallel.tp_mode={mode} needs parallel.tp to be {needed} (got {plan.tp})"
+        grid = f"{d} x {side} x {side}" if d > 1 else f"a {side} x {side} grid"
+        return [Problem.of("parallel.tp_mode", message, f"use parallel.tp={near} ({grid})")]
+    out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode={mode} with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
     if shape is not None:
         sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q * q), "the MLP width": (shape.ffn, q * q)}
         sizes["model.vocab_size"] = (shape.vocab_size, q)
-        bad = [f"{name}={n} (by {d})" for name, (n, d) in sizes.items() if n % d]
+        bad = [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
         if bad:
             message = f"parallel.tp={plan.tp} (a {q} x {q} grid) does not split {', '.join(bad)}"
             out.append(Problem.of("parallel.tp", message, "choose sizes the grid divides"))
-    if micro_batch is not None and micro_batch % q:
+    if micro_batch is not None and micro_batch % (q * d):
+        rows = f"q={q} grid rows" if d == 1 else f"tp_depth={d} x q={q} grid rows"
         out.append(
             Problem.of(
                 "train.micro_batch",
-                f"parallel.tp_mode=2d splits each micro-batch's sequences over q={q} grid rows, but a micro-batch has {micro_batch}",
-                f"use a train.micro_batch (or global_batch / dp) that is a multiple of {q}",
+                f"parallel.tp_mode={mode} splits each micro-batch's sequences over {rows}, but a micro-batch has {micro_batch}",
+                f"use a train.micro_batch (or global_batch / dp) that is a multiple of {q * d}",
             )
         )
     return out
