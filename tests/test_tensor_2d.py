@@ -9,6 +9,7 @@ exported (single-process) weights; refusals are checked before launch.
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -115,6 +116,20 @@ def test_dp2_tp2d_zero1_equals_single_process(tmp_path):
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
     got = run_ranks(8, train_body, tiny_config(tmp_path / "2d", *steps, "parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero_stage=1"), timeout=400)
     assert_close_runs(ref, got[0])
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_a_2d_grid(tmp_path):
+    """A one-process checkpoint of step 2 continues on a 2 x 2 grid (DCP reads each rank's blocks by single-process
+    name): the same losses for steps 3-4 and the same final weights."""
+    steps = ["train.steps=4", "train.eval_every=2", "checkpoint.every=2"]
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
+    copy = tmp_path / "run"
+    shutil.copytree(tmp_path / "ref", copy)
+    cfg = tiny_config(copy, *steps, "parallel.tp=4", "parallel.tp_mode=2d")
+    got = run_ranks(4, train_body, cfg, str(copy / "checkpoints/step_0000002"))[0]
+    assert got["start"] == 2
+    assert_close_runs({"losses": ref["losses"][2:], "weights": ref["weights"]}, got)
 
 
 @pytest.mark.slow
