@@ -164,8 +164,9 @@ class _LayerNorm2D(torch.autograd.Function):
 
 class TensorParallel2D:
     """What applying a 2-D plan leaves behind (the interface of plan.TensorParallel): the head's vocabulary block for
-    the loss, the layouts for checkpoints. No gradient is partial: each rank's blocks get their whole gradients from the
-    grid's reductions, and no two tp ranks hold the same parameter piece."""
+    the loss, the layouts for checkpoints. Under 2-D no gradient is partial (each rank's blocks get their whole gradients
+    from the grid's reductions) and no two tp ranks hold the same piece; under 2.5-D the d layers hold the same pieces
+    and their gradients are summed over the depth."""
 
     sequence_parallel = False
 
