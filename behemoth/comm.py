@@ -152,6 +152,25 @@ def all_gather(
     return issue("all_gather", group, output, lambda: dist.all_gather_single(output, input, group=group, async_op=True), async_op=async_op)
 
 
+def broadcast(tensor: torch.Tensor, group_src: int, group: dist.ProcessGroup, meter: CommMeter | None = None) -> None:
+    """Copy `tensor` from the group's rank `group_src` into every other rank's `tensor` (in place); each rank counts the
+    block it sends or receives."""
+    if dist.get_world_size(group) == 1:
+        return
+    if meter is not None:
+        meter.record("broadcast", tensor)
+    issue("broadcast", group, tensor, lambda: dist.broadcast(tensor, group=group, group_src=group_src, async_op=True), async_op=False)
+
+
+def reduce(tensor: torch.Tensor, group_dst: int, group: dist.ProcessGroup, meter: CommMeter | None = None) -> None:
+    """Sum every rank's `tensor` into the one on the group's rank `group_dst` (the others' are left undefined)."""
+    if dist.get_world_size(group) == 1:
+        return
+    if meter is not None:
+        meter.record("reduce", tensor)
+    issue("reduce", group, tensor, lambda: dist.reduce(tensor, group=group, group_dst=group_dst, async_op=True), async_op=False)
+
+
 def all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,

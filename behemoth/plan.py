@@ -35,7 +35,13 @@ class ParallelPlan(BaseModel):
     recompute: Literal["none", "full", "early"] | list[int] = Field(
         "none", description="activation recomputation: none, full, early (stage-aware: ranks that stash most), or pipeline ranks"
     )
-    tp: int = Field(1, ge=1, description="tensor-parallel degree (Megatron-style, innermost mesh dimension)")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree (the total: q x q ranks under tp_mode=2d), innermost mesh dimension")
+    tp_mode: Literal["1d", "2d", "2.5d"] = Field(
+        "1d",
+        description="tensor-parallel style: 1d (Megatron: column/row-parallel), 2d (SUMMA over a q x q grid, tp = q*q), "
+        "2.5d (Tesseract: tp_depth such grids, tp = d*q*q; docs/tensor2d.md)",
+    )
+    tp_depth: int = Field(1, ge=1, description="tp_mode=2.5d: grids (layers) of the Tesseract, each holding 1/d of the batch")
     sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
     zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")
     prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")
@@ -153,6 +159,8 @@ class ParallelPlan(BaseModel):
     def tensor_parallel_problems(self, sizes: dict[str, int], seq_len: int) -> list[Problem]:
         """Sizes (by the option that sets them) that tp does not split: heads, KV heads, widths; the sequence under SP."""
         t = self.tp
+        if self.tp_mode != "1d":  # its own sizes (parallel/tensor/twod_problems.py)
+            return []
         sizes = dict(sizes)
         if self.sequence_parallel:
             sizes["sequence length (train.seq_len)"] = seq_len

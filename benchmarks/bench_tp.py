@@ -8,6 +8,7 @@ a weight into contiguous rows, so the peer's fused qkv rows are stored permuted 
 rank): both sides then compute the same function, and the first losses are printed to show it. Run:
 
     python benchmarks/bench_tp.py [--steps 20] [--warmup 3] [--rounds 3] [--model gpt-6m]
+    python benchmarks/bench_tp.py --part 2d [--steps 10]   # 2-D (SUMMA, 2 x 2 grid) vs 1-D tensor parallelism, 4 ranks
 
 Each variant runs `--rounds` times, alternating behemoth and DTensor, and the best round of each is
 reported. Prints a markdown table: tokens/s (median step), the ratio behemoth / DTensor, the CPU time a rank
@@ -110,6 +111,7 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
         "cpu_s": statistics.median(cpu[max(1, warmup) :]),
         "activation_mb": act / 2**20,
         "state_mb": runner.state_bytes() / 2**20,
+        "param_mb": runner.param_bytes() / 2**20,
     }
 
 
@@ -140,6 +142,9 @@ class BehemothRunner:
 
     def state_bytes(self) -> int:
         return sum(self.engine.model_state_bytes().values())
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.engine.model.module.parameters())
 
 
 class DTensorRunner:
@@ -180,6 +185,10 @@ class DTensorRunner:
 
     def state_bytes(self) -> int:
         return state_bytes(list(self.model.parameters()), self.optimizer)
+
+    def param_bytes(self) -> int:
+        local = lambda t: getattr(t, "_local_tensor", t)  # noqa: E731
+        return sum(local(p).numel() * local(p).element_size() for p in self.model.parameters())
 
 
 def split_optimizer(model: Any, train: Any) -> Any:
@@ -299,6 +308,40 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
     return rows
 
 
+def run_2d(model: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """behemoth at tp=4 on 4 ranks, 1-D (Megatron, no SP) and 2-D (SUMMA on a 2 x 2 grid), alternating; best round each."""
+    from behemoth.config import load_config
+    from behemoth.faults.ranks import run_ranks
+
+    best: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for mode in ("1d", "2d"):
+            cfg = load_config(None, MODELS[model] + ["parallel.tp=4", f"parallel.tp_mode={mode}", "run.progress=false"]).model_dump(mode="json")
+            res = run_ranks(4, bench_rank, "behemoth", cfg, steps, warmup, timeout=3600)
+            if mode not in best or res[0]["tokens_per_s"] > best[mode][0]["tokens_per_s"]:
+                best[mode] = res
+    return {"model": model, **best}
+
+
+def print_2d_table(row: dict[str, Any]) -> None:
+    worst = lambda mode, key: max(x[key] for x in row[mode])  # noqa: E731  (the rank that holds most, or is slowest)
+    print("| model | tp | mode | tok/s | CPU s/step/rank | parameters MiB/rank | activations MiB/rank | model states MiB/rank | first losses |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mode in ("1d", "2d"):
+        r = row[mode][0]
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"][:3:2])
+        print(
+            f"| {row['model']} | 4 | {mode} | {r['tokens_per_s']:.0f} | {worst(mode, 'cpu_s'):.3f} | {worst(mode, 'param_mb'):.2f} "
+            f"| {worst(mode, 'activation_mb'):.1f} | {worst(mode, 'state_mb'):.1f} | {losses} |"
+        )
+    ratio = lambda key: worst("2d", key) / worst("1d", key)  # noqa: E731
+    print(
+        f"\n2-D / 1-D: tokens/s {row['2d'][0]['tokens_per_s'] / row['1d'][0]['tokens_per_s']:.3f}, CPU s/step {ratio('cpu_s'):.3f}, "
+        f"parameters {ratio('param_mb'):.3f}, activations {ratio('activation_mb'):.3f}",
+        flush=True,
+    )
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| model | tp | SP | behemoth tok/s | DTensor tok/s | ratio | CPU s/step/rank behemoth / DTensor "
@@ -328,12 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; the best is reported")
     parser.add_argument("--model", default="gpt-6m", choices=sorted(MODELS))
+    parser.add_argument("--part", default="dtensor", choices=("dtensor", "2d"), help="vs DTensor at tp=2, or 2-D vs 1-D TP at tp=4")
     from ratios import add_report_args, write_rows
 
     add_report_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.rounds = 3, 1, 1
+    if args.part == "2d":
+        print_2d_table(run_2d(args.model, args.steps, args.warmup, args.rounds))
+        return 0
     rows = run(args.model, args.steps, args.warmup, args.rounds)
     print_table(rows)
     write_rows(args.json, ratio_rows(rows))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from behemoth.models.chunked_loss import ChunkedHead, chunked_cross_entropy_sum, head_input_of
-from behemoth.models.gpt import build_gpt, gpt_tp_plan
+from behemoth.models.gpt import GPT_TP2D_PLAN, build_gpt, gpt_tp_plan
 from behemoth.models.init import InitSpec, materialize
 from behemoth.models.layered import LayeredView, view_of
 from behemoth.models.moe import MoELayer, MoELayerCost, RouterStats, moe_layer_costs
@@ -59,6 +59,7 @@ class CausalLM:
     time_layers: Callable[[int, int, torch.device], LayerCosts] | None = field(default=None, repr=False)  # (seq_len, micro_batch, device)
     moe_layers: tuple[str, ...] = ()  # module names of the MoE MLPs (models/moe.py's MoELayer)
     routers: RouterStats | None = field(default=None, repr=False)  # their auxiliary losses and expert usage
+    tp2d_plan: dict[str, str] | None = None  # the 2-D tensor-parallel plan (parallel.tp_mode=2d), where the model has one
 
     def moe_costs(self) -> list[MoELayerCost]:
         """Per MoE layer: experts, k, widths, FLOPs per token, parameters per expert, all-to-all bytes (for the planner)."""
@@ -94,7 +95,7 @@ class CausalLM:
             return None
         head = getattr(self.module, "lm_head", None)
         if head is not None:
-            if head._forward_hooks:
+            if head._forward_hooks or not getattr(head, "chunkable", True):  # hooks, or a head computed across ranks (2-D TP)
                 return None
             params = lambda: (head.weight, getattr(head, "bias", None), bool(getattr(head, "transposed", False)))  # noqa: E731  # read at each call
             return ChunkedHead(head, "forward", params, loss_chunk)
@@ -143,6 +144,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model),  # a lookup, not a matmul
             moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)),
             routers=gpt.routers,
+            tp2d_plan=GPT_TP2D_PLAN,
         )
     from behemoth.models import hf as hf_models
     from behemoth.models.hf_families import DECODER_VIEW

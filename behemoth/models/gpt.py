@@ -274,6 +274,21 @@ def gpt_tp_plan(cfg: GPTConfig) -> dict[str, str]:
     return {**moe, **GPT_TP_PLAN}
 
 
+# behemoth's GPT as a 2-D tensor-parallel plan (parallel/tensor/twod.py): every parameter in the q x q decomposition.
+GPT_TP2D_PLAN: dict[str, str] = {
+    "wte": "embedding",
+    "wpe": "embedding",
+    "blocks.*.ln_1": "norm",
+    "blocks.*.attn.qkv": "linear:3",
+    "blocks.*.attn.proj": "linear",
+    "blocks.*.ln_2": "norm",
+    "blocks.*.mlp.fc": "linear",
+    "blocks.*.mlp.proj": "linear",
+    "ln_f": "norm",
+    "lm_head": "linear",
+}
+
+
 def build_gpt(cfg: GPTConfig) -> GPT:
     """The model on the meta device: shapes only, no memory. `materialize` gives it values."""
     with torch.device("meta"):

@@ -77,12 +77,12 @@ def pattern_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
-def match_plan(plan: dict[str, str], names: list[str]) -> dict[str, str]:
-    """Module name -> style for every module a pattern names (the first matching pattern wins)."""
+def match_plan(plan: dict[str, str], names: list[str], known: tuple[str, ...] = STYLES) -> dict[str, str]:
+    """Module name -> style for every module a pattern names (the first matching pattern wins); styles among `known`."""
     compiled = [(pattern_regex(p), style) for p, style in plan.items()]
     for _, style in compiled:
-        if style.split(":")[0] not in STYLES:
-            raise BehemothError(f"tensor-parallel style {style!r} is unknown", f"use one of {', '.join(STYLES)}")
+        if style.split(":")[0] not in known:
+            raise BehemothError(f"tensor-parallel style {style!r} is unknown", f"use one of {', '.join(known)}")
     found = {}
     for name in names:
         style = next((s for rx, s in compiled if rx.match(name)), None)

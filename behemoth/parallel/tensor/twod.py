@@ -1,0 +1,235 @@
+"""2-D tensor parallelism applied to a model: its linear layers as SUMMA products, its embeddings, norms and loss in
+the same q x q decomposition (summa.py has the grid and the products).
+
+Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
+    linear       nn.Linear as a SUMMA product: weight block (i, j) = inputs of row i x outputs of column j; its bias
+                 column j's block, cut in q by row i
+    linear:K     the same for K fused equal output segments (a fused [q|k|v]): column j holds whole heads of each
+    embedding    nn.Embedding with its features cut in q^2 (column j's block, cut by row i), all-gathered along the
+                 column before the lookup; a [batch, T] input keeps grid row i's sequences, a [T] input (positions) all
+    norm         nn.LayerNorm on feature blocks: mean and variance summed along the row, weight and bias as vectors
+Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
+
+The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
+vocabulary-parallel along the row (layers.py's, two small all-reduces per token) and the rows' sums are all-reduced
+along the column (identity backward), so every rank holds the micro-batch's summed loss, as under 1-D TP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from behemoth.comm import CommMeter, all_reduce, reduce_flat
+from behemoth.errors import BehemothError
+from behemoth.models.init import FULL_NAME
+from behemoth.parallel.chunked import checkpoint_views
+from behemoth.parallel.tensor.comm import reduce_from_tp
+from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, vocab_parallel_cross_entropy
+from behemoth.parallel.tensor.plan import match_plan
+from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, gather_column, packed, sub, summa_linear
+
+STYLES_2D = ("linear", "embedding", "norm")
+
+
+def vector_pieces(n: int, grid: Grid2D, name: str) -> BlockLayout:
+    """A vector's 1/q^2 piece on this rank: column j's block of [0, n), cut in q by row i."""
+    return BlockLayout.of((n,), d0=sub(even(n, grid.q, grid.col, name), grid.q, grid.row, name))
+
+
+def batch_block(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Grid row i's sequences of a [batch, ...] tensor (of this rank's layer's share under 2.5-D)."""
+    parts = grid.batch_blocks
+    if t.shape[0] % parts:
+        raise BehemothError(
+            f"2-D tensor parallelism splits each micro-batch's {t.shape[0]} sequences over {parts} grid rows",
+            f"use a micro-batch (train.micro_batch) that is a multiple of {parts}",
+        )
+    return t.chunk(parts, 0)[grid.batch_index]
+
+
+class Linear2D(nn.Module):
+    """Y_ij = X W + b on the grid (SUMMA): input [..., in/q] of row i's tokens, output [..., out/q] of column j."""
+
+    chunkable = False  # a head computed across ranks: the chunked loss (models/chunked_loss.py) leaves it alone
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, grid: Grid2D) -> None:
+        super().__init__()
+        self.weight, self.bias, self.grid = weight, bias, grid
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D, parts: int = 1) -> Linear2D:
+        if not isinstance(module, nn.Linear):
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D linear style applies to nn.Linear", "map it to another 2-D style")
+        out, inp = module.weight.shape
+        cols = packed(out, parts, grid.q, grid.col, f"{name}.weight")
+        rows = even(inp, grid.q, grid.row, f"{name}.weight")
+        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
+        bias = None
+        if module.bias is not None:
+            bias = block_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
+        return cls(weight, bias, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = summa_linear(x.reshape(-1, x.shape[-1]), self.weight, self.grid)
+        if self.bias is not None:
+            y = y + gather_column(self.bias, self.grid)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Embedding2D(nn.Module):
+    """A lookup into column j's feature block of the table (all-gathered from the column's q pieces)."""
+
+    def __init__(self, weight: nn.Parameter, grid: Grid2D, padding_idx: int | None) -> None:
+        super().__init__()
+        self.weight, self.grid, self.padding_idx = weight, grid, padding_idx
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> Embedding2D:
+        if not isinstance(module, nn.Embedding):
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D embedding style applies to nn.Embedding", "map it to another style")
+        rows, width = module.weight.shape
+        layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, f"{name}.weight").dims[0])
+        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = batch_block(ids, self.grid) if ids.dim() == 2 else ids
+        return F.embedding(ids, gather_column(self.weight, self.grid), padding_idx=self.padding_idx)
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over features split along the row: mean and variance from row sums (two passes, as nn.LayerNorm);
+    its weight and bias are column j's blocks, gathered from the column's pieces."""
+
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D) -> None:
+        super().__init__()
+        self.weight, self.bias, self.width, self.eps, self.grid = weight, bias, width, eps, grid
+
+    @classmethod
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> LayerNorm2D:
+        if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension", "map it")
+        width = module.normalized_shape[0]
+        weight, bias = (
+            block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None
+            for n, p in (("weight", module.weight), ("bias", module.bias))
+        )
+        return cls(weight, bias, width, module.eps, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = gather_column(self.weight, self.grid) if self.weight is not None else None
+        bias = gather_column(self.bias, self.grid) if self.bias is not None else None
+        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid))
+
+
+def _row_sums(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+    """Sums over the last dimension of every rank of the row (the full feature width of these tokens)."""
+    out = t.sum(-1, keepdim=True)
+    all_reduce(out, grid.row_group, grid.meter)
+    return out
+
+
+class _LayerNorm2D(torch.autograd.Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over features split along the row; saves only the normalized block and
+    the per-token 1/std, as nn.LayerNorm does (row sums: two in forward, one of two numbers per token in backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, spec: tuple[int, float, Grid2D]) -> torch.Tensor:
+        width, eps, grid = spec
+        centered = x - _row_sums(x, grid) / width
+        rstd = torch.rsqrt(_row_sums(centered * centered, grid) / width + eps)
+        normed = centered.mul_(rstd)
+        ctx.save_for_backward(normed, rstd, weight)
+        ctx.width, ctx.grid, ctx.has_bias = width, grid, bias is not None
+        y = normed if weight is None else normed * weight
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, rstd, weight = ctx.saved_tensors
+        tokens = tuple(range(grad.dim() - 1))
+        grad_w = (grad * normed).sum(tokens) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(tokens) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        g = grad if weight is None else grad * weight
+        sums = torch.stack([g.sum(-1), (g * normed).sum(-1)], dim=-1)
+        all_reduce(sums, ctx.grid.row_group, ctx.grid.meter)
+        mean_g, mean_gn = (sums / ctx.width).unbind(-1)
+        grad_x = rstd * (g - mean_g.unsqueeze(-1) - normed * mean_gn.unsqueeze(-1))
+        return grad_x, grad_w, grad_b, None
+
+
+class TensorParallel2D:
+    """What applying a 2-D plan leaves behind (the interface of plan.TensorParallel): the head's vocabulary block for
+    the loss, the layouts for checkpoints. Under 2-D no gradient is partial (each rank's blocks get their whole gradients
+    from the grid's reductions) and no two tp ranks hold the same piece; under 2.5-D the d layers hold the same pieces
+    and their gradients are summed over the depth."""
+
+    sequence_parallel = False
+
+    def __init__(self, model: nn.Module, grid: Grid2D, vocab: VocabShard | None) -> None:
+        self.grid, self.vocab = grid, vocab
+        named = list(model.named_parameters(remove_duplicate=False))
+        self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
+        self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
+
+    @torch.no_grad()
+    def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
+        """2-D: nothing to sum (every gradient already is this rank's block's whole gradient). 2.5-D: each layer's is
+        its share of the batch's, summed over the depth in one all-reduce (whole or ZeRO slices: equal layouts)."""
+        depth = self.grid.depth_comm()
+        if depth is not None:
+            reduce_flat([g for _, g in slices], depth.all_reduce)
+
+    def copies(self, name: str) -> int:
+        """Ranks of the tp group holding this parameter's piece: one per layer of the depth."""
+        return self.grid.depth
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's summed token loss on every rank, from row i's sequences x column j's vocabulary logits."""
+        if self.vocab is None or logits.shape[-1] != self.vocab.padded:
+            raise BehemothError("2-D tensor parallelism needs the LM head in its plan (a vocabulary block per column)", "map lm_head to linear")
+        mine = batch_block(targets, self.grid)
+        loss = reduce_from_tp(vocab_parallel_cross_entropy(logits, mine, self.vocab, self.grid.row_comm()).sum(), self.grid.col_comm())
+        depth = self.grid.depth_comm()
+        return loss if depth is None else reduce_from_tp(loss, depth)
+
+    def checkpoint_views(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Blocks as full-shape views under single-process names, so DCP reshards to any layout."""
+        return checkpoint_views(state, self.layouts)
+
+
+def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str]) -> TensorParallel2D:
+    """Replace the modules `plan` names by their 2-D versions (on the meta device or not); refuse a plan that leaves a
+    parameter whole or a tied head (its one table would need two layouts)."""
+    styles = match_plan(plan, [n for n, _ in model.named_modules() if n], STYLES_2D)
+    vocab = None
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        kind, _, arg = style.partition(":")
+        new: nn.Module
+        if kind == "linear":
+            new = Linear2D.from_module(module, name, grid, int(arg or 1))
+        elif kind == "embedding":
+            new = Embedding2D.from_module(module, name, grid)
+        else:
+            new = LayerNorm2D.from_module(module, name, grid)
+        model.set_submodule(name, new)
+    whole = [n for n, p in model.named_parameters(remove_duplicate=False) if not hasattr(p, TP_LAYOUT)]
+    if whole:
+        raise BehemothError(f"2-D tensor parallelism: {', '.join(whole[:3])} is not split by the 2-D plan (a tied head?)", "untie the head or map it")
+    head = styles.get("lm_head")
+    if head is not None:
+        v = int(model.get_submodule("lm_head").weight.shape[0])  # type: ignore[index]  # a Linear2D's block
+        vocab = VocabShard(grid.col * v, v, v)
+    return TensorParallel2D(model, grid, vocab)
+
+
+def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, depth: int = 1) -> Grid2D:
+    """This rank's grid from the mesh's global ranks (every tp group's, in tp order); `depth` > 1: 2.5-D."""
+    tp = mesh_ranks.shape[tp_dim]
+    groups = mesh_ranks.movedim(tp_dim, -1).reshape(-1, tp).tolist()
+    return Grid2D.build(groups, dist.get_rank(), meter, depth)

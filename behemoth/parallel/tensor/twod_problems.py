@@ -1,0 +1,68 @@
+"""Why a 2-D tensor-parallel plan (parallel.tp_mode=2d) cannot run: a degree that is no square, sizes the grid does
+not split, and the layouts it does not compose with yet. One line each, before launch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from behemoth.errors import Problem
+from behemoth.models.shape import ModelShape
+
+
+def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | None) -> list[Problem]:
+    """Every reason `cfg`'s 2-D / 2.5-D tensor parallelism cannot run (empty when tp_mode is 1d or it can); `shape`: the model's
+    (None: it cannot be built), `micro_batch`: sequences per micro-batch (None: unknown)."""
+    plan = cfg.parallel
+    if plan.tp_mode != "2.5d" and plan.tp_depth > 1:
+        return [Problem.of("parallel.tp_depth", f"parallel.tp_depth={plan.tp_depth} needs parallel.tp_mode=2.5d", "set parallel.tp_mode=2.5d")]
+    if plan.tp_mode == "1d":
+        return []
+    mode, d = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
+    q = math.isqrt(plan.tp // d)
+    if q * q * d != plan.tp or q < 2:
+        near, side = max(2, q) ** 2 * d, max(2, q)
+        needed = "a square q*q >= 4" if d == 1 else f"parallel.tp_depth={d} x a square q*q >= 4"
+        message = f"parallel.tp_mode={mode} needs parallel.tp to be {needed} (got {plan.tp})"
+        grid = f"{d} x {side} x {side}" if d > 1 else f"a {side} x {side} grid"
+        return [Problem.of("parallel.tp_mode", message, f"use parallel.tp={near} ({grid})")]
+    out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode={mode} with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
+    if shape is not None:
+        sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q * q), "the MLP width": (shape.ffn, q * q)}
+        sizes["model.vocab_size"] = (shape.vocab_size, q)
+        bad = [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
+        if bad:
+            message = f"parallel.tp={plan.tp} (a {q} x {q} grid) does not split {', '.join(bad)}"
+            out.append(Problem.of("parallel.tp", message, "choose sizes the grid divides"))
+    if micro_batch is not None and micro_batch % (q * d):
+        rows = f"q={q} grid rows" if d == 1 else f"tp_depth={d} x q={q} grid rows"
+        out.append(
+            Problem.of(
+                "train.micro_batch",
+                f"parallel.tp_mode={mode} splits each micro-batch's sequences over {rows}, but a micro-batch has {micro_batch}",
+                f"use a train.micro_batch (or global_batch / dp) that is a multiple of {q * d}",
+            )
+        )
+    return out
+
+
+def unsupported(cfg: Any) -> list[tuple[str, str]]:
+    """(what, fix) for each setting 2-D tensor parallelism does not run with."""
+    plan, out = cfg.parallel, []
+    checks = [
+        (plan.pp > 1, f"parallel.pp={plan.pp} (pipeline)", "set parallel.pp=1"),
+        (plan.sequence_parallel, "parallel.sequence_parallel=true (2-D splits the batch instead)", "set parallel.sequence_parallel=false"),
+        (plan.cp > 1, f"parallel.cp={plan.cp} (context parallelism)", "set parallel.cp=1"),
+        (plan.ep > 1 or bool(getattr(cfg.model, "moe", None) and cfg.model.moe.enabled), "a mixture of experts", "use a dense model, or tp_mode=1d"),
+        (plan.zero_stage == 3, "parallel.zero_stage=3", "use parallel.zero_stage=0, 1 or 2"),
+        (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
+        (cfg.offload.enabled, "offload", "turn offload off"),
+        (cfg.hf.arch is not None, f"hf.arch={cfg.hf.arch} (2-D plans exist for behemoth's GPT)", "use a gpt-* model, or tp_mode=1d"),
+        (bool(getattr(cfg.model, "tie_embeddings", False)), "model.tie_embeddings=true", "set model.tie_embeddings=false"),
+        (bool(getattr(cfg.model, "dropout", 0)), f"model.dropout={getattr(cfg.model, 'dropout', 0)}", "set model.dropout=0"),
+        (cfg.train.loss_chunk > 0, f"train.loss_chunk={cfg.train.loss_chunk} (the head is a SUMMA product)", "set train.loss_chunk=0"),
+        (cfg.train.compile, "train.compile=true", "set train.compile=false"),
+        (cfg.finetune.lora.enabled, "finetune.lora (adapters)", "turn LoRA off, or use tp_mode=1d"),
+    ]
+    out += [(what, fix) for bad, what, fix in checks if bad]
+    return out
