@@ -226,7 +226,7 @@ def watch_failure(proc: subprocess.Popen, url: str, seconds: float) -> tuple[flo
     return None, None
 
 
-@pytest.mark.parametrize("how", [pytest.param("kill", id="killed"), pytest.param("stop", id="hung", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", [pytest.param("kill", id="killed", marks=pytest.mark.slow), pytest.param("stop", id="hung", marks=pytest.mark.slow)])
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers through /proc")
 def test_a_tensor_parallel_worker_that_dies_or_hangs_makes_the_server_answer_503_and_exit(tmp_path, how):
     from behemoth.faults.elastic import process_state
