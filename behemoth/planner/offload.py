@@ -145,21 +145,36 @@ def streams(cfg: Any) -> bool:
     return bool(cfg.offload_streams)
 
 
-def pipeline_offload_problem(cfg: Any, dp: int) -> Problem:
-    """Offload under a pipeline, refused in one line: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), else that the stage streamer is not built (each stage would stream its own units)."""
+def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
+    """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
+    refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
+    (offload/stage_order.py), a tied embedding (on two stages), experts, a LoRA base or tensor parallelism with it."""
+    from behemoth.models.causal_lm import model_shape
     from behemoth.parallel.pipeline.schedules import build_schedule
 
     plan = cfg.parallel
     try:
         why = pipeline_refusal(build_schedule(plan.schedule, plan.pp, cfg.batch_layout(rank_dims(cfg, dp)).accum, plan.schedule_chunks))
     except BehemothError:
-        why = ""  # an impossible schedule request: pipeline_problems names it
-    reason = why or "pipelines are not streamed: the streamer runs one rank's whole-model unit order, not a stage's passes"
+        return None  # an impossible schedule request: pipeline_problems names it
+    try:
+        shape = model_shape(cfg.model, cfg.hf)
+    except BehemothError:
+        return None  # a model that cannot be built: model_problems names it
+    if not why and shape.tied:
+        why = "a tied embedding lives on the first and the last stage, whose streamed units step their gradients apart"
+    if not why and any(shape.experts):
+        why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
+    if not why and cfg.finetune.lora.enabled:
+        why = "a LoRA base is not streamed by pipeline stages (its adapters stay resident, outside the stage's units)"
+    if not why and plan.tp > 1:
+        why = f"parallel.tp={plan.tp}: a streamed stage is not split over tensor-parallel ranks"
+    if not why:
+        return None
     return Problem.of(
         "parallel.pp",
-        f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {reason}",
-        "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
+        f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
+        "use parallel.schedule=gpipe, 1f1b or interleaved with an untied dense model, or parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
     )
 
 
@@ -179,8 +194,8 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
     if zero_offload(cfg):
         return []
     out = []
-    if plan.pp > 1:
-        out.append(pipeline_offload_problem(cfg, dp))
+    if plan.pp > 1 and (piped := pipeline_offload_problem(cfg, dp)) is not None:
+        out.append(piped)
     if plan.zero_stage in (1, 2):
         out.append(
             Problem.of(
