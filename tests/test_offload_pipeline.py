@@ -87,3 +87,17 @@ def test_stage_streams_follow_the_curve_and_move_what_their_visits_plan(tmp_path
         assert all(abs(a - b) <= 1e-5 * a for a, b in zip(ref["losses"], losses)), (VARIANTS[v], ref["losses"], losses)
     bug = ranks[0][-1]["losses"]
     assert abs(bug[-1] - refs[0]["losses"][-1]) > 1e-4 * refs[0]["losses"][-1], (bug, refs[0]["losses"])
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_streamed_pipeline_resumes_streamed_and_in_memory(tmp_path):
+    """6 steps of pp=2 from disk (1f1b, 4 micro-batches) with a checkpoint at step 3; resumed from it under the same layout
+    and on one process in memory, both continue its curve (losses and final weights)."""
+    piped = ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", *DISK]
+    base = ["train.steps=6", "train.eval_every=0", "checkpoint.every=3", "checkpoint.async_save=false", "model.n_layer=4"]
+    full = run_ranks(2, train_body, tiny_config(tmp_path / "full", *base, *piped), timeout=180)[0]
+    ckpt = str(tmp_path / "full" / "checkpoints" / "step_0000003")
+    for name, world, layout in (("streamed", 2, piped), ("in-memory", 1, [])):
+        resumed = run_ranks(world, train_body, tiny_config(tmp_path / name, *base, *layout), ckpt, timeout=180)[0]
+        assert resumed["start"] == 3, name
+        assert_close_runs({"losses": full["losses"][3:], "weights": full["weights"]}, resumed)
