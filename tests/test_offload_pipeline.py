@@ -101,3 +101,15 @@ def test_checkpoint_of_a_streamed_pipeline_resumes_streamed_and_in_memory(tmp_pa
         resumed = run_ranks(world, train_body, tiny_config(tmp_path / name, *base, *layout), ckpt, timeout=180)[0]
         assert resumed["start"] == 3, name
         assert_close_runs({"losses": full["losses"][3:], "weights": full["weights"]}, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", ["true", "false"])
+def test_streamed_pipeline_under_tensor_parallelism_trains_the_curve(tmp_path, sp):
+    """pp=2 x tp=2 (with and without sequence parallelism), units from disk: each tp rank streams its part of its stage."""
+    from tests.test_composition import BASE, CORPUS, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(False, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.tp=2", f"parallel.sequence_parallel={sp}", "parallel.microbatches=4", *DISK]
+    cfg = tiny_config(tmp_path / "pp-tp", f"data.path={CORPUS}", *BASE, *options)
+    assert_close_runs(ref, run_ranks(4, train_plans, [cfg], timeout=300)[0][0])

@@ -163,7 +163,7 @@ def streams(cfg: Any) -> bool:
 def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
     """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
     refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), a tied embedding (on two stages), experts, a LoRA base or tensor parallelism with it."""
+    (offload/stage_order.py), a tied embedding (on two stages), experts or a LoRA base with it."""
     from behemoth.models.causal_lm import model_shape
     from behemoth.parallel.pipeline.schedules import build_schedule
 
@@ -182,14 +182,12 @@ def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
         why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
     if not why and cfg.finetune.lora.enabled:
         why = "a LoRA base is not streamed by pipeline stages (its adapters stay resident, outside the stage's units)"
-    if not why and plan.tp > 1:
-        why = f"parallel.tp={plan.tp}: a streamed stage is not split over tensor-parallel ranks"
     if not why:
         return None
     return Problem.of(
         "parallel.pp",
         f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
-        "use parallel.schedule=gpipe, 1f1b or interleaved with an untied dense model, or parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
+        "use parallel.schedule=gpipe, 1f1b or interleaved with an untied dense model, or parallel.pp=1",
     )
 
 
