@@ -33,7 +33,7 @@ from behemoth.offload.order import Action as Visit
 from behemoth.offload.runtime import OffloadSync
 from behemoth.offload.stage_order import stage_passes, stage_units
 from behemoth.parallel.pipeline.apply import PipelineParallel
-from behemoth.parallel.pipeline.executor import ACT, GRAD, Activations, ActionTime, PipeComm, PipelineExecutor, StepTrace
+from behemoth.parallel.pipeline.executor import ACT, GRAD, ActionTime, Activations, PipeComm, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.executor import _Step as PipelineStep  # the mailbox, p2p groups and checks of one step
 from behemoth.parallel.pipeline.partition import PipelineStage, full_sequence_like
 from behemoth.parallel.pipeline.schedules import COMPUTE
@@ -52,7 +52,8 @@ def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int
         elif spec.role in ("embedding", "head"):
             out.append(0 if spec.role == "embedding" else n_layer + 1)
         else:
-            raise BehemothError(f"offload under a pipeline streams embeddings, blocks and heads; {spec.names[0]} is none of them", "use parallel.pp=1")
+            why = f"offload under a pipeline streams embeddings, blocks and heads; {spec.names[0]} is none of them"
+            raise BehemothError(why, "use parallel.pp=1")
     return out
 
 
