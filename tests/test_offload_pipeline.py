@@ -104,12 +104,28 @@ def test_checkpoint_of_a_streamed_pipeline_resumes_streamed_and_in_memory(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sp", ["true", "false"])
-def test_streamed_pipeline_under_tensor_parallelism_trains_the_curve(tmp_path, sp):
-    """pp=2 x tp=2 (with and without sequence parallelism), units from disk: each tp rank streams its part of its stage."""
+@pytest.mark.parametrize(
+    "extra", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.dp=2"]]
+)
+def test_streamed_pipeline_under_tensor_or_data_parallelism_trains_the_curve(tmp_path, extra):
+    """pp=2 x tp=2 (with and without sequence parallelism) or x dp=2, units from disk: each tp rank streams its part of
+    its stage's units, each dp rank its 1/dp shard of them (all-gathered per visit, gradients reduce-scattered)."""
     from tests.test_composition import BASE, CORPUS, reference_config, train_plans
 
     ref = run_ranks(1, train_plans, [reference_config(False, tmp_path / "ref")], timeout=120)[0][0]
-    options = ["parallel.pp=2", "parallel.tp=2", f"parallel.sequence_parallel={sp}", "parallel.microbatches=4", *DISK]
-    cfg = tiny_config(tmp_path / "pp-tp", f"data.path={CORPUS}", *BASE, *options)
+    options = ["parallel.pp=2", *extra, "parallel.microbatches=4", *DISK]
+    cfg = tiny_config(tmp_path / "pp-x", f"data.path={CORPUS}", *BASE, *options)
     assert_close_runs(ref, run_ranks(4, train_plans, [cfg], timeout=300)[0][0])
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_streamed_pipeline_passes_the_feasibility_check_at_zero_stage_0_and_3(zero):
+    """Streamed units are ZeRO-3's at either stage (offload's docs: 0 and 3 mean the same here), so ZeRO-3's refusal
+    under a pipeline (each pass would gather the stage again) is not offload's; a tied head is refused with its reason."""
+    from behemoth.config import load_config
+    from behemoth.planner.feasibility import problems
+
+    options = ["model=gpt-tiny", "parallel.pp=2", "parallel.microbatches=4", f"parallel.zero_stage={zero}", *DISK]
+    assert problems(load_config(None, options), 2) == []
+    tied = [p.message for p in problems(load_config(None, [*options, "model.tie_embeddings=true"]), 2)]
+    assert len(tied) == 1 and "a tied embedding lives on the first and the last stage" in tied[0], tied
