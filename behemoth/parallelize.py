@@ -47,6 +47,7 @@ from behemoth.models.lora import inject_lora, quantize_base
 from behemoth.models.shape import LayerCosts, layer_flops, uniform_layer_costs
 from behemoth.offload import OffloadPolicy, StreamedSteps, apply_offload
 from behemoth.offload.budget import ActivationShape
+from behemoth.offload.stage_stream import StageStreams
 from behemoth.parallel.burst import BurstGroups, BurstModel
 from behemoth.parallel.burst.train import BurstSteps, burst_syncs
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
@@ -344,9 +345,10 @@ def parallelize(
     if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
         optimizer_tier, offload = offload.optimizer, None
     if offload is not None:
-        if not for_training or pipeline is not None:
-            raise ValueError("offload streams training's whole-model units: not for inference (inference/offload.py) nor under a pipeline")
-        return offloaded_model(lm, plan, rt, offload, batch=batch, seq_len=seq_len, seed=seed, lora=lora, compile=compile, parts=(tp, experts, meter))
+        if not for_training:
+            raise ValueError("offload streams training's units: not for inference (inference/offload.py)")
+        parts = (tp, experts, meter, pipeline)
+        return offloaded_model(lm, plan, rt, offload, batch=batch, seq_len=seq_len, seed=seed, lora=lora, compile=compile, parts=parts)
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
         apply_recompute(model.get_submodule(lm.layers.blocks), recomputes)
@@ -389,12 +391,13 @@ def offloaded_model(
     seed: int,
     lora: Any,
     compile: bool,
-    parts: tuple[TensorParallel | None, ExpertParallel | None, CommMeter],
+    parts: tuple[TensorParallel | None, ExpertParallel | None, CommMeter, PipelineParallel | None],
 ) -> ParallelModel:
     """Steps 5-7 of `parallelize` for a model whose states live on offload's tiers: ZeRO-3 units streamed by the offload
-    runtime (tp, experts and the meter are the earlier steps' parts). A LoRA base streams read-only; its adapters stay
-    resident and whole, synchronized as data parallelism does."""
-    tp, experts, meter = parts
+    runtime (tp, experts, the meter and the pipeline are the earlier steps' parts; under a pipeline each rank streams its
+    own stages' units, offload/stage_stream.py). A LoRA base streams read-only; its adapters stay resident and whole,
+    synchronized as data parallelism does."""
+    tp, experts, meter, pipeline = parts
     model = lm.module
     frozen = lora is not None and lora.enabled
     units = shard_parameters(
@@ -408,6 +411,9 @@ def offloaded_model(
     if frozen:
         materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
         adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
+    if pipeline is not None:
+        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter)
+        return ParallelModel(lm, rt, [sync], pipeline, tp, meter, experts, executor=stages)
     return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
 
 

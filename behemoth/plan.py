@@ -137,7 +137,7 @@ class ParallelPlan(BaseModel):
                     "set parallel.zero_stage=1, 2 or 3, or offload the states (offload.params=...), or use train.precision=bf16 autocast",
                 )
             )
-        if self.zero_stage == 3 and self.pp > 1:
+        if self.zero_stage == 3 and self.pp > 1 and not streamed:  # streamed, each stage gathers its units per pass by design
             out.append(
                 Problem.of(
                     "parallel.zero_stage",

@@ -75,7 +75,6 @@ TRAINS = "trains"
 CHIMERA_ZERO2 = ("Chimera sums each stage's full gradient", "ZeRO-2 does not keep")
 ZERO3_PIPELINE = ("gather every stage's parameters again",)
 OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
-OFFLOAD_PIPELINE = ("pipelines are not streamed",)
 OFFLOAD_SPLIT = ("splits each backward into input- and weight-gradient passes",)
 OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
 CP_OFFLOAD = ("cp ranks are not streamed",)
@@ -131,14 +130,14 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("pp-interleaved", "ep", TRAINS),
     ("pp-zb-h1", "ep", TRAINS),
     ("pp-chimera", "ep", TRAINS),
-    ("pp-gpipe", "host", OFFLOAD_PIPELINE),
-    ("pp-1f1b", "host", OFFLOAD_PIPELINE),
-    ("pp-interleaved", "host", OFFLOAD_PIPELINE),
+    ("pp-gpipe", "host", TRAINS),  # each stage streams its own units (offload/stage_stream.py)
+    ("pp-1f1b", "host", TRAINS),
+    ("pp-interleaved", "host", TRAINS),
     ("pp-zb-h1", "host", OFFLOAD_SPLIT),
     ("pp-chimera", "host", OFFLOAD_REPLICAS),
-    ("pp-gpipe", "disk", OFFLOAD_PIPELINE),
-    ("pp-1f1b", "disk", OFFLOAD_PIPELINE),
-    ("pp-interleaved", "disk", OFFLOAD_PIPELINE),
+    ("pp-gpipe", "disk", TRAINS),
+    ("pp-1f1b", "disk", TRAINS),
+    ("pp-interleaved", "disk", TRAINS),
     ("pp-zb-h1", "disk", OFFLOAD_SPLIT),
     ("pp-chimera", "disk", OFFLOAD_REPLICAS),
     ("ep", "host", TRAINS),

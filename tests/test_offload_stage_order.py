@@ -4,7 +4,7 @@ stage cannot follow are named with their reason."""
 import pytest
 
 from behemoth.offload.order import harmony_order, plan_residencies
-from behemoth.offload.stage_order import pipeline_refusal, stage_order
+from behemoth.offload.stage_order import pipeline_refusal, stage_order, stage_passes, stage_units
 from behemoth.parallel.pipeline.actions import Kind
 from behemoth.parallel.pipeline.schedules import build_schedule
 
@@ -57,3 +57,21 @@ def test_schedules_a_streamed_stage_cannot_follow_are_named(name, chunks, words)
     if words:
         with pytest.raises(ValueError, match=words):
             stage_order(sch, 0, UNITS)
+
+
+def test_stage_units_number_each_stages_embedding_blocks_and_head():
+    assert stage_units([0, 2, 4]) == [(0, 1, 2), (3, 4, 5)]
+    assert stage_units([0, 1, 2, 3, 4]) == [(0, 1), (2,), (3,), (4, 5)]  # interleaved: 4 stages of one block
+
+
+@pytest.mark.parametrize("name,chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_stage_passes_are_the_schedules_compute_passes_by_index(name, chunks):
+    """Each pass is named by its index in the rank's action list (where the stage streamer runs it, between the
+    schedule's transfers), and the passes' visits joined are `stage_order`."""
+    sch = build_schedule(name, 2, 4, chunks)
+    units = stage_units([0, 1, 2, 3, 4] if chunks == 2 else [0, 2, 4])
+    for rank in range(2):
+        passes = stage_passes(sch, rank, units)
+        assert [i for i, _ in passes] == [i for i, a in enumerate(sch.per_rank[rank]) if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        assert all(v.mb == sch.per_rank[rank][i].microbatch for i, visits in passes for v in visits)
+        assert [v for _, visits in passes for v in visits] == stage_order(sch, rank, units)

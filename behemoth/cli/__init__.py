@@ -299,7 +299,8 @@ def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
         line += (
             f"\nbehemoth: offload: params {off.params}{' (float32 masters, bf16 compute)' if cfg.parallel.param_dtype == 'bf16' else ''}, "
             f"grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
-            f"{off.order} order, prefetch {off.prefetch}" + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else "")
+            f"{off.order + ' order' if cfg.parallel.pp == 1 else 'each stage in its schedule order'}, prefetch {off.prefetch}"
+            + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else "")
         )
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
     if changed:

@@ -39,14 +39,25 @@ def traffic_lines(cfg: Config, dp: int, device_type: str) -> list[str]:
     mb = cfg.batch_layout(rank_dims(cfg, dp)).micro_batch
     lines = [f"bytes moved per step per rank (read + written, tiers that move bytes) with m micro-batches of {mb} per rank:"]
     ms, orders = ORDERS_SHOWN
-    for order in orders:
+    for order in orders if cfg.parallel.pp == 1 else ("stage",):  # under a pipeline each stage follows its schedule
         row = []
         for m in ms:
-            variant = cfg.replace(offload={"order": order, "max_memory_gb": None}, train={"micro_batch": mb, "global_batch": mb * m * dp})
-            moved = offload_estimate(variant, dp, device_type=device_type).moved_per_tier(device_type)
+            offload = {"max_memory_gb": None} | ({"order": order} if cfg.parallel.pp == 1 else {})
+            variant = cfg.replace(offload=offload, train={"micro_batch": mb, "global_batch": mb * m * dp})
+            try:
+                moved = offload_estimate(variant, dp, device_type=device_type).moved_per_tier(device_type)
+            except BehemothError:  # a schedule that needs more micro-batches than m
+                row.append(f"m={m}: -")
+                continue
             row.append(f"m={m}: {size(sum(r + w for r, w in moved.values()))}")
         lines.append(f"  {order:<8} " + "   ".join(row))
     return lines
+
+
+def order_of(cfg: Config, order: str) -> str:
+    """The streamer's order as the report names it (under a pipeline: pipeline rank 0's stage, in its schedule's order)."""
+    plan = cfg.parallel
+    return f"order {order}" if plan.pp == 1 else f"pp = {plan.pp}: pipeline rank 0's stage units in {plan.schedule}'s order"
 
 
 def offload_report(cfg: Config, dp: int, nproc: int, rates: Rates | None, device_type: str) -> str:
@@ -56,7 +67,7 @@ def offload_report(cfg: Config, dp: int, nproc: int, rates: Rates | None, device
     step = "fused (no clipping)" if p.fused else "deferred (exact clipping)"
     lines = [
         f"behemoth estimate (offload): {cfg.model.preset if not cfg.hf.arch else 'hf:' + cfg.hf.arch}, Ψ = {est.psi:,} parameters "
-        f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; order {p.order}, "
+        f"({est.units} units), dp = {dp}, tp = {cfg.parallel.tp}, {nproc} process(es) on this machine; {order_of(cfg, p.order)}, "
         f"{cfg.batch_layout(rank_dims(cfg, dp)).accum} micro-batch(es) per rank, step {step}",
         *placement_lines(est),
     ]

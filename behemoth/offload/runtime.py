@@ -87,7 +87,7 @@ class OffloadSync(GradSync):
             dist.get_rank(self.group),
             activation,
             device_type=rt.device.type,
-            tied=bool(units[self.n_blocks + 1].reads),
+            tied=any(u.role == "head" and u.reads for u in units),  # a pipeline stage may hold no head
             frozen=[u.frozen for u in units],
         )
         if rt.device.type == "cpu":

@@ -37,17 +37,32 @@ def pipeline_refusal(schedule: Schedule) -> str:
     return ""
 
 
-def stage_order(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[Action]:
-    """The unit visits of `rank` for one step of `schedule`: its compute passes, each expanded into its stage's units."""
+def stage_passes(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[tuple[int, list[Action]]]:
+    """`stage_order` pass by pass: (the pass's index in the rank's action list, its unit visits), what a stage streamer
+    runs between the schedule's transfers."""
     why = pipeline_refusal(schedule)
     if why:
         raise ValueError(why)
     head = max(stage_units[-1])
-    out: list[Action] = []
-    for a in schedule.per_rank[rank]:
-        units = stage_units[a.stage]
+    out: list[tuple[int, list[Action]]] = []
+    for i, a in enumerate(schedule.per_rank[rank]):
         if a.kind is Kind.FORWARD:
-            out += [Action("FB" if u == head else "F", u, a.microbatch) for u in units]
+            out.append((i, [Action("FB" if u == head else "F", u, a.microbatch) for u in stage_units[a.stage]]))
         elif a.kind is Kind.BACKWARD:
-            out += [Action("B", u, a.microbatch) for u in reversed(units) if u != head]
+            out.append((i, [Action("B", u, a.microbatch) for u in reversed(stage_units[a.stage]) if u != head]))
     return out
+
+
+def stage_order(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[Action]:
+    """The unit visits of `rank` for one step of `schedule`: its compute passes, each expanded into its stage's units."""
+    return [v for _, visits in stage_passes(schedule, rank, stage_units) for v in visits]
+
+
+def stage_units(bounds: list[int]) -> list[tuple[int, ...]]:
+    """Each stage's units under the pipeline's block fence posts (order.py's numbering: 0 the embedding, block i is
+    unit i + 1, the head n_layer + 1)."""
+    last = len(bounds) - 2
+    return [
+        ((0,) if s == 0 else ()) + tuple(b + 1 for b in range(bounds[s], bounds[s + 1])) + ((bounds[-1] + 1,) if s == last else ())
+        for s in range(last + 1)
+    ]

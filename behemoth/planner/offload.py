@@ -18,14 +18,14 @@ from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import scratch
 from behemoth.offload.budget import MemoryPeak, fit_budget, unit_sizes
 from behemoth.offload.calibrate import Rates
-from behemoth.offload.order import StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
+from behemoth.offload.order import Action, StateSizes, make_order, plan_residencies, stores_grads, swap_bytes
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.offload.runtime import stream_order
-from behemoth.offload.stage_order import pipeline_refusal
+from behemoth.offload.stage_order import pipeline_refusal, stage_order, stage_units
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.tiers import in_device_memory
 from behemoth.parallel.zero.units import ExpertUnits, UnitSpec, plan_units, split_expert_units
-from behemoth.parallelize import offload_activations
+from behemoth.parallelize import offload_activations, resolve_stage_boundaries
 from behemoth.planner.rank import rank_model
 from behemoth.topology import ParallelDims
 
@@ -78,11 +78,12 @@ class OffloadEstimate:
         return io, compute, max(io, compute)
 
 
-def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type: str = "cpu") -> OffloadEstimate:
-    """The offload plan of `cfg` on dp data-parallel ranks (tp from the config), rank 0's share."""
+def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type: str = "cpu", pp_rank: int = 0) -> OffloadEstimate:
+    """The offload plan of `cfg` on dp data-parallel ranks (tp and pp from the config), the share of data-parallel rank 0
+    of pipeline rank `pp_rank` (under a pipeline: its stages' units, visited as its schedule runs its passes)."""
     dims = rank_dims(cfg, dp)
     psi = sum(p.numel() for p in build_causal_lm(cfg.model, cfg.hf).module.parameters())
-    ranked = rank_model(cfg, dims)  # split by tp and ep on meta, then cut into units as parallelize does
+    ranked = rank_model(cfg, dims, pp_rank)  # cut, split by tp and ep on meta, then cut into units as parallelize does
     lm, tp = ranked.lm, dims.tp
     specs, reads, apart = stream_units(lm, ranked.is_expert if dims.ep > 1 else None)
     layouts = [FlatLayout(s.names, s.shapes, dp if e else dp * dims.ep) for s, e in zip(specs, apart)]
@@ -90,10 +91,11 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     batch = cfg.batch_layout(dims)
     shape = lm.shape
     act = offload_activations(lm, batch, cfg.seq_len, tp)
-    tied = bool(specs[shape.n_layer + 1].reads)
+    tied = any(s.role == "head" and s.reads for s in specs)
     prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
     sizes = unit_sizes(layouts, 0, policy.bits, compute=policy.compute_bytes)  # float32 masters; bf16 gradients with bf16 params
-    plan = plan_residencies(make_order(policy.order, shape.n_layer, batch.accum), reads)
+    order = make_order(policy.order, shape.n_layer, batch.accum) if dims.pp == 1 else stage_visits(cfg, lm, dims, pp_rank)
+    plan = plan_residencies(order, reads)
     grads_kept = stores_grads(plan, deferred=not policy.fused)
     stored = {
         "params": sum(u.stored * u.shard for u in sizes),
@@ -102,8 +104,21 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     }
     moved = swap_bytes(plan, [StateSizes(u.stored * u.shard, u.compute * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
-    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp  # a block's forward runs twice (recomputed in backward)
+    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp / dims.pp  # a block's forward runs twice (recomputed in backward)
     return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak, prefetch, flops, len(specs))
+
+
+def stage_visits(cfg: Any, lm: Any, dims: ParallelDims, pp_rank: int) -> list[Action]:
+    """Pipeline rank `pp_rank`'s unit visits for one step (offload/stage_order.py), numbered as its own units are (the
+    stages' embedding, blocks and head in forward order), as the stage streamer runs them."""
+    from behemoth.parallel.pipeline.schedules import build_schedule
+
+    plan, batch = cfg.parallel, cfg.batch_layout(dims)
+    schedule = build_schedule(plan.schedule, dims.pp, batch.accum, plan.schedule_chunks)
+    bounds = resolve_stage_boundaries(plan, build_causal_lm(cfg.model, cfg.hf), cfg.seq_len, batch.micro_batch)
+    units = stage_units(bounds)
+    local = {u: i for i, u in enumerate(sorted(u for s in schedule.chunk_stages[pp_rank] for u in units[s]))}
+    return [Action(v.kind, local[v.unit], v.mb) for v in stage_order(schedule, pp_rank, units)]
 
 
 def stream_units(lm: Any, is_expert: Any) -> tuple[list[UnitSpec], dict[int, tuple[int, ...]], list[bool]]:
@@ -145,21 +160,34 @@ def streams(cfg: Any) -> bool:
     return bool(cfg.offload_streams)
 
 
-def pipeline_offload_problem(cfg: Any, dp: int) -> Problem:
-    """Offload under a pipeline, refused in one line: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), else that the stage streamer is not built (each stage would stream its own units)."""
+def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
+    """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
+    refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
+    (offload/stage_order.py), a tied embedding (on two stages), experts or a LoRA base with it."""
+    from behemoth.models.causal_lm import model_shape
     from behemoth.parallel.pipeline.schedules import build_schedule
 
     plan = cfg.parallel
     try:
         why = pipeline_refusal(build_schedule(plan.schedule, plan.pp, cfg.batch_layout(rank_dims(cfg, dp)).accum, plan.schedule_chunks))
     except BehemothError:
-        why = ""  # an impossible schedule request: pipeline_problems names it
-    reason = why or "pipelines are not streamed: the streamer runs one rank's whole-model unit order, not a stage's passes"
+        return None  # an impossible schedule request: pipeline_problems names it
+    try:
+        shape = model_shape(cfg.model, cfg.hf)
+    except BehemothError:
+        return None  # a model that cannot be built: model_problems names it
+    if not why and shape.tied:
+        why = "a tied embedding lives on the first and the last stage, whose streamed units step their gradients apart"
+    if not why and any(shape.experts):
+        why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
+    if not why and cfg.finetune.lora.enabled:
+        why = "a LoRA base is not streamed by pipeline stages (its adapters stay resident, outside the stage's units)"
+    if not why:
+        return None
     return Problem.of(
         "parallel.pp",
-        f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {reason}",
-        "use parallel.pp=1 (offload composes with data, ZeRO and tensor parallelism)",
+        f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
+        "use parallel.schedule=gpipe, 1f1b or interleaved with an untied dense model, or parallel.pp=1",
     )
 
 
@@ -179,8 +207,8 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
     if zero_offload(cfg):
         return []
     out = []
-    if plan.pp > 1:
-        out.append(pipeline_offload_problem(cfg, dp))
+    if plan.pp > 1 and (piped := pipeline_offload_problem(cfg, dp)) is not None:
+        out.append(piped)
     if plan.zero_stage in (1, 2):
         out.append(
             Problem.of(
@@ -226,7 +254,7 @@ def offload_launch_problems(cfg: Any, world: int) -> list[Problem]:
     if state == "refused":
         return [Problem("offload.dir", why)]
     dp = cfg.parallel.dims(world).dp
-    need = offload_estimate(cfg, dp, ranks=world).disk_bytes()
+    need = max(offload_estimate(cfg, dp, ranks=world, pp_rank=r).disk_bytes() for r in range(cfg.parallel.pp))  # the largest stage's
     free = scratch.free_bytes(root) + (dir_bytes(root) if state == "stale-own" else 0)
     if need > free:
         return [

@@ -1,0 +1,131 @@
+"""Offload under a pipeline: each stage streams its own units in its schedule's order (offload/stage_stream.py).
+
+tests/test_composition.py trains pp=2 x offload host / disk under gpipe, 1f1b and interleaved at 4 micro-batches against
+the single-process curve (losses and final weights). Here: other micro-batch counts and both step modes against the
+single-process losses, the bytes each stage moves per step against what its unit visits plan (offload/stage_order.py),
+a stage that sends a wrong gradient missing the curve (the control), and a checkpoint of a pipelined offloaded run
+resuming on the same curve, streamed again or in memory on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.common import assert_close_runs, tiny_config, train_body
+from tests.dist import run_ranks
+
+# (schedule, micro-batches, offload.step): the deferred step clips (train.grad_clip=1), the fused one does not
+VARIANTS = [("gpipe", 4, "deferred"), ("1f1b", 3, "fused")]
+DISK = ["offload.params=disk", "offload.optimizer=disk"]
+
+
+def _engine_steps(run_dir: str, m: int, overrides: list[str], bug: bool = False) -> dict[str, Any]:
+    """Three steps of m micro-batches of one sequence through the engine; losses, and the last step's bytes per kind of
+    state as counted by the tiers and as this rank's unit visits plan them (pipelined runs)."""
+    import torch
+
+    from behemoth.config import Config
+    from behemoth.engine import build_engine
+    from behemoth.offload.budget import unit_sizes
+    from behemoth.offload.order import StateSizes, plan_residencies, swap_bytes
+    from behemoth.offload.stage_order import stage_order
+    from behemoth.offload.stage_stream import StageStreams
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(tiny_config(run_dir, f"train.global_batch={m}", "train.micro_batch=1", "model.n_layer=4", *overrides))
+    rt = init_runtime(timeout_s=60, **cfg.parallel.degrees())
+    engine = build_engine(cfg, rt)
+    stages = engine.model.executor
+    if bug:  # the control: a later stage sends back no gradient (zeros), so the earlier stage's units never learn
+        end_pass = StageStreams.end_pass
+
+        def dropped(self: StageStreams, kind: str, stage: int, mb: int, step: Any, state: Any) -> None:
+            end_pass(self, kind, stage, mb, step, state)
+            if kind == "B" and stage > 0:
+                step.mailbox[("grad", stage, mb)].zero_()
+
+        stages.end_pass = dropped.__get__(stages)
+    tokens = torch.randint(0, 256, (m, 33), generator=torch.Generator().manual_seed(0))
+    batch = [(tokens[i : i + 1, :-1], tokens[i : i + 1, 1:]) for i in range(m)]
+    out: dict[str, Any] = {"losses": [engine.train_step(batch, lr=3e-3).loss for _ in range(3)]}
+    if isinstance(stages, StageStreams):
+        sync = engine.model.syncs[0]
+        stores = stages.streamer.stores  # by order.py's unit number
+        sizes = [StateSizes(0, 0, 0)] * (stages.pipeline.bounds[-1] + 2)
+        for unit, size in zip(stores, unit_sizes([s.layout for s in stores.values()], 0, 32)):
+            sizes[unit] = StateSizes(4 * size.shard, 4 * size.shard, size.state_bytes)
+        plan = plan_residencies(stage_order(stages.schedule, stages.rank, stages.units), {})
+        out["counted"] = {k: list(v) for k, v in sync.step_bytes().items()}
+        out["planned"] = {k: list(v) for k, v in swap_bytes(plan, sizes, deferred=not sync.policy.fused).items()}
+    engine.close()
+    rt.close()
+    return out
+
+
+def _variants_body(tmp: str, pipelined: bool) -> list[dict[str, Any]]:
+    out = []
+    for i, (schedule, m, step) in enumerate(VARIANTS):
+        clip = "train.grad_clip=1" if step == "deferred" else "train.grad_clip=0"
+        piped = ["parallel.pp=2", f"parallel.schedule={schedule}", *DISK, f"offload.step={step}"] if pipelined else []
+        out.append(_engine_steps(f"{tmp}/{i}", m, [clip, *piped]))
+    if pipelined:
+        out.append(_engine_steps(f"{tmp}/bug", 4, ["parallel.pp=2", "parallel.schedule=gpipe", *DISK], bug=True))
+    return out
+
+
+def test_stage_streams_follow_the_curve_and_move_what_their_visits_plan(tmp_path):
+    """Every variant's losses within 1e-5 of one process in memory; on every rank the last step's bytes per kind of
+    state equal its plan's; a stage that sends no gradient moves the loss beyond 10x that tolerance (the control)."""
+    refs = run_ranks(1, _variants_body, str(tmp_path / "ref"), False, timeout=120)[0]
+    ranks = run_ranks(2, _variants_body, str(tmp_path / "pp"), True, timeout=240)
+    for v, ref in enumerate(refs):
+        for r, got in enumerate(ranks):
+            assert got[v]["counted"] == got[v]["planned"], (VARIANTS[v], r, got[v]["counted"], got[v]["planned"])
+        losses = ranks[1][v]["losses"]  # the last stage's (the engine reduces the loss over the pipeline: every rank's)
+        assert all(abs(a - b) <= 1e-5 * a for a, b in zip(ref["losses"], losses)), (VARIANTS[v], ref["losses"], losses)
+    bug = ranks[0][-1]["losses"]
+    assert abs(bug[-1] - refs[0]["losses"][-1]) > 1e-4 * refs[0]["losses"][-1], (bug, refs[0]["losses"])
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_streamed_pipeline_resumes_streamed_and_in_memory(tmp_path):
+    """6 steps of pp=2 from disk (1f1b, 4 micro-batches) with a checkpoint at step 3; resumed from it under the same layout
+    and on one process in memory, both continue its curve (losses and final weights)."""
+    piped = ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.microbatches=4", *DISK]
+    base = ["train.steps=6", "train.eval_every=0", "checkpoint.every=3", "checkpoint.async_save=false", "model.n_layer=4"]
+    full = run_ranks(2, train_body, tiny_config(tmp_path / "full", *base, *piped), timeout=180)[0]
+    ckpt = str(tmp_path / "full" / "checkpoints" / "step_0000003")
+    for name, world, layout in (("streamed", 2, piped), ("in-memory", 1, [])):
+        resumed = run_ranks(world, train_body, tiny_config(tmp_path / name, *base, *layout), ckpt, timeout=180)[0]
+        assert resumed["start"] == 3, name
+        assert_close_runs({"losses": full["losses"][3:], "weights": full["weights"]}, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.dp=2"]]
+)
+def test_streamed_pipeline_under_tensor_or_data_parallelism_trains_the_curve(tmp_path, extra):
+    """pp=2 x tp=2 (with and without sequence parallelism) or x dp=2, units from disk: each tp rank streams its part of
+    its stage's units, each dp rank its 1/dp shard of them (all-gathered per visit, gradients reduce-scattered)."""
+    from tests.test_composition import BASE, CORPUS, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(False, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", *extra, "parallel.microbatches=4", *DISK]
+    cfg = tiny_config(tmp_path / "pp-x", f"data.path={CORPUS}", *BASE, *options)
+    assert_close_runs(ref, run_ranks(4, train_plans, [cfg], timeout=300)[0][0])
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_streamed_pipeline_passes_the_feasibility_check_at_zero_stage_0_and_3(zero):
+    """Streamed units are ZeRO-3's at either stage (offload's docs: 0 and 3 mean the same here), so ZeRO-3's refusal
+    under a pipeline (each pass would gather the stage again) is not offload's; a tied head is refused with its reason."""
+    from behemoth.config import load_config
+    from behemoth.planner.feasibility import problems
+
+    options = ["model=gpt-tiny", "parallel.pp=2", "parallel.microbatches=4", f"parallel.zero_stage={zero}", *DISK]
+    assert problems(load_config(None, options), 2) == []
+    tied = [p.message for p in problems(load_config(None, [*options, "model.tie_embeddings=true"]), 2)]
+    assert len(tied) == 1 and "a tied embedding lives on the first and the last stage" in tied[0], tied
