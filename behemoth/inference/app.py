@@ -9,6 +9,8 @@ slots); `serving.py` runs the engine. With an API key, every /v1/ route needs it
 
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from behemoth.errors import BehemothError
@@ -29,13 +31,63 @@ def require_serving_stack() -> None:
         raise BehemothError("behemoth serve needs FastAPI and uvicorn, which are not installed", "pip install 'behemoth[serve]'") from None
 
 
+@dataclass(frozen=True)
+class Route:
+    """One generation endpoint: its request model, and how a parsed request becomes a prompt, a flight in the engine,
+    a stream of chunks or one response object."""
+
+    model: type
+    prepare: Callable[[Any], Any]  # request -> its prompt(s)
+    start: Callable[[Any, Any], Any]  # (request, prepared) -> the flight of its generations (None: nothing to generate)
+    stream: Callable[[Any, Any, Any, Any], Any]  # (request, prepared, flight, stream slot) -> SSE chunks
+    respond: Callable[[Any, Any, Any, list], dict]  # (request, prepared, flight, results) -> the response object
+
+
+def generation_routes(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | None") -> dict[str, Route]:
+    """/v1/completions and /v1/chat/completions as data (completions.py, chat.py)."""
+    name = limits.model_name
+    return {
+        "/v1/completions": Route(
+            CompletionRequest,
+            lambda req: completion_prompts(req, tokenizer, limits),
+            lambda req, prompts: start_completion(engine, req, prompts, limits),
+            lambda req, prompts, flight, slot: stream_completion(req, prompts, flight, tokenizer, name, slot),
+            lambda req, prompts, flight, results: completion_response(req, prompts, flight, results, tokenizer, name),
+        ),
+        "/v1/chat/completions": Route(
+            ChatRequest,
+            lambda req: chat_prompt(req, tokenizer, limits),
+            lambda req, prepared: start_chat(engine, req, prepared[0], prepared[1], limits),
+            lambda req, prepared, flight, slot: stream_chat(req, prepared[0], flight, tokenizer, name, slot),
+            lambda req, prepared, flight, results: chat_response(req, prepared[0], flight, results, tokenizer, name),
+        ),
+    }
+
+
+def add_error_handlers(app: Any, error: Callable[[ApiError], Any]) -> None:
+    """Every error a JSON body: unknown routes and methods, invalid bodies, and defects (500, never a bad request)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> Any:
+        return error(ApiError(exc.status_code, str(exc.detail), code="http_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> Any:
+        return error(ApiError(400, str(exc.errors()[0].get("msg", "invalid request")), code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception) -> Any:
+        return error(ApiError(500, f"internal error ({exc.__class__.__name__})", code="internal_error"))
+
+
 def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | None") -> Any:
     """The ASGI application: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; every error a JSON body."""
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.background import BackgroundTask
-    from starlette.exceptions import HTTPException
 
     app = FastAPI(title="behemoth", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = engine.metrics
@@ -45,18 +97,6 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
         metrics.response(err.status)
         headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:  # unknown route, wrong method
-        return error(ApiError(exc.status_code, str(exc.detail), code="http_error"))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(ApiError(400, str(exc.errors()[0].get("msg", "invalid request")), code="invalid_request"))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:  # a defect, never a bad request
-        return error(ApiError(500, f"internal error ({exc.__class__.__name__})", code="internal_error"))
 
     def streamed(request: Request, chunks: Any, flight: Any, slot: Any) -> StreamingResponse:
         """A stream's response, guarded against a client that stops reading (`backpressure.py`)."""
@@ -71,46 +111,36 @@ def build_app(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | N
         ).start()
         return StreamingResponse(guard.passing(chunks), media_type="text/event-stream", background=BackgroundTask(slot.release))
 
-    if limits.api_key:
-        app.add_middleware(ApiKeyGate, key=limits.api_key, refuse=lambda: error(ApiError(401, UNAUTHORIZED, code="invalid_api_key")))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def generate(request: Request, route: Route) -> Any:
         slot = None
         try:
-            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, CompletionRequest)
-            prompts = completion_prompts(req, tokenizer, limits)
+            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, route.model)
+            prepared = route.prepare(req)
             slot = slots.take() if req.stream else None
-            flight = start_completion(engine, req, prompts, limits)
+            flight = route.start(req, prepared)
             if slot is not None:
                 metrics.response(200)
-                return streamed(request, stream_completion(req, prompts, flight, tokenizer, limits.model_name, slot), flight, slot)
+                return streamed(request, route.stream(req, prepared, flight, slot), flight, slot)
             results = await collect(flight, request.is_disconnected) if flight is not None else []
         except ApiError as err:
             if slot is not None:
                 slot.release()
             return error(err)
         metrics.response(200)
-        return JSONResponse(completion_response(req, prompts, flight, results, tokenizer, limits.model_name))
+        return JSONResponse(route.respond(req, prepared, flight, results))
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        slot = None
-        try:
-            req = parse_body(await read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits, ChatRequest)
-            ids, max_tokens = chat_prompt(req, tokenizer, limits)
-            slot = slots.take() if req.stream else None
-            flight = start_chat(engine, req, ids, max_tokens, limits)
-            if slot is not None:
-                metrics.response(200)
-                return streamed(request, stream_chat(req, ids, flight, tokenizer, limits.model_name, slot), flight, slot)
-            results = await collect(flight, request.is_disconnected)
-        except ApiError as err:
-            if slot is not None:
-                slot.release()
-            return error(err)
-        metrics.response(200)
-        return JSONResponse(chat_response(req, ids, flight, results, tokenizer, limits.model_name))
+    add_error_handlers(app, error)
+    if limits.api_key:
+        app.add_middleware(ApiKeyGate, key=limits.api_key, refuse=lambda: error(ApiError(401, UNAUTHORIZED, code="invalid_api_key")))
+
+    def endpoint(route: Route) -> Callable[[Request], Any]:
+        async def handler(request: Request) -> Any:
+            return await generate(request, route)
+
+        return handler
+
+    for path, route in generation_routes(engine, limits, tokenizer).items():
+        app.add_api_route(path, endpoint(route), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Any:
