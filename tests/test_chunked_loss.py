@@ -14,7 +14,7 @@ from tests.dist import run_ranks
 N, D, V = 45, 16, 67  # tokens, width, vocabulary (odd: chunks and tp shards are uneven)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
@@ -54,9 +54,9 @@ def test_equals_the_plain_loss_and_gradients(chunk, transposed):
     loss = chunked_cross_entropy_sum(_deferred(h, weight, b, chunk, transposed), targets)
     (loss * 0.3).backward()
     got = _grads(h, weight, b)
-    _close(loss, ref.detach(), "loss")
+    _assert_close(loss, ref.detach(), "loss")
     for what, a, e in zip(("hidden", "weight", "bias"), got, expected):
-        _close(a.t() if what == "weight" and transposed else a, e, f"{what} gradient")
+        _assert_close(a.t() if what == "weight" and transposed else a, e, f"{what} gradient")
 
 
 def test_every_target_masked_gives_zero_loss_and_gradient():
@@ -109,7 +109,7 @@ def test_model_head_deferred_equals_plain(model):
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert ref.keys() == got.keys() and ("lm_head.weight" in ref) == (model != "gpt-tied")
     for name in ref:
-        _close(got[name], ref[name], name)
+        _assert_close(got[name], ref[name], name)
 
 
 def _vocab_parallel(chunk: int) -> str:
@@ -137,12 +137,12 @@ def _vocab_parallel(chunk: int) -> str:
 
     loss = chunked_cross_entropy_sum(_deferred(h, w_local, b_local, chunk), targets, VocabSplit(vocab.start, vocab.real, reduce))
     loss.backward()
-    _close(loss, ref.detach(), "vocab-parallel loss")
+    _assert_close(loss, ref.detach(), "vocab-parallel loss")
     grad_h = h.grad.clone()
     tp.all_reduce(grad_h)  # each rank's vocabulary rows give a part of dL/dh (the tp region's entry sums them)
-    _close(grad_h, expected[0], "vocab-parallel hidden gradient")
-    _close(w_local.grad[: vocab.real], layout.take_local(expected[1])[: vocab.real], "vocab-parallel weight gradient")
-    _close(b_local.grad[: vocab.real], expected[2][vocab.start : vocab.start + vocab.real], "vocab-parallel bias gradient")
+    _assert_close(grad_h, expected[0], "vocab-parallel hidden gradient")
+    _assert_close(w_local.grad[: vocab.real], layout.take_local(expected[1])[: vocab.real], "vocab-parallel weight gradient")
+    _assert_close(b_local.grad[: vocab.real], expected[2][vocab.start : vocab.start + vocab.real], "vocab-parallel bias gradient")
     assert not w_local.grad[vocab.real :].any() and not b_local.grad[vocab.real :].any()
     return "ok"
 

@@ -23,7 +23,7 @@ def run_schedule(tmp_path, p: int, schedule: str, *overrides: str) -> list[dict]
     return run_ranks(p, train_and_report, pipeline_config(tmp_path, f"parallel.pp={p}", f"parallel.schedule={schedule}", *overrides))
 
 
-def check_v(got: list[dict], reference: dict, p: int) -> None:
+def assert_v_equivalent(got: list[dict], reference: dict, p: int) -> None:
     assert_equivalent(reference, got)
     assert [r["stages"] for r in got] == [[r, 2 * p - 1 - r] for r in range(p)], "rank r holds stage r and stage 2p-1-r"
     assert set().union(*(r["params"] for r in got)) == set(reference["weights"])
@@ -31,7 +31,7 @@ def check_v(got: list[dict], reference: dict, p: int) -> None:
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedule_matches_single_process_at_p2(schedule, reference, tmp_path):
-    check_v(run_schedule(tmp_path, 2, schedule), reference, 2)
+    assert_v_equivalent(run_schedule(tmp_path, 2, schedule), reference, 2)
 
 
 @pytest.mark.slow
@@ -41,7 +41,7 @@ def test_v_schedule_matches_single_process_at_p4(schedule, tmp_path_factory, tmp
     extra = ["parallel.microbatches=8"] if schedule == "dualpipev" else []
     ref = run_ranks(1, train_body, pipeline_config(tmp_path_factory.mktemp("ref8"), *extra))[0] if extra else None
     got = run_schedule(tmp_path, 4, schedule, *extra)
-    check_v(got, ref or run_ranks(1, train_body, pipeline_config(tmp_path_factory.mktemp("ref4")))[0], 4)
+    assert_v_equivalent(got, ref or run_ranks(1, train_body, pipeline_config(tmp_path_factory.mktemp("ref4")))[0], 4)
 
 
 def scp_report(cfg_dict: dict) -> dict:
