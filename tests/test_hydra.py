@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from behemoth.cli import main
@@ -54,7 +55,7 @@ def hydra_sweep(corpus, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("hydra")
     cfg = base(corpus, 3, **DEEP, train={"eval_every": 3, "micro_batch": 4}, checkpoint={"export": True})
     trials = [{"train.lr": 0.01}, {"train.lr": 0.003, "model.tie_embeddings": False}, {"train.lr": 1e30}]
-    sweep = {"dir": str(root / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB}}
+    sweep = {"dir": str(root / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB, "join": False}}  # bit for bit
     path = write_sweep(root / "hydra.yaml", sweep, cfg, list=trials)
     code = main(["sweep", str(path), "--nproc", "2"])
     return root, code
@@ -96,6 +97,30 @@ def test_a_diverging_trial_is_reported_without_stopping_the_others(hydra_sweep):
     assert rows["trial-002"]["status"].startswith("failed: step ") and "gradient norm is nan" in rows["trial-002"]["status"]
     log = (root / "sweep" / "sweep.log").read_text()
     assert "sweep: 3 trials, hydra on local" in log and "sweep: trial-002 failed before step 3" in log
+
+
+def test_idle_workers_join_a_trial_by_data_parallelism(corpus, tmp_path):  # noqa: F811
+    """Two trials on two workers: the short one is never joined (bit for bit); once it is done, the long one's tasks are
+    split by rows over both workers and the gradients summed: its losses and weights equal the trial alone up to that
+    reduction's reassociation (float32: losses within 2e-6 relative, weights within 2e-6 absolute; a half gradient, a
+    tied gradient added twice or a half lost fails by orders of magnitude more)."""
+    model = {"preset": "gpt-tiny", "n_layer": 2, "tie_embeddings": True}
+    cfg = base(corpus, 2, model=model, train={"eval_every": 2, "micro_batch": 4}, checkpoint={"export": True})
+    trials = [{"train.lr": 0.01}, {"train.lr": 0.003, "train.steps": 5}]
+    sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB}}
+    assert main(["sweep", str(write_sweep(tmp_path / "join.yaml", sweep, cfg, list=trials)), "--nproc", "2"]) == 0
+    report = json.loads((tmp_path / "sweep" / "hydra.json").read_text())
+    assert report["trials"]["trial-000"]["joined_tasks"] == 0 and report["trials"]["trial-001"]["joined_tasks"] >= 10
+    assert report["trials"]["trial-001"]["shards"] == 4 and all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
+    sweep_dir = tmp_path / "sweep"
+    assert curve(sweep_dir / "trial-000") == alone(sweep_dir / "trial-000", tmp_path / "alone-0")
+    (train, val), (train_alone, val_alone) = curve(sweep_dir / "trial-001"), alone(sweep_dir / "trial-001", tmp_path / "alone-1")
+    assert [s for s, _ in train] == [s for s, _ in train_alone] == [1, 2, 3, 4, 5] and len(val) == len(val_alone) == 4
+    for (_, ours), (_, theirs) in zip(train + val, train_alone + val_alone):
+        assert ours == pytest.approx(theirs, rel=2e-6, abs=0)
+    ours_w, theirs_w = load_file(sweep_dir / "trial-001" / "model.safetensors"), load_file(tmp_path / "alone-1" / "model.safetensors")
+    for name, t in theirs_w.items():
+        torch.testing.assert_close(ours_w[name], t, rtol=0, atol=2e-6, msg=name)
 
 
 @pytest.mark.slow  # a sweep killed and resumed, then the winner trained alone: ~40 s on a quiet 2-core machine (-m slow -k hydra)

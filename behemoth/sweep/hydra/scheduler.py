@@ -17,10 +17,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
+from behemoth.sweep.hydra.join import Join, halves, side_buffer, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
 from behemoth.sweep.hydra.worker import worker_main
@@ -73,8 +76,8 @@ class Workers:
 class HydraExecutor:
     """The Executor protocol over Hydra's shard scheduler: `capacity` trials interleaved on `workers` workers."""
 
-    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, report: Path | None = None) -> None:
-        self.capacity, self.report = capacity, report
+    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, join: bool = True, report: Path | None = None) -> None:
+        self.capacity, self.report, self.may_join = capacity, report, join
         self.budget = None if budget_mb is None else int(budget_mb * 2**20)
         self.spill = spill
         self.workers = Workers(workers)
@@ -88,6 +91,9 @@ class HydraExecutor:
         self.resident_peak = [0] * len(self.workers.procs)
         self.busy_s = [0.0] * len(self.workers.procs)
         self.plans: dict[str, dict[str, int]] = {}
+        self.joins: dict[str, Join] = {}  # trial -> its task split over two workers, while in flight
+        self.snapshots: dict[str, torch.Tensor] = {}  # trial -> the shared buffer its joined halves' second half runs on
+        self.joined: dict[str, int] = {}  # trial -> tasks it ran split over two workers
         self.started = time.time()
 
     def submit(self, job: Job) -> None:
@@ -117,9 +123,11 @@ class HydraExecutor:
 
     def finish(self, name: str, outcome: Outcome) -> None:
         run = self.running.pop(name)
+        self.joins.pop(name, None)
         run.trial.busy_s = 0.0
         if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
             self.trials.pop(name, None)
+            self.snapshots.pop(name, None)
         self.done.append((run.job, outcome))
 
     def wait(self) -> tuple[Job, Outcome]:
@@ -129,18 +137,37 @@ class HydraExecutor:
         return self.done.popleft()
 
     def dispatch(self) -> None:
-        """Each free worker slot gets the ready task of the trial with the longest remaining time."""
-        for worker in self.workers.free_slots():
+        """Each free worker slot gets the ready task of the trial with the longest remaining time; while fewer trials are
+        ready than workers are idle, that trial's task is split over two idle workers (data parallelism)."""
+        while slots := self.workers.free_slots():
             ready = [r for r in self.running.values() if r.ready is not None and not r.in_flight]
             if not ready:
                 return
             run = max(ready, key=self.remaining_s)
-            task_id = next(self.ids)
-            task = {**run.ready, "id": task_id}  # type: ignore[dict-item]
-            self.workers.conns[worker].send(task)
-            self.workers.held[worker][task_id] = run.job["trial"]
-            self.tasks[task_id] = run.job["trial"]
+            idle = [w for w in slots if not self.workers.held[w]]
+            task = run.ready
+            assert task is not None
+            if self.may_join and len(idle) >= 2 and len(ready) < len(idle) and splittable(task):
+                self.join(run, task, idle[0], idle[1])
+            else:
+                self.send(run, task, slots[0])
             run.in_flight = True
+
+    def send(self, run: Running, task: Task, worker: int) -> int:
+        task_id = next(self.ids)
+        self.workers.conns[worker].send({**task, "id": task_id})
+        self.workers.held[worker][task_id] = run.job["trial"]
+        self.tasks[task_id] = run.job["trial"]
+        return task_id
+
+    def join(self, run: Running, task: Task, first: int, second: int) -> None:
+        """The task's rows split over two workers: the first half on the spilled shard, the second on a snapshot of it."""
+        name, index = run.job["trial"], task["shard"].index
+        self.snapshots[name] = side_buffer(run.trial.host[index], self.snapshots.get(name))
+        snapshot = self.snapshots[name][: run.trial.host[index].numel()]
+        a, b = halves(task, snapshot)
+        self.joins[name] = Join(task, snapshot, (self.send(run, a, first), self.send(run, b, second)))
+        self.joined[name] = self.joined.get(name, 0) + 1
 
     def collect(self) -> None:
         """Wait for a worker to answer (or die); hand each answer to its trial."""
@@ -166,12 +193,16 @@ class HydraExecutor:
     def answered(self, worker: int, answer: dict[str, Any]) -> None:
         name = self.tasks.pop(answer["id"])
         self.workers.held[worker].pop(answer["id"], None)
+        self.resident_peak[worker] = max(self.resident_peak[worker], answer.get("resident_peak", 0))
+        self.busy_s[worker] += answer["wall_s"]
         run = self.running.get(name)
         if run is None:
             return
         kind, shard = run.ready["kind"], run.ready["shard"]  # type: ignore[index]
-        self.resident_peak[worker] = max(self.resident_peak[worker], answer["resident_peak"])
-        self.busy_s[worker] += answer["wall_s"]
+        if name in self.joins:  # half of a joined task: wait for the other, then the merged answer
+            if not self.joins[name].add(answer):
+                return
+            answer = self.joins.pop(name).merged(run.trial.host[shard.index])
         run.trial.busy_s += answer["wall_s"]
         self.times[(name, kind, shard.index)] = answer["wall_s"]
         units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
@@ -216,7 +247,7 @@ class HydraExecutor:
                 "resident_peak_bytes": self.resident_peak,
                 "busy_s": [round(b, 3) for b in self.busy_s],
                 "wall_s": round(time.time() - self.started, 3),
-                "trials": self.plans,
+                "trials": {name: plan | {"joined_tasks": self.joined.get(name, 0)} for name, plan in self.plans.items()},
             }
             self.report.write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -241,7 +272,8 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
             plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
         except BehemothError as err:
             raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
-    return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill, report=setup.dir / "hydra.json")
+    hydra = options.hydra
+    return HydraExecutor(capacity, setup.nproc, budget_mb=hydra.budget_mb, spill=hydra.spill, join=hydra.join, report=setup.dir / "hydra.json")
 
 
 def one_line(err: BaseException) -> str:
