@@ -100,25 +100,24 @@ def test_a_diverging_trial_is_reported_without_stopping_the_others(hydra_sweep):
 
 
 def test_idle_workers_join_a_trial_by_data_parallelism(corpus, tmp_path):  # noqa: F811
-    """Two trials on two workers: the short one is never joined (bit for bit); once it is done, the long one's tasks are
-    split by rows over both workers and the gradients summed: its losses and weights equal the trial alone up to that
-    reduction's reassociation (float32: losses within 2e-6 relative, weights within 2e-6 absolute; a half gradient, a
-    tied gradient added twice or a half lost fails by orders of magnitude more)."""
+    """One trial on two workers: every task of it is split by rows over both workers and the gradients summed; its
+    losses and weights equal the trial alone up to that reduction's reassociation (float32: measured 2e-8 relative on
+    losses and 2e-7 absolute on weights; held to 2e-6 both. Leaving out the second half's gradient, or adding a tied
+    embedding's head gradient in both halves, fails by far more)."""
     model = {"preset": "gpt-tiny", "n_layer": 2, "tie_embeddings": True}
-    cfg = base(corpus, 2, model=model, train={"eval_every": 2, "micro_batch": 4}, checkpoint={"export": True})
-    trials = [{"train.lr": 0.01}, {"train.lr": 0.003, "train.steps": 5}]
+    cfg = base(corpus, 4, model=model, train={"lr": 0.003, "eval_every": 2, "micro_batch": 4}, checkpoint={"export": True})
     sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB}}
-    assert main(["sweep", str(write_sweep(tmp_path / "join.yaml", sweep, cfg, list=trials)), "--nproc", "2"]) == 0
+    assert main(["sweep", str(write_sweep(tmp_path / "join.yaml", sweep, cfg)), "--nproc", "2"]) == 0
     report = json.loads((tmp_path / "sweep" / "hydra.json").read_text())
-    assert report["trials"]["trial-000"]["joined_tasks"] == 0 and report["trials"]["trial-001"]["joined_tasks"] >= 10
-    assert report["trials"]["trial-001"]["shards"] == 4 and all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
-    sweep_dir = tmp_path / "sweep"
-    assert curve(sweep_dir / "trial-000") == alone(sweep_dir / "trial-000", tmp_path / "alone-0")
-    (train, val), (train_alone, val_alone) = curve(sweep_dir / "trial-001"), alone(sweep_dir / "trial-001", tmp_path / "alone-1")
-    assert [s for s, _ in train] == [s for s, _ in train_alone] == [1, 2, 3, 4, 5] and len(val) == len(val_alone) == 4
+    trial = report["trials"]["trial-000"]
+    assert trial["shards"] == 4 and trial["joined_tasks"] == 4 * 7 + 3 * 4  # every task: 4 steps of 7, 3 validations of 4
+    assert all(0 < busy for busy in report["busy_s"]) and all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
+    trial_dir = tmp_path / "sweep" / "trial-000"
+    (train, val), (train_alone, val_alone) = curve(trial_dir), alone(trial_dir, tmp_path / "alone")
+    assert [s for s, _ in train] == [s for s, _ in train_alone] == [1, 2, 3, 4] and len(val) == len(val_alone) == 3
     for (_, ours), (_, theirs) in zip(train + val, train_alone + val_alone):
         assert ours == pytest.approx(theirs, rel=2e-6, abs=0)
-    ours_w, theirs_w = load_file(sweep_dir / "trial-001" / "model.safetensors"), load_file(tmp_path / "alone-1" / "model.safetensors")
+    ours_w, theirs_w = load_file(trial_dir / "model.safetensors"), load_file(tmp_path / "alone" / "model.safetensors")
     for name, t in theirs_w.items():
         torch.testing.assert_close(ours_w[name], t, rtol=0, atol=2e-6, msg=name)
 

@@ -25,9 +25,9 @@ def splittable(task: Task) -> bool:
     return all(h.shape[0] >= 2 for h in task["inputs"])
 
 
-def halves(task: Task, snapshot: torch.Tensor) -> tuple[Task, Task]:
-    """The task's two halves: rows [0, ceil(B/2)) on the spilled shard, the rest on `snapshot` (the shard's copy)."""
-    first, second = dict(task), dict(task, host=snapshot)
+def halves(task: Task, snapshot_key: str) -> tuple[Task, Task]:
+    """The task's two halves: rows [0, ceil(B/2)) on the spilled shard, the rest on the snapshot (the shard's copy)."""
+    first, second = dict(task), dict(task, host=snapshot_key)
     for key in SPLIT:
         if task.get(key) is not None:
             parts = [torch.tensor_split(t, 2, dim=0) for t in task[key]]
@@ -36,12 +36,12 @@ def halves(task: Task, snapshot: torch.Tensor) -> tuple[Task, Task]:
     return first, second
 
 
-def side_buffer(host: torch.Tensor, have: torch.Tensor | None) -> torch.Tensor:
-    """A shared host buffer holding a snapshot of a spilled shard in its first `host.numel()` values (`have` reused when
-    it is large enough)."""
-    if have is None or have.numel() < host.numel():
-        have = torch.empty(host.numel()).share_memory_()
-    have[: host.numel()].copy_(host)
+def snapshot(buffers: list[torch.Tensor], index: int, have: torch.Tensor | None) -> torch.Tensor:
+    """A trial's shared snapshot buffer (as large as its largest shard's, made once: `have`) holding a copy of shard
+    `index`'s states in its first values."""
+    if have is None:
+        have = torch.empty(max(b.numel() for b in buffers)).share_memory_()
+    have[: buffers[index].numel()].copy_(buffers[index])
     return have
 
 

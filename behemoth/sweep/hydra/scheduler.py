@@ -5,6 +5,7 @@ worker holds two tasks: the one running and the next, whose shard it prefetches 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -23,7 +24,8 @@ from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
-from behemoth.sweep.hydra.join import Join, halves, side_buffer, splittable
+from behemoth.sweep.hydra import wire
+from behemoth.sweep.hydra.join import Join, halves, snapshot, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
 from behemoth.sweep.hydra.worker import worker_main
@@ -56,6 +58,7 @@ class Workers:
         for i in range(count):
             self.start(i)
         self.held: list[dict[int, str]] = [{} for _ in range(count)]  # worker -> task id -> trial
+        self.known: list[set[str]] = [set() for _ in range(count)]  # worker -> keys of the spilled buffers it holds open
 
     def start(self, i: int) -> None:
         ours, theirs = self.ctx.Pipe()
@@ -63,6 +66,25 @@ class Workers:
         proc.start()
         theirs.close()
         self.procs[i], self.conns[i] = proc, ours
+        if hasattr(self, "known"):
+            self.known[i] = set()
+
+    def send(self, worker: int, task: Task, buffers: dict[str, Any]) -> None:
+        """A task by value, after the buffers it names that the worker does not hold yet (by their shared handles)."""
+        new = {key: handle for key, handle in buffers.items() if key not in self.known[worker]}
+        if new:
+            wire.register(self.conns[worker], new)
+            self.known[worker] |= set(new)
+        wire.send(self.conns[worker], task)
+
+    def forget(self, prefix: str) -> None:
+        """Every worker lets go of the buffers whose keys start with `prefix` (a trial that is done)."""
+        for i, known in enumerate(self.known):
+            keys = [k for k in known if k.startswith(prefix)]
+            if keys:
+                known -= set(keys)
+                with contextlib.suppress(OSError):
+                    wire.forget(self.conns[i], keys)
 
     def free_slots(self) -> list[int]:
         """Workers that can take a task, the idle ones first."""
@@ -128,6 +150,7 @@ class HydraExecutor:
         if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
             self.trials.pop(name, None)
             self.snapshots.pop(name, None)
+            self.workers.forget(f"{name}/")
         self.done.append((run.job, outcome))
 
     def wait(self) -> tuple[Job, Outcome]:
@@ -155,7 +178,10 @@ class HydraExecutor:
 
     def send(self, run: Running, task: Task, worker: int) -> int:
         task_id = next(self.ids)
-        self.workers.conns[worker].send({**task, "id": task_id})
+        buffers = run.trial.buffers()
+        if run.job["trial"] in self.snapshots:
+            buffers[snapshot_key(run.job["trial"])] = self.snapshots[run.job["trial"]]
+        self.workers.send(worker, {**task, "id": task_id}, buffers)
         self.workers.held[worker][task_id] = run.job["trial"]
         self.tasks[task_id] = run.job["trial"]
         return task_id
@@ -163,10 +189,9 @@ class HydraExecutor:
     def join(self, run: Running, task: Task, first: int, second: int) -> None:
         """The task's rows split over two workers: the first half on the spilled shard, the second on a snapshot of it."""
         name, index = run.job["trial"], task["shard"].index
-        self.snapshots[name] = side_buffer(run.trial.host[index], self.snapshots.get(name))
-        snapshot = self.snapshots[name][: run.trial.host[index].numel()]
-        a, b = halves(task, snapshot)
-        self.joins[name] = Join(task, snapshot, (self.send(run, a, first), self.send(run, b, second)))
+        self.snapshots[name] = snapshot(run.trial.host, index, self.snapshots.get(name))
+        a, b = halves(task, snapshot_key(name))
+        self.joins[name] = Join(task, self.snapshots[name], (self.send(run, a, first), self.send(run, b, second)))
         self.joined[name] = self.joined.get(name, 0) + 1
 
     def collect(self) -> None:
@@ -250,6 +275,10 @@ class HydraExecutor:
                 "trials": {name: plan | {"joined_tasks": self.joined.get(name, 0)} for name, plan in self.plans.items()},
             }
             self.report.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def snapshot_key(trial: str) -> str:
+    return f"{trial}/snapshot"
 
 
 def folder_of(job: Job) -> Path:
