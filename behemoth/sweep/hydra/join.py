@@ -90,3 +90,46 @@ class Join:
 
 def sizes(shard: Shard) -> list[int]:
     return [int(torch.Size(s).numel()) for s in shard.shapes]
+
+
+def snapshot_key(trial: str) -> str:
+    return f"{trial}/snapshot"
+
+
+class Joins:
+    """The scheduler's joined tasks: each trial's one in flight, its snapshot buffer, how many of its tasks ran joined."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, Join] = {}
+        self.snapshots: dict[str, torch.Tensor] = {}
+        self.count: dict[str, int] = {}
+
+    def buffers(self, trial: str) -> dict[str, torch.Tensor]:
+        """The trial's snapshot buffer by its key, for the workers (once it has one)."""
+        return {snapshot_key(trial): self.snapshots[trial]} if trial in self.snapshots else {}
+
+    def split(self, trial: str, host: list[torch.Tensor], task: Task) -> tuple[Task, Task]:
+        """The task's halves, after its shard's states are copied into the trial's snapshot buffer."""
+        self.snapshots[trial] = snapshot(host, task["shard"].index, self.snapshots.get(trial))
+        self.count[trial] = self.count.get(trial, 0) + 1
+        return halves(task, snapshot_key(trial))
+
+    def started(self, trial: str, task: Task, ids: tuple[int, int]) -> None:
+        self.open[trial] = Join(task, self.snapshots[trial], ids)
+
+    def answer(self, trial: str, answer: dict[str, Any], host: list[torch.Tensor]) -> dict[str, Any] | None:
+        """A worker's answer as the trial's chain takes it: as is, or (half of a joined task) None until the other half
+        has answered, then the two merged."""
+        join = self.open.get(trial)
+        if join is None:
+            return answer
+        if not join.add(answer):
+            return None
+        del self.open[trial]
+        return join.merged(host[join.task["shard"].index])
+
+    def drop(self, trial: str, *, let_go: bool) -> None:
+        """A trial's segment ended: its joined task (if one was in flight) is void; `let_go`: the trial is done."""
+        self.open.pop(trial, None)
+        if let_go:
+            self.snapshots.pop(trial, None)

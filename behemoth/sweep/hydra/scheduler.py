@@ -18,14 +18,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
 from behemoth.sweep.hydra import wire
-from behemoth.sweep.hydra.join import Join, halves, snapshot, splittable
+from behemoth.sweep.hydra.join import Joins, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
 from behemoth.sweep.hydra.worker import worker_main
@@ -55,19 +53,21 @@ class Workers:
         self.threads = threads
         self.procs: list[Any] = [None] * count
         self.conns: list[Connection] = [None] * count  # type: ignore[list-item]
-        for i in range(count):
-            self.start(i)
+        self.spawned = [0.0] * count
+        self.startup_s = [0.0] * count  # spawn to the worker's first message (interpreter, imports)
         self.held: list[dict[int, str]] = [{} for _ in range(count)]  # worker -> task id -> trial
         self.known: list[set[str]] = [set() for _ in range(count)]  # worker -> keys of the spilled buffers it holds open
+        for i in range(count):
+            self.start(i)
 
     def start(self, i: int) -> None:
         ours, theirs = self.ctx.Pipe()
+        self.spawned[i] = time.perf_counter()
         proc = self.ctx.Process(target=worker_main, args=(theirs, i, self.threads), name=f"hydra-worker-{i}", daemon=True)
         proc.start()
         theirs.close()
         self.procs[i], self.conns[i] = proc, ours
-        if hasattr(self, "known"):
-            self.known[i] = set()
+        self.known[i] = set()
 
     def send(self, worker: int, task: Task, buffers: dict[str, Any]) -> None:
         """A task by value, after the buffers it names that the worker does not hold yet (by their shared handles)."""
@@ -111,11 +111,10 @@ class HydraExecutor:
         self.times: dict[tuple[str, str, int], float] = {}  # (trial, kind, shard) -> last measured seconds
         self.rate = 0.0  # seconds per (shard element x token), measured: prices tasks not yet measured
         self.resident_peak = [0] * len(self.workers.procs)
-        self.busy_s = [0.0] * len(self.workers.procs)
+        self.busy_s = [0.0] * len(self.workers.procs)  # running tasks (and spilling back what they changed)
+        self.load_s = [0.0] * len(self.workers.procs)  # copying shards in (the prefetch thread, beside a running task)
         self.plans: dict[str, dict[str, int]] = {}
-        self.joins: dict[str, Join] = {}  # trial -> its task split over two workers, while in flight
-        self.snapshots: dict[str, torch.Tensor] = {}  # trial -> the shared buffer its joined halves' second half runs on
-        self.joined: dict[str, int] = {}  # trial -> tasks it ran split over two workers
+        self.joins = Joins()  # tasks split over two workers (data parallelism while workers would idle)
         self.started = time.time()
 
     def submit(self, job: Job) -> None:
@@ -145,12 +144,11 @@ class HydraExecutor:
 
     def finish(self, name: str, outcome: Outcome) -> None:
         run = self.running.pop(name)
-        self.joins.pop(name, None)
         run.trial.busy_s = 0.0
         if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
             self.trials.pop(name, None)
-            self.snapshots.pop(name, None)
             self.workers.forget(f"{name}/")
+        self.joins.drop(name, let_go=name not in self.trials)
         self.done.append((run.job, outcome))
 
     def wait(self) -> tuple[Job, Outcome]:
@@ -178,21 +176,15 @@ class HydraExecutor:
 
     def send(self, run: Running, task: Task, worker: int) -> int:
         task_id = next(self.ids)
-        buffers = run.trial.buffers()
-        if run.job["trial"] in self.snapshots:
-            buffers[snapshot_key(run.job["trial"])] = self.snapshots[run.job["trial"]]
-        self.workers.send(worker, {**task, "id": task_id}, buffers)
+        self.workers.send(worker, {**task, "id": task_id}, run.trial.buffers() | self.joins.buffers(run.job["trial"]))
         self.workers.held[worker][task_id] = run.job["trial"]
         self.tasks[task_id] = run.job["trial"]
         return task_id
 
     def join(self, run: Running, task: Task, first: int, second: int) -> None:
         """The task's rows split over two workers: the first half on the spilled shard, the second on a snapshot of it."""
-        name, index = run.job["trial"], task["shard"].index
-        self.snapshots[name] = snapshot(run.trial.host, index, self.snapshots.get(name))
-        a, b = halves(task, snapshot_key(name))
-        self.joins[name] = Join(task, self.snapshots[name], (self.send(run, a, first), self.send(run, b, second)))
-        self.joined[name] = self.joined.get(name, 0) + 1
+        a, b = self.joins.split(run.job["trial"], run.trial.host, task)
+        self.joins.started(run.job["trial"], task, (self.send(run, a, first), self.send(run, b, second)))
 
     def collect(self) -> None:
         """Wait for a worker to answer (or die); hand each answer to its trial."""
@@ -211,6 +203,9 @@ class HydraExecutor:
                 except (EOFError, OSError):
                     self.worker_died(worker)
                     continue
+                if "ready" in answer:
+                    self.workers.startup_s[worker] = time.perf_counter() - self.workers.spawned[worker]
+                    continue
                 self.answered(worker, answer)
             else:
                 self.worker_died(worker)
@@ -220,14 +215,15 @@ class HydraExecutor:
         self.workers.held[worker].pop(answer["id"], None)
         self.resident_peak[worker] = max(self.resident_peak[worker], answer.get("resident_peak", 0))
         self.busy_s[worker] += answer["wall_s"]
+        self.load_s[worker] += answer.get("load_s", 0.0)
         run = self.running.get(name)
         if run is None:
             return
         kind, shard = run.ready["kind"], run.ready["shard"]  # type: ignore[index]
-        if name in self.joins:  # half of a joined task: wait for the other, then the merged answer
-            if not self.joins[name].add(answer):
-                return
-            answer = self.joins.pop(name).merged(run.trial.host[shard.index])
+        merged = self.joins.answer(name, answer, run.trial.host)  # half of a joined task: None until the other answers
+        if merged is None:
+            return
+        answer = merged
         run.trial.busy_s += answer["wall_s"]
         self.times[(name, kind, shard.index)] = answer["wall_s"]
         units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
@@ -253,32 +249,40 @@ class HydraExecutor:
         self.workers.start(worker)
 
     def remaining_s(self, run: Running) -> float:
-        """The trial's remaining time: its tasks left, each priced by its last measured time (or the measured rate)."""
-        trial, name = run.trial, run.job["trial"]
-        tokens = trial.cfg.train.global_batch * trial.cfg.seq_len
-        total = 0.0
-        for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
-            measured = self.times.get((name, kind, s))
-            total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (self.rate or 1.0))
-        return total if math.isfinite(total) else 0.0
+        return remaining_s(run, self.times, self.rate)
 
     def close(self) -> None:
         """Stop the workers; write what they measured (resident model-state bytes, busy time) beside the leaderboard."""
         self.workers.close()
         if self.report is not None:
-            summary = {
-                "budget_bytes": self.budget,
-                "workers": len(self.workers.procs),
-                "resident_peak_bytes": self.resident_peak,
-                "busy_s": [round(b, 3) for b in self.busy_s],
-                "wall_s": round(time.time() - self.started, 3),
-                "trials": {name: plan | {"joined_tasks": self.joined.get(name, 0)} for name, plan in self.plans.items()},
-            }
-            self.report.write_text(json.dumps(summary, indent=1) + "\n")
+            self.report.write_text(json.dumps(summary(self), indent=1) + "\n")
 
 
-def snapshot_key(trial: str) -> str:
-    return f"{trial}/snapshot"
+def summary(ex: HydraExecutor) -> dict[str, Any]:
+    """hydra.json: the budget, each worker's peak resident model-state bytes, busy, copy-in and start-up seconds, each
+    trial's shards, state bytes and tasks run joined."""
+    return {
+        "budget_bytes": ex.budget,
+        "workers": len(ex.workers.procs),
+        "resident_peak_bytes": ex.resident_peak,
+        "busy_s": [round(b, 3) for b in ex.busy_s],
+        "load_s": [round(b, 3) for b in ex.load_s],
+        "startup_s": [round(b, 3) for b in ex.workers.startup_s],
+        "tasks": next(ex.ids),
+        "wall_s": round(time.time() - ex.started, 3),
+        "trials": {name: plan | {"joined_tasks": ex.joins.count.get(name, 0)} for name, plan in ex.plans.items()},
+    }
+
+
+def remaining_s(run: Running, times: dict[tuple[str, str, int], float], rate: float) -> float:
+    """The trial's remaining time: its tasks left, each priced by its last measured time (or the measured rate)."""
+    trial, name = run.trial, run.job["trial"]
+    tokens = trial.cfg.train.global_batch * trial.cfg.seq_len
+    total = 0.0
+    for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
+        measured = times.get((name, kind, s))
+        total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (rate or 1.0))
+    return total if math.isfinite(total) else 0.0
 
 
 def folder_of(job: Job) -> Path:
