@@ -90,6 +90,16 @@ def hydra_shards(work: Path, name: str) -> tuple[int, float]:
     return max(t["shards"] for t in report["trials"].values()), max(report["resident_peak_bytes"]) / 2**20
 
 
+def breakdown(work: Path, name: str) -> str:
+    """Where a hydra sweep's time went, from its hydra.json."""
+    r = json.loads((work / name / "hydra.json").read_text())
+    joined = sum(t.get("joined_tasks", 0) for t in r["trials"].values())
+    return (
+        f"  {name}: {r.get('tasks', '?')} tasks ({joined} joined), workers' start-up {max(r.get('startup_s', [0])):.1f} s, "
+        f"busy {sum(r['busy_s']):.1f} s, copy-in {sum(r.get('load_s', [0])):.1f} s (worker-seconds, of {r['workers']} x {r['wall_s']:.1f} s)"
+    )
+
+
 def makespan_part(args: argparse.Namespace, work: Path, steps: int, argv: list[str] | None) -> list[dict]:
     """The makespan table: the cases asked for (loop, sequential, concurrent, hydra whole, hydra sharded)."""
     cfg = base(work / "corpus.txt", work / "cache", args.model, steps)
@@ -121,6 +131,9 @@ def makespan_part(args: argparse.Namespace, work: Path, steps: int, argv: list[s
     print(f"{'case':<72} {'makespan s':>10} {'CPU s':>8} {'sequential / this':>18}")
     for case, (wall, cpu) in measured.items():
         print(f"{labels[case]:<72} {wall:>10.1f} {cpu:>8.1f} {seq / wall:>17.2f}x")
+    for name in ("hydra-whole", "hydra"):
+        if name in measured:
+            print(breakdown(work, name))
     rows = []
     for case in ("hydra-whole", "hydra", "concurrent"):
         if case in measured and "sequential" in measured:
@@ -156,6 +169,7 @@ def spill_part(args: argparse.Namespace, work: Path, steps: int, argv: list[str]
         ("sweep sequential, each trial offloaded to host (--nproc 2)", offload, offload_cpu),
     ):
         print(f"{label:<72} {wall:>10.1f} {cpu:>8.1f} {tokens / wall:>9.0f} {(tokens / hydra) / (tokens / wall):>12.2f}x")
+    print(breakdown(work, "spill-hydra"))
     return [ratio("sweep", f"{k}x{args.spill_model} over budget hydra", "sequential with offload", "tokens_per_s", tokens / hydra, tokens / offload)]
 
 
