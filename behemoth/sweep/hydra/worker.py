@@ -76,11 +76,13 @@ class Loaded:
         """[params, grads, exp_avgs, exp_avg_sqs], each a view per parameter of the shard."""
         return [[part[o : o + int(torch.Size(s).numel())].view(s) for o, s in zip(shard.offsets(), shard.shapes)] for part in self.parts]
 
-    def spill(self) -> None:
-        """Write the states back to their host (or disk) buffer: the parameters and moments a step changed, the gradients."""
+    def spill(self, stepped: bool) -> None:
+        """Write the states back to their host (or disk) buffer: the gradients, and the parameters and moments when a
+        step changed them (`stepped`)."""
         n = self.parts[0].numel()
         for k, part in enumerate(self.parts):
-            self.host[k * n : (k + 1) * n].copy_(part)
+            if stepped or k == 1:
+                self.host[k * n : (k + 1) * n].copy_(part)
 
     def release(self) -> None:
         self.resident.free(self.bytes)
@@ -158,7 +160,7 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     """Execute one task on its loaded shard; what the trial needs back (boundary tensors, losses, gradient squares)."""
     task, shard = loaded.task, loaded.task["shard"]
     views = loaded.views(shard)
-    dirty = task.get("pending") is not None
+    stepped = dirty = task.get("pending") is not None
     if dirty:
         apply_pending(skeleton, shard, views, task["pending"])
     params = skeleton.install(list(shard.names), views[0])
@@ -174,7 +176,7 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     finally:
         skeleton.uninstall()
     if dirty:
-        loaded.spill()
+        loaded.spill(stepped)
     return out
 
 
