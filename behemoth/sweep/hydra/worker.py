@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from behemoth.config import load_config
-from behemoth.engine import adamw_settings
 from behemoth.models.causal_lm import CausalLM, build_causal_lm, counted_targets, summed_token_loss
-from behemoth.parallel.sync import adamw_with_state, decays
+from behemoth.parallel.sync import adamw_settings, adamw_with_state, decays
 from behemoth.sweep.hydra import wire
 from behemoth.sweep.hydra.shards import FIRST, LAST, STATES, Shard
 
