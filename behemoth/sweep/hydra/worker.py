@@ -248,7 +248,7 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
     from behemoth.sweep.executors import die_with_parent
 
     die_with_parent()
-    wire.send(conn, {"ready": os.getpid()})  # imports done: the scheduler times each worker's start
+    wire.send(conn, {"ready": time.time()})  # imports done: the scheduler times each worker's start
     resident, inbox, skeletons = Resident(), queue.Queue[Any](), cast(dict[str, Skeleton], {})
     threading.Thread(target=receive, args=(conn, inbox, resident), daemon=True).start()
     while (item := inbox.get()) is not None:
