@@ -5,7 +5,9 @@ within it; a trial that diverges is reported failed while the others finish."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 
 import pytest
 import torch
@@ -20,6 +22,23 @@ from tests.test_sweep_run import alone, base, corpus, csv_rows, curve, run_kille
 
 BUDGET_MB = 0.4  # a block of the 8-layer, 32-wide GPT holds 0.19 MiB of states: one block a shard (half the budget)
 DEEP = {"model": {"preset": "gpt-tiny", "n_layer": 8, "tie_embeddings": True}}
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """A hydra sweep run in this process that has not ended within `seconds` fails (a hang in the scheduler's wait,
+    with its workers stopped as it unwinds) instead of hanging the suite."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"the hydra sweep ran over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def deep_lm(tied: bool = True):
@@ -57,7 +76,8 @@ def hydra_sweep(corpus, tmp_path_factory):  # noqa: F811
     trials = [{"train.lr": 0.01}, {"train.lr": 0.003, "model.tie_embeddings": False}, {"train.lr": 1e30}]
     sweep = {"dir": str(root / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB, "join": False}}  # bit for bit
     path = write_sweep(root / "hydra.yaml", sweep, cfg, list=trials)
-    code = main(["sweep", str(path), "--nproc", "2"])
+    with deadline(600):
+        code = main(["sweep", str(path), "--nproc", "2"])
     return root, code
 
 
@@ -107,7 +127,8 @@ def test_idle_workers_join_a_trial_by_data_parallelism(corpus, tmp_path):  # noq
     model = {"preset": "gpt-tiny", "n_layer": 2, "tie_embeddings": True}
     cfg = base(corpus, 4, model=model, train={"lr": 0.003, "eval_every": 2, "micro_batch": 4}, checkpoint={"export": True})
     sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": BUDGET_MB}}
-    assert main(["sweep", str(write_sweep(tmp_path / "join.yaml", sweep, cfg)), "--nproc", "2"]) == 0
+    with deadline(600):
+        assert main(["sweep", str(write_sweep(tmp_path / "join.yaml", sweep, cfg)), "--nproc", "2"]) == 0
     report = json.loads((tmp_path / "sweep" / "hydra.json").read_text())
     trial = report["trials"]["trial-000"]
     assert trial["shards"] == 4 and trial["joined_tasks"] == 4 * 7 + 3 * 4  # every task: 4 steps of 7, 3 validations of 4
