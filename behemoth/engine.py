@@ -26,7 +26,7 @@ from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.offload import OffloadPolicy
-from behemoth.parallel.sync import AdamWSettings
+from behemoth.parallel.sync import adamw_kernel, adamw_settings  # noqa: F401 - here since the engine picked them
 from behemoth.parallelize import ParallelModel, parallelize
 from behemoth.topology import Runtime
 
@@ -49,21 +49,6 @@ def lr_at(step: int, train: TrainConfig) -> float:
     progress = min(1.0, (step - train.warmup_steps) / span)
     floor = train.lr * train.min_lr_ratio
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def adamw_kernel(train: TrainConfig, device: torch.device) -> str:
-    """torch's AdamW implementation for the device: train.adamw, or by default fused on CUDA (one kernel for every
-    tensor) and foreach elsewhere, which equals the for-loop bit for bit (on CPU torch's fused kernel measured faster
-    still, within a few ulps of it: train.adamw=fused; docs/performance.md, benchmarks/bench_optimizer.py)."""
-    if train.adamw != "auto":
-        return train.adamw
-    return "fused" if device.type == "cuda" else "foreach"
-
-
-def adamw_settings(train: TrainConfig, device: torch.device | None = None) -> AdamWSettings:
-    """AdamW as configured; weight decay applies to matrices and embeddings only (not biases or norms)."""
-    kernel = adamw_kernel(train, device or torch.device("cpu"))
-    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay, kernel)
 
 
 class Engine:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from behemoth.config import TrainConfig
+
 
 @dataclass(frozen=True)
 class AdamWSettings:
@@ -33,7 +35,7 @@ class AdamWSettings:
     lr: float
     betas: tuple[float, float]
     weight_decay: float
-    kernel: str = "foreach"  # torch's AdamW implementation: for-loop, foreach or fused (engine.adamw_kernel picks one per device)
+    kernel: str = "foreach"  # torch's AdamW implementation: for-loop, foreach or fused (adamw_kernel picks one per device)
 
     def kernel_flags(self) -> dict[str, bool]:
         """torch's `foreach` / `fused` arguments for the kernel (both False: the for-loop)."""
@@ -51,6 +53,21 @@ def with_tied_names(state: dict[str, Any], aliases: dict[str, list[str]]) -> dic
         if name in state:
             state.update(dict.fromkeys(others, state[name]))
     return state
+
+
+def adamw_kernel(train: TrainConfig, device: torch.device) -> str:
+    """torch's AdamW implementation for the device: train.adamw, or by default fused on CUDA (one kernel for every
+    tensor) and foreach elsewhere, which equals the for-loop bit for bit (on CPU torch's fused kernel measured faster
+    still, within a few ulps of it: train.adamw=fused; docs/performance.md, benchmarks/bench_optimizer.py)."""
+    if train.adamw != "auto":
+        return train.adamw
+    return "fused" if device.type == "cuda" else "foreach"
+
+
+def adamw_settings(train: TrainConfig, device: torch.device | None = None) -> AdamWSettings:
+    """AdamW as configured; weight decay applies to matrices and embeddings only (not biases or norms)."""
+    kernel = adamw_kernel(train, device or torch.device("cpu"))
+    return AdamWSettings(train.lr, (train.beta1, train.beta2), train.weight_decay, kernel)
 
 
 def adamw_with_state(decay: list[nn.Parameter], no_decay: list[nn.Parameter], settings: AdamWSettings) -> torch.optim.AdamW | None:

@@ -40,6 +40,7 @@ class RaySpec(SweepSection):
 class HydraSpec(SweepSection):
     budget_mb: float | None = Field(None, gt=0, description="each worker's device budget for model states, MiB (default: none, a trial is one shard)")
     spill: Literal["host", "disk"] = Field("host", description="where shards wait while they do not run: shared host memory, or files")
+    join: bool = Field(True, description="idle workers join ready trials by data parallelism (results equal up to the gradient sum's reassociation)")
 
 
 class SweepOptions(SweepSection):

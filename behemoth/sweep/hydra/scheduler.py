@@ -5,6 +5,7 @@ worker holds two tasks: the one running and the next, whose shard it prefetches 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -21,6 +22,8 @@ from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
+from behemoth.sweep.hydra import wire
+from behemoth.sweep.hydra.join import Joins, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
 from behemoth.sweep.hydra.worker import worker_main
@@ -50,16 +53,38 @@ class Workers:
         self.threads = threads
         self.procs: list[Any] = [None] * count
         self.conns: list[Connection] = [None] * count  # type: ignore[list-item]
+        self.spawned = [0.0] * count
+        self.startup_s = [0.0] * count  # spawn to the worker's first message (interpreter, imports)
+        self.held: list[dict[int, str]] = [{} for _ in range(count)]  # worker -> task id -> trial
+        self.known: list[set[str]] = [set() for _ in range(count)]  # worker -> keys of the spilled buffers it holds open
         for i in range(count):
             self.start(i)
-        self.held: list[dict[int, str]] = [{} for _ in range(count)]  # worker -> task id -> trial
 
     def start(self, i: int) -> None:
         ours, theirs = self.ctx.Pipe()
+        self.spawned[i] = time.time()  # the wall clock: the worker says when its imports were done
         proc = self.ctx.Process(target=worker_main, args=(theirs, i, self.threads), name=f"hydra-worker-{i}", daemon=True)
         proc.start()
         theirs.close()
         self.procs[i], self.conns[i] = proc, ours
+        self.known[i] = set()
+
+    def send(self, worker: int, task: Task, buffers: dict[str, Any]) -> None:
+        """A task by value, after the buffers it names that the worker does not hold yet (by their shared handles)."""
+        new = {key: handle for key, handle in buffers.items() if key not in self.known[worker]}
+        if new:
+            wire.register(self.conns[worker], new)
+            self.known[worker] |= set(new)
+        wire.send(self.conns[worker], task)
+
+    def forget(self, prefix: str) -> None:
+        """Every worker lets go of the buffers whose keys start with `prefix` (a trial that is done)."""
+        for i, known in enumerate(self.known):
+            keys = [k for k in known if k.startswith(prefix)]
+            if keys:
+                known -= set(keys)
+                with contextlib.suppress(OSError):
+                    wire.forget(self.conns[i], keys)
 
     def free_slots(self) -> list[int]:
         """Workers that can take a task, the idle ones first."""
@@ -73,8 +98,8 @@ class Workers:
 class HydraExecutor:
     """The Executor protocol over Hydra's shard scheduler: `capacity` trials interleaved on `workers` workers."""
 
-    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, report: Path | None = None) -> None:
-        self.capacity, self.report = capacity, report
+    def __init__(self, capacity: int, workers: int, *, budget_mb: float | None, spill: str, join: bool = True, report: Path | None = None) -> None:
+        self.capacity, self.report, self.may_join = capacity, report, join
         self.budget = None if budget_mb is None else int(budget_mb * 2**20)
         self.spill = spill
         self.workers = Workers(workers)
@@ -86,8 +111,10 @@ class HydraExecutor:
         self.times: dict[tuple[str, str, int], float] = {}  # (trial, kind, shard) -> last measured seconds
         self.rate = 0.0  # seconds per (shard element x token), measured: prices tasks not yet measured
         self.resident_peak = [0] * len(self.workers.procs)
-        self.busy_s = [0.0] * len(self.workers.procs)
+        self.busy_s = [0.0] * len(self.workers.procs)  # running tasks (and spilling back what they changed)
+        self.load_s = [0.0] * len(self.workers.procs)  # copying shards in (the prefetch thread, beside a running task)
         self.plans: dict[str, dict[str, int]] = {}
+        self.joins = Joins()  # tasks split over two workers (data parallelism while workers would idle)
         self.started = time.time()
 
     def submit(self, job: Job) -> None:
@@ -120,6 +147,8 @@ class HydraExecutor:
         run.trial.busy_s = 0.0
         if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
             self.trials.pop(name, None)
+            self.workers.forget(f"{name}/")
+        self.joins.drop(name, let_go=name not in self.trials)
         self.done.append((run.job, outcome))
 
     def wait(self) -> tuple[Job, Outcome]:
@@ -129,18 +158,33 @@ class HydraExecutor:
         return self.done.popleft()
 
     def dispatch(self) -> None:
-        """Each free worker slot gets the ready task of the trial with the longest remaining time."""
-        for worker in self.workers.free_slots():
+        """Each free worker slot gets the ready task of the trial with the longest remaining time; while fewer trials are
+        ready than workers are idle, that trial's task is split over two idle workers (data parallelism)."""
+        while slots := self.workers.free_slots():
             ready = [r for r in self.running.values() if r.ready is not None and not r.in_flight]
             if not ready:
                 return
             run = max(ready, key=self.remaining_s)
-            task_id = next(self.ids)
-            task = {**run.ready, "id": task_id}  # type: ignore[dict-item]
-            self.workers.conns[worker].send(task)
-            self.workers.held[worker][task_id] = run.job["trial"]
-            self.tasks[task_id] = run.job["trial"]
+            idle = [w for w in slots if not self.workers.held[w]]
+            task = run.ready
+            assert task is not None
+            if self.may_join and len(idle) >= 2 and len(ready) < len(idle) and splittable(task):
+                self.join(run, task, idle[0], idle[1])
+            else:
+                self.send(run, task, slots[0])
             run.in_flight = True
+
+    def send(self, run: Running, task: Task, worker: int) -> int:
+        task_id = next(self.ids)
+        self.workers.send(worker, {**task, "id": task_id}, run.trial.buffers() | self.joins.buffers(run.job["trial"]))
+        self.workers.held[worker][task_id] = run.job["trial"]
+        self.tasks[task_id] = run.job["trial"]
+        return task_id
+
+    def join(self, run: Running, task: Task, first: int, second: int) -> None:
+        """The task's rows split over two workers: the first half on the spilled shard, the second on a snapshot of it."""
+        a, b = self.joins.split(run.job["trial"], run.trial.host, task)
+        self.joins.started(run.job["trial"], task, (self.send(run, a, first), self.send(run, b, second)))
 
     def collect(self) -> None:
         """Wait for a worker to answer (or die); hand each answer to its trial."""
@@ -159,6 +203,9 @@ class HydraExecutor:
                 except (EOFError, OSError):
                     self.worker_died(worker)
                     continue
+                if "ready" in answer:
+                    self.workers.startup_s[worker] = answer["ready"] - self.workers.spawned[worker]
+                    continue
                 self.answered(worker, answer)
             else:
                 self.worker_died(worker)
@@ -166,12 +213,17 @@ class HydraExecutor:
     def answered(self, worker: int, answer: dict[str, Any]) -> None:
         name = self.tasks.pop(answer["id"])
         self.workers.held[worker].pop(answer["id"], None)
+        self.resident_peak[worker] = max(self.resident_peak[worker], answer.get("resident_peak", 0))
+        self.busy_s[worker] += answer["wall_s"]
+        self.load_s[worker] += answer.get("load_s", 0.0)
         run = self.running.get(name)
         if run is None:
             return
         kind, shard = run.ready["kind"], run.ready["shard"]  # type: ignore[index]
-        self.resident_peak[worker] = max(self.resident_peak[worker], answer["resident_peak"])
-        self.busy_s[worker] += answer["wall_s"]
+        merged = self.joins.answer(name, answer, run.trial.host)  # half of a joined task: None until the other answers
+        if merged is None:
+            return
+        answer = merged
         run.trial.busy_s += answer["wall_s"]
         self.times[(name, kind, shard.index)] = answer["wall_s"]
         units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
@@ -197,28 +249,40 @@ class HydraExecutor:
         self.workers.start(worker)
 
     def remaining_s(self, run: Running) -> float:
-        """The trial's remaining time: its tasks left, each priced by its last measured time (or the measured rate)."""
-        trial, name = run.trial, run.job["trial"]
-        tokens = trial.cfg.train.global_batch * trial.cfg.seq_len
-        total = 0.0
-        for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
-            measured = self.times.get((name, kind, s))
-            total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (self.rate or 1.0))
-        return total if math.isfinite(total) else 0.0
+        return remaining_s(run, self.times, self.rate)
 
     def close(self) -> None:
         """Stop the workers; write what they measured (resident model-state bytes, busy time) beside the leaderboard."""
         self.workers.close()
         if self.report is not None:
-            summary = {
-                "budget_bytes": self.budget,
-                "workers": len(self.workers.procs),
-                "resident_peak_bytes": self.resident_peak,
-                "busy_s": [round(b, 3) for b in self.busy_s],
-                "wall_s": round(time.time() - self.started, 3),
-                "trials": self.plans,
-            }
-            self.report.write_text(json.dumps(summary, indent=1) + "\n")
+            self.report.write_text(json.dumps(summary(self), indent=1) + "\n")
+
+
+def summary(ex: HydraExecutor) -> dict[str, Any]:
+    """hydra.json: the budget, each worker's peak resident model-state bytes, busy, copy-in and start-up seconds, each
+    trial's shards, state bytes and tasks run joined."""
+    return {
+        "budget_bytes": ex.budget,
+        "workers": len(ex.workers.procs),
+        "resident_peak_bytes": ex.resident_peak,
+        "busy_s": [round(b, 3) for b in ex.busy_s],
+        "load_s": [round(b, 3) for b in ex.load_s],
+        "startup_s": [round(b, 3) for b in ex.workers.startup_s],
+        "tasks": next(ex.ids),
+        "wall_s": round(time.time() - ex.started, 3),
+        "trials": {name: plan | {"joined_tasks": ex.joins.count.get(name, 0)} for name, plan in ex.plans.items()},
+    }
+
+
+def remaining_s(run: Running, times: dict[tuple[str, str, int], float], rate: float) -> float:
+    """The trial's remaining time: its tasks left, each priced by its last measured time (or the measured rate)."""
+    trial, name = run.trial, run.job["trial"]
+    tokens = trial.cfg.train.global_batch * trial.cfg.seq_len
+    total = 0.0
+    for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
+        measured = times.get((name, kind, s))
+        total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (rate or 1.0))
+    return total if math.isfinite(total) else 0.0
 
 
 def folder_of(job: Job) -> Path:
@@ -241,7 +305,8 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
             plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
         except BehemothError as err:
             raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
-    return HydraExecutor(capacity, setup.nproc, budget_mb=options.hydra.budget_mb, spill=options.hydra.spill, report=setup.dir / "hydra.json")
+    hydra = options.hydra
+    return HydraExecutor(capacity, setup.nproc, budget_mb=hydra.budget_mb, spill=hydra.spill, join=hydra.join, report=setup.dir / "hydra.json")
 
 
 def one_line(err: BaseException) -> str:

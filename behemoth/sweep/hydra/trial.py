@@ -84,6 +84,13 @@ class HydraTrial:
         buf = self.host[index]
         return (self.spill_dir / f"shard_{index}.bin", buf.numel()) if hasattr(self, "spill_dir") else buf
 
+    def key(self, index: int) -> str:
+        """The name a worker knows shard `index`'s buffer by, once it has been handed to it."""
+        return f"{self.name}/{index}"
+
+    def buffers(self) -> dict[str, Any]:
+        return {self.key(i): self.handle(i) for i in range(len(self.host))}
+
     def initialize(self, lm: Any) -> None:
         """Every parameter drawn from (seed, name) as the trial's own run draws it, into its shard's flat buffer."""
         materialize(lm.module, seed=self.cfg.train.seed, device=torch.device("cpu"), init_spec=lm.init_spec)
@@ -127,8 +134,8 @@ class HydraTrial:
         if shard.borrowed:
             owner = self.plan.shards[0]
             at = owner.names.index(shard.borrowed)
-            borrow = (self.handle(0), owner.offsets()[at], owner.shapes[at])
-        out = {"kind": kind, "shard": shard, "host": self.handle(index), "borrow": borrow, "config": self.config, "pending": self.pending[index]}
+            borrow = (self.key(0), owner.offsets()[at], owner.shapes[at])
+        out = {"kind": kind, "shard": shard, "host": self.key(index), "borrow": borrow, "config": self.config, "pending": self.pending[index]}
         self.pending[index] = None  # the worker applies it as it loads the shard
         return out | fields
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from behemoth.config import load_config
-from behemoth.engine import adamw_settings
 from behemoth.models.causal_lm import CausalLM, build_causal_lm, counted_targets, summed_token_loss
-from behemoth.parallel.sync import adamw_with_state, decays
+from behemoth.parallel.sync import adamw_settings, adamw_with_state, decays
+from behemoth.sweep.hydra import wire
 from behemoth.sweep.hydra.shards import FIRST, LAST, STATES, Shard
 
 Task = dict[str, Any]
@@ -56,17 +56,17 @@ class Loaded:
     """A task's shard in this worker's memory: its flat states (parameter | gradient | exp_avg | exp_avg_sq) and, for a
     tied head, the borrowed embedding weight with a gradient of its own."""
 
-    def __init__(self, task: Task, resident: Resident) -> None:
+    def __init__(self, task: Task, resident: Resident, buffers: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         self.task, self.resident = task, resident
-        self.host = open_host(task["host"])
+        self.host = buffers[task["host"]]
         n = task["shard"].numel  # one storage per state: a gradient accumulating must not touch the saved weights' version
         self.parts = [self.host[k * n : (k + 1) * n].clone() for k in range(STATES)]  # the copy in: host (or disk) -> device
         self.borrowed: torch.Tensor | None = None
         if task.get("borrow") is not None:
-            handle, offset, shape = task["borrow"]
+            key, offset, shape = task["borrow"]
             numel = int(torch.Size(shape).numel())
-            self.borrowed = open_host(handle)[offset : offset + numel].clone().view(shape)
+            self.borrowed = buffers[key][offset : offset + numel].clone().view(shape)
         self.bytes = STATES * n * 4 + (2 * self.borrowed.numel() * 4 if self.borrowed is not None else 0)
         resident.add(self.bytes)
         self.load_s = time.perf_counter() - t0
@@ -75,11 +75,13 @@ class Loaded:
         """[params, grads, exp_avgs, exp_avg_sqs], each a view per parameter of the shard."""
         return [[part[o : o + int(torch.Size(s).numel())].view(s) for o, s in zip(shard.offsets(), shard.shapes)] for part in self.parts]
 
-    def spill(self) -> None:
-        """Write the states back to their host (or disk) buffer: the parameters and moments a step changed, the gradients."""
+    def spill(self, stepped: bool) -> None:
+        """Write the states back to their host (or disk) buffer: the gradients, and the parameters and moments when a
+        step changed them (`stepped`)."""
         n = self.parts[0].numel()
         for k, part in enumerate(self.parts):
-            self.host[k * n : (k + 1) * n].copy_(part)
+            if stepped or k == 1:
+                self.host[k * n : (k + 1) * n].copy_(part)
 
     def release(self) -> None:
         self.resident.free(self.bytes)
@@ -157,7 +159,7 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     """Execute one task on its loaded shard; what the trial needs back (boundary tensors, losses, gradient squares)."""
     task, shard = loaded.task, loaded.task["shard"]
     views = loaded.views(shard)
-    dirty = task.get("pending") is not None
+    stepped = dirty = task.get("pending") is not None
     if dirty:
         apply_pending(skeleton, shard, views, task["pending"])
     params = skeleton.install(list(shard.names), views[0])
@@ -173,7 +175,7 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     finally:
         skeleton.uninstall()
     if dirty:
-        loaded.spill()
+        loaded.spill(stepped)
     return out
 
 
@@ -246,6 +248,7 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
     from behemoth.sweep.executors import die_with_parent
 
     die_with_parent()
+    wire.send(conn, {"ready": time.time()})  # imports done: the scheduler times each worker's start
     resident, inbox, skeletons = Resident(), queue.Queue[Any](), cast(dict[str, Skeleton], {})
     threading.Thread(target=receive, args=(conn, inbox, resident), daemon=True).start()
     while (item := inbox.get()) is not None:
@@ -263,10 +266,12 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
             if isinstance(loaded, Loaded):
                 loaded.release()
         out |= {"id": task["id"], "wall_s": time.perf_counter() - t0, "resident_peak": resident.peak, "worker": index, "pid": os.getpid()}
-        conn.send(out)
+        wire.send(conn, out)
 
 
 def receive(conn: Connection, inbox: queue.Queue, resident: Resident) -> None:
+    """Messages in order: spilled buffers to open (kept open, by key) or let go, and tasks, whose shards it loads."""
+    buffers: dict[str, torch.Tensor] = {}
     while True:
         try:
             task = conn.recv()
@@ -275,8 +280,13 @@ def receive(conn: Connection, inbox: queue.Queue, resident: Resident) -> None:
         if task is None:
             inbox.put(None)
             return
+        if "register" in task or "forget" in task:
+            buffers |= {key: open_host(handle) for key, handle in task.get("register", {}).items()}
+            for key in task.get("forget", []):
+                buffers.pop(key, None)
+            continue
         try:
-            inbox.put((task, Loaded(task, resident)))
+            inbox.put((task, Loaded(task, resident, buffers)))
         except Exception as err:  # noqa: BLE001 - reported by the main thread as the task's error
             inbox.put((task, err))
 
