@@ -95,7 +95,7 @@ class StageStreams:
         reads = {numbers[i]: tuple(numbers[j] for j in r) for i, r in sync.streamer.reads.items() if r}
         stores = {g: sync.stores[local[g]] for g in numbers}
         self.streamer = Streamer(
-            model, view, cast(Any, stores), reads, group=sync.group, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps
+            model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps
         )
         self.executor = PipelineExecutor(
             self.schedule,
