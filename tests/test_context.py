@@ -241,3 +241,20 @@ def test_a_pipeline_stage_at_local_positions_is_caught(runs, four) -> None:
     """Every stage's shard rotated as if it began the sequence: the comparison above fails."""
     with pytest.raises(AssertionError):
         assert_same_run(runs["ref-llama"], four["llama-ring-1f1b-local-positions"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,mode,tier,bug", [("llama", "ulysses", "host", None), ("gpt", "ring", "disk", None), ("llama", "ring", "host", "local-positions")]
+)
+def test_cp_with_offload_under_a_pipeline_trains_the_single_process_curve(runs, tmp_path, model: str, mode: str, tier: str, bug: str | None) -> None:
+    """pp=2 x cp=2 x offload on 4 processes: each stage streams its units over its dp x cp ranks, and every stage's
+    embedding, rotary context and recomputation run at its shard's global positions (offload/stage_stream.py); with
+    every shard at local positions the same comparison fails."""
+    options = ["parallel.cp=2", f"parallel.cp_mode={mode}", "parallel.pp=2", "parallel.microbatches=2", *OFFLOAD[tier]]
+    got = run_ranks(4, train_runs, [(config(model, tmp_path / "pp-cp-offload", *options), bug)], timeout=600)[0][0]
+    if bug is None:
+        assert_same_run(runs[f"ref-{model}"], got)
+    else:
+        with pytest.raises(AssertionError):
+            assert_same_run(runs[f"ref-{model}"], got)

@@ -72,14 +72,6 @@ def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
                 "use dropless routing (unset model.moe.capacity_factor) and model.moe.noise=none under parallel.cp",
             )
         )
-    if cfg.offload.enabled and plan.pp > 1:
-        out.append(
-            Problem.of(
-                "parallel.cp",
-                f"parallel.cp={cp} with offload under parallel.pp={plan.pp}: the streamed pipeline stages run whole sequences",
-                "use parallel.cp with offload at parallel.pp=1, or ZeRO-3 instead of offload under the pipeline",
-            )
-        )
     return out
 
 
