@@ -180,16 +180,17 @@ CLI = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval
 
 
 @pytest.mark.slow
-def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path) -> None:
-    """`behemoth train --nproc 2 parallel.cp=2`: 6 steps, checkpoints every 3; a copy resumed from step 3 continues the
-    same curve (losses within 1e-5), and the run exports."""
+@pytest.mark.parametrize("extra", [[], [*OFFLOAD["disk"], "checkpoint.export=true"]], ids=["in-memory", "offload-disk"])
+def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path, extra: list[str]) -> None:
+    """`behemoth train --nproc 2 parallel.cp=2` (and with the states offloaded to disk): 6 steps, checkpoints every 3;
+    a copy resumed from step 3 continues the same curve (losses within 1e-5), and the run exports."""
     import shutil
 
     from behemoth.metrics import read_metrics
     from tests.test_cli import behemoth
 
     run = tmp_path / "run"
-    proc = behemoth("train", "--nproc", "2", "parallel.cp=2", "train.steps=6", "checkpoint.every=3", f"run.dir={run}", *CLI)
+    proc = behemoth("train", "--nproc", "2", "parallel.cp=2", "train.steps=6", "checkpoint.every=3", f"run.dir={run}", *CLI, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "x cp=2 (ulysses)" in proc.stdout and (run / "model.safetensors").exists()
     copy = tmp_path / "copy"

@@ -86,7 +86,13 @@ class StageStreams:
     """A pipeline rank's executor when its stages' units live on offload's tiers (parallel/executor.py's protocol)."""
 
     def __init__(
-        self, sync: OffloadSync, pipeline: PipelineParallel, *, hidden_size: int, meter: CommMeter | None = None, context: ContextParallel | None = None
+        self,
+        sync: OffloadSync,
+        pipeline: PipelineParallel,
+        *,
+        hidden_size: int,
+        meter: CommMeter | None = None,
+        context: ContextParallel | None = None,
     ) -> None:
         self.sync, self.pipeline, self.context = sync, pipeline, context  # context: cp > 1, each rank streams its shard of the tokens
         self.schedule, self.rank, self.device = pipeline.schedule, pipeline.rank, sync.rt.device
@@ -97,9 +103,7 @@ class StageStreams:
         local = {g: i for i, g in enumerate(numbers)}
         reads = {numbers[i]: tuple(numbers[j] for j in r) for i, r in sync.streamer.reads.items() if r}
         stores = {g: sync.stores[local[g]] for g in numbers}
-        self.streamer = Streamer(
-            model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps
-        )
+        self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps)
         self.executor = PipelineExecutor(
             self.schedule,
             self.rank,
