@@ -347,7 +347,7 @@ def parallelize(
     if offload is not None:
         if not for_training:
             raise ValueError("offload streams training's units: not for inference (inference/offload.py)")
-        parts = (tp, experts, meter, pipeline)
+        parts = (tp, experts, meter, pipeline, context)
         return offloaded_model(lm, plan, rt, offload, batch=batch, seq_len=seq_len, seed=seed, lora=lora, compile=compile, parts=parts)
     if for_training:
         recomputes = pipeline.recomputes if pipeline is not None else 0 in recompute_ranks(plan.recompute, [1])
@@ -391,13 +391,13 @@ def offloaded_model(
     seed: int,
     lora: Any,
     compile: bool,
-    parts: tuple[TensorParallel | None, ExpertParallel | None, CommMeter, PipelineParallel | None],
+    parts: tuple[TensorParallel | None, ExpertParallel | None, CommMeter, PipelineParallel | None, ContextParallel | None],
 ) -> ParallelModel:
     """Steps 5-7 of `parallelize` for a model whose states live on offload's tiers: ZeRO-3 units streamed by the offload
     runtime (tp, experts, the meter and the pipeline are the earlier steps' parts; under a pipeline each rank streams its
-    own stages' units, offload/stage_stream.py). A LoRA base streams read-only; its adapters stay resident and whole,
-    synchronized as data parallelism does."""
-    tp, experts, meter, pipeline = parts
+    own stages' units, offload/stage_stream.py; under cp each rank streams its shard of every sequence). A LoRA base
+    streams read-only; its adapters stay resident and whole, synchronized as data parallelism does."""
+    tp, experts, meter, pipeline, context = parts
     model = lm.module
     frozen = lora is not None and lora.enabled
     units = shard_parameters(
@@ -405,16 +405,16 @@ def offloaded_model(
     )
     apply_compile(model.get_submodule(lm.layers.blocks), compile)  # the streamer runs and recomputes the compiled forward
     copies = functools.partial(gradient_copies, tp, experts)  # an expert split over tp by its width: one copy, not tp
-    activation = offload_activations(lm, batch, seq_len, rt.dims.tp)
+    activation = offload_activations(lm, batch, seq_len // rt.dims.cp, rt.dims.tp)  # cp: each rank's shard of the tokens
     sync = apply_offload(lm, units, rt, offload, seed=seed, tp=tp, copies=copies, meter=meter, activation=activation)
     adapters = []
     if frozen:
         materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
-        adapters = [apply_data_parallel(model, rt.group("dp"), DataParallelPolicy(plan.bucket_mb), meter=meter)]
+        adapters = [apply_data_parallel(model, rt.data_group(), DataParallelPolicy(plan.bucket_mb), meter=meter)]  # dp x cp
     if pipeline is not None:
-        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter)
+        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter, context=context)
         return ParallelModel(lm, rt, [sync], pipeline, tp, meter, experts, executor=stages)
-    return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters))
+    return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters, context))
 
 
 def expert_units(experts: ExpertParallel | None, rt: Runtime) -> ExpertUnits | None:

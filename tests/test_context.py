@@ -20,6 +20,7 @@ BASE = ["train.steps=3", "train.eval_every=0", "train.log_every=3", "checkpoint.
 LLAMA = ["model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]
 MOE = ["model=gpt-moe-tiny", "model.moe.aux_coef=0.1"]  # 4 experts, top-2, dropless; a load-balancing loss that moves the weights
 MODELS = {"gpt": [], "llama": LLAMA, "moe": MOE}
+OFFLOAD = {tier: [f"offload.params={tier}", f"offload.optimizer={tier}"] for tier in ("host", "disk")}
 RUNS = {  # name: (model, cp options)
     "gpt-ring": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring"]),
     "gpt-ulysses": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
@@ -27,8 +28,12 @@ RUNS = {  # name: (model, cp options)
     "llama-ulysses": ("llama", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
     "gpt-ring-zero3": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", "parallel.zero_stage=3"]),
     "moe-ring": ("moe", ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "gpt-ring-offload-host": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ring", *OFFLOAD["host"]]),  # streamed shards
+    "gpt-ulysses-offload-disk": ("gpt", ["parallel.cp=2", "parallel.cp_mode=ulysses", *OFFLOAD["disk"]]),
+    "llama-ring-offload-host": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring", *OFFLOAD["host"]]),
     "llama-ring-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring"]),  # the deliberate bugs
     "moe-ring-local-aux": ("moe", ["parallel.cp=2", "parallel.cp_mode=ring"]),
+    "llama-ring-offload-host-local-positions": ("llama", ["parallel.cp=2", "parallel.cp_mode=ring", *OFFLOAD["host"]]),
 }
 BUGS = ("local-positions", "local-aux")
 
@@ -112,10 +117,12 @@ def test_context_parallel_trains_the_single_process_curve(runs, name: str) -> No
     assert_same_run(runs[f"ref-{RUNS[name][0]}"], runs[name])
 
 
-def test_a_wrong_rope_offset_is_caught(runs) -> None:
-    """Each shard rotated as if it began the sequence: the comparison that passes above fails."""
+@pytest.mark.parametrize("name", ["llama-ring-local-positions", "llama-ring-offload-host-local-positions"])
+def test_a_wrong_rope_offset_is_caught(runs, name: str) -> None:
+    """Each shard rotated as if it began the sequence (in memory, and by offload's streamer in its forward and its
+    recomputation): the comparison that passes above fails."""
     with pytest.raises(AssertionError):
-        assert_same_run(runs["ref-llama"], runs["llama-ring-local-positions"])
+        assert_same_run(runs["ref-llama"], runs[name])
 
 
 def test_load_balancing_counted_over_a_shard_is_caught(runs) -> None:
@@ -137,7 +144,6 @@ def refusal(*options: str, world: int = 2) -> list[str]:
     [
         (["parallel.cp=2", "model=gpt-moe-tiny", "model.moe.capacity_factor=1.25"], 2, "capacity is filled in token order"),
         (["parallel.cp=2", "model=gpt-moe-tiny", "model.moe.noise=gumbel"], 2, "would draw other noise"),
-        (["parallel.cp=2", "offload.params=host"], 2, "cp ranks are not streamed"),
         (["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, "does not divide model.n_head=2"),
         (["parallel.cp=2", "parallel.cp_mode=ring", "train.seq_len=30"], 2, "does not cut into ring attention's 2 x parallel.cp=2 = 4"),
         (["parallel.cp=2", "model.dropout=0.1"], 2, "the sharded attention has no dropout"),
@@ -161,6 +167,8 @@ def test_a_sliding_window_model_is_refused(tmp_path) -> None:
 
 def test_plain_layouts_pass() -> None:
     assert refusal("parallel.cp=2") == [] and refusal("parallel.cp=2", "parallel.zero_stage=3") == []
+    assert refusal("parallel.cp=2", *OFFLOAD["host"]) == [] and refusal("parallel.cp=2", *OFFLOAD["disk"]) == []
+    assert refusal("parallel.cp=2", "parallel.pp=2", *OFFLOAD["disk"], world=4) == []
     assert refusal("parallel.cp=2", "parallel.pp=2", world=4) == []
     with pytest.raises(BehemothError, match="cp=2"):
         from behemoth.topology import resolve_dims
@@ -172,16 +180,17 @@ CLI = ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", "train.eval
 
 
 @pytest.mark.slow
-def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path) -> None:
-    """`behemoth train --nproc 2 parallel.cp=2`: 6 steps, checkpoints every 3; a copy resumed from step 3 continues the
-    same curve (losses within 1e-5), and the run exports."""
+@pytest.mark.parametrize("extra", [[], [*OFFLOAD["disk"], "checkpoint.export=true"]], ids=["in-memory", "offload-disk"])
+def test_cli_trains_checkpoints_and_resumes_under_cp(tmp_path, extra: list[str]) -> None:
+    """`behemoth train --nproc 2 parallel.cp=2` (and with the states offloaded to disk): 6 steps, checkpoints every 3;
+    a copy resumed from step 3 continues the same curve (losses within 1e-5), and the run exports."""
     import shutil
 
     from behemoth.metrics import read_metrics
     from tests.test_cli import behemoth
 
     run = tmp_path / "run"
-    proc = behemoth("train", "--nproc", "2", "parallel.cp=2", "train.steps=6", "checkpoint.every=3", f"run.dir={run}", *CLI)
+    proc = behemoth("train", "--nproc", "2", "parallel.cp=2", "train.steps=6", "checkpoint.every=3", f"run.dir={run}", *CLI, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "x cp=2 (ulysses)" in proc.stdout and (run / "model.safetensors").exists()
     copy = tmp_path / "copy"
@@ -233,3 +242,20 @@ def test_a_pipeline_stage_at_local_positions_is_caught(runs, four) -> None:
     """Every stage's shard rotated as if it began the sequence: the comparison above fails."""
     with pytest.raises(AssertionError):
         assert_same_run(runs["ref-llama"], four["llama-ring-1f1b-local-positions"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,mode,tier,bug", [("llama", "ulysses", "host", None), ("gpt", "ring", "disk", None), ("llama", "ring", "host", "local-positions")]
+)
+def test_cp_with_offload_under_a_pipeline_trains_the_single_process_curve(runs, tmp_path, model: str, mode: str, tier: str, bug: str | None) -> None:
+    """pp=2 x cp=2 x offload on 4 processes: each stage streams its units over its dp x cp ranks, and every stage's
+    embedding, rotary context and recomputation run at its shard's global positions (offload/stage_stream.py); with
+    every shard at local positions the same comparison fails."""
+    options = ["parallel.cp=2", f"parallel.cp_mode={mode}", "parallel.pp=2", "parallel.microbatches=2", *OFFLOAD[tier]]
+    got = run_ranks(4, train_runs, [(config(model, tmp_path / "pp-cp-offload", *options), bug)], timeout=600)[0][0]
+    if bug is None:
+        assert_same_run(runs[f"ref-{model}"], got)
+    else:
+        with pytest.raises(AssertionError):
+            assert_same_run(runs[f"ref-{model}"], got)

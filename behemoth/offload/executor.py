@@ -34,6 +34,7 @@ from behemoth.offload.store import PendingStep, UnitStore
 from behemoth.parallel.recompute import RngState, recompute_backward, save_rng
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
+Positions = dict[int, torch.Tensor]  # micro-batch -> the global positions [B, T/cp] of its tokens (context parallelism)
 
 
 class StepHooks(Protocol):
@@ -59,8 +60,11 @@ class BoundaryPass:
     gradient, context and random state) kept between actions; a block's forward runs without autograd and its backward
     recomputes it from the kept input (parallel/recompute.py)."""
 
-    def __init__(self, model: nn.Module, view: LayeredView, blocks: list[nn.Module], device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, view: LayeredView, blocks: list[nn.Module], device: torch.device, positions: Positions | None = None
+    ) -> None:
         self.model, self.view, self.blocks, self.device = model, view, blocks, device
+        self.positions = positions or {}  # context parallelism: each micro-batch's global token positions (None: 0 .. T-1)
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.ctx: dict[int, Any] = {}
@@ -75,8 +79,8 @@ class BoundaryPass:
             self.rng[(a.unit, a.mb)] = save_rng(self.device)
         with torch.no_grad(), autocast():
             if a.unit == 0:
-                h = self.view.embed(self.model, x)
-                self.ctx[a.mb] = self.view.context(self.model, h)
+                h = self.view.embed(self.model, x, self.positions.get(a.mb))
+                self.ctx[a.mb] = self.view.context(self.model, h, self.positions.get(a.mb))
             else:
                 h = self.view.block(self.blocks[a.unit - 1], self.hidden[(a.unit - 1, a.mb)], self.ctx[a.mb])
         self.hidden[(a.unit, a.mb)] = h
@@ -100,7 +104,8 @@ class BoundaryPass:
         """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
         grad_out, rng = self.grads.pop((a.unit, a.mb)), self.rng.pop((a.unit, a.mb))
         if a.unit == 0:
-            recompute_backward(lambda ids: self.view.embed(self.model, ids), x, grad_out, rng, context=autocast, input_grad=False)
+            at = self.positions.get(a.mb)  # the recomputation embeds at the forward's positions
+            recompute_backward(lambda ids: self.view.embed(self.model, ids, at), x, grad_out, rng, context=autocast, input_grad=False)
             self.ctx.pop(a.mb, None)
             return
         block, ctx = self.blocks[a.unit - 1], self.ctx[a.mb]
@@ -137,9 +142,10 @@ class Streamer:
         micro_batches: Batch,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         autocast: Callable[[], contextlib.AbstractContextManager],
+        positions: Positions | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch in the order of `actions`; the sum of their (scaled) losses."""
-        state, total = BoundaryPass(self.model, self.view, self.blocks, self.device), torch.zeros((), device=self.device)
+        state, total = BoundaryPass(self.model, self.view, self.blocks, self.device, positions), torch.zeros((), device=self.device)
         batches = [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
 
         def compute(a: Action) -> None:
@@ -163,9 +169,10 @@ class Streamer:
         inputs: list[torch.Tensor],
         on_logits: Callable[[int, torch.Tensor], None],
         autocast: Callable[[], contextlib.AbstractContextManager],
+        positions: Positions | None = None,
     ) -> None:
         """Every input through each unit in turn (forward order); `on_logits(i, logits)` as the head produces each."""
-        state = BoundaryPass(self.model, self.view, self.blocks, self.device)
+        state = BoundaryPass(self.model, self.view, self.blocks, self.device, positions)
         moved = [x.to(self.device) for x in inputs]
 
         def compute(a: Action) -> None:

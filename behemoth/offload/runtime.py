@@ -33,7 +33,7 @@ from behemoth.models.causal_lm import CausalLM, counted_targets, tied_names
 from behemoth.models.init import draw_full
 from behemoth.offload import scratch
 from behemoth.offload.budget import ActivationShape, fit_budget, return_freed_memory
-from behemoth.offload.executor import Batch, Streamer
+from behemoth.offload.executor import Batch, Positions, Streamer
 from behemoth.offload.frozen import FolderShards, FolderWeights
 from behemoth.offload.io import IOPool
 from behemoth.offload.optimizer import OffloadOptimizer
@@ -41,6 +41,7 @@ from behemoth.offload.order import forward_order, make_order
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.offload.stepper import UnitSteps
 from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, initial_shard
+from behemoth.parallel.context import ContextParallel
 from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
@@ -246,10 +247,21 @@ def stream_order(units: list[UnitSpec], apart: list[bool] | None = None) -> tupl
 
 class StreamedSteps:
     """The streamer as the model's executor (parallel/executor.py): every micro-batch through each unit while it is
-    resident, the units in the policy's order."""
+    resident, the units in the policy's order. Under context parallelism (`context`) each micro-batch's tokens and
+    targets are cut to this rank's shard first and embedded at their global positions (the units gather and reduce over
+    dp x cp, `Runtime.data_group`, the ranks holding the same parameters)."""
 
-    def __init__(self, sync: OffloadSync, others: list[GradSync] | None = None) -> None:
+    def __init__(self, sync: OffloadSync, others: list[GradSync] | None = None, context: ContextParallel | None = None) -> None:
         self.sync, self.others = sync, others or []  # others: resident parameters' syncs (a frozen base's adapters)
+        self.context = context
+
+    def shard(self, batches: Batch) -> tuple[Batch, Positions | None]:
+        """This rank's tokens and targets of each micro-batch, and their global positions (cp > 1; else as they are)."""
+        if self.context is None:
+            return batches, None
+        device = self.sync.rt.device
+        cut = [self.context.shard(x.to(device), y.to(device)) for x, y in batches]
+        return [(x, y) for x, y, _ in cut], {i: p for i, (_, _, p) in enumerate(cut)}
 
     def run(self, micro_batches: Batch, loss_fn: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
         """Forward and backward of every micro-batch, streaming the units in the policy's order (a frozen embedding
@@ -262,19 +274,21 @@ class StreamedSteps:
         actions = make_order(sync.policy.order, sync.n_blocks, len(micro_batches))
         if sync.stores[0].frozen:
             actions = [a for a in actions if not (a.kind == "B" and a.unit == 0)]
-        return sync.streamer.train(actions, micro_batches, loss_fn, autocast)
+        batches, positions = self.shard(micro_batches)
+        return sync.streamer.train(actions, batches, loss_fn, autocast, positions)
 
     def forward_only(self, batches: Batch, loss_sum: Callable, autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
         """[summed token loss, tokens] over `batches`, streaming each unit once (owed steps are applied as units arrive)."""
         device = self.sync.rt.device
         stats = torch.zeros(2, dtype=torch.float64, device=device)
+        batches, positions = self.shard(batches)
 
         def add(i: int, logits: torch.Tensor) -> None:
             targets = batches[i][1].to(device)
             stats[0] += loss_sum(logits, targets).double()
             stats[1] += counted_targets(targets)
 
-        self._stream([x for x, _ in batches], add, autocast)
+        self._stream([x for x, _ in batches], add, autocast, positions)
         return stats
 
     def logits(
@@ -282,6 +296,8 @@ class StreamedSteps:
     ) -> list[torch.Tensor]:
         """The logits of each input (this rank's vocabulary shard under TP), every unit streamed once for all of them:
         a forward pass of a model that is never whole in memory (what offloaded inference needs)."""
+        if self.context is not None:
+            raise BehemothError("a context-parallel model holds 1/cp of each sequence's logits", "generate with parallel.cp=1")
         out: list[torch.Tensor | None] = [None] * len(inputs)
 
         def keep(i: int, logits: torch.Tensor) -> None:
@@ -290,9 +306,11 @@ class StreamedSteps:
         self._stream(inputs, keep, autocast)
         return out
 
-    def _stream(self, inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None], autocast: Callable) -> None:
+    def _stream(
+        self, inputs: list[torch.Tensor], on_logits: Callable[[int, torch.Tensor], None], autocast: Callable, positions: Positions | None = None
+    ) -> None:
         sync = self.sync
-        sync.streamer.forward_only(forward_order(sync.n_blocks, len(inputs)), inputs, on_logits, autocast)
+        sync.streamer.forward_only(forward_order(sync.n_blocks, len(inputs)), inputs, on_logits, autocast, positions)
         sync.io.drain()
 
 

@@ -32,6 +32,7 @@ from behemoth.offload.executor import BoundaryPass, Streamer
 from behemoth.offload.order import Action as Visit
 from behemoth.offload.runtime import OffloadSync
 from behemoth.offload.stage_order import stage_passes, stage_units
+from behemoth.parallel.context import ContextParallel
 from behemoth.parallel.pipeline.apply import PipelineParallel
 from behemoth.parallel.pipeline.executor import ACT, GRAD, ActionTime, Activations, PipeComm, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.executor import _Step as PipelineStep  # the mailbox, p2p groups and checks of one step
@@ -84,8 +85,16 @@ class _Cursor:
 class StageStreams:
     """A pipeline rank's executor when its stages' units live on offload's tiers (parallel/executor.py's protocol)."""
 
-    def __init__(self, sync: OffloadSync, pipeline: PipelineParallel, *, hidden_size: int, meter: CommMeter | None = None) -> None:
-        self.sync, self.pipeline = sync, pipeline
+    def __init__(
+        self,
+        sync: OffloadSync,
+        pipeline: PipelineParallel,
+        *,
+        hidden_size: int,
+        meter: CommMeter | None = None,
+        context: ContextParallel | None = None,
+    ) -> None:
+        self.sync, self.pipeline, self.context = sync, pipeline, context  # context: cp > 1, each rank streams its shard of the tokens
         self.schedule, self.rank, self.device = pipeline.schedule, pipeline.rank, sync.rt.device
         model, view = sync.model, sync.lm.layers
         self.blocks = model.get_submodule(view.blocks)
@@ -104,15 +113,26 @@ class StageStreams:
         )
         self.lowest = min(pipeline.stages)  # its backward ends a micro-batch's use of the blocks' context on this rank
 
-    def boundary(self) -> BoundaryPass:
-        return BoundaryPass(self.sync.model, self.sync.lm.layers, cast(list, self.blocks), self.device)
+    def boundary(self, batches: Batch | None = None) -> BoundaryPass:
+        """A pass's kept state; under cp each micro-batch's global positions (from its token shard), which every stage's
+        embedding, context and recomputation use."""
+        positions = None if self.context is None or batches is None else {i: self.context.positions_of_shard(x) for i, (x, _) in enumerate(batches)}
+        return BoundaryPass(self.sync.model, self.sync.lm.layers, cast(list, self.blocks), self.device, positions)
+
+    def shard(self, batches: Batch) -> Batch:
+        """Each micro-batch's tokens and targets cut to this rank's cp shard (as they are without cp)."""
+        if self.context is None:
+            return [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        layout = self.context.layout
+        return [(layout.shard(x.to(self.device)), layout.shard(y.to(self.device))) for x, y in batches]
 
     def enter(self, state: BoundaryPass, stage: int, mb: int, h: torch.Tensor) -> None:
         """A later stage's received activation as its first block's kept input (and the blocks' context, once per mb)."""
         state.hidden[(self.units[stage][0] - 1, mb)] = h
         if mb not in state.ctx:
             with torch.no_grad():
-                state.ctx[mb] = state.view.context(state.model, full_sequence_like(h, self.pipeline.policy.seq_split))
+                whole = full_sequence_like(h, self.pipeline.policy.seq_split)
+                state.ctx[mb] = state.view.context(state.model, whole, state.positions.get(mb))
 
     def run(self, micro_batches: Batch, loss_fn: Any, autocast: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch in the schedule's order; this rank's share of the (scaled) loss."""
@@ -124,8 +144,9 @@ class StageStreams:
                 f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for {self.schedule.microbatches}",
                 "build the pipeline for the step's micro-batch count",
             )
-        step, state = PipelineStep(ex, micro_batches, loss_fn, autocast), self.boundary()
-        cursor, batches = _Cursor(ex, step), [(x.to(self.device), y.to(self.device)) for x, y in micro_batches]
+        batches = self.shard(micro_batches)
+        step, state = PipelineStep(ex, batches, loss_fn, autocast), self.boundary(batches)
+        cursor = _Cursor(ex, step)
         passes = stage_passes(self.schedule, self.rank, self.units)
         where = {v: (i, j == 0, j == len(visits) - 1) for i, visits in passes for j, v in enumerate(visits)}
         total, times, started = torch.zeros((), device=self.device), [], [0.0]
@@ -181,8 +202,10 @@ class StageStreams:
     def forward_only(self, batches: Batch, loss_sum: Any, autocast: Any) -> torch.Tensor:
         """[summed token loss, token count] of the batches whose last stage runs here, each stage streamed per batch."""
 
+        batches = self.shard(batches)
+
         def stage_forward(part: PipelineStage, b: int, x: torch.Tensor) -> torch.Tensor:
-            state, units = self.boundary(), self.units[part.stage]
+            state, units = self.boundary(batches), self.units[part.stage]
             if not part.is_first:
                 self.enter(state, part.stage, b, x)
             visits = [Visit("E" if part.is_last and u == units[-1] else "F", u, b) for u in units]

@@ -80,17 +80,18 @@ class OffloadEstimate:
 
 def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type: str = "cpu", pp_rank: int = 0) -> OffloadEstimate:
     """The offload plan of `cfg` on dp data-parallel ranks (tp and pp from the config), the share of data-parallel rank 0
-    of pipeline rank `pp_rank` (under a pipeline: its stages' units, visited as its schedule runs its passes)."""
-    dims = rank_dims(cfg, dp)
+    of pipeline rank `pp_rank` (under a pipeline: its stages' units, visited as its schedule runs its passes). Under
+    context parallelism the units are sharded over dp x cp and each rank holds 1/cp of every sequence's activations."""
+    dims, cp = rank_dims(cfg, dp), cfg.parallel.cp
     psi = sum(p.numel() for p in build_causal_lm(cfg.model, cfg.hf).module.parameters())
     ranked = rank_model(cfg, dims, pp_rank)  # cut, split by tp and ep on meta, then cut into units as parallelize does
     lm, tp = ranked.lm, dims.tp
     specs, reads, apart = stream_units(lm, ranked.is_expert if dims.ep > 1 else None)
-    layouts = [FlatLayout(s.names, s.shapes, dp if e else dp * dims.ep) for s, e in zip(specs, apart)]
+    layouts = [FlatLayout(s.names, s.shapes, dp * cp if e else dp * cp * dims.ep) for s, e in zip(specs, apart)]
     policy = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype)
     batch = cfg.batch_layout(dims)
     shape = lm.shape
-    act = offload_activations(lm, batch, cfg.seq_len, tp)
+    act = offload_activations(lm, batch, cfg.seq_len // cp, tp)
     tied = any(s.role == "head" and s.reads for s in specs)
     prefetch, _, peak = fit_budget(policy, layouts, 0, act, device_type=device_type, tied=tied)
     sizes = unit_sizes(layouts, 0, policy.bits, compute=policy.compute_bytes)  # float32 masters; bf16 gradients with bf16 params
@@ -104,8 +105,8 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     }
     moved = swap_bytes(plan, [StateSizes(u.stored * u.shard, u.compute * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
-    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp / dims.pp  # a block's forward runs twice (recomputed in backward)
-    return OffloadEstimate(policy, psi, ranks or dp * tp, stored, moved, peak, prefetch, flops, len(specs))
+    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp / dims.pp / cp  # a block's forward runs twice (recomputed in backward)
+    return OffloadEstimate(policy, psi, ranks or dp * tp * cp, stored, moved, peak, prefetch, flops, len(specs))
 
 
 def stage_visits(cfg: Any, lm: Any, dims: ParallelDims, pp_rank: int) -> list[Action]:

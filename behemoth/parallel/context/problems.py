@@ -72,14 +72,6 @@ def _combination_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
                 "use dropless routing (unset model.moe.capacity_factor) and model.moe.noise=none under parallel.cp",
             )
         )
-    if cfg.offload.enabled:
-        out.append(
-            Problem.of(
-                "parallel.cp",
-                f"parallel.cp={cp} with offload: offload's streamer runs whole sequences, so cp ranks are not streamed",
-                "use parallel.cp with ZeRO-3 instead of offload, or offload without cp",
-            )
-        )
     return out
 
 
