@@ -79,10 +79,21 @@ def _flatten(saved: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1) -> Config:
-    """The config laid out for generation: tp x pp processes, no data parallelism, no ZeRO, one micro-batch per stage."""
-    plan = ParallelPlan(tp=tp, pp=pp, dp=1, schedule="gpipe", balance="flops" if pp > 1 else cfg.parallel.balance)
-    return cfg.replace(parallel=plan, train={"global_batch": pp, "micro_batch": 1, "seq_len": None})
+def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1, ep: int = 1) -> Config:
+    """The config laid out for generation: tp x pp x ep processes, no data parallelism, no ZeRO, one micro-batch per
+    stage; with ep > 1 every rank holds 1/ep of each MoE layer's experts (in the source's parallel.expert_layout) and runs
+    the same requests, the rest of the model replicated."""
+    plan = ParallelPlan(
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dp=1,
+        schedule="gpipe",
+        balance="flops" if pp > 1 else cfg.parallel.balance,
+        expert_layout=cfg.parallel.expert_layout,
+        expert_chunks=cfg.parallel.expert_chunks,
+    )
+    return cfg.replace(parallel=plan, train={"global_batch": pp * ep, "micro_batch": 1, "seq_len": None})
 
 
 def check_inference_plan(cfg: Config, world: int) -> None:
@@ -92,10 +103,11 @@ def check_inference_plan(cfg: Config, world: int) -> None:
         raise Refused(found)
 
 
-def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None) -> ParallelModel:
+def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, ep: int = 1, quantize: str | None = None) -> ParallelModel:
     """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
-    linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels)."""
-    cfg = inference_config(source.config, tp=tp, pp=pp)
+    linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels; `ep`: this rank's experts
+    only, read as their slices of the checkpoint's tensors)."""
+    cfg = inference_config(source.config, tp=tp, pp=pp, ep=ep)
     lm = build_causal_lm(cfg.model, cfg.hf)
     lora = cfg.finetune.lora if source.checkpoint is not None and cfg.finetune.lora.enabled else None  # a LoRA run's checkpoint: adapters
     if source.checkpoint is not None and lora is None:

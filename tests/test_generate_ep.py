@@ -1,0 +1,123 @@
+"""Expert-parallel generation and serving (`--ep N`): each of N processes holds 1/N of every MoE layer's experts (read
+as its slices of the checkpoint or save_pretrained folder), every rank runs the same requests, and each MoE layer's
+tokens reach their experts' ranks by all-to-all (or the experts travel: the gather layout) at every prefill and decode
+step. Greedy tokens equal one process's (and transformers' generate for a Mixtral folder); refusals come before
+loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.test_generate import prompts
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 8
+
+
+def cli(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "behemoth", *argv], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def cli_tokens(source: str, batch: list[list[int]], *extra: str) -> list[list[int]]:
+    ids = [a for p in batch for a in ("--prompt-ids", ",".join(map(str, p)))]
+    out = cli("generate", source, "--json", "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--block-size", "4", *ids, *extra)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line)["tokens"] for line in out.stdout.splitlines()]
+
+
+def _expert_generation(source: str, overrides: list[str], batch: list[list[int]], ep: int) -> dict:
+    """This rank's parameter bytes (experts, the rest) when loaded at `ep`, and the greedy tokens of the batch (rank 0)."""
+    from behemoth.inference.generate import CachePolicy, generate_on_ranks
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.topology import init_runtime
+
+    source_ = resolve_source(source, overrides)
+    rt = init_runtime(timeout_s=60, ep=ep)
+    model = load_model(source_, rt, ep=ep)
+    assert model.experts is not None and model.experts.ep.size == ep
+    sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
+    expert = sum(b for n, b in sizes.items() if model.experts.is_expert(n))
+    params = [dict(max_tokens=MAX_TOKENS)] * len(batch)
+    out = generate_on_ranks(source, overrides, batch, params, tp=1, pp=1, ep=ep, cache=CachePolicy(4, 2), ignore_eos=True, rt=rt)
+    return {"expert_bytes": expert, "other_bytes": sum(sizes.values()) - expert, "tokens": None if out is None else [c.tokens for c in out]}
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """behemoth's gpt-moe-tiny trained 4 steps in one process, checkpointed at the end."""
+    from tests.common import tiny_config, train_body
+
+    run = tmp_path_factory.mktemp("moe-run")
+    run_ranks(1, train_body, tiny_config(run, "model=gpt-moe-tiny", "train.steps=4", "checkpoint.every=4", "train.eval_every=0"))
+    return run
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from tests.test_generate_offload import save_mixtral
+
+    folder = str(tmp_path_factory.mktemp("mixtral"))
+    save_mixtral(folder)
+    return folder
+
+
+def test_generate_ep2_on_a_trained_moe_run_equals_one_process(moe_run):
+    """`behemoth generate --nproc 2 --ep 2` reads each rank's experts from a checkpoint saved by one process; its greedy
+    tokens are one process's, and each rank holds half of the expert bytes (the rest whole)."""
+    batch = prompts(lengths=(5, 9, 2))
+    one, two = run_ranks(1, _expert_generation, str(moe_run), [], batch, 1)[0], run_ranks(2, _expert_generation, str(moe_run), [], batch, 2)
+    assert two[0]["tokens"] == one["tokens"] and two[1]["tokens"] is None
+    assert [len(t) for t in one["tokens"]] == [MAX_TOKENS] * 3
+    assert all(r["expert_bytes"] * 2 == one["expert_bytes"] > 0 and r["other_bytes"] == one["other_bytes"] for r in two)
+    assert cli_tokens(str(moe_run), batch, "--nproc", "2", "--ep", "2") == one["tokens"]
+
+
+@pytest.mark.parametrize("layout", ["alltoall", pytest.param("gather", marks=pytest.mark.slow)])
+def test_mixtral_folder_at_ep2_equals_one_process_and_transformers(mixtral, layout):
+    """A Mixtral save_pretrained folder (per-expert tensors) at ep = 2 in either expert layout: greedy tokens equal one
+    process's and transformers' generate; each rank holds half of the expert bytes."""
+    batch = [[3, 9, 27, 81, 5], [100, 2]]
+    hf = transformers.MixtralForCausalLM.from_pretrained(mixtral, torch_dtype=torch.float32).eval()
+    expected = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(p) :].tolist() for p in batch]
+    over = [f"parallel.expert_layout={layout}"]
+    one, two = run_ranks(1, _expert_generation, mixtral, over, batch, 1)[0], run_ranks(2, _expert_generation, mixtral, over, batch, 2)
+    assert one["tokens"] == expected and two[0]["tokens"] == expected
+    assert all(r["expert_bytes"] * 2 == one["expert_bytes"] > 0 for r in two)
+    if layout == "alltoall":
+        assert cli_tokens(mixtral, batch, "--nproc", "2", "--ep", "2") == expected
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--ep", "3"], "--ep 3 does not divide the 4 experts of an MoE layer"),
+        (["--ep", "2", "--nproc", "3"], "--nproc 3 but --tp 1 x --pp 1 x --ep 2 = 2"),
+        (["--ep", "2", "--pp", "2"], "--ep 2 with --pp 2: expert-parallel generation replicates the other layers"),
+        (["--ep", "2", "--offload", "host"], "--ep 2 with --offload host"),
+        (["--ep", "0"], "--ep 0 is not a positive degree"),
+    ],
+)
+def test_ep_refusals_come_before_loading(mixtral, capsys, argv, message):
+    from behemoth.cli import main
+
+    assert main(["generate", mixtral, "--prompt-ids", "1,2", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ep_on_a_dense_model_is_refused_before_loading(tmp_path, capsys):
+    from behemoth.cli import main
+    from tests.test_generate import save_hf
+
+    save_hf("llama", str(tmp_path))
+    for command in ("generate", "serve"):
+        assert main([command, str(tmp_path), "--prompt-ids", "1,2", "--ep", "2"] if command == "generate" else [command, str(tmp_path), "--ep", "2"]) == 2
+        assert "--ep 2 but the model has no experts" in capsys.readouterr().err
