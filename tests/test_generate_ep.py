@@ -70,6 +70,41 @@ def mixtral(tmp_path_factory):
     return folder
 
 
+def mixtral_expected(folder: str, batch: list[list[int]]) -> list[list[int]]:
+    hf = transformers.MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(p) :].tolist() for p in batch]
+
+
+def full_expert_bytes(source: str) -> int:
+    """The expert bytes of the whole model (one process holds them all), counted on the meta device."""
+    from behemoth.inference.loading import resolve_source
+    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.parallel.expert import plan_expert_parallel
+
+    cfg = resolve_source(source).config
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    experts = plan_expert_parallel(lm.module, 1, layers=lm.moe_layers)
+    return sum(p.numel() * p.element_size() for n, p in lm.module.named_parameters() if experts.is_expert(n))
+
+
+def test_generate_cli_ep2_on_a_mixtral_folder_equals_transformers(mixtral):
+    """`behemoth generate --nproc 2 --ep 2` on a Mixtral save_pretrained folder (per-expert tensors): its greedy tokens are
+    transformers' generate's (which one process's equal: tests/test_serve_fixes.py)."""
+    batch = [[3, 9, 27, 81, 5], [100, 2]]
+    assert cli_tokens(mixtral, batch, "--nproc", "2", "--ep", "2") == mixtral_expected(mixtral, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["alltoall", "gather"])
+def test_mixtral_at_ep2_holds_half_the_expert_bytes_and_equals_transformers(mixtral, layout):
+    """In either expert layout a rank holds half of the expert bytes, the rest whole, and generates transformers' tokens."""
+    batch = [[3, 9, 27, 81, 5], [100, 2]]
+    two = run_ranks(2, _expert_generation, mixtral, [f"parallel.expert_layout={layout}"], batch, 2)
+    assert two[0]["tokens"] == mixtral_expected(mixtral, batch) and two[1]["tokens"] is None
+    assert all(r["expert_bytes"] * 2 == full_expert_bytes(mixtral) for r in two) and two[0]["other_bytes"] == two[1]["other_bytes"] > 0
+
+
+@pytest.mark.slow
 def test_generate_ep2_on_a_trained_moe_run_equals_one_process(moe_run):
     """`behemoth generate --nproc 2 --ep 2` reads each rank's experts from a checkpoint saved by one process; its greedy
     tokens are one process's, and each rank holds half of the expert bytes (the rest whole)."""
@@ -77,23 +112,47 @@ def test_generate_ep2_on_a_trained_moe_run_equals_one_process(moe_run):
     one, two = run_ranks(1, _expert_generation, str(moe_run), [], batch, 1)[0], run_ranks(2, _expert_generation, str(moe_run), [], batch, 2)
     assert two[0]["tokens"] == one["tokens"] and two[1]["tokens"] is None
     assert [len(t) for t in one["tokens"]] == [MAX_TOKENS] * 3
+    assert one["expert_bytes"] == full_expert_bytes(str(moe_run))
     assert all(r["expert_bytes"] * 2 == one["expert_bytes"] > 0 and r["other_bytes"] == one["other_bytes"] for r in two)
     assert cli_tokens(str(moe_run), batch, "--nproc", "2", "--ep", "2") == one["tokens"]
 
 
-@pytest.mark.parametrize("layout", ["alltoall", pytest.param("gather", marks=pytest.mark.slow)])
-def test_mixtral_folder_at_ep2_equals_one_process_and_transformers(mixtral, layout):
-    """A Mixtral save_pretrained folder (per-expert tensors) at ep = 2 in either expert layout: greedy tokens equal one
-    process's and transformers' generate; each rank holds half of the expert bytes."""
-    batch = [[3, 9, 27, 81, 5], [100, 2]]
-    hf = transformers.MixtralForCausalLM.from_pretrained(mixtral, torch_dtype=torch.float32).eval()
-    expected = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(p) :].tolist() for p in batch]
-    over = [f"parallel.expert_layout={layout}"]
-    one, two = run_ranks(1, _expert_generation, mixtral, over, batch, 1)[0], run_ranks(2, _expert_generation, mixtral, over, batch, 2)
-    assert one["tokens"] == expected and two[0]["tokens"] == expected
-    assert all(r["expert_bytes"] * 2 == one["expert_bytes"] > 0 for r in two)
-    if layout == "alltoall":
-        assert cli_tokens(mixtral, batch, "--nproc", "2", "--ep", "2") == expected
+def _one_process_text(folder: str, prompt: str) -> str:
+    from behemoth.inference import CachePolicy, SamplingParams, load
+
+    gen = load(folder, cache=CachePolicy(block_size=4, memory_mb=2))
+    return gen.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS), ignore_eos=True)[0].text
+
+
+@pytest.mark.slow
+def test_the_server_at_ep2_answers_as_one_process(mixtral):
+    """`behemoth serve --nproc 2 --ep 2`: rank 0 runs HTTP and the scheduler, the other rank follows its steps; the
+    openai client's completion is one process's text."""
+    import time
+
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from behemoth.faults.launch import free_port
+
+    expected = run_ranks(1, _one_process_text, mixtral, "abc")[0]
+    port = free_port()
+    args = ["serve", mixtral, "--nproc", "2", "--ep", "2", "--port", str(port), "--block-size", "4", "--kv-cache-mb", "2", "--model-name", "mixtral"]
+    proc = subprocess.Popen([sys.executable, "-m", "behemoth", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {proc.returncode}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        done = client.completions.create(model="mixtral", prompt="abc", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+        assert done.choices[0].text == expected and done.usage.completion_tokens == MAX_TOKENS
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
 
 
 @pytest.mark.parametrize(
