@@ -34,20 +34,20 @@ def cli_tokens(source: str, batch: list[list[int]], *extra: str) -> list[list[in
     return [json.loads(line)["tokens"] for line in out.stdout.splitlines()]
 
 
-def _expert_generation(source: str, overrides: list[str], batch: list[list[int]], ep: int) -> dict:
-    """This rank's parameter bytes (experts, the rest) when loaded at `ep`, and the greedy tokens of the batch (rank 0)."""
+def _expert_generation(source: str, overrides: list[str], batch: list[list[int]], ep: int, tp: int = 1) -> dict:
+    """This rank's parameter bytes (experts, the rest) when loaded at `ep` x `tp`, and the greedy tokens of the batch (rank 0)."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.topology import init_runtime
 
     source_ = resolve_source(source, overrides)
-    rt = init_runtime(timeout_s=60, ep=ep)
-    model = load_model(source_, rt, ep=ep)
+    rt = init_runtime(timeout_s=60, ep=ep, tp=tp)
+    model = load_model(source_, rt, ep=ep, tp=tp)
     assert model.experts is not None and model.experts.ep.size == ep
     sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
     expert = sum(b for n, b in sizes.items() if model.experts.is_expert(n))
     params = [dict(max_tokens=MAX_TOKENS)] * len(batch)
-    out = generate_on_ranks(source, overrides, batch, params, tp=1, pp=1, ep=ep, cache=CachePolicy(4, 2), ignore_eos=True, rt=rt)
+    out = generate_on_ranks(source, overrides, batch, params, tp=tp, pp=1, ep=ep, cache=CachePolicy(4, 2), ignore_eos=True, rt=rt)
     return {"expert_bytes": expert, "other_bytes": sum(sizes.values()) - expert, "tokens": None if out is None else [c.tokens for c in out]}
 
 
@@ -72,7 +72,8 @@ def mixtral(tmp_path_factory):
 
 def mixtral_expected(folder: str, batch: list[list[int]]) -> list[list[int]]:
     hf = transformers.MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    return [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)[0, len(p) :].tolist() for p in batch]
+    greedy = dict(do_sample=False, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS)
+    return [hf.generate(torch.tensor([p]), **greedy)[0, len(p) :].tolist() for p in batch]
 
 
 def full_expert_bytes(source: str) -> int:
@@ -102,6 +103,16 @@ def test_mixtral_at_ep2_holds_half_the_expert_bytes_and_equals_transformers(mixt
     two = run_ranks(2, _expert_generation, mixtral, [f"parallel.expert_layout={layout}"], batch, 2)
     assert two[0]["tokens"] == mixtral_expected(mixtral, batch) and two[1]["tokens"] is None
     assert all(r["expert_bytes"] * 2 == full_expert_bytes(mixtral) for r in two) and two[0]["other_bytes"] == two[1]["other_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_mixtral_at_ep2_tp2_equals_transformers(mixtral):
+    """--ep 2 composes with --tp 2 (4 processes): attention heads and the KV cache split over tp, experts over ep and
+    each expert's width over tp; a rank holds a quarter of the expert bytes, and the tokens are transformers'."""
+    batch = [[3, 9, 27, 81, 5], [100, 2]]
+    four = run_ranks(4, _expert_generation, mixtral, [], batch, 2, 2)
+    assert four[0]["tokens"] == mixtral_expected(mixtral, batch) and all(r["tokens"] is None for r in four[1:])
+    assert all(r["expert_bytes"] * 4 == full_expert_bytes(mixtral) for r in four)
 
 
 @pytest.mark.slow
@@ -177,6 +188,6 @@ def test_ep_on_a_dense_model_is_refused_before_loading(tmp_path, capsys):
     from tests.test_generate import save_hf
 
     save_hf("llama", str(tmp_path))
-    for command in ("generate", "serve"):
-        assert main([command, str(tmp_path), "--prompt-ids", "1,2", "--ep", "2"] if command == "generate" else [command, str(tmp_path), "--ep", "2"]) == 2
+    for argv in (["generate", str(tmp_path), "--prompt-ids", "1,2", "--ep", "2"], ["serve", str(tmp_path), "--ep", "2"]):
+        assert main(argv) == 2
         assert "--ep 2 but the model has no experts" in capsys.readouterr().err

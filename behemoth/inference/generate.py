@@ -330,9 +330,10 @@ def generate_on_ranks(
     draft: str | NgramDraft | None = None,
     draft_tokens: int = 4,
 ) -> list[Completion] | None:
-    """One rank of a tp x pp x ep generation job: rank 0 generates and returns the completions, the others follow (None);
-    under ep every rank runs the same steps, its MoE layers sending tokens to the ranks of their experts. With `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier; with `draft`
-    (one process), speculative decoding (`attach_speculative`)."""
+    """One rank of a tp x pp x ep generation job: rank 0 generates and returns the completions, the others follow
+    (None); under ep every rank runs the same steps, its MoE layers sending tokens to the ranks of their experts. With
+    `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier; with `draft` (one
+    process), speculative decoding (`attach_speculative`)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp, ep=ep)
     model = load_for_generation(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, offload=offload)
