@@ -10,16 +10,29 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from behemoth.parallel.expert.dispatch import ExpertCompute
 from tests.dist import run_ranks
 from tests.test_generate import prompts
 
 transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 8
+
+
+@dataclass
+class CountedCompute(ExpertCompute):
+    """A rank's expert computation, counting the rows it runs (its share of the layer's expert FLOPs)."""
+
+    rows: int = 0
+
+    def __call__(self, layer, rows, counts, weights):
+        self.rows += rows.shape[0]
+        return super().__call__(layer, rows, counts, weights)
 
 
 def cli(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -34,21 +47,30 @@ def cli_tokens(source: str, batch: list[list[int]], *extra: str) -> list[list[in
     return [json.loads(line)["tokens"] for line in out.stdout.splitlines()]
 
 
-def _expert_generation(source: str, overrides: list[str], batch: list[list[int]], ep: int, tp: int = 1) -> dict:
-    """This rank's parameter bytes (experts, the rest) when loaded at `ep` x `tp`, and the greedy tokens of the batch (rank 0)."""
-    from behemoth.inference.generate import CachePolicy, generate_on_ranks
+def _expert_generation(source: str, batch: list[list[int]], ep: int, tp: int = 1, layout: str = "owned") -> dict:
+    """This rank's parameter bytes (experts, the rest) when loaded at `ep` x `tp`, the expert rows it computed, and the
+    greedy tokens of the batch (rank 0) with the experts in `layout`."""
+    from behemoth.inference import SamplingParams
+    from behemoth.inference.generate import CachePolicy, follow_model, generator_for
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.topology import init_runtime
 
-    source_ = resolve_source(source, overrides)
+    source_ = resolve_source(source)
     rt = init_runtime(timeout_s=60, ep=ep, tp=tp)
-    model = load_model(source_, rt, ep=ep, tp=tp)
+    model = load_model(source_, rt, ep=ep, tp=tp, expert_layout=layout)
     assert model.experts is not None and model.experts.ep.size == ep
     sizes = {n: p.numel() * p.element_size() for n, p in model.module.named_parameters()}
     expert = sum(b for n, b in sizes.items() if model.experts.is_expert(n))
-    params = [dict(max_tokens=MAX_TOKENS)] * len(batch)
-    out = generate_on_ranks(source, overrides, batch, params, tp=tp, pp=1, ep=ep, cache=CachePolicy(4, 2), ignore_eos=True, rt=rt)
-    return {"expert_bytes": expert, "other_bytes": sum(sizes.values()) - expert, "tokens": None if out is None else [c.tokens for c in out]}
+    counted = model.experts.compute = CountedCompute(model.experts.tp)  # the runner computes through it from here on
+    model.experts.set_layout(layout if ep > 1 else "alltoall")
+    cache, tokens = CachePolicy(4, 2), None
+    if rt.rank == 0:
+        gen = generator_for(model, source_, cache)
+        tokens = [c.tokens for c in gen.generate(batch, SamplingParams(max_tokens=MAX_TOKENS), ignore_eos=True)]
+        gen.close()
+    else:
+        follow_model(model, cache)
+    return {"expert_bytes": expert, "other_bytes": sum(sizes.values()) - expert, "rows": counted.rows, "tokens": tokens}
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +118,15 @@ def test_generate_cli_ep2_on_a_mixtral_folder_equals_transformers(mixtral):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["alltoall", "gather"])
+@pytest.mark.parametrize("layout", ["owned", "alltoall", "gather"])
 def test_mixtral_at_ep2_holds_half_the_expert_bytes_and_equals_transformers(mixtral, layout):
-    """In either expert layout a rank holds half of the expert bytes, the rest whole, and generates transformers' tokens."""
+    """In every expert layout a rank holds half of the expert bytes, the rest whole, and generates transformers' tokens."""
     batch = [[3, 9, 27, 81, 5], [100, 2]]
-    two = run_ranks(2, _expert_generation, mixtral, [f"parallel.expert_layout={layout}"], batch, 2)
+    two = run_ranks(2, _expert_generation, mixtral, batch, 2, 1, layout)
     assert two[0]["tokens"] == mixtral_expected(mixtral, batch) and two[1]["tokens"] is None
     assert all(r["expert_bytes"] * 2 == full_expert_bytes(mixtral) for r in two) and two[0]["other_bytes"] == two[1]["other_bytes"] > 0
+    if layout == "gather":  # every rank runs every expert on all of its rows
+        assert two[0]["rows"] == two[1]["rows"] > 0
 
 
 @pytest.mark.slow
@@ -110,7 +134,7 @@ def test_mixtral_at_ep2_tp2_equals_transformers(mixtral):
     """--ep 2 composes with --tp 2 (4 processes): attention heads and the KV cache split over tp, experts over ep and
     each expert's width over tp; a rank holds a quarter of the expert bytes, and the tokens are transformers'."""
     batch = [[3, 9, 27, 81, 5], [100, 2]]
-    four = run_ranks(4, _expert_generation, mixtral, [], batch, 2, 2)
+    four = run_ranks(4, _expert_generation, mixtral, batch, 2, 2)
     assert four[0]["tokens"] == mixtral_expected(mixtral, batch) and all(r["tokens"] is None for r in four[1:])
     assert all(r["expert_bytes"] * 4 == full_expert_bytes(mixtral) for r in four)
 
@@ -120,12 +144,13 @@ def test_generate_ep2_on_a_trained_moe_run_equals_one_process(moe_run):
     """`behemoth generate --nproc 2 --ep 2` reads each rank's experts from a checkpoint saved by one process; its greedy
     tokens are one process's, and each rank holds half of the expert bytes (the rest whole)."""
     batch = prompts(lengths=(5, 9, 2))
-    one, two = run_ranks(1, _expert_generation, str(moe_run), [], batch, 1)[0], run_ranks(2, _expert_generation, str(moe_run), [], batch, 2)
+    one, two = run_ranks(1, _expert_generation, str(moe_run), batch, 1)[0], run_ranks(2, _expert_generation, str(moe_run), batch, 2)
     assert two[0]["tokens"] == one["tokens"] and two[1]["tokens"] is None
     assert [len(t) for t in one["tokens"]] == [MAX_TOKENS] * 3
     assert one["expert_bytes"] == full_expert_bytes(str(moe_run))
     assert all(r["expert_bytes"] * 2 == one["expert_bytes"] > 0 and r["other_bytes"] == one["other_bytes"] for r in two)
-    assert cli_tokens(str(moe_run), batch, "--nproc", "2", "--ep", "2") == one["tokens"]
+    assert two[0]["rows"] + two[1]["rows"] == one["rows"] and all(r["rows"] < one["rows"] for r in two)  # owned: 1/ep of the work
+    assert cli_tokens(str(moe_run), batch, "--nproc", "2", "--ep", "2", "--expert-layout", "alltoall") == one["tokens"]
 
 
 def _one_process_text(folder: str, prompt: str) -> str:

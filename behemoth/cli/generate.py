@@ -37,7 +37,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="E",
-        help="expert-parallel degree (MoE models): each process holds 1/E of every MoE layer's experts, tokens go to them by all-to-all",
+        help="expert-parallel degree (MoE models): each process holds 1/E of every MoE layer's experts",
+    )
+    p.add_argument(
+        "--expert-layout",
+        choices=["owned", "alltoall", "gather"],
+        default="owned",
+        help="--ep: owned (default: each process runs its experts on their rows of the batch every process holds, outputs "
+        "all-gathered), alltoall (rows to the experts' processes and back) or gather (the experts to every process)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
@@ -202,10 +209,10 @@ def worker(
     quantize: str | None,
     offload: Any = None,
     speculative: tuple[Any, int] = (None, 4),
-    ep: int = 1,
+    experts: tuple[int, str] = (1, "owned"),
 ) -> Any:
     """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
-    folder or NgramDraft, tokens per step)."""
+    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout)."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -216,7 +223,8 @@ def worker(
             params,
             tp=tp,
             pp=pp,
-            ep=ep,
+            ep=experts[0],
+            expert_layout=experts[1],
             cache=CachePolicy(block_size, memory_mb),
             ignore_eos=ignore_eos,
             quantize=quantize,
@@ -281,7 +289,8 @@ def run_generate(args: argparse.Namespace) -> int:
     speculative = (speculative_of(args, nproc), args.draft_tokens)
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
-        out = worker(*call, offload, speculative, args.ep) if nproc == 1 else launch(nproc, worker, *call, offload, (None, 4), args.ep)[0]
+        experts = (args.ep, args.expert_layout)
+        out = worker(*call, offload, speculative, experts) if nproc == 1 else launch(nproc, worker, *call, offload, (None, 4), experts)[0]
     return print_completions(out, args.json)
 
 
