@@ -17,6 +17,7 @@ EXAMPLES_GENERATE = """examples:
   behemoth generate path/to/save_pretrained_dir --prompt-ids 1,2,3 --json
   behemoth generate runs/X --nproc 2 --tp 2 --prompt "def "         # tensor-parallel: KV cache split by heads
   behemoth generate runs/X --nproc 2 --pp 2 --prompt "a" --prompt "b" # pipeline: micro-batches of requests
+  behemoth generate moe_run --nproc 2 --ep 2 --prompt "def "         # expert-parallel: half of every MoE layer's experts each
   behemoth generate runs/X --offload disk --prompt "def "            # weights streamed layer by layer
   behemoth generate runs/X --offload disk --nproc 2 --tp 2 --prompt "def "  # each rank streams its shard of every block
   behemoth generate runs/X --quantize int8 --prompt "def "           # int8 weight-only
@@ -31,6 +32,20 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: tp x pp)")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (heads and KV cache split over T)")
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        metavar="E",
+        help="expert-parallel degree (MoE models): each process holds 1/E of every MoE layer's experts",
+    )
+    p.add_argument(
+        "--expert-layout",
+        choices=["owned", "alltoall", "gather"],
+        default="owned",
+        help="--ep: owned (default: each process runs its experts on their rows of the batch every process holds, outputs "
+        "all-gathered), alltoall (rows to the experts' processes and back) or gather (the experts to every process)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
     p.add_argument(
@@ -194,9 +209,10 @@ def worker(
     quantize: str | None,
     offload: Any = None,
     speculative: tuple[Any, int] = (None, 4),
+    experts: tuple[int, str] = (1, "owned"),
 ) -> Any:
     """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
-    folder or NgramDraft, tokens per step)."""
+    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout)."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -207,6 +223,8 @@ def worker(
             params,
             tp=tp,
             pp=pp,
+            ep=experts[0],
+            expert_layout=experts[1],
             cache=CachePolicy(block_size, memory_mb),
             ignore_eos=ignore_eos,
             quantize=quantize,
@@ -220,10 +238,25 @@ def worker(
 
 
 def world_size(args: argparse.Namespace) -> int:
-    nproc = args.nproc if args.nproc is not None else args.tp * args.pp
-    if nproc != args.tp * args.pp:
-        raise BehemothError(f"--nproc {nproc} but --tp {args.tp} x --pp {args.pp} = {args.tp * args.pp}", "set --nproc to tp x pp")
+    degrees = args.tp * args.pp * args.ep
+    nproc = args.nproc if args.nproc is not None else degrees
+    if nproc != degrees:
+        named = f"--tp {args.tp} x --pp {args.pp}" + (f" x --ep {args.ep}" if args.ep != 1 else "")
+        raise BehemothError(f"--nproc {nproc} but {named} = {degrees}", "set --nproc to tp x pp" + (" x ep" if args.ep != 1 else ""))
     return nproc
+
+
+def check_expert_parallel(args: argparse.Namespace) -> None:
+    """--ep before anything loads: each rank runs every request through every layer, its own experts of the MoE layers;
+    a pipeline (whose stages hold different layers) and offload (which streams whole blocks) take no ep."""
+    if args.ep < 1:
+        raise BehemothError(f"--ep {args.ep} is not a positive degree", "use --ep 1 or more")
+    other = f"--pp {args.pp}" if args.pp > 1 else f"--offload {args.offload}" if getattr(args, "offload", None) else None
+    if args.ep > 1 and other:
+        raise BehemothError(
+            f"--ep {args.ep} with {other}: expert-parallel generation replicates the other layers on every rank, in memory",
+            f"drop {other} (--ep composes with --tp)",
+        )
 
 
 def check_plan(args: argparse.Namespace, nproc: int) -> None:
@@ -232,11 +265,19 @@ def check_plan(args: argparse.Namespace, nproc: int) -> None:
     from behemoth.inference.loading import check_inference_plan, inference_config, resolve_source
 
     CachePolicy(args.block_size, args.kv_cache_mb)
+    check_expert_parallel(args)
     source = resolve_source(args.source, args.overrides)
     try:
-        check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp), nproc)
+        check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp, ep=args.ep), nproc)
     except Refused as err:  # in the words of this command's options
-        raise Refused(Problem(p.option, p.message.replace("parallel.tp=", "--tp ").replace("parallel.pp=", "--pp ")) for p in err.problems) from None
+        words = {"parallel.tp=": "--tp ", "parallel.pp=": "--pp ", "parallel.ep=": "--ep "}
+        raise Refused(Problem(p.option, _in_words(p.message, words)) for p in err.problems) from None
+
+
+def _in_words(message: str, words: dict[str, str]) -> str:
+    for key, word in words.items():
+        message = message.replace(key, word)
+    return message
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -248,7 +289,8 @@ def run_generate(args: argparse.Namespace) -> int:
     speculative = (speculative_of(args, nproc), args.draft_tokens)
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
-        out = worker(*call, offload, speculative) if nproc == 1 else launch(nproc, worker, *call, offload)[0]
+        experts = (args.ep, args.expert_layout)
+        out = worker(*call, offload, speculative, experts) if nproc == 1 else launch(nproc, worker, *call, offload, (None, 4), experts)[0]
     return print_completions(out, args.json)
 
 

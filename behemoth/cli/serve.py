@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   curl localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}'
   behemoth serve path/to/hf_folder --api-key "$KEY"   # every /v1/ request needs "Authorization: Bearer $KEY"
   behemoth serve runs/X --nproc 2 --tp 2          # tensor-parallel: each process holds half of every layer and of the KV cache
+  behemoth serve runs/X --nproc 2 --ep 2          # expert-parallel (MoE): each process holds half of every layer's experts
   behemoth serve path/to/save_pretrained_dir --max-batch 64 --kv-cache-mb 2048
   behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
   behemoth serve runs/X --speculative ngram                        # speculative decoding by prompt lookup (no draft model)
@@ -176,8 +177,8 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     from behemoth.topology import init_runtime
 
     source = resolve_source(args.source, args.overrides)
-    rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp)
-    model = load_model(source, rt, tp=args.tp, pp=args.pp, quantize=args.quantize)
+    rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp, ep=args.ep)
+    model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout)
     cache = CachePolicy(args.block_size, args.kv_cache_mb)
     if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
         from behemoth.flight import RECORDER

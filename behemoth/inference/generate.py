@@ -299,15 +299,24 @@ def offloaded_generator(source: Source, policy: OffloadPolicy, cache: CachePolic
 
 
 def load_for_generation(
-    source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None, offload: OffloadPolicy | None = None
+    source: Source,
+    rt: Runtime,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    quantize: str | None = None,
+    offload: OffloadPolicy | None = None,
+    expert_layout: str = "owned",
 ) -> LoadedModel:
-    """This rank's model: laid out in memory, or (`offload`) with its blocks on a tier, each tp rank its own shard."""
+    """This rank's model: laid out in memory (`ep` > 1: this rank's experts of every MoE layer), or (`offload`) with its
+    blocks on a tier, each tp rank its own shard."""
     if offload is None:
-        return load_model(source, rt, tp=tp, pp=pp, quantize=quantize)
-    if pp > 1 or quantize is not None:
+        return load_model(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, expert_layout=expert_layout)
+    if pp > 1 or ep > 1 or quantize is not None:
         raise BehemothError(
-            f"offloaded generation with pp={pp}, quantize={quantize}: every rank streams all of its blocks, in float32",
-            "drop --pp and --quantize (split each block over ranks with --tp)",
+            f"offloaded generation with pp={pp}, ep={ep}, quantize={quantize}: every rank streams all of its blocks, in float32",
+            "drop --pp, --ep and --quantize (split each block over ranks with --tp)",
         )
     return load_offloaded(source, rt, offload, tp=tp)
 
@@ -320,6 +329,7 @@ def generate_on_ranks(
     *,
     tp: int,
     pp: int,
+    ep: int = 1,
     cache: CachePolicy = CachePolicy(),
     ignore_eos: bool = False,
     quantize: str | None = None,
@@ -327,13 +337,15 @@ def generate_on_ranks(
     rt: Runtime | None = None,
     draft: str | NgramDraft | None = None,
     draft_tokens: int = 4,
+    expert_layout: str = "owned",
 ) -> list[Completion] | None:
-    """One rank of a tp x pp generation job: rank 0 generates and returns the completions, the others follow (None).
-    With `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier; with `draft`
-    (one process), speculative decoding (`attach_speculative`)."""
+    """One rank of a tp x pp x ep generation job: rank 0 generates and returns the completions, the others follow
+    (None); under ep every rank runs the same steps, each MoE layer's experts computed in `expert_layout`. With
+    `offload`, every rank streams its tensor-parallel shard of each block from the policy's tier; with `draft` (one
+    process), speculative decoding (`attach_speculative`)."""
     source = resolve_source(path, list(overrides))
-    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp)
-    model = load_for_generation(source, rt, tp=tp, pp=pp, quantize=quantize, offload=offload)
+    rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp, ep=ep)
+    model = load_for_generation(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, offload=offload, expert_layout=expert_layout)
     try:
         return _generate_loaded(model, source, prompts, params, cache, ignore_eos, (draft, draft_tokens))
     finally:

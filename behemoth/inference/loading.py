@@ -79,10 +79,19 @@ def _flatten(saved: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1) -> Config:
-    """The config laid out for generation: tp x pp processes, no data parallelism, no ZeRO, one micro-batch per stage."""
-    plan = ParallelPlan(tp=tp, pp=pp, dp=1, schedule="gpipe", balance="flops" if pp > 1 else cfg.parallel.balance)
-    return cfg.replace(parallel=plan, train={"global_batch": pp, "micro_batch": 1, "seq_len": None})
+def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1, ep: int = 1) -> Config:
+    """The config laid out for generation: tp x pp x ep processes, no data parallelism, no ZeRO, one micro-batch per
+    stage; with ep > 1 every rank holds 1/ep of each MoE layer's experts and runs the same requests, the rest of the
+    model replicated."""
+    plan = ParallelPlan(
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dp=1,
+        schedule="gpipe",
+        balance="flops" if pp > 1 else cfg.parallel.balance,
+    )
+    return cfg.replace(parallel=plan, train={"global_batch": pp * ep, "micro_batch": 1, "seq_len": None})
 
 
 def check_inference_plan(cfg: Config, world: int) -> None:
@@ -92,10 +101,14 @@ def check_inference_plan(cfg: Config, world: int) -> None:
         raise Refused(found)
 
 
-def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantize: str | None = None) -> ParallelModel:
+def load_model(
+    source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, ep: int = 1, quantize: str | None = None, expert_layout: str = "owned"
+) -> ParallelModel:
     """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
-    linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels)."""
-    cfg = inference_config(source.config, tp=tp, pp=pp)
+    linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels; `ep`: this rank's experts
+    only, read as their slices of the checkpoint's tensors, computed in `expert_layout`: owned, alltoall or gather,
+    parallel/expert/dispatch.py)."""
+    cfg = inference_config(source.config, tp=tp, pp=pp, ep=ep)
     lm = build_causal_lm(cfg.model, cfg.hf)
     lora = cfg.finetune.lora if source.checkpoint is not None and cfg.finetune.lora.enabled else None  # a LoRA run's checkpoint: adapters
     if source.checkpoint is not None and lora is None:
@@ -119,6 +132,8 @@ def load_model(source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, quantiz
         state = {k: v for k, v in parameter_state(model.module).items() if lora is None or ".lora_" in k}
         load_checkpoint(model.checkpoint_views({"model": state}), source.checkpoint, rt.world_group)
     model.module.eval()
+    if model.experts is not None and ep > 1:
+        model.experts.set_layout(expert_layout)
     if lora is not None:  # the base came from hf.weights; its adapters are folded into it
         from behemoth.models.lora import merge_adapters
 

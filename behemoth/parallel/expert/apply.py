@@ -24,15 +24,16 @@ from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.init import mark_partial
-from behemoth.models.moe import MoELayer
+from behemoth.models.moe import ExpertRunner, MoELayer
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.expert.comm import EPComm
-from behemoth.parallel.expert.dispatch import AllToAllExperts, ExpertCompute, GatherExperts
+from behemoth.parallel.expert.dispatch import AllToAllExperts, ExpertCompute, GatherExperts, OwnedExperts
 from behemoth.parallel.expert.layout import EXPERT_LAYOUT, ExpertShard
 from behemoth.parallel.tensor.comm import TPComm, scatter_seq
 
 Layout = Literal["alltoall", "gather"]
 LAYOUTS: tuple[str, ...] = ("alltoall", "gather")
+INFERENCE_LAYOUTS: tuple[str, ...] = ("owned", *LAYOUTS)  # owned: rows alike on every ep rank (dispatch.py), not for training
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,14 @@ class ExpertParallel:
 
     def set_layout(self, layout: str, chunks: int = 1) -> None:
         """Compute every MoE layer's experts in `layout` from the next forward on (collective: every rank the same)."""
-        if layout not in LAYOUTS or chunks < 1:
+        if layout not in INFERENCE_LAYOUTS or chunks < 1:
             raise BehemothError(
-                f"expert layout {layout!r} with {chunks} chunk(s) is not one of {', '.join(LAYOUTS)} with chunks >= 1",
-                "use parallel.expert_layout=alltoall or gather, parallel.expert_chunks >= 1",
+                f"expert layout {layout!r} with {chunks} chunk(s) is not one of {', '.join(INFERENCE_LAYOUTS)} with chunks >= 1",
+                "use parallel.expert_layout=alltoall or gather, parallel.expert_chunks >= 1 (owned: generation only)",
             )
-        runner = GatherExperts(self.ep, self.compute) if layout == "gather" else AllToAllExperts(self.ep, self.compute, chunks)
+        runner: ExpertRunner = AllToAllExperts(self.ep, self.compute, chunks)
+        if layout != "alltoall":
+            runner = GatherExperts(self.ep, self.compute) if layout == "gather" else OwnedExperts(self.ep, self.compute)
         for layer in self.layers.values():
             layer.runner = runner
         self.layout, self.chunks = layout, chunks

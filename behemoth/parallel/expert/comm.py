@@ -7,6 +7,7 @@
     all_to_all_start    the same, issued asynchronously: `finish` waits for it, so expert compute on earlier chunks
                         overlaps the transfer (its backward is synchronous)
     gather_experts      forward: all-gather every rank's experts       backward: reduce-scatter (sum) their gradients
+    gather_rows         all-gather uneven row blocks (inference only: no backward), each padded to the longest
 
 Everything goes through `behemoth.comm`, so the run's CommMeter counts it.
 """
@@ -188,3 +189,16 @@ class _GatherExperts(torch.autograd.Function):
 def gather_experts(local: torch.Tensor, ep: EPComm) -> torch.Tensor:
     """Every rank's experts of a stacked weight, in expert order (rank j holds the j-th block of E / ep)."""
     return _GatherExperts.apply(local, ep) if ep.size > 1 else local
+
+
+def gather_rows(x: torch.Tensor, ep: EPComm, rows: list[int]) -> torch.Tensor:
+    """Every ep rank's block of rows (rank j's has `rows[j]`; this rank's is `x`), concatenated in rank order. For
+    inference (no backward): each block goes padded to the longest, one all-gather."""
+    width = max(rows)
+    if width == 0:
+        return x
+    padded = x.new_zeros((width, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((ep.size * width, *x.shape[1:]))
+    all_gather(out, padded, ep.group, ep.meter)
+    return torch.cat([out[j * width : j * width + n] for j, n in enumerate(rows)])

@@ -11,6 +11,9 @@
   owners. No token moves; it wins when a rank's tokens outweigh the experts (Tutel's r = 0 layout, ZeRO-
   style). Parameters and optimizer state stay where they are in both layouts, so a run can switch
   between them (and between chunkings) at any step without changing what it computes.
+- `OwnedExperts` (inference, where every ep rank runs the same requests, so its rows are every rank's rows): each
+  rank runs its own experts on their rows and the outputs are all-gathered. No token moves and no weight; a rank's
+  expert work is 1/ep of the layer's (the two layouts above compute every rank's copy of the rows).
 
 Under tensor parallelism each rank holds a slice of every expert's MLP width: the rows enter the tensor-
 parallel region (f) before the experts and their partial outputs are summed over tp (g) after.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from behemoth.models.moe import MoELayer, expert_ffn
-from behemoth.parallel.expert.comm import EPComm, all_to_all, all_to_all_start, finish, gather_experts
+from behemoth.parallel.expert.comm import EPComm, all_to_all, all_to_all_start, finish, gather_experts, gather_rows
 from behemoth.parallel.tensor.comm import TPComm, copy_to_tp, reduce_from_tp
 
 
@@ -105,3 +108,19 @@ class GatherExperts:
     def __call__(self, layer: MoELayer, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w_in, w_out = layer.expert_weights()
         return self.compute(layer, rows, counts, (gather_experts(w_in, self.ep), gather_experts(w_out, self.ep)))
+
+
+@dataclass
+class OwnedExperts:
+    """Rows alike on every ep rank (inference): this rank's experts on their rows, the outputs all-gathered over ep."""
+
+    ep: EPComm
+    compute: ExpertCompute
+    name: str = "owned"
+
+    def __call__(self, layer: MoELayer, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        local = len(counts) // self.ep.size
+        per_rank = [sum(counts[j * local : (j + 1) * local]) for j in range(self.ep.size)]
+        start, mine = sum(per_rank[: self.ep.rank]), counts[self.ep.rank * local : (self.ep.rank + 1) * local]
+        out = self.compute(layer, rows[start : start + per_rank[self.ep.rank]], mine, layer.expert_weights())
+        return gather_rows(out, self.ep, per_rank)
