@@ -4,48 +4,62 @@ launch."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch.distributed as dist
 
 from behemoth.config import Config, load_config
 from behemoth.planner.feasibility import problems
-from tests.common import assert_close_runs, tiny_config, train_body
+from tests.common import assert_close_runs, full_weights, tiny_config
 from tests.dist import run_ranks
 
 
-RUNS = {"ref": (1, []), "s1": (2, ["parallel.tp=2"])}
+def train_in_turn(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each config trained in turn in this process group: losses, rank 0's weights, and the all-reduces each rank issued
+    to the tp group and the seconds it waited on the blocks' sub-batch all-reduces."""
+    from behemoth.config import Config
+    from behemoth.parallel.tensor.subbatch import SubBatchSchedule
+    from behemoth.topology import init_runtime
+    from behemoth.train import Trainer
+
+    out = []
+    for cfg_dict in cfgs:
+        cfg = Config.model_validate(cfg_dict)
+        trainer = Trainer(cfg, init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees()))
+        summary = trainer.run()
+        model = trainer.engine.model
+        blocks = model.module.get_submodule(model.lm.layers.blocks).children()
+        schedules = [b.forward.__self__ for b in blocks if isinstance(getattr(b.forward, "__self__", None), SubBatchSchedule)]
+        weights = full_weights(trainer) if dist.get_rank() == 0 else None
+        calls = model.meter.ops["all_reduce"].calls
+        waited = sum(sum(s.waited_s.values()) for s in schedules)
+        out.append({"losses": summary["losses"], "weights": weights, "all_reduces": calls, "schedules": len(schedules), "waited": waited})
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Lazily: the single process and tp=2 (6 steps of micro-batch 8), once per module."""
-    out: dict = {}
-
-    def get(name: str, world: int = 2, *extra: str):
-        if name not in out:
-            world, extra = RUNS.get(name, (world, extra))
-            cfg = tiny_config(tmp_path_factory.mktemp(name), "train.steps=6", "train.eval_every=0", *extra)
-            out[name] = run_ranks(world, train_body, cfg)
-        return out[name]
-
-    return get
+    """The single process, then tp=2 at tp_subbatches 1, 2 and 4 in one 2-rank launch (6 steps of micro-batch 8)."""
+    cfg = lambda *extra: tiny_config(tmp_path_factory.mktemp("run"), "train.steps=6", "train.eval_every=0", *extra)  # noqa: E731
+    ref = run_ranks(1, train_in_turn, [cfg()])[0][0]
+    tp = [cfg("parallel.tp=2", f"parallel.tp_subbatches={s}") for s in (1, 2, 4)]
+    return ref, run_ranks(2, train_in_turn, tp)
 
 
-def check_subbatches(runs, s: int) -> None:
-    got = runs(f"s{s}", 2, "parallel.tp=2", f"parallel.tp_subbatches={s}")
-    assert got[0]["losses"] == got[1]["losses"], "tensor-parallel ranks disagree on the loss"
+@pytest.mark.parametrize("index, s", [(1, 2), (2, 4)])
+def test_subbatches_match_tp_and_single_process(runs, index, s):
+    ref, ranks = runs
+    s1, got = ranks[0][0], ranks[0][index]
+    assert got["losses"] == ranks[1][index]["losses"], "tensor-parallel ranks disagree on the loss"
+    assert got["schedules"] == 2 and s1["schedules"] == 0, "every block (2) runs sub-pipelined at S > 1, none at S = 1"
+    assert got["waited"] > 0.0
+    # a block's 4 all-reduces (2 forward, 2 backward) are issued once per sub-batch: (s - 1) x 4 x 2 blocks more per step
+    assert got["all_reduces"] - s1["all_reduces"] == 6 * (s - 1) * 4 * 2
     # the same math per row: losses within 1e-6, weights within 1e-5 (rtol of the tensor's scale, and the absolute floor
     # of the attention key bias, whose gradient is analytically zero: float32 noise that Adam normalizes into steps)
-    assert_close_runs(runs("s1")[0], got[0], loss_rtol=1e-6, weight_rtol=1e-5, weight_atol=1e-5)
-    assert_close_runs(runs("ref")[0], got[0])
-
-
-def test_two_subbatches_match_tp_and_single_process(runs):
-    check_subbatches(runs, 2)
-
-
-@pytest.mark.slow
-def test_four_subbatches_match_tp_and_single_process(runs):
-    check_subbatches(runs, 4)
+    assert_close_runs(s1, got, loss_rtol=1e-6, weight_rtol=1e-5, weight_atol=1e-5)
+    assert_close_runs(ref, got)
 
 
 def config(*overrides: str) -> Config:
