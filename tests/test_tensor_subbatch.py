@@ -96,3 +96,13 @@ def test_refused_before_launch(overrides, says):
 def test_default_and_plain_tp_have_no_problem():
     assert not [p for p in problems(config("parallel.tp=2", "parallel.tp_subbatches=2"), 2) if p.option == "parallel.tp_subbatches"]
     assert not [p for p in problems(config("parallel.tp=2"), 2) if p.option == "parallel.tp_subbatches"]
+
+
+@pytest.mark.slow
+def test_subbatches_with_data_parallel_zero2(tmp_path):
+    """dp=2 x tp=2 under ZeRO-2 (4 ranks): S=2 equals S=1 (each parameter's gradient reaches the buckets once)."""
+    extra = ("parallel.tp=2", "parallel.zero_stage=2")
+    cfgs = [tiny_config(tmp_path / str(n), *STEPS, *extra, f"parallel.tp_subbatches={n}") for n in (1, 2)]
+    s1, got = run_ranks(4, train_in_turn, cfgs)[0]
+    assert got["schedules"] == 2
+    assert_close_runs(s1, got, loss_rtol=1e-6, weight_rtol=1e-5, weight_atol=1e-5)
