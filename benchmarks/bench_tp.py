@@ -430,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; the best is reported")
     parser.add_argument("--model", default="gpt-6m", choices=sorted(MODELS))
-    parser.add_argument("--part", default="dtensor", choices=("dtensor", "2d", "subbatch"),
+    parser.add_argument(
+        "--part",
+        default="dtensor",
+        choices=("dtensor", "2d", "subbatch"),
         help="vs DTensor at tp=2, 2-D vs 1-D TP at tp=4, or sub-pipelined TP (tp_subbatches 1, 2, 4) at tp=2",
     )
     from ratios import add_report_args, write_rows

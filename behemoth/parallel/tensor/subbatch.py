@@ -23,6 +23,7 @@ Without autograd (evaluation, generation) the block runs as it does at S=1.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +105,8 @@ class SubBatchSchedule:
         self.wait(pending, "forward")
         r = seg.r.requires_grad_()
         bias = phase.row.bias
-        seg.y = seg.x + self.block.drop(r if bias is None else r + bias)
+        drop: nn.Module = self.block.get_submodule("drop")
+        seg.y = seg.x + drop(r if bias is None else r + bias)
         return seg.y.detach().requires_grad_()
 
     def tail_and_body_backward(self, phase: Phase, seg: Segment, grad_y: torch.Tensor, grads: dict[int, torch.Tensor]) -> Pending:
@@ -127,7 +129,7 @@ class SubBatchSchedule:
         return grad_x + seg.grad_x
 
 
-def add_grads(grads: dict[int, torch.Tensor], params: list[nn.Parameter], values: list[torch.Tensor | None]) -> None:
+def add_grads(grads: dict[int, torch.Tensor], params: Sequence[nn.Parameter], values: Sequence[torch.Tensor | None]) -> None:
     for p, g in zip(params, values):
         if g is not None:
             grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
@@ -179,7 +181,7 @@ def apply_subbatches(blocks: nn.Module, tp: TPComm, subbatches: int) -> list[Sub
         if problem is not None:
             raise BehemothError(f"parallel.tp_subbatches: block {i} {problem}", "use parallel.tp_subbatches=1 for this model")
         sched = SubBatchSchedule(block, tp, subbatches)
-        block.forward = sched.forward  # type: ignore[method-assign]
+        block.forward = sched.forward
         out.append(sched)
     return out
 
@@ -203,7 +205,11 @@ def subbatch_problems(cfg: Any, micro_batch: int | None) -> list[Problem]:
     refusals = [
         (plan.tp < 2, "needs parallel.tp >= 2 (there is no tensor-parallel all-reduce to overlap)", "set parallel.tp=2 or more"),
         (plan.tp_mode != "1d", f"is built for tp_mode=1d, not {plan.tp_mode}", "set parallel.tp_mode=1d"),
-        (plan.sequence_parallel, "with sequence parallelism is not built (its collectives are a reduce-scatter and an all-gather)", "set parallel.sequence_parallel=false"),
+        (
+            plan.sequence_parallel,
+            "with sequence parallelism is not built (its collectives are a reduce-scatter and an all-gather)",
+            "set parallel.sequence_parallel=false",
+        ),
         (plan.pp > 1, "with a pipeline is not built (the schedules' split backward and stage recomputation)", "use parallel.pp=1"),
         (plan.zero_stage == 3, "with ZeRO-3 is not built (its per-block re-gather hooks)", "use parallel.zero_stage=0, 1 or 2"),
         (plan.recompute != "none", "with recompute is not built (the sub-batch graphs are kept, not checkpointed)", "set parallel.recompute=none"),
@@ -212,7 +218,11 @@ def subbatch_problems(cfg: Any, micro_batch: int | None) -> list[Problem]:
         (cfg.offload.enabled, "with offload is not built", "turn offload off"),
         (cfg.hf.arch is not None, "runs behemoth's GPT blocks only, not a Hugging Face model's layers", "use a gpt model"),
         (bool(cfg.model.moe.moe_blocks(cfg.model.n_layer)), "runs dense blocks only, not MoE layers", "use a dense model"),
-        (micro_batch is not None and micro_batch % n != 0, f"does not split a micro-batch of {micro_batch} sequences", f"use a train.micro_batch that {n} divides"),
+        (
+            micro_batch is not None and micro_batch % n != 0,
+            f"does not split a micro-batch of {micro_batch} sequences",
+            f"use a train.micro_batch that {n} divides",
+        ),
     ]
     for bad, why, fix in refusals:
         if bad:
