@@ -63,6 +63,7 @@ from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
+from behemoth.parallel.tensor.subbatch import apply_subbatches
 from behemoth.parallel.tensor.twod import TensorParallel2D, apply_tensor_parallel_2d, grid_of
 from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
 from behemoth.plan import ParallelPlan
@@ -337,8 +338,11 @@ def parallelize(
         tp = apply_2d(lm, rt, meter, for_training, plan.tp_depth if plan.tp_mode == "2.5d" else 1)
     elif rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
-        tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
+        tp_comm = TPComm.of(rt.group("tp"), meter)
+        tp = apply_tensor_parallel(model, tp_comm, policy)
         lm.after_tensor_parallel(rt.dims.tp)
+        if plan.tp_subbatches > 1 and for_training:  # sub-pipelined blocks (Merak): parallel/tensor/subbatch.py
+            apply_subbatches(model.get_submodule(lm.layers.blocks), tp_comm, plan.tp_subbatches)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
     context = apply_context(lm, plan, rt, meter, timeout_s) if for_training else None  # inference: cp ranks are replicas
     optimizer_tier = "device"

@@ -42,6 +42,10 @@ class ParallelPlan(BaseModel):
         "2.5d (Tesseract: tp_depth such grids, tp = d*q*q; docs/tensor2d.md)",
     )
     tp_depth: int = Field(1, ge=1, description="tp_mode=2.5d: grids (layers) of the Tesseract, each holding 1/d of the batch")
+    tp_subbatches: Literal[1, 2, 4] = Field(
+        1,
+        description="sub-pipelined TP (tp_mode=1d): blocks run each micro-batch as 2 or 4 sub-batches, one's all-reduce under the next's compute",
+    )
     sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
     zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")
     prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")

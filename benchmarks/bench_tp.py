@@ -9,6 +9,11 @@ rank): both sides then compute the same function, and the first losses are print
 
     python benchmarks/bench_tp.py [--steps 20] [--warmup 3] [--rounds 3] [--model gpt-6m]
     python benchmarks/bench_tp.py --part 2d [--steps 10]   # 2-D (SUMMA, 2 x 2 grid) vs 1-D tensor parallelism, 4 ranks
+    python benchmarks/bench_tp.py --part subbatch [--model gpt-1m]   # sub-pipelined TP: tp_subbatches 1, 2, 4 at tp=2
+
+The subbatch part also reports the seconds per step a rank waits on the blocks' all-reduces. At tp_subbatches=1 they
+are synchronous, so the same schedule is run at S=1 (issue, then wait at once: nothing to hide them under) to time them;
+the share hidden at S is 1 - waited(S) / waited(S=1 scheduled).
 
 Each variant runs `--rounds` times, alternating behemoth and DTensor, and the best round of each is
 reported. Prints a markdown table: tokens/s (median step), the ratio behemoth / DTensor, the CPU time a rank
@@ -93,7 +98,7 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
     rt = init_runtime(**cfg.parallel.degrees())
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
     sampler = BatchSampler(corpus.train, cfg.seq_len, BatchLayout.resolve(cfg.train.global_batch, None, 1), 0, cfg.train.seed)
-    runner = BehemothRunner(cfg, rt) if kind == "behemoth" else DTensorRunner(cfg, rt)
+    runner = BehemothRunner(cfg, rt, scheduled=kind == "scheduled") if kind != "dtensor" else DTensorRunner(cfg, rt)
     times, cpu, losses, act = [], [], [], 0
     for step in range(warmup + steps):
         batches = sampler.micro_batches(step)
@@ -104,6 +109,8 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
         cpu.append(time.process_time() - c0)
         losses.append(loss)
         act = measured or act
+        if step + 1 == max(1, warmup):
+            waited0 = runner.waited_s()
     median = statistics.median(times[max(1, warmup) :])
     return {
         "tokens_per_s": cfg.train.global_batch * cfg.seq_len / median,
@@ -112,16 +119,27 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
         "activation_mb": act / 2**20,
         "state_mb": runner.state_bytes() / 2**20,
         "param_mb": runner.param_bytes() / 2**20,
+        "waited_s": (runner.waited_s() - waited0) / (warmup + steps - max(1, warmup)),
     }
 
 
 class BehemothRunner:
     """behemoth's engine; activation bytes measured on the step's forward."""
 
-    def __init__(self, cfg: Any, rt: Any) -> None:
+    def __init__(self, cfg: Any, rt: Any, scheduled: bool = False) -> None:
         from behemoth.engine import build_engine
+        from behemoth.parallel.tensor.subbatch import SubBatchSchedule, apply_subbatches
 
         self.engine = build_engine(cfg, rt)
+        module = self.engine.model.module
+        blocks = module.get_submodule(self.engine.model.lm.layers.blocks)
+        if scheduled:  # tp_subbatches=1 run by the sub-batch schedule, to time its (then exposed) all-reduces
+            apply_subbatches(blocks, next(iter(blocks.children())).attn.proj.tp, 1)
+        self.schedules = [b.forward.__self__ for b in blocks.children() if isinstance(getattr(b.forward, "__self__", None), SubBatchSchedule)]
+
+    def waited_s(self) -> float:
+        """Seconds this rank has waited on the sub-batch schedules' all-reduces (0 without them)."""
+        return sum(sum(s.waited_s.values()) for s in self.schedules)
 
     def step(self, batches: list, lr: float, measure: bool) -> tuple[float, int]:
         """One training step; when measuring, the bytes autograd saves in its forward and loss (one micro-batch: each
@@ -149,6 +167,9 @@ class BehemothRunner:
 
 class DTensorRunner:
     """behemoth's GPT (same init) under torch's parallelize_module and loss_parallel, written as torchtitan does."""
+
+    def waited_s(self) -> float:
+        return 0.0
 
     def __init__(self, cfg: Any, rt: Any) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -323,6 +344,44 @@ def run_2d(model: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
     return {"model": model, **best}
 
 
+def run_subbatch(model: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """behemoth at tp=2 on 2 ranks with tp_subbatches 1, 2, 4 (and 1 through the schedule, to time the all-reduces),
+    alternating; the best round of each."""
+    from behemoth.config import load_config
+    from behemoth.faults.ranks import run_ranks
+
+    best: dict[str, list[dict[str, Any]]] = {}
+    variants = (("1", "behemoth", 1), ("1 (scheduled)", "scheduled", 1), ("2", "behemoth", 2), ("4", "behemoth", 4))
+    for _ in range(rounds):
+        for name, kind, s in variants:
+            extra = ["parallel.tp=2", f"parallel.tp_subbatches={s}", "run.progress=false"]
+            cfg = load_config(None, MODELS[model] + extra).model_dump(mode="json")
+            res = run_ranks(2, bench_rank, kind, cfg, steps, warmup, timeout=3600)
+            if name not in best or res[0]["tokens_per_s"] > best[name][0]["tokens_per_s"]:
+                best[name] = res
+    return {"model": model, **best}
+
+
+def print_subbatch_table(row: dict[str, Any]) -> None:
+    worst = lambda name, key: max(x[key] for x in row[name])  # noqa: E731  (the slowest rank)
+    exposed = worst("1 (scheduled)", "waited_s")
+    print("| model | tp | tp_subbatches | tok/s | vs S=1 | step ms | CPU s/step/rank | all-reduce wait ms/step | share hidden | first losses |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = row["1"][0]["tokens_per_s"]
+    for name in ("1", "1 (scheduled)", "2", "4"):
+        r = row[name][0]
+        waited = worst(name, "waited_s")
+        hidden = "" if name == "1" else f"{1 - waited / exposed:.2f}" if exposed else "-"
+        wait_ms = "(synchronous)" if name == "1" else f"{1e3 * waited:.1f}"
+        losses = ", ".join(f"{x:.4f}" for x in r["losses"][:3:2])
+        step_ms = 1e3 * row["model_tokens"] / r["tokens_per_s"] if "model_tokens" in row else 0.0
+        print(
+            f"| {row['model']} | 2 | {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.3f} | {step_ms:.0f} "
+            f"| {worst(name, 'cpu_s'):.3f} | {wait_ms} | {hidden} | {losses} |",
+            flush=True,
+        )
+
+
 def print_2d_table(row: dict[str, Any]) -> None:
     worst = lambda mode, key: max(x[key] for x in row[mode])  # noqa: E731  (the rank that holds most, or is slowest)
     print("| model | tp | mode | tok/s | CPU s/step/rank | parameters MiB/rank | activations MiB/rank | model states MiB/rank | first losses |")
@@ -371,13 +430,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, alternating; the best is reported")
     parser.add_argument("--model", default="gpt-6m", choices=sorted(MODELS))
-    parser.add_argument("--part", default="dtensor", choices=("dtensor", "2d"), help="vs DTensor at tp=2, or 2-D vs 1-D TP at tp=4")
+    parser.add_argument(
+        "--part",
+        default="dtensor",
+        choices=("dtensor", "2d", "subbatch"),
+        help="vs DTensor at tp=2, 2-D vs 1-D TP at tp=4, or sub-pipelined TP (tp_subbatches 1, 2, 4) at tp=2",
+    )
     from ratios import add_report_args, write_rows
 
     add_report_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.rounds = 3, 1, 1
+    if args.part == "subbatch":
+        row = run_subbatch(args.model, args.steps, args.warmup, args.rounds)
+        print_subbatch_table({**row, "model_tokens": model_tokens(args.model)})
+        return 0
     if args.part == "2d":
         print_2d_table(run_2d(args.model, args.steps, args.warmup, args.rounds))
         return 0
@@ -385,6 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     write_rows(args.json, ratio_rows(rows))
     return 0
+
+
+def model_tokens(model: str) -> int:
+    """Tokens in one step of the benchmark's model (global batch x sequence)."""
+    from behemoth.config import Config, load_config
+
+    cfg = Config.model_validate(load_config(None, MODELS[model]).model_dump(mode="json"))
+    return cfg.train.global_batch * cfg.seq_len
 
 
 def ratio_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
+from behemoth.parallel.tensor.subbatch import subbatch_problems
 from behemoth.parallel.tensor.twod_problems import tensor2d_problems
 from behemoth.planner.memory import fit_problems
 from behemoth.planner.offload import offload_launch_problems, offload_problems, streams
@@ -47,6 +48,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     dims = plan.dims(world)
     batch = collect("train.global_batch", cfg.batch_layout, dims)
     out += tensor2d_problems(cfg, built, None if batch else cfg.batch_layout(dims).micro_batch)
+    out += subbatch_problems(cfg, None if batch else cfg.batch_layout(dims).micro_batch)
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)

@@ -13,7 +13,9 @@ so a sequence collective moves the sequence to the front and back. Every collect
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,23 @@ import torch.distributed as dist
 from behemoth.comm import CommMeter, all_gather, all_reduce, reduce_scatter
 
 SEQ_DIM = 1
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_deferred() -> Iterator[None]:
+    """Inside: f is the identity both ways and a row-parallel layer returns its partial sum without bias; the caller
+    (sub-pipelined tensor parallelism, subbatch.py) issues those all-reduces itself."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = before
+
+
+def deferred() -> bool:
+    return getattr(_DEFERRED, "on", False)
 
 
 @dataclass(frozen=True)
@@ -124,8 +143,8 @@ class _SequenceConjugate(torch.autograd.Function):
 
 @torch.compiler.disable  # opaque to torch.compile: a graph break, no guards on the meter's counters
 def copy_to_tp(x: torch.Tensor, tp: TPComm) -> torch.Tensor:
-    """f: identity forward, all-reduce of the input gradient backward."""
-    return _CopyToTP.apply(x, tp)
+    """f: identity forward, all-reduce of the input gradient backward (the caller's, where collectives are deferred)."""
+    return x if deferred() else _CopyToTP.apply(x, tp)
 
 
 @torch.compiler.disable

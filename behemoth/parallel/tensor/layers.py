@@ -27,7 +27,7 @@ from behemoth.models.causal_lm import IGNORE_INDEX
 from behemoth.models.init import FULL_NAME, mark_partial
 from behemoth.parallel.chunked import Box
 from behemoth.parallel.deferred import DeferralSlot, accumulate, deferrable_linear
-from behemoth.parallel.tensor.comm import SequenceGather, TPComm, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from behemoth.parallel.tensor.comm import SequenceGather, TPComm, copy_to_tp, deferred, gather_seq, reduce_from_tp, reduce_scatter_seq
 
 TP_LAYOUT = "_behemoth_tp_layout"  # ShardLayout of a tensor-parallel parameter
 TP_PARTIAL_GRAD = "_behemoth_tp_partial_grad"  # replicated parameter whose gradient is a partial sum over tp
@@ -346,6 +346,8 @@ class RowParallelLinear(nn.Module):
             y = deferrable_linear(x, self.weight, None, self.deferral, self.transposed)
         else:
             y = local_linear(x, self.weight, None, self.transposed)
+        if deferred() and not self.sequence_parallel:  # the caller sums the partial products and adds the bias
+            return y
         y = reduce_scatter_seq(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
