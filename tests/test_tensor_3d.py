@@ -1,0 +1,157 @@
+"""3-D tensor parallelism (parallel.tp_mode=3d, all-gather / reduce-scatter over a 2 x 2 x 2 cube) equals the single
+process.
+
+One 8-rank run checks a cube linear against nn.Linear (output, input and weight gradients; the counted all-gather +
+reduce-scatter elements against 2 q (x + w + y), cube.py) and gpt-tiny's summed loss and every gradient, with each
+rank's parameter bytes exactly 1/q^3 of the model's. Training through the command-line path is slow-marked (8
+processes on 2 cores); refusals are checked before launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tests.common import assert_close_runs, tiny_config, train_body
+from tests.dist import run_ranks
+
+Q = 2
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _cube():
+    import torch.distributed as dist
+
+    from behemoth.comm import CommMeter
+    from behemoth.parallel.tensor.cube import Grid3D
+
+    return Grid3D.build([list(range(dist.get_world_size()))], dist.get_rank(), CommMeter())
+
+
+def _activation(full: torch.Tensor, grid, feature_axis: str) -> torch.Tensor:
+    """The rank's block of a [tokens, h] activation with features on `feature_axis` (tokens in q^2 blocks)."""
+    from behemoth.parallel.tensor.summa import BlockLayout, even
+
+    n, h = full.shape
+    layout = BlockLayout.of((n, h), d0=even(n, Q * Q, grid.batch_index(feature_axis), "x"), d1=even(h, Q, grid.coord(feature_axis), "x"))
+    return layout.take_local(full)
+
+
+def _check_linear(grid) -> dict[str, float]:
+    """One cube linear (A -> B) against nn.Linear: output, input and weight gradients, and the counted volume."""
+    from behemoth.parallel.tensor.cube import cube_volume
+    from behemoth.parallel.tensor.layers import TP_LAYOUT
+    from behemoth.parallel.tensor.threed import Linear3D
+
+    torch.manual_seed(0)
+    n, d_in, d_out = 16, 8, 12
+    full = nn.Linear(d_in, d_out, bias=False)
+    x = torch.randn(n, d_in, requires_grad=True)
+    probe = torch.randn(n, d_out)
+    (full(x) * probe).sum().backward()
+    layer = Linear3D.from_module(full, "fc", grid, "a")
+    mine = _activation(x.detach(), grid, "a").requires_grad_(True)
+    grid.meter.reset()
+    y = layer(mine)
+    (y * _activation(probe, grid, "b")).sum().backward()
+    counted = sum(s.elements for op, s in grid.meter.ops.items() if op in ("all_gather", "reduce_scatter"))
+    _close(y, _activation(full(x).detach(), grid, "b"), "cube output")
+    _close(mine.grad, _activation(x.grad, grid, "a"), "cube input grad")
+    _close(layer.weight.grad, getattr(layer.weight, TP_LAYOUT).take_local(full.weight.grad), "cube weight grad")
+    return {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "weight_elems": layer.weight.numel()}
+
+
+def _check_gpt(grid) -> dict[str, float]:
+    """gpt-tiny's summed loss and every gradient under the 3-D plan against the same model in one process."""
+    from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
+    from behemoth.models.gpt import GPTConfig
+    from behemoth.models.init import materialize
+    from behemoth.parallel.tensor.layers import TP_LAYOUT
+    from behemoth.parallel.tensor.threed import apply_tensor_parallel_3d
+
+    cfg = GPTConfig(preset="gpt-tiny")
+    ref, par = build_causal_lm(cfg), build_causal_lm(cfg)
+    materialize(ref.module, seed=3, device=torch.device("cpu"), init_spec=ref.init_spec)
+    tp = apply_tensor_parallel_3d(par.module, grid, par.tp3d_plan)
+    materialize(par.module, seed=3, device=torch.device("cpu"), init_spec=par.init_spec)
+    gen = torch.Generator().manual_seed(5)
+    idx, targets = torch.randint(0, 256, (4, 16), generator=gen), torch.randint(0, 256, (4, 16), generator=gen)
+    ref_loss = summed_token_loss(ref.module(idx), targets)
+    ref_loss.backward()
+    loss = tp.cross_entropy_sum(par.module(idx), targets)
+    loss.backward()
+    _close(loss, ref_loss, "GPT summed loss")
+    full = dict(ref.module.named_parameters())
+    for name, p in par.module.named_parameters():
+        _close(p.grad, getattr(p, TP_LAYOUT).take_local(full[name].grad), f"{name} grad", rtol=1e-4, atol=1e-6)
+    mine = sum(p.numel() * p.element_size() for p in par.module.parameters())
+    return {"param_bytes": mine, "full_bytes": sum(p.numel() * p.element_size() for p in ref.module.parameters())}
+
+
+def _cube_body() -> dict:
+    grid = _cube()
+    return {**_check_linear(grid), **_check_gpt(grid)}
+
+
+def test_tp3d_linear_and_gpt_gradients_equal_single_process():
+    """On a 2 x 2 x 2 cube (8 gloo ranks): a cube linear and gpt-tiny's loss and gradients against plain PyTorch."""
+    results = run_ranks(8, _cube_body, timeout=300)
+    for r in results:
+        assert abs(r["counted"] - r["formula"]) <= 0.01 * r["formula"], f"counted {r['counted']} elements, 3-D formula {r['formula']}"
+        assert r["weight_elems"] * Q**3 == 8 * 12, f"{r['weight_elems']} weight elements per rank, not 1/{Q**3}"
+        assert r["param_bytes"] * Q**3 == r["full_bytes"], f"{r['param_bytes']} parameter bytes per rank, not 1/{Q**3} of {r['full_bytes']}"
+
+
+@pytest.mark.slow
+def test_tp3d_training_equals_single_process(tmp_path):
+    """4 training steps on a 2 x 2 x 2 cube: the single-process losses and (exported from its checkpoint under
+    single-process names) weights."""
+    steps = ["train.steps=4", "train.eval_every=2", "checkpoint.every=4"]
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
+    got = run_ranks(8, train_body, tiny_config(tmp_path / "3d", *steps, "parallel.tp=8", "parallel.tp_mode=3d"), timeout=400)
+    assert_close_runs(ref, got[0])
+    assert all(r["losses"] == got[0]["losses"] for r in got), "cube ranks disagree on the loss"
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["parallel.tp=4"], "parallel.tp_mode=3d needs parallel.tp to be a cube q*q*q >= 8 (got 4)"),
+        (["parallel.tp=8", "parallel.pp=2"], "parallel.tp_mode=3d with parallel.pp=2 (pipeline): not composed yet"),
+        (["parallel.tp=8", "parallel.zero_stage=3"], "parallel.zero_stage=3"),
+        (["parallel.tp=8", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
+        (["parallel.tp=8", "model.d_model=36", "model.n_head=3"], "does not split model.n_head=3 (by 2), model.d_model=36 (by 8)"),
+        (["parallel.tp=8", "train.global_batch=2"], "a micro-batch has 2"),
+        (["parallel.tp=8", "parallel.tp_depth=2"], "parallel.tp_depth=2 needs parallel.tp_mode=2.5d"),
+    ],
+)
+def test_tp3d_refused_before_launch(tmp_path, overrides, message):
+    from behemoth.config import Config
+    from behemoth.planner.feasibility import problems
+
+    cfg = Config.model_validate(tiny_config(tmp_path, "parallel.tp_mode=3d", *overrides))
+    world = 16 if "parallel.pp=2" in overrides else 8 if "parallel.tp=8" in overrides else 4
+    found = " | ".join(p.message for p in problems(cfg, world))
+    assert message in found, found
+
+
+def test_cube_layouts_cover_each_tensor_once():
+    """Over the q^3 ranks, a packed [q|k|v] weight's pieces and its bias pieces tile the full tensor exactly once."""
+    from behemoth.parallel.tensor.cube import Grid3D
+    from behemoth.parallel.tensor.threed import Linear3D
+
+    full = nn.Linear(16, 48, device="meta")
+    weight, bias = torch.zeros(48, 16), torch.zeros(48)
+    for r in range(Q**3):
+        layer = Linear3D.from_module(full, "qkv", Grid3D.shape_only(Q, r), "a", parts=3)
+        for target, param in ((weight, layer.weight), (bias, layer.bias)):
+            for f, _, size in param._behemoth_tp_layout.boxes():
+                target[tuple(slice(o, o + s) for o, s in zip(f, size))] += 1
+        assert math.prod(layer.weight.shape) * Q**3 == weight.numel()
+    assert torch.equal(weight, torch.ones_like(weight)) and torch.equal(bias, torch.ones_like(bias))
