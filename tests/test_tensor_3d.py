@@ -47,6 +47,7 @@ def _check_linear(grid) -> dict[str, float]:
     """One cube linear (A -> B) against nn.Linear: output, input and weight gradients, and the counted volume."""
     from behemoth.parallel.tensor.cube import cube_volume
     from behemoth.parallel.tensor.layers import TP_LAYOUT
+    from behemoth.parallel.tensor.summa import even
     from behemoth.parallel.tensor.threed import Linear3D
 
     torch.manual_seed(0)
@@ -64,7 +65,13 @@ def _check_linear(grid) -> dict[str, float]:
     _close(y, _activation(full(x).detach(), grid, "b"), "cube output")
     _close(mine.grad, _activation(x.grad, grid, "a"), "cube input grad")
     _close(layer.weight.grad, getattr(layer.weight, TP_LAYOUT).take_local(full.weight.grad), "cube weight grad")
-    return {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "weight_elems": layer.weight.numel()}
+    # the control: what a lost reduce-scatter gives, this rank's tokens x A's input block a only (no sum over a)
+    tokens = even(n, Q * Q, grid.batch_index("b"), "y")[0]
+    ins, outs = even(d_in, Q, grid.coord("a"), "x")[0], even(d_out, Q, grid.coord("b"), "y")[0]
+    rows_x = x.detach()[tokens[0] : tokens[0] + tokens[2], ins[0] : ins[0] + ins[2]]
+    partial = rows_x @ full.weight.detach()[outs[0] : outs[0] + outs[2], ins[0] : ins[0] + ins[2]].t()
+    bug_err = (partial - y.detach()).abs().max().item()
+    return {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "weight_elems": layer.weight.numel(), "bug_err": bug_err}
 
 
 def _check_gpt(grid) -> dict[str, float]:
@@ -105,6 +112,7 @@ def test_tp3d_linear_and_gpt_gradients_equal_single_process():
     for r in results:
         assert abs(r["counted"] - r["formula"]) <= 0.01 * r["formula"], f"counted {r['counted']} elements, 3-D formula {r['formula']}"
         assert r["weight_elems"] * Q**3 == 8 * 12, f"{r['weight_elems']} weight elements per rank, not 1/{Q**3}"
+        assert r["bug_err"] > 1e-3, "the control (a product missing the reduce-scatter) would pass the tolerance"
         assert r["param_bytes"] * Q**3 == r["full_bytes"], f"{r['param_bytes']} parameter bytes per rank, not 1/{Q**3} of {r['full_bytes']}"
 
 
