@@ -19,14 +19,16 @@ def tensor3d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
         return []
     q = cube_side(plan.tp)
     if q < 2:
-        return [Problem.of("parallel.tp_mode", f"parallel.tp_mode=3d needs parallel.tp to be a cube q*q*q >= 8 (got {plan.tp})", "use parallel.tp=8 (2 x 2 x 2)")]
+        message = f"parallel.tp_mode=3d needs parallel.tp to be a cube q*q*q >= 8 (got {plan.tp})"
+        return [Problem.of("parallel.tp_mode", message, "use parallel.tp=8 (2 x 2 x 2)")]
     out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode=3d with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
     if shape is not None:
         sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q**3), "the MLP width": (shape.ffn, q**3)}
         sizes["model.vocab_size"] = (shape.vocab_size, q)
         bad = [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
         if bad:
-            out.append(Problem.of("parallel.tp", f"parallel.tp={plan.tp} (a {q} x {q} x {q} cube) does not split {', '.join(bad)}", "choose sizes the cube divides"))
+            message = f"parallel.tp={plan.tp} (a {q} x {q} x {q} cube) does not split {', '.join(bad)}"
+            out.append(Problem.of("parallel.tp", message, "choose sizes the cube divides"))
     if micro_batch is not None and micro_batch % (q * q):
         message = f"parallel.tp_mode=3d splits each micro-batch's sequences in q^2={q * q} blocks, but a micro-batch has {micro_batch}"
         out.append(Problem.of("train.micro_batch", message, f"use a train.micro_batch (or global_batch / dp) that is a multiple of {q * q}"))
