@@ -2,7 +2,8 @@
 process.
 
 One 8-rank run checks a cube linear against nn.Linear (output, input and weight gradients; the counted all-gather +
-reduce-scatter elements against 2 q (x + w + y), cube.py) and gpt-tiny's summed loss and every gradient, with each
+reduce-scatter elements against 2 q (x + w + y), and what a ring moves of them against Bian et al.'s
+2 (q-1) (X + W + Y) / q^3, cube.py) and gpt-tiny's summed loss and every gradient, with each
 rank's parameter bytes exactly 1/q^3 of the model's. Training through the command-line path is slow-marked (8
 processes on 2 cores); refusals are checked before launch.
 """
@@ -45,7 +46,7 @@ def _activation(full: torch.Tensor, grid, feature_axis: str) -> torch.Tensor:
 
 def _check_linear(grid) -> dict[str, float]:
     """One cube linear (A -> B) against nn.Linear: output, input and weight gradients, and the counted volume."""
-    from behemoth.parallel.tensor.cube import cube_volume
+    from behemoth.parallel.tensor.cube import cube_volume, ring_volume
     from behemoth.parallel.tensor.layers import TP_LAYOUT
     from behemoth.parallel.tensor.summa import even
     from behemoth.parallel.tensor.threed import Linear3D
@@ -71,7 +72,8 @@ def _check_linear(grid) -> dict[str, float]:
     rows_x = x.detach()[tokens[0] : tokens[0] + tokens[2], ins[0] : ins[0] + ins[2]]
     partial = rows_x @ full.weight.detach()[outs[0] : outs[0] + outs[2], ins[0] : ins[0] + ins[2]].t()
     bug_err = (partial - y.detach()).abs().max().item()
-    return {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "weight_elems": layer.weight.numel(), "bug_err": bug_err}
+    volumes = {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "published": ring_volume(n, d_in, d_out, Q)}
+    return {**volumes, "weight_elems": layer.weight.numel(), "bug_err": bug_err}
 
 
 def _check_gpt(grid) -> dict[str, float]:
@@ -111,6 +113,8 @@ def test_tp3d_linear_and_gpt_gradients_equal_single_process():
     results = run_ranks(8, _cube_body, timeout=300)
     for r in results:
         assert abs(r["counted"] - r["formula"]) <= 0.01 * r["formula"], f"counted {r['counted']} elements, 3-D formula {r['formula']}"
+        moved = r["counted"] * (Q - 1) / Q  # a ring all-gather / reduce-scatter moves (q-1)/q of what the meter counts
+        assert abs(moved - r["published"]) <= 0.01 * r["published"], f"ring moves {moved} elements, Bian et al.: {r['published']}"
         assert r["weight_elems"] * Q**3 == 8 * 12, f"{r['weight_elems']} weight elements per rank, not 1/{Q**3}"
         assert r["bug_err"] > 1e-3, "the control (a product missing the reduce-scatter) would pass the tolerance"
         assert r["param_bytes"] * Q**3 == r["full_bytes"], f"{r['param_bytes']} parameter bytes per rank, not 1/{Q**3} of {r['full_bytes']}"

@@ -15,8 +15,9 @@ by B.
 
 Per rank and linear layer, with x = tokens * h_in / q^3, w = h_in * h_out / q^3 and y = tokens * h_out / q^3
 elements, the counted volume (an all-gather counts its output, a reduce-scatter its input: q times the piece) is
-forward q (x + w + y), backward q (y + x + w): 2 q (x + w + y) (`cube_volume`); each ring moves (q-1)/q of it. The
-linear saves its gathered input and weight (q x + q w) for the backward, as Colossal-AI's does.
+forward q (x + w + y), backward q (y + x + w): 2 q (x + w + y) (`cube_volume`). Each ring moves (q-1)/q of it:
+2 (q-1) (X + W + Y) / q^3 of the full tensors (`ring_volume`, the published 6 (q-1)/q^3 when the three are equal).
+The linear saves its gathered input and weight (q x + q w) for the backward, as Colossal-AI's does.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ def other(axis: str) -> str:
 def cube_volume(tokens: int, h_in: int, h_out: int, q: int) -> int:
     """Elements one rank hands to collectives in one linear layer's forward and backward (module docstring)."""
     return 2 * q * (tokens * h_in + h_in * h_out + tokens * h_out) // q**3
+
+
+def ring_volume(tokens: int, h_in: int, h_out: int, q: int) -> float:
+    """Bian et al.'s bandwidth term (Colossal-AI's docs: 6 (q-1)/q^3): each of the six collectives moves (q-1)/q^3 of its
+    full tensor (X, W, Y forward; dY, dX, dW backward) through a ring, per rank."""
+    return 2 * (q - 1) * (tokens * h_in + h_in * h_out + tokens * h_out) / q**3
 
 
 def cube_side(tp: int) -> int:
