@@ -11,6 +11,7 @@ processes on 2 cores); refusals are checked before launch.
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -167,3 +168,27 @@ def test_cube_layouts_cover_each_tensor_once():
                 target[tuple(slice(o, o + s) for o, s in zip(f, size))] += 1
         assert math.prod(layer.weight.shape) * Q**3 == weight.numel()
     assert torch.equal(weight, torch.ones_like(weight)) and torch.equal(bias, torch.ones_like(bias))
+
+
+@pytest.mark.slow
+def test_dp2_tp3d_zero1_equals_single_process(tmp_path):
+    """dp=2 x a 2 x 2 x 2 cube (16 ranks: two cubes, each with half of every batch) with ZeRO-1 over dp."""
+    steps = ["train.steps=3", "train.eval_every=3", "train.global_batch=16"]
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
+    extra = ["parallel.tp=8", "parallel.tp_mode=3d", "parallel.zero_stage=1"]
+    got = run_ranks(16, train_body, tiny_config(tmp_path / "3d", *steps, *extra), timeout=600)
+    assert_close_runs(ref, got[0])
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_a_cube(tmp_path):
+    """A one-process checkpoint of step 2 continues on a 2 x 2 x 2 cube (DCP reads each rank's pieces by
+    single-process name): the same losses for steps 3-4 and the same final weights."""
+    steps = ["train.steps=4", "train.eval_every=2", "checkpoint.every=2"]
+    ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
+    copy = tmp_path / "run"
+    shutil.copytree(tmp_path / "ref", copy)
+    cfg = tiny_config(copy, *steps, "parallel.tp=8", "parallel.tp_mode=3d")
+    got = run_ranks(8, train_body, cfg, str(copy / "checkpoints/step_0000002"), timeout=400)[0]
+    assert got["start"] == 2
+    assert_close_runs({"losses": ref["losses"][2:], "weights": ref["weights"]}, got)
