@@ -336,7 +336,7 @@ def parallelize(
         pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
     tp: TensorParallel | TensorParallel2D | TensorParallel3D | None = None
     if rt.dims.tp > 1 and plan.tp_mode != "1d":
-        tp = apply_2d(lm, rt, meter, for_training, plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1)
+        tp = apply_2d(lm, rt, meter, for_training, plan)
     elif rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp = apply_tensor_parallel(model, TPComm.of(rt.group("tp"), meter), policy)
@@ -433,16 +433,18 @@ def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout
     return ParallelModel(lm, rt, syncs, executor=BurstSteps(burst, syncs, rt.device))
 
 
-def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, mode: str, depth: int) -> TensorParallel2D | TensorParallel3D:
+def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, plan: ParallelPlan) -> TensorParallel2D | TensorParallel3D:
     """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan; 2.5-D
-    (tp_mode=2.5d) as `depth` such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube."""
+    (tp_mode=2.5d) as tp_depth such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube."""
+    mode, depth = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
     if lm.tp2d_plan is None or lm.tp3d_plan is None or not for_training or rt.world_size != dist.get_world_size():
         raise BehemothError(
             f"parallel.tp_mode={mode} trains behemoth's GPT in a job that is the whole world",
             "use tp_mode=1d here (generation loads a 2-D/3-D checkpoint in any layout)",
         )
     if mode == "3d":
-        return apply_tensor_parallel_3d(lm.module, cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter), lm.tp3d_plan)
+        cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
+        return apply_tensor_parallel_3d(lm.module, cube, lm.tp3d_plan)
     return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), lm.tp2d_plan)
 
 

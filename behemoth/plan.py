@@ -43,6 +43,9 @@ class ParallelPlan(BaseModel):
         "tp = q*q*q; docs/tensor2d.md)",
     )
     tp_depth: int = Field(1, ge=1, description="tp_mode=2.5d: grids (layers) of the Tesseract, each holding 1/d of the batch")
+    tp_regather: bool = Field(
+        False, description="tp_mode=3d: linears save their 1/q^3 input and weight pieces and gather them again in backward (1/q^3 activations)"
+    )
     sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
     zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")
     prefetch: int = Field(1, ge=0, description="ZeRO-3: blocks whose all-gather is issued ahead of use")

@@ -309,7 +309,11 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
     return rows
 
 
-VARIANTS = {"2d": ((4, "1d"), (4, "2d")), "3d": ((8, "1d"), (8, "3d"))}  # (tp, tp_mode) on tp ranks, 1-D first
+# (tp, name, overrides) on tp ranks, 1-D first
+VARIANTS = {
+    "2d": ((4, "1d", ()), (4, "2d", ())),
+    "3d": ((8, "1d", ()), (8, "3d", ()), (8, "3d-regather", ("parallel.tp_mode=3d", "parallel.tp_regather=true"))),
+}
 
 
 def run_2d(model: str, steps: int, warmup: int, rounds: int, part: str = "2d") -> dict[str, Any]:
@@ -320,8 +324,9 @@ def run_2d(model: str, steps: int, warmup: int, rounds: int, part: str = "2d") -
 
     best: dict[str, list[dict[str, Any]]] = {}
     for _ in range(rounds):
-        for tp, mode in VARIANTS[part]:
-            cfg = load_config(None, MODELS[model] + [f"parallel.tp={tp}", f"parallel.tp_mode={mode}", "run.progress=false"]).model_dump(mode="json")
+        for tp, mode, extra in VARIANTS[part]:
+            overrides = [f"parallel.tp={tp}", *(extra or [f"parallel.tp_mode={mode}"]), "run.progress=false"]
+            cfg = load_config(None, MODELS[model] + overrides).model_dump(mode="json")
             res = run_ranks(tp, bench_rank, "behemoth", cfg, steps, warmup, timeout=3600)
             if mode not in best or res[0]["tokens_per_s"] > best[mode][0]["tokens_per_s"]:
                 best[mode] = res
@@ -333,20 +338,21 @@ def print_2d_table(row: dict[str, Any]) -> None:
     print("| model | tp | mode | tok/s | CPU s/step/rank | parameters MiB/rank | activations MiB/rank | model states MiB/rank | first losses |")
     print("|---|---|---|---|---|---|---|---|---|")
     variants = VARIANTS[row.get("part", "2d")]
-    for tp, mode in variants:
+    for tp, mode, _ in variants:
         r = row[mode][0]
         losses = ", ".join(f"{x:.4f}" for x in r["losses"][:3:2])
         print(
             f"| {row['model']} | {tp} | {mode} | {r['tokens_per_s']:.0f} | {worst(mode, 'cpu_s'):.3f} | {worst(mode, 'param_mb'):.2f} "
             f"| {worst(mode, 'activation_mb'):.1f} | {worst(mode, 'state_mb'):.1f} | {losses} |"
         )
-    mode = variants[1][1]
-    ratio = lambda key: worst(mode, key) / worst("1d", key)  # noqa: E731
-    print(
-        f"\n{mode.upper()} / 1D: tokens/s {row[mode][0]['tokens_per_s'] / row['1d'][0]['tokens_per_s']:.3f}, CPU s/step {ratio('cpu_s'):.3f}, "
-        f"parameters {ratio('param_mb'):.3f}, activations {ratio('activation_mb'):.3f}",
-        flush=True,
-    )
+    print()
+    for _, mode, _ in variants[1:]:
+        ratio = lambda key: worst(mode, key) / worst("1d", key)  # noqa: E731, B023
+        print(
+            f"{mode.upper()} / 1D: tokens/s {row[mode][0]['tokens_per_s'] / row['1d'][0]['tokens_per_s']:.3f}, CPU s/step {ratio('cpu_s'):.3f}, "
+            f"parameters {ratio('param_mb'):.3f}, activations {ratio('activation_mb'):.3f}",
+            flush=True,
+        )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

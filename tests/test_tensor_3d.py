@@ -46,7 +46,16 @@ def _activation(full: torch.Tensor, grid, feature_axis: str) -> torch.Tensor:
 
 
 def _check_linear(grid) -> dict[str, float]:
-    """One cube linear (A -> B) against nn.Linear: output, input and weight gradients, and the counted volume."""
+    """One cube linear (A -> B) against nn.Linear: output, input and weight gradients, and the counted volume; saving
+    the gathered operands (the default) and gathering them again in backward (tp_regather)."""
+    import dataclasses
+
+    out = _check_linear_on(grid)
+    again = _check_linear_on(dataclasses.replace(grid, regather=True))
+    return {**out, "regather_counted": again["counted"], "regather_formula": again["regather_formula"]}
+
+
+def _check_linear_on(grid) -> dict[str, float]:
     from behemoth.parallel.tensor.cube import cube_volume, ring_volume
     from behemoth.parallel.tensor.layers import TP_LAYOUT
     from behemoth.parallel.tensor.summa import even
@@ -74,6 +83,7 @@ def _check_linear(grid) -> dict[str, float]:
     partial = rows_x @ full.weight.detach()[outs[0] : outs[0] + outs[2], ins[0] : ins[0] + ins[2]].t()
     bug_err = (partial - y.detach()).abs().max().item()
     volumes = {"counted": counted, "formula": cube_volume(n, d_in, d_out, Q), "published": ring_volume(n, d_in, d_out, Q)}
+    volumes["regather_formula"] = cube_volume(n, d_in, d_out, Q, regather=True)
     return {**volumes, "weight_elems": layer.weight.numel(), "bug_err": bug_err}
 
 
@@ -114,6 +124,7 @@ def test_tp3d_linear_and_gpt_gradients_equal_single_process():
     results = run_ranks(8, _cube_body, timeout=300)
     for r in results:
         assert abs(r["counted"] - r["formula"]) <= 0.01 * r["formula"], f"counted {r['counted']} elements, 3-D formula {r['formula']}"
+        assert r["regather_counted"] == r["regather_formula"], f"regather: counted {r['regather_counted']}, formula {r['regather_formula']}"
         moved = r["counted"] * (Q - 1) / Q  # a ring all-gather / reduce-scatter moves (q-1)/q of what the meter counts
         assert abs(moved - r["published"]) <= 0.01 * r["published"], f"ring moves {moved} elements, Bian et al.: {r['published']}"
         assert r["weight_elems"] * Q**3 == 8 * 12, f"{r['weight_elems']} weight elements per rank, not 1/{Q**3}"
@@ -142,6 +153,7 @@ def test_tp3d_training_equals_single_process(tmp_path):
         (["parallel.tp=8", "model.d_model=36", "model.n_head=3"], "does not split model.n_head=3 (by 2), model.d_model=36 (by 8)"),
         (["parallel.tp=8", "train.global_batch=2"], "a micro-batch has 2"),
         (["parallel.tp=8", "parallel.tp_depth=2"], "parallel.tp_depth=2 needs parallel.tp_mode=2.5d"),
+        (["parallel.tp=4", "parallel.tp_mode=2d", "parallel.tp_regather=true"], "parallel.tp_regather=true needs parallel.tp_mode=3d"),
     ],
 )
 def test_tp3d_refused_before_launch(tmp_path, overrides, message):

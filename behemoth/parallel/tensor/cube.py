@@ -17,7 +17,8 @@ Per rank and linear layer, with x = tokens * h_in / q^3, w = h_in * h_out / q^3 
 elements, the counted volume (an all-gather counts its output, a reduce-scatter its input: q times the piece) is
 forward q (x + w + y), backward q (y + x + w): 2 q (x + w + y) (`cube_volume`). Each ring moves (q-1)/q of it:
 2 (q-1) (X + W + Y) / q^3 of the full tensors (`ring_volume`, the published 6 (q-1)/q^3 when the three are equal).
-The linear saves its gathered input and weight (q x + q w) for the backward, as Colossal-AI's does.
+The linear saves its gathered input and weight (q x + q w) for the backward, as Colossal-AI's does; with `regather`
+(parallel.tp_regather=true) it saves its pieces (x + w) and gathers them again in backward: q (x + w) more elements.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class Grid3D:
     lines: dict[str, Any]  # axis -> dist.ProcessGroup of the q ranks differing only there (indexed by that coordinate)
     planes: dict[str, Any]  # "a" | "b" -> the q^2 ranks at this rank's a (resp. b), indexed t*q + (b resp. a)
     meter: CommMeter | None = None
+    regather: bool = False  # linears save their input and weight pieces and gather them again in backward
 
     @classmethod
-    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None) -> Grid3D:
+    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None, regather: bool = False) -> Grid3D:
         """The cubes of every tp group (global ranks in tp order). Every rank creates every group in the same order."""
         q = round(len(tp_groups[0]) ** (1 / 3))
         at = lambda g, t, a, b: g[t * q * q + a * q + b]  # noqa: E731
@@ -69,7 +71,7 @@ class Grid3D:
                 t, rest = divmod(g.index(rank), q * q)
                 a, b = divmod(rest, q)
                 line = {"t": lines["t"][a, b], "a": lines["a"][t, b], "b": lines["b"][t, a]}
-                mine = cls(q, (t, a, b), line, {"a": planes["a"][a], "b": planes["b"][b]}, meter)
+                mine = cls(q, (t, a, b), line, {"a": planes["a"][a], "b": planes["b"][b]}, meter, regather)
         if mine is None:
             raise BehemothError(f"rank {rank} is in no tensor-parallel group", "build the cube from the mesh's tp groups")
         return mine
@@ -102,9 +104,11 @@ def other(axis: str) -> str:
     return "b" if axis == "a" else "a"
 
 
-def cube_volume(tokens: int, h_in: int, h_out: int, q: int) -> int:
-    """Elements one rank hands to collectives in one linear layer's forward and backward (module docstring)."""
-    return 2 * q * (tokens * h_in + h_in * h_out + tokens * h_out) // q**3
+def cube_volume(tokens: int, h_in: int, h_out: int, q: int, regather: bool = False) -> int:
+    """Elements one rank hands to collectives in one linear layer's forward and backward (module docstring); with
+    `regather`, the input and weight gathered again in backward: q (x + w) more."""
+    again = q * (tokens * h_in + h_in * h_out) // q**3 if regather else 0
+    return 2 * q * (tokens * h_in + h_in * h_out + tokens * h_out) // q**3 + again
 
 
 def ring_volume(tokens: int, h_in: int, h_out: int, q: int) -> float:
@@ -133,6 +137,11 @@ def _scatter0(t: torch.Tensor, group: Any, q: int, meter: CommMeter | None) -> t
     return out
 
 
+def _gather_operands(x: torch.Tensor, weight: torch.Tensor, grid: Grid3D, o_axis: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """X gathered along O ([tokens/q, in_I]: T's whole block) and W along T ([in_I, out_O]: block (I, O) transposed)."""
+    return _gather0(x, grid.lines[o_axis], grid.q, grid.meter), _gather0(weight.t(), grid.lines["t"], grid.q, grid.meter)
+
+
 class _Cube(torch.autograd.Function):
     """Y = X W^T for a nn.Linear piece W [out_O, in_I / q] on the cube (module docstring); x is [tokens/q^2, in_I]."""
 
@@ -140,17 +149,16 @@ class _Cube(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, spec: tuple[Grid3D, str, str]) -> torch.Tensor:
         grid, i_axis, o_axis = spec
         q, meter = grid.q, grid.meter
-        full_x = _gather0(x, grid.lines[o_axis], q, meter)  # [tokens/q, in_I]: T's whole block
-        w_t = _gather0(weight.detach().t(), grid.lines["t"], q, meter)  # [in_I, out_O]: block (I, O) transposed
-        ctx.save_for_backward(full_x, w_t)
+        full_x, w_t = _gather_operands(x, weight.detach(), grid, o_axis)
+        ctx.save_for_backward(*((x, weight.detach()) if grid.regather else (full_x, w_t)))
         ctx.spec, ctx.dtypes = spec, (x.dtype, weight.dtype)
         return _scatter0(full_x @ w_t.to(full_x.dtype), grid.lines[i_axis], q, meter)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        full_x, w_t = ctx.saved_tensors
         grid, i_axis, o_axis = ctx.spec
         q, meter = grid.q, grid.meter
+        full_x, w_t = _gather_operands(*ctx.saved_tensors, grid, o_axis) if grid.regather else ctx.saved_tensors
         full_grad = _gather0(grad, grid.lines[i_axis], q, meter)  # [tokens/q, out_O]
         grad_x = _scatter0(full_grad @ w_t.t().to(full_grad.dtype), grid.lines[o_axis], q, meter)
         grad_w = _scatter0(full_x.t().to(full_grad.dtype) @ full_grad, grid.lines["t"], q, meter)  # [in_I/q, out_O]
@@ -182,10 +190,10 @@ def gather_plane(piece: torch.Tensor, grid: Grid3D, axis: str) -> torch.Tensor:
     return _GatherPlane.apply(piece, grid.plane_comm(axis))
 
 
-def cube_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter) -> Grid3D:
+def cube_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, regather: bool = False) -> Grid3D:
     """This rank's cube from the mesh's global ranks (every tp group's, in tp order)."""
     tp = mesh_ranks.shape[tp_dim]
     groups = mesh_ranks.movedim(tp_dim, -1).reshape(-1, tp).tolist()
     if not cube_side(tp) or math.prod(mesh_ranks.shape) != dist.get_world_size():
         raise BehemothError(f"parallel.tp={tp} is no cube q*q*q", "use parallel.tp=8 (2 x 2 x 2) or 27")
-    return Grid3D.build(groups, dist.get_rank(), meter)
+    return Grid3D.build(groups, dist.get_rank(), meter, regather)

@@ -16,7 +16,11 @@ def tensor3d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
     model's (None: it cannot be built), `micro_batch`: sequences per micro-batch (None: unknown)."""
     plan = cfg.parallel
     if plan.tp_mode != "3d":
-        return []
+        return (
+            [Problem.of("parallel.tp_regather", "parallel.tp_regather=true needs parallel.tp_mode=3d", "set parallel.tp_mode=3d")]
+            if plan.tp_regather
+            else []
+        )
     q = cube_side(plan.tp)
     if q < 2:
         message = f"parallel.tp_mode=3d needs parallel.tp to be a cube q*q*q >= 8 (got {plan.tp})"
