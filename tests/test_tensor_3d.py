@@ -4,7 +4,8 @@ process.
 One 8-rank run checks a cube linear against nn.Linear (output, input and weight gradients; the counted all-gather +
 reduce-scatter elements against 2 q (x + w + y), and what a ring moves of them against Bian et al.'s
 2 (q-1) (X + W + Y) / q^3, cube.py) and gpt-tiny's summed loss and every gradient, with each
-rank's parameter bytes exactly 1/q^3 of the model's. Training through the command-line path is slow-marked (8
+rank's parameter bytes exactly 1/q^3 of the model's and (parallel.tp_regather) its saved activation bytes 1/q^3 of
+one process's, up to the per-token statistics. Training through the command-line path is slow-marked (8
 processes on 2 cores); refusals are checked before launch.
 """
 
@@ -111,7 +112,28 @@ def _check_gpt(grid) -> dict[str, float]:
     for name, p in par.module.named_parameters():
         _close(p.grad, getattr(p, TP_LAYOUT).take_local(full[name].grad), f"{name} grad", rtol=1e-4, atol=1e-6)
     mine = sum(p.numel() * p.element_size() for p in par.module.parameters())
-    return {"param_bytes": mine, "full_bytes": sum(p.numel() * p.element_size() for p in ref.module.parameters())}
+    out = {"param_bytes": mine, "full_bytes": sum(p.numel() * p.element_size() for p in ref.module.parameters())}
+    return {**out, **_saved_bytes(ref, cfg, grid, idx, targets)}
+
+
+def _saved_bytes(ref, cfg, grid, idx, targets) -> dict[str, int]:
+    """Bytes autograd saves in one forward and loss: the model in one process, and a rank under tp_regather."""
+    import dataclasses
+
+    from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
+    from behemoth.models.init import materialize
+    from behemoth.parallel.tensor.activations import SavedBytesMeter
+    from behemoth.parallel.tensor.threed import apply_tensor_parallel_3d
+
+    par = build_causal_lm(cfg)
+    tp = apply_tensor_parallel_3d(par.module, dataclasses.replace(grid, regather=True), par.tp3d_plan)
+    materialize(par.module, seed=3, device=torch.device("cpu"), init_spec=par.init_spec)
+    full, mine = SavedBytesMeter({}, list(ref.module.parameters())), SavedBytesMeter({}, list(par.module.parameters()))
+    with full.measure():
+        summed_token_loss(ref.module(idx), targets)
+    with mine.measure():
+        tp.cross_entropy_sum(par.module(idx), targets)
+    return {"saved_full": full.total, "saved_mine": mine.total}
 
 
 def _cube_body() -> dict:
@@ -129,16 +151,22 @@ def test_tp3d_linear_and_gpt_gradients_equal_single_process():
         assert abs(moved - r["published"]) <= 0.01 * r["published"], f"ring moves {moved} elements, Bian et al.: {r['published']}"
         assert r["weight_elems"] * Q**3 == 8 * 12, f"{r['weight_elems']} weight elements per rank, not 1/{Q**3}"
         assert r["bug_err"] > 1e-3, "the control (a product missing the reduce-scatter) would pass the tolerance"
+        # tp_regather: 1/q^3 of what one process saves, up to the per-token tensors (LayerNorm's 1/std, the loss's
+        # statistics), which every rank of an A line holds: 2.2% here at d_model=32, 0.3% at gpt-6m (bench_tp.py --part 3d)
+        saved = r["saved_mine"] * Q**3 / r["saved_full"]
+        assert 1.0 <= saved <= 1.05, f"a rank saves {saved:.3f} / q^3 of the single process's activation bytes"
         assert r["param_bytes"] * Q**3 == r["full_bytes"], f"{r['param_bytes']} parameter bytes per rank, not 1/{Q**3} of {r['full_bytes']}"
 
 
 @pytest.mark.slow
-def test_tp3d_training_equals_single_process(tmp_path):
-    """4 training steps on a 2 x 2 x 2 cube: the single-process losses and (exported from its checkpoint under
-    single-process names) weights."""
+@pytest.mark.parametrize("regather", [False, True])
+def test_tp3d_training_equals_single_process(tmp_path, regather):
+    """4 training steps on a 2 x 2 x 2 cube (saving the gathered operands, or gathering them again in backward): the
+    single-process losses and (exported from its checkpoint under single-process names) weights."""
     steps = ["train.steps=4", "train.eval_every=2", "checkpoint.every=4"]
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", *steps))[0]
-    got = run_ranks(8, train_body, tiny_config(tmp_path / "3d", *steps, "parallel.tp=8", "parallel.tp_mode=3d"), timeout=400)
+    extra = ["parallel.tp=8", "parallel.tp_mode=3d", f"parallel.tp_regather={str(regather).lower()}"]
+    got = run_ranks(8, train_body, tiny_config(tmp_path / "3d", *steps, *extra), timeout=400)
     assert_close_runs(ref, got[0])
     assert all(r["losses"] == got[0]["losses"] for r in got), "cube ranks disagree on the loss"
 

@@ -158,7 +158,8 @@ class _Cube(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grid, i_axis, o_axis = ctx.spec
         q, meter = grid.q, grid.meter
-        full_x, w_t = _gather_operands(*ctx.saved_tensors, grid, o_axis) if grid.regather else ctx.saved_tensors
+        saved_x, saved_w = ctx.saved_tensors
+        full_x, w_t = _gather_operands(saved_x, saved_w, grid, o_axis) if grid.regather else (saved_x, saved_w)
         full_grad = _gather0(grad, grid.lines[i_axis], q, meter)  # [tokens/q, out_O]
         grad_x = _scatter0(full_grad @ w_t.t().to(full_grad.dtype), grid.lines[o_axis], q, meter)
         grad_w = _scatter0(full_x.t().to(full_grad.dtype) @ full_grad, grid.lines["t"], q, meter)  # [in_I/q, out_O]
