@@ -64,6 +64,8 @@ from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
 from behemoth.parallel.tensor.subbatch import apply_subbatches
+from behemoth.parallel.tensor.cube import cube_of
+from behemoth.parallel.tensor.threed import TensorParallel3D, apply_tensor_parallel_3d
 from behemoth.parallel.tensor.twod import TensorParallel2D, apply_tensor_parallel_2d, grid_of
 from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
 from behemoth.plan import ParallelPlan
@@ -81,7 +83,7 @@ class ParallelModel:
     rt: Runtime
     syncs: list[GradSync]
     pipeline: PipelineParallel | None = None
-    tp: TensorParallel | TensorParallel2D | None = None
+    tp: TensorParallel | TensorParallel2D | TensorParallel3D | None = None
     meter: CommMeter = field(default_factory=CommMeter)
     experts: ExpertParallel | None = None
     adapter: ExpertAdapter | None = None
@@ -333,9 +335,9 @@ def parallelize(
             plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute, plan.tp if plan.sequence_parallel else 1, timeout_s
         )
         pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
-    tp: TensorParallel | TensorParallel2D | None = None
+    tp: TensorParallel | TensorParallel2D | TensorParallel3D | None = None
     if rt.dims.tp > 1 and plan.tp_mode != "1d":
-        tp = apply_2d(lm, rt, meter, for_training, plan.tp_depth if plan.tp_mode == "2.5d" else 1)
+        tp = apply_2d(lm, rt, meter, for_training, plan)
     elif rt.dims.tp > 1:
         policy = TensorPolicy(lm.tp_plan, plan.sequence_parallel, lm.transposed, lm.norms)
         tp_comm = TPComm.of(rt.group("tp"), meter)
@@ -435,14 +437,18 @@ def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout
     return ParallelModel(lm, rt, syncs, executor=BurstSteps(burst, syncs, rt.device))
 
 
-def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, depth: int) -> TensorParallel2D:
+def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, plan: ParallelPlan) -> TensorParallel2D | TensorParallel3D:
     """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan; 2.5-D
-    (tp_mode=2.5d) as `depth` such grids, each with its share of the batch."""
-    if lm.tp2d_plan is None or not for_training or rt.world_size != dist.get_world_size():
+    (tp_mode=2.5d) as tp_depth such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube."""
+    mode, depth = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
+    if lm.tp2d_plan is None or lm.tp3d_plan is None or not for_training or rt.world_size != dist.get_world_size():
         raise BehemothError(
-            "parallel.tp_mode=2d/2.5d trains behemoth's GPT in a job that is the whole world",
-            "use tp_mode=1d here (generation loads a 2-D checkpoint in any layout)",
+            f"parallel.tp_mode={mode} trains behemoth's GPT in a job that is the whole world",
+            "use tp_mode=1d here (generation loads a 2-D/3-D checkpoint in any layout)",
         )
+    if mode == "3d":
+        cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
+        return apply_tensor_parallel_3d(lm.module, cube, lm.tp3d_plan)
     return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), lm.tp2d_plan)
 
 

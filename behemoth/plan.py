@@ -36,15 +36,19 @@ class ParallelPlan(BaseModel):
         "none", description="activation recomputation: none, full, early (stage-aware: ranks that stash most), or pipeline ranks"
     )
     tp: int = Field(1, ge=1, description="tensor-parallel degree (the total: q x q ranks under tp_mode=2d), innermost mesh dimension")
-    tp_mode: Literal["1d", "2d", "2.5d"] = Field(
+    tp_mode: Literal["1d", "2d", "2.5d", "3d"] = Field(
         "1d",
         description="tensor-parallel style: 1d (Megatron: column/row-parallel), 2d (SUMMA over a q x q grid, tp = q*q), "
-        "2.5d (Tesseract: tp_depth such grids, tp = d*q*q; docs/tensor2d.md)",
+        "2.5d (Tesseract: tp_depth such grids, tp = d*q*q), 3d (all-gather / reduce-scatter over a q x q x q cube, "
+        "tp = q*q*q; docs/tensor2d.md)",
     )
     tp_depth: int = Field(1, ge=1, description="tp_mode=2.5d: grids (layers) of the Tesseract, each holding 1/d of the batch")
     tp_subbatches: Literal[1, 2, 4] = Field(
         1,
         description="sub-pipelined TP (tp_mode=1d): blocks run each micro-batch as 2 or 4 sub-batches, one's all-reduce under the next's compute",
+    )
+    tp_regather: bool = Field(
+        False, description="tp_mode=3d: linears save their 1/q^3 input and weight pieces and gather them again in backward (1/q^3 activations)"
     )
     sequence_parallel: bool = Field(False, description="norms and dropout on 1/tp of the sequence (reduce-scatter + all-gather; no effect at tp=1)")
     zero_stage: int = Field(0, description="ZeRO: 0 replicate, 1 shard optimizer state, 2 and gradients, 3 and parameters")

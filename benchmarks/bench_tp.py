@@ -9,6 +9,7 @@ rank): both sides then compute the same function, and the first losses are print
 
     python benchmarks/bench_tp.py [--steps 20] [--warmup 3] [--rounds 3] [--model gpt-6m]
     python benchmarks/bench_tp.py --part 2d [--steps 10]   # 2-D (SUMMA, 2 x 2 grid) vs 1-D tensor parallelism, 4 ranks
+    python benchmarks/bench_tp.py --part 3d [--steps 10]   # 3-D (2 x 2 x 2 cube) vs 1-D tensor parallelism, 8 ranks
     python benchmarks/bench_tp.py --part subbatch [--model gpt-1m]   # sub-pipelined TP: tp_subbatches 1, 2, 4 at tp=2
 
 The subbatch part also reports the seconds per step a rank waits on the blocks' all-reduces. At tp_subbatches=1 they
@@ -329,19 +330,28 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
     return rows
 
 
-def run_2d(model: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
-    """behemoth at tp=4 on 4 ranks, 1-D (Megatron, no SP) and 2-D (SUMMA on a 2 x 2 grid), alternating; best round each."""
+# (tp, name, overrides) on tp ranks, 1-D first
+VARIANTS = {
+    "2d": ((4, "1d", ()), (4, "2d", ())),
+    "3d": ((8, "1d", ()), (8, "3d", ()), (8, "3d-regather", ("parallel.tp_mode=3d", "parallel.tp_regather=true"))),
+}
+
+
+def run_2d(model: str, steps: int, warmup: int, rounds: int, part: str = "2d") -> dict[str, Any]:
+    """behemoth at tp=4 on 4 ranks, 1-D (Megatron, no SP) and 2-D (SUMMA on a 2 x 2 grid), or (`part` 3d) at tp=8 on 8
+    ranks, 1-D and 3-D (a 2 x 2 x 2 cube), alternating; best round each."""
     from behemoth.config import load_config
     from behemoth.faults.ranks import run_ranks
 
     best: dict[str, list[dict[str, Any]]] = {}
     for _ in range(rounds):
-        for mode in ("1d", "2d"):
-            cfg = load_config(None, MODELS[model] + ["parallel.tp=4", f"parallel.tp_mode={mode}", "run.progress=false"]).model_dump(mode="json")
-            res = run_ranks(4, bench_rank, "behemoth", cfg, steps, warmup, timeout=3600)
+        for tp, mode, extra in VARIANTS[part]:
+            overrides = [f"parallel.tp={tp}", *(extra or [f"parallel.tp_mode={mode}"]), "run.progress=false"]
+            cfg = load_config(None, MODELS[model] + overrides).model_dump(mode="json")
+            res = run_ranks(tp, bench_rank, "behemoth", cfg, steps, warmup, timeout=3600)
             if mode not in best or res[0]["tokens_per_s"] > best[mode][0]["tokens_per_s"]:
                 best[mode] = res
-    return {"model": model, **best}
+    return {"model": model, "part": part, **best}
 
 
 def run_subbatch(model: str, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
@@ -386,19 +396,22 @@ def print_2d_table(row: dict[str, Any]) -> None:
     worst = lambda mode, key: max(x[key] for x in row[mode])  # noqa: E731  (the rank that holds most, or is slowest)
     print("| model | tp | mode | tok/s | CPU s/step/rank | parameters MiB/rank | activations MiB/rank | model states MiB/rank | first losses |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode in ("1d", "2d"):
+    variants = VARIANTS[row.get("part", "2d")]
+    for tp, mode, _ in variants:
         r = row[mode][0]
         losses = ", ".join(f"{x:.4f}" for x in r["losses"][:3:2])
         print(
-            f"| {row['model']} | 4 | {mode} | {r['tokens_per_s']:.0f} | {worst(mode, 'cpu_s'):.3f} | {worst(mode, 'param_mb'):.2f} "
+            f"| {row['model']} | {tp} | {mode} | {r['tokens_per_s']:.0f} | {worst(mode, 'cpu_s'):.3f} | {worst(mode, 'param_mb'):.2f} "
             f"| {worst(mode, 'activation_mb'):.1f} | {worst(mode, 'state_mb'):.1f} | {losses} |"
         )
-    ratio = lambda key: worst("2d", key) / worst("1d", key)  # noqa: E731
-    print(
-        f"\n2-D / 1-D: tokens/s {row['2d'][0]['tokens_per_s'] / row['1d'][0]['tokens_per_s']:.3f}, CPU s/step {ratio('cpu_s'):.3f}, "
-        f"parameters {ratio('param_mb'):.3f}, activations {ratio('activation_mb'):.3f}",
-        flush=True,
-    )
+    print()
+    for _, mode, _ in variants[1:]:
+        ratio = lambda key: worst(mode, key) / worst("1d", key)  # noqa: E731, B023
+        print(
+            f"{mode.upper()} / 1D: tokens/s {row[mode][0]['tokens_per_s'] / row['1d'][0]['tokens_per_s']:.3f}, CPU s/step {ratio('cpu_s'):.3f}, "
+            f"parameters {ratio('param_mb'):.3f}, activations {ratio('activation_mb'):.3f}",
+            flush=True,
+        )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -433,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--part",
         default="dtensor",
-        choices=("dtensor", "2d", "subbatch"),
-        help="vs DTensor at tp=2, 2-D vs 1-D TP at tp=4, or sub-pipelined TP (tp_subbatches 1, 2, 4) at tp=2",
+        choices=("dtensor", "2d", "3d", "subbatch"),
+        help="vs DTensor at tp=2, 2-D vs 1-D TP at tp=4, 3-D vs 1-D at tp=8, or sub-pipelined TP (tp_subbatches 1, 2, 4) at tp=2",
     )
     from ratios import add_report_args, write_rows
 
@@ -446,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         row = run_subbatch(args.model, args.steps, args.warmup, args.rounds)
         print_subbatch_table({**row, "model_tokens": model_tokens(args.model)})
         return 0
-    if args.part == "2d":
-        print_2d_table(run_2d(args.model, args.steps, args.warmup, args.rounds))
+    if args.part in VARIANTS:
+        print_2d_table(run_2d(args.model, args.steps, args.warmup, args.rounds, args.part))
         return 0
     rows = run(args.model, args.steps, args.warmup, args.rounds)
     print_table(rows)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from behemoth.models.chunked_loss import ChunkedHead, chunked_cross_entropy_sum, head_input_of
-from behemoth.models.gpt import GPT_TP2D_PLAN, build_gpt, gpt_tp_plan
+from behemoth.models.gpt import GPT_TP2D_PLAN, GPT_TP3D_PLAN, build_gpt, gpt_tp_plan
 from behemoth.models.init import InitSpec, materialize
 from behemoth.models.layered import LayeredView, view_of
 from behemoth.models.moe import MoELayer, MoELayerCost, RouterStats, moe_layer_costs
@@ -60,6 +60,7 @@ class CausalLM:
     moe_layers: tuple[str, ...] = ()  # module names of the MoE MLPs (models/moe.py's MoELayer)
     routers: RouterStats | None = field(default=None, repr=False)  # their auxiliary losses and expert usage
     tp2d_plan: dict[str, str] | None = None  # the 2-D tensor-parallel plan (parallel.tp_mode=2d), where the model has one
+    tp3d_plan: dict[str, str] | None = None  # the 3-D one (parallel.tp_mode=3d)
 
     def moe_costs(self) -> list[MoELayerCost]:
         """Per MoE layer: experts, k, widths, FLOPs per token, parameters per expert, all-to-all bytes (for the planner)."""
@@ -145,6 +146,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             moe_layers=tuple(n for n, m in gpt.named_modules() if isinstance(m, MoELayer)),
             routers=gpt.routers,
             tp2d_plan=GPT_TP2D_PLAN,
+            tp3d_plan=GPT_TP3D_PLAN,
         )
     from behemoth.models import hf as hf_models
     from behemoth.models.hf_families import DECODER_VIEW

@@ -288,6 +288,14 @@ GPT_TP2D_PLAN: dict[str, str] = {
     "lm_head": "linear",
 }
 
+# 3-D (parallel.tp_mode=3d, parallel/tensor/threed.py): `linear` goes from the residual layout (features on the cube's A
+# axis) to the inner one (on B), `linear-back` returns; attention and the MLP each go there and back.
+GPT_TP3D_PLAN: dict[str, str] = {
+    **GPT_TP2D_PLAN,
+    "blocks.*.attn.proj": "linear-back",
+    "blocks.*.mlp.proj": "linear-back",
+}
+
 
 def build_gpt(cfg: GPTConfig) -> GPT:
     """The model on the meta device: shapes only, no memory. `materialize` gives it values."""

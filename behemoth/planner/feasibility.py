@@ -25,6 +25,7 @@ from behemoth.parallel.pipeline.partition import check_stage_boundaries
 from behemoth.parallel.pipeline.schedules import ScheduleError, check_request
 from behemoth.parallel.recompute import recompute_ranks
 from behemoth.parallel.tensor.subbatch import subbatch_problems
+from behemoth.parallel.tensor.threed_problems import tensor3d_problems
 from behemoth.parallel.tensor.twod_problems import tensor2d_problems
 from behemoth.planner.memory import fit_problems
 from behemoth.planner.offload import offload_launch_problems, offload_problems, streams
@@ -44,11 +45,12 @@ def problems(cfg: Config, world: int) -> list[Problem]:
     out += burst_problems(cfg, world, None if model else model_shape(cfg.model, cfg.hf))
     built = None if model else model_shape(cfg.model, cfg.hf)
     if plan.dims_problems(world):
-        return out + tensor2d_problems(cfg, built, None)
+        return out + tensor2d_problems(cfg, built, None) + tensor3d_problems(cfg, built, None)
     dims = plan.dims(world)
     batch = collect("train.global_batch", cfg.batch_layout, dims)
-    out += tensor2d_problems(cfg, built, None if batch else cfg.batch_layout(dims).micro_batch)
-    out += subbatch_problems(cfg, None if batch else cfg.batch_layout(dims).micro_batch)
+    micro = None if batch else cfg.batch_layout(dims).micro_batch
+    out += tensor2d_problems(cfg, built, micro) + tensor3d_problems(cfg, built, micro)
+    out += subbatch_problems(cfg, micro)
     out += batch + pipeline_problems(cfg, dims, microbatches=None if batch else cfg.batch_layout(dims).accum)
     if not batch and not model:
         out += routing_group_problems(cfg, dims)
@@ -219,6 +221,7 @@ def describe_plan(cfg: Config, world: int) -> str:
     side = math.isqrt(dims.tp // plan.tp_depth)
     degrees += f" (2-D: a {side} x {side} grid)" if dims.tp > 1 and plan.tp_mode == "2d" else ""
     degrees += f" (2.5-D: {plan.tp_depth} x {side} x {side})" if dims.tp > 1 and plan.tp_mode == "2.5d" else ""
+    degrees += f" (3-D: a {round(dims.tp ** (1 / 3))}^3 cube)" if dims.tp > 1 and plan.tp_mode == "3d" else ""
     degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp)})" if dims.cp > 1 else ""
     if plan.burst is not None:  # every layer at its own width over the job (parallel/burst)
         return f"burst (layer widths {list(plan.burst)})"

@@ -16,7 +16,7 @@ def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
     plan = cfg.parallel
     if plan.tp_mode != "2.5d" and plan.tp_depth > 1:
         return [Problem.of("parallel.tp_depth", f"parallel.tp_depth={plan.tp_depth} needs parallel.tp_mode=2.5d", "set parallel.tp_mode=2.5d")]
-    if plan.tp_mode == "1d":
+    if plan.tp_mode in ("1d", "3d"):  # 3d: threed_problems.py
         return []
     mode, d = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
     q = math.isqrt(plan.tp // d)
