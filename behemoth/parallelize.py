@@ -63,8 +63,8 @@ from behemoth.parallel.pipeline.partition import balance_stages
 from behemoth.parallel.recompute import apply_recompute, recompute_ranks
 from behemoth.parallel.sync import GradSync
 from behemoth.parallel.tensor import TensorParallel, TensorPolicy, TPComm, apply_tensor_parallel
-from behemoth.parallel.tensor.subbatch import apply_subbatches
 from behemoth.parallel.tensor.cube import cube_of
+from behemoth.parallel.tensor.subbatch import apply_subbatches
 from behemoth.parallel.tensor.threed import TensorParallel3D, apply_tensor_parallel_3d
 from behemoth.parallel.tensor.twod import TensorParallel2D, apply_tensor_parallel_2d, grid_of
 from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
