@@ -36,6 +36,7 @@ from behemoth.planner.attention import context_backward_working, context_saved_e
 from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
+from behemoth.planner.moe_memory import moe_backward_working, moe_saved_elements
 
 STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
 FROZEN_PARAM_BYTES = 4  # a frozen (LoRA) base parameter: float32 on every data-parallel rank, nothing else
@@ -181,7 +182,8 @@ def stash_units(lay: Layout, rank: int) -> int:
 
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
     """What one block saves for backward for `tokens` tokens on one tensor-parallel rank (and context-parallel rank)."""
-    return (work.census.activations.elements(tokens, lay.tp, lay.sp) + context_saved_elements(work, lay, tokens)) * work.act_bytes
+    dense = work.census.activations.elements(tokens, lay.tp, lay.sp)
+    return (dense + context_saved_elements(work, lay, tokens) + moe_saved_elements(work, lay, tokens)) * work.act_bytes
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
@@ -280,7 +282,7 @@ def kept_inputs(lay: Layout, work: Workload, rank: int, first: bool, tokens: int
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
     """The largest transient of the rank's passes (module docstring), per held stage."""
     grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
-    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes))
+    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes), moe_backward_working(work, lay, grad_bytes))
     worst = 0.0
     for stage, _ in stages:
         if stage == lay.stages - 1:

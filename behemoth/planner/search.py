@@ -157,7 +157,6 @@ def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: 
     """The layouts of one choice of degrees: micro-batch sizes, schedules, ZeRO stages, SP, cp attentions, placements."""
     shape, batch = work.census.shape, work.global_batch
     placements = offload or space.offload or (Offload(),)
-    moe = any(shape.experts)
     if (space.dp is not None and dp not in space.dp) or batch % (dp * ep):
         return []
     out = []
@@ -167,7 +166,7 @@ def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: 
             for zero in space.zero:
                 if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
                     continue
-                for sp in sorted({s and tp > 1 and not moe for s in space.sp}):
+                for sp in sorted({s and tp > 1 for s in space.sp}):
                     if sp and work.seq_len % tp:
                         continue
                     for mode in cp_modes(work, tp, cp, sp, space):
