@@ -92,7 +92,8 @@ OFFLOAD_MOMENT_BYTES = {32: 8, 8: 2}  # Adam moments per parameter: float32, or 
 
 def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0.0) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage, wherever they live: dense
-    ones sharded over dp x ep, the `experts` among them over dp alone (each ep rank holds other experts). Offloaded
+    ones sharded over dp x cp x ep, the `experts` among them over dp x cp (each ep rank holds other experts;
+    `expert_data_group`). Offloaded
     states are ZeRO-3's units on their tiers (1/dp x ep of each state)."""
     z = 3 if lay.offload.streams else lay.zero
     p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
@@ -103,7 +104,7 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     dense = elements - experts
 
     def per_rank(nbytes: int, sharded_from: int) -> float:
-        return nbytes * (dense / lay.shard_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
+        return nbytes * (dense / lay.shard_ranks + experts / (lay.dp * lay.cp)) if z >= sharded_from else nbytes * elements
 
     return per_rank(p, 3), per_rank(g, 2), per_rank(k, 1)
 

@@ -39,6 +39,7 @@ class Workload:
     op_checkpointing: bool = False  # a selective op-level policy (torchtitan's "op"): every second product rerun in backward
     p2p_inline: str = "none"  # pipeline transfers a stage waits out in line with its passes: none, batched, separate (steptime.py)
     p2p_split: bool = False  # each tp rank sends 1/tp of a pipeline message, all-gathered within the tp group on arrival
+    noisy_gating: bool = False  # model.moe.noise is not none: cp refuses it (each cp rank would draw other noise)
 
     @classmethod
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
@@ -53,6 +54,7 @@ class Workload:
             plan.prefetch,
             cfg.model.moe.capacity_factor if cfg.model.moe.enabled else None,
             float(getattr(cfg.model, "dropout_p", 0.0) or 0.0),
+            noisy_gating=cfg.model.moe.enabled and cfg.model.moe.noise != "none",
         )
 
     @property

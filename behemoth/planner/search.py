@@ -112,9 +112,9 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
 
 def cp_degrees(work: Workload, room: int, pp: int, ep: int, space: Space, cluster: ClusterSpec) -> list[int]:
     """Context-parallel degrees that divide `room` (the world over tp x pp x ep), up to a node's devices unless pinned,
-    for a dense model, under a pipeline too (each stage passes its cp shard on); an MoE model trains under cp (dropless)
-    but its cp layouts are not priced here, so the search keeps it at cp=1."""
-    if ep > 1 or any(work.census.shape.experts):
+    under a pipeline too (each stage passes its cp shard on); an MoE model (with or without ep) only when dropless and
+    without noisy gating (`context_problems`: a capacity fills over whole sequences, noise would differ per cp rank)."""
+    if (ep > 1 or any(work.census.shape.experts)) and (work.capacity_factor is not None or work.noisy_gating):
         return [1]
     cap = space.max_cp or cluster.devices_per_node
     return [c for c in allowed(space.cp, divisors(room)) if c == 1 or space.cp is not None or c <= cap]
