@@ -54,7 +54,10 @@ def test_search_finds_the_brute_force_optimum_with_sequence_parallel_experts():
     best, everything = optimum(cfg, 2, cluster, space)
     assert all(c.layout.recompute for c in everything if not c.layout.sp) and any(not c.layout.sp for c in everything)
     found = search(work, cluster, 2, space, cfg=cfg, exact=0).ranked[0]
-    assert found.layout.sp and not found.layout.recompute and found.step_seconds == pytest.approx(best.step_seconds, rel=1e-9), (found.layout.describe(), best.layout.describe())
+    assert found.layout.sp and not found.layout.recompute and found.step_seconds == pytest.approx(best.step_seconds, rel=1e-9), (
+        found.layout.describe(),
+        best.layout.describe(),
+    )
 
 
 @pytest.mark.parametrize("routing", [("model.moe.capacity_factor=1.25",), ("model.moe.noise=jitter",)])

@@ -290,7 +290,9 @@ def kept_inputs(lay: Layout, work: Workload, rank: int, first: bool, tokens: int
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
     """The largest transient of the rank's passes (module docstring), per held stage."""
     grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
-    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes), moe_backward_working(work, lay, grad_bytes))
+    block = max(
+        block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes), moe_backward_working(work, lay, grad_bytes)
+    )
     worst = 0.0
     for stage, _ in stages:
         if stage == lay.stages - 1:
