@@ -10,7 +10,7 @@ search can price thousands of plans of a 1T-parameter model in seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -86,8 +86,23 @@ class ModelCensus:
         census._shares[(1, 1)] = share
         return census
 
-    def at(self, tp: int, ep: int = 1) -> TPShare:
-        """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds."""
+    def at(self, tp: int, ep: int = 1, mode: str = "1d") -> TPShare:
+        """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds; `mode` 2d: a
+        q x q grid (tp = q*q) holds 1/tp of every tensor, the head's vocabulary and every per-token width included
+        (docs/tensor2d.md; the refusals guarantee the sizes split)."""
+        if mode == "2d" and tp > 1:
+            whole = self.at(1, ep)
+            return replace(
+                whole,
+                tp=tp,
+                embed=whole.embed // tp,
+                block=whole.block // tp,
+                head=whole.head // tp,
+                tied=whole.tied // tp,
+                vocab=whole.vocab // tp,
+                block_weight_outputs=whole.block_weight_outputs // tp,
+                head_weight_outputs=whole.head_weight_outputs // tp,
+            )
         if (tp, ep) not in self._shares:
             self._shares[(tp, ep)] = _share(_one_block(self.model_cfg, self.hf, self.lora), tp, ep)
         return self._shares[(tp, ep)]

@@ -28,7 +28,7 @@ EAGER_BACKWARD = 2.0  # eager: a pointwise backward reads the gradient and an in
 def eager_forward_bytes(work: Workload, lay: Layout) -> float:
     """Bytes one block's eager elementwise operators move in forward, on one rank, for one micro-batch."""
     shape, t, a = work.census.shape, lay.tp, work.act_bytes
-    hidden = shape.d_model / (t if lay.sp else 1)  # norms and residual adds see the whole hidden state (its shard under SP)
+    hidden = shape.d_model / (t if lay.seq_split else 1)  # norms and residual adds see the whole hidden state (its shard under SP)
     q, kv, ffn = shape.q_width / t, shape.kv_width / t, shape.ffn / t
     if shape.gated:
         norms, rotary, mlp = 2 * (28 + 4 * a) * hidden, (16 + 2 * a) * (q + kv), 5 * a * ffn
@@ -44,6 +44,6 @@ def elementwise_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> tu
     if cluster.device.elementwise == "eager":
         forward = eager_forward_bytes(work, lay) / bandwidth
         return forward, EAGER_BACKWARD * forward
-    saved = work.census.activations.elements(lay.tokens(work.seq_len), lay.tp, lay.sp) * work.act_bytes
+    saved = work.census.activations.elements(lay.tokens(work.seq_len), lay.tp, lay.seq_split) * work.act_bytes
     fused = ELEMENTWISE_PASSES * saved / bandwidth
     return fused, fused

@@ -36,6 +36,7 @@ from behemoth.planner.attention import context_backward_working, context_saved_e
 from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
+from behemoth.planner.moe_memory import moe_backward_working, moe_saved_elements
 
 STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
 FROZEN_PARAM_BYTES = 4  # a frozen (LoRA) base parameter: float32 on every data-parallel rank, nothing else
@@ -91,7 +92,8 @@ OFFLOAD_MOMENT_BYTES = {32: 8, 8: 2}  # Adam moments per parameter: float32, or 
 
 def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0.0) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes of `elements` parameters at the layout's ZeRO stage, wherever they live: dense
-    ones sharded over dp x ep, the `experts` among them over dp alone (each ep rank holds other experts). Offloaded
+    ones sharded over dp x cp x ep, the `experts` among them over dp x cp (each ep rank holds other experts;
+    `expert_data_group`). Offloaded
     states are ZeRO-3's units on their tiers (1/dp x ep of each state)."""
     z = 3 if lay.offload.streams else lay.zero
     p, g, k = STATE_BYTES_ZERO0 if z == 0 else BYTES_PER_PARAM[work.param_dtype]
@@ -102,7 +104,7 @@ def state_bytes(elements: float, lay: Layout, work: Workload, experts: float = 0
     dense = elements - experts
 
     def per_rank(nbytes: int, sharded_from: int) -> float:
-        return nbytes * (dense / lay.shard_ranks + experts / lay.dp) if z >= sharded_from else nbytes * elements
+        return nbytes * (dense / lay.shard_ranks + experts / (lay.dp * lay.cp)) if z >= sharded_from else nbytes * elements
 
     return per_rank(p, 3), per_rank(g, 2), per_rank(k, 1)
 
@@ -181,12 +183,13 @@ def stash_units(lay: Layout, rank: int) -> int:
 
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
     """What one block saves for backward for `tokens` tokens on one tensor-parallel rank (and context-parallel rank)."""
-    return (work.census.activations.elements(tokens, lay.tp, lay.sp) + context_saved_elements(work, lay, tokens)) * work.act_bytes
+    dense = work.census.activations.elements(tokens, lay.tp, lay.seq_split)
+    return (dense + context_saved_elements(work, lay, tokens) + moe_saved_elements(work, lay, tokens)) * work.act_bytes
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
     """The final norm's and the head's inputs and statistics, and the loss's softmax over this rank's vocabulary."""
-    h, seq = work.census.shape.d_model, lay.tp if lay.sp else 1
+    h, seq = work.census.shape.d_model, lay.tp if lay.seq_split else 1
     tied = work.census.shape.tied
     head_in = h * tokens / (1 if tied else seq)
     return work.act_bytes * ((h * tokens + 2 * tokens) / seq + head_in) + 4 * (share.vocab * tokens + 2 * tokens)
@@ -194,13 +197,14 @@ def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> floa
 
 def embed_bytes(lay: Layout, tokens: int) -> float:
     """Token ids and positions (int64), and under tensor parallelism the vocabulary mask."""
-    return 8.0 * tokens + (tokens if lay.tp > 1 else 0)
+    rows = tokens / lay.grid  # a 2-D rank looks up its grid row's sequences
+    return 8.0 * rows + (rows if lay.tp > 1 else 0)
 
 
 def stage_stash(share: TPShare, lay: Layout, work: Workload, stage: int, blocks: int, recompute: bool, tokens: int) -> float:
     """Bytes one micro-batch's forward leaves on one model stage (a recomputing stage keeps each block's input only)."""
     h = work.census.shape.d_model
-    per_block = h * tokens * work.act_bytes / (lay.tp if lay.sp else 1) if recompute else block_bytes(share, lay, work, tokens)
+    per_block = h * tokens * work.act_bytes / (lay.tp if lay.seq_split else 1) if recompute else block_bytes(share, lay, work, tokens)
     out = blocks * per_block
     if stage == 0:
         out += embed_bytes(lay, tokens)
@@ -215,8 +219,14 @@ def block_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> f
     shape = work.census.shape
     ffn = shape.ffn / lay.tp
     grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
-    hidden = 2 if lay.pp > 1 else 3
-    return grad_bytes * shape.d_model * ffn + (ffn + hidden * shape.d_model) * tokens * work.act_bytes
+    hidden = (2 if lay.pp > 1 else 3) / (lay.tp if lay.tp_mode == "2d" else 1)  # a 2-D rank's hidden gradients are 1/tp
+    out = grad_bytes * shape.d_model * ffn + (ffn + hidden * shape.d_model) * tokens * work.act_bytes
+    if lay.tp_mode == "2d" and lay.tp > 1:  # SUMMA's backward: broadcast blocks and partial products in flight
+        out += SUMMA_WEIGHT_BLOCKS * grad_bytes * shape.d_model * ffn + (ffn + 2 * shape.d_model / lay.tp) * tokens * work.act_bytes
+    return out
+
+
+SUMMA_WEIGHT_BLOCKS = 2.5  # MLP weight blocks a 2-D rank's backward holds beside its gradient (measured on a 2 x 2 grid)
 
 
 def loss_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
@@ -233,7 +243,7 @@ def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int
     if lay.pp == 1:
         return 0.0
     directions = sum((s != lay.stages - 1) + (s != 0) for s, _ in stages)
-    message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
     held = lay.microbatches if lay.schedule in ("1f1b", "gpipe", "zb-h1", "1f1b-scp") else 1
     return held * directions * message
 
@@ -248,10 +258,10 @@ def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, s
         return 0.0
     shape, t = work.census.shape, lay.tp
     if lay.schedule == "zb-h1" and rank == 0:
-        return tokens * shape.d_model * work.act_bytes / (t if lay.sp else 1)
+        return tokens * shape.d_model * work.act_bytes / (t if lay.seq_split else 1)
     ffn = shape.ffn * (2 if shape.gated else 1)
     grads = (shape.q_width + 2 * shape.kv_width + ffn) / t + 2 * shape.d_model
-    inputs = 2 * shape.d_model / (t if lay.sp else 1) + (shape.q_width + shape.ffn) / t  # qkv and MLP inputs; proj inputs
+    inputs = 2 * shape.d_model / (t if lay.seq_split else 1) + (shape.q_width + shape.ffn) / t  # qkv and MLP inputs; proj inputs
     split = [(s, n) for s, n in stages if s != 0]
     per_token = sum(n * (grads + inputs) for _, n in split)
     if any(s == lay.stages - 1 for s, _ in split):
@@ -274,13 +284,15 @@ def kept_inputs(lay: Layout, work: Workload, rank: int, first: bool, tokens: int
     if lay.schedule != "1f1b-scp" or lay.pp == 1 or first:
         return 0.0
     kept = schedule_peaks(lay.schedule, lay.pp, lay.microbatches)[rank][2]
-    return kept * tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.sp else 1)
+    return kept * tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
 
 
 def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[int, int]], tokens: int, recomputes: bool) -> float:
     """The largest transient of the rank's passes (module docstring), per held stage."""
     grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
-    block = max(block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes))
+    block = max(
+        block_working(share, lay, work, tokens), context_backward_working(work, lay, tokens, grad_bytes), moe_backward_working(work, lay, grad_bytes)
+    )
     worst = 0.0
     for stage, _ in stages:
         if stage == lay.stages - 1:
@@ -302,7 +314,7 @@ def rank_memory(work: Workload, lay: Layout, bounds: tuple[int, ...], rank: int)
 def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int, int]], recompute: bool | None = None) -> RankMemory:
     """`rank_memory` for a rank holding `stages`, (model stage, blocks) pairs, recomputing if `recompute` (default: if
     the layout says so): what the stage-boundary search asks."""
-    share = work.census.at(lay.tp, lay.ep)
+    share = work.share(lay)
     first = any(s == 0 for s, _ in stages)
     last = any(s == lay.stages - 1 for s, _ in stages)
     blocks = sum(n for _, n in stages)

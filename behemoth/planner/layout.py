@@ -10,6 +10,7 @@ sequence length, the global batch and the precision.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from behemoth.offload.policy import OffloadPolicy
 from behemoth.parallel.pipeline.refusals import V_SCHEDULES  # two model chunks per rank in a V: stages r and 2p-1-r
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.plan import ParallelPlan
-from behemoth.planner.census import ModelCensus
+from behemoth.planner.census import ModelCensus, TPShare
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera", "zbv", "dualpipev", "1f1b-scp")
 CP_MODES = ("ring", "ulysses")  # context-parallel attention, resolved (parallel.cp_mode=auto picks one of them)
@@ -39,6 +40,7 @@ class Workload:
     op_checkpointing: bool = False  # a selective op-level policy (torchtitan's "op"): every second product rerun in backward
     p2p_inline: str = "none"  # pipeline transfers a stage waits out in line with its passes: none, batched, separate (steptime.py)
     p2p_split: bool = False  # each tp rank sends 1/tp of a pipeline message, all-gathered within the tp group on arrival
+    noisy_gating: bool = False  # model.moe.noise is not none: cp refuses it (each cp rank would draw other noise)
 
     @classmethod
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
@@ -53,6 +55,7 @@ class Workload:
             plan.prefetch,
             cfg.model.moe.capacity_factor if cfg.model.moe.enabled else None,
             float(getattr(cfg.model, "dropout_p", 0.0) or 0.0),
+            noisy_gating=cfg.model.moe.enabled and cfg.model.moe.noise != "none",
         )
 
     @property
@@ -74,6 +77,10 @@ class Workload:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+    def share(self, lay: Layout) -> TPShare:
+        """What one rank of `lay` holds of the model (its tp, 1-D or 2-D, and ep)."""
+        return self.census.at(lay.tp, lay.ep, lay.tp_mode)
 
 
 TIERS = TIER_NAMES  # offload.* tiers: device memory, host memory, disk
@@ -154,6 +161,18 @@ class Layout:
     offload: Offload = Offload()  # where the model states live
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence's tokens
     cp_mode: str = "ring"  # ring or ulysses (what parallel.cp_mode resolves to; unused at cp=1)
+    tp_mode: str = "1d"  # 1d (Megatron's column/row split) or 2d (a q x q SUMMA grid, tp = q*q: docs/tensor2d.md)
+
+    @property
+    def seq_split(self) -> bool:
+        """Whether activations outside the tensor-parallel region are split over tp too: sequence parallelism, or a 2-D
+        grid (rows split the sequences, columns the features: 1/tp of every activation)."""
+        return self.sp or (self.tp_mode == "2d" and self.tp > 1)
+
+    @property
+    def grid(self) -> int:
+        """q, the side of a 2-D grid (1 under 1-D tensor parallelism)."""
+        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
 
     @property
     def world(self) -> int:
@@ -198,6 +217,8 @@ class Layout:
             parts.insert(1, f"cp={self.cp}({self.cp_mode})")
         if self.sp:
             parts.append("sp")
+        if self.tp_mode == "2d":
+            parts.append(f"2d[{self.grid}x{self.grid}]")
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 and self.schedule == "interleaved" else ""))
         parts.append(f"mb={self.micro_batch}x{self.microbatches}")
@@ -219,6 +240,7 @@ class Layout:
             cp=self.cp,
             cp_mode=self.cp_mode if self.cp > 1 else (base or ParallelPlan()).cp_mode,
             tp=self.tp,
+            tp_mode=self.tp_mode,
             pp=self.pp,
             zero_stage=self.zero,
             sequence_parallel=self.sp and self.tp > 1,
@@ -268,6 +290,7 @@ class Layout:
             Offload.of(cfg),
             dims.cp,
             resolve_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp) if dims.cp > 1 else "ring",
+            plan.tp_mode if dims.tp > 1 else "1d",
         )
 
     def but(self, **changes: Any) -> Layout:

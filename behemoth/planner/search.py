@@ -16,6 +16,7 @@ priced in closed form, and the one combinatorial part (stage boundaries) has a b
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -57,6 +58,7 @@ class Space:
     max_cp: int | None = None  # default: the devices of one node
     offload: tuple[Offload, ...] | None = None  # pinned placements; default: on the device, OFFLOAD_PLACEMENTS if nothing fits
     margin: float = MEMORY_MARGIN
+    tp_modes: tuple[str, ...] = ("1d", "2d")  # 2d: a q x q SUMMA grid where `grid_allowed` says the runtime runs one
 
 
 @dataclass
@@ -86,6 +88,24 @@ def tp_degrees(work: Workload, world: int, space: Space, cluster: ClusterSpec) -
     return [t for t in allowed(space.tp, divisors(world)) if all(s % t == 0 for s in sizes) and (space.tp is not None or t <= cap)]
 
 
+def grid_allowed(work: Workload, tp: int) -> bool:
+    """Whether a 2-D grid of tp = q*q ranks can run this model (`tensor2d_problems`): q >= 2, behemoth's GPT, untied,
+    no experts, LoRA or dropout, and n_head and the vocabulary split by q, d_model and the MLP width by q*q."""
+    shape, q = work.census.shape, math.isqrt(tp)
+    if q * q != tp or q < 2 or shape.arch != "gpt" or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
+        return False
+    return not (shape.n_head % q or shape.vocab_size % q or shape.d_model % tp or shape.ffn % tp)
+
+
+def tp_choices(work: Workload, world: int, space: Space, cluster: ClusterSpec) -> list[tuple[int, str]]:
+    """(degree, mode) pairs: every 1-D degree of `tp_degrees`, and 2-D grids of the world's square divisors within
+    the same cap (`grid_allowed`)."""
+    out = [(t, "1d") for t in tp_degrees(work, world, space, cluster)] if "1d" in space.tp_modes else []
+    cap = space.max_tp or cluster.devices_per_node
+    grids = [t for t in allowed(space.tp, divisors(world)) if (space.tp is not None or t <= cap) and grid_allowed(work, t)]
+    return out + [(t, "2d") for t in grids if "2d" in space.tp_modes]
+
+
 def schedules_for(pp: int, m: int, n_layer: int, space: Space) -> list[tuple[str, int]]:
     """(schedule, chunks) pairs that can run pp stages and m micro-batches over n_layer blocks."""
     if pp == 1:
@@ -112,9 +132,9 @@ def ep_degrees(work: Workload, room: int, space: Space) -> list[int]:
 
 def cp_degrees(work: Workload, room: int, pp: int, ep: int, space: Space, cluster: ClusterSpec) -> list[int]:
     """Context-parallel degrees that divide `room` (the world over tp x pp x ep), up to a node's devices unless pinned,
-    for a dense model, under a pipeline too (each stage passes its cp shard on); an MoE model trains under cp (dropless)
-    but its cp layouts are not priced here, so the search keeps it at cp=1."""
-    if ep > 1 or any(work.census.shape.experts):
+    under a pipeline too (each stage passes its cp shard on); an MoE model (with or without ep) only when dropless and
+    without noisy gating (`context_problems`: a capacity fills over whole sequences, noise would differ per cp rank)."""
+    if (ep > 1 or any(work.census.shape.experts)) and (work.capacity_factor is not None or work.noisy_gating):
         return [1]
     cap = space.max_cp or cluster.devices_per_node
     return [c for c in allowed(space.cp, divisors(room)) if c == 1 or space.cp is not None or c <= cap]
@@ -145,19 +165,26 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
     """Every layout of `world` processes the space allows (before boundaries and recomputation are chosen), with each
     placement of `offload` (default: the space's pinned ones, else the device only)."""
     out = []
-    for tp in tp_degrees(work, world, space, cluster):
-        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer]):
+    for tp, mode in tp_choices(work, world, space, cluster):
+        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer and (mode == "1d" or p == 1)]):
             for ep in ep_degrees(work, world // (tp * pp), space):
-                for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster):
-                    out += degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
+                for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster) if mode == "1d" else [1]:
+                    found = degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
+                    out += found if mode == "1d" else grid_layouts(found, math.isqrt(tp))
     return out
+
+
+def grid_layouts(layouts: list[Layout], q: int) -> list[Layout]:
+    """The 2-D versions of 1-D layouts of a degree q*q that the grid composes with (`twod_problems.unsupported`): no
+    sequence parallelism, ZeRO 0-2, every state on the device, micro-batches of whole grid rows."""
+    keep = [lay for lay in layouts if not lay.sp and lay.zero < 3 and not lay.offload.enabled and lay.micro_batch % q == 0]
+    return [lay.but(tp_mode="2d") for lay in keep]
 
 
 def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: int, cp: int, offload: tuple[Offload, ...] | None) -> list[Layout]:
     """The layouts of one choice of degrees: micro-batch sizes, schedules, ZeRO stages, SP, cp attentions, placements."""
     shape, batch = work.census.shape, work.global_batch
     placements = offload or space.offload or (Offload(),)
-    moe = any(shape.experts)
     if (space.dp is not None and dp not in space.dp) or batch % (dp * ep):
         return []
     out = []
@@ -167,7 +194,7 @@ def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: 
             for zero in space.zero:
                 if (zero == 3 and pp > 1) or (zero == 2 and schedule == "chimera") or (zero == 0 and work.param_dtype != "fp32"):
                     continue
-                for sp in sorted({s and tp > 1 and not moe for s in space.sp}):
+                for sp in sorted({s and tp > 1 for s in space.sp}):
                     if sp and work.seq_len % tp:
                         continue
                     for mode in cp_modes(work, tp, cp, sp, space):
@@ -217,7 +244,7 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
 def memory_floor(work: Workload, lay: Layout) -> float:
     """A lower bound of the busiest rank's device memory: the model states of an even share of the parameters that stay
     on the device."""
-    share = work.census.at(lay.tp, lay.ep)
+    share = work.share(lay)
     mean = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     return sum(placed(state_bytes(int(mean), lay, work), lay)["device"])
 

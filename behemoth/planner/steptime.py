@@ -156,6 +156,7 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         lay.ep,
         lay.cp,
         lay.cp_mode,
+        lay.tp_mode,
         work.dropout > 0,
         work.op_checkpointing,
         id(cluster.device),
@@ -173,7 +174,7 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
     weight-gradient product (k, n, m)), attention, elementwise traffic (`elementwise.py`), a launch per operator."""
     dev, dtype, tokens = cluster.device, work.compute_dtype, lay.tokens(work.seq_len)
-    products = block_products(work, lay)
+    products = grid_products(work, lay)
     forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
     input_grad = sum(dev.gemm_seconds(dtype, m, k, n, b) for b, m, n, k in products)
     weight_grad = sum(dev.gemm_seconds(dtype, k, n, m, b) for b, m, n, k in products)
@@ -184,7 +185,9 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     eff = dev.block_efficiency
     rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
     hidden = tokens * work.census.shape.d_model * work.act_bytes
-    if lay.sp:
+    if lay.tp_mode == "2d" and lay.tp > 1:
+        comm = sum(summa_seconds(work, lay, cluster, b * m * k, b * k * n) for b, m, n, k in block_products(work, lay.but(tp=1, tp_mode="1d"))) / 2
+    elif lay.sp:
         comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
     else:
         comm = cluster.collective("all_reduce", hidden, lay.tp)
@@ -196,6 +199,24 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         cp_f + cp_b,
         rerun if work.op_checkpointing else 0.0,
     )
+
+
+def grid_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
+    """`block_products`, on a 2-D grid as SUMMA runs them: q steps of a (tokens/q, n/q, k/q) product per linear."""
+    if lay.tp_mode != "2d" or lay.tp == 1:
+        return block_products(work, lay)
+    q = lay.grid
+    return [(b * q, m / q, n / q, k / q) for b, m, n, k in block_products(work, lay.but(tp=1, tp_mode="1d"))]
+
+
+def summa_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w: float) -> float:
+    """Seconds of one SUMMA linear's collectives in forward and backward on a q x q grid, for a whole layer's
+    activation `x` and weight `w` (elements): 3q steps (q broadcasts forward; q broadcasts and q reductions backward),
+    each moving a block of both, 1/q^2 of them (`summa.summa_volume`: 3q (x + w) / q^2 elements per rank), on the
+    link the grid spans, each step its own latency."""
+    q = lay.grid
+    step = cluster.collective("p2p", (x + w) / q**2 * work.act_bytes, lay.tp)
+    return 3 * q * step
 
 
 def op_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
@@ -221,10 +242,13 @@ def block_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[float
 def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the head's and loss's forward for one micro-batch (logits over this rank's vocabulary)."""
     dev, tokens = cluster.device, lay.tokens(work.seq_len)
-    share = work.census.at(lay.tp, lay.ep)
+    share = work.share(lay)
     logits = dev.gemm_seconds(work.compute_dtype, tokens, share.vocab, work.census.shape.d_model)
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
     comm = cluster.collective("all_reduce", 3 * tokens * 4, lay.tp)  # the vocabulary-parallel loss's three reductions
+    if lay.tp_mode == "2d" and lay.tp > 1:  # the head is a SUMMA product too (forward's share of its three passes)
+        d, vocab = work.census.shape.d_model, share.vocab * lay.tp
+        comm += summa_seconds(work, lay, cluster, tokens * d, d * vocab) / 3
     return logits / dev.block_efficiency + softmax + comm + HEAD_OPS * dev.op_overhead_us * 1e-6
 
 
@@ -232,7 +256,10 @@ def embed_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of the embedding lookup (a gather, memory-bound) and, under tensor parallelism, its all-reduce."""
     tokens = lay.tokens(work.seq_len)
     hidden = tokens * work.census.shape.d_model * work.act_bytes
-    return 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9) + cluster.collective("all_reduce", hidden, lay.tp)
+    lookup = 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9)
+    if lay.tp_mode == "2d":  # each rank looks up its block: only the table's pieces are gathered (not priced)
+        return lookup / lay.tp
+    return lookup + cluster.collective("all_reduce", hidden, lay.tp)
 
 
 def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...]) -> PassCosts:
@@ -446,7 +473,7 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     """Seconds of one training step of `lay` on `cluster`, by part."""
     costs = pass_costs(work, lay, cluster, bounds)
     passes, bubble = shared_cores(cluster, *pipeline_seconds(lay, costs, exact=exact))
-    share = work.census.at(lay.tp, lay.ep)
+    share = work.share(lay)
     busiest = max(range(lay.pp), key=lambda r: rank_elements(share, lay, bounds, r))
     elements = rank_elements(share, lay, bounds, busiest)
     experts = sum(bounds[s + 1] - bounds[s] for s in lay.held_stages(busiest)) * share.experts
@@ -502,7 +529,7 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
         passes = listed_floor(lay, mean, third, p2p)
     else:
         passes = closed_form_step(lay, [mean] * lay.pp, flat)[0]
-    share = work.census.at(lay.tp, lay.ep)
+    share = work.share(lay)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
     passes = shared_cores(cluster, passes, passes - lay.microbatches * mean)[0] if lay.pp > 1 else passes
     return passes + data_parallel_time(work, lay, cluster, elements, mean, mean).exposed + optimizer_seconds(work, lay, cluster, elements)
