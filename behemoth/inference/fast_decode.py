@@ -12,6 +12,7 @@ sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the mo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -70,9 +71,11 @@ _SCRIPTED: list[torch.jit.ScriptFunction] = []
 
 
 def scripted() -> torch.jit.ScriptFunction:
-    """`decode_layers` compiled by TorchScript (once per process)."""
+    """`decode_layers` compiled by TorchScript (once per process; torch marks torch.jit deprecated, and it still runs)."""
     if not _SCRIPTED:
-        _SCRIPTED.append(torch.jit.script(decode_layers))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
+            _SCRIPTED.append(torch.jit.script(decode_layers))
     return _SCRIPTED[0]
 
 
