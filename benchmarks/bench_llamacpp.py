@@ -160,9 +160,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in engines.items():
                 runs[name].append(run(prompt, args.new))
-    print(
-        f"Llama {SHAPE}, {params / 1e6:.1f}M parameters, float32, {args.threads} threads, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens"
-    )
+    shape = f"Llama {SHAPE}, {params / 1e6:.1f}M parameters"
+    print(f"{shape}, float32, {args.threads} threads, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
     print(f"GGUF conversion {convert_s:.1f} s; warm-up of all engines {warm_s:.1f} s; best of {args.rounds} interleaved rounds\n")
     write_rows(args.json, table({n: max(r, key=lambda x: x["decode"]) for n, r in runs.items()}, "llama.cpp (f32 GGUF)"))
 
