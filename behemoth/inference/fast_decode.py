@@ -5,8 +5,9 @@ transformers decoder layers make dozens of module calls, view and cast ops per l
 arithmetic as `LlamaDecoderLayer` (RMSNorm, rotary embedding, grouped-query SDPA against the paged cache, SwiGLU MLP)
 from one TorchScript function (`decode_layers`, compiled once, about a second) whose loop over layers runs in
 TorchScript's interpreter: per token, Python calls it once. The query/key/value projections and the gate/up
-projections are fused into one matrix each, whose rows the model's own linear layers then view (no weight is
-copied: the model keeps working as before). Prefill, verification and every model that is not a plain Llama (biases,
+projections are fused into one matrix each, and every weight is laid out [in, out] (one token's product runs about
+1.5x faster on CPU BLAS so); the model's own linear layers then view those matrices (no weight is duplicated: the
+model keeps working as before, its prefill included). Prefill, verification and every model that is not a plain Llama (biases,
 sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks (`ModelRunner.hidden`).
 """
 
@@ -97,42 +98,48 @@ def fusable(block: nn.Module) -> bool:
     return all(_plain_linear(m) for m in linears)
 
 
-def fuse_rows(linears: Sequence[nn.Linear]) -> torch.Tensor:
-    """One weight whose rows are the layers' weights stacked; each layer's weight becomes a view of its rows."""
-    fused = torch.cat([m.weight.detach() for m in linears])
+def fuse_columns(linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """One [in, sum of outs] matrix, contiguous, holding the layers' weights transposed; each layer's weight becomes a
+    view of its columns (a weight laid out [in, out] multiplies one token about 1.5x faster on CPU BLAS than [out, in]).
+    Returned as the [sum of outs, in] view F.linear takes."""
+    fused = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=m.weight.requires_grad)
+        m.weight = nn.Parameter(fused[:, start : start + rows].t(), requires_grad=m.weight.requires_grad)
         start += rows
-    return fused
+    return fused.t()
 
 
 def layer_weights(block: nn.Module) -> list[torch.Tensor]:
     """[input norm, fused qkv, o, post-attention norm, fused gate/up, down] of one decoder layer."""
     attn, mlp = block.self_attn, block.mlp
-    qkv = fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = fuse_rows([mlp.gate_proj, mlp.up_proj])
-    return [block.input_layernorm.weight, qkv, attn.o_proj.weight, block.post_attention_layernorm.weight, gate_up, mlp.down_proj.weight]
+    qkv = fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = fuse_columns([mlp.gate_proj, mlp.up_proj])
+    o, down = fuse_columns([attn.o_proj]), fuse_columns([mlp.down_proj])
+    return [block.input_layernorm.weight, qkv, o, block.post_attention_layernorm.weight, gate_up, down]
 
 
 class FusedDecoder:
     """The decode step of a run of Llama decoder layers as one TorchScript call."""
 
-    def __init__(self, blocks: Sequence[nn.Module], layers: Sequence[int]) -> None:
+    def __init__(self, blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None) -> None:
         first = blocks[layers[0]]
         config = first.self_attn.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = float(first.input_layernorm.variance_epsilon)
         self.weights = {i: layer_weights(blocks[i]) for i in layers}
+        if head is not None and _plain_linear(head):
+            fuse_columns([head])  # the head's own forward then reads its weight laid out [in, out] too
         self.run = scripted()
 
     @staticmethod
-    def of(blocks: Sequence[nn.Module], layers: Sequence[int]) -> FusedDecoder | None:
-        """The fused decoder of `layers`, or None where one of them is not a plain Llama layer."""
+    def of(blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None) -> FusedDecoder | None:
+        """The fused decoder of `layers` (and an untied `head` laid out for one-token products), or None where one of
+        the layers is not a plain Llama layer."""
         if not layers or not all(fusable(blocks[i]) for i in layers):
             return None
-        return FusedDecoder(blocks, layers)
+        return FusedDecoder(blocks, layers, head)
 
     def __call__(self, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: object) -> torch.Tensor:
         """Every layer of `layers` on h [B, 1, d] of a decode step (`ctx`: the view's context, with its cache step)."""

@@ -10,7 +10,7 @@ holds when the model spans several processes: it sends every step to the other r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -85,8 +85,18 @@ class ModelRunner:
     def fused_decoder(self) -> FusedDecoder | None:
         """The one-call decode step of this rank's layers, where every one is a plain Llama layer (else None, once)."""
         if self.fused is True:
-            self.fused = FusedDecoder.of(self.blocks, self.layers)
+            self.fused = FusedDecoder.of(cast(nn.ModuleList, self.blocks), self.layers, self.untied_head())
         return self.fused or None
+
+    def untied_head(self) -> nn.Module | None:
+        """The Llama head where this rank holds it and it shares no weight with the embedding (else None)."""
+        model = self.lm.module
+        head = getattr(model, "lm_head", None)
+        try:
+            embedding = getattr(model.get_submodule(self.view.embedding), "weight", None)
+        except AttributeError:  # a pipeline stage without the embedding
+            embedding = None
+        return None if head is None or embedding is head.weight else head
 
     @torch.no_grad()
     def head(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
