@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +85,11 @@ def _plain_linear(m: nn.Module) -> bool:
     return type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks) and m.weight.is_floating_point()
 
 
-def fusable(block: nn.Module) -> bool:
+def fusable(block: Any) -> bool:
     """A transformers LlamaDecoderLayer with plain bias-free linear layers and a SiLU MLP (what `decode_layers` computes)."""
-    attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-    if type(block).__name__ != "LlamaDecoderLayer" or type(mlp).__name__ != "LlamaMLP" or attn is None:
+    if type(block).__name__ != "LlamaDecoderLayer" or type(block.mlp).__name__ != "LlamaMLP":
         return False
+    attn, mlp = block.self_attn, block.mlp
     config = attn.config
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "sliding_window", None) is not None:
         return False
@@ -98,7 +99,7 @@ def fusable(block: nn.Module) -> bool:
     return all(_plain_linear(m) for m in linears)
 
 
-def fuse_columns(linears: Sequence[nn.Linear]) -> torch.Tensor:
+def fuse_columns(linears: Sequence[Any]) -> torch.Tensor:
     """One [in, sum of outs] matrix, contiguous, holding the layers' weights transposed; each layer's weight becomes a
     view of its columns (a weight laid out [in, out] multiplies one token about 1.5x faster on CPU BLAS than [out, in]).
     Returned as the [sum of outs, in] view F.linear takes."""
@@ -111,7 +112,7 @@ def fuse_columns(linears: Sequence[nn.Linear]) -> torch.Tensor:
     return fused.t()
 
 
-def layer_weights(block: nn.Module) -> list[torch.Tensor]:
+def layer_weights(block: Any) -> list[torch.Tensor]:
     """[input norm, fused qkv, o, post-attention norm, fused gate/up, down] of one decoder layer."""
     attn, mlp = block.self_attn, block.mlp
     qkv = fuse_columns([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -123,8 +124,8 @@ def layer_weights(block: nn.Module) -> list[torch.Tensor]:
 class FusedDecoder:
     """The decode step of a run of Llama decoder layers as one TorchScript call."""
 
-    def __init__(self, blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None) -> None:
-        first = blocks[layers[0]]
+    def __init__(self, blocks: nn.ModuleList, layers: Sequence[int], head: Any = None) -> None:
+        first: Any = blocks[layers[0]]
         config = first.self_attn.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = float(first.input_layernorm.variance_epsilon)
