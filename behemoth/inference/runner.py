@@ -10,13 +10,14 @@ holds when the model spans several processes: it sends every step to the other r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from behemoth.comm import all_gather, broadcast_object
+from behemoth.inference.fast_decode import FusedDecoder
 from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
 from behemoth.inference.lora_bank import LoRABank
 from behemoth.models.causal_lm import CausalLM
@@ -59,6 +60,7 @@ class ModelRunner:
         self.vocab_size = lm.shape.vocab_size
         self.device = device or storage.device
         self.lora: LoRABank | None = None  # adapters served unmerged (lora_bank.py)
+        self.fused: FusedDecoder | None | bool = tp is None  # decode steps' one-call path (fast_decode.py); built at first use
         lm.module.eval()
 
     @torch.no_grad()
@@ -72,9 +74,29 @@ class ModelRunner:
         if h is None:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
-        for i in self.layers if layers is None else layers:
+        layers = self.layers if layers is None else layers
+        fused = self.fused_decoder() if h.shape[1] == 1 and self.lora is None else None
+        if fused is not None:
+            return fused(h, ctx, layers, self.storage)
+        for i in layers:
             h = self.view.block(self.blocks[i], h, ctx)
         return h
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The one-call decode step of this rank's layers, where every one is a plain Llama layer (else None, once)."""
+        if self.fused is True:
+            self.fused = FusedDecoder.of(cast(nn.ModuleList, self.blocks), self.layers, self.untied_head())
+        return self.fused or None
+
+    def untied_head(self) -> nn.Module | None:
+        """The Llama head where this rank holds it and it shares no weight with the embedding (else None)."""
+        model = self.lm.module
+        head = getattr(model, "lm_head", None)
+        try:
+            embedding = getattr(model.get_submodule(self.view.embedding), "weight", None)
+        except AttributeError:  # a pipeline stage without the embedding
+            embedding = None
+        return None if head is None or embedding is head.weight else head
 
     @torch.no_grad()
     def head(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

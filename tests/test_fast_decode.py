@@ -1,0 +1,62 @@
+"""The one-call decode step (inference/fast_decode.py) against the model's own blocks: same logits, same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from behemoth.config import load_config
+from behemoth.inference import SamplingParams, load
+from behemoth.inference.fast_decode import FusedDecoder
+from behemoth.inference.generate import CachePolicy, local_runner
+from behemoth.inference.kv_cache import BlockAllocator, plan_step
+from behemoth.inference.loading import Source, load_model, resolve_source
+from behemoth.topology import init_runtime
+from tests.offline_tokenizer import build_llama
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return build_llama(tmp_path_factory.mktemp("llama"), vocab_size=97)
+
+
+def decode_logits(runner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill the prompts together, then `steps` greedy decode steps of every row: each step's logits [B, V]."""
+    alloc = BlockAllocator(runner.storage.layout.num_blocks, runner.storage.layout.block_size)
+    seqs = [list(p) for p in prompts]
+    rows = [(i, list(p), 0) for i, p in enumerate(prompts)]
+    out = []
+    for _ in range(steps + 1):
+        for seq, tokens, start in rows:
+            alloc.grow(seq, start + len(tokens))
+        logits = runner.forward(plan_step(alloc, rows))
+        out.append(logits)
+        for i, tok in enumerate(logits.argmax(-1).tolist()):
+            seqs[i].append(tok)
+        rows = [(i, [s[-1]], len(s) - 1) for i, s in enumerate(seqs)]
+    return out
+
+
+def test_fused_decode_steps_equal_the_model_blocks(llama):
+    model = load_model(resolve_source(llama, []), init_runtime())
+    fused, plain = (local_runner(model, CachePolicy(block_size=4, max_blocks=16)) for _ in range(2))
+    plain.fused = False
+    prompts = [[3, 14, 15, 92, 65, 35, 8], [9, 79, 32]]  # rows of different lengths: different attended slots and masks
+    a, b = decode_logits(fused, prompts, 10), decode_logits(plain, prompts, 10)
+    assert isinstance(fused.fused, FusedDecoder)  # the decode steps took the one-call path
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+def test_greedy_generation_is_identical_and_other_models_keep_their_blocks(llama):
+    gen, ref = load(llama), load(llama)
+    ref.runner.fused = False
+    params = SamplingParams(max_tokens=24)
+    prompts: list[str | list[int]] = [[5, 6, 7, 8], [11, 12]]
+    ours = [c.tokens for c in gen.generate(prompts, params, ignore_eos=True)]
+    assert ours == [c.tokens for c in ref.generate(prompts, params, ignore_eos=True)]
+    assert isinstance(gen.runner.fused, FusedDecoder)
+    gpt = load(Source(load_config(None, ["model=gpt-tiny", "model.context=64"]), None, None))
+    gpt.generate([[1, 2, 3]], SamplingParams(max_tokens=3), ignore_eos=True)
+    assert gpt.runner.fused is None  # behemoth's GPT blocks are not Llama layers: its decode steps run them as before
