@@ -205,8 +205,8 @@ def test_search_finds_the_brute_force_optimum(memory_gb):
 
 
 def test_a_trillion_parameters_on_3072_gpus_plan_in_seconds():
-    """Megatron-LM's 1T GPT (128 layers, d_model 25600, 160 heads) on 3,072 A100s, global batch 3,072: under 10 s on one
-    core, and the plan fits its 80 GB with tensor parallelism inside a node."""
+    """Megatron-LM's 1T GPT (128 layers, d_model 25600, 160 heads) on 3,072 A100s, global batch 3,072: under 10 CPU seconds
+    on one core, and the plan fits its 80 GB with tensor parallelism inside a node."""
     cfg = load_config(
         None,
         [
@@ -221,9 +221,9 @@ def test_a_trillion_parameters_on_3072_gpus_plan_in_seconds():
             "parallel.zero_stage=1",
         ],
     )
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds of this process: what the search costs, whatever else the machine runs
     result = search(Workload.of(cfg), load_cluster("a100-80gb"), 3072, cfg=cfg)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     best = result.ranked[0]
     assert seconds < 10, seconds
     assert best.fits and best.layout.world == 3072 and best.layout.tp <= 8 and 0.2 < best.mfu < 0.9
