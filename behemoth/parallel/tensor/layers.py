@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,8 +89,21 @@ class ShardLayout:
         return out
 
 
-def shard_parameter(param: nn.Parameter, full_name: str, layout: ShardLayout) -> nn.Parameter:
-    """A parameter holding `layout`'s part of `param`; on the meta device `materialize` fills it later."""
+class PartLayout(Protocol):
+    """What a parameter's part needs of its layout: a 1-D split (`ShardLayout`) or a 2-D/3-D block (`summa.BlockLayout`)."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def local_shape(self) -> tuple[int, ...]: ...
+
+    def take_local(self, full: torch.Tensor) -> torch.Tensor: ...
+
+
+def shard_parameter(param: nn.Parameter, full_name: str, layout: PartLayout) -> nn.Parameter:
+    """A parameter holding `layout`'s part of `param`; on the meta device `materialize` fills it later (drawing the full
+    tensor from (seed, name) and keeping the part)."""
     full_name = getattr(param, FULL_NAME, full_name)
     if param.is_meta:
         new = nn.Parameter(torch.empty(layout.local_shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)

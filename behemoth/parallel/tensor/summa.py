@@ -23,14 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from behemoth.comm import CommMeter, all_gather, broadcast, reduce, reduce_scatter
 from behemoth.errors import BehemothError
-from behemoth.models.init import FULL_NAME, mark_partial
 from behemoth.parallel.chunked import Box, narrow_box
 from behemoth.parallel.tensor.comm import TPComm
-from behemoth.parallel.tensor.layers import TP_LAYOUT
 
 Pieces = tuple[tuple[int, int, int], ...]  # along one dimension: (full start, local start, length)
 
@@ -153,19 +150,6 @@ class BlockLayout:
         for f, lo, size in self.boxes():
             narrow_box(out, lo, size).copy_(narrow_box(full, f, size))
         return out
-
-
-def block_parameter(param: nn.Parameter, full_name: str, layout: BlockLayout) -> nn.Parameter:
-    """A parameter holding `layout`'s block of `param`; on the meta device `materialize` draws the full tensor later."""
-    full_name = getattr(param, FULL_NAME, full_name)
-    if param.is_meta:
-        new = nn.Parameter(torch.empty(layout.local_shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
-        mark_partial(new, full_name, layout.full_shape, layout.take_local)
-    else:
-        new = nn.Parameter(layout.take_local(param.detach()), requires_grad=param.requires_grad)
-    setattr(new, FULL_NAME, full_name)
-    setattr(new, TP_LAYOUT, layout)
-    return new
 
 
 # ---- the collectives of the grid, as autograd functions ----

@@ -29,9 +29,9 @@ from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import reduce_from_tp
 from behemoth.parallel.tensor.cube import Grid3D, cube_linear, gather_plane, other
-from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, vocab_parallel_cross_entropy
+from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, shard_parameter, vocab_parallel_cross_entropy
 from behemoth.parallel.tensor.plan import match_plan
-from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, packed, sub
+from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, even, packed, sub
 from behemoth.parallel.tensor.twod import _LayerNorm2D
 
 STYLES_3D = ("linear", "linear-back", "embedding", "norm")
@@ -71,10 +71,10 @@ class Linear3D(nn.Module):
         o_axis = other(i_axis)
         cols = packed(out, parts, grid.q, grid.coord(o_axis), f"{name}.weight")
         rows = sub(even(inp, grid.q, grid.coord(i_axis), f"{name}.weight"), grid.q, grid.coords[0], f"{name}.weight")
-        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
+        weight = shard_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
         bias = None
         if module.bias is not None:
-            bias = block_parameter(module.bias, f"{name}.bias", vector_pieces(out, grid, o_axis, f"{name}.bias", parts))
+            bias = shard_parameter(module.bias, f"{name}.bias", vector_pieces(out, grid, o_axis, f"{name}.bias", parts))
         return cls(weight, bias, grid, i_axis)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class Embedding3D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 3-D embedding style applies to nn.Embedding", "map it to another style")
         rows, width = module.weight.shape
         layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, "a", f"{name}.weight").dims[0])
-        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
+        return cls(shard_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = sequence_block(ids, self.grid, "a") if ids.dim() == 2 else ids
@@ -119,7 +119,7 @@ class LayerNorm3D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 3-D norm style applies to nn.LayerNorm over one dimension", "map it")
         width = module.normalized_shape[0]
         weight, bias = (
-            block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, "a", f"{name}.{n}")) if p is not None else None
+            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, "a", f"{name}.{n}")) if p is not None else None
             for n, p in (("weight", module.weight), ("bias", module.bias))
         )
         return cls(weight, bias, width, module.eps, grid)

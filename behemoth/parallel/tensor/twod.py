@@ -29,9 +29,9 @@ from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import reduce_from_tp
-from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, vocab_parallel_cross_entropy
+from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, shard_parameter, vocab_parallel_cross_entropy
 from behemoth.parallel.tensor.plan import match_plan
-from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, block_parameter, even, gather_column, packed, sub, summa_linear
+from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, even, gather_column, packed, sub, summa_linear
 
 STYLES_2D = ("linear", "embedding", "norm")
 
@@ -68,10 +68,10 @@ class Linear2D(nn.Module):
         out, inp = module.weight.shape
         cols = packed(out, parts, grid.q, grid.col, f"{name}.weight")
         rows = even(inp, grid.q, grid.row, f"{name}.weight")
-        weight = block_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
+        weight = shard_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
         bias = None
         if module.bias is not None:
-            bias = block_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
+            bias = shard_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
         return cls(weight, bias, grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ class Embedding2D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D embedding style applies to nn.Embedding", "map it to another style")
         rows, width = module.weight.shape
         layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, f"{name}.weight").dims[0])
-        return cls(block_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
+        return cls(shard_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ids = batch_block(ids, self.grid) if ids.dim() == 2 else ids
@@ -115,7 +115,7 @@ class LayerNorm2D(nn.Module):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension", "map it")
         width = module.normalized_shape[0]
         weight, bias = (
-            block_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None
+            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None
             for n, p in (("weight", module.weight), ("bias", module.bias))
         )
         return cls(weight, bias, width, module.eps, grid)
