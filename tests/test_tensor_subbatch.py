@@ -41,7 +41,7 @@ def train_in_turn(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 STEPS = ("train.steps=4", "train.eval_every=0")
 
 
-def check_subbatches(tmp_path: Any, s: int, reference: dict[str, Any] | None = None) -> None:
+def assert_subbatches_match(tmp_path: Any, s: int, reference: dict[str, Any] | None = None) -> None:
     """tp=2 at tp_subbatches 1 and `s`, in one 2-rank launch, equal each other (and the single process, when given; tp=2
     at S=1 equals it in tests/test_tensor_parallel.py)."""
     cfgs = [tiny_config(tmp_path / str(n), *STEPS, "parallel.tp=2", f"parallel.tp_subbatches={n}") for n in (1, s)]
@@ -64,13 +64,13 @@ def single_process(tmp_path: Any) -> dict[str, Any]:
 
 
 def test_two_subbatches_match_tp(tmp_path):
-    check_subbatches(tmp_path, 2)
+    assert_subbatches_match(tmp_path, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("s", [2, 4])
 def test_subbatches_match_tp_and_single_process(tmp_path, s):
-    check_subbatches(tmp_path, s, single_process(tmp_path))
+    assert_subbatches_match(tmp_path, s, single_process(tmp_path))
 
 
 def config(*overrides: str) -> Config:
