@@ -100,6 +100,18 @@ class BoundaryPass:
         self.grads[(a.unit - 1, a.mb)] = h.grad
         return loss.detach()
 
+    def train(self, a: Action, batch: tuple[torch.Tensor, torch.Tensor], loss_fn: Callable, autocast: Callable) -> torch.Tensor | None:
+        """One training visit of a unit for a micro-batch (`batch`: its inputs and targets): a forward, the head's forward
+        and backward (its loss returned), or a recomputed backward."""
+        x, y = batch
+        if a.kind == "F":
+            self.forward(a, x, autocast)
+        elif a.kind == "FB":
+            return self.head_backward(a, y, loss_fn, autocast)
+        else:
+            self.backward(a, x, autocast)
+        return None
+
     def backward(self, a: Action, x: torch.Tensor, autocast: Callable) -> None:
         """A block's (or the embedding's) forward recomputed from its kept input, then its backward."""
         grad_out, rng = self.grads.pop((a.unit, a.mb)), self.rng.pop((a.unit, a.mb))
@@ -150,13 +162,8 @@ class Streamer:
 
         def compute(a: Action) -> None:
             nonlocal total
-            x, y = batches[a.mb]
-            if a.kind == "F":
-                state.forward(a, x, autocast)
-            elif a.kind == "FB":
-                total = total + state.head_backward(a, y, loss_fn, autocast)
-            else:
-                state.backward(a, x, autocast)
+            loss = state.train(a, batches[a.mb], loss_fn, autocast)
+            total = total if loss is None else total + loss
             self.peak_activation_bytes = max(self.peak_activation_bytes, state.held_bytes())
 
         self.run(actions, compute)

@@ -160,13 +160,8 @@ class StageStreams:
                 cursor.run_until(index)
                 cursor.issue_through(index)
                 self.begin_pass(a.kind.value, a.stage, v.mb, step, state)
-            x, y = batches[v.mb]
-            if v.kind == "F":
-                state.forward(v, x, autocast)
-            elif v.kind == "FB":
-                total = total + state.head_backward(v, y, loss_fn, autocast)
-            else:
-                state.backward(v, x, autocast)
+            loss = state.train(v, batches[v.mb], loss_fn, autocast)
+            total = total if loss is None else total + loss
             self.streamer.peak_activation_bytes = max(self.streamer.peak_activation_bytes, state.held_bytes())
             if last:
                 self.end_pass(a.kind.value, a.stage, v.mb, step, state)
