@@ -107,6 +107,8 @@ def test_diagnose_follows_a_chain_of_waits_to_its_end():
     ]
     line = hang_line(rec, culprits, waited=3.2, limit_s=3, timed_out=True, err=None)
     assert line == "all_reduce #2 on group left (ranks 0,1) waited 3.2 s (run.timeout_s=3): " + culprits[0]
+    served = hang_line(rec, culprits, waited=3.2, limit_s=3, limit_name="--step-timeout-s", timed_out=True, err=None)
+    assert served.startswith("all_reduce #2 on group left (ranks 0,1) waited 3.2 s (--step-timeout-s=3): "), served
     # a chain that loops back (rank 2 waits for rank 1) stops at the rank already named
     loop = {1: published[1], 2: _snap(2, 0.5, {RIGHT: 1}, [_op("all_reduce", "right", [1, 2], 1, NOW - 4)])}
     assert diagnose(rec, loop, me=0, now=NOW, stale_s=STALE_S) == [

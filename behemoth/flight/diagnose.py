@@ -66,9 +66,19 @@ def _busy(r: int, snap: Snapshot, key: str, walk: _Walk, depth: int) -> str:
     return f"rank {r} never arrived: it waits in {op.describe()}" + (f", where {'; '.join(inner)}" if inner else "")
 
 
-def hang_line(rec: OpRecord, culprits: list[str], *, waited: float, limit_s: float, timed_out: bool, err: BaseException | None) -> str:
-    """The diagnosis in one line: the operation, how long it waited (or how it failed), and who never arrived."""
-    how = f"waited {waited:.1f} s (run.timeout_s={limit_s:g})" if timed_out else f"failed after {waited:.1f} s ({c10d_reason(err)})"
+def hang_line(
+    rec: OpRecord,
+    culprits: list[str],
+    *,
+    waited: float,
+    limit_s: float,
+    timed_out: bool,
+    err: BaseException | None,
+    limit_name: str = "run.timeout_s",
+) -> str:
+    """The diagnosis in one line: the operation, how long it waited against the setting `limit_name` (or how it failed),
+    and who never arrived."""
+    how = f"waited {waited:.1f} s ({limit_name}={limit_s:g})" if timed_out else f"failed after {waited:.1f} s ({c10d_reason(err)})"
     who = "; ".join(culprits) if culprits else "every rank of the group had arrived; the transfer itself stalled"
     return f"{rec.describe()} {how}: {who}"
 

@@ -19,7 +19,7 @@ from behemoth.flight.ring import OpRecord, Ring, Snapshot
 
 GRACE_S = 5.0  # the watchdog's margin over c10d's own timeout
 SELF_PAUSED = "itself did not run"  # a rank's clause about its own stop: its line is then not the run's cause
-HANG_FIX = "see those ranks' logs; raise run.timeout_s if they are only slow"
+HANG_FIX = "see those ranks' logs; raise {} if they are only slow"
 
 
 class HangError(BehemothError):
@@ -105,9 +105,9 @@ class FlightRecorder:
             os._exit(3)
 
     # diagnosis
-    def failure(self, rec: OpRecord, err: BaseException | None, timeout_s: float | None = None) -> HangError:
-        """The one-line error for a failed or timed-out `rec` (waited for at most `timeout_s`, default run.timeout_s): who
-        never arrived; the rings are written to the run directory."""
+    def failure(self, rec: OpRecord, err: BaseException | None, timeout_s: float | None = None, limit_name: str = "run.timeout_s") -> HangError:
+        """The one-line error for a failed or timed-out `rec` (waited for at most `timeout_s`, default run.timeout_s; the
+        message names the setting as `limit_name`): who never arrived; the rings are written to the run directory."""
         now = time.time()
         waited, limit = now - rec.start, timeout_s if timeout_s is not None else self.timeout_s
         if not self.armed:
@@ -121,8 +121,8 @@ class FlightRecorder:
             culprits = [f"rank {self.rank} {SELF_PAUSED} for {paused:.0f} s of the wait (stopped, suspended or starved)", *culprits]
         folder = self.write_rings(peers)
         where = f"; rings in {folder}" if folder else ""
-        line = hang_line(rec, culprits, waited=waited, limit_s=limit, timed_out=timed_out, err=err)
-        return HangError(self.rank, line + where, HANG_FIX, timed_out=timed_out)
+        line = hang_line(rec, culprits, waited=waited, limit_s=limit, limit_name=limit_name, timed_out=timed_out, err=err)
+        return HangError(self.rank, line + where, HANG_FIX.format(limit_name), timed_out=timed_out)
 
     def write_rings(self, snaps: Mapping[int, Snapshot | None]) -> Path | None:
         """This rank's ring (always) and each peer's last published one (unless that rank wrote its own) to run_dir/hang/."""

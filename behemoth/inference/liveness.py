@@ -29,7 +29,7 @@ def hung_reason(waited_s: float, step_timeout_s: float) -> str:
     if not stuck:
         return line
     try:
-        diagnosis = RECORDER.failure(min(stuck, key=lambda r: r.start), None, step_timeout_s).diagnosis
+        diagnosis = RECORDER.failure(min(stuck, key=lambda r: r.start), None, step_timeout_s, "--step-timeout-s").diagnosis
     except Exception as err:  # a diagnosis that cannot read the peers' heartbeats still names the operation
         diagnosis = f"{min(stuck, key=lambda r: r.start).describe()} ({err.__class__.__name__})"
     return f"{line}: {diagnosis}"
