@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from behemoth.comm import barrier
 from behemoth.config import Config
-from behemoth.data import BatchSampler
+from behemoth.data import BatchSampler, copy_tokenizer
 from behemoth.engine import StepResult, build_engine, lr_at
 from behemoth.errors import BehemothError
 from behemoth.faults import checkpoint as ckpt_io
@@ -249,6 +249,8 @@ class Trainer:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        if self.cfg.tokenizer_folder:  # the run directory decodes what it generates without the base folder
+            copy_tokenizer(self.cfg.tokenizer_folder, self.run_dir)
         # the log continues from where the model stands: a resume (or a restart from scratch) drops what came after it
         board = self.cfg.run.tensorboard
         return MetricsLog(

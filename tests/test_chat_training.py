@@ -58,3 +58,30 @@ def test_masking_changes_what_is_trained(setup, tmp_path):
     everything = run_ranks(1, train_body, tiny_config(tmp_path, *opts, "data.loss_on=all"))[0]
     moved = max(float((everything["weights"][k] - w).abs().max()) for k, w in reference["weights"].items())
     assert moved > 1e-3, f"training on every token left the weights within {moved:.2g} of the masked run's"
+
+
+def test_the_run_directory_keeps_the_tokenizer_it_trained_with(setup, tmp_path):
+    """Training copies the folder's tokenizer into the run directory, and generation from a run finds it there (or, for
+    a run directory without it, in the folder that encoded the corpus): text round-trips through the model's own ids."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from behemoth.config import load_config
+    from behemoth.inference.loading import tokenizer_home
+    from behemoth.inference.text import tokenizer_for
+
+    opts, _ = setup
+    given = dict(o.split("=", 1) for o in opts)
+    folder, trained = given["hf.weights"], Path(given["data.path"]).parent / "ref"  # the fixture's single-process run
+    cfg = load_config(None, opts)
+    expected = AutoTokenizer.from_pretrained(folder, local_files_only=True)("alpha beta gamma", add_special_tokens=False)["input_ids"]
+    assert (trained / "tokenizer.json").is_file(), "training did not copy the tokenizer into the run directory"
+    assert tokenizer_home(cfg, trained) == str(trained)
+    bare = tmp_path / "run"
+    bare.mkdir()
+    assert tokenizer_home(cfg, bare) == folder  # a run directory without the files: the folder that encoded the corpus
+    for home in (str(trained), folder):
+        tok = tokenizer_for(1000, home)
+        assert tok is not None and tok.encode("alpha beta gamma") == expected
+    assert tokenizer_home(load_config(None, [*opts, "data.tokenizer=bytes"]), bare) == str(bare)

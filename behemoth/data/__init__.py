@@ -10,7 +10,7 @@ cut into data-parallel shards and micro-batches, so every layout sees the same s
 from behemoth.data.corpus import CHUNK_TOKENS, Corpus, SourceSpec, Split, corpus_key, prepare_corpus, split_documents, split_train_val
 from behemoth.data.sampling import BatchLayout, BatchSampler, gather_batch, sample_offsets, split_offsets
 from behemoth.data.sources import TOKEN_SUFFIXES, corpus_files, documents, read_tokens, stdlib_sources
-from behemoth.data.tokenize import ByteTokenizer, FolderTokenizer, has_tokenizer, load_tokenizer
+from behemoth.data.tokenize import ByteTokenizer, FolderTokenizer, copy_tokenizer, has_tokenizer, load_tokenizer
 
 __all__ = [
     "CHUNK_TOKENS",
@@ -26,6 +26,7 @@ __all__ = [
     "corpus_key",
     "documents",
     "gather_batch",
+    "copy_tokenizer",
     "has_tokenizer",
     "load_tokenizer",
     "prepare_corpus",

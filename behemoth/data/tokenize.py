@@ -60,6 +60,19 @@ def has_tokenizer(folder: str | None) -> bool:
     return any((Path(folder).expanduser() / f).exists() for f in TOKENIZER_FILES[:5])
 
 
+def copy_tokenizer(folder: str, dest: Path) -> list[str]:
+    """The folder's tokenizer files copied into `dest` (a run directory then decodes on its own); the names copied."""
+    import shutil
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        f = Path(folder).expanduser() / name
+        if f.is_file():
+            shutil.copy2(f, dest / name)
+            copied.append(name)
+    return copied
+
+
 def tokenizer_digest(folder: str) -> str:
     """A hash of the tokenizer files' contents: a corpus is cached per (content, tokenizer)."""
     h = hashlib.sha256()

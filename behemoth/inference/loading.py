@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from behemoth.config import Config, load_config
-from behemoth.data import BatchLayout
+from behemoth.data import BatchLayout, has_tokenizer
 from behemoth.errors import BehemothError, Refused
 from behemoth.faults.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, validate_checkpoint, verify_files
 from behemoth.models.causal_lm import build_causal_lm, tied_names
@@ -63,7 +63,18 @@ def resolve_source(path: str | Path, overrides: list[str] = ()) -> Source:
     if overrides:
         cfg = load_config(None, [*_flatten(saved), *overrides])
         validate_checkpoint(ckpt, cfg.model.model_dump(mode="json"))  # an option may not change the model's shape
-    return Source(cfg, ckpt, str(ckpt.parent.parent))
+    return Source(cfg, ckpt, tokenizer_home(cfg, ckpt.parent.parent))
+
+
+def tokenizer_home(cfg: Config, run_dir: Path) -> str:
+    """Where a checkpoint's tokenizer is: its run directory when training copied the files there, else the folder that
+    encoded its corpus (data.tokenizer or hf.weights, if it still holds them); else the run directory (bytes)."""
+    if has_tokenizer(str(run_dir)):
+        return str(run_dir)
+    try:
+        return cfg.tokenizer_folder or str(run_dir)
+    except BehemothError:  # that folder is gone or changed: the run directory's own (byte) decoding
+        return str(run_dir)
 
 
 def _flatten(saved: dict, prefix: str = "") -> list[str]:
