@@ -85,7 +85,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-offload",
         action="store_true",
-        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation)",
+        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation); "
+        "under --tp/--pp each process keeps its own heads and layers",
     )
     p.add_argument(
         "--quantize",
@@ -140,11 +141,6 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
-
-
-def check_kv_offload(args: argparse.Namespace, nproc: int) -> None:
-    if args.kv_offload and nproc > 1:
-        raise BehemothError(f"--kv-offload with {nproc} processes: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
@@ -257,7 +253,6 @@ def run_serve(args: argparse.Namespace) -> int:
     policy_of(args, 1)
     speculative_of(args, nproc)
     check_batched_adapters(args, nproc)
-    check_kv_offload(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

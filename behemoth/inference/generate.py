@@ -169,17 +169,26 @@ def completion(r: Request) -> Completion:
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
 
 
+def verifying_runner(gen: Generator) -> ModelRunner | None:
+    """The model runner whose `verify` speculative decoding calls (job rank 0's own, under tensor parallelism: its
+    DistributedRunner sends each check to the other ranks); None when the model is pipelined or streamed."""
+    local = gen.runner.local if isinstance(gen.runner, DistributedRunner) else gen.runner
+    return local if type(local) is ModelRunner else None
+
+
 def check_speculative(gen: Generator, what: str) -> None:
-    """Speculative decoding verifies in one forward of the whole model: one process, the model in memory."""
-    if not isinstance(gen.runner, ModelRunner) or gen.runner.tp is not None:
+    """Speculative decoding verifies in one forward of the whole model: the model in memory on one process or split by
+    tensor parallelism (no pipeline)."""
+    if verifying_runner(gen) is None:
         raise BehemothError(
-            f"{what} with a {type(gen.runner).__name__}: speculative decoding runs on one process with the model in memory",
-            f"drop {what.split()[0]}, or serve without --tp/--pp/--offload",
+            f"{what} with a {type(gen.runner).__name__}: speculative decoding verifies in one forward of the model in memory",
+            f"drop {what.split()[0]}, or serve without --pp/--offload",
         )
 
 
 def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
-    """`--speculative ngram`: prompt-lookup proposals for this generator (one process)."""
+    """`--speculative ngram`: prompt-lookup proposals for this generator (one process, or tensor-parallel: the proposals
+    are made on job rank 0 from the request's tokens, the other ranks run only the check)."""
     check_speculative(gen, "--speculative ngram")
     return spec
 
@@ -187,6 +196,10 @@ def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
 def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
     """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
     check_speculative(gen, f"--draft {path}")
+    if rt.world_size > 1:
+        raise BehemothError(
+            f"--draft {path} with {rt.world_size} processes: a draft model runs on one process", "use --speculative ngram, or drop --tp"
+        )
     SpeculativeDecoder.check_tokens(tokens)
     model = load_model(resolve_source(path, []), rt)
     if model.lm.shape.vocab_size != gen.runner.vocab_size:

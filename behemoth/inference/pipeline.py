@@ -16,7 +16,7 @@ import torch.distributed as dist
 from behemoth.comm import P2P, batch_p2p
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import StepBatch
-from behemoth.inference.runner import ModelRunner
+from behemoth.inference.runner import KVMove, ModelRunner
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallelize import ParallelModel
 
@@ -86,6 +86,10 @@ class PipelineRunner:
                 pending.wait(self.timeout_s)
             return out
         return None
+
+    def move_kv(self, move: KVMove) -> None:
+        """KV offload: this rank's stages' layers of the request (every rank of the pipeline gets the same move)."""
+        self.local.move_kv(move)
 
     def keepalive(self) -> None:
         pass

@@ -1,0 +1,106 @@
+"""Serving features under tensor and pipeline parallelism, on the real multi-process path (gloo, bounded waits): KV
+offload (each rank copies its own heads and layers of a preempted request to host memory and back) and n-gram
+speculative decoding under --tp (job rank 0 proposes, every rank checks with its heads). A scheduler with too few
+blocks preempts; every greedy token equals the single-process run's (itself transformers' greedy generation), and
+seeded sampling equals it too where the run does not speculate. What still runs on one process is refused before loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist import run_ranks
+from tests.test_generate import hf_generate, prompts
+from tests.test_serve_speculative import save_llama
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK = 4
+BLOCKS = 14  # the longest request needs 10 blocks alone; together they need 31: preemption
+GREEDY = dict(max_tokens=16)
+PARAMS = [GREEDY, dict(max_tokens=16, temperature=0.8, seed=3), GREEDY, GREEDY]
+
+
+def batch() -> list[list[int]]:
+    return [3 * p for p in prompts(lengths=(5, 7, 2, 4))]  # prompts that repeat: n-gram lookup finds matches
+
+
+def _serve(folder: str, tp: int, pp: int, kv_offload: bool, ngram: bool) -> tuple[list[list[int]], dict[str, int]] | None:
+    """One rank of a served model: rank 0 schedules the batch over BLOCKS blocks (KV offload and n-gram speculation as
+    asked), the others follow its steps; rank 0's outputs and counters."""
+    from behemoth.inference.generate import CachePolicy, attach_speculative, follow_model, generator_for
+    from behemoth.inference.kv_cache import BlockAllocator
+    from behemoth.inference.loading import load_model, resolve_source
+    from behemoth.inference.ngram import NgramDraft
+    from behemoth.inference.sampling import SamplingParams
+    from behemoth.inference.scheduler import Scheduler, SchedulerPolicy
+    from behemoth.topology import init_runtime
+
+    source = resolve_source(folder, [])
+    rt = init_runtime(timeout_s=60, tp=tp, pp=pp)
+    model = load_model(source, rt, tp=tp, pp=pp)
+    cache = CachePolicy(block_size=BLOCK, memory_mb=1)
+    if rt.rank != 0:
+        follow_model(model, cache)
+        return None
+    gen = generator_for(model, source, cache)
+    try:
+        if ngram:
+            attach_speculative(gen, NgramDraft(tokens=4), 4, rt, 1.0)
+        speculative = gen.scheduler().speculative
+        policy = SchedulerPolicy(context=gen.context, kv_offload=kv_offload)
+        sched = Scheduler(gen.runner, BlockAllocator(BLOCKS, BLOCK), policy, None, speculative)
+        reqs = [sched.submit(p, SamplingParams(**sp)) for p, sp in zip(batch(), PARAMS)]
+        sched.run_until_done()
+        return [r.output for r in reqs], dict(sched.stats)
+    finally:
+        gen.close()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_llama(str(tmp_path_factory.mktemp("repeating")), [], 7, std=0.05)  # 4 layers, 4 heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def single(folder):
+    """The single-process run: recomputation at preemption, no speculation."""
+    out, stats = run_ranks(1, _serve, folder, 1, 1, False, False, timeout=60)[0]
+    assert stats["preemptions"] > 0
+    return out, stats
+
+
+def test_the_single_process_run_is_transformers_greedy_generation(folder, single):
+    greedy = [i for i, sp in enumerate(PARAMS) if sp is GREEDY]
+    want = hf_generate(folder, [batch()[i] for i in greedy], max_new_tokens=16)
+    assert [single[0][i] for i in greedy] == want
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_kv_offload_under_tp_and_pp_equals_one_process(folder, single, tp, pp):
+    ranks = run_ranks(tp * pp, _serve, folder, tp, pp, True, False, timeout=90)
+    out, stats = ranks[0]
+    assert out == single[0] and all(r is None for r in ranks[1:])
+    assert stats["preemptions"] > 0 and stats["restored_tokens"] == stats["offloaded_tokens"] > 0
+    assert stats["prefill_tokens"] < single[1]["prefill_tokens"]  # what came back from every rank's host memory was not recomputed
+
+
+def test_ngram_speculation_with_kv_offload_under_tp_equals_one_process(folder, single):
+    out, stats = run_ranks(2, _serve, folder, 2, 1, True, True, timeout=90)[0]
+    assert [o for o, sp in zip(out, PARAMS) if sp is GREEDY] == [o for o, sp in zip(single[0], PARAMS) if sp is GREEDY]
+    assert len(out[1]) == 16 and stats["accepted_tokens"] > 0 and stats["steps"] < single[1]["steps"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--speculative", "ngram", "--nproc", "2", "--pp", "2"], "--speculative ngram with --pp 2: speculative decoding checks"),
+        (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
+        (["serve", "--adapter", "a={folder}", "--tp", "2"], "--adapter a="),
+    ],
+)
+def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys, argv, message):
+    from behemoth.cli import main
+
+    assert main([argv[0], folder, *(a.replace("{folder}", folder) for a in argv[1:])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err
