@@ -24,10 +24,12 @@ def batch() -> list[list[int]]:
     return [3 * p for p in prompts(lengths=(5, 7, 2, 4))]  # prompts that repeat: n-gram lookup finds matches
 
 
-def _serve(folder: str, tp: int, pp: int, kv_offload: bool, ngram: bool) -> tuple[list[list[int]], dict[str, int]] | None:
-    """One rank of a served model: rank 0 schedules the batch over BLOCKS blocks (KV offload and n-gram speculation as
-    asked), the others follow its steps; rank 0's outputs and counters."""
-    from behemoth.inference.generate import CachePolicy, attach_speculative, follow_model, generator_for
+def _serve(
+    folder: str, tp: int, pp: int, kv_offload: bool, ngram: bool, adapters: dict[str, str] | None = None, slots: list[int] | None = None
+) -> tuple[list[list[int]], dict[str, int]] | None:
+    """One rank of a served model: rank 0 schedules the batch over BLOCKS blocks (KV offload, n-gram speculation and
+    batched adapters, row b with adapter slots[b], as asked), the others follow its steps; rank 0's outputs and counters."""
+    from behemoth.inference.generate import CachePolicy, attach_adapters, attach_speculative, follow_model, generator_for
     from behemoth.inference.kv_cache import BlockAllocator
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.inference.ngram import NgramDraft
@@ -40,16 +42,19 @@ def _serve(folder: str, tp: int, pp: int, kv_offload: bool, ngram: bool) -> tupl
     model = load_model(source, rt, tp=tp, pp=pp)
     cache = CachePolicy(block_size=BLOCK, memory_mb=1)
     if rt.rank != 0:
-        follow_model(model, cache)
+        follow_model(model, cache, adapters=adapters)
         return None
     gen = generator_for(model, source, cache)
     try:
+        if adapters:
+            attach_adapters(gen, adapters)
         if ngram:
             attach_speculative(gen, NgramDraft(tokens=4), 4, rt, 1.0)
         speculative = gen.scheduler().speculative
         policy = SchedulerPolicy(context=gen.context, kv_offload=kv_offload)
         sched = Scheduler(gen.runner, BlockAllocator(BLOCKS, BLOCK), policy, None, speculative)
-        reqs = [sched.submit(p, SamplingParams(**sp)) for p, sp in zip(batch(), PARAMS)]
+        slots = slots or [0] * len(PARAMS)
+        reqs = [sched.submit(p, SamplingParams(**sp, adapter=a)) for p, sp, a in zip(batch(), PARAMS, slots)]
         sched.run_until_done()
         return [r.output for r in reqs], dict(sched.stats)
     finally:
@@ -90,12 +95,31 @@ def test_ngram_speculation_with_kv_offload_under_tp_equals_one_process(folder, s
     assert len(out[1]) == 16 and stats["accepted_tokens"] > 0 and stats["steps"] < single[1]["steps"]
 
 
+@pytest.fixture(scope="module")
+def adapters(folder, tmp_path_factory):
+    from tests.test_serve_adapters import save_adapter
+
+    mk = tmp_path_factory.mktemp
+    return {
+        "support": save_adapter(folder, str(mk("support")), 4, ["q_proj", "v_proj"], 1),  # column-parallel layers
+        "sql": save_adapter(folder, str(mk("sql")), 8, ["o_proj", "gate_proj", "down_proj"], 2),  # row- and column-parallel
+    }
+
+
+def test_batched_adapters_under_tp_equal_one_process(folder, adapters, single):
+    slots = [1, 2, 0, 2]  # support, sql, the base, sql: in one batch
+    one, _ = run_ranks(1, _serve, folder, 1, 1, False, False, adapters, slots, timeout=60)[0]
+    ranks = run_ranks(2, _serve, folder, 2, 1, True, False, adapters, slots, timeout=90)
+    assert ranks[0][0] == one and ranks[1] is None
+    assert one[2] == single[0][2] and one[0] != single[0][0] and one[3] != single[0][3]  # base rows the base's; adapters matter
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["serve", "--speculative", "ngram", "--nproc", "2", "--pp", "2"], "--speculative ngram with --pp 2: speculative decoding checks"),
         (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
-        (["serve", "--adapter", "a={folder}", "--tp", "2"], "--adapter a="),
+        (["serve", "--adapter", "a={folder}", "--nproc", "2", "--pp", "2"], "batched adapters run on one process or split by --tp"),
     ],
 )
 def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys, argv, message):

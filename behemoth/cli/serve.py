@@ -27,6 +27,8 @@ EXAMPLES = """examples:
   behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
   behemoth serve runs/X --speculative ngram                        # speculative decoding by prompt lookup (no draft model)
   behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
+  behemoth serve hf_dir --nproc 2 --tp 2 --adapter sql=lora_dir     # batched LoRA adapters, split like the layers they adapt
+  behemoth serve runs/X --nproc 2 --tp 2 --kv-offload --speculative ngram   # KV offload and prompt lookup under --tp
 """
 
 
@@ -131,14 +133,19 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
 
 
 def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
-    """--adapter NAME=DIR before anything loads: one process, no prefix caching (its blocks are named by tokens alone),
-    distinct names that exist as folders."""
+    """--adapter NAME=DIR before anything loads: one process or --tp (no pipeline, no experts split), no prefix caching
+    (its blocks are named by tokens alone), no quantization, distinct names that exist as folders."""
     from pathlib import Path
 
     for name, folder in args.batched_adapters.items():
-        if nproc > 1 or args.prefix_caching or args.quantize:
-            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
-            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
+        layout = f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}" if args.ep > 1 else None
+        if layout:
+            raise BehemothError(
+                f"--adapter {name}={folder} with {layout}: batched adapters run on one process or split by --tp", f"drop {layout}"
+            )
+        if args.prefix_caching or args.quantize:
+            what = "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
+            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
 
@@ -181,7 +188,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
         RECORDER.arm(run_dir=None, timeout_s=source.config.run.timeout_s)
     if rt.rank != 0:
-        follow_model(model, cache)
+        follow_model(model, cache, adapters=args.batched_adapters)
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
     if args.draft or args.speculative:

@@ -221,12 +221,14 @@ def attach_speculative(gen: Generator, draft: str | NgramDraft | None, tokens: i
 
 def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
     """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
-    `SamplingParams.adapter`) and rows of different adapters share a batch."""
-    runner = gen.runner
-    if not isinstance(runner, ModelRunner) or runner.tp is not None:
+    `SamplingParams.adapter`) and rows of different adapters share a batch. Under tensor parallelism the other ranks
+    build their banks too (`follow_model(..., adapters=folders)`)."""
+    runner = verifying_runner(gen)
+    if runner is None:
         raise BehemothError(
-            f"batched adapters {sorted(folders)} with a {type(runner).__name__}: they run on one process with the model in memory",
-            "serve without --tp/--pp/--offload, or merge one adapter with --adapter DIR",
+            f"batched adapters {sorted(folders)} with a {type(gen.runner).__name__}: they run with the model in memory, on one "
+            "process or split by --tp",
+            "serve without --pp/--offload, or merge one adapter with --adapter DIR",
         )
     runner.lora = LoRABank(runner.lm.module, folders)
     return runner.lora
@@ -253,9 +255,12 @@ def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = Cache
     )
 
 
-def follow_model(model: LoadedModel, cache: CachePolicy) -> int:
-    """The other ranks of a sharded model: run every step rank 0 sends until it stops."""
+def follow_model(model: LoadedModel, cache: CachePolicy, *, adapters: dict[str, str] | None = None) -> int:
+    """The other ranks of a sharded model: run every step rank 0 sends until it stops (with the batched `adapters` rank 0
+    serves: each rank its part of every one)."""
     local = local_runner(model, cache)
+    if adapters:
+        local.lora = LoRABank(local.lm.module, adapters)
     if model.pipeline is not None:
         from behemoth.inference.pipeline import PipelineRunner
 
