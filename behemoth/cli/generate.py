@@ -96,8 +96,7 @@ def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
     if getattr(args, "offload", None) or args.pp > 1 or args.ep > 1:
         why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}"
         raise BehemothError(
-            f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process "
-            "or split by --tp",
+            f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process or split by --tp",
             f"drop {what}, or {why}",
         )
     if args.draft and nproc > 1:

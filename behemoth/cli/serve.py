@@ -140,9 +140,7 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
     for name, folder in args.batched_adapters.items():
         layout = f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}" if args.ep > 1 else None
         if layout:
-            raise BehemothError(
-                f"--adapter {name}={folder} with {layout}: batched adapters run on one process or split by --tp", f"drop {layout}"
-            )
+            raise BehemothError(f"--adapter {name}={folder} with {layout}: batched adapters run on one process or split by --tp", f"drop {layout}")
         if args.prefix_caching or args.quantize:
             what = "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run without it", f"drop {what}")

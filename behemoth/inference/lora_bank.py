@@ -65,14 +65,15 @@ def tensor_split(layer: nn.Module | None, name: str) -> tuple[str, ShardLayout, 
     if isinstance(layer, nn.Linear):
         return None
     layout = getattr(getattr(layer, "weight", None), TP_LAYOUT, None)
-    kind = "column" if isinstance(layer, ColumnParallelLinear) else "row" if isinstance(layer, RowParallelLinear) else None
-    if kind is None or layer.transposed or not isinstance(layout, ShardLayout) or layout.dim != (0 if kind == "column" else 1):
+    split = layer if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) else None
+    kind = "column" if isinstance(split, ColumnParallelLinear) else "row"
+    if split is None or split.transposed or not isinstance(layout, ShardLayout) or layout.dim != (0 if kind == "column" else 1):
         what = "missing" if layer is None else type(layer).__name__
         raise BehemothError(
             f"adapter layer {name} is {what} in this model: batched adapters apply to its linear layers (whole or split by --tp)",
             "use the adapters' own base model, or merge one with --adapter DIR",
         )
-    return kind, layout, layer.tp if kind == "row" else None
+    return kind, layout, split.tp if kind == "row" else None
 
 
 class LoRABank:

@@ -10,10 +10,10 @@ tokens so far (recomputation, as vLLM does), which changes none of its tokens. W
 starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
 With `kv_offload`, a preempted request's keys and values are copied to host memory and written back into new blocks
 when it is admitted again, so only its last token is computed anew (under tensor or pipeline parallelism every rank
-copies its own heads and layers: this scheduler, on job rank 0, sends each move with the steps, runner.KVMove). With `prefill_chunk`, a step prefills at most
-that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt is prefilled over several steps, each also
-decoding every running request, so running streams keep getting a token per step while it is admitted; its first
-token is drawn when its last chunk is in the cache.
+copies its own heads and layers: this scheduler, on job rank 0, sends each move with the steps, runner.KVMove).
+With `prefill_chunk`, a step prefills at most that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt
+is prefilled over several steps, each also decoding every running request, so running streams keep getting a token
+per step while it is admitted; its first token is drawn when its last chunk is in the cache.
 """
 
 from __future__ import annotations
