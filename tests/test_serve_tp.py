@@ -120,6 +120,7 @@ def test_batched_adapters_under_tp_equal_one_process(folder, adapters, single):
         (["serve", "--speculative", "ngram", "--nproc", "2", "--pp", "2"], "--speculative ngram with --pp 2: speculative decoding checks"),
         (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
         (["serve", "--adapter", "a={folder}", "--nproc", "2", "--pp", "2"], "batched adapters run on one process or split by --tp"),
+        (["serve", "--kv-offload", "--nproc", "2", "--ep", "2"], "--kv-offload with --ep 2"),
     ],
 )
 def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys, argv, message):

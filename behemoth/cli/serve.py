@@ -148,6 +148,12 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
 
 
+def check_kv_offload(args: argparse.Namespace) -> None:
+    """--kv-offload runs on one process, under --tp (each rank its heads) and under --pp (each stage its layers)."""
+    if args.kv_offload and args.ep > 1:
+        raise BehemothError(f"--kv-offload with --ep {args.ep}: KV offload runs on one process or under --tp/--pp", f"drop --ep {args.ep}")
+
+
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
     """The model's limits with the command line's: prompt length, streams, choices, body size, API key, adapter names."""
     import os
@@ -254,6 +260,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     require_serving_stack()
     nproc = world_size(args)
+    check_kv_offload(args)
     check_plan(args, nproc)
     policy_of(args, 1)
     speculative_of(args, nproc)
