@@ -129,3 +129,74 @@ def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys
     assert main([argv[0], folder, *(a.replace("{folder}", folder) for a in argv[1:])]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.startswith("behemoth: error:") and "\n" not in err, err
+
+
+def _one_process_texts(folder: str, adapters: dict[str, str], prompt: str, max_tokens: int) -> list[str]:
+    """One process's greedy text of `prompt` with the base and with each batched adapter (in their slot order)."""
+    from behemoth.inference import CachePolicy, SamplingParams, load
+    from behemoth.inference.generate import attach_adapters
+
+    gen = load(folder, cache=CachePolicy(block_size=4, memory_mb=2))
+    attach_adapters(gen, adapters)
+    params = [SamplingParams(max_tokens=max_tokens, adapter=slot) for slot in range(len(adapters) + 1)]
+    return [c.text for c in gen.generate([prompt] * len(params), params, ignore_eos=True)]
+
+
+@pytest.mark.slow
+def test_the_command_line_server_under_tp_serves_offload_ngram_and_adapters_as_one_process(folder, adapters):
+    """`behemoth serve --nproc 2 --tp 2 --kv-offload --speculative ngram --adapter NAME=DIR ...` (the launcher, every rank
+    building its bank): the openai client naming the base and each adapter gets one process's greedy text."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from behemoth.faults.launch import free_port
+
+    prompt, n = "abcabcabc", 12
+    expected = run_ranks(1, _one_process_texts, folder, adapters, prompt, n)[0]
+    port = free_port()
+    named = [a for name, path in adapters.items() for a in ("--adapter", f"{name}={path}")]
+    args = ["serve", folder, "--nproc", "2", "--tp", "2", "--port", str(port), "--block-size", "4", "--kv-cache-mb", "2"]
+    args += ["--model-name", "base", "--kv-offload", "--speculative", "ngram", *named]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "behemoth", *args], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {proc.returncode}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        texts = [
+            client.completions.create(model=m, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+            for m in ("base", *adapters)
+        ]
+        assert texts == expected and len(set(texts)) == len(texts)  # the adapters change the text: the comparison tests them
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+def _cli_tokens(folder: str, *extra: str) -> list[list[int]]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = [a for p in batch() for a in ("--prompt-ids", ",".join(map(str, p)))]
+    argv = [sys.executable, "-m", "behemoth", "generate", folder, "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "4", *ids, *extra]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert ("proposed tokens accepted" in out.stderr) == ("ngram" in extra), out.stderr
+    return [json.loads(line)["tokens"] for line in out.stdout.splitlines()]
+
+
+@pytest.mark.slow
+def test_the_command_line_generate_under_tp_speculates_with_ngram_as_one_process(folder):
+    assert _cli_tokens(folder, "--nproc", "2", "--tp", "2", "--speculative", "ngram") == _cli_tokens(folder)
