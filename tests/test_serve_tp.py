@@ -89,8 +89,9 @@ def test_kv_offload_under_tp_and_pp_equals_one_process(folder, single, tp, pp):
     assert stats["prefill_tokens"] < single[1]["prefill_tokens"]  # what came back from every rank's host memory was not recomputed
 
 
-def test_ngram_speculation_with_kv_offload_under_tp_equals_one_process(folder, single):
-    out, stats = run_ranks(2, _serve, folder, 2, 1, True, True, timeout=90)[0]
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_ngram_speculation_with_kv_offload_under_tp_and_pp_equals_one_process(folder, single, tp, pp):
+    out, stats = run_ranks(tp * pp, _serve, folder, tp, pp, True, True, timeout=90)[0]
     assert [o for o, sp in zip(out, PARAMS) if sp is GREEDY] == [o for o, sp in zip(single[0], PARAMS) if sp is GREEDY]
     assert len(out[1]) == 16 and stats["accepted_tokens"] > 0 and stats["steps"] < single[1]["steps"]
 
@@ -117,7 +118,7 @@ def test_batched_adapters_under_tp_equal_one_process(folder, adapters, single):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["serve", "--speculative", "ngram", "--nproc", "2", "--pp", "2"], "--speculative ngram with --pp 2: speculative decoding checks"),
+        (["generate", "--speculative", "ngram", "--offload", "host", "--nproc", "2", "--tp", "2", "--prompt", "x"], "with --offload host"),
         (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
         (["serve", "--adapter", "a={folder}", "--nproc", "2", "--pp", "2"], "batched adapters run on one process or split by --tp"),
         (["serve", "--kv-offload", "--nproc", "2", "--ep", "2"], "--kv-offload with --ep 2"),

@@ -93,10 +93,11 @@ def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
         return None
     if args.draft and args.speculative:
         raise BehemothError(f"--draft {args.draft} with --speculative {args.speculative}: one kind of proposal at a time", "drop one of them")
-    if getattr(args, "offload", None) or args.pp > 1 or args.ep > 1:
-        why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}"
+    if getattr(args, "offload", None) or args.ep > 1:
+        why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--ep {args.ep}"
         raise BehemothError(
-            f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process or split by --tp",
+            f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process "
+            "or split by --tp/--pp",
             f"drop {what}, or {why}",
         )
     if args.draft and nproc > 1:

@@ -169,20 +169,29 @@ def completion(r: Request) -> Completion:
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
 
 
-def verifying_runner(gen: Generator) -> ModelRunner | None:
-    """The model runner whose `verify` speculative decoding calls (job rank 0's own, under tensor parallelism: its
-    DistributedRunner sends each check to the other ranks); None when the model is pipelined or streamed."""
+def local_model_runner(gen: Generator) -> ModelRunner | None:
+    """Job rank 0's own model runner under tensor parallelism or on one process (its DistributedRunner sends each step
+    to the other ranks); None when the model is pipelined or streamed."""
     local = gen.runner.local if isinstance(gen.runner, DistributedRunner) else gen.runner
     return local if type(local) is ModelRunner else None
 
 
+def verifying_runner(gen: Generator) -> Runner | None:
+    """What speculative decoding's `verify` runs on: the model in memory on one process, split by tensor parallelism,
+    or pipelined (every checked position's logits come back from the last stage); None when it is streamed."""
+    from behemoth.inference.pipeline import PipelineRunner
+
+    local = gen.runner.local if isinstance(gen.runner, DistributedRunner) else gen.runner
+    return local if type(local) is ModelRunner or isinstance(local, PipelineRunner) else None
+
+
 def check_speculative(gen: Generator, what: str) -> None:
-    """Speculative decoding verifies in one forward of the whole model: the model in memory on one process or split by
-    tensor parallelism (no pipeline)."""
+    """Speculative decoding verifies in one forward of the whole model: the model in memory (on one process, split by
+    tensor parallelism or pipelined), not streamed."""
     if verifying_runner(gen) is None:
         raise BehemothError(
             f"{what} with a {type(gen.runner).__name__}: speculative decoding verifies in one forward of the model in memory",
-            f"drop {what.split()[0]}, or serve without --pp/--offload",
+            f"drop {what.split()[0]}, or serve without --offload",
         )
 
 
@@ -223,7 +232,7 @@ def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
     """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
     `SamplingParams.adapter`) and rows of different adapters share a batch. Under tensor parallelism the other ranks
     build their banks too (`follow_model(..., adapters=folders)`)."""
-    runner = verifying_runner(gen)
+    runner = local_model_runner(gen)
     if runner is None:
         raise BehemothError(
             f"batched adapters {sorted(folders)} with a {type(gen.runner).__name__}: they run with the model in memory, on one "

@@ -153,7 +153,12 @@ class ModelRunner:
     @torch.no_grad()
     def verify(self, batch: StepBatch) -> torch.Tensor:
         """[B, T, V] float32: the logits after every new token (speculative decoding checks a draft's tokens with them)."""
-        logits = self.view.head(self.lm.module, self.hidden(batch))
+        return self.every_logits(self.hidden(batch))
+
+    @torch.no_grad()
+    def every_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] float32: the head at every position of `h` over the whole vocabulary (shards gathered)."""
+        logits = self.view.head(self.lm.module, h)
         B, T = logits.shape[:2]
         return gather_vocab(logits.reshape(B * T, -1), self.tp, self.vocab_size).reshape(B, T, -1).float()
 
@@ -192,7 +197,8 @@ class DistributedRunner:
         return self.local.forward(batch)
 
     def verify(self, batch: StepBatch) -> torch.Tensor:
-        """Speculative decoding's check on every rank (a tensor-parallel model: each rank its heads, vocabulary gathered)."""
+        """Speculative decoding's check on every rank (a tensor-parallel model: each rank its heads, vocabulary gathered; a
+        pipeline: every position's logits come back from the last stage)."""
         self._send(Verify(batch))
         return cast(ModelRunner, self.local).verify(batch)
 
