@@ -105,7 +105,6 @@ def test_behemoth_generate_speculative_ngram_gives_the_plain_tokens(folders, cap
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["serve", "--speculative", "ngram", "--tp", "2"], "--speculative ngram with 2 processes: speculative decoding runs on one process"),
         (["serve", "--speculative", "ngram", "--draft", "{small}"], "one kind of proposal at a time"),
         (["serve", "--speculative", "ngram", "--ngram-min", "4"], "n-gram sizes 4..3: need 1 <= min <= max"),
         (["generate", "--speculative", "ngram", "--offload", "disk", "--prompt", "x"], "--speculative ngram with --offload disk"),

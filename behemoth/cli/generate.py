@@ -22,6 +22,7 @@ EXAMPLES_GENERATE = """examples:
   behemoth generate runs/X --offload disk --nproc 2 --tp 2 --prompt "def "  # each rank streams its shard of every block
   behemoth generate runs/X --quantize int8 --prompt "def "           # int8 weight-only
   behemoth generate runs/X --speculative ngram --prompt "..."        # prompt lookup: proposals from the text itself
+  behemoth generate runs/X --nproc 2 --tp 2 --speculative ngram --prompt "..."  # the same, each rank checking with its heads
   behemoth generate big_model --draft small_model --prompt "def "     # speculative decoding with a draft model
 """
 
@@ -81,7 +82,8 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
 
 def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
     """What --draft / --speculative ask for (a folder, an NgramDraft, or None), refused before anything loads when it
-    cannot run: one process with the model in memory, one kind of proposal, at least one token, a draft that exists."""
+    cannot run: the model in memory (n-gram lookup: on one process or split by --tp; a draft model: one process), one
+    kind of proposal, at least one token, a draft that exists."""
     from pathlib import Path
 
     from behemoth.inference.ngram import NgramDraft
@@ -91,9 +93,15 @@ def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
         return None
     if args.draft and args.speculative:
         raise BehemothError(f"--draft {args.draft} with --speculative {args.speculative}: one kind of proposal at a time", "drop one of them")
-    if nproc > 1 or getattr(args, "offload", None):
-        why = f"{nproc} processes" if nproc > 1 else f"--offload {args.offload}"
-        raise BehemothError(f"{what} with {why}: speculative decoding runs on one process with the model in memory", f"drop {what}, or {why}")
+    if getattr(args, "offload", None) or args.ep > 1:
+        why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--ep {args.ep}"
+        raise BehemothError(
+            f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process "
+            "or split by --tp/--pp",
+            f"drop {what}, or {why}",
+        )
+    if args.draft and nproc > 1:
+        raise BehemothError(f"--draft with {nproc} processes: a draft model runs on one process", "use --speculative ngram, or drop --tp")
     if args.draft_tokens < 1:
         raise BehemothError(
             f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
@@ -290,7 +298,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)
-        out = worker(*call, offload, speculative, experts) if nproc == 1 else launch(nproc, worker, *call, offload, (None, 4), experts)[0]
+        out = worker(*call, offload, speculative, experts) if nproc == 1 else launch(nproc, worker, *call, offload, speculative, experts)[0]
     return print_completions(out, args.json)
 
 

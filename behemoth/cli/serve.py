@@ -27,6 +27,8 @@ EXAMPLES = """examples:
   behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
   behemoth serve runs/X --speculative ngram                        # speculative decoding by prompt lookup (no draft model)
   behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
+  behemoth serve hf_dir --nproc 2 --tp 2 --adapter sql=lora_dir     # batched LoRA adapters, split like the layers they adapt
+  behemoth serve runs/X --nproc 2 --tp 2 --kv-offload --speculative ngram   # KV offload and prompt lookup under --tp
 """
 
 
@@ -85,7 +87,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-offload",
         action="store_true",
-        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation)",
+        help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation); "
+        "under --tp/--pp each process keeps its own heads and layers",
     )
     p.add_argument(
         "--quantize",
@@ -130,21 +133,25 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
 
 
 def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
-    """--adapter NAME=DIR before anything loads: one process, no prefix caching (its blocks are named by tokens alone),
-    distinct names that exist as folders."""
+    """--adapter NAME=DIR before anything loads: one process or --tp (no pipeline, no experts split), no prefix caching
+    (its blocks are named by tokens alone), no quantization, distinct names that exist as folders."""
     from pathlib import Path
 
     for name, folder in args.batched_adapters.items():
-        if nproc > 1 or args.prefix_caching or args.quantize:
-            what = f"{nproc} processes" if nproc > 1 else "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
-            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run on one process, without it", f"drop {what}")
+        layout = f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}" if args.ep > 1 else None
+        if layout:
+            raise BehemothError(f"--adapter {name}={folder} with {layout}: batched adapters run on one process or split by --tp", f"drop {layout}")
+        if args.prefix_caching or args.quantize:
+            what = "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
+            raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
 
 
-def check_kv_offload(args: argparse.Namespace, nproc: int) -> None:
-    if args.kv_offload and nproc > 1:
-        raise BehemothError(f"--kv-offload with {nproc} processes: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
+def check_kv_offload(args: argparse.Namespace) -> None:
+    """--kv-offload runs on one process, under --tp (each rank its heads) and under --pp (each stage its layers)."""
+    if args.kv_offload and args.ep > 1:
+        raise BehemothError(f"--kv-offload with --ep {args.ep}: KV offload runs on one process or under --tp/--pp", f"drop --ep {args.ep}")
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
@@ -185,7 +192,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
         RECORDER.arm(run_dir=None, timeout_s=source.config.run.timeout_s)
     if rt.rank != 0:
-        follow_model(model, cache)
+        follow_model(model, cache, adapters=args.batched_adapters)
         return
     gen = generator_for(model, source, cache, max_batch=args.max_batch)
     if args.draft or args.speculative:
@@ -253,11 +260,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     require_serving_stack()
     nproc = world_size(args)
+    check_kv_offload(args)
     check_plan(args, nproc)
     policy_of(args, 1)
     speculative_of(args, nproc)
     check_batched_adapters(args, nproc)
-    check_kv_offload(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
         return 0

@@ -169,17 +169,35 @@ def completion(r: Request) -> Completion:
     return Completion(r.prompt, list(r.output), r.text, r.finish_reason or "abort", ttft, r.finished_at - r.arrival)
 
 
+def local_model_runner(gen: Generator) -> ModelRunner | None:
+    """Job rank 0's own model runner under tensor parallelism or on one process (its DistributedRunner sends each step
+    to the other ranks); None when the model is pipelined or streamed."""
+    local = gen.runner.local if isinstance(gen.runner, DistributedRunner) else gen.runner
+    return local if type(local) is ModelRunner else None
+
+
+def verifying_runner(gen: Generator) -> Runner | None:
+    """What speculative decoding's `verify` runs on: the model in memory on one process, split by tensor parallelism,
+    or pipelined (every checked position's logits come back from the last stage); None when it is streamed."""
+    from behemoth.inference.pipeline import PipelineRunner
+
+    local = gen.runner.local if isinstance(gen.runner, DistributedRunner) else gen.runner
+    return local if type(local) is ModelRunner or isinstance(local, PipelineRunner) else None
+
+
 def check_speculative(gen: Generator, what: str) -> None:
-    """Speculative decoding verifies in one forward of the whole model: one process, the model in memory."""
-    if not isinstance(gen.runner, ModelRunner) or gen.runner.tp is not None:
+    """Speculative decoding verifies in one forward of the whole model: the model in memory (on one process, split by
+    tensor parallelism or pipelined), not streamed."""
+    if verifying_runner(gen) is None:
         raise BehemothError(
-            f"{what} with a {type(gen.runner).__name__}: speculative decoding runs on one process with the model in memory",
-            f"drop {what.split()[0]}, or serve without --tp/--pp/--offload",
+            f"{what} with a {type(gen.runner).__name__}: speculative decoding verifies in one forward of the model in memory",
+            f"drop {what.split()[0]}, or serve without --offload",
         )
 
 
 def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
-    """`--speculative ngram`: prompt-lookup proposals for this generator (one process)."""
+    """`--speculative ngram`: prompt-lookup proposals for this generator (one process, or tensor-parallel: the proposals
+    are made on job rank 0 from the request's tokens, the other ranks run only the check)."""
     check_speculative(gen, "--speculative ngram")
     return spec
 
@@ -187,6 +205,10 @@ def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
 def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
     """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
     check_speculative(gen, f"--draft {path}")
+    if rt.world_size > 1:
+        raise BehemothError(
+            f"--draft {path} with {rt.world_size} processes: a draft model runs on one process", "use --speculative ngram, or drop --tp"
+        )
     SpeculativeDecoder.check_tokens(tokens)
     model = load_model(resolve_source(path, []), rt)
     if model.lm.shape.vocab_size != gen.runner.vocab_size:
@@ -208,12 +230,14 @@ def attach_speculative(gen: Generator, draft: str | NgramDraft | None, tokens: i
 
 def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
     """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
-    `SamplingParams.adapter`) and rows of different adapters share a batch."""
-    runner = gen.runner
-    if not isinstance(runner, ModelRunner) or runner.tp is not None:
+    `SamplingParams.adapter`) and rows of different adapters share a batch. Under tensor parallelism the other ranks
+    build their banks too (`follow_model(..., adapters=folders)`)."""
+    runner = local_model_runner(gen)
+    if runner is None:
         raise BehemothError(
-            f"batched adapters {sorted(folders)} with a {type(runner).__name__}: they run on one process with the model in memory",
-            "serve without --tp/--pp/--offload, or merge one adapter with --adapter DIR",
+            f"batched adapters {sorted(folders)} with a {type(gen.runner).__name__}: they run with the model in memory, on one "
+            "process or split by --tp",
+            "serve without --pp/--offload, or merge one adapter with --adapter DIR",
         )
     runner.lora = LoRABank(runner.lm.module, folders)
     return runner.lora
@@ -240,9 +264,12 @@ def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = Cache
     )
 
 
-def follow_model(model: LoadedModel, cache: CachePolicy) -> int:
-    """The other ranks of a sharded model: run every step rank 0 sends until it stops."""
+def follow_model(model: LoadedModel, cache: CachePolicy, *, adapters: dict[str, str] | None = None) -> int:
+    """The other ranks of a sharded model: run every step rank 0 sends until it stops (with the batched `adapters` rank 0
+    serves: each rank its part of every one)."""
     local = local_runner(model, cache)
+    if adapters:
+        local.lora = LoRABank(local.lm.module, adapters)
     if model.pipeline is not None:
         from behemoth.inference.pipeline import PipelineRunner
 

@@ -6,23 +6,41 @@ base: zeros; ranks padded with zeros; the scaling folded into B) and gathered pe
 of different adapters and of the base together. The scheduler tells the runner each row's slot
 (`StepBatch.adapters`); a step without adapter rows runs the base alone. A row's output equals that of the model
 with its adapter merged (W + (alpha / r) B A) within float32 rounding.
+
+Under tensor parallelism each adapter is split like the base layer it adapts (parallel/tensor/adapters.py's rule):
+over a column-parallel layer A is whole and B keeps this rank's output features; over a row-parallel layer A keeps
+this rank's input features, and the r-wide products A_r x_r are summed over tp before B (one small all-reduce).
+Every rank builds its bank from the same folders and gets each step's row slots with the batch.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from behemoth.errors import BehemothError
 from behemoth.models.peft_io import Adapter, read_adapter
+from behemoth.parallel.tensor.comm import TPComm, reduce_from_tp
+from behemoth.parallel.tensor.layers import TP_LAYOUT, ColumnParallelLinear, RowParallelLinear, ShardLayout
 
 
-def stacked(adapters: list[Adapter], module: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n + 1, r, in], [n + 1, out, r]): every adapter's A and scaled B of `module` (zeros where it has none)."""
-    out_features, in_features = weight.shape
+def local_part(layout: ShardLayout | None, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an adapter matrix split as the base weight is along its dimension (whole without a layout)."""
+    return full if layout is None else replace(layout, full_shape=tuple(full.shape)).take_local(full)
+
+
+def stacked(
+    adapters: list[Adapter], module: str, weight: torch.Tensor, split: tuple[str, ShardLayout] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n + 1, r, in], [n + 1, out, r]): every adapter's A and scaled B of `module` (zeros where it has none); `split`
+    ("column" or "row", the base weight's layout): this rank's part, B's outputs or A's inputs."""
+    layout = None if split is None else split[1]
+    out_features, in_features = layout.full_shape if layout is not None else weight.shape
     rank = max(a.rank for a in adapters)
-    A = weight.new_zeros((len(adapters) + 1, rank, in_features), dtype=torch.float32)
-    B = weight.new_zeros((len(adapters) + 1, out_features, rank), dtype=torch.float32)
+    A = torch.zeros((len(adapters) + 1, rank, in_features), dtype=torch.float32)
+    B = torch.zeros((len(adapters) + 1, out_features, rank), dtype=torch.float32)
     for i, adapter in enumerate(adapters, start=1):
         a, b = adapter.tensors.get(f"{module}.lora_A.weight"), adapter.tensors.get(f"{module}.lora_B.weight")
         if a is None or b is None:
@@ -34,7 +52,28 @@ def stacked(adapters: list[Adapter], module: str, weight: torch.Tensor) -> tuple
             )
         A[i, : a.shape[0]] = a.float()
         B[i, :, : b.shape[1]] = b.float() * adapter.scaling
-    return A.to(weight.dtype), B.to(weight.dtype)
+    if split is not None and split[0] == "row":
+        A = torch.stack([local_part(split[1], m) for m in A])
+    elif split is not None:
+        B = torch.stack([local_part(split[1], m) for m in B])
+    return A.to(weight.device, weight.dtype), B.to(weight.device, weight.dtype)
+
+
+def tensor_split(layer: nn.Module | None, name: str) -> tuple[str, ShardLayout, TPComm | None] | None:
+    """How a tensor-parallel linear layer splits its weight ("column" on outputs, "row" on inputs); None for a plain
+    nn.Linear, a refusal for anything else."""
+    if isinstance(layer, nn.Linear):
+        return None
+    layout = getattr(getattr(layer, "weight", None), TP_LAYOUT, None)
+    split = layer if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) else None
+    kind = "column" if isinstance(split, ColumnParallelLinear) else "row"
+    if split is None or split.transposed or not isinstance(layout, ShardLayout) or layout.dim != (0 if kind == "column" else 1):
+        what = "missing" if layer is None else type(layer).__name__
+        raise BehemothError(
+            f"adapter layer {name} is {what} in this model: batched adapters apply to its linear layers (whole or split by --tp)",
+            "use the adapters' own base model, or merge one with --adapter DIR",
+        )
+    return kind, layout, split.tp if kind == "row" else None
 
 
 class LoRABank:
@@ -48,28 +87,28 @@ class LoRABank:
         self.handles, self.bytes = [], 0
         for name in sorted({m for a in adapters for m in a.modules()}):
             layer = layers.get(name)
-            if not isinstance(layer, nn.Linear):
-                kind = "missing" if layer is None else type(layer).__name__
-                raise BehemothError(
-                    f"adapter layer {name} is {kind} in this model: batched adapters apply to its nn.Linear layers",
-                    "use the adapters' own base model, or merge one with --adapter DIR",
-                )
-            A, B = stacked(adapters, name, layer.weight.detach())
+            split = tensor_split(layer, name)
+            assert layer is not None
+            A, B = stacked(adapters, name, layer.weight.detach(), None if split is None else (split[0], split[1]))
             self.bytes += A.numel() * A.element_size() + B.numel() * B.element_size()
-            self.handles.append(layer.register_forward_hook(self._hook(A, B)))
+            self.handles.append(layer.register_forward_hook(self._hook(A, B, None if split is None else split[2])))
 
     def slot(self, name: str) -> int:
         """The slot of adapter `name` (1-based; 0 is the base)."""
         return 1 + self.names.index(name)
 
-    def _hook(self, A: torch.Tensor, B: torch.Tensor):
+    def _hook(self, A: torch.Tensor, B: torch.Tensor, tp: TPComm | None):
+        """The forward hook adding each row's delta; `tp`: a row-parallel layer's group, over which A x is summed."""
+
         def add_deltas(layer: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor | None:
             rows = self.rows
             if rows is None:
                 return None
             x = inputs[0]
             a, b = A[rows], B[rows]  # [B, r, in], [B, out, r]
-            return out + torch.bmm(torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), a.transpose(1, 2)), b.transpose(1, 2)).view_as(out)
+            h = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), a.transpose(1, 2))
+            h = h if tp is None else reduce_from_tp(h.contiguous(), tp)
+            return out + torch.bmm(h, b.transpose(1, 2)).view_as(out)
 
         return add_deltas
 

@@ -5,7 +5,8 @@ into up to `pp` micro-batches that run through the pipeline executor's forward-o
 one evaluation uses): stage s runs micro-batch j while stage s+1 runs micro-batch j-1, each stage
 sending its hidden states on as soon as they exist (bounded waits). The last stage turns each
 micro-batch's last hidden states into logits (gathered over tensor parallelism within the stage) and
-sends the step's logits back to the first stage, where the scheduler samples.
+sends the step's logits back to the first stage, where the scheduler samples. `verify` (speculative decoding's check)
+sends back the logits after every new token of each row instead.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from behemoth.comm import P2P, batch_p2p
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import StepBatch
-from behemoth.inference.runner import ModelRunner
+from behemoth.inference.runner import KVMove, ModelRunner
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallelize import ParallelModel
 
@@ -70,10 +71,25 @@ class PipelineRunner:
             return self.local.head(h, parts[j].lengths) if stage.is_last else h
 
         logits = self.executor.flow([mb.ids for mb in parts], stage_forward)
-        return self._logits_home([logits[j] for j in sorted(logits)], batch)
+        return self._logits_home([logits[j] for j in sorted(logits)], (batch.ids.shape[0], self.vocab_size))
 
-    def _logits_home(self, logits: list[torch.Tensor], batch: StepBatch) -> torch.Tensor | None:
-        """The last stage's logits, sent to the first (a one-stage pipeline keeps them)."""
+    def verify(self, batch: StepBatch) -> torch.Tensor | None:
+        """Logits [B, T, vocab] after every new token (speculative decoding's check) on the first stage; None on the others."""
+        parts = split_rows(batch, min(self.size, batch.ids.shape[0]))
+        B, T = batch.ids.shape
+
+        def stage_forward(stage: PipelineStage, j: int, x: torch.Tensor) -> torch.Tensor:
+            h = self.local.hidden(parts[j], None if stage.is_first else x, layers=stage.blocks)
+            if not stage.is_last:
+                return h
+            logits = self.local.every_logits(h)  # [B_j, T_j, V]: padded to the step's T
+            return torch.nn.functional.pad(logits, (0, 0, 0, T - logits.shape[1]))
+
+        logits = self.executor.flow([mb.ids for mb in parts], stage_forward)
+        return self._logits_home([logits[j] for j in sorted(logits)], (B, T, self.vocab_size))
+
+    def _logits_home(self, logits: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The last stage's logits (of `shape`), sent to the first (a one-stage pipeline keeps them)."""
         if self.is_first and self.is_last:
             return torch.cat(logits)
         if self.is_last and self.sends_logits:
@@ -81,11 +97,15 @@ class PipelineRunner:
                 pending.wait(self.timeout_s)
             return None
         if self.is_first and self.sends_logits:
-            out = torch.empty((batch.ids.shape[0], self.vocab_size), dtype=torch.float32, device=self.device)
+            out = torch.empty(shape, dtype=torch.float32, device=self.device)
             for pending in batch_p2p([P2P(False, out, self.last, LOGITS_TAG)], self.group):
                 pending.wait(self.timeout_s)
             return out
         return None
+
+    def move_kv(self, move: KVMove) -> None:
+        """KV offload: this rank's stages' layers of the request (every rank of the pipeline gets the same move)."""
+        self.local.move_kv(move)
 
     def keepalive(self) -> None:
         pass

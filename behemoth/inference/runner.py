@@ -5,12 +5,16 @@ returns the logits of each row's last new token over the whole vocabulary (under
 head's vocabulary shards are gathered). `DistributedRunner` is what the scheduling rank (job rank 0)
 holds when the model spans several processes: it sends every step to the other ranks, which run
 `follow` until it says stop, so every rank runs the same forward with its own weights and heads.
+The scheduler's other calls go the same way: `verify` (speculative decoding's forward of every new position) and
+`move_kv` (KV offload: each rank copies its own heads' and layers' keys and values of a preempted request to its host
+memory, and back into the slots rank 0 names when it resumes), so every rank does what the one scheduler decided.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,12 +31,31 @@ STOP = "stop"
 KEEPALIVE = "keepalive"
 
 
+@dataclass(frozen=True)
+class KVMove:
+    """A preempted request's keys and values to this rank's host memory (offload), back into new slots (restore), or
+    forgotten (drop: it ended while it waited). Every rank moves its own heads and layers of `slots`."""
+
+    kind: Literal["offload", "restore", "drop"]
+    request: int
+    slots: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Verify:
+    """A step whose logits after every new token are wanted (speculative decoding's check of the proposals)."""
+
+    batch: StepBatch
+
+
 class Runner(Protocol):
     """What the scheduler drives: a forward of one step, the logits of each row's last new token."""
 
     vocab_size: int
 
     def forward(self, batch: StepBatch) -> torch.Tensor: ...
+
+    def move_kv(self, move: KVMove) -> None: ...
 
     def keepalive(self) -> None: ...
 
@@ -49,6 +72,24 @@ def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: in
     return parts.view(tp.tp.size, B, -1).permute(1, 0, 2).reshape(B, -1)[:, :vocab_size]
 
 
+class HostKV:
+    """This rank's keys and values of preempted requests, in host memory, by request id (`KVMove`)."""
+
+    def __init__(self, storage: KVStorage) -> None:
+        self.storage = storage
+        self.saved: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def move(self, move: KVMove) -> None:
+        if move.kind == "offload":
+            assert move.slots is not None
+            self.saved[move.request] = self.storage.offload(move.slots)
+        elif move.kind == "restore":
+            assert move.slots is not None
+            self.storage.restore(move.slots, self.saved.pop(move.request))
+        else:
+            self.saved.pop(move.request, None)
+
+
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
@@ -61,6 +102,7 @@ class ModelRunner:
         self.device = device or storage.device
         self.lora: LoRABank | None = None  # adapters served unmerged (lora_bank.py)
         self.fused: FusedDecoder | None | bool = tp is None  # decode steps' one-call path (fast_decode.py); built at first use
+        self.host_kv = HostKV(storage)  # preempted requests' keys and values (KV offload)
         lm.module.eval()
 
     @torch.no_grad()
@@ -111,8 +153,17 @@ class ModelRunner:
     @torch.no_grad()
     def verify(self, batch: StepBatch) -> torch.Tensor:
         """[B, T, V] float32: the logits after every new token (speculative decoding checks a draft's tokens with them)."""
-        logits = self.view.head(self.lm.module, self.hidden(batch))
-        return logits[..., : self.vocab_size].float()
+        return self.every_logits(self.hidden(batch))
+
+    @torch.no_grad()
+    def every_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] float32: the head at every position of `h` over the whole vocabulary (shards gathered)."""
+        logits = self.view.head(self.lm.module, h)
+        B, T = logits.shape[:2]
+        return gather_vocab(logits.reshape(B * T, -1), self.tp, self.vocab_size).reshape(B, T, -1).float()
+
+    def move_kv(self, move: KVMove) -> None:
+        self.host_kv.move(move)
 
     def keepalive(self) -> None:
         pass
@@ -145,6 +196,16 @@ class DistributedRunner:
         self._send(batch)
         return self.local.forward(batch)
 
+    def verify(self, batch: StepBatch) -> torch.Tensor:
+        """Speculative decoding's check on every rank (a tensor-parallel model: each rank its heads, vocabulary gathered; a
+        pipeline: every position's logits come back from the last stage)."""
+        self._send(Verify(batch))
+        return cast(ModelRunner, self.local).verify(batch)
+
+    def move_kv(self, move: KVMove) -> None:
+        self._send(move)
+        self.local.move_kv(move)
+
     def keepalive(self) -> None:
         """Tell idle ranks the job is alive (their wait for the next step is bounded by the process-group timeout)."""
         self._send(KEEPALIVE)
@@ -163,3 +224,8 @@ def follow(local: Runner, group: dist.ProcessGroup) -> int:
         if isinstance(message, StepBatch):
             local.forward(message)
             steps += 1
+        elif isinstance(message, Verify):
+            cast(ModelRunner, local).verify(message.batch)
+            steps += 1
+        elif isinstance(message, KVMove):
+            local.move_kv(message)

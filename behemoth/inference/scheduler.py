@@ -9,10 +9,11 @@ its blocks are freed and it waits again at the head of the queue, to be prefille
 tokens so far (recomputation, as vLLM does), which changes none of its tokens. With `prefix_caching`, a newcomer
 starts on the cached blocks of its longest cached prefix and prefills only the rest (prefix_cache.py).
 With `kv_offload`, a preempted request's keys and values are copied to host memory and written back into new blocks
-when it is admitted again, so only its last token is computed anew. With `prefill_chunk`, a step prefills at most
-that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt is prefilled over several steps, each also
-decoding every running request, so running streams keep getting a token per step while it is admitted; its first
-token is drawn when its last chunk is in the cache.
+when it is admitted again, so only its last token is computed anew (under tensor or pipeline parallelism every rank
+copies its own heads and layers: this scheduler, on job rank 0, sends each move with the steps, runner.KVMove).
+With `prefill_chunk`, a step prefills at most that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt
+is prefilled over several steps, each also decoding every running request, so running streams keep getting a token
+per step while it is admitted; its first token is drawn when its last chunk is in the cache.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
 from behemoth.inference.prefix_cache import PrefixCachingAllocator
-from behemoth.inference.runner import ModelRunner, Runner
+from behemoth.inference.runner import KVMove, Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
 from behemoth.inference.text import TextTracker, Tokenizer
 
@@ -130,8 +131,8 @@ class Scheduler:
         if speculative is not None:
             self.stats.update(draft_tokens=0, accepted_tokens=0)
         if policy.kv_offload:
-            if not hasattr(runner, "storage"):
-                raise BehemothError(f"KV offload with a {type(runner).__name__}: it runs on one process", "drop --kv-offload, or --nproc/--tp/--pp")
+            if not hasattr(runner, "move_kv"):
+                raise BehemothError(f"KV offload with a {type(runner).__name__}: it has no host copies of its cache", "drop --kv-offload")
             self.stats.update(offloaded_tokens=0, restored_tokens=0)  # tokens a draft proposed, and those the target kept
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
@@ -264,17 +265,18 @@ class Scheduler:
         return [r for r in ready if r in self.running]
 
     def _offload(self, req: Request) -> None:
-        """Keep a preempted request's cached keys and values in host memory (kv_offload), to skip its recomputation."""
+        """Keep a preempted request's cached keys and values in host memory (kv_offload), to skip its recomputation; under
+        tensor or pipeline parallelism every rank keeps its own heads and layers of them (runner.KVMove)."""
         if self.policy.kv_offload and req.cached > 0:
-            storage = cast(ModelRunner, self.runner).storage  # a one-process runner (checked when the scheduler was built)
-            req.offloaded = {"tokens": req.cached, "kv": storage.offload(self.alloc.slots(req.id, 0, req.cached))}
+            self.runner.move_kv(KVMove("offload", req.id, self.alloc.slots(req.id, 0, req.cached)))
+            req.offloaded = {"tokens": req.cached}
             self.stats["offloaded_tokens"] += req.cached
 
     def _restore(self, req: Request) -> int:
         """Bring an offloaded request's keys and values back into its new blocks; how many tokens they hold."""
         assert req.offloaded is not None
-        count, saved = int(req.offloaded["tokens"]), req.offloaded["kv"]
-        cast(ModelRunner, self.runner).storage.restore(self.alloc.slots(req.id, 0, count), saved)
+        count = int(req.offloaded["tokens"])
+        self.runner.move_kv(KVMove("restore", req.id, self.alloc.slots(req.id, 0, count)))
         req.offloaded = None
         self.stats["restored_tokens"] += count
         return count
@@ -333,6 +335,9 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> bool:
         """Retire a request: its blocks go back, its sink gets the rest of its text and the reason."""
         req.finish_reason, req.finished_at = reason, time.perf_counter()
+        if req.offloaded is not None:  # it ended while it waited with its cache in host memory
+            self.runner.move_kv(KVMove("drop", req.id))
+            req.offloaded = None
         if req in self.running:
             self.running.remove(req)
         self.alloc.release(req.id)
