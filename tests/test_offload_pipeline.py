@@ -1,10 +1,11 @@
 """Offload under a pipeline: each stage streams its own units in its schedule's order (offload/stage_stream.py).
 
-tests/test_composition.py trains pp=2 x offload host / disk under gpipe, 1f1b and interleaved at 4 micro-batches against
-the single-process curve (losses and final weights). Here: other micro-batch counts and both step modes against the
-single-process losses, the bytes each stage moves per step against what its unit visits plan (offload/stage_order.py),
-a stage that sends a wrong gradient missing the curve (the control), and a checkpoint of a pipelined offloaded run
-resuming on the same curve, streamed again or in memory on one process.
+tests/test_composition.py trains pp=2 x offload host / disk under gpipe, 1f1b, interleaved and zb-h1 at 4 micro-batches
+against the single-process curve (losses and final weights). Here: other micro-batch counts and both step modes against
+the single-process losses, the bytes each stage moves per step against what its unit visits plan (offload/stage_order.py;
+zb-h1's split backward too), a stage that sends a wrong gradient and a W that adds no weight gradient missing the curve
+(the controls), zbv, dualpipev and 1f1b-scp against the single-process curve, and a checkpoint of a pipelined offloaded
+run resuming on the same curve, streamed again or in memory on one process.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _variants_body(tmp: str, pipelined: bool) -> list[dict[str, Any]]:
         out.append(_engine_steps(f"{tmp}/{i}", m, [clip, *piped]))
     if pipelined:
         out.append(_engine_steps(f"{tmp}/bug", 4, ["parallel.pp=2", "parallel.schedule=gpipe", *DISK], bug="grad"))
-        out.append(_engine_steps(f"{tmp}/no-w", 4, ["train.grad_clip=0", "parallel.pp=2", "parallel.schedule=zb-h1", *DISK, "offload.step=fused"], bug="weight"))
+        split = ["train.grad_clip=0", "parallel.pp=2", "parallel.schedule=zb-h1", *DISK, "offload.step=fused"]  # as its variant
+        out.append(_engine_steps(f"{tmp}/no-w", 4, split, bug="weight"))
     return out
 
 
@@ -139,3 +141,34 @@ def test_a_streamed_pipeline_passes_the_feasibility_check_at_zero_stage_0_and_3(
     assert problems(load_config(None, options), 2) == []
     tied = [p.message for p in problems(load_config(None, [*options, "model.tie_embeddings=true"]), 2)]
     assert len(tied) == 1 and "a tied embedding lives on the first and the last stage" in tied[0], tied
+
+
+# (schedule, tier): V-shaped (two stages per rank, the first and the last on rank 0, split backwards; DualPipeV mixes in
+# full ones) and Merak's shifted critical path (its RECOMPUTE passes empty for a streamed stage)
+STREAMED_SCHEDULES = [("zbv", "host"), ("dualpipev", "host"), ("1f1b-scp", "disk")]
+
+
+def test_v_shaped_and_scp_schedules_stream_the_single_process_curve(tmp_path):
+    """pp=2 under zbv, dualpipev and 1f1b-scp, 4 micro-batches, units on host memory or disk, trained in one set of two
+    processes: losses within 1e-5 and final weights within 1e-4 of one process in memory."""
+    from tests.test_composition import BASE, CORPUS, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(False, tmp_path / "ref")], timeout=120)[0][0]
+    cfgs = [
+        tiny_config(
+            tmp_path / name,
+            f"data.path={CORPUS}",
+            *BASE,
+            "parallel.pp=2",
+            f"parallel.schedule={name}",
+            "parallel.microbatches=4",
+            f"offload.params={tier}",
+            f"offload.optimizer={tier}",
+        )
+        for name, tier in STREAMED_SCHEDULES
+    ]
+    for (name, tier), got in zip(STREAMED_SCHEDULES, run_ranks(2, train_plans, cfgs, timeout=300)[0]):
+        try:
+            assert_close_runs(ref, got)
+        except AssertionError as err:
+            raise AssertionError(f"{name} x offload {tier}: {err}") from None

@@ -131,7 +131,6 @@ class BoundaryPass:
         h = self.hidden.pop((a.unit - 1, a.mb))
         self.grads[(a.unit - 1, a.mb)] = recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast)
 
-
     def backward_input(self, a: Action, autocast: Callable) -> None:
         """A block's input-gradient pass (zero-bubble's B): its forward recomputed from the kept input with its forward's
         random state, then the gradient of that input alone (no weight gradient is computed or accumulated); the input,
