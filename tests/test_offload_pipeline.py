@@ -117,7 +117,13 @@ def test_checkpoint_of_a_streamed_pipeline_resumes_streamed_and_in_memory(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "extra", [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.tp=2", "parallel.sequence_parallel=false"], ["parallel.dp=2"]]
+    "extra",
+    [
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["parallel.tp=2", "parallel.sequence_parallel=false"],
+        ["parallel.dp=2"],
+        ["parallel.dp=2", "parallel.schedule=zb-h1"],  # each W's gradient reduce-scattered over dp after its last W
+    ],
 )
 def test_streamed_pipeline_under_tensor_or_data_parallelism_trains_the_curve(tmp_path, extra):
     """pp=2 x tp=2 (with and without sequence parallelism) or x dp=2, units from disk: each tp rank streams its part of
