@@ -6,7 +6,7 @@ and Adam's moments; offload/stage_stream.py streams each stage's units pass by p
 time, the median step's CPU seconds (what a loaded machine disturbs least), the process's peak resident memory
 (VmHWM) and the bytes its tiers read and wrote in the last step (with the bytes its unit visits plan). Run:
 
-    python benchmarks/bench_offload_pipeline.py [--steps 3] [--warmup 1] [--rounds 2] [--readme]
+    python benchmarks/bench_offload_pipeline.py [--steps 3] [--warmup 1] [--rounds 2] [--schedule 1f1b] [--readme]
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ MODEL = [
     "train.seq_len=128",
     "train.global_batch=8",
     "parallel.pp=2",
-    "parallel.schedule=1f1b",
     "parallel.microbatches=4",
     "run.progress=false",
     "run.timeout_s=600",
@@ -45,13 +44,13 @@ def peak_rss_mib() -> float:
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("VmHWM:"))) / 1024
 
 
-def rank_body(placement: str, run_dir: str, steps: int, warmup: int) -> dict[str, Any]:
+def rank_body(placement: str, run_dir: str, steps: int, warmup: int, schedule: str = "1f1b") -> dict[str, Any]:
     """One rank of the pipeline: its step times, CPU seconds, peak RSS and the last step's bytes moved (and planned)."""
     from behemoth.config import load_config
     from behemoth.engine import build_engine
     from behemoth.topology import init_runtime
 
-    cfg = load_config(None, [*MODEL, *PLACEMENTS[placement], f"run.dir={run_dir}"])
+    cfg = load_config(None, [*MODEL, f"parallel.schedule={schedule}", *PLACEMENTS[placement], f"run.dir={run_dir}"])
     rt = init_runtime(**cfg.parallel.degrees())
     engine, sampler = build_engine(cfg, rt), data(cfg)
     moved: list[tuple[int, int]] = []
@@ -68,7 +67,7 @@ def rank_body(placement: str, run_dir: str, steps: int, warmup: int) -> dict[str
     return {"step_s": min(times), "cpu_s": cpu, "rss_mib": peak_rss_mib(), "moved": moved[-1], "local_params": params}
 
 
-def run(steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]]:
+def run(steps: int, warmup: int, rounds: int, schedule: str = "1f1b") -> dict[str, dict[str, Any]]:
     """Each placement `rounds` times, interleaved; the fastest step and the least CPU work kept, RSS and bytes per rank."""
     from behemoth.faults.ranks import run_ranks
 
@@ -76,7 +75,7 @@ def run(steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]]:
     for round_ in range(rounds):
         for placement in PLACEMENTS:
             with tempfile.TemporaryDirectory() as run_dir:
-                ranks = run_ranks(2, rank_body, placement, run_dir, steps, warmup, timeout=1800)
+                ranks = run_ranks(2, rank_body, placement, run_dir, steps, warmup, schedule, timeout=1800)
             got = {
                 "step_s": max(r["step_s"] for r in ranks),  # a pipelined step ends when its slowest rank does
                 "cpu_s": sum(r["cpu_s"] for r in ranks),
@@ -92,12 +91,12 @@ def run(steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]]:
     return best
 
 
-def format_table(best: dict[str, dict[str, Any]], command: str, load: tuple[float, float, float]) -> str:
+def format_table(best: dict[str, dict[str, Any]], command: str, load: tuple[float, float, float], schedule: str = "1f1b") -> str:
     mib = 2**20
     base = best["in memory"]
     lines = [
         f"`{command}` — GPT with 8 blocks, d_model 512, 8 heads, 128 tokens, 8 sequences per step in 4 micro-batches, "
-        "pp=2 1f1b, float32 AdamW, one thread per process, 2 processes; load average before the run "
+        f"pp=2 {schedule}, float32 AdamW, one thread per process, 2 processes; load average before the run "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on 2 shared cores (wall times are noisy; CPU seconds less so).",
         "",
         "| placement | step s (fastest) | vs in memory | CPU s/step, both ranks | peak RSS MiB, rank 0 / rank 1 "
@@ -119,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each placement, interleaved; the fastest is kept")
     parser.add_argument("--readme", action="store_true", help="write the table into benchmarks/README.md")
+    parser.add_argument("--schedule", default="1f1b", help="the pipeline schedule of both sides (zb-h1, zbv, ... stream too)")
     from ratios import add_report_args, command_line, ratio, write_rows
 
     add_report_args(parser)
@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.warmup, args.rounds = 2, 1, 1
     load = os.getloadavg()
-    best = run(args.steps, args.warmup, args.rounds)
-    text = format_table(best, command_line("bench_offload_pipeline.py", argv).strip(), load)
+    best = run(args.steps, args.warmup, args.rounds, args.schedule)
+    text = format_table(best, command_line("bench_offload_pipeline.py", argv).strip(), load, args.schedule)
     print(text)
     mem, disk = best["in memory"], best["offload disk"]
-    case = ("offload-pipeline", "pp=2 1f1b", "in memory")
+    case = ("offload-pipeline", f"pp=2 {args.schedule}", "in memory")
     rows = [
         ratio(*case, "peak RSS, largest rank", max(disk["rss_mib"]), max(mem["rss_mib"]), higher_is_better=False),
         ratio(*case, "step time", disk["step_s"], mem["step_s"], higher_is_better=False),

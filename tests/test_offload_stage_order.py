@@ -43,11 +43,11 @@ def test_gpipe_stage_fetches_each_unit_per_micro_batch_and_gradients_complete_on
         ("gpipe", 1, ""),
         ("1f1b", 1, ""),
         ("interleaved", 2, ""),
-        ("zb-h1", 1, "splits each backward"),
-        ("zbv", 1, "splits each backward"),
-        ("dualpipev", 1, "splits each backward"),
+        ("zb-h1", 1, ""),
+        ("zbv", 1, ""),
+        ("dualpipev", 1, ""),
+        ("1f1b-scp", 1, ""),
         ("chimera", 1, "two replicas of every stage"),
-        ("1f1b-scp", 1, "recomputes dropped forwards"),
     ],
 )
 def test_schedules_a_streamed_stage_cannot_follow_are_named(name, chunks, words):
@@ -57,6 +57,48 @@ def test_schedules_a_streamed_stage_cannot_follow_are_named(name, chunks, words)
     if words:
         with pytest.raises(ValueError, match=words):
             stage_order(sch, 0, UNITS)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv", "dualpipev"])
+def test_a_split_backward_visits_each_block_for_its_input_then_its_weight_gradient(name):
+    """Every block of a later stage gets, per micro-batch, a BI visit (reverse order) and then a W visit (forward order),
+    in its schedule's pass order; the first stage's input pass is empty and its weight pass the full backward (B, down to
+    the embedding); every unit's gradient completes once, in the stay of its last gradient-making visit (the last W)."""
+    sch = build_schedule(name, 2, 4)
+    units = stage_units([0, 1, 2, 3, 4]) if sch.chunks == 2 else UNITS
+    head = max(units[-1])
+    for rank in range(2):
+        visits = stage_order(sch, rank, units)
+        for stage in sch.chunk_stages[rank]:
+            blocks = [u for u in units[stage] if u not in (0, head)]
+            for mb in range(4):
+                mine = [(v.kind, v.unit) for v in visits if v.mb == mb and v.unit in units[stage] and v.kind != "F"]
+                split = any(a.kind is Kind.BACKWARD_INPUT and (a.stage, a.microbatch) == (stage, mb) for a in sch.per_rank[rank])
+                fb = [("FB", head)] if head in units[stage] else []  # the last stage's head, in its forward pass
+                if 0 in units[stage] or not split:  # the first stage's W, or DualPipeV's full backward
+                    assert mine == fb + [("B", u) for u in reversed(units[stage]) if u != head], (name, stage, mb, mine)
+                else:
+                    assert mine == fb + [("BI", u) for u in reversed(blocks)] + [("W", u) for u in blocks], (name, stage, mb, mine)
+        plan = plan_residencies(visits, {})
+        done = [s.unit for s in plan.stays if s.completes]
+        assert sorted(done) == sorted(u for s in sch.chunk_stages[rank] for u in units[s]), (name, rank, done)
+        for stay in plan.stays:
+            kinds = {visits[i].kind for i in range(stay.first, stay.last + 1) if visits[i].unit == stay.unit}
+            assert stay.grads == bool(kinds & {"B", "FB", "W"}), (name, rank, stay, kinds)  # a BI-only stay makes none
+            if stay.completes:
+                last = max(i for i, v in enumerate(visits) if v.unit == stay.unit)
+                assert stay.last == last, (name, rank, stay)  # nothing visits a unit after its gradient completed
+
+
+def test_1f1b_scp_streams_as_1f1b_its_recompute_passes_empty():
+    """A streamed stage recomputes every block in its backward: 1f1b-scp's RECOMPUTE passes have no visits, and what is
+    left is 1F1B's forwards and backwards in 1f1b-scp's own order."""
+    sch = build_schedule("1f1b-scp", 2, 4)
+    for rank in range(2):
+        passes = stage_passes(sch, rank, UNITS)
+        kinds = [sch.per_rank[rank][i].kind for i, _ in passes]
+        assert Kind.RECOMPUTE not in kinds and kinds == [a.kind for a in sch.per_rank[rank] if a.kind in (Kind.FORWARD, Kind.BACKWARD)]
+        assert any(a.kind is Kind.RECOMPUTE for a in sch.per_rank[0])
 
 
 def test_stage_units_number_each_stages_embedding_blocks_and_head():

@@ -31,7 +31,7 @@ from behemoth.models.layered import LayeredView
 from behemoth.offload.io import IOPool
 from behemoth.offload.order import Action, Residency, needs, plan_residencies
 from behemoth.offload.store import PendingStep, UnitStore
-from behemoth.parallel.recompute import RngState, recompute_backward, save_rng
+from behemoth.parallel.recompute import RngState, recompute_backward, replayed_rng, save_rng
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 Positions = dict[int, torch.Tensor]  # micro-batch -> the global positions [B, T/cp] of its tokens (context parallelism)
@@ -69,9 +69,11 @@ class BoundaryPass:
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.ctx: dict[int, Any] = {}
         self.rng: dict[tuple[int, int], RngState] = {}
+        self.weight_grads: dict[tuple[int, int], torch.Tensor] = {}  # a BI pass's output gradient, kept for its W
+        self.embedding_ends_ctx = True  # the embedding's backward drops its micro-batch's context (the stage streamer drops it itself)
 
     def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.hidden, self.grads) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.hidden, self.grads, self.weight_grads) for t in d.values())
 
     def forward(self, a: Action, x: torch.Tensor, autocast: Callable, keep_rng: bool = True) -> None:
         """A unit's forward without autograd; its output is the next block's kept input."""
@@ -108,6 +110,10 @@ class BoundaryPass:
             self.forward(a, x, autocast)
         elif a.kind == "FB":
             return self.head_backward(a, y, loss_fn, autocast)
+        elif a.kind == "BI":
+            self.backward_input(a, autocast)
+        elif a.kind == "W":
+            self.backward_weight(a, autocast)
         else:
             self.backward(a, x, autocast)
         return None
@@ -118,11 +124,33 @@ class BoundaryPass:
         if a.unit == 0:
             at = self.positions.get(a.mb)  # the recomputation embeds at the forward's positions
             recompute_backward(lambda ids: self.view.embed(self.model, ids, at), x, grad_out, rng, context=autocast, input_grad=False)
-            self.ctx.pop(a.mb, None)
+            if self.embedding_ends_ctx:
+                self.ctx.pop(a.mb, None)
             return
         block, ctx = self.blocks[a.unit - 1], self.ctx[a.mb]
         h = self.hidden.pop((a.unit - 1, a.mb))
         self.grads[(a.unit - 1, a.mb)] = recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast)
+
+    def backward_input(self, a: Action, autocast: Callable) -> None:
+        """A block's input-gradient pass (zero-bubble's B): its forward recomputed from the kept input with its forward's
+        random state, then the gradient of that input alone (no weight gradient is computed or accumulated); the input,
+        the random state and the output's gradient stay for the block's weight pass."""
+        if a.unit == 0:
+            raise ValueError("the embedding has no input gradient: the first stage's weight pass is its full backward")
+        grad_out, block, ctx = self.grads.pop((a.unit, a.mb)), self.blocks[a.unit - 1], self.ctx[a.mb]
+        x = self.hidden[(a.unit - 1, a.mb)].detach().requires_grad_()
+        with replayed_rng(self.rng[(a.unit, a.mb)], grad_out.device), autocast():
+            out = self.view.block(block, x, ctx)
+        (self.grads[(a.unit - 1, a.mb)],) = torch.autograd.grad(out, x, grad_out)
+        self.weight_grads[(a.unit, a.mb)] = grad_out
+
+    def backward_weight(self, a: Action, autocast: Callable) -> None:
+        """A block's weight-gradient pass (zero-bubble's W): its forward recomputed again from the kept input, then the
+        backward of its weights alone (into the unit's flat gradient), with the output gradient its input pass kept."""
+        grad_out, rng = self.weight_grads.pop((a.unit, a.mb)), self.rng.pop((a.unit, a.mb))
+        block, ctx = self.blocks[a.unit - 1], self.ctx[a.mb]
+        h = self.hidden.pop((a.unit - 1, a.mb))
+        recompute_backward(lambda inp: self.view.block(block, inp, ctx), h, grad_out, rng, context=autocast, input_grad=False)
 
 
 class Streamer:

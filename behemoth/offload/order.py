@@ -7,6 +7,9 @@ computes one unit for one micro-batch:
     FB  the head: forward, loss and backward at once (its input's gradient is kept)
     B   backward of a block or the embedding: its forward recomputed from the kept input, then backward
     E   forward of the head for evaluation (loss only)
+    BI  a block's input-gradient pass (zero-bubble's B, under a pipeline): its forward recomputed from the kept input,
+        the gradient of that input only; the input and the output's gradient stay kept for its W
+    W   a block's weight-gradient pass (zero-bubble's W): its forward recomputed again, the gradients of its weights
 
 `naive_order` runs micro-batch by micro-batch, as a plain loop does: every unit is fetched twice per
 micro-batch, and a gradient that is not complete when its unit is evicted goes to the gradient tier and
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Kind = Literal["F", "FB", "B", "E"]
+Kind = Literal["F", "FB", "B", "E", "BI", "W"]
 ORDERS = ("harmony", "naive")
 
 
@@ -75,7 +78,8 @@ def needs(action: Action, reads: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
 
 
 def makes_grads(action: Action) -> bool:
-    return action.kind in ("FB", "B")
+    """Whether the action adds into its unit's weight gradients (a BI pass computes its input's gradient only)."""
+    return action.kind in ("FB", "B", "W")
 
 
 @dataclass

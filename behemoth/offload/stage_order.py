@@ -4,7 +4,10 @@ Under a pipeline each rank would stream only its own stages' units, in the order
 a forward of stage s for micro-batch k visits s's units in forward order, its backward visits them in reverse. Units
 are numbered as in `order.py` (0 the embedding, 1..L the blocks, L+1 the head); `stage_units[s]` are stage s's. The
 last stage's forward ends in the head's forward, loss and backward at once (`FB`), as a streamed step's head does, so
-its backward pass visits the blocks only.
+its backward pass visits the blocks only. A zero-bubble schedule's split backward visits each block twice: its
+input-gradient pass (`BI`, in reverse order) gives the gradient of the block's input, its weight-gradient pass (`W`)
+the block's weight gradients, each recomputing the block's forward from its kept input while the unit is resident, so
+a unit's gradient completes, and is reduced and stepped or written back, in the stay of its last `W`.
 
     visits = stage_order(build_schedule("1f1b", 2, 4), rank=1, stage_units=[(0, 1, 2), (3, 4, 5)])
     plan = plan_residencies(visits, reads={})        # fetches and evictions of that stage
@@ -16,41 +19,42 @@ its backward pass visits the blocks only.
 from __future__ import annotations
 
 from behemoth.offload.order import Action
-from behemoth.parallel.pipeline.actions import Kind, Schedule
+from behemoth.parallel.pipeline.actions import COMPUTE, Kind, Schedule
 
 
 def pipeline_refusal(schedule: Schedule) -> str:
-    """Why a streamed stage cannot follow `schedule` (empty: it can): the streamer recomputes a unit's forward and runs
-    its whole backward in one stay, and reduces each unit's gradient over its own data-parallel group only."""
-    if schedule.split_backward:
-        return (
-            f"schedule {schedule.name} splits each backward into input- and weight-gradient passes, but a streamed unit "
-            "runs its whole backward (recomputed from its kept input) in one stay"
-        )
+    """Why a streamed stage cannot follow `schedule` (empty: it can): the streamer reduces each unit's gradient over its
+    own data-parallel group only, so the two replicas of a stage (Chimera) cannot sum theirs before the step."""
     if any(len(replicas) > 1 for replicas in schedule.stage_ranks):
         return (
             f"schedule {schedule.name} keeps two replicas of every stage and all-reduces their gradients (GRAD_SYNC) "
             "before the step, but a streamed unit's gradient is reduce-scattered and stepped as its backward completes"
         )
-    if any(a.kind is Kind.RECOMPUTE for actions in schedule.per_rank for a in actions):
-        return f"schedule {schedule.name} recomputes dropped forwards as passes of its own, which a streamed stage already does per unit"
     return ""
 
 
 def stage_passes(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[tuple[int, list[Action]]]:
     """`stage_order` pass by pass: (the pass's index in the rank's action list, its unit visits), what a stage streamer
-    runs between the schedule's transfers."""
+    runs between the schedule's transfers. A pass with no visits is left out: a RECOMPUTE (1f1b-scp; a streamed stage
+    recomputes every unit in its backward already) and the first stage's input-gradient pass (it has no input gradient
+    to send; its weight pass is the full backward, as the in-memory executor's is)."""
     why = pipeline_refusal(schedule)
     if why:
         raise ValueError(why)
     head = max(stage_units[-1])
     out: list[tuple[int, list[Action]]] = []
     for i, a in enumerate(schedule.per_rank[rank]):
+        units, mb = stage_units[a.stage] if a.kind in COMPUTE else (), a.microbatch
+        first = 0 in units
         if a.kind is Kind.FORWARD:
-            out.append((i, [Action("FB" if u == head else "F", u, a.microbatch) for u in stage_units[a.stage]]))
-        elif a.kind is Kind.BACKWARD:
-            out.append((i, [Action("B", u, a.microbatch) for u in reversed(stage_units[a.stage]) if u != head]))
-    return out
+            out.append((i, [Action("FB" if u == head else "F", u, mb) for u in units]))
+        elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT and first):
+            out.append((i, [Action("B", u, mb) for u in reversed(units) if u != head]))
+        elif a.kind is Kind.BACKWARD_INPUT and not first:
+            out.append((i, [Action("BI", u, mb) for u in reversed(units) if u != head]))
+        elif a.kind is Kind.BACKWARD_WEIGHT:  # in forward order: its first unit is the input pass's last, often still resident
+            out.append((i, [Action("W", u, mb) for u in units if u != head]))
+    return [(i, visits) for i, visits in out if visits]
 
 
 def stage_order(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[Action]:

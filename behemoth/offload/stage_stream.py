@@ -10,6 +10,12 @@ is fetched (prefetched ahead, in plan order) and all-gathered before the visit t
 last visit of its stay, its gradient reduce-scattered and written back (partial) or stepped (complete: fused, or
 deferred to its next fetch). A forward pass keeps each block's input (activations at block boundaries) and sends the
 stage's output; a backward pass recomputes each block from its kept input and sends the gradient of the stage's input.
+Under a zero-bubble schedule (zb-h1, zbv, dualpipev) a split backward's input pass (BI) recomputes each block and
+sends the gradient of the stage's input, keeping each block's input and output gradient; its weight pass (W) recomputes
+each block again for its weight gradients, so a unit's gradient is reduced, stepped or written back after its last W
+(a first stage's input pass is empty and its weight pass the full backward). 1f1b-scp's RECOMPUTE passes are empty
+here: a streamed stage recomputes every block in its backward anyway. V-shaped schedules' two stages per rank are
+streamed as interleaving's are, each pass visiting its own stage's units.
 A later stage's first block reads the received activation as its kept input; the last stage's head computes the loss
 and its backward at once (`FB`), as a streamed step's head does.
 
@@ -41,6 +47,7 @@ from behemoth.parallel.pipeline.schedules import COMPUTE
 from behemoth.parallel.zero.runtime import DTYPES
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
+PASS_KIND = {"F": "F", "FB": "F", "B": "B", "BI": "BI", "W": "W"}  # a pass by its first visit (a last stage's F ends in FB)
 
 
 def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int]:
@@ -111,13 +118,14 @@ class StageStreams:
             PipeComm(pipeline.group, pipeline.policy.timeout_s, meter),
             Activations(hidden_size, DTYPES[sync.policy.param_dtype], self.device, pipeline.policy.seq_split),
         )
-        self.lowest = min(pipeline.stages)  # its backward ends a micro-batch's use of the blocks' context on this rank
 
     def boundary(self, batches: Batch | None = None) -> BoundaryPass:
         """A pass's kept state; under cp each micro-batch's global positions (from its token shard), which every stage's
         embedding, context and recomputation use."""
         positions = None if self.context is None or batches is None else {i: self.context.positions_of_shard(x) for i, (x, _) in enumerate(batches)}
-        return BoundaryPass(self.sync.model, self.sync.lm.layers, cast(list, self.blocks), self.device, positions)
+        state = BoundaryPass(self.sync.model, self.sync.lm.layers, cast(list, self.blocks), self.device, positions)
+        state.embedding_ends_ctx = False  # a later stage's W may still need it (V-shaped schedules): `end_pass` drops it
+        return state
 
     def shard(self, batches: Batch) -> Batch:
         """Each micro-batch's tokens and targets cut to this rank's cp shard (as they are without cp)."""
@@ -149,6 +157,8 @@ class StageStreams:
         cursor = _Cursor(ex, step)
         passes = stage_passes(self.schedule, self.rank, self.units)
         where = {v: (i, j == 0, j == len(visits) - 1) for i, visits in passes for j, v in enumerate(visits)}
+        kinds = {i: PASS_KIND[visits[0].kind] for i, visits in passes}  # F, B, BI or W (a first stage's W is a full B)
+        self.ends_ctx = {visits[0].mb: i for i, visits in passes if kinds[i] != "F"}  # mb -> its last backward pass here
         total, times, started = torch.zeros((), device=self.device), [], [0.0]
 
         def compute(v: Visit) -> None:
@@ -159,12 +169,14 @@ class StageStreams:
                 started[0] = time.perf_counter()
                 cursor.run_until(index)
                 cursor.issue_through(index)
-                self.begin_pass(a.kind.value, a.stage, v.mb, step, state)
+                self.begin_pass(kinds[index], a.stage, v.mb, step, state)
             loss = state.train(v, batches[v.mb], loss_fn, autocast)
             total = total if loss is None else total + loss
             self.streamer.peak_activation_bytes = max(self.streamer.peak_activation_bytes, state.held_bytes())
             if last:
-                self.end_pass(a.kind.value, a.stage, v.mb, step, state)
+                self.end_pass(kinds[index], a.stage, v.mb, step, state)
+                if self.ends_ctx.get(v.mb) == index:  # no pass of this rank uses the micro-batch's blocks' context again
+                    state.ctx.pop(v.mb, None)
                 cursor.ran = index + 1
                 cursor.issue_through(index + 1)
                 step.reap_sends()
@@ -178,20 +190,19 @@ class StageStreams:
         return total
 
     def begin_pass(self, kind: str, stage: int, mb: int, step: PipelineStep, state: BoundaryPass) -> None:
-        """A pass's input from the mailbox: a later stage's activation, an earlier stage's output gradient."""
+        """A pass's input from the mailbox: a later stage's activation, an earlier stage's output gradient (`kind`: the
+        pass's visits, F, B, BI or W)."""
         if kind == "F" and stage > 0:
             self.enter(state, stage, mb, step.mailbox.pop((ACT, stage - 1, mb)))
-        elif kind == "B" and stage < self.schedule.num_stages - 1:
+        elif kind in ("B", "BI") and stage < self.schedule.num_stages - 1:
             state.grads[(self.units[stage][-1], mb)] = step.mailbox.pop((GRAD, stage + 1, mb)).to(self.executor.activations.dtype)
 
     def end_pass(self, kind: str, stage: int, mb: int, step: PipelineStep, state: BoundaryPass) -> None:
         """A pass's output into the mailbox: a stage's output for the next, the gradient of its input for the previous."""
         if kind == "F" and stage < self.schedule.num_stages - 1:
             step.mailbox[(ACT, stage, mb)] = state.hidden.pop((self.units[stage][-1], mb)).to(self.executor.activations.dtype).contiguous()
-        elif kind == "B" and stage > 0:
+        elif kind in ("B", "BI") and stage > 0:
             step.mailbox[(GRAD, stage, mb)] = state.grads.pop((self.units[stage][0] - 1, mb)).contiguous()
-        if kind == "B" and stage == self.lowest:
-            state.ctx.pop(mb, None)
 
     @torch.no_grad()
     def forward_only(self, batches: Batch, loss_sum: Any, autocast: Any) -> torch.Tensor:

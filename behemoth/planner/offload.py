@@ -105,7 +105,11 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     }
     moved = swap_bytes(plan, [StateSizes(u.stored * u.shard, u.compute * u.shard, u.state_bytes) for u in sizes], deferred=not policy.fused)
     tokens = batch.micro_batch * batch.accum * cfg.seq_len
-    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 / tp / dims.pp / cp  # a block's forward runs twice (recomputed in backward)
+    # a block's forward runs twice (recomputed in backward); a split backward's block three times, its input-gradient chain
+    # twice (its BI and its W recompute it): 6 forwards' worth for 4
+    weights, backwards = sum(a.kind == "W" for a in order), sum(a.kind in ("B", "W") for a in order)
+    split = 1 + 0.5 * weights / max(1, backwards)
+    flops = lm.flops_per_token(cfg.seq_len) * tokens * 4 / 3 * split / tp / dims.pp / cp
     return OffloadEstimate(policy, psi, ranks or dp * tp * cp, stored, moved, peak, prefetch, flops, len(specs))
 
 
@@ -188,7 +192,7 @@ def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
     return Problem.of(
         "parallel.pp",
         f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
-        "use parallel.schedule=gpipe, 1f1b or interleaved with an untied dense model, or parallel.pp=1",
+        "use parallel.schedule=gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev or 1f1b-scp with an untied dense model, or parallel.pp=1",
     )
 
 
