@@ -79,7 +79,6 @@ OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 OFFLOAD_SPLIT = ("splits each backward into input- and weight-gradient passes",)
 OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
 # 2-D tensor parallelism (docs/tensor2d.md): what it does not run with yet
-TP2D_ZERO3 = ("parallel.zero_stage=3: not composed yet",)
 TP2D_EXPERTS = ("a mixture of experts: not composed yet",)
 TP2D_CP = ("context parallelism): not composed yet",)
 TP2D_OFFLOAD = ("with offload: not composed yet",)
@@ -160,7 +159,7 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("dp", "tp2d", TRAINS),
     ("zero1", "tp2d", TRAINS),
     ("zero2", "tp2d", TRAINS),
-    ("zero3", "tp2d", TP2D_ZERO3),
+    ("zero3", "tp2d", TRAINS),
     *[(f"pp-{name}", "tp2d", TRAINS) for name in SCHEDULES],
     ("tp2d", "ep", TP2D_EXPERTS),
     ("tp2d", "cp", TP2D_CP),

@@ -176,8 +176,8 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
 
 def grid_layouts(layouts: list[Layout], q: int) -> list[Layout]:
     """The 2-D versions of 1-D layouts of a degree q*q that the grid composes with (`twod_problems.unsupported`): no
-    sequence parallelism, ZeRO 0-2, every state on the device, micro-batches of whole grid rows (any pipeline)."""
-    keep = [lay for lay in layouts if not lay.sp and lay.zero < 3 and not lay.offload.enabled and lay.micro_batch % q == 0]
+    sequence parallelism, every state on the device, micro-batches of whole grid rows (any pipeline, any ZeRO stage)."""
+    keep = [lay for lay in layouts if not lay.sp and not lay.offload.enabled and lay.micro_batch % q == 0]
     return [lay.but(tp_mode="2d") for lay in keep]
 
 
