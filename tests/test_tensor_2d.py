@@ -147,10 +147,6 @@ def test_tp25d_depth2_equals_single_process(tmp_path):
     "overrides,message",
     [
         (["parallel.tp=2"], "parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got 2)"),
-        (
-            ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.pp=2"],
-            "parallel.tp_mode=2.5d with parallel.pp=2 (pipeline: tested with tp_mode=2d only): not composed yet",
-        ),
         (["parallel.tp=4", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
         (
             ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.zero_stage=3"],

@@ -50,11 +50,6 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
     """(what, fix) for each setting 2-D tensor parallelism does not run with."""
     plan, out = cfg.parallel, []
     checks = [
-        (
-            plan.pp > 1 and plan.tp_mode != "2d",
-            f"parallel.pp={plan.pp} (pipeline: tested with tp_mode=2d only)",
-            "set parallel.pp=1, or use tp_mode=2d",
-        ),
         (plan.zero_stage == 3 and plan.tp_mode != "2d", "parallel.zero_stage=3 (tested with tp_mode=2d only)", "use zero_stage 0-2, or tp_mode=2d"),
         (plan.sequence_parallel, "parallel.sequence_parallel=true (2-D splits the batch instead)", "set parallel.sequence_parallel=false"),
         (plan.cp > 1, f"parallel.cp={plan.cp} (context parallelism)", "set parallel.cp=1"),
