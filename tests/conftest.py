@@ -20,6 +20,7 @@ SLOW_VARIANTS = {
     "test_checkpoint.py::test_resume_continues_the_curve[4]",
     "test_cli.py::test_resume_on_four_processes_and_export",
     "test_composition.py::test_pairs_train_the_single_process_curve[4]",
+    "test_composition.py::test_pairs_train_the_single_process_curve[8]",
     "test_data_parallel.py::test_data_parallel_matches_single_process[4]",
     "test_generate.py::test_tensor_and_pipeline_parallel_generation_equals_single_process[llama-4-2-2]",
     "test_hf.py::test_cli_trains_hf_llama_with_tensor_parallel",

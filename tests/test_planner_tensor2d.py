@@ -46,16 +46,17 @@ def test_2d_parameters_are_a_quarter_on_a_2x2_grid():
 
 @pytest.mark.parametrize("preset", [DENSE, MOE, [*DENSE, "model.tie_embeddings=true"]])
 def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset):
-    """A dense untied GPT on 4 devices gets 2 x 2 grids (ZeRO 0-2, no SP, no pipeline), each passing `problems()`; an
+    """A dense untied GPT on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2 or pp=2), each passing `problems()`; an
     MoE or tied model none."""
     cfg = load_config(None, preset)
-    layouts = enumerate_layouts(Workload.of(cfg), 4, Space(**SCHEDULES), small_cluster(1.0))
+    layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), small_cluster(1.0))
     grids = [lay for lay in layouts if lay.tp_mode == "2d"]
     if any(Workload.of(cfg).census.shape.experts) or cfg.model.tie_embeddings:
         assert grids == []
         return
-    assert grids and {lay.zero for lay in grids} == {0, 1, 2} and all(lay.tp == 4 and lay.pp == 1 and not lay.sp for lay in grids)
-    assert [lay.describe() for lay in grids if refusals(cfg, lay, 4)] == []
+    assert grids and {lay.zero for lay in grids} == {0, 1, 2, 3} and all(lay.tp == 4 and not lay.sp for lay in grids)
+    assert {lay.pp for lay in grids} == {1, 2}
+    assert [lay.describe() for lay in grids if refusals(cfg, lay, 8)] == []
 
 
 @pytest.mark.parametrize("memory_gb", [1.0, 0.000266])

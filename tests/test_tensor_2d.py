@@ -147,9 +147,11 @@ def test_tp25d_depth2_equals_single_process(tmp_path):
     "overrides,message",
     [
         (["parallel.tp=2"], "parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got 2)"),
-        (["parallel.tp=4", "parallel.pp=2"], "parallel.tp_mode=2d with parallel.pp=2 (pipeline): not composed yet"),
         (["parallel.tp=4", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
-        (["parallel.tp=4", "parallel.zero_stage=3"], "parallel.zero_stage=3"),
+        (
+            ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.zero_stage=3"],
+            "parallel.zero_stage=3 (tested with tp_mode=2d only)",
+        ),
         (["parallel.tp=4", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
         (["parallel.tp=4", "model.n_head=1", "model.d_model=34"], "does not split model.n_head=1 (by 2), model.d_model=34 (by 4)"),
         (["parallel.tp=4", "train.micro_batch=1"], "a micro-batch has 1"),
@@ -162,7 +164,7 @@ def test_tp2d_refused_before_launch(tmp_path, overrides, message):
     from behemoth.planner.feasibility import problems
 
     cfg = Config.model_validate(tiny_config(tmp_path, "parallel.tp_mode=2d", *overrides))
-    world = 8 if "parallel.pp=2" in overrides else 4
+    world = 16 if "parallel.tp=8" in overrides else 4
     found = " | ".join(p.message for p in problems(cfg, world))
     assert message in found, found
 

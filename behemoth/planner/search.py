@@ -166,7 +166,7 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
     placement of `offload` (default: the space's pinned ones, else the device only)."""
     out = []
     for tp, mode in tp_choices(work, world, space, cluster):
-        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer and (mode == "1d" or p == 1)]):
+        for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer]):
             for ep in ep_degrees(work, world // (tp * pp), space):
                 for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster) if mode == "1d" else [1]:
                     found = degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
@@ -176,8 +176,8 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
 
 def grid_layouts(layouts: list[Layout], q: int) -> list[Layout]:
     """The 2-D versions of 1-D layouts of a degree q*q that the grid composes with (`twod_problems.unsupported`): no
-    sequence parallelism, ZeRO 0-2, every state on the device, micro-batches of whole grid rows."""
-    keep = [lay for lay in layouts if not lay.sp and lay.zero < 3 and not lay.offload.enabled and lay.micro_batch % q == 0]
+    sequence parallelism, every state on the device, micro-batches of whole grid rows (any pipeline, any ZeRO stage)."""
+    keep = [lay for lay in layouts if not lay.sp and not lay.offload.enabled and lay.micro_batch % q == 0]
     return [lay.but(tp_mode="2d") for lay in keep]
 
 

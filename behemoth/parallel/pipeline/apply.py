@@ -86,8 +86,9 @@ class PipelineParallel:
         rank is left out: ZeRO reduces it at the step, after the two stages summed it."""
         return stage_parameters(self.model, self.stages, self.layers, shared=self._tied_peer() is not None)
 
-    def start(self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None) -> None:
-        """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist."""
+    def start(self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None, batch_split: int = 1) -> None:
+        """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist;
+        `hidden_size` and `batch_split`: this rank's block of an activation (2-D/3-D tp: features / q, sequences / rows)."""
         self.meter = meter
         dtype = next(self.model.parameters()).dtype
         # a split backward defers the linear layers' weight-gradient matmuls (tensor-parallel ones too) to its W passes
@@ -97,7 +98,7 @@ class PipelineParallel:
             self.rank,
             self.stages,
             PipeComm(self.group, self.policy.timeout_s, meter),
-            Activations(hidden_size, dtype, device, self.policy.seq_split),
+            Activations(hidden_size, dtype, device, self.policy.seq_split, batch_split),
             replica_params=self._replica_params(),
             on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None,
             deferral=deferral,

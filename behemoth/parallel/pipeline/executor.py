@@ -74,16 +74,18 @@ class PipeComm:
 
 @dataclass(frozen=True)
 class Activations:
-    """What stages exchange: [batch, sequence / seq_split, hidden] tensors of `dtype` on `device` (seq_split: SP's tp)."""
+    """What stages exchange: [batch / batch_split, sequence / seq_split, hidden] tensors of `dtype` on `device`
+    (seq_split: SP's tp; batch_split and a per-rank hidden: a 2-D/3-D tensor-parallel rank's block of the sequences)."""
 
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
     seq_split: int = 1
+    batch_split: int = 1
 
     def shape(self, inputs: torch.Tensor) -> tuple[int, ...]:
         """The shape of an activation (or its gradient) between stages for a micro-batch of token ids [B, T]."""
-        return (inputs.shape[0], inputs.shape[1] // self.seq_split, self.hidden_size)
+        return (inputs.shape[0] // self.batch_split, inputs.shape[1] // self.seq_split, self.hidden_size)
 
 
 class PipelineWaitError(BehemothError):

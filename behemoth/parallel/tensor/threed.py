@@ -148,6 +148,11 @@ class TensorParallel3D:
     def copies(self, name: str) -> int:
         return 1
 
+    def activation_block(self, hidden_size: int) -> tuple[int, int]:
+        """(hidden features, sequence blocks) of this rank's piece of a residual activation: A's feature block of
+        sequence block t*q + b of q^2; what pipeline stages exchange."""
+        return hidden_size // self.grid.q, self.grid.q * self.grid.q
+
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed token loss on every rank, from sequence block t*q + a x B's vocabulary logits."""
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:

@@ -188,6 +188,11 @@ class TensorParallel2D:
         """Ranks of the tp group holding this parameter's piece: one per layer of the depth."""
         return self.grid.depth
 
+    def activation_block(self, hidden_size: int) -> tuple[int, int]:
+        """(hidden features, sequence blocks) of this rank's piece of a [batch, T, hidden] residual activation: column
+        j's features of row i's (layer l's) sequences; what pipeline stages exchange."""
+        return hidden_size // self.grid.q, self.grid.batch_blocks
+
     def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed token loss on every rank, from row i's sequences x column j's vocabulary logits."""
         if self.vocab is None or logits.shape[-1] != self.vocab.padded:

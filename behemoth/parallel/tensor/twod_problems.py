@@ -50,11 +50,10 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
     """(what, fix) for each setting 2-D tensor parallelism does not run with."""
     plan, out = cfg.parallel, []
     checks = [
-        (plan.pp > 1, f"parallel.pp={plan.pp} (pipeline)", "set parallel.pp=1"),
+        (plan.zero_stage == 3 and plan.tp_mode != "2d", "parallel.zero_stage=3 (tested with tp_mode=2d only)", "use zero_stage 0-2, or tp_mode=2d"),
         (plan.sequence_parallel, "parallel.sequence_parallel=true (2-D splits the batch instead)", "set parallel.sequence_parallel=false"),
         (plan.cp > 1, f"parallel.cp={plan.cp} (context parallelism)", "set parallel.cp=1"),
         (plan.ep > 1 or bool(getattr(cfg.model, "moe", None) and cfg.model.moe.enabled), "a mixture of experts", "use a dense model, or tp_mode=1d"),
-        (plan.zero_stage == 3, "parallel.zero_stage=3", "use parallel.zero_stage=0, 1 or 2"),
         (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
         (cfg.offload.enabled, "offload", "turn offload off"),
         (cfg.hf.arch is not None, f"hf.arch={cfg.hf.arch} (2-D plans exist for behemoth's GPT)", "use a gpt-* model, or tp_mode=1d"),
