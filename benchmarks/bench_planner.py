@@ -8,7 +8,8 @@
 (b) On paper: the GPT shapes of Megatron-LM's scaling table (Narayanan et al. 2021, Table 1: 1.7B to 1T parameters
     on 32 to 3,072 A100 GPUs, global batch 512-3,072, sequence 2,048) planned for the A100-80GB preset: the chosen
     plan, predicted memory per GPU, MFU and HFU, and the planning time, beside the layout and the hardware FLOP
-    utilization Megatron-LM reports (its FLOP count includes recomputation, so it compares with HFU).
+    utilization Megatron-LM reports (its FLOP count includes recomputation, so it compares with HFU); then each
+    chosen plan's step by part (compute, exposed tp / cp / dp traffic and dp's contention, bubble, optimizer).
 
     python benchmarks/bench_planner.py --quick          # a minute or two
     python benchmarks/bench_planner.py                  # the full run (about 30 minutes on 2 cores)
@@ -158,6 +159,7 @@ def part_b() -> None:
 
     cluster = load_cluster("a100-80gb")
     print("\n(b) on paper: Megatron-LM's GPT shapes on the A100-80GB preset, sequence 2048, bf16 (parameters bf16 under ZeRO)")
+    parts = []
     print(f"{'model':>8}{'GPUs':>6}{'batch':>6}  {'chosen plan':<46}{'GiB/GPU':>8}{'MFU':>7}{'HFU':>7}{'plan s':>8}   Megatron-LM (tp, pp, HFU)")
     for name, heads, hidden, layers, tp, pp, gpus, batch, _tflops, frac in MEGATRON:
         cfg = load_config(
@@ -183,6 +185,19 @@ def part_b() -> None:
         mem = f"{best.peak_memory / 2**30:8.1f}" if best else f"{'-':>8}"
         util = f"{best.mfu:>7.1%}{best.hfu:>7.1%}" if best else f"{'-':>7}{'-':>7}"
         print(f"{name:>8}{gpus:>6}{batch:>6}  {plan:<46}{mem}{util}{seconds:>8.2f}   tp={tp} pp={pp} {frac:.0%}")
+        if best:
+            parts.append((name, best.time))
+    print(
+        "\n    where each chosen plan's step goes (seconds): compute (the passes less their bubble and the collectives inside"
+        " them), exposed comm by kind (dp: ZeRO/data-parallel, of it the compute lost to contention), bubble, optimizer"
+    )
+    print(f"{'model':>8}{'step':>8}{'compute':>9}{'tp':>7}{'cp':>7}{'dp':>7}{'(cont.)':>8}{'dp link':>8}{'ep':>6}{'bubble':>8}{'optim':>7}")
+    for name, t in parts:
+        compute = t.passes - t.bubble - t.tp_comm - t.cp_comm
+        print(
+            f"{name:>8}{t.total:>8.2f}{compute:>9.2f}{t.tp_comm:>7.2f}{t.cp_comm:>7.2f}{t.dp_comm:>7.2f}{t.dp_contention:>8.2f}"
+            f"{t.dp_traffic:>8.2f}{t.ep_comm:>6.2f}{t.bubble:>8.2f}{t.optimizer:>7.2f}"
+        )
 
 
 def part_published(markdown: str | None = None) -> None:

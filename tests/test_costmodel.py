@@ -10,7 +10,7 @@ from behemoth.config import load_config
 from behemoth.planner.cluster import GemmCurve, LinkSpec, fit_gemm, load_cluster
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import attention_seconds, data_parallel_time, step_time
+from behemoth.planner.steptime import attention_seconds, bytes_per, data_parallel_time, step_time
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,50 @@ def test_ranks_sharing_cores_fill_the_pipeline_bubble():
     assert together.passes == pytest.approx(max(busy, apart.passes / 2), rel=1e-9)
     flat = Layout(4, 1, 1, 0, False, 1, 2)
     assert step_time(work, flat, shared, (0, 4)).total == pytest.approx(step_time(work, flat, alone, (0, 4)).total, rel=1e-12)
+
+
+def test_overlapped_collectives_cost_the_compute_they_hide_behind(a100, gpt2xl):
+    """A collective hidden behind the passes is not free: the computation beside it loses `overlap_slowdown` of its
+    rate for as long as the two overlap (`contention`, part of `exposed`); without contention, or with no compute to
+    hide behind, nothing is added; what is added never exceeds the slowdown times the traffic."""
+    _, work = gpt2xl
+    elements, lay, cluster = work.census.psi, Layout(64, 1, 1, 3, False, 1, 4), a100.with_nodes(64)
+    free = cluster.model_copy(update={"device": cluster.device.model_copy(update={"overlap_slowdown": 0.0})})
+    slowed = data_parallel_time(work, lay, cluster, elements, 10.0, 20.0)
+    ideal = data_parallel_time(work, lay, free, elements, 10.0, 20.0)
+    assert ideal.contention == 0.0 and slowed.contention > 0.0
+    assert slowed.exposed > ideal.exposed
+    assert slowed.exposed - ideal.exposed <= cluster.device.overlap_slowdown * slowed.traffic + 1e-12
+    bare = data_parallel_time(work, lay, cluster, elements, 0.0, 0.0)  # nothing to hide behind: runs alone, no contention
+    assert bare.contention == 0.0 and bare.exposed == pytest.approx(bare.traffic, rel=1e-9)
+
+
+def test_zero3_hides_unit_by_unit(a100, gpt2xl):
+    """ZeRO-3 prefetches one unit ahead: each unit's gather hides behind one unit's compute, not the whole pass's. With
+    compute per unit shorter than a gather, more total compute than traffic still leaves gathers exposed; with compute
+    per unit longer than a gather, only the first gather of forward and the last reduce-scatter stay."""
+    _, work = gpt2xl
+    elements, lay = work.census.psi, Layout(512, 1, 1, 3, False, 1, 1)
+    cluster = a100.with_nodes(512)
+    free = cluster.model_copy(update={"device": cluster.device.model_copy(update={"overlap_slowdown": 0.0})})
+    units = work.census.shape.n_layer
+    p, g = bytes_per(lay, work)
+    gather = cluster.collective("all_gather", p * elements / units, 512)
+    scatter = cluster.collective("reduce_scatter", g * elements / units, 512)
+    ample = data_parallel_time(work, lay, free, elements, 2 * units * gather / 0.9, 2 * units * (gather + scatter) / 0.9)
+    assert ample.exposed == pytest.approx(gather + scatter, rel=1e-6)
+    # the same traffic with compute only in part of each unit's share: exposed grows unit by unit
+    thin = data_parallel_time(work, lay, free, elements, units * gather / 2, units * (gather + scatter) / 2)
+    forward = gather + (units - 1) * 0.55 * gather  # each unit's compute hides 0.9 x half a gather
+    backward = (units - 1) * 0.55 * (gather + scatter) + max(0.55 * (gather + scatter), scatter)
+    assert thin.exposed == pytest.approx(forward + backward, rel=1e-6)
+
+
+def test_fsdp_rows_cover_zero3_across_nodes():
+    """The published rows check ZeRO-3 data parallelism within a node and across 2-16 nodes, each row with its source."""
+    from behemoth.planner.published import load_sources, row_layout
+
+    rows = [(s, r) for s in load_sources() for r in s["rows"] if r["zero"] == 3]
+    assert any(r["gpus"] <= 8 for _, r in rows) and any(r["gpus"] >= 128 for _, r in rows)
+    assert all(s["url"] and r["where"] for s, r in rows)
+    assert all(row_layout(r).dp == r["gpus"] for _, r in rows if r["tp"] == r["pp"] == 1)

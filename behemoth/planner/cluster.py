@@ -143,6 +143,12 @@ class DeviceSpec(Spec):
         le=1,
         description="share of a collective that can hide behind computation (GPUs: NCCL beside the kernels; CPUs whose cores all compute: little)",
     )
+    overlap_slowdown: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="share of its rate computation loses while a collective runs beside it (NCCL's blocks hold SMs and memory bandwidth)",
+    )
 
     @property
     def usable_bytes(self) -> float:

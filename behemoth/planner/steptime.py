@@ -64,6 +64,7 @@ class StepTime:
     offload_io: float = 0.0  # seconds the offload tiers move bytes in a step, of which `offload` is exposed
     dp_traffic: float = 0.0  # the data-parallel collectives' seconds on their link, of which `dp_comm` is exposed
     cp_comm: float = 0.0  # context parallelism's exposed ring hops or all-to-alls, inside the passes
+    dp_contention: float = 0.0  # of `dp_comm`: what the computation loses while data-parallel traffic runs beside it
 
     @property
     def offload(self) -> float:
@@ -383,10 +384,22 @@ def bytes_per(lay: Layout, work: Workload) -> tuple[int, int]:
 class DataParallelTime:
     """A step's data-parallel / ZeRO collectives: their seconds on the link (`traffic`) and what computation does not
     hide (`exposed`): collectives run on their own stream beside the passes, up to `comm_overlap` of the compute they
-    can run behind; the first gather of a pass and the last reduction after backward are always exposed."""
+    can run behind; the first gather of a pass and the last reduction after backward are always exposed; while one
+    runs beside the passes they lose `overlap_slowdown` of their rate (`contention`, included in `exposed`)."""
 
     traffic: float
     exposed: float
+    contention: float = 0.0
+
+
+def behind(cluster: ClusterSpec, comm: float, compute: float, first: float) -> tuple[float, float]:
+    """(exposed, contention) seconds of `comm` seconds of collectives beside `compute` seconds of passes, of which
+    `first` cannot start before the passes need it (or after they end): what the compute's `comm_overlap` share does
+    not cover runs alone; what it covers slows the compute by `overlap_slowdown` of its own length."""
+    dev = cluster.device
+    hidden = min(max(comm - first, 0.0), dev.comm_overlap * compute)
+    contention = dev.overlap_slowdown * hidden
+    return comm - hidden + contention, contention
 
 
 def bucket_seconds(cluster: ClusterSpec, op: str, nbytes: float, bucket: float, ranks: int, stride: int) -> tuple[float, float]:
@@ -403,29 +416,37 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     """The data-parallel traffic of `elements` parameters on the group's link (dp x ep ranks, tp apart): DDP's bucketed
     all-reduce behind the last micro-batch's `backward`; ZeRO 1-2's bucketed reduce-scatter (every micro-batch under
     ZeRO-2) and the parameters' all-gather after the step; ZeRO-3's per-unit all-gathers in forward and backward and
-    reduce-scatters in backward, every micro-batch, behind `forward` and `backward`. A pipeline reduces once, after
-    its passes (nothing hides it)."""
+    reduce-scatters in backward, every micro-batch, each behind one unit's share of `forward` and `backward` (the
+    runtime prefetches one unit ahead: a unit's collectives hide behind its neighbour's compute, not the pass's).
+    A pipeline reduces once, after its passes (nothing hides it)."""
     n = lay.shard_ranks
     if n == 1:
         return DataParallelTime(0.0, 0.0)
     p, g = bytes_per(lay, work)
-    hides = cluster.device.comm_overlap if lay.pp == 1 else 0.0
+    if lay.pp > 1:
+        forward = backward = 0.0
     bucket, tp, m = work.bucket_mb * 2**20, lay.tp, lay.microbatches
     if lay.zero == 0:
         traffic, last = bucket_seconds(cluster, "all_reduce", g * elements, bucket, n, tp)
-        return DataParallelTime(traffic, max(traffic - hides * backward, last))
+        exposed, contention = behind(cluster, traffic, backward, last)
+        return DataParallelTime(traffic, exposed, contention)
     if lay.zero in (1, 2):
         scatter, last = bucket_seconds(cluster, "reduce_scatter", g * elements, bucket, n, tp)
         gather = cluster.collective("all_gather", p * elements, n, tp)
         syncs = m if lay.zero == 2 and lay.pp == 1 else 1
-        exposed = syncs * max(scatter - hides * backward, last) + gather
-        return DataParallelTime(syncs * scatter + gather, exposed)
+        exposed, contention = behind(cluster, scatter, backward, last)
+        return DataParallelTime(syncs * scatter + gather, syncs * exposed + gather, syncs * contention)
     units = max(1, work.census.shape.n_layer // lay.pp)
     gather = cluster.collective("all_gather", p * elements / units, n, tp)
     scatter = cluster.collective("reduce_scatter", g * elements / units, n, tp)
-    exposed_f = max(units * gather - hides * forward, gather)
-    exposed_b = max(units * (gather + scatter) - hides * backward, scatter)
-    return DataParallelTime(m * units * (2 * gather + scatter), m * (exposed_f + exposed_b))
+    # forward: the first unit's gather waits; each later one hides behind the unit before it
+    f_rest, f_slow = behind(cluster, gather, forward / units, 0.0)
+    # backward: each unit's next gather and its own reduce-scatter share the collective stream behind its backward
+    b_rest, b_slow = behind(cluster, gather + scatter, backward / units, 0.0)
+    exposed_f = gather + (units - 1) * f_rest
+    exposed_b = (units - 1) * b_rest + max(scatter, b_rest)
+    contention = (units - 1) * (f_slow + b_slow)
+    return DataParallelTime(m * units * (2 * gather + scatter), m * (exposed_f + exposed_b), m * contention)
 
 
 def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, backward: float, forward: float | None = None) -> float:
@@ -496,6 +517,7 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
         offload_io=offload_seconds(work, lay, cluster, elements, experts),
         dp_traffic=dp.traffic,
         cp_comm=costs.context * m,
+        dp_contention=dp.contention,
     )
 
 
