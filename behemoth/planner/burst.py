@@ -53,11 +53,21 @@ class WidthCosts:
     elements: tuple[int, ...]
 
 
-def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
+def core_speedup(cluster: ClusterSpec, width: int, world: int) -> float:
+    """How much faster each of `width` computing ranks runs than the calibrated rate, on a node whose `world` CPU
+    processes outnumber its cores: the rates were measured with every rank computing at once (a rank's share,
+    cores / world), while a layer on `width` ranks leaves the others waiting, so each busy rank gets min(1, cores /
+    width) cores. 1 where each rank has a device (or a core) of its own."""
+    sharing = cluster.core_sharing
+    return min(sharing, world / width) if sharing > 1.0 else 1.0
+
+
+def width_costs(work: Workload, cluster: ClusterSpec, width: int, world: int | None = None) -> WidthCosts:
     """Per-layer costs at `width` from steptime's passes: each layer's forward, scaled so that the layers sum to
-    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses). A tied
-    embedding's weight is counted with the head: the runtime sums its gradient over the wider of the two groups, which
-    is the head's in the plans the program finds (the embedding is a cheap lookup)."""
+    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses), and sped up by
+    `core_speedup` where `world` ranks share fewer cores. A tied embedding's weight is counted with the head: the
+    runtime sums its gradient over the wider of the two groups, which is the head's in the plans the program finds
+    (the embedding is a cheap lookup)."""
     lay = width_layout(work, width)
     n = work.census.shape.n_layer
     compute, comm = block_pass(work, lay, cluster)
@@ -65,6 +75,7 @@ def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
     stage = pass_costs(work, lay, cluster, (0, n))
     total = stage.forward[0] + stage.backward[0] + stage.weight[0]
     scale, back = total / sum(forward), (stage.backward[0] + stage.weight[0]) / total
+    scale /= core_speedup(cluster, width, world or width)
     share = work.census.at(1)
     elements = (share.embed - share.tied,) + (share.block,) * n + (share.head + share.tied,)  # a tied weight syncs with the head
     train = tuple(f * scale for f in forward)
@@ -161,7 +172,7 @@ class BurstProblem:
         bad = [c for c in self.widths if c < 1 or c > world or c > work.global_batch]
         if bad:
             raise BehemothError(f"burst widths {bad} outside 1..{min(world, work.global_batch)}", "a width is at most the world and the batch")
-        self.costs = {c: width_costs(work, cluster, c) for c in sorted(set(self.widths) | {1})}
+        self.costs = {c: width_costs(work, cluster, c, world) for c in sorted(set(self.widths) | {1})}
         self.layers = len(self.costs[1].train)
         self._transfers: dict[tuple[int, int], float] = {}
 
