@@ -74,9 +74,10 @@ def simulate(rows: list[dict]) -> None:
             rows.append(ratio("burst", case, "data parallelism + background", "cluster throughput", p.cluster_throughput, p.dp_multiplexed))
 
 
-def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int) -> dict:
+def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int, overlap: bool = True) -> dict:
     """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths`; rank 0's median step and its
-    parts (forward + backward with the re-sharding and the loss sum, the gradient sums, the optimizer step)."""
+    parts (forward + backward with the re-sharding and the loss sum, the gradient sums (`overlap`: what is left of
+    them after backward), the optimizer step)."""
     import torch
     import torch.distributed as dist
 
@@ -97,7 +98,7 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
         count = int(counted_targets(targets))
         barrier(dist.group.WORLD)
         t0 = time.perf_counter()  # BurstModel.step, timed by part
-        local = burst.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count)
+        local = burst.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count, overlap=overlap)
         all_reduce((local * count).reshape(1).clone(), burst.groups.job)
         t1 = time.perf_counter()
         burst.sync_gradients()
@@ -116,10 +117,12 @@ def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[i
     return run_foreground_parts(nproc, model, seq, batch, widths, steps, warmup)["step_s"]
 
 
-def run_foreground_parts(nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2) -> dict:
+def run_foreground_parts(
+    nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2, overlap: bool = True
+) -> dict:
     from behemoth.faults.ranks import run_ranks
 
-    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, timeout=1800)[0]
+    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, overlap, timeout=1800)[0]
 
 
 def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float, *, measure_links: bool = False):

@@ -105,3 +105,51 @@ def test_plan_burst_command(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "burst plan" in out and "data parallelism" in out, out
     assert plan_main(["--burst", "--amplification", "0.5", "--cluster", "a100-80gb", "model=gpt-tiny"]) == 2
+
+
+def shared_core_cluster(world: int, cores: int):
+    """`world` CPU-like ranks on one node of `cores` cores (the preset's rates read as measured with every rank busy)."""
+    base = load_cluster("a100-80gb")
+    host = base.host.model_copy(update={"cores": cores})
+    return base.model_copy(update={"devices_per_node": world, "nodes": 1, "host": host})
+
+
+def test_ranks_sharing_cores_compute_faster_when_fewer_are_busy():
+    """4 ranks on 2 cores: a layer on 1 or 2 ranks runs each at a whole core (twice the all-busy rate), on 4 at the
+    calibrated rate; on a node with a core per rank nothing changes."""
+    work = workload("train.global_batch=4")
+    shared = BurstProblem(work, shared_core_cluster(4, 2), 4)
+    alone = BurstProblem(work, shared_core_cluster(4, 4), 4)
+    assert shared.widths == (1, 2, 4)
+    for c, speedup in ((1, 2.0), (2, 2.0), (4, 1.0)):
+        for layer in range(shared.layers):
+            assert shared.costs[c].train[layer] == pytest.approx(alone.costs[c].train[layer] / speedup, rel=1e-12)
+    assert shared.plan_of((4,) * shared.layers).step_seconds == pytest.approx(alone.plan_of((4,) * alone.layers).step_seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("cluster", [shared_core_cluster(4, 2), load_cluster("a100-80gb").with_nodes(4)], ids=["2 cores", "a100"])
+def test_cost_terms_have_their_structural_properties(cluster):
+    """What must hold whatever the calibration: no transfer between equal widths and the same both ways (forward
+    activations and backward gradients), no sync on one rank, sync growing with the parameters synced, a layer's
+    seconds never growing with its width up to the cores, a plan's price the sum of its parts; and the program's optimum still the
+    brute-force one when ranks share cores (per-rank speed no longer proportional to 1 / width)."""
+    world, work = 4, workload("train.global_batch=4")
+    problem = BurstProblem(work, cluster, world)
+    for a, b in itertools.product(problem.widths, repeat=2):
+        assert problem.transfer(a, b) == pytest.approx(problem.transfer(b, a), rel=1e-12)
+        assert (problem.transfer(a, b) == 0.0) == (a == b)
+    for c in problem.widths:
+        assert problem.run_seconds(0, problem.layers, 1)[1] == 0.0
+        syncs = [problem.run_seconds(0, end, c)[1] for end in range(1, problem.layers + 1)]
+        assert syncs == sorted(syncs)
+    cores = cluster.host.cores or world  # past the cores, more ranks share them: a layer may get slower
+    for layer in range(problem.layers):
+        seconds = [problem.costs[c].train[layer] for c in problem.widths if c <= cores]
+        assert seconds == sorted(seconds, reverse=True)
+    for widths in ((1, 2, 4, 1), (4, 1, 2, 4)):
+        plan = problem.plan_of(widths)
+        assert plan.step_seconds == pytest.approx(sum(plan.parts.values()), rel=1e-12)
+    ok = problem.allowed(math.inf)
+    best = min(problem.plan_of(w).step_seconds for w in itertools.product(problem.widths, repeat=problem.layers))
+    assert problem.solve(math.inf).step_seconds == pytest.approx(best, rel=1e-12)
+    assert problem.dynamic_program(ok)[1] + problem.optimizer == pytest.approx(best, rel=1e-12)
