@@ -98,7 +98,7 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
         count = int(counted_targets(targets))
         barrier(dist.group.WORLD)
         t0 = time.perf_counter()  # BurstModel.step, timed by part
-        local = burst.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count, overlap=overlap)
+        local = burst.forward_backward(idx, targets, lambda logits, t, n=count: summed_token_loss(logits, t) / n, overlap=overlap)
         all_reduce((local * count).reshape(1).clone(), burst.groups.job)
         t1 = time.perf_counter()
         burst.sync_gradients()
@@ -138,7 +138,7 @@ def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: floa
         if measure_links and not cached_spec_path(nproc).is_file():
             with tempfile.TemporaryDirectory() as tmp:
                 cluster = calibrate(nproc, mode="quick", cache_dir=tmp).with_nodes(nproc)
-            cluster = cluster.model_copy(update={"name": "behemoth calibrate --nproc %d, quick, just now" % nproc})
+            cluster = cluster.model_copy(update={"name": f"behemoth calibrate --nproc {nproc}, quick, just now"})
         else:
             cluster = local_cluster(nproc).with_nodes(nproc)
     except BehemothError as err:  # a cached calibration this version cannot read
@@ -179,8 +179,14 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     plan, _, name, problem = chosen
     plans = [w for w in measured_plans(plan.widths, n) if w in best]
     print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, the planner's plan {plan.widths}")
-    print(f"(fastest of {rounds} interleaved rounds of {steps} steps, each after a quick calibration, the fastest calibration kept; load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n")
-    print("| plan | measured ms | predicted ms | measured / predicted | rank 0 passes ms (predicted compute + transfer) | sync ms (predicted) | optimizer ms (predicted) |")
+    print(
+        f"(fastest of {rounds} interleaved rounds of {steps} steps, each after a quick calibration, the fastest calibration kept; "
+        f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n"
+    )
+    print(
+        "| plan | measured ms | predicted ms | measured / predicted | rank 0 passes ms (predicted compute + transfer) "
+        "| sync ms (predicted) | optimizer ms (predicted) |"
+    )
     print("|---|---|---|---|---|---|---|")
     dp = (n,) * len(plan.widths)
     for widths in plans:
@@ -192,7 +198,9 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
             f"{got['passes_s'] * 1e3:.1f} ({(p['compute'] + p['transfer']) * 1e3:.1f}) | {got['sync_s'] * 1e3:.1f} ({p['sync'] * 1e3:.1f}) | "
             f"{got['optimizer_s'] * 1e3:.1f} ({p['optimizer'] * 1e3:.1f}) |"
         )
-        rows.append(ratio("burst", f"measured {n} CPU ranks {widths}", "predicted", "step time", got["step_s"], want.step_seconds, higher_is_better=False))
+        rows.append(
+            ratio("burst", f"measured {n} CPU ranks {widths}", "predicted", "step time", got["step_s"], want.step_seconds, higher_is_better=False)
+        )
     errors = [abs(best[w]["step_s"] / problem.plan_of(w).step_seconds - 1) for w in plans]
     print(f"\nworst |measured / predicted - 1| over the plans: {max(errors):.0%} (median {statistics.median(errors):.0%})")
     forced = forced_plan(plan.widths, n)

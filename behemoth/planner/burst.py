@@ -173,9 +173,7 @@ class BurstPlan:
 class BurstProblem:
     """The per-layer costs of one workload on one cluster at every candidate width, and the dynamic program over them."""
 
-    def __init__(
-        self, work: Workload, cluster: ClusterSpec, world: int, widths: tuple[int, ...] | None = None, *, sums: str = "layers"
-    ) -> None:
+    def __init__(self, work: Workload, cluster: ClusterSpec, world: int, widths: tuple[int, ...] | None = None, *, sums: str = "layers") -> None:
         """`sums`: how gradient sums are priced: "layers", as the burst runtime overlaps them (each layer's as its
         backward ends), or "buckets", as DDP's buckets behind backward (`cost.price`'s data parallelism)."""
         if sums not in ("layers", "buckets"):
