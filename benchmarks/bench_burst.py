@@ -74,13 +74,15 @@ def simulate(rows: list[dict]) -> None:
             rows.append(ratio("burst", case, "data parallelism + background", "cluster throughput", p.cluster_throughput, p.dp_multiplexed))
 
 
-def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int) -> dict:
-    """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths` (rank 0 reports)."""
+def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int, overlap: bool = True) -> dict:
+    """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths`; rank 0's median step and its
+    parts (forward + backward with the re-sharding and the loss sum, the gradient sums (`overlap`: what is left of
+    them after backward), the optimizer step)."""
     import torch
     import torch.distributed as dist
 
-    from behemoth.comm import barrier
-    from behemoth.models.causal_lm import build_causal_lm
+    from behemoth.comm import all_reduce, barrier
+    from behemoth.models.causal_lm import build_causal_lm, counted_targets, summed_token_loss
     from behemoth.models.gpt import GPTConfig
     from behemoth.models.init import materialize
     from behemoth.parallel.burst import BurstGroups, BurstModel
@@ -89,33 +91,56 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
     materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
     burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch)
     opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
-    times = []
+    parts: dict[str, list[float]] = {"step_s": [], "passes_s": [], "sync_s": [], "optimizer_s": []}
     for step in range(warmup + steps):
         tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
+        idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        count = int(counted_targets(targets))
         barrier(dist.group.WORLD)
-        t0 = time.perf_counter()
-        burst.step(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        t0 = time.perf_counter()  # BurstModel.step, timed by part
+        local = burst.forward_backward(idx, targets, lambda logits, t, n=count: summed_token_loss(logits, t) / n, overlap=overlap)
+        all_reduce((local * count).reshape(1).clone(), burst.groups.job)
+        t1 = time.perf_counter()
+        burst.sync_gradients()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
         barrier(dist.group.WORLD)
-        times.append(time.perf_counter() - t0)
-    return {"step_s": statistics.median(times[warmup:]), "start": time.time()}
+        if step >= warmup:
+            for key, seconds in zip(parts, (time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2)):
+                parts[key].append(seconds)
+    return {key: statistics.median(v) for key, v in parts.items()}
 
 
 def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2) -> float:
+    return run_foreground_parts(nproc, model, seq, batch, widths, steps, warmup)["step_s"]
+
+
+def run_foreground_parts(
+    nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2, overlap: bool = True
+) -> dict:
     from behemoth.faults.ranks import run_ranks
 
-    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, timeout=1800)[0]["step_s"]
+    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, overlap, timeout=1800)[0]
 
 
-def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float):
+def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float, *, measure_links: bool = False):
+    """The planner's burst plan for this machine: `behemoth calibrate`'s cached spec where there is one, else (with
+    `measure_links`) a fresh quick calibration of `nproc` ranks (links, matmul rates and memory bandwidth measured with
+    every rank at once, about 10 s), else the one-process probe (links assumed)."""
     from behemoth.errors import BehemothError
     from behemoth.planner.burst import BurstProblem, plain_data_parallel
-    from behemoth.planner.calibrate import local_cluster, probe_spec
+    from behemoth.planner.calibrate import cached_spec_path, calibrate, local_cluster, probe_spec
 
     work = workload(model, seq, batch, "fp32")
     try:
-        cluster = local_cluster(nproc).with_nodes(nproc)
+        if measure_links and not cached_spec_path(nproc).is_file():
+            with tempfile.TemporaryDirectory() as tmp:
+                cluster = calibrate(nproc, mode="quick", cache_dir=tmp).with_nodes(nproc)
+            cluster = cluster.model_copy(update={"name": f"behemoth calibrate --nproc {nproc}, quick, just now"})
+        else:
+            cluster = local_cluster(nproc).with_nodes(nproc)
     except BehemothError as err:  # a cached calibration this version cannot read
         print(f"(this machine's cached calibration is unreadable here: {err.lines[0]}; using the quick probe instead)")
         cluster = probe_spec(nproc).with_nodes(nproc)
@@ -123,23 +148,65 @@ def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: floa
     return problem.solve(amplification), plain_data_parallel(work, cluster, nproc), cluster.name, problem
 
 
+def measured_plans(planned: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
+    """The plans `--part measure` runs: the planner's, data parallelism, every layer on one rank, the blocks on one
+    rank (and, past 2 ranks, on half of them), the embedding alone on one rank, the head alone on one rank."""
+    n = len(planned)
+    plans = [planned, (world,) * n, (1,) * n, forced_plan(planned, world), (1, *([world] * (n - 1))), (*([world] * (n - 1)), 1)]
+    if world > 2:
+        plans.append(middle_plan(planned, world))
+    return list(dict.fromkeys(plans))
+
+
 def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
+    """Several plans through the burst runtime in interleaved rounds (each plan's fastest round kept), each round after a
+    fresh quick calibration of this machine (the fastest one kept: measurement and calibration alike take the least
+    loaded moment they saw): the measured step and rank 0's parts against the planner's prediction and its parts."""
     n, batch = args.nproc, args.nproc * args.per_device
-    plan, dp_pred, name, problem = local_plan(n, args.model, args.seq, batch, args.amplification)
-    widths = plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced_plan(plan.widths, n)
-    steps = 3 if args.quick else args.steps
-    burst_s = run_foreground(n, args.model, args.seq, batch, widths, steps)
-    dp_s = run_foreground(n, args.model, args.seq, batch, (n,) * len(widths), steps)
-    planned = "the planner's" if widths == plan.widths else f"a hand-made one (the planner's was {plan.describe()})"
-    print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, plan {widths} ({planned})\n")
-    print("| plan | measured ms | predicted ms | measured / predicted |")
-    print("|---|---|---|---|")
-    pred = problem.plan_of(widths).step_seconds
-    for label, got, want in (("burst", burst_s, pred), ("data parallelism", dp_s, dp_pred)):
-        print(f"| {label} | {got * 1e3:.1f} | {want * 1e3:.1f} | {got / want:.2f} |")
-    print(f"\nburst / data parallelism step time: {burst_s / dp_s:.2f} (DP runs through the same runtime, every layer on every rank)")
-    rows.append(ratio("burst", f"measured {n} CPU ranks", "data parallelism", "step time", burst_s, dp_s, higher_is_better=False))
-    return widths
+    load0 = os.getloadavg()[0]
+    steps, rounds = (3, 1) if args.quick else (args.steps, args.rounds)
+    best: dict[tuple[int, ...], dict] = {}
+    chosen = None
+    for _ in range(rounds):
+        planned = local_plan(n, args.model, args.seq, batch, args.amplification, measure_links=True)
+        if chosen is None or planned[3].plan_of((n,) * planned[3].layers).step_seconds < chosen[3].plan_of((n,) * chosen[3].layers).step_seconds:
+            chosen = planned
+        for widths in measured_plans(chosen[0].widths, n):
+            got = run_foreground_parts(n, args.model, args.seq, batch, widths, steps)
+            if widths not in best or got["step_s"] < best[widths]["step_s"]:
+                best[widths] = got
+    assert chosen is not None
+    plan, _, name, problem = chosen
+    plans = [w for w in measured_plans(plan.widths, n) if w in best]
+    print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, the planner's plan {plan.widths}")
+    print(
+        f"(fastest of {rounds} interleaved rounds of {steps} steps, each after a quick calibration, the fastest calibration kept; "
+        f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n"
+    )
+    print(
+        "| plan | measured ms | predicted ms | measured / predicted | rank 0 passes ms (predicted compute + transfer) "
+        "| sync ms (predicted) | optimizer ms (predicted) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    dp = (n,) * len(plan.widths)
+    for widths in plans:
+        got, want = best[widths], problem.plan_of(widths)
+        p = want.parts
+        label = " planner" if widths == plan.widths else " data parallelism" if widths == dp else ""
+        print(
+            f"| {widths}{label} | {got['step_s'] * 1e3:.1f} | {want.step_seconds * 1e3:.1f} | {got['step_s'] / want.step_seconds:.2f} | "
+            f"{got['passes_s'] * 1e3:.1f} ({(p['compute'] + p['transfer']) * 1e3:.1f}) | {got['sync_s'] * 1e3:.1f} ({p['sync'] * 1e3:.1f}) | "
+            f"{got['optimizer_s'] * 1e3:.1f} ({p['optimizer'] * 1e3:.1f}) |"
+        )
+        rows.append(
+            ratio("burst", f"measured {n} CPU ranks {widths}", "predicted", "step time", got["step_s"], want.step_seconds, higher_is_better=False)
+        )
+    errors = [abs(best[w]["step_s"] / problem.plan_of(w).step_seconds - 1) for w in plans]
+    print(f"\nworst |measured / predicted - 1| over the plans: {max(errors):.0%} (median {statistics.median(errors):.0%})")
+    forced = forced_plan(plan.widths, n)
+    ratios = (best[forced]["step_s"] / best[dp]["step_s"], problem.plan_of(forced).step_seconds / problem.plan_of(dp).step_seconds)
+    print(f"blocks on one rank / data parallelism step time: {ratios[0]:.2f} measured, {ratios[1]:.2f} predicted")
+    return plan.widths if len(set(plan.widths)) > 1 or plan.widths[0] < n else forced
 
 
 def trainer_rank(overrides: list[str]) -> dict:
@@ -349,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--amplification", type=float, default=2.0)
     p.add_argument("--widths", help="a burst plan to run instead of the planner's, e.g. 4,2,2,2,2,4 (trainer part)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=2, help="trainer part: each plan run this many times in turn, the best kept")
+    p.add_argument("--rounds", type=int, default=2, help="measure and trainer parts: each plan run this many times in turn, the best kept")
     p.add_argument("--bg-batch", type=int, default=8)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--seconds", type=float, default=60.0, help=argparse.SUPPRESS)

@@ -30,11 +30,11 @@ def ideal_cluster(world: int):
 def test_one_width_prices_exactly_as_plain_data_parallelism(preset, world, batch):
     work = workload(f"train.global_batch={batch}", "model=gpt-1m")
     cluster = load_cluster(preset).with_nodes(world)
-    problem = BurstProblem(work, cluster, world)
+    problem = BurstProblem(work, cluster, world, sums="buckets")  # DDP's bucketed sums, as cost.price prices them
     plan = problem.plan_of((world,) * problem.layers)
     assert plan.step_seconds == pytest.approx(plain_data_parallel(work, cluster, world), rel=1e-12)
     # the uniform-split search limited to the full width, with no cap, is plain data parallelism
-    only = BurstProblem(work, cluster, world, widths=(world,)).solve(math.inf, uniform=True)
+    only = BurstProblem(work, cluster, world, widths=(world,), sums="buckets").solve(math.inf, uniform=True)
     assert only.widths == (world,) * problem.layers and only.step_seconds == pytest.approx(plan.step_seconds, rel=1e-12)
 
 
@@ -42,7 +42,7 @@ def test_perfect_scaling_without_a_cap_is_data_parallelism():
     """Where every layer scales perfectly, the dynamic program with amplification -> infinity gives every layer the world."""
     world, work = 8, workload()
     cluster = ideal_cluster(world)
-    plan = BurstProblem(work, cluster, world).solve(math.inf)
+    plan = BurstProblem(work, cluster, world, sums="buckets").solve(math.inf)
     assert plan.widths == (world,) * (work.census.shape.n_layer + 2)
     assert plan.step_seconds == pytest.approx(plain_data_parallel(work, cluster, world), rel=1e-9)
 
@@ -105,3 +105,57 @@ def test_plan_burst_command(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "burst plan" in out and "data parallelism" in out, out
     assert plan_main(["--burst", "--amplification", "0.5", "--cluster", "a100-80gb", "model=gpt-tiny"]) == 2
+
+
+def shared_core_cluster(world: int, cores: int):
+    """`world` CPU-like ranks on one node of `cores` cores (the preset's rates read as measured with every rank busy)."""
+    base = load_cluster("a100-80gb")
+    host = base.host.model_copy(update={"cores": cores})
+    return base.model_copy(update={"devices_per_node": world, "nodes": 1, "host": host})
+
+
+def test_ranks_sharing_cores_compute_faster_when_fewer_are_busy():
+    """4 ranks on 2 cores: a layer on 1 or 2 ranks runs each at a whole core (twice the all-busy rate), on 4 at the
+    calibrated rate; on a node with a core per rank nothing changes."""
+    work = workload("train.global_batch=4")
+    shared = BurstProblem(work, shared_core_cluster(4, 2), 4)
+    alone = BurstProblem(work, shared_core_cluster(4, 4), 4)
+    assert shared.widths == (1, 2, 4)
+    for c, speedup in ((1, 2.0), (2, 2.0), (4, 1.0)):
+        for layer in range(shared.layers):
+            assert shared.costs[c].train[layer] == pytest.approx(alone.costs[c].train[layer] / speedup, rel=1e-12)
+    assert shared.plan_of((4,) * shared.layers).step_seconds == pytest.approx(alone.plan_of((4,) * alone.layers).step_seconds, rel=1e-12)
+
+
+@pytest.mark.parametrize("cluster", [shared_core_cluster(4, 2), load_cluster("a100-80gb").with_nodes(4)], ids=["2 cores", "a100"])
+def test_cost_terms_have_their_structural_properties(cluster):
+    """What must hold whatever the calibration: no transfer between equal widths and the same both ways (forward
+    activations and backward gradients), no sync on one rank, DDP-bucketed sync growing with the
+    parameters synced and overlapped per-layer sums between their first layer's and all of them unhidden, a layer's
+    seconds never growing with its width up to the cores, a plan's price the sum of its parts; and the program's optimum still the
+    brute-force one when ranks share cores (per-rank speed no longer proportional to 1 / width)."""
+    world, work = 4, workload("train.global_batch=4")
+    problem = BurstProblem(work, cluster, world)
+    for a, b in itertools.product(problem.widths, repeat=2):
+        assert problem.transfer(a, b) == pytest.approx(problem.transfer(b, a), rel=1e-12)
+        assert (problem.transfer(a, b) == 0.0) == (a == b)
+    assert problem.run_seconds(0, problem.layers, 1)[1] == 0.0
+    buckets = BurstProblem(work, cluster, world, sums="buckets")
+    for c in problem.widths[1:]:
+        syncs = [buckets.run_seconds(0, end, c)[1] for end in range(1, problem.layers + 1)]
+        assert syncs == sorted(syncs) and syncs[0] > 0
+        # overlapped per-layer sums: a run exposes at least its first layer's sum, at most every layer's sum unhidden
+        alone = [problem.run_seconds(i, i + 1, c)[1] for i in range(problem.layers)]
+        for end in range(1, problem.layers + 1):
+            assert alone[0] * (1 - 1e-12) <= problem.run_seconds(0, end, c)[1] <= sum(alone[:end]) * (1 + 1e-12)
+    cores = cluster.host.cores or world  # past the cores, more ranks share them: a layer may get slower
+    for layer in range(problem.layers):
+        seconds = [problem.costs[c].train[layer] for c in problem.widths if c <= cores]
+        assert seconds == sorted(seconds, reverse=True)
+    for widths in ((1, 2, 4, 1), (4, 1, 2, 4)):
+        plan = problem.plan_of(widths)
+        assert plan.step_seconds == pytest.approx(sum(plan.parts.values()), rel=1e-12)
+    ok = problem.allowed(math.inf)
+    best = min(problem.plan_of(w).step_seconds for w in itertools.product(problem.widths, repeat=problem.layers))
+    assert problem.solve(math.inf).step_seconds == pytest.approx(best, rel=1e-12)
+    assert problem.dynamic_program(ok)[1] + problem.optimizer == pytest.approx(best, rel=1e-12)

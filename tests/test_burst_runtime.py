@@ -36,7 +36,7 @@ def _model(family: str):
     return lm
 
 
-def train_body(widths: tuple[int, ...] | None, batch: int, family: str = "gpt", sync: bool = True) -> dict:
+def train_body(widths: tuple[int, ...] | None, batch: int, family: str = "gpt", sync: bool = True, overlap: bool = False) -> dict:
     """STEPS SGD steps of a tiny model: single process when `widths` is None, else the burst plan `widths`."""
     import torch.distributed as dist
 
@@ -47,7 +47,7 @@ def train_body(widths: tuple[int, ...] | None, batch: int, family: str = "gpt", 
     model = lm.module
     burst = None
     if widths is not None:
-        burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch)
+        burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch, overlap=overlap)
         if not sync:
             burst.sync_gradients = lambda: None
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -92,6 +92,12 @@ def test_burst_plan_on_two_ranks_equals_single_process(reference, family):
     assert_equal_to_reference(reference[family, 5], got)
     block = {"gpt": "blocks.1.", "llama": "model.layers.1."}[family]
     assert all(not n.startswith(block) for n in got[1]["grads"]), "rank 1 is outside block 1's group"
+
+
+def test_overlapped_gradient_sums_equal_single_process(reference):
+    """Each layer's gradient sums started as its backward ends (beside the earlier layers' backward), finished after:
+    the same plan (a tied embedding summed over the head's 2 ranks once the embedding's backward ends) as above."""
+    assert_equal_to_reference(reference["gpt", 5], run_ranks(2, train_body, (1, 2, 1, 2, 2), 5, "gpt", True, True))
 
 
 def test_missing_gradient_sync_would_be_caught(reference):

@@ -27,7 +27,16 @@ from behemoth.errors import BehemothError
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import block_pass, data_parallel_seconds, embed_pass, head_pass, optimizer_seconds, pass_costs
+from behemoth.planner.steptime import (
+    block_pass,
+    bucket_seconds,
+    bytes_per,
+    data_parallel_seconds,
+    embed_pass,
+    head_pass,
+    optimizer_seconds,
+    pass_costs,
+)
 
 DEFAULT_AMPLIFICATION = 2.0
 INF = float("inf")
@@ -53,11 +62,21 @@ class WidthCosts:
     elements: tuple[int, ...]
 
 
-def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
+def core_speedup(cluster: ClusterSpec, width: int, world: int) -> float:
+    """How much faster each of `width` computing ranks runs than the calibrated rate, on a node whose `world` CPU
+    processes outnumber its cores: the rates were measured with every rank computing at once (a rank's share,
+    cores / world), while a layer on `width` ranks leaves the others waiting, so each busy rank gets min(1, cores /
+    width) cores. 1 where each rank has a device (or a core) of its own."""
+    sharing = cluster.core_sharing
+    return min(sharing, world / width) if sharing > 1.0 else 1.0
+
+
+def width_costs(work: Workload, cluster: ClusterSpec, width: int, world: int | None = None) -> WidthCosts:
     """Per-layer costs at `width` from steptime's passes: each layer's forward, scaled so that the layers sum to
-    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses). A tied
-    embedding's weight is counted with the head: the runtime sums its gradient over the wider of the two groups, which
-    is the head's in the plans the program finds (the embedding is a cheap lookup)."""
+    `pass_costs`'s one-stage forward + backward (whatever backward multiplier the step-time model uses), and sped up by
+    `core_speedup` where `world` ranks share fewer cores. A tied embedding's weight is counted with the head: the
+    runtime sums its gradient over the wider of the two groups, which is the head's in the plans the program finds
+    (the embedding is a cheap lookup)."""
     lay = width_layout(work, width)
     n = work.census.shape.n_layer
     compute, comm = block_pass(work, lay, cluster)
@@ -65,6 +84,7 @@ def width_costs(work: Workload, cluster: ClusterSpec, width: int) -> WidthCosts:
     stage = pass_costs(work, lay, cluster, (0, n))
     total = stage.forward[0] + stage.backward[0] + stage.weight[0]
     scale, back = total / sum(forward), (stage.backward[0] + stage.weight[0]) / total
+    scale /= core_speedup(cluster, width, world or width)
     share = work.census.at(1)
     elements = (share.embed - share.tied,) + (share.block,) * n + (share.head + share.tied,)  # a tied weight syncs with the head
     train = tuple(f * scale for f in forward)
@@ -153,7 +173,12 @@ class BurstPlan:
 class BurstProblem:
     """The per-layer costs of one workload on one cluster at every candidate width, and the dynamic program over them."""
 
-    def __init__(self, work: Workload, cluster: ClusterSpec, world: int, widths: tuple[int, ...] | None = None) -> None:
+    def __init__(self, work: Workload, cluster: ClusterSpec, world: int, widths: tuple[int, ...] | None = None, *, sums: str = "layers") -> None:
+        """`sums`: how gradient sums are priced: "layers", as the burst runtime overlaps them (each layer's as its
+        backward ends), or "buckets", as DDP's buckets behind backward (`cost.price`'s data parallelism)."""
+        if sums not in ("layers", "buckets"):
+            raise BehemothError(f"burst sums={sums!r}", "use 'layers' (the burst runtime) or 'buckets' (DDP's)")
+        self.sums = sums
         if world < 1 or work.global_batch < 1:
             raise BehemothError(f"a burst plan of {world} devices and global batch {work.global_batch}", "use at least one of each")
         self.work, self.cluster, self.world = work, cluster, world
@@ -161,7 +186,7 @@ class BurstProblem:
         bad = [c for c in self.widths if c < 1 or c > world or c > work.global_batch]
         if bad:
             raise BehemothError(f"burst widths {bad} outside 1..{min(world, work.global_batch)}", "a width is at most the world and the batch")
-        self.costs = {c: width_costs(work, cluster, c) for c in sorted(set(self.widths) | {1})}
+        self.costs = {c: width_costs(work, cluster, c, world) for c in sorted(set(self.widths) | {1})}
         self.layers = len(self.costs[1].train)
         self._transfers: dict[tuple[int, int], float] = {}
 
@@ -177,9 +202,22 @@ class BurstProblem:
     def run_seconds(self, start: int, end: int, width: int) -> tuple[float, float]:
         """(compute, exposed sync) seconds of layers [start, end) on `width` devices."""
         cost = self.costs[width]
-        compute = sum(cost.train[start:end])
-        elements, backward = sum(cost.elements[start:end]), sum(cost.backward[start:end])
+        compute, backward = sum(cost.train[start:end]), sum(cost.backward[start:end])
+        if self.sums == "layers":
+            return compute, self.layer_sums_seconds(start, end, width, backward)
+        elements = sum(cost.elements[start:end])
         return compute, data_parallel_seconds(self.work, width_layout(self.work, width), self.cluster, elements, backward)
+
+    def layer_sums_seconds(self, start: int, end: int, width: int, backward: float) -> float:
+        """Exposed seconds of the burst runtime's overlapped gradient sums of a run: each layer's gradients all-reduced
+        (in buckets, each paying the link's latency) as soon as its backward ends, hidden behind the run's backward up
+        to the device's `comm_overlap`; the sum of the run's first layer, the last to finish, is always exposed."""
+        if width == 1:
+            return 0.0
+        lay = width_layout(self.work, width)
+        grad_bytes, bucket = bytes_per(lay, self.work)[1], self.work.bucket_mb * 2**20
+        sums = [bucket_seconds(self.cluster, "all_reduce", grad_bytes * e, bucket, width, 1)[0] for e in self.costs[width].elements[start:end]]
+        return max(sum(sums) - self.cluster.device.comm_overlap * backward, sums[0])
 
     def transfer(self, source: int, target: int) -> float:
         key = (source, target)
@@ -257,7 +295,7 @@ class ClusterPoint:
 
     world: int
     global_batch: int
-    dp: BurstPlan  # every layer on every device: plain data parallelism (priced as cost.price prices it)
+    dp: BurstPlan  # every layer on every device: plain data parallelism with DDP's buckets (as cost.price prices it)
     burst: BurstPlan
     background_rate: float  # sequences per device-second of the background job alone on one device
     background_share: float  # of that rate, what it keeps in the foreground's idle time
@@ -305,5 +343,5 @@ def simulate_cluster(
     cluster = cluster.with_nodes(world)
     problem = BurstProblem(work, cluster, world)
     plan = problem.solve(amplification)
-    dp = problem.plan_of((world,) * problem.layers)
+    dp = BurstProblem(work, cluster, world, (world,), sums="buckets").plan_of((world,) * problem.layers)  # DDP, as cost.price
     return ClusterPoint(world, work.global_batch, dp, plan, background_rate(work, cluster, background_batch), share)

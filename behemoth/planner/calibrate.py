@@ -344,7 +344,8 @@ def _single_process(mode: str, folder: str) -> dict[str, Any]:
 
 def probe_spec(nproc: int) -> ClusterSpec:
     """A quick description of this machine for `nproc` processes, measured in this process in about a second: the
-    matrix rate (one process's share of the cores), the memory bandwidth and an operator's cost. The links are not
+    matrix rate (one process's share of the cores: what it measures alone, times cores / nproc where the processes
+    outnumber the cores, as `behemoth calibrate` measures every rank at once), the memory bandwidth and an operator's cost. The links are not
     measured (no processes are started): a single machine's collectives are assumed to run at a tenth of the memory
     bandwidth with 100 us of latency, until `behemoth calibrate` measures them."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -352,8 +353,9 @@ def probe_spec(nproc: int) -> ClusterSpec:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     try:
+        share = min(1.0, core_count() / nproc) if device.type == "cpu" else 1.0  # nproc ranks on fewer cores: each its share
         curve = [
-            (n, 2 * n**3 / timed(lambda n=n: torch.ones(n, n, device=device) @ torch.ones(n, n, device=device), 3, device) / 1e12)
+            (n, share * 2 * n**3 / timed(lambda n=n: torch.ones(n, n, device=device) @ torch.ones(n, n, device=device), 3, device) / 1e12)
             for n in (128, 256, 512)
         ]
         src = torch.ones(2**24, device=device)

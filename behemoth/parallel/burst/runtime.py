@@ -44,12 +44,29 @@ class BurstModel:
     """`lm` (materialized alike on every rank) run as the burst plan `widths`; `step` gives the loss and leaves every
     parameter's gradient, summed over its group, on the ranks of that group."""
 
-    def __init__(self, lm: CausalLM, widths: Sequence[int], groups: BurstGroups, *, batch: int) -> None:
+    def __init__(self, lm: CausalLM, widths: Sequence[int], groups: BurstGroups, *, batch: int, overlap: bool = False) -> None:
         check_widths(widths, lm.shape.n_layer, groups.world, batch)
         self.lm, self.widths, self.groups, self.batch = lm, tuple(widths), groups, batch
         self.blocks = cast(nn.ModuleList, lm.module.get_submodule(lm.layers.blocks))
         self.layer_params = self._layer_params()
         self.param_width = self._param_widths()
+        self.overlap = overlap  # `step` sums each layer's finished gradients while earlier layers run backward
+        self.ready = self._ready_params()
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+        self._started = False  # the last backward started its sums (sync_gradients finishes them)
+
+    def _ready_params(self) -> list[list[nn.Parameter]]:
+        """ready[l]: the parameters whose gradient is complete once layer l's backward ends (l is the first layer that
+        uses them: backward runs the layers in reverse)."""
+        first: dict[int, int] = {}
+        for layer, params in enumerate(self.layer_params):
+            for p in params:
+                first.setdefault(id(p), layer)
+        out: list[list[nn.Parameter]] = [[] for _ in self.layer_params]
+        for p, _ in self.param_width.values():
+            if p.requires_grad:
+                out[first[id(p)]].append(p)
+        return out
 
     def _layer_params(self) -> list[list[nn.Parameter]]:
         model, view = self.lm.module, self.lm.layers
@@ -85,21 +102,29 @@ class BurstModel:
         """Forward and backward of the global batch `idx` -> `targets` (every rank passes all of it), gradients summed over
         their groups; the global mean loss."""
         count = int(counted_targets(targets))
-        local = self.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count)
+        local = self.forward_backward(idx, targets, lambda logits, t: summed_token_loss(logits, t) / count, overlap=self.overlap)
         total = (local * count).reshape(1).clone()
         all_reduce(total, self.groups.job)
         self.sync_gradients()
         return float(total) / count
 
     def forward_backward(
-        self, idx: torch.Tensor, targets: torch.Tensor, head_loss: HeadLoss, autocast: Callable[[], AbstractContextManager] = nullcontext
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor,
+        head_loss: HeadLoss,
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+        *,
+        overlap: bool = False,
     ) -> torch.Tensor:
-        """Forward (under `autocast`) and backward of the global batch, gradients left unsummed; this rank's head loss
-        (0 on ranks outside the head's group)."""
+        """Forward (under `autocast`) and backward of the global batch; this rank's head loss (0 on ranks outside the
+        head's group). The gradients are left unsummed, or (`overlap`) their sums are started as each layer's backward
+        completes them, and `sync_gradients` finishes them."""
         rows = self._rows(idx)
         with autocast():
             stash = self._forward(idx, targets, head_loss, rows)
-        self._backward(stash, rows)
+        self._started = overlap
+        self._backward(stash, rows, overlap)
         last = stash[self.last]
         return last[1].detach().float() if last is not None else torch.zeros((), device=rows.device)
 
@@ -144,7 +169,7 @@ class BurstModel:
             h = out.detach()
         return stash
 
-    def _backward(self, stash: list[Stashed], rows: Rows) -> None:
+    def _backward(self, stash: list[Stashed], rows: Rows, overlap: bool = False) -> None:
         grad: torch.Tensor | None = None
         for layer in range(self.last, -1, -1):
             entry = stash[layer]
@@ -153,6 +178,8 @@ class BurstModel:
                 x, out = entry
                 out.backward(grad if layer < self.last else None)
                 grad_in = x.grad if x is not None else None
+            if overlap:
+                self._start_sums(self.ready[layer])
             if layer:
                 grad = reshard(grad_in, rows, self.widths[layer], self.widths[layer - 1], self.groups, tag=len(self.widths) + layer)
 
@@ -161,9 +188,38 @@ class BurstModel:
         return [p for p, w in self.param_width.values() if w == width and p.requires_grad]
 
     @torch.no_grad()
+    def _start_sums(self, params: list[nn.Parameter]) -> None:
+        """Start the asynchronous sums of `params`' finished gradients over their groups, a bucket per width (every rank
+        reaches the same layers in the same order, so each group's members issue its collectives alike)."""
+        for width in sorted({self.param_width[id(p)][1] for p in params}):
+            group = self.groups.group(width)
+            if group is None:
+                continue
+            mine = [p for p in params if self.param_width[id(p)][1] == width]
+            for p in mine:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            for bucket in plan_buckets(mine, BUCKET_BYTES):
+                grads = [cast(torch.Tensor, p.grad) for p in bucket]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                self._pending.append((all_reduce(flat, group, async_op=True), flat, grads))
+
+    @torch.no_grad()
+    def _finish_sums(self) -> None:
+        """Wait for the sums `_start_sums` started and copy them into the gradients."""
+        pending, self._pending = self._pending, []
+        for handle, flat, grads in pending:
+            handle.wait()
+            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    @torch.no_grad()
     def sync_gradients(self, widths: Sequence[int] | None = None) -> None:
         """Sum each parameter's gradient over its group (ranks 0 .. width-1), in buckets of one width at a time (every
-        width, or those of `widths`)."""
+        width, or those of `widths`); after an overlapped backward, finish the sums it started instead."""
+        if self._started:
+            self._started = False
+            self._finish_sums()
+            return
         for width in sorted(set(widths) if widths is not None else {w for _, w in self.param_width.values()}):
             group = self.groups.group(width)
             if group is None:
