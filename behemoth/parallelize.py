@@ -377,7 +377,13 @@ def parallelize(
         return burst_model(lm, plan.burst, rt, batch)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)
     if pipeline is not None:
-        pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter)
+        pipeline.start(
+            hidden_size=lm.shape.d_model,
+            device=rt.device,
+            on_grads=[s.stage_done for s in syncs],
+            meter=meter,
+            static_stash=lm.routers is None,  # a mixture of experts' saved tensors follow its routing
+        )
     adapter = (
         build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(), data_ranks=rt.dims.data_ranks)
         if experts
