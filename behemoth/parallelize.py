@@ -378,7 +378,14 @@ def parallelize(
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)
     if pipeline is not None:
         hidden, blocks = tp.activation_block(lm.shape.d_model) if isinstance(tp, TensorParallel2D | TensorParallel3D) else (lm.shape.d_model, 1)
-        pipeline.start(hidden_size=hidden, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter, batch_split=blocks)
+        pipeline.start(
+            hidden_size=hidden,
+            device=rt.device,
+            on_grads=[s.stage_done for s in syncs],
+            meter=meter,
+            batch_split=blocks,
+            static_stash=lm.routers is None,  # a mixture of experts' saved tensors follow its routing
+        )
     adapter = (
         build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(), data_ranks=rt.dims.data_ranks)
         if experts

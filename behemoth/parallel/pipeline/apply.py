@@ -86,9 +86,13 @@ class PipelineParallel:
         rank is left out: ZeRO reduces it at the step, after the two stages summed it."""
         return stage_parameters(self.model, self.stages, self.layers, shared=self._tied_peer() is not None)
 
-    def start(self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None, batch_split: int = 1) -> None:
+    def start(
+        self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None, batch_split: int = 1, static_stash: bool = False
+    ) -> None:
         """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist;
-        `hidden_size` and `batch_split`: this rank's block of an activation (2-D/3-D tp: features / q, sequences / rows)."""
+        `hidden_size` and `batch_split`: this rank's block of an activation (2-D/3-D tp: features / q, sequences / rows);
+        `static_stash`: a stage's forward saves the same bytes for every input of one shape (no routing), so the executor
+        counts them once per (stage, shape) instead of hooking every saved tensor of every pass."""
         self.meter = meter
         dtype = next(self.model.parameters()).dtype
         # a split backward defers the linear layers' weight-gradient matmuls (tensor-parallel ones too) to its W passes
@@ -102,6 +106,7 @@ class PipelineParallel:
             replica_params=self._replica_params(),
             on_grads=(lambda stage: [f(stage) for f in on_grads]) if on_grads else None,
             deferral=deferral,
+            static_stash=static_stash,
         )
         self.executor.stash_meter.exclude(list(self.model.parameters()))
 

@@ -120,7 +120,9 @@ class PipelineExecutor:
 
     `replica_params`: per stage, the parameters Chimera's GRAD_SYNC sums with the stage's other replica;
     `on_grads(stage)`: called once a pass has written a stage's weight gradients (ZeRO-2 reduces them);
-    `deferral`: the slot the model's deferrable linear layers read (zero-bubble schedules' split backward)."""
+    `deferral`: the slot the model's deferrable linear layers read (zero-bubble schedules' split backward);
+    `static_stash`: what a stage's forward saves depends only on its input's shape (not on routing, as a mixture of experts'
+    does), so its bytes are counted by the first such pass and reused: the counting hook runs on every saved tensor."""
 
     def __init__(
         self,
@@ -133,6 +135,7 @@ class PipelineExecutor:
         replica_params: dict[int, list[nn.Parameter]] | None = None,
         on_grads: Callable[[int], None] | None = None,
         deferral: DeferralSlot | None = None,
+        static_stash: bool = False,
     ) -> None:
         self.schedule, self.rank, self.stages, self.comm, self.activations = schedule, rank, stages, comm, activations
         self.replica_params, self.on_grads = replica_params or {}, on_grads
@@ -147,6 +150,7 @@ class PipelineExecutor:
         for g in plan(schedule, rank):
             self.groups.setdefault(g.at, []).append(g)
         self.stash_meter = StashMeter()
+        self.stash_sizes: dict[tuple, int] | None = {} if static_stash else None  # (stage, shape, dtype, modes) -> bytes
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
@@ -325,11 +329,19 @@ class _Step:
 
     def stash_pass(self, a: Action, x: torch.Tensor, recomputed: bool = False) -> None:
         """A forward under autograd whose graph is stashed for the backward; its saved bytes are counted."""
-        with self.ex.stash_meter.measure() as meter:
+        ex, part = self.ex, self.ex.stages[a.stage]
+        key = (a.stage, tuple(x.shape), x.dtype, recomputed, part.model.training, torch.is_autocast_enabled(x.device.type))
+        nbytes = None if ex.stash_sizes is None else ex.stash_sizes.get(key)
+        if nbytes is None:
+            with ex.stash_meter.measure() as meter:
+                out = self.stage_pass(a, x, deposit=not recomputed)
+            nbytes = meter.bytes
+            if ex.stash_sizes is not None:
+                ex.stash_sizes[key] = nbytes
+        else:
             out = self.stage_pass(a, x, deposit=not recomputed)
-        leaf = None if self.ex.stages[a.stage].is_first else x
-        self.stash[(a.stage, a.microbatch)] = Stashed(leaf, out, meter.bytes)
-        self.stash_bytes += meter.bytes
+        self.stash[(a.stage, a.microbatch)] = Stashed(None if part.is_first else x, out, nbytes)
+        self.stash_bytes += nbytes
         self.peak_stash = max(self.peak_stash, self.stash_bytes)
         self.reap_sends()
 
