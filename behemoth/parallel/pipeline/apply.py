@@ -87,7 +87,14 @@ class PipelineParallel:
         return stage_parameters(self.model, self.stages, self.layers, shared=self._tied_peer() is not None)
 
     def start(
-        self, *, hidden_size: int, device: torch.device, on_grads: list, meter: CommMeter | None = None, batch_split: int = 1, static_stash: bool = False
+        self,
+        *,
+        hidden_size: int,
+        device: torch.device,
+        on_grads: list,
+        meter: CommMeter | None = None,
+        batch_split: int = 1,
+        static_stash: bool = False,
     ) -> None:
         """Build the executor over the materialized parameters; `on_grads`: what to tell when a stage's gradients exist;
         `hidden_size` and `batch_split`: this rank's block of an activation (2-D/3-D tp: features / q, sequences / rows);
