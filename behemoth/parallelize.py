@@ -377,21 +377,23 @@ def parallelize(
         return burst_model(lm, plan.burst, rt, batch)
     syncs = build_syncs(model, plan, rt, units=units, pipeline=pipeline, meter=meter, experts=experts, optimizer_tier=optimizer_tier)
     if pipeline is not None:
-        hidden, blocks = tp.activation_block(lm.shape.d_model) if isinstance(tp, TensorParallel2D | TensorParallel3D) else (lm.shape.d_model, 1)
-        pipeline.start(
-            hidden_size=hidden,
-            device=rt.device,
-            on_grads=[s.stage_done for s in syncs],
-            meter=meter,
-            batch_split=blocks,
-            static_stash=lm.routers is None,  # a mixture of experts' saved tensors follow its routing
-        )
+        start_pipeline(pipeline, lm, tp, rt, syncs, meter)
     adapter = (
         build_adapter(experts, plan.expert_adapt, plan.expert_probe_every, rt.world_group, lm.moe_costs(), data_ranks=rt.dims.data_ranks)
         if experts
         else None
     )
     return ParallelModel(lm, rt, syncs, pipeline, tp, meter, experts, adapter, context=context)
+
+
+def start_pipeline(pipeline: PipelineParallel, lm: CausalLM, tp: Any, rt: Runtime, syncs: list, meter: CommMeter) -> None:
+    """The training pipeline's executor: stages exchange this rank's block of an activation (a 2-D/3-D tensor-parallel
+    rank's features / q of its rows), tell the syncs when a stage's gradients exist, and count a stage's saved bytes once
+    per shape unless a mixture of experts' routing changes them."""
+    hidden, blocks = tp.activation_block(lm.shape.d_model) if isinstance(tp, TensorParallel2D | TensorParallel3D) else (lm.shape.d_model, 1)
+    pipeline.start(
+        hidden_size=hidden, device=rt.device, on_grads=[s.stage_done for s in syncs], meter=meter, batch_split=blocks, static_stash=lm.routers is None
+    )
 
 
 def offloaded_model(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from behemoth.parallel.expert.dispatch import ExpertCompute
-from tests.dist import run_ranks
+from tests.dist import run_ranks, wait_for_health
 from tests.test_generate import prompts
 
 transformers = pytest.importorskip("transformers")
@@ -164,10 +164,9 @@ def _one_process_text(folder: str, prompt: str) -> str:
 def test_the_server_at_ep2_answers_as_one_process(mixtral):
     """`behemoth serve --nproc 2 --ep 2`: rank 0 runs HTTP and the scheduler, the other rank follows its steps; the
     openai client's completion is one process's text."""
-    import time
 
     openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("httpx")
     from behemoth.faults.launch import free_port
 
     expected = run_ranks(1, _one_process_text, mixtral, "abc")[0]
@@ -175,14 +174,7 @@ def test_the_server_at_ep2_answers_as_one_process(mixtral):
     args = ["serve", mixtral, "--nproc", "2", "--ep", "2", "--port", str(port), "--block-size", "4", "--kv-cache-mb", "2", "--model-name", "mixtral"]
     proc = subprocess.Popen([sys.executable, "-m", "behemoth", *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {proc.returncode}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_for_health(proc, f"http://127.0.0.1:{port}", 240)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         done = client.completions.create(model="mixtral", prompt="abc", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
         assert done.choices[0].text == expected and done.usage.completion_tokens == MAX_TOKENS

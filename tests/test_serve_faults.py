@@ -19,6 +19,7 @@ import pytest
 
 from behemoth.inference.scheduler import SchedulerPolicy
 from tests import test_serve
+from tests.dist import wait_for_health
 from tests.test_serve import SlowRunner, complete, scheduler_counter, server, stream_text, wait_for_idle
 
 generator = test_serve.generator  # the same module-scoped fixture: gpt-tiny, a Latin-1 tokenizer
@@ -198,14 +199,7 @@ def serve_two_ranks(folder: str, port: int, *extra: str) -> subprocess.Popen:
 
 def up_and_workers(proc: subprocess.Popen, url: str, port: int, seconds: float = 240) -> tuple[int, int]:
     """(rank 0's pid, the other worker's pid) once the server answers /health."""
-    deadline = time.monotonic() + seconds
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    wait_for_health(proc, url, seconds)
     workers = [p for p in children(proc.pid) if "--multiprocessing-fork" in open(f"/proc/{p}/cmdline").read()]
     rank0 = listening_pid(workers, port)
     assert rank0 is not None and len(workers) == 2, workers

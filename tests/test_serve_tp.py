@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist import run_ranks
+from tests.dist import run_ranks, wait_for_health
 from tests.test_generate import hf_generate, prompts
 from tests.test_serve_speculative import save_llama
 
@@ -150,10 +150,9 @@ def test_the_command_line_server_under_tp_serves_offload_ngram_and_adapters_as_o
     import os
     import subprocess
     import sys
-    import time
 
     openai = pytest.importorskip("openai")
-    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("httpx")
     from behemoth.faults.launch import free_port
 
     prompt, n = "abcabcabc", 12
@@ -165,14 +164,7 @@ def test_the_command_line_server_under_tp_serves_offload_ngram_and_adapters_as_o
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "behemoth", *args], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start: {proc.returncode}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_for_health(proc, f"http://127.0.0.1:{port}", 240)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         texts = [
             client.completions.create(model=m, prompt=prompt, max_tokens=n, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
