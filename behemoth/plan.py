@@ -28,7 +28,9 @@ class ParallelPlan(BaseModel):
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1", "chimera", "zbv", "dualpipev", "1f1b-scp"] = Field(
         "1f1b", description="pipeline schedule (pp > 1); zbv and dualpipev hold 2 chunks per rank in a V; 1f1b-scp recomputes"
     )
-    microbatches: int | None = Field(None, ge=1, description="micro-batches per step per pipeline (default: set by train.micro_batch)")
+    microbatches: int | None = Field(
+        None, ge=1, description="micro-batches per step per pipeline (default: train.micro_batch, else under pp > 1 about 4 x pp)"
+    )
     chunks: int = Field(2, ge=2, description="model chunks per rank for the interleaved schedule")
     stage_boundaries: list[int] | None = Field(None, description="first block of every stage, then n_layer, e.g. [0,3,8] (default: balanced)")
     balance: Literal["flops", "time", "layers"] = Field("flops", description="what stages balance when stage_boundaries is unset")
@@ -102,8 +104,11 @@ class ParallelPlan(BaseModel):
         return self.chunks if self.pp > 1 and self.schedule == "interleaved" else 1
 
     def micro_batch(self, global_batch: int, micro_batch: int | None, dp: int) -> int | None:
-        """Sequences per micro-batch: fixed by `microbatches` (per step and data-parallel rank) when set, else train.micro_batch."""
+        """Sequences per micro-batch: fixed by `microbatches` (per step and data-parallel rank) when set, else train.micro_batch;
+        a pipeline with neither fills itself (`default_microbatches`)."""
         if self.microbatches is None:
+            if micro_batch is None and self.pp > 1 and global_batch % dp == 0:
+                return global_batch // dp // self.default_microbatches(global_batch // dp)
             return micro_batch
         if global_batch % (dp * self.microbatches):
             raise BehemothError(
@@ -118,6 +123,15 @@ class ParallelPlan(BaseModel):
                 "set only one of them",
             )
         return size
+
+    def default_microbatches(self, sequences: int) -> int:
+        """Micro-batches for a pipeline given `sequences` per data-parallel rank and no micro-batch setting: the fewest
+        multiples of pp that divide them and are at least 4 x pp (else the fewest divisors that are) (1F1B's bubble (p-1)/(m+p-1) is then at most 1/5, 11% at
+        p=2; interleaved and Chimera need multiples of pp, DualPipeV at least 2 x pp), else the most that divide them."""
+        divisors = [m for m in range(1, sequences + 1) if sequences % m == 0]
+        whole = [m for m in divisors if m % self.pp == 0]
+        enough = [m for m in whole if m >= 4 * self.pp] or [m for m in divisors if m >= 4 * self.pp]
+        return enough[0] if enough else (whole or divisors)[-1]
 
     def degrees(self) -> dict[str, int | None]:
         """The mesh degrees this plan sets, for init_runtime."""

@@ -108,3 +108,16 @@ def test_replacing_a_section_validates_it_again(tmp_path):
     ]:
         with pytest.raises(BehemothError, match=re.escape(message)):
             load_config(None, [f"hf.weights={weights}", option])
+
+
+@pytest.mark.parametrize(
+    ("pp", "schedule", "sequences", "expected"),
+    [(2, "1f1b", 32, 8), (4, "1f1b", 32, 16), (3, "1f1b", 32, 16), (2, "1f1b", 3, 3), (2, "interleaved", 6, 6), (2, "1f1b", 1, 1)],
+)
+def test_a_pipeline_without_a_micro_batch_setting_fills_itself(pp: int, schedule: str, sequences: int, expected: int) -> None:
+    plan = ParallelPlan(pp=pp, schedule=schedule)
+    m = plan.default_microbatches(sequences)
+    assert m == expected and sequences % m == 0
+    assert plan.micro_batch(sequences * 2, None, 2) == sequences // m  # per data-parallel rank
+    assert ParallelPlan().micro_batch(64, None, 2) is None  # no pipeline: no accumulation unless asked
+    assert plan.micro_batch(sequences, sequences, 1) == sequences  # train.micro_batch still wins
