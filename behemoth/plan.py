@@ -126,8 +126,9 @@ class ParallelPlan(BaseModel):
 
     def default_microbatches(self, sequences: int) -> int:
         """Micro-batches for a pipeline given `sequences` per data-parallel rank and no micro-batch setting: the fewest
-        multiples of pp that divide them and are at least 4 x pp (else the fewest divisors that are) (1F1B's bubble (p-1)/(m+p-1) is then at most 1/5, 11% at
-        p=2; interleaved and Chimera need multiples of pp, DualPipeV at least 2 x pp), else the most that divide them."""
+        multiples of pp that divide them and are at least 4 x pp, else the fewest divisors that are, else the most that
+        divide them. 1F1B's bubble (p-1)/(m+p-1) is then at most 1/5 (11% at p=2); interleaved and Chimera need
+        multiples of pp, DualPipeV at least 2 x pp."""
         divisors = [m for m in range(1, sequences + 1) if sequences % m == 0]
         whole = [m for m in divisors if m % self.pp == 0]
         enough = [m for m in whole if m >= 4 * self.pp] or [m for m in divisors if m >= 4 * self.pp]
