@@ -107,10 +107,18 @@ def adapters(folder, tmp_path_factory):
     }
 
 
-def test_batched_adapters_under_tp_equal_one_process(folder, adapters, single):
-    slots = [1, 2, 0, 2]  # support, sql, the base, sql: in one batch
-    one, _ = run_ranks(1, _serve, folder, 1, 1, False, False, adapters, slots, timeout=60)[0]
-    ranks = run_ranks(2, _serve, folder, 2, 1, True, False, adapters, slots, timeout=90)
+@pytest.fixture(scope="module")
+def one_with_adapters(folder, adapters):
+    return run_ranks(1, _serve, folder, 1, 1, False, False, adapters, ADAPTER_SLOTS, timeout=60)[0][0]
+
+
+ADAPTER_SLOTS = [1, 2, 0, 2]  # support, sql, the base, sql: in one batch
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_batched_adapters_under_tp_and_pp_equal_one_process(folder, adapters, single, one_with_adapters, tp, pp):
+    one = one_with_adapters
+    ranks = run_ranks(tp * pp, _serve, folder, tp, pp, True, False, adapters, ADAPTER_SLOTS, timeout=90)
     assert ranks[0][0] == one and ranks[1] is None
     assert one[2] == single[0][2] and one[0] != single[0][0] and one[3] != single[0][3]  # base rows the base's; adapters matter
 
@@ -120,7 +128,7 @@ def test_batched_adapters_under_tp_equal_one_process(folder, adapters, single):
     [
         (["generate", "--speculative", "ngram", "--offload", "host", "--nproc", "2", "--tp", "2", "--prompt", "x"], "with --offload host"),
         (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
-        (["serve", "--adapter", "a={folder}", "--nproc", "2", "--pp", "2"], "batched adapters run on one process or split by --tp"),
+        (["serve", "--adapter", "a={folder}", "--quantize", "int8"], "with --quantize int8: batched adapters run without it"),
         (["serve", "--kv-offload", "--nproc", "2", "--ep", "2"], "--kv-offload with --ep 2"),
     ],
 )

@@ -133,14 +133,16 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
 
 
 def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
-    """--adapter NAME=DIR before anything loads: one process or --tp (no pipeline, no experts split), no prefix caching
+    """--adapter NAME=DIR before anything loads: one process, --tp or --pp (no experts split), no prefix caching
     (its blocks are named by tokens alone), no quantization, distinct names that exist as folders."""
     from pathlib import Path
 
     for name, folder in args.batched_adapters.items():
-        layout = f"--pp {args.pp}" if args.pp > 1 else f"--ep {args.ep}" if args.ep > 1 else None
-        if layout:
-            raise BehemothError(f"--adapter {name}={folder} with {layout}: batched adapters run on one process or split by --tp", f"drop {layout}")
+        if args.ep > 1:
+            raise BehemothError(
+                f"--adapter {name}={folder} with --ep {args.ep}: batched adapters run on one process or split by --tp or --pp",
+                f"drop --ep {args.ep}",
+            )
         if args.prefix_caching or args.quantize:
             what = "--prefix-caching" if args.prefix_caching else f"--quantize {args.quantize}"
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run without it", f"drop {what}")

@@ -231,16 +231,27 @@ def attach_speculative(gen: Generator, draft: str | NgramDraft | None, tokens: i
 def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
     """Serve PEFT LoRA folders (name -> folder) unmerged over the generator's model: a request names one (its slot in
     `SamplingParams.adapter`) and rows of different adapters share a batch. Under tensor parallelism the other ranks
-    build their banks too (`follow_model(..., adapters=folders)`)."""
+    build their banks too (`follow_model(..., adapters=folders)`), and so do the stages of a pipeline."""
+    from behemoth.inference.pipeline import PipelineRunner
+
     runner = local_model_runner(gen)
+    pipeline = verifying_runner(gen)
+    if runner is None and isinstance(pipeline, PipelineRunner):
+        runner = pipeline.local
     if runner is None:
         raise BehemothError(
             f"batched adapters {sorted(folders)} with a {type(gen.runner).__name__}: they run with the model in memory, on one "
-            "process or split by --tp",
-            "serve without --pp/--offload, or merge one adapter with --adapter DIR",
+            "process, split by --tp or by --pp",
+            "serve without --offload, or merge one adapter with --adapter DIR",
         )
-    runner.lora = LoRABank(runner.lm.module, folders)
+    runner.lora = bank_for(runner, folders)
     return runner.lora
+
+
+def bank_for(runner: ModelRunner, folders: dict[str, str]) -> LoRABank:
+    """This rank's part of the batched adapters: the layers of every block it holds (all of them without a pipeline)."""
+    pipelined = type(runner.blocks).__name__ == "StageBlocks"
+    return LoRABank(runner.lm.module, folders, blocks=runner.view.blocks if pipelined else None)
 
 
 def generator_for(model: LoadedModel, source: Source, cache: CachePolicy = CachePolicy(), *, max_batch: int = 64) -> Generator:
@@ -269,7 +280,7 @@ def follow_model(model: LoadedModel, cache: CachePolicy, *, adapters: dict[str, 
     serves: each rank its part of every one)."""
     local = local_runner(model, cache)
     if adapters:
-        local.lora = LoRABank(local.lm.module, adapters)
+        local.lora = bank_for(local, adapters)
     if model.pipeline is not None:
         from behemoth.inference.pipeline import PipelineRunner
 

@@ -10,7 +10,8 @@ with its adapter merged (W + (alpha / r) B A) within float32 rounding.
 Under tensor parallelism each adapter is split like the base layer it adapts (parallel/tensor/adapters.py's rule):
 over a column-parallel layer A is whole and B keeps this rank's output features; over a row-parallel layer A keeps
 this rank's input features, and the r-wide products A_r x_r are summed over tp before B (one small all-reduce).
-Every rank builds its bank from the same folders and gets each step's row slots with the batch.
+Every rank builds its bank from the same folders and gets each step's row slots with the batch. Under a pipeline each
+rank adapts the layers of the blocks it holds, and each micro-batch carries its rows' slots through the stages.
 """
 
 from __future__ import annotations
@@ -79,14 +80,19 @@ def tensor_split(layer: nn.Module | None, name: str) -> tuple[str, ShardLayout, 
 class LoRABank:
     """The adapters of a served model: their stacked tensors per adapted layer, and the slot of each row of the step."""
 
-    def __init__(self, module: nn.Module, folders: dict[str, str]) -> None:
+    def __init__(self, module: nn.Module, folders: dict[str, str], *, blocks: str | None = None) -> None:
+        """`blocks`: under a pipeline, the name of the model's block list, of which this rank holds its stages' blocks
+        only (`StageBlocks`): an adapter layer inside a block held by another rank is that rank's to adapt."""
         self.names = tuple(folders)
         adapters = [read_adapter(folder) for folder in folders.values()]
         layers = dict(module.named_modules())
+        held = None if blocks is None else set(dict(module.get_submodule(blocks).named_children()))
         self.rows: torch.Tensor | None = None  # [B] slot per row (0: the base), set by the runner before each forward
         self.handles, self.bytes = [], 0
         for name in sorted({m for a in adapters for m in a.modules()}):
             layer = layers.get(name)
+            if layer is None and held is not None and name.startswith(f"{blocks}.") and name[len(blocks) + 1 :].split(".")[0] not in held:
+                continue  # another stage's block
             split = tensor_split(layer, name)
             assert layer is not None
             A, B = stacked(adapters, name, layer.weight.detach(), None if split is None else (split[0], split[1]))

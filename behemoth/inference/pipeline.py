@@ -42,6 +42,7 @@ def split_rows(batch: StepBatch, parts: int) -> list[StepBatch]:
                 batch.lengths[lo:hi],
                 batch.slots[offsets[lo] : offsets[hi]],
                 batch.gather[lo:hi, :L],
+                None if batch.adapters is None else batch.adapters[lo:hi],
             )
         )
     return out
