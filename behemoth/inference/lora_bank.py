@@ -17,6 +17,7 @@ rank adapts the layers of the blocks it holds, and each micro-batch carries its 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -77,6 +78,11 @@ def tensor_split(layer: nn.Module | None, name: str) -> tuple[str, ShardLayout, 
     return kind, layout, split.tp if kind == "row" else None
 
 
+def elsewhere(name: str, blocks: str, held: set[str]) -> bool:
+    """Whether module `name` is inside a block of the list `blocks` that this rank does not hold."""
+    return name.startswith(f"{blocks}.") and name[len(blocks) + 1 :].split(".")[0] not in held
+
+
 class LoRABank:
     """The adapters of a served model: their stacked tensors per adapted layer, and the slot of each row of the step."""
 
@@ -91,7 +97,7 @@ class LoRABank:
         self.handles, self.bytes = [], 0
         for name in sorted({m for a in adapters for m in a.modules()}):
             layer = layers.get(name)
-            if layer is None and held is not None and name.startswith(f"{blocks}.") and name[len(blocks) + 1 :].split(".")[0] not in held:
+            if layer is None and held is not None and elsewhere(name, cast(str, blocks), held):
                 continue  # another stage's block
             split = tensor_split(layer, name)
             assert layer is not None
