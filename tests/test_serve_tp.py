@@ -89,7 +89,7 @@ def test_kv_offload_under_tp_and_pp_equals_one_process(folder, single, tp, pp):
     assert stats["prefill_tokens"] < single[1]["prefill_tokens"]  # what came back from every rank's host memory was not recomputed
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_ngram_speculation_with_kv_offload_under_tp_and_pp_equals_one_process(folder, single, tp, pp):
     out, stats = run_ranks(tp * pp, _serve, folder, tp, pp, True, True, timeout=90)[0]
     assert [o for o, sp in zip(out, PARAMS) if sp is GREEDY] == [o for o, sp in zip(single[0], PARAMS) if sp is GREEDY]
@@ -115,7 +115,7 @@ def one_with_adapters(folder, adapters):
 ADAPTER_SLOTS = [1, 2, 0, 2]  # support, sql, the base, sql: in one batch
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_batched_adapters_under_tp_and_pp_equal_one_process(folder, adapters, single, one_with_adapters, tp, pp):
     one = one_with_adapters
     ranks = run_ranks(tp * pp, _serve, folder, tp, pp, True, False, adapters, ADAPTER_SLOTS, timeout=90)
