@@ -164,7 +164,8 @@ def test_cost_terms_have_their_structural_properties(cluster):
 def with_adamw(cluster, fixed_us: float, ns_per_element: float):
     from behemoth.planner.cluster import AdamWRate
 
-    return cluster.model_copy(update={"device": cluster.device.model_copy(update={"adamw": AdamWRate(fixed_us=fixed_us, ns_per_element=ns_per_element)})})
+    rate = AdamWRate(fixed_us=fixed_us, ns_per_element=ns_per_element)
+    return cluster.model_copy(update={"device": cluster.device.model_copy(update={"adamw": rate})})
 
 
 def test_measured_adamw_rate_prices_each_rank_by_the_elements_it_holds():

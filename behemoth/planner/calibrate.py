@@ -4,8 +4,8 @@ runs processes).
 Over N local processes (every GPU, or N CPU processes sharing the cores as training would), all at once:
 the matrix-multiply rate by size and dtype, each collective's time by message size (all-reduce, all-gather,
 reduce-scatter, all-to-all, p2p), fitted to latency + bytes / bus bandwidth in nccl-tests' convention, the memory
-bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element; on rank 0 alone, the disk's write and read bandwidth
-(a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
+bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element; on rank 0
+alone, the disk's write and read bandwidth (a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
 """
 
 from __future__ import annotations
