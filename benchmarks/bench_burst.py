@@ -74,6 +74,17 @@ def simulate(rows: list[dict]) -> None:
             rows.append(ratio("burst", case, "data parallelism + background", "cluster throughput", p.cluster_throughput, p.dp_multiplexed))
 
 
+def training_adamw(params: Any) -> Any:
+    """torch's AdamW with the kernel `behemoth train` picks on this device (foreach on CPU, where torch's own default
+    is the slower for-loop), as `behemoth calibrate` times it."""
+    import torch
+
+    from behemoth.config import TrainConfig
+    from behemoth.parallel.sync import adamw_settings
+
+    return torch.optim.AdamW(params, lr=1e-3, **adamw_settings(TrainConfig(), torch.device("cpu")).kernel_flags())
+
+
 def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int, overlap: bool = True) -> dict:
     """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths`; the rank's median step, its
     parts (forward + backward with the re-sharding and the loss sum, the gradient sums (`overlap`: what is left of
@@ -90,7 +101,7 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
     lm = build_causal_lm(GPTConfig(preset=model, context=seq))
     materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
     burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch)
-    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
+    opt = training_adamw(lm.module.parameters())
     parts: dict[str, list[float]] = {"step_s": [], "passes_s": [], "sync_s": [], "optimizer_s": [], "cpu_s": []}
     for step in range(warmup + steps):
         tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
@@ -182,6 +193,10 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     plan, _, name, problem = chosen
     plans = [w for w in measured_plans(plan.widths, n) if w in best]
     print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, the planner's plan {plan.widths}")
+    adamw = problem.cluster.device.adamw
+    if adamw is not None:
+        held = sum(problem.costs[1].elements)
+        print(f"(AdamW as calibrated: {adamw.fixed_us:.0f} us + {adamw.ns_per_element:.2f} ns per element; rank 0 steps {held:,} elements)")
     print(
         f"(fastest of {rounds} interleaved rounds of {steps} steps, each after a quick calibration, the fastest calibration kept; "
         f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n"
@@ -337,7 +352,7 @@ def background_worker(model: str, seq: int, batch: int, seconds: float, log: str
     torch.set_num_threads(1)
     lm = build_causal_lm(GPTConfig(preset=model, context=seq))
     materialize(lm.module, seed=1, device=torch.device("cpu"), init_spec=lm.init_spec)
-    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
+    opt = training_adamw(lm.module.parameters())
     end, done = time.time() + seconds, 0
     with open(log, "a") as out:
         while time.time() < end:
