@@ -74,10 +74,21 @@ def simulate(rows: list[dict]) -> None:
             rows.append(ratio("burst", case, "data parallelism + background", "cluster throughput", p.cluster_throughput, p.dp_multiplexed))
 
 
+def training_adamw(params: Any) -> Any:
+    """torch's AdamW with the kernel `behemoth train` picks on this device (foreach on CPU, where torch's own default
+    is the slower for-loop), as `behemoth calibrate` times it."""
+    import torch
+
+    from behemoth.config import TrainConfig
+    from behemoth.parallel.sync import adamw_settings
+
+    return torch.optim.AdamW(params, lr=1e-3, **adamw_settings(TrainConfig(), torch.device("cpu")).kernel_flags())
+
+
 def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int, overlap: bool = True) -> dict:
-    """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths`; rank 0's median step and its
+    """One rank of the foreground: `steps` timed AdamW steps of the burst plan `widths`; the rank's median step, its
     parts (forward + backward with the re-sharding and the loss sum, the gradient sums (`overlap`: what is left of
-    them after backward), the optimizer step)."""
+    them after backward), the optimizer step) and its CPU seconds per step."""
     import torch
     import torch.distributed as dist
 
@@ -90,14 +101,14 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
     lm = build_causal_lm(GPTConfig(preset=model, context=seq))
     materialize(lm.module, seed=0, device=torch.device("cpu"), init_spec=lm.init_spec)
     burst = BurstModel(lm, widths, BurstGroups.of(widths, dist.group.WORLD, torch.device("cpu")), batch=batch)
-    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
-    parts: dict[str, list[float]] = {"step_s": [], "passes_s": [], "sync_s": [], "optimizer_s": []}
+    opt = training_adamw(lm.module.parameters())
+    parts: dict[str, list[float]] = {"step_s": [], "passes_s": [], "sync_s": [], "optimizer_s": [], "cpu_s": []}
     for step in range(warmup + steps):
         tokens = torch.randint(0, lm.shape.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(step))
         idx, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         count = int(counted_targets(targets))
         barrier(dist.group.WORLD)
-        t0 = time.perf_counter()  # BurstModel.step, timed by part
+        c0, t0 = time.process_time(), time.perf_counter()  # BurstModel.step, timed by part (CPU: this process's threads)
         local = burst.forward_backward(idx, targets, lambda logits, t, n=count: summed_token_loss(logits, t) / n, overlap=overlap)
         all_reduce((local * count).reshape(1).clone(), burst.groups.job)
         t1 = time.perf_counter()
@@ -108,13 +119,15 @@ def foreground_rank(model: str, seq: int, batch: int, widths: tuple[int, ...], s
         t3 = time.perf_counter()
         barrier(dist.group.WORLD)
         if step >= warmup:
-            for key, seconds in zip(parts, (time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2)):
+            for key, seconds in zip(parts, (time.perf_counter() - t0, t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0)):
                 parts[key].append(seconds)
     return {key: statistics.median(v) for key, v in parts.items()}
 
 
-def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2) -> float:
-    return run_foreground_parts(nproc, model, seq, batch, widths, steps, warmup)["step_s"]
+def run_foreground(nproc: int, model: str, seq: int, batch: int, widths: tuple[int, ...], steps: int, warmup: int = 2) -> tuple[float, float]:
+    """(rank 0's median step seconds, the ranks' CPU seconds per step summed)."""
+    parts = run_foreground_parts(nproc, model, seq, batch, widths, steps, warmup)
+    return parts["step_s"], parts["cpu_all_s"]
 
 
 def run_foreground_parts(
@@ -122,7 +135,8 @@ def run_foreground_parts(
 ) -> dict:
     from behemoth.faults.ranks import run_ranks
 
-    return run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, overlap, timeout=1800)[0]
+    ranks = run_ranks(nproc, foreground_rank, model, seq, batch, widths, steps, warmup, overlap, timeout=1800)
+    return ranks[0] | {"cpu_all_s": sum(r["cpu_s"] for r in ranks)}
 
 
 def local_plan(nproc: int, model: str, seq: int, batch: int, amplification: float, *, measure_links: bool = False):
@@ -179,6 +193,10 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     plan, _, name, problem = chosen
     plans = [w for w in measured_plans(plan.widths, n) if w in best]
     print(f"\n## measured on {n} CPU ranks ({name}): {args.model}, batch {batch} x {args.seq}, the planner's plan {plan.widths}")
+    adamw = problem.cluster.device.adamw
+    if adamw is not None:
+        held = sum(problem.costs[1].elements)
+        print(f"(AdamW as calibrated: {adamw.fixed_us:.0f} us + {adamw.ns_per_element:.2f} ns per element; rank 0 steps {held:,} elements)")
     print(
         f"(fastest of {rounds} interleaved rounds of {steps} steps, each after a quick calibration, the fastest calibration kept; "
         f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\n"
@@ -321,7 +339,8 @@ def forced_plan(widths: tuple[int, ...], world: int) -> tuple[int, ...]:
 
 
 def background_worker(model: str, seq: int, batch: int, seconds: float, log: str) -> None:
-    """A background training job: one process, AdamW steps for `seconds`, one timestamp per finished step in `log`."""
+    """A background training job: one process, AdamW steps for `seconds`; per finished step, a line in `log` of the
+    time and the process's CPU seconds so far."""
     Path(log).touch()  # before the imports: the parent waits on this file
     import torch
 
@@ -333,7 +352,7 @@ def background_worker(model: str, seq: int, batch: int, seconds: float, log: str
     torch.set_num_threads(1)
     lm = build_causal_lm(GPTConfig(preset=model, context=seq))
     materialize(lm.module, seed=1, device=torch.device("cpu"), init_spec=lm.init_spec)
-    opt = torch.optim.AdamW(lm.module.parameters(), lr=1e-3)
+    opt = training_adamw(lm.module.parameters())
     end, done = time.time() + seconds, 0
     with open(log, "a") as out:
         while time.time() < end:
@@ -344,7 +363,7 @@ def background_worker(model: str, seq: int, batch: int, seconds: float, log: str
             (summed_token_loss(lm.module(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            out.write(f"{time.time()}\n")
+            out.write(f"{time.time()} {time.process_time()}\n")
             out.flush()
 
 
@@ -352,17 +371,28 @@ def wait_for_steps(log: Path, steps: int, timeout_s: float = 300.0) -> None:
     """Wait until the background job has finished `steps` steps (its imports and first steps are not measured)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if log.exists() and len(log.read_text().split()) >= steps:
+        if log.exists() and len(log.read_text().splitlines()) >= steps:
             return
         time.sleep(0.5)
     raise RuntimeError(f"the background job finished fewer than {steps} steps in {timeout_s:.0f} s")
 
 
-def steps_between(log: Path, t0: float, t1: float) -> float:
-    """Background steps per second within [t0, t1]."""
-    stamps = [float(x) for x in log.read_text().split()]
-    inside = [t for t in stamps if t0 <= t <= t1]
-    return len(inside) / (t1 - t0) if t1 > t0 else 0.0
+@dataclass(frozen=True)
+class BackgroundRate:
+    """What the background job did in a window: steps per wall second, CPU seconds per wall second."""
+
+    steps_per_s: float
+    cpu_per_s: float
+
+
+def background_rate(log: Path, t0: float, t1: float) -> BackgroundRate:
+    """The background job's rate within [t0, t1] (its CPU seconds between the last step before t0 and the last in it)."""
+    stamps = [tuple(float(x) for x in line.split()) for line in log.read_text().splitlines() if line.strip()]
+    inside = [cpu for t, cpu in stamps if t0 <= t <= t1]
+    before = [cpu for t, cpu in stamps if t < t0]
+    if t1 <= t0 or not inside:
+        return BackgroundRate(0.0, 0.0)
+    return BackgroundRate(len(inside) / (t1 - t0), (inside[-1] - (before[-1] if before else inside[0])) / (t1 - t0))
 
 
 def background(args: argparse.Namespace, seconds: float, log: Path, cpus: list[int] | None):
@@ -374,36 +404,50 @@ def background(args: argparse.Namespace, seconds: float, log: Path, cpus: list[i
     return start_background(argv, cpus=cpus, env=env, nice=0)  # it lowers itself once warmed up
 
 
-def with_background(args: argparse.Namespace, log: Path, during: Callable[[], float]) -> tuple[float, float]:
-    """Start the background job, wait for its first steps, run `during`; (its result, the background's steps/s meanwhile)."""
+def with_background(args: argparse.Namespace, log: Path, during: Callable[[], Any]) -> tuple[Any, BackgroundRate]:
+    """Start the background job, wait for its first steps, run `during`; (its result, the background's rate meanwhile)."""
     job = background(args, 3600, log, None)
     try:
-        wait_for_steps(log, 1)
+        wait_for_steps(log, 2)
         t0 = time.time()
         result = during()
-        return result, steps_between(log, t0, time.time())
+        return result, background_rate(log, t0, time.time())
     finally:
         job.stop()
 
 
 def multiplex(args: argparse.Namespace, widths: tuple[int, ...], rows: list[dict]) -> None:
+    """The foreground alone, the background alone, both at once: the foreground's slowdown and the background's share
+    of its solo rate, by wall time and by CPU seconds."""
     from behemoth.parallel.burst.multiplex import idle_ranks
 
     n, batch, steps = args.nproc, args.nproc * args.per_device, 3 if args.quick else args.steps
     window = 20.0 if args.quick else 60.0
     with tempfile.TemporaryDirectory() as tmp:
-        _, solo_bg = with_background(args, Path(tmp) / "solo", lambda: time.sleep(window) or 0.0)
+        _, solo_bg = with_background(args, Path(tmp) / "solo", lambda: time.sleep(window))
         alone = run_foreground(n, args.model, args.seq, batch, widths, steps)
         together, both_bg = with_background(args, Path(tmp) / "both", lambda: run_foreground(n, args.model, args.seq, batch, widths, steps))
-    slowdown, share = together / alone - 1, both_bg / solo_bg if solo_bg else 0.0
     print(f"\n## multiplexing on {n} CPU ranks: foreground plan {widths}, background {args.model} x{args.bg_batch} at nice 19\n")
+    print_multiplex_table(alone, together, solo_bg, both_bg)
+    print(f"(the plan idles ranks {idle_ranks(widths, n)} most; ranks are not pinned to cores here, so neither is the background)")
+    print(f"(load average {os.getloadavg()[0]:.1f} at the end; targets: foreground slowdown <= 10%, background >= 50% of solo)")
+    rows.append(ratio("burst", f"multiplexed {n} ranks", "foreground alone", "step time", alone[0], together[0]))
+    rows.append(ratio("burst", f"multiplexed {n} ranks", "background alone", "throughput share", both_bg.steps_per_s, solo_bg.steps_per_s))
+
+
+def share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%} of solo" if whole else "no solo rate"
+
+
+def print_multiplex_table(alone: tuple[float, float], together: tuple[float, float], solo: BackgroundRate, both: BackgroundRate) -> None:
+    """Foreground (wall ms per step, CPU s per step over its ranks) and background (steps/s, CPU s per s), alone and
+    multiplexed."""
     print("| measure | alone | multiplexed | ratio |")
     print("|---|---|---|---|")
-    print(f"| foreground step ms | {alone * 1e3:.1f} | {together * 1e3:.1f} | slowdown {slowdown:+.1%} |")
-    print(f"| background steps/s | {solo_bg:.2f} | {both_bg:.2f} | {share:.0%} of solo |")
-    print(f"(the plan idles ranks {idle_ranks(widths, n)} most; ranks are not pinned to cores here, so neither is the background: nice 19)")
-    rows.append(ratio("burst", f"multiplexed {n} ranks", "foreground alone", "step time", alone, together))
-    rows.append(ratio("burst", f"multiplexed {n} ranks", "background alone", "throughput share", both_bg, solo_bg))
+    print(f"| foreground step ms (wall, median) | {alone[0] * 1e3:.1f} | {together[0] * 1e3:.1f} | slowdown {together[0] / alone[0] - 1:+.1%} |")
+    print(f"| foreground CPU s per step (all ranks) | {alone[1]:.3f} | {together[1]:.3f} | {together[1] / alone[1] - 1:+.1%} |")
+    print(f"| background steps/s (wall) | {solo.steps_per_s:.2f} | {both.steps_per_s:.2f} | {share(both.steps_per_s, solo.steps_per_s)} |")
+    print(f"| background CPU s per wall s | {solo.cpu_per_s:.2f} | {both.cpu_per_s:.2f} | {share(both.cpu_per_s, solo.cpu_per_s)} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.planner.burst import BurstPlan, BurstProblem, plain_data_parallel, reshard_rows, simulate_cluster
 from behemoth.planner.cluster import load_cluster
-from behemoth.planner.layout import Workload
+from behemoth.planner.layout import Layout, Workload
 
 
 def workload(*options: str) -> Workload:
@@ -159,3 +159,40 @@ def test_cost_terms_have_their_structural_properties(cluster):
     best = min(problem.plan_of(w).step_seconds for w in itertools.product(problem.widths, repeat=problem.layers))
     assert problem.solve(math.inf).step_seconds == pytest.approx(best, rel=1e-12)
     assert problem.dynamic_program(ok)[1] + problem.optimizer == pytest.approx(best, rel=1e-12)
+
+
+def with_adamw(cluster, fixed_us: float, ns_per_element: float):
+    from behemoth.planner.cluster import AdamWRate
+
+    rate = AdamWRate(fixed_us=fixed_us, ns_per_element=ns_per_element)
+    return cluster.model_copy(update={"device": cluster.device.model_copy(update={"adamw": rate})})
+
+
+def test_measured_adamw_rate_prices_each_rank_by_the_elements_it_holds():
+    """With a calibrated AdamW rate, rank r's optimizer step is fixed + rate x the elements of the layers at least r + 1
+    wide: it grows with what the rank holds, is zero for a rank that holds nothing, and rank 0 (every layer) is the
+    plan's optimizer part."""
+    world, work = 4, workload("train.global_batch=4")
+    cluster = with_adamw(load_cluster("a100-80gb").with_nodes(world), 50.0, 2.0)
+    problem = BurstProblem(work, cluster, world)
+    elements = problem.costs[1].elements
+    widths = (2, 1, 2, 2)  # embedding and head on ranks 0-1, block 1 on rank 0 alone, block 2 on ranks 0-1
+    assert problem.rank_optimizer(widths, 0) == pytest.approx(50e-6 + 2e-9 * sum(elements), rel=1e-12)
+    assert problem.rank_optimizer(widths, 1) == pytest.approx(50e-6 + 2e-9 * (sum(elements) - elements[1]), rel=1e-12)
+    assert problem.rank_optimizer(widths, 2) == problem.rank_optimizer(widths, 3) == 0.0
+    assert problem.plan_of(widths).parts["optimizer"] == pytest.approx(problem.rank_optimizer(widths, 0), rel=1e-12)
+    doubled = BurstProblem(work, with_adamw(cluster, 50.0, 4.0), world)
+    assert doubled.optimizer - 50e-6 == pytest.approx(2 * (problem.optimizer - 50e-6), rel=1e-12)
+
+
+def test_optimizer_price_follows_the_zero_share():
+    """steptime's optimizer price at the measured rate: a ZeRO rank steps its 1/shard_ranks of the elements."""
+    from behemoth.planner.steptime import optimizer_seconds
+
+    work = workload()
+    cluster = with_adamw(load_cluster("a100-80gb").with_nodes(8), 0.0, 3.0)
+    whole = optimizer_seconds(work, Layout(dp=8), cluster, 1e6)
+    share = optimizer_seconds(work, Layout(dp=8, zero=1), cluster, 1e6)
+    assert whole == pytest.approx(3e-3, rel=1e-12) and share == pytest.approx(whole / 8, rel=1e-12)
+    assert optimizer_seconds(work, Layout(dp=8), cluster, 0.0) == 0.0
+    assert optimizer_seconds(work, Layout(dp=8), load_cluster("a100-80gb").with_nodes(8), 0.0) == 0.0

@@ -18,7 +18,26 @@ PLAN_2 = "[1,2,1,2]"
 COMMON = ("checkpoint.every=6", "train.grad_clip=0.05")  # a clip that binds: the global norm over every layer's gradient
 
 
-def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
+def break_overlap(broken: str) -> None:
+    """Controls: the overlapped sums waited for but not copied into the gradients ("no_copy"), or started and never
+    waited for nor copied in ("no_finish")."""
+    from behemoth.parallel.burst.runtime import BurstModel
+    from behemoth.parallel.burst.train import BurstSync
+
+    def wait_only(self: BurstModel, width: int) -> None:
+        for handle, _, _ in self._pending.pop(width, []):
+            handle.wait()
+
+    def drop(self: BurstSync) -> None:
+        self.burst._pending.pop(self.width, None)
+
+    if broken == "no_copy":
+        BurstModel._finish_sums = wait_only  # type: ignore[method-assign]
+    elif broken == "no_finish":
+        BurstSync.finish = drop  # type: ignore[method-assign]
+
+
+def burst_body(cfg_dict: dict, resume: str | None = None, broken: str | None = None) -> dict:
     """Train under the current process group; every rank returns its losses and its own weights."""
     from pathlib import Path
 
@@ -27,6 +46,8 @@ def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
     from behemoth.topology import init_runtime
     from behemoth.train import Trainer
 
+    if broken:
+        break_overlap(broken)
     cfg = Config.model_validate(cfg_dict)
     rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
     trainer = Trainer(cfg, rt, resume=Path(resume) if resume else None)
@@ -36,7 +57,8 @@ def burst_body(cfg_dict: dict, resume: str | None = None) -> dict:
     norms = [r.grad_norm for r in trainer.history]
     burst = isinstance(model.executor, BurstSteps)
     held = trainer.engine.model_state_bytes()
-    out = {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms}
+    early = model.executor.burst.early_sums if burst else 0
+    out = {"losses": summary["losses"], "weights": weights, "start": trainer.start_step, "burst": burst, "norms": norms, "early_sums": early}
     return out | {"held_bytes": held["params"] + held["optimizer"], "eval": [v for _, v in trainer.val_history]}
 
 
@@ -80,13 +102,26 @@ def _assert_each_rank_holds_its_layers(single: dict, results: list[dict], widths
 
 
 def test_burst_plan_trains_like_single_process(single, burst_on_2):
+    """The trainer's sums overlap backward (the blocks' and the head's start before the embedding's backward) and
+    give the single-process losses, clipped norms and weights."""
     _, results = burst_on_2
     assert all(r["burst"] for r in results)
+    assert results[0]["early_sums"] > 0 and results[1]["early_sums"] > 0, "no gradient sum started during backward"
     assert min(single["norms"]) > 0.05, "the clip must bind for the test to cover clipping"
     assert_close_runs(single, results[0])
     for a, b in zip(single["norms"], results[0]["norms"]):
         assert abs(a - b) <= 1e-4 * a, f"global grad norm {b} vs single process {a}"
     _assert_replicas_equal(results)
+
+
+@pytest.mark.parametrize("broken", ["no_copy", "no_finish"])
+def test_overlapped_sums_not_copied_or_not_awaited_would_be_caught(single, broken, tmp_path):
+    """The equivalence above can fail: with the sums not copied back, or never waited for, step 2 onward leaves the
+    single-process curve (step 1's loss precedes any update, so it still agrees)."""
+    got = run_ranks(2, burst_body, tiny_config(tmp_path, *COMMON, "train.steps=3", f"parallel.burst={PLAN_2}"), None, broken)[0]["losses"]
+    ref = single["losses"][:3]
+    assert abs(got[0] - ref[0]) <= 1e-5 * abs(ref[0])
+    assert any(abs(a - b) > 1e-5 * abs(a) for a, b in zip(ref[1:], got[1:])), f"{broken}: losses {got} still equal {ref}"
 
 
 def test_burst_checkpoint_resumes_the_same_curve(burst_on_2, tmp_path):

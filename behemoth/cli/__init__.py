@@ -122,7 +122,7 @@ def delegated_commands() -> dict[str, tuple[str, str]]:
         ),
         "estimate": ("behemoth.cli.estimate:estimate_main", "memory per rank of one plan (any layout, any world size): states, activations, peak"),
         "plan": ("behemoth.cli.plan:plan_main", "search the parallel plans of a model on a cluster: ranked, explained, written as YAML"),
-        "calibrate": ("behemoth.cli.plan:calibrate_main", "measure this machine (matmul, collectives, memory, disk) into a cluster file"),
+        "calibrate": ("behemoth.cli.plan:calibrate_main", "measure this machine (matmul, collectives, memory, disk, AdamW) into a cluster file"),
         "generate": ("behemoth.cli.generate:generate_main", "generate text from a checkpoint or HF folder (KV cache; tp, pp, offload, int8)"),
         "eval": ("behemoth.cli.eval:eval_main", "loss and perplexity of a run or HF folder on a corpus (its tokenizer, its chat masking)"),
         "serve": ("behemoth.cli.serve:serve_main", "serve a model: OpenAI-compatible /v1/completions with continuous batching"),

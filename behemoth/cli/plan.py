@@ -306,5 +306,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     for op, (latency, bandwidth) in link.ops.items():
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")
+    if dev.adamw is not None:
+        print(f"  AdamW step       {dev.adamw.fixed_us:8.1f} us + {dev.adamw.ns_per_element:.2f} ns per parameter element")
     print(f"  disk {spec.host.disk_bandwidth_gbs:.2f} GB/s; wrote {cached}" + (f" and {args.out}" if args.out else ""))
     return 0

@@ -195,6 +195,12 @@ class BurstProblem:
         """The optimizer step of rank 0, which every group includes: every parameter (priced once per plan)."""
         return optimizer_seconds(self.work, width_layout(self.work, 1), self.cluster, sum(self.costs[1].elements))
 
+    def rank_optimizer(self, widths: tuple[int, ...], rank: int) -> float:
+        """The optimizer step of `rank` under `widths`: over the elements of the layers at least rank + 1 wide (the
+        ones it holds; a tied weight counted with the head), zero for a rank that holds none."""
+        held = sum(e for e, w in zip(self.costs[1].elements, widths) if w > rank)
+        return optimizer_seconds(self.work, width_layout(self.work, 1), self.cluster, held)
+
     def amplification(self, layer: int, width: int) -> float:
         """Device-time amplification of `layer` on `width` devices: width x its seconds there / its seconds on one."""
         return width * self.costs[width].train[layer] / self.costs[1].train[layer]

@@ -4,8 +4,8 @@ runs processes).
 Over N local processes (every GPU, or N CPU processes sharing the cores as training would), all at once:
 the matrix-multiply rate by size and dtype, each collective's time by message size (all-reduce, all-gather,
 reduce-scatter, all-to-all, p2p), fitted to latency + bytes / bus bandwidth in nccl-tests' convention, the memory
-bandwidth of a large copy and the cost of one tiny operator; on rank 0 alone, the disk's write and read bandwidth
-(a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
+bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element; on rank 0
+alone, the disk's write and read bandwidth (a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from behemoth.comm import P2P, all_gather, all_reduce, all_to_all, barrier, batch_p2p, reduce_scatter
 from behemoth.offload.calibrate import measure_disk
-from behemoth.planner.cluster import COLLECTIVES, ClusterSpec, DeviceSpec, HostSpec, LinkSpec, bus_factor
+from behemoth.planner.cluster import COLLECTIVES, AdamWRate, ClusterSpec, DeviceSpec, HostSpec, LinkSpec, bus_factor
 
 MATMUL_SIZES = {"quick": (128, 256, 512, 1024), "full": (128, 256, 512, 1024, 2048, 4096)}
 MESSAGE_BYTES = {"quick": (2**12, 2**16, 2**20, 2**23), "full": (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26)}
@@ -123,6 +123,31 @@ def op_overhead(device: torch.device) -> float:
     x = torch.randn(1, 8, 16, device=device, generator=g, requires_grad=True)
     seconds = timed(lambda: block(x).sum().backward(), 20, device)
     return seconds / (3 * FORWARD_OPS_PER_BLOCK) * 1e6
+
+
+ADAMW_ELEMENTS = (2**16, 2**20)  # the two sizes the AdamW rate is fitted to (16 tensors each, a small model's shape)
+
+
+def adamw_step_seconds(device: torch.device, elements: int, group: dist.ProcessGroup | None = None, tensors: int = 16) -> float:
+    """Median seconds of one AdamW step (the kernel training picks for the device, weight decay on) over `elements`
+    float32 parameter elements in `tensors` tensors, every rank stepping at once."""
+    from behemoth.config import TrainConfig
+    from behemoth.parallel.sync import adamw_kernel
+
+    kernel = adamw_kernel(TrainConfig(), device)
+    params = [torch.nn.Parameter(torch.randn(elements // tensors, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, foreach=kernel == "foreach", fused=kernel == "fused")
+    return timed(opt.step, 5, device, group)
+
+
+def adamw_rate(device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """AdamW's fixed microseconds and nanoseconds per element, fitted through two step sizes (`ADAMW_ELEMENTS`)."""
+    small, large = ADAMW_ELEMENTS
+    t_small, t_large = (adamw_step_seconds(device, n, group) for n in ADAMW_ELEMENTS)
+    per_element = max(t_large - t_small, 0.05 * t_large) / (large - small)
+    return {"fixed_us": max(0.0, t_small - per_element * small) * 1e6, "ns_per_element": per_element * 1e9}
 
 
 def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**23, n: int = 512) -> float:
@@ -254,6 +279,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["op_overhead_us"] = op_overhead(device)
+        out["adamw"] = adamw_rate(device, group)
         out["flash_efficiency"] = attention_efficiency(device, group, max(v for _, v in out["matmul"]["fp32"]))
         out["block_efficiency"] = block_efficiency(
             device, group, out["matmul"]["fp32"], out["memory_bandwidth_gbs"], out["op_overhead_us"], out["flash_efficiency"]
@@ -290,6 +316,7 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         matmul_tflops={k: [tuple(p) for p in v] for k, v in m["matmul"].items() if v},
         memory_bandwidth_gbs=m["memory_bandwidth_gbs"],
         op_overhead_us=m["op_overhead_us"],
+        adamw=AdamWRate(**m["adamw"]) if m.get("adamw") else None,
         comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
         block_efficiency=m.get("block_efficiency", 1.0),
         attention_kernel="flash",  # the runtime's scaled_dot_product_attention
@@ -345,7 +372,8 @@ def _single_process(mode: str, folder: str) -> dict[str, Any]:
 def probe_spec(nproc: int) -> ClusterSpec:
     """A quick description of this machine for `nproc` processes, measured in this process in about a second: the
     matrix rate (one process's share of the cores: what it measures alone, times cores / nproc where the processes
-    outnumber the cores, as `behemoth calibrate` measures every rank at once), the memory bandwidth and an operator's cost. The links are not
+    outnumber the cores, as `behemoth calibrate` measures every rank at once), the memory bandwidth, an operator's cost
+    and AdamW's per element (likewise shared). The links are not
     measured (no processes are started): a single machine's collectives are assumed to run at a tenth of the memory
     bandwidth with 100 us of latency, until `behemoth calibrate` measures them."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -363,6 +391,8 @@ def probe_spec(nproc: int) -> ClusterSpec:
         bandwidth = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 3, device) / 1e9 / (nproc if device.type == "cpu" else 1)
         overhead = op_overhead(device)
         flash = attention_efficiency(device, None, max(v for _, v in curve))
+        adamw = adamw_rate(device)
+        adamw = {"fixed_us": adamw["fixed_us"], "ns_per_element": adamw["ns_per_element"] / share}  # nproc ranks stepping at once
     finally:
         torch.set_num_threads(threads)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory_bytes() / nproc
@@ -379,6 +409,7 @@ def probe_spec(nproc: int) -> ClusterSpec:
         "disk_bandwidth_gbs": None,
         "cores": core_count() if device.type == "cpu" else None,
         "flash_efficiency": flash,
+        "adamw": adamw,
     }
     spec = spec_from(m, name="local (probed)")
     link = LinkSpec(latency_us=100.0, bandwidth_gbs=bandwidth / 10)

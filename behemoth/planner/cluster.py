@@ -108,6 +108,18 @@ def fit_gemm(points: Sequence[tuple[float, float, float, float]], *, source: str
     return GemmCurve(ceiling=min(1.0, best[2]), half=best[1], source=source)
 
 
+class AdamWRate(Spec):
+    """What one AdamW step (torch's kernel for the device, as training picks it) costs a rank: a fixed part and a
+    part per parameter element it steps, fitted to two measured sizes."""
+
+    fixed_us: float = Field(..., ge=0, description="microseconds of a step whatever its size (launches, the Python loop)")
+    ns_per_element: float = Field(..., gt=0, description="nanoseconds per stepped parameter element")
+
+    def seconds(self, elements: float) -> float:
+        """A step over `elements` (zero when the rank steps nothing)."""
+        return self.fixed_us * 1e-6 + self.ns_per_element * 1e-9 * elements if elements > 0 else 0.0
+
+
 class DeviceSpec(Spec):
     """One accelerator (or, on a CPU-only machine, one process's share of the CPUs)."""
 
@@ -131,6 +143,7 @@ class DeviceSpec(Spec):
     _curves: dict[str, GemmCurve] = PrivateAttr(default_factory=dict)
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
+    adamw: AdamWRate | None = Field(None, description="measured AdamW step cost (behemoth calibrate); None: priced from memory bandwidth")
     block_efficiency: float = Field(
         1.0,
         gt=0,

@@ -455,9 +455,13 @@ def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, ele
 
 
 def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
-    """The AdamW step over the rank's optimizer elements (its share of `elements` under ZeRO), memory-bound."""
+    """The AdamW step over the rank's optimizer elements (its share of `elements` under ZeRO): at the rate
+    `behemoth calibrate` measured (DeviceSpec.adamw), else memory-bound; zero for a rank that steps nothing."""
     local = elements / (lay.shard_ranks if lay.zero or lay.offload.enabled else 1)
-    return OPTIMIZER_BYTES_PER_ELEMENT * local / (cluster.device.memory_bandwidth_gbs * 1e9) + 40 * cluster.device.op_overhead_us * 1e-6
+    dev = cluster.device
+    if dev.adamw is not None:
+        return dev.adamw.seconds(local)
+    return OPTIMIZER_BYTES_PER_ELEMENT * local / (dev.memory_bandwidth_gbs * 1e9) + 40 * dev.op_overhead_us * 1e-6 if local > 0 else 0.0
 
 
 def chimera_sync_seconds(lay: Layout, cluster: ClusterSpec, elements: float) -> float:

@@ -26,6 +26,7 @@ from behemoth.parallel.burst.groups import BurstGroups, batch_rows
 from behemoth.parallel.burst.reshard import Rows, reshard
 
 BUCKET_BYTES = 25 * 2**20
+PendingSum = tuple[Any, torch.Tensor, list[torch.Tensor]]  # (the all-reduce's handle, its flat buffer, the gradients)
 Stashed = tuple[torch.Tensor | None, torch.Tensor] | None  # a layer's input leaf and output on this rank (None: outside)
 HeadLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the rows' scaled summed loss
 
@@ -52,8 +53,9 @@ class BurstModel:
         self.param_width = self._param_widths()
         self.overlap = overlap  # `step` sums each layer's finished gradients while earlier layers run backward
         self.ready = self._ready_params()
-        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
-        self._started = False  # the last backward started its sums (sync_gradients finishes them)
+        self._pending: dict[int, list[PendingSum]] = {}  # width -> the sums an overlapped backward started, unfinished
+        self._started: set[int] = set()  # the widths whose sums the last backward started (sync_gradients finishes them)
+        self.early_sums = 0  # buckets the last overlapped backward started while earlier layers still ran backward
 
     def _ready_params(self) -> list[list[nn.Parameter]]:
         """ready[l]: the parameters whose gradient is complete once layer l's backward ends (l is the first layer that
@@ -120,10 +122,13 @@ class BurstModel:
         """Forward (under `autocast`) and backward of the global batch; this rank's head loss (0 on ranks outside the
         head's group). The gradients are left unsummed, or (`overlap`) their sums are started as each layer's backward
         completes them, and `sync_gradients` finishes them."""
+        if self._pending:
+            raise RuntimeError(f"burst gradient sums of widths {sorted(self._pending)} were started and never finished (call sync_gradients)")
         rows = self._rows(idx)
         with autocast():
             stash = self._forward(idx, targets, head_loss, rows)
-        self._started = overlap
+        self._started = {w for _, w in self.param_width.values()} if overlap else set()
+        self.early_sums = 0
         self._backward(stash, rows, overlap)
         last = stash[self.last]
         return last[1].detach().float() if last is not None else torch.zeros((), device=rows.device)
@@ -179,7 +184,8 @@ class BurstModel:
                 out.backward(grad if layer < self.last else None)
                 grad_in = x.grad if x is not None else None
             if overlap:
-                self._start_sums(self.ready[layer])
+                started = self._start_sums(self.ready[layer])
+                self.early_sums += started if layer else 0
             if layer:
                 grad = reshard(grad_in, rows, self.widths[layer], self.widths[layer - 1], self.groups, tag=len(self.widths) + layer)
 
@@ -188,48 +194,51 @@ class BurstModel:
         return [p for p, w in self.param_width.values() if w == width and p.requires_grad]
 
     @torch.no_grad()
-    def _start_sums(self, params: list[nn.Parameter]) -> None:
+    def _start_sums(self, params: list[nn.Parameter]) -> int:
         """Start the asynchronous sums of `params`' finished gradients over their groups, a bucket per width (every rank
-        reaches the same layers in the same order, so each group's members issue its collectives alike)."""
+        reaches the same layers in the same order, so each group's members issue its collectives alike); the buckets."""
+        started = 0
         for width in sorted({self.param_width[id(p)][1] for p in params}):
             group = self.groups.group(width)
             if group is None:
                 continue
             mine = [p for p in params if self.param_width[id(p)][1] == width]
-            for p in mine:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
             for bucket in plan_buckets(mine, BUCKET_BYTES):
-                grads = [cast(torch.Tensor, p.grad) for p in bucket]
+                grads = _grads_of(bucket)
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                self._pending.append((all_reduce(flat, group, async_op=True), flat, grads))
+                self._pending.setdefault(width, []).append((all_reduce(flat, group, async_op=True), flat, grads))
+                started += 1
+        return started
 
     @torch.no_grad()
-    def _finish_sums(self) -> None:
-        """Wait for the sums `_start_sums` started and copy them into the gradients."""
-        pending, self._pending = self._pending, []
-        for handle, flat, grads in pending:
+    def _finish_sums(self, width: int) -> None:
+        """Wait for the sums of `width` that `_start_sums` started and copy them into the gradients."""
+        for handle, flat, grads in self._pending.pop(width, []):
             handle.wait()
             torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     @torch.no_grad()
     def sync_gradients(self, widths: Sequence[int] | None = None) -> None:
         """Sum each parameter's gradient over its group (ranks 0 .. width-1), in buckets of one width at a time (every
-        width, or those of `widths`); after an overlapped backward, finish the sums it started instead."""
-        if self._started:
-            self._started = False
-            self._finish_sums()
-            return
+        width, or those of `widths`); where an overlapped backward started a width's sums, finish them instead."""
         for width in sorted(set(widths) if widths is not None else {w for _, w in self.param_width.values()}):
+            if width in self._started:
+                self._started.discard(width)
+                self._finish_sums(width)
+                continue
             group = self.groups.group(width)
             if group is None:
                 continue
-            params = self.params_of_width(width)
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            for bucket in plan_buckets(params, BUCKET_BYTES):
-                reduce_flat([cast(torch.Tensor, p.grad) for p in bucket], functools.partial(_all_reduce_on, group=group))
+            for bucket in plan_buckets(self.params_of_width(width), BUCKET_BYTES):
+                reduce_flat(_grads_of(bucket), functools.partial(_all_reduce_on, group=group))
+
+
+def _grads_of(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of `params`, zeros where backward left none (a parameter no row of this rank reached)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [cast(torch.Tensor, p.grad) for p in params]
 
 
 def _all_reduce_on(flat: torch.Tensor, group: Any) -> None:

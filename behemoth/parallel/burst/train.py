@@ -50,7 +50,8 @@ class BurstSync(ReplicatedSync):
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
 
     def finish(self) -> None:
-        """Sum the gradients over the group (members only: the others hold none)."""
+        """Sum the gradients over the group, or finish the sums an overlapped backward started (members only: the
+        others hold none)."""
         if self.member:
             self.burst.sync_gradients([self.width])
 
@@ -78,16 +79,18 @@ def release_unused(burst: BurstModel) -> int:
 
 class BurstSteps(MicroBatchLoop):
     """The executor of a burst plan: the step's rows (and evaluation's) gathered into the global batch and run layer by
-    layer at each layer's width; logits only where every layer is held (rank 0)."""
+    layer at each layer's width; logits only where every layer is held (rank 0). With `overlap` (the default), each
+    parameter's gradient sum starts as soon as the first layer using it ends backward, as `BurstModel(overlap=True)`
+    runs it, and each `BurstSync.finish` waits for its width's sums."""
 
-    def __init__(self, burst: BurstModel, syncs: list[GradSync], device: torch.device) -> None:
+    def __init__(self, burst: BurstModel, syncs: list[GradSync], device: torch.device, *, overlap: bool = True) -> None:
         super().__init__(burst.lm, syncs, device)
-        self.burst = burst
+        self.burst, self.overlap = burst, overlap
 
     def run(self, micro_batches: Batch, loss_fn: LossFn, autocast: Autocast) -> torch.Tensor:
         idx = self.global_rows(torch.cat([x for x, _ in micro_batches]))
         targets = self.global_rows(torch.cat([t for _, t in micro_batches]))
-        return self.burst.forward_backward(idx, targets, loss_fn, autocast)
+        return self.burst.forward_backward(idx, targets, loss_fn, autocast, overlap=self.overlap)
 
     def forward_only(self, batches: Batch, loss_sum: LossFn, autocast: Autocast) -> torch.Tensor:
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
