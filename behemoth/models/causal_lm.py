@@ -149,7 +149,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             tp3d_plan=GPT_TP3D_PLAN,
         )
     from behemoth.models import hf as hf_models
-    from behemoth.models.hf_families import DECODER_VIEW
+    from behemoth.models.hf_families import DECODER_VIEW, tp2d_plan
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
@@ -177,6 +177,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         on_tensor_parallel=hf_models.tensor_parallel_hook(hf.arch),
         moe_layers=moe_layers,
         routers=routers,
+        tp2d_plan=tp2d_plan(hf.arch),
     )
 
 
