@@ -137,11 +137,12 @@ def _check_export(run: Path, weights: dict[str, torch.Tensor], out: Path) -> Non
     "extra",
     [
         ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero_stage=1"],  # dp=2 x a 2 x 2 grid
+        ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero_stage=3"],  # the same, each unit sharded over dp
         ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"],  # 2 layers of a 2 x 2 grid
     ],
 )
 def test_hf_llama_8_ranks_equals_single_process(tmp_path, extra):
-    """8 ranks: data parallelism (ZeRO-1) over 2-D grids, and 2.5-D (each layer of the depth with half the batch)."""
+    """8 ranks: data parallelism (ZeRO-1, ZeRO-3) over 2-D grids, and 2.5-D (each layer of the depth with half the batch)."""
     folder = tmp_path / "weights"
     save_tiny("llama", folder)
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", f"hf.weights={folder}", *STEPS))[0]

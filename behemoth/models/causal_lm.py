@@ -191,6 +191,13 @@ def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
     return hf_models.hf_shape(hf_models.transformers_config(model_cfg, hf), hf.arch)
 
 
+def has_tp2d_plan(arch: str) -> bool:
+    """Whether models of the family `arch` (a ModelShape's) have a 2-D tensor-parallel plan (parallel.tp_mode=2d)."""
+    from behemoth.models.hf_families import tp2d_plan
+
+    return arch == "gpt" or tp2d_plan(arch) is not None
+
+
 def model_problems(model_cfg: Any, hf: Any = None, plan: Any = None) -> list[str]:
     """Why the model a config describes cannot be built as asked, or run under `plan` (empty for behemoth's GPT, which
     takes any shape)."""
