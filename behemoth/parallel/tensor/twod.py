@@ -116,7 +116,7 @@ class LayerNorm2D(nn.Module):
         if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
             message = f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
             raise BehemothError(message, "map it to another style")
-        width = int(module.weight.shape[0]) if rms else module.normalized_shape[0]  # type: ignore[union-attr,index]
+        width: int = module.weight.shape[0] if rms else module.normalized_shape[0]  # type: ignore[index,assignment]
         eps = float(module.variance_epsilon if rms else module.eps)  # type: ignore[arg-type]
         weight, bias = (
             shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
@@ -134,7 +134,8 @@ def is_rms_norm(module: nn.Module) -> bool:
     """transformers' RMSNorm of the Llama kind: y = w * x / sqrt(mean(x^2) + eps), its epsilon `variance_epsilon` (Gemma's,
     which scales by 1 + w and names it `eps`, is not one)."""
     weight = getattr(module, "weight", None)
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1
+    named = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return named and isinstance(weight, nn.Parameter) and weight.dim() == 1
 
 
 def _row_sums(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:

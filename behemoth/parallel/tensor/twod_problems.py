@@ -60,7 +60,7 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
         (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
         (cfg.offload.enabled, "offload", "turn offload off"),
         # 2-D / 2.5-D: the families with a 2-D plan are the model's to say (models/hf_families.py, model_problems)
-        (cfg.hf.arch is not None and plan.tp_mode == "3d", f"hf.arch={cfg.hf.arch} (3-D plans exist for behemoth's GPT)", "use a gpt-* model, or tp_mode=1d or 2d"),
+        (cfg.hf.arch is not None and plan.tp_mode == "3d", f"hf.arch={cfg.hf.arch} (3-D plans exist for behemoth's GPT)", "use tp_mode=1d or 2d"),
         (bool(getattr(cfg.model, "tie_embeddings", False)), "model.tie_embeddings=true", "set model.tie_embeddings=false"),
         (bool(getattr(cfg.model, "dropout", 0)), f"model.dropout={getattr(cfg.model, 'dropout', 0)}", "set model.dropout=0"),
         (cfg.train.loss_chunk > 0, f"train.loss_chunk={cfg.train.loss_chunk} (the head is a SUMMA product)", "set train.loss_chunk=0"),
