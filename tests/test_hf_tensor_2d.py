@@ -154,7 +154,7 @@ def test_hf_llama_8_ranks_equals_single_process(tmp_path, extra):
     "overrides,message",
     [
         (["hf.kv_heads=1"], "does not split hf.kv_heads=1 (by 2)"),
-        (["model.d_model=36"], "model.d_model=36 (by 4)"),
+        (["hf.ffn=66"], "the MLP width=66 (by 4)"),
         (["model.n_head=1", "hf.kv_heads=1"], "model.n_head=1 (by 2)"),
         (["model=hf:qwen3"], "hf qwen3 has no 2-D plan"),
         (["model=hf:gpt2", "hf.kv_heads=4"], "hf gpt2 has no 2-D plan"),

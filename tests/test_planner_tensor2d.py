@@ -65,6 +65,7 @@ def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset, grids_expect
     assert [lay.describe() for lay in grids if refusals(cfg, lay, 8)] == []
 
 
+@pytest.mark.parametrize("memory_gb", [1.0, 0.000266])
 def test_search_finds_the_brute_force_optimum_with_2d_grids(memory_gb):
     """A dense model on 4 devices, 2-D grids beside 1-D tp, dp and pp; with ample memory and with memory so tight that
     only a grid (1/4 of every tensor, norms included) fits on the devices, the search's best is the brute-force best
