@@ -26,6 +26,7 @@ GRID = ["parallel.tp=4", "parallel.tp_mode=2d"]
 SHAPES = {  # 4 query heads over 2 key/value heads: each grid column holds 2 query heads and the 1 key/value head they read
     "llama": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
     "qwen2": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),  # bias on q, k, v
+    "mistral": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
 }
 
 
@@ -33,7 +34,7 @@ def save_tiny(arch: str, folder: Path) -> None:
     """A tiny transformers model of `arch` with random weights (not behemoth's init), written by save_pretrained."""
     import transformers
 
-    cls, config = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "qwen2": ("Qwen2ForCausalLM", "Qwen2Config")}[arch]
+    cls, config = f"{arch.capitalize()}ForCausalLM", f"{arch.capitalize()}Config"
     fields = dict(num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False, **SHAPES[arch])
     torch.manual_seed(11)
     model = getattr(transformers, cls)(getattr(transformers, config)(**fields))
@@ -98,7 +99,7 @@ def _grid_body(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     return {**_check_gradients(cfg_dict), "run": train_body(cfg_dict)}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", pytest.param("mistral", marks=pytest.mark.slow)])  # Mistral: a sliding window
 def test_hf_tp2d_equals_single_process(tmp_path, arch):
     """Gradients of one batch (1e-4) and 3 training steps (losses 1e-5, weights 1e-4) on a 2 x 2 grid against one
     process, from the same save_pretrained folder; the RoPE control misses the loss by far more than the tolerance.
