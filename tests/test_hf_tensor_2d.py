@@ -18,6 +18,7 @@ import torch
 
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
+from tests.test_tensor_2d import _grid
 
 pytest.importorskip("transformers")
 
@@ -45,15 +46,6 @@ def save_tiny(arch: str, folder: Path) -> None:
             else:  # biases and norm weights away from transformers' 0 and 1
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(folder))
-
-
-def _grid() -> Any:
-    import torch.distributed as dist
-
-    from behemoth.comm import CommMeter
-    from behemoth.parallel.tensor.summa import Grid2D
-
-    return Grid2D.build([list(range(dist.get_world_size()))], dist.get_rank(), CommMeter())
 
 
 def _check_gradients(cfg_dict: dict[str, Any]) -> dict[str, float]:
@@ -140,10 +132,12 @@ def _check_export(run: Path, weights: dict[str, torch.Tensor], out: Path) -> Non
         ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero_stage=1"],  # dp=2 x a 2 x 2 grid
         ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.zero_stage=3"],  # the same, each unit sharded over dp
         ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"],  # 2 layers of a 2 x 2 grid
+        ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.pp=2", "train.micro_batch=2"],  # pp=2 x a 2 x 2 grid (1f1b)
     ],
 )
 def test_hf_llama_8_ranks_equals_single_process(tmp_path, extra):
-    """8 ranks: data parallelism (ZeRO-1, ZeRO-3) over 2-D grids, and 2.5-D (each layer of the depth with half the batch)."""
+    """8 ranks: data parallelism (ZeRO-1, ZeRO-3) over 2-D grids, 2.5-D (each layer of the depth with half the batch), and a
+    pipeline of two 2-D grids."""
     folder = tmp_path / "weights"
     save_tiny("llama", folder)
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", f"hf.weights={folder}", *STEPS))[0]
