@@ -451,15 +451,16 @@ def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, pl
     """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan; 2.5-D
     (tp_mode=2.5d) as tp_depth such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube."""
     mode, depth = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
-    if lm.tp2d_plan is None or lm.tp3d_plan is None or not for_training or rt.world_size != dist.get_world_size():
+    layout = lm.tp3d_plan if mode == "3d" else lm.tp2d_plan
+    if layout is None or not for_training or rt.world_size != dist.get_world_size():
         raise BehemothError(
-            f"parallel.tp_mode={mode} trains behemoth's GPT in a job that is the whole world",
+            f"parallel.tp_mode={mode} trains a model with a {mode} plan (planner/feasibility names them) in a job that is the whole world",
             "use tp_mode=1d here (generation loads a 2-D/3-D checkpoint in any layout)",
         )
     if mode == "3d":
         cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
-        return apply_tensor_parallel_3d(lm.module, cube, lm.tp3d_plan)
-    return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), lm.tp2d_plan)
+        return apply_tensor_parallel_3d(lm.module, cube, layout)
+    return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), layout)
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

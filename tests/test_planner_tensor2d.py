@@ -44,14 +44,20 @@ def test_2d_parameters_are_a_quarter_on_a_2x2_grid():
     assert grid.block < work.share(Layout(tp=4)).block
 
 
-@pytest.mark.parametrize("preset", [DENSE, MOE, [*DENSE, "model.tie_embeddings=true"]])
-def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset):
-    """A dense untied GPT on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2 or pp=2), each passing `problems()`; an
-    MoE or tied model none."""
+LLAMA = [*DENSE, "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]  # grouped-query attention
+
+
+@pytest.mark.parametrize(
+    "preset,grids_expected",
+    [(DENSE, True), (MOE, False), ([*DENSE, "model.tie_embeddings=true"], False), (LLAMA, True), ([*LLAMA, "model=hf:qwen3"], False)],
+)
+def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset, grids_expected):
+    """A dense untied GPT or Hugging Face Llama on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2 or pp=2), each
+    passing `problems()`; an MoE, a tied model or a family without a 2-D plan (Qwen3's per-head norms) none."""
     cfg = load_config(None, preset)
     layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), small_cluster(1.0))
     grids = [lay for lay in layouts if lay.tp_mode == "2d"]
-    if any(Workload.of(cfg).census.shape.experts) or cfg.model.tie_embeddings:
+    if not grids_expected:
         assert grids == []
         return
     assert grids and {lay.zero for lay in grids} == {0, 1, 2, 3} and all(lay.tp == 4 and not lay.sp for lay in grids)

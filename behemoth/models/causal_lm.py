@@ -149,7 +149,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             tp3d_plan=GPT_TP3D_PLAN,
         )
     from behemoth.models import hf as hf_models
-    from behemoth.models.hf_families import DECODER_VIEW
+    from behemoth.models.hf_families import DECODER_VIEW, tp2d_plan
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
@@ -177,6 +177,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         on_tensor_parallel=hf_models.tensor_parallel_hook(hf.arch),
         moe_layers=moe_layers,
         routers=routers,
+        tp2d_plan=tp2d_plan(hf.arch),
     )
 
 
@@ -188,6 +189,13 @@ def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
 
     hf_models.require_transformers()
     return hf_models.hf_shape(hf_models.transformers_config(model_cfg, hf), hf.arch)
+
+
+def has_tp2d_plan(arch: str) -> bool:
+    """Whether models of the family `arch` (a ModelShape's) have a 2-D tensor-parallel plan (parallel.tp_mode=2d)."""
+    from behemoth.models.hf_families import tp2d_plan
+
+    return arch == "gpt" or tp2d_plan(arch) is not None
 
 
 def model_problems(model_cfg: Any, hf: Any = None, plan: Any = None) -> list[str]:

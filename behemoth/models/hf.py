@@ -272,6 +272,8 @@ def model_problems(model_cfg: Any, hf: HFConfig, plan: Any = None) -> list[str]:
     out = []
     if hf.arch == "gpt2" and model_cfg.bias is False:
         out.append("model.bias=false: GPT-2 always has biases; leave model.bias unset or use model=hf:llama")
+    if hf.arch == "gpt2" and plan is not None and plan.tp > 1 and plan.tp_mode in ("2d", "2.5d"):
+        out.append(f"parallel.tp_mode={plan.tp_mode}: hf gpt2 has no 2-D plan (its Conv1D weights are transposed); use parallel.tp_mode=1d")
     if hf.arch == "gpt2" and hf.kv_heads not in (None, model_cfg.n_head):
         out.append(f"hf.kv_heads={hf.kv_heads}: GPT-2 has no grouped-query attention; leave hf.kv_heads unset")
     if hf.arch in FAMILIES and model_cfg.bias is not None and not BIAS_KEYS[hf.arch]:
@@ -283,7 +285,8 @@ def model_problems(model_cfg: Any, hf: HFConfig, plan: Any = None) -> list[str]:
         out += moe_model_problems(model_cfg.moe, hf.arch, plan)
     out += config_problems(hf.weights) if hf.weights else []
     if not out and hf.arch in FAMILIES:
-        out += family_problems(transformers_config(model_cfg, hf), hf.arch, plan.tp if plan is not None else 1)
+        tp, tp_mode = (plan.tp, plan.tp_mode) if plan is not None else (1, "1d")
+        out += family_problems(transformers_config(model_cfg, hf), hf.arch, tp, tp_mode)
     return out
 
 

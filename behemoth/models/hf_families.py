@@ -33,12 +33,13 @@ class Family:
     zero_norms: bool = False  # RMSNorm computes x * (1 + w): its weights start at 0
     embed_scale: bool = False  # embeddings are multiplied by sqrt(hidden_size) (inside the embedding module)
     no_tp: str = ""  # why tensor parallelism cannot split it (empty: it can)
+    tp2d: bool = False  # the standard layout's 2-D plan splits it (DECODER_TP2D_PLAN: RMSNorm of the Llama kind, no per-head norms)
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("LlamaConfig", "LlamaForCausalLM", bias_keys=("attention_bias", "mlp_bias")),
-    "mistral": Family("MistralConfig", "MistralForCausalLM"),
-    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": Family("LlamaConfig", "LlamaForCausalLM", bias_keys=("attention_bias", "mlp_bias"), tp2d=True),
+    "mistral": Family("MistralConfig", "MistralForCausalLM", tp2d=True),
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", tp2d=True),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", bias_keys=("attention_bias",)),
     "gemma": Family("GemmaConfig", "GemmaForCausalLM", bias_keys=("attention_bias",), zero_norms=True, embed_scale=True),
     "phi3": Family(
@@ -92,10 +93,40 @@ def attention_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
-def family_problems(config: Any, name: str, tp: int = 1) -> list[str]:
-    """Why this family's config cannot be trained as transformers defines it (under tensor parallelism of degree tp)."""
+# The standard layout as a 2-D tensor-parallel plan (parallel/tensor/twod.py), every parameter in the q x q decomposition.
+# Attention needs nothing more: rank (i, j)'s q/k/v blocks hold whole heads of column j (the query heads j*H/q.., the
+# key/value heads j*KV/q.. they read, when q divides H and KV), transformers' attention reshapes by head_dim (so it
+# runs on the local heads and keeps H/KV query heads per key/value head) and applies RoPE by the tokens' positions,
+# the same for every sequence of row i; SwiGLU's gate and up blocks are column j's of each, multiplied in place.
+DECODER_TP2D_PLAN: dict[str, str] = {
+    "model.embed_tokens": "embedding",
+    "model.layers.*.input_layernorm": "norm",
+    "model.layers.*.self_attn.q_proj": "linear",
+    "model.layers.*.self_attn.k_proj": "linear",
+    "model.layers.*.self_attn.v_proj": "linear",
+    "model.layers.*.self_attn.o_proj": "linear",
+    "model.layers.*.post_attention_layernorm": "norm",
+    "model.layers.*.mlp.gate_proj": "linear",
+    "model.layers.*.mlp.up_proj": "linear",
+    "model.layers.*.mlp.down_proj": "linear",
+    "model.norm": "norm",
+    "lm_head": "linear",
+}
+
+
+def tp2d_plan(name: str) -> dict[str, str] | None:
+    """The family's 2-D tensor-parallel plan (None: it has none)."""
+    return dict(DECODER_TP2D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d else None
+
+
+def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") -> list[str]:
+    """Why this family's config cannot be trained as transformers defines it (under tensor parallelism of degree tp
+    and style tp_mode)."""
     fam = FAMILIES[name]
     out = []
+    if tp > 1 and tp_mode in ("2d", "2.5d") and not fam.tp2d:
+        families = ", ".join(k for k, f in FAMILIES.items() if f.tp2d)
+        out.append(f"parallel.tp_mode={tp_mode}: hf {name} has no 2-D plan (2-D splits {families} and behemoth's GPT); use parallel.tp_mode=1d")
     try:
         attention_window(config)
     except ValueError as err:

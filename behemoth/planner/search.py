@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from behemoth.models.causal_lm import has_tp2d_plan
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
 from behemoth.planner.footprint import placed, stage_memory, state_bytes
@@ -89,12 +90,14 @@ def tp_degrees(work: Workload, world: int, space: Space, cluster: ClusterSpec) -
 
 
 def grid_allowed(work: Workload, tp: int) -> bool:
-    """Whether a 2-D grid of tp = q*q ranks can run this model (`tensor2d_problems`): q >= 2, behemoth's GPT, untied,
-    no experts, LoRA or dropout, and n_head and the vocabulary split by q, d_model and the MLP width by q*q."""
+    """Whether a 2-D grid of tp = q*q ranks can run this model (`tensor2d_problems`): q >= 2, a family with a 2-D plan
+    (behemoth's GPT, the Llama-layout families of models/hf_families.py), untied, no experts, LoRA or dropout, and
+    n_head, the KV heads and the vocabulary split by q, d_model, the MLP and the key/value widths by q*q."""
     shape, q = work.census.shape, math.isqrt(tp)
-    if q * q != tp or q < 2 or shape.arch != "gpt" or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
+    if q * q != tp or q < 2 or not has_tp2d_plan(shape.arch) or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
         return False
-    return not (shape.n_head % q or shape.vocab_size % q or shape.d_model % tp or shape.ffn % tp)
+    kv = shape.kv_heads != shape.n_head and bool(shape.kv_heads % q or shape.kv_width % tp)
+    return not (kv or shape.n_head % q or shape.vocab_size % q or shape.d_model % tp or shape.ffn % tp)
 
 
 def tp_choices(work: Workload, world: int, space: Space, cluster: ClusterSpec) -> list[tuple[int, str]]:

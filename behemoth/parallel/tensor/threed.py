@@ -127,7 +127,7 @@ class LayerNorm3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = gather_plane(self.weight, self.grid, "a") if self.weight is not None else None
         bias = gather_plane(self.bias, self.grid, "a") if self.bias is not None else None
-        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.sums))
+        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.sums, False))
 
 
 class TensorParallel3D:

@@ -7,7 +7,8 @@ Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
     linear:K     the same for K fused equal output segments (a fused [q|k|v]): column j holds whole heads of each
     embedding    nn.Embedding with its features cut in q^2 (column j's block, cut by row i), all-gathered along the
                  column before the lookup; a [batch, T] input keeps grid row i's sequences, a [T] input (positions) all
-    norm         nn.LayerNorm on feature blocks: mean and variance summed along the row, weight and bias as vectors
+    norm         nn.LayerNorm (or a Llama-kind RMSNorm) on feature blocks: mean and variance (mean square) summed along
+                 the row, weight and bias as vectors
 Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
 
 The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
@@ -102,28 +103,39 @@ class Embedding2D(nn.Module):
 
 
 class LayerNorm2D(nn.Module):
-    """LayerNorm over features split along the row: mean and variance from row sums (two passes, as nn.LayerNorm);
-    its weight and bias are column j's blocks, gathered from the column's pieces."""
+    """LayerNorm (or RMSNorm: `rms`) over features split along the row: mean and variance (mean square) from row sums
+    (two passes, as nn.LayerNorm); its weight and bias are column j's blocks, gathered from the column's pieces."""
 
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D) -> None:
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D, rms: bool = False) -> None:
         super().__init__()
-        self.weight, self.bias, self.width, self.eps, self.grid = weight, bias, width, eps, grid
+        self.weight, self.bias, self.width, self.eps, self.grid, self.rms = weight, bias, width, eps, grid, rms
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> LayerNorm2D:
-        if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
-            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension", "map it")
-        width = module.normalized_shape[0]
+        rms = is_rms_norm(module)
+        if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
+            message = f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
+            raise BehemothError(message, "map it to another style")
+        width: int = module.weight.shape[0] if rms else module.normalized_shape[0]  # type: ignore[index,assignment]
+        eps = float(module.variance_epsilon if rms else module.eps)  # type: ignore[arg-type]
         weight, bias = (
-            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if p is not None else None
-            for n, p in (("weight", module.weight), ("bias", module.bias))
+            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
+            for n, p in (("weight", module.weight), ("bias", getattr(module, "bias", None)))
         )
-        return cls(weight, bias, width, module.eps, grid)
+        return cls(weight, bias, width, eps, grid, rms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = gather_column(self.weight, self.grid) if self.weight is not None else None
         bias = gather_column(self.bias, self.grid) if self.bias is not None else None
-        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid))
+        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid, self.rms))
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """transformers' RMSNorm of the Llama kind: y = w * x / sqrt(mean(x^2) + eps), its epsilon `variance_epsilon` (Gemma's,
+    which scales by 1 + w and names it `eps`, is not one)."""
+    weight = getattr(module, "weight", None)
+    named = type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return named and isinstance(weight, nn.Parameter) and weight.dim() == 1
 
 
 def _row_sums(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
@@ -135,16 +147,17 @@ def _row_sums(t: torch.Tensor, grid: Grid2D) -> torch.Tensor:
 
 class _LayerNorm2D(torch.autograd.Function):
     """y = (x - mean) / sqrt(var + eps) * w + b over features split along the row; saves only the normalized block and
-    the per-token 1/std, as nn.LayerNorm does (row sums: two in forward, one of two numbers per token in backward)."""
+    the per-token 1/std, as nn.LayerNorm does (row sums: two in forward, one of two numbers per token in backward).
+    RMSNorm (`rms`): y = x / sqrt(mean(x^2) + eps) * w, in float32 and cast back before the weight, as transformers'."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, spec: tuple[int, float, Grid2D]) -> torch.Tensor:
-        width, eps, grid = spec
-        centered = x - _row_sums(x, grid) / width
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, spec: tuple[int, float, Grid2D, bool]) -> torch.Tensor:
+        width, eps, grid, rms = spec
+        centered = x.float() if rms else x - _row_sums(x, grid) / width
         rstd = torch.rsqrt(_row_sums(centered * centered, grid) / width + eps)
-        normed = centered.mul_(rstd)
+        normed = (centered * rstd if rms else centered.mul_(rstd)).to(x.dtype)  # rms: `centered` may be x itself
         ctx.save_for_backward(normed, rstd, weight)
-        ctx.width, ctx.grid, ctx.has_bias = width, grid, bias is not None
+        ctx.width, ctx.grid, ctx.has_bias, ctx.rms = width, grid, bias is not None, rms
         y = normed if weight is None else normed * weight
         return y if bias is None else y + bias
 
@@ -155,6 +168,11 @@ class _LayerNorm2D(torch.autograd.Function):
         grad_w = (grad * normed).sum(tokens) if weight is not None and ctx.needs_input_grad[1] else None
         grad_b = grad.sum(tokens) if ctx.has_bias and ctx.needs_input_grad[2] else None
         g = grad if weight is None else grad * weight
+        if ctx.rms:  # no mean was taken out: only the mean-square's term
+            g, n = g.float(), normed.float()
+            sum_gn = (g * n).sum(-1, keepdim=True)
+            all_reduce(sum_gn, ctx.grid.row_group, ctx.grid.meter)
+            return (rstd * (g - n * sum_gn / ctx.width)).to(grad.dtype), grad_w, grad_b, None
         sums = torch.stack([g.sum(-1), (g * normed).sum(-1)], dim=-1)
         all_reduce(sums, ctx.grid.row_group, ctx.grid.meter)
         mean_g, mean_gn = (sums / ctx.width).unbind(-1)
