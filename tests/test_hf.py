@@ -317,6 +317,23 @@ def test_config_json_fields_behemoth_cannot_honour_are_refused(tmp_path, capsys)
         assert f"{key} 0.05 -> 0.0" in line, line
 
 
+def test_the_launch_line_counts_a_folders_parameters_as_transformers_does(tmp_path):
+    """GQA, a gated MLP, q/k/v biases and a tied head: the count is the model's, not a GPT of the same width's."""
+    import transformers
+
+    from behemoth.cli import launch_line
+    from behemoth.config import load_config
+
+    config = transformers.Qwen2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen")
+    expected = sum(p.numel() for p in transformers.Qwen2ForCausalLM(config).parameters())
+    line = launch_line(load_config(None, [f"hf.weights={tmp_path / 'qwen'}", "train.seq_len=32", f"run.dir={tmp_path}/run"]), 1)
+    assert f"({expected / 1e6:.2f}M parameters)" in line, (expected, line)
+
+
 def _cached_logits_error(folder: str, lengths: tuple[int, ...] = (7, 3, 9)) -> float:
     """The largest relative difference between cached decoding (prefills beside decodes, blocks of 4 tokens) and a full
     forward of each row's whole prefix, over four steps of greedy decoding."""

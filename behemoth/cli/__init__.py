@@ -284,14 +284,16 @@ def elastic_problems(cfg: Config, nproc: tuple[int, int], max_restarts: int) -> 
 def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
     """What is about to run: the model, its size, the plan, the batch, the steps, where it goes; and any field of a
     Hugging Face config.json an option overrides."""
+    from behemoth.models.causal_lm import num_params
     from behemoth.models.hf import config_overrides
     from behemoth.planner.feasibility import describe_plan
 
     name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
+    params = num_params(cfg.model, cfg.hf)
     most = nproc[1] if isinstance(nproc, tuple) else nproc
     count = f"{nproc[0]}-{most} elastic" if isinstance(nproc, tuple) else str(most)
     line = (
-        f"behemoth: {name} ({cfg.model.num_params() / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
+        f"behemoth: {name} ({params / 1e6:.2f}M parameters), {count} process(es) {describe_plan(cfg, most)}, "
         f"batch {cfg.train.global_batch}x{cfg.seq_len} tokens, {cfg.train.steps} steps -> {cfg.run.dir}"
     )
     if cfg.offload.enabled:

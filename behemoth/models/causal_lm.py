@@ -191,6 +191,15 @@ def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
     return hf_models.hf_shape(hf_models.transformers_config(model_cfg, hf), hf.arch)
 
 
+def num_params(model_cfg: Any, hf: Any = None) -> int:
+    """Parameters of the model a config describes (a Hugging Face family's counted on the meta device)."""
+    if hf is None or hf.arch is None:
+        return int(model_cfg.num_params())
+    from behemoth.models import hf as hf_models
+
+    return hf_models.hf_num_params(model_cfg, hf)
+
+
 def has_tp2d_plan(arch: str) -> bool:
     """Whether models of the family `arch` (a ModelShape's) have a 2-D tensor-parallel plan (parallel.tp_mode=2d)."""
     from behemoth.models.hf_families import tp2d_plan
