@@ -272,6 +272,8 @@ def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, s
     chunk passes: each holds one of its split stages' share (stage 0 never splits)."""
     if lay.pp == 1 or lay.schedule not in ("zb-h1", *V_SCHEDULES):
         return 0.0
+    if lay.offload.streams:
+        return streamed_deferred(lay, work, rank, stages, tokens)
     shape, t = work.census.shape, lay.tp
     if lay.schedule == "zb-h1" and rank == 0:
         return tokens * shape.d_model * work.act_bytes / (t if lay.seq_split else 1)
@@ -284,6 +286,19 @@ def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, s
         per_token += share.vocab + shape.d_model  # the LM head's output gradient and input
     per_token /= max(1, len(split)) if lay.schedule in V_SCHEDULES else 1
     return pending_weight_passes(lay, rank) * per_token * tokens * work.act_bytes
+
+
+def streamed_deferred(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
+    """A streamed stage's split backward (offload/stage_stream.py): its BI recomputes each block and keeps, until the W
+    that recomputes it again, each block's input and its output's gradient (two hidden states per block, the input
+    outliving the stash it was counted in), for each of the `pending_weight_passes` passes (a V rank's: chunk passes,
+    each one of its split stages' share; stage 0 never splits)."""
+    split = [n for s, n in stages if s != 0]
+    if not split:
+        return 0.0
+    blocks = sum(split) / (len(split) if lay.schedule in V_SCHEDULES else 1)
+    hidden = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
+    return pending_weight_passes(lay, rank) * blocks * 2 * hidden
 
 
 def pending_weight_passes(lay: Layout, rank: int) -> int:
@@ -341,7 +356,7 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     params, grads, optimizer = tiers["device"]
     params += FROZEN_PARAM_BYTES * frozen
     tokens = lay.tokens(work.seq_len)
-    recomputes = rank in lay.recompute if recompute is None else recompute
+    recomputes = (rank in lay.recompute if recompute is None else recompute) or (lay.pp > 1 and lay.offload.streams)  # a streamed stage
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved, Chimera and V count one unit per (stage, micro-batch)

@@ -169,14 +169,20 @@ def cp_modes(work: Workload, tp: int, cp: int, sp: bool, space: Space) -> list[s
     return [m for m in space.cp_modes if fits.get(m) and not (sp and (s // cp) % tp)]
 
 
-def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
+def offload_allowed(off: Offload, zero: int, pp: int, work: Workload, schedule: str = "1f1b") -> bool:
     """Whether the runtime can run this placement at this stage (`offload_problems`): ZeRO-Offload's moments at stages
-    1-2, streamed units at stage 3 without a pipeline (float32 or bf16 compute parameters), no streamed experts."""
+    1-2; streamed units at stage 3 without a pipeline, and under one (each stage streaming its own units,
+    offload/stage_stream.py: stage 0, which means the same for streamed units) with any schedule that keeps one
+    replica of each stage (not Chimera) and an untied model without a LoRA base; no streamed experts."""
     if not off.enabled:
         return True
     if off.zero_offload:
         return zero in (1, 2)
-    return zero == 3 and pp == 1 and not any(work.census.shape.experts)
+    if any(work.census.shape.experts):
+        return False
+    if pp == 1:
+        return zero == 3
+    return zero == 0 and schedule != "chimera" and not work.census.shape.tied and work.census.lora is None
 
 
 def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec, offload: tuple[Offload, ...] | None = None) -> list[Layout]:
@@ -218,7 +224,7 @@ def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: 
                         continue
                     for mode in cp_modes(work, tp, cp, sp, space):
                         for off in placements:
-                            if offload_allowed(off, zero, pp, work) and not (cp > 1 and off.enabled):
+                            if offload_allowed(off, zero, pp, work, schedule) and not (cp > 1 and off.enabled):
                                 out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v, ep=ep, offload=off, cp=cp, cp_mode=mode))
     return out
 
@@ -247,13 +253,13 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
         if plain.fits or not space.recompute:
             return plain
         return within_margin(price(work, lay.but(recompute=(0,)), cluster), cluster, space)
-    if lay.schedule in SINGLE_STAGE_SCHEDULES:
+    if lay.schedule in SINGLE_STAGE_SCHEDULES and not lay.offload.streams:
         cut = cut_stages(stage_models(work, lay, cluster, allow_recompute=space.recompute), work.census.shape.n_layer, limit)
         if cut is not None:
             return within_margin(price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False), cluster, space)
     bounds = planned_bounds(work, lay)
     plain = lay.but(boundaries=bounds)
-    if lay.schedule == "1f1b-scp":  # the schedule itself recomputes (check_scp_recompute): no rank is chosen to
+    if lay.schedule == "1f1b-scp" or lay.offload.streams:  # the schedule (check_scp_recompute) or the streamer recomputes
         return within_margin(price(work, plain, cluster, every_rank=False), cluster, space)
     over = [r for r in range(lay.pp) if stage_memory(work, plain, r, [(s, bounds[s + 1] - bounds[s]) for s in plain.held_stages(r)]).peak > limit]
     cost = price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)

@@ -306,21 +306,32 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     inline = pipeline_message_seconds(work, lay, cluster)
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
+    streamed = streamed_pipeline(lay)
     for s in range(lay.stages):
         n = bounds[s + 1] - bounds[s]
         ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
-        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else n * c.selective
-        recompute += again
+        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute or streamed else n * c.selective
+        twice = again if streamed and lay.schedule in SPLIT_SCHEDULES and s > 0 else 0.0  # a streamed W recomputes again
+        recompute += again + twice
         waits = inline_transfers(work, lay, s) * inline
         fwd.append(n * (c.forward + c.comm) + ends + waits)
         bwd.append(n * (c.input_grad + c.comm) + ends + again + waits)
-        wgt.append(n * c.weight_grad + ends)
-    if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
+        wgt.append(n * c.weight_grad + ends + twice)
+    if lay.schedule == "1f1b-scp" and lay.pp > 1 and not streamed:  # the schedule's R passes: each rank but the last reruns most forwards
         recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
     p2p = pipeline_message_seconds(work, lay, cluster)
     tp_comm = work.census.shape.n_layer / lay.pp * c.comm * 2  # one rank's blocks, forward and input-gradient passes
     context = work.census.shape.n_layer / lay.pp * c.context
     return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp, context)
+
+
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev")  # a backward split into input-gradient (BI) and weight (W) passes
+
+
+def streamed_pipeline(lay: Layout) -> bool:
+    """Whether each pipeline stage streams its own units (offload/stage_stream.py): a streamed stage keeps each block's
+    input and recomputes the block in its backward (a split backward: in its BI and again in its W)."""
+    return lay.pp > 1 and lay.offload.streams
 
 
 def scp_share(lay: Layout, rank: int) -> float:
@@ -512,15 +523,16 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
 
 
 def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, experts: float) -> float:
-    """Seconds the offload tiers move a step's bytes for one rank: parameters read for forward and again for backward and
-    written after the update, gradients written and read back, moments read and written; a node's devices share its
-    host memory and disk bandwidth."""
+    """Seconds the offload tiers move a step's bytes for one rank: parameters read for forward and again for backward (and
+    for a streamed stage's weight passes once more) and written after the update, gradients written and read back,
+    moments read and written; a node's devices share its host memory and disk bandwidth."""
     if not lay.offload.enabled:
         return 0.0
     tiers = placed(state_bytes(elements, lay, work, experts), lay)
     host, share = cluster.host, cluster.devices_per_node
     rate = {"host": host.memory_bandwidth_gbs * 1e9 / share, "disk": host.disk_bandwidth_gbs * 1e9 / share}
-    return sum((3 * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "device")
+    reads = 4 if streamed_pipeline(lay) and lay.schedule in SPLIT_SCHEDULES else 3  # a streamed W reads its units again
+    return sum((reads * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "device")
 
 
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:
