@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from behemoth.cli.plan import assumptions
 from behemoth.config import load_config
 from behemoth.planner.cost import price
 from behemoth.planner.footprint import rank_memory
@@ -28,6 +29,7 @@ def test_a_streamed_pipeline_is_searched_when_nothing_fits_and_is_the_brute_forc
     found = search(work, cluster, 4, space, cfg=cfg, exact=0).ranked[0]
     assert found.step_seconds == pytest.approx(best.step_seconds, rel=1e-9), (found.layout.describe(), best.layout.describe())
     assert found.layout.pp == 2 and found.layout.offload.streams and refusals(cfg, found.layout, 4) == []
+    assert "streamed pipeline stages: each block recomputed" in assumptions([found], work, cluster)
 
 
 def test_streamed_pipelines_are_enumerated_only_where_the_stage_streamer_runs():

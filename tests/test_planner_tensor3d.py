@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from behemoth.cli.plan import assumptions
 from behemoth.config import load_config
+from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.search import Space, enumerate_layouts, refusals, search
 from behemoth.planner.steptime import cube_seconds, depth_sync_seconds, summa_seconds
@@ -72,6 +74,9 @@ def test_grid_collectives_are_priced_by_the_alpha_beta_model():
     scatters = line("reduce_scatter", x) + line("reduce_scatter", w) + line("reduce_scatter", y)
     assert cube_seconds(work, Layout(tp=8, tp_mode="3d"), cluster, x, w, y) == pytest.approx(gathers + scatters)
     assert depth_sync_seconds(work, tesseract, cluster, 1e6) > 0 == depth_sync_seconds(work, grid, cluster, 1e6)
+    ranked = [price(work, lay, cluster) for lay in (tesseract.but(micro_batch=4), Layout(tp=8, tp_mode="3d", micro_batch=4))]
+    said = assumptions(ranked, work, cluster)
+    assert "grids (2-D, 2.5-D): each linear 3q SUMMA steps" in said and "cubes (3-D): each linear six" in said
 
 
 @pytest.mark.parametrize("memory_gb", [1.0, 0.0003])
@@ -94,7 +99,6 @@ def test_predicted_states_of_tesseract_and_cube_equal_the_engines_count(tmp_path
     0.7% for the cube's when this test was written)."""
     from behemoth.config import Config
     from behemoth.planner.cluster import load_cluster
-    from behemoth.planner.cost import price
     from tests.common import tiny_config
     from tests.dist import run_ranks
 

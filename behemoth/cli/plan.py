@@ -183,6 +183,11 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
             f"{host.disk_bandwidth_gbs:.1f} GB/s per node, shared by its {cluster.devices_per_node} devices; host memory "
             f"{host.memory_gb:.0f} GB per node less the margin; the streamer's read-ahead hides I/O behind the passes where it can"
         )
+    if any(lay.pp > 1 and lay.offload.streams for lay in lays):
+        lines.append(
+            "  streamed pipeline stages: each block recomputed in its stage's backward (a split backward's BI and again its W, which "
+            "reads the units once more), two hidden states per block kept from a BI to its W; data-parallel traffic priced as stage 0's"
+        )
     return "\n".join(lines)
 
 
