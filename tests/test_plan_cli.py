@@ -138,4 +138,46 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys, monkeypatch):
     assert spec.device.matmul_tflops["fp32"] and (tmp_path / "cache" / "cluster-local-2.yaml").exists()
     assert spec.device.adamw is not None and spec.device.adamw.ns_per_element > 0  # AdamW's measured price per element
     printed = capsys.readouterr().out
-    assert "all_reduce" in printed and "ns per parameter element" in printed
+    assert "all_reduce" in printed and "ns per parameter element" in printed and "slower while one runs beside it" in printed
+    assert 0 <= spec.device.overlap_slowdown <= 0.9  # measured on this host (its magnitude depends on the load)
+
+
+def measured_here(slowdown: float) -> dict:
+    """Rank 0's measurements as `calibrate_worker` returns them (two CPU processes), with `slowdown` as measured."""
+    curve = [(2**12, 1e-4), (2**20, 1e-3), (2**23, 8e-3)]
+    return {
+        "world": 2,
+        "device": "cpu",
+        "matmul": {"fp32": [(128, 0.02), (256, 0.03)]},
+        "collectives": {"all_reduce": curve, "all_gather": curve, "reduce_scatter": curve, "all_to_all": curve, "p2p": curve},
+        "memory_bandwidth_gbs": 5.0,
+        "comm_overlap": 0.5,
+        "overlap_slowdown": slowdown,
+        "op_overhead_us": 10.0,
+        "flash_efficiency": 0.5,
+        "block_efficiency": 0.8,
+        "disk_bandwidth_gbs": 0.5,
+        "device_name": "CPU process",
+        "device_memory": None,
+        "cores": 2,
+    }
+
+
+def test_the_measured_overlap_slowdown_is_stored_read_back_and_priced(tmp_path, capsys):
+    """`calibrate` stores the slowdown it measured in the cluster file; `plan` reads it back, says it, and prices a ZeRO-3
+    plan's hidden traffic with it (contention = slowdown x the hidden seconds: zero without it)."""
+    from behemoth.planner.calibrate import spec_from
+    from behemoth.planner.cost import price
+    from behemoth.planner.layout import Workload
+
+    path = tmp_path / "here.yaml"
+    path.write_text(spec_from(measured_here(0.25)).to_yaml())
+    spec = load_cluster(path)
+    assert spec.kind == "calibrated" and spec.device.overlap_slowdown == 0.25
+    cfg = load_config(None, ["model=gpt-1m", "train.global_batch=8", "train.seq_len=64"])
+    lay = Layout(dp=2, zero=3, micro_batch=4, microbatches=1)
+    slowed = price(Workload.of(cfg), lay, spec).time
+    plain = price(Workload.of(cfg), lay, spec.model_copy(update={"device": spec.device.model_copy(update={"overlap_slowdown": 0.0})})).time
+    assert plain.dp_contention == 0 < slowed.dp_contention and slowed.dp_comm > plain.dp_comm
+    assert main(["plan", "--cluster", str(path), "--world", "2", "model=gpt-1m", "train.global_batch=8", "train.seq_len=64"]) == 0
+    assert "computation running 25% slower while it does (measured by behemoth calibrate" in capsys.readouterr().out

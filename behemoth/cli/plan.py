@@ -166,9 +166,11 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
         f"memory-bound work at {dev.memory_bandwidth_gbs:.0f} GB/s",
         f"  links: within a node {intra.latency_us:.1f} us + bytes / {intra.bandwidth_gbs:.0f} GB/s"
         + (f", between nodes {inter.latency_us:.1f} us + bytes / {inter.bandwidth_gbs:.0f} GB/s" if inter else "")
-        + f"; {dev.comm_overlap:.0%} of data-parallel traffic hides behind backward",
+        + f"; {dev.comm_overlap:.0%} of data-parallel traffic hides behind backward, computation running "
+        + f"{dev.overlap_slowdown:.0%} slower while it does ({overlap_source(cluster)})",
     ]
     lays = [c.layout for c in ranked]
+    lines += grid_assumptions(lays)
     if any(lay.pp > 1 for lay in lays):
         simulated = sum(1 for c in ranked if c.time.simulated)
         lines.append(f"  pipelines: {simulated} of the ranked step times from the schedule simulator, the rest from its closed form")
@@ -181,7 +183,36 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
             f"{host.disk_bandwidth_gbs:.1f} GB/s per node, shared by its {cluster.devices_per_node} devices; host memory "
             f"{host.memory_gb:.0f} GB per node less the margin; the streamer's read-ahead hides I/O behind the passes where it can"
         )
+    if any(lay.pp > 1 and lay.offload.streams for lay in lays):
+        lines.append(
+            "  streamed pipeline stages: each block recomputed in its stage's backward (a split backward's BI and again its W, which "
+            "reads the units once more), two hidden states per block kept from a BI to its W; data-parallel traffic priced as stage 0's"
+        )
     return "\n".join(lines)
+
+
+def overlap_source(cluster: ClusterSpec) -> str:
+    """Where the overlap slowdown comes from: measured by `behemoth calibrate`, or the preset's published figure."""
+    if cluster.kind == "calibrated":
+        return "measured by behemoth calibrate: a matrix loop alone and beside all-reduces"
+    return "the preset's figure" + (", Lee et al. 2025's mean" if cluster.device.overlap_slowdown == 0.19 else "")
+
+
+def grid_assumptions(lays: list[Any]) -> list[str]:
+    """What the ranked 2-D / 2.5-D / 3-D plans' prices rest on (only when one is ranked)."""
+    out = []
+    modes = {lay.tp_mode for lay in lays if lay.gridded}
+    if modes & {"2d", "2.5d"}:
+        out.append(
+            "  grids (2-D, 2.5-D): each linear 3q SUMMA steps (one latency each, a 1/q^2 weight block and a 1/(q^2 d) activation "
+            "block), 2.5-D's gradients all-reduced over its d grids once per step; LayerNorm's row sums and the tables' gathers not priced"
+        )
+    if "3d" in modes:
+        out.append(
+            "  cubes (3-D): each linear six all-gathers / reduce-scatters over lines of q ranks, its gathered input and weight "
+            "saved for backward (tp_regather off); LayerNorm's sums and the vectors' gathers not priced"
+        )
+    return out
 
 
 def devices_that_fit(work: Workload, cluster: ClusterSpec, world: int, space: Space) -> int | None:
@@ -203,6 +234,8 @@ def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
         "cp",
         "cp_mode",
         "tp",
+        "tp_mode",
+        "tp_depth",
         "pp",
         "zero_stage",
         "sequence_parallel",
@@ -212,7 +245,12 @@ def plan_overrides(cost: PlanCost, cfg: Config) -> list[str]:
         "recompute",
         "stage_boundaries",
     )
-    out = [f"parallel.{k}={flow(getattr(plan, k))}" for k in keys if getattr(plan, k) is not None and (k != "cp_mode" or plan.cp > 1)]
+    defaults = {"tp_mode": "1d", "tp_depth": 1}  # written only when a grid or cube is planned
+    out = [
+        f"parallel.{k}={flow(getattr(plan, k))}"
+        for k in keys
+        if getattr(plan, k) is not None and (k != "cp_mode" or plan.cp > 1) and getattr(plan, k) != defaults.get(k, object())
+    ]
     off = cost.layout.offload
     if off.enabled:
         out += [f"offload.{k}={flow(v)}" for k, v in off.to_config(cfg.offload).items() if k in ("params", "grads", "optimizer", "optimizer_bits")]
@@ -302,7 +340,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         f"behemoth calibrate: {nproc} process(es), {time.perf_counter() - t0:.0f} s: {dev.name}, matmul up to "
         f"{max(dev.peak_tflops.values()):.3g} TFLOP/s, memory {dev.memory_bandwidth_gbs:.1f} GB/s, operator {dev.op_overhead_us:.1f} us, "
         f"attention {dev.flash_efficiency:.0%} of peak, a block runs at {dev.block_efficiency:.0%} of its priced speed, "
-        f"{dev.comm_overlap:.0%} of a collective hides behind compute"
+        f"{dev.comm_overlap:.0%} of a collective hides behind compute, computation {dev.overlap_slowdown:.1%} slower while one runs beside it"
     )
     for op, (latency, bandwidth) in link.ops.items():
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")

@@ -4,8 +4,10 @@ runs processes).
 Over N local processes (every GPU, or N CPU processes sharing the cores as training would), all at once:
 the matrix-multiply rate by size and dtype, each collective's time by message size (all-reduce, all-gather,
 reduce-scatter, all-to-all, p2p), fitted to latency + bytes / bus bandwidth in nccl-tests' convention, the memory
-bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element; on rank 0
-alone, the disk's write and read bandwidth (a scratch file in the cache directory, removed afterwards, skipped when the disk lacks room).
+bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element, the share of an
+all-reduce that hides behind products and the share of their rate products lose while one runs beside them
+(`overlap_slowdown`); on rank 0 alone, the disk's write and read bandwidth (a scratch file in the cache directory,
+removed afterwards, skipped when the disk lacks room).
 """
 
 from __future__ import annotations
@@ -171,6 +173,50 @@ def comm_overlap(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2
     return min(1.0, max(0.0, (alone + compute - together) / min(alone, compute)))
 
 
+def overlap_slowdown(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**22, n: int = 256, reps: int = 5) -> float:
+    """The share of its rate a matrix-product loop loses while all-reduces run beside it (the cost model's
+    `overlap_slowdown`): the loop timed alone and while enough asynchronous all-reduces of `nbytes` to outlast it are in
+    flight, in alternation (so that a load that comes and goes touches both alike), 1 - median alone / median beside,
+    clamped to [0, 0.9]. On a CPU the loop's time is its thread's CPU seconds (what the collective's thread takes from
+    it in caches and memory bandwidth, not what other processes on a shared host take from both); on a GPU wall
+    seconds. Every rank issues the same number of all-reduces (the larger rank's count: collectives must
+    match); the ranks' mean."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g)
+    buf = torch.ones(nbytes // 4, device=device)
+    one = max(timed(lambda: a @ a, 3, device, group), 1e-6)
+    reduce = max(timed(lambda: all_reduce(buf, group), 3, device, group), 1e-6)
+    count = max(8, int(5 * reduce / one))  # products in the loop: about five all-reduces long
+    first = _loop_seconds(a, count, device, group, [])
+    agreed = torch.tensor([float(count), 2 * first / reduce + 2], device=device)
+    all_reduce(agreed, group, op=dist.ReduceOp.MAX)
+    count, issued = int(agreed[0].item()), int(agreed[1].item())  # all-reduces back to back outlasting the loop
+    alone, beside = [], []
+    for _ in range(reps):
+        alone.append(_loop_seconds(a, count, device, group, []))
+        beside.append(_loop_seconds(a, count, device, group, [lambda: all_reduce(buf, group, async_op=True)] * issued))
+    mean = torch.tensor([1 - statistics.median(alone) / statistics.median(beside)], device=device)
+    all_reduce(mean, group)  # the ranks' mean: every rank reports the same
+    return min(0.9, max(0.0, float(mean.item()) / dist.get_world_size(group)))
+
+
+def _loop_seconds(a: torch.Tensor, count: int, device: torch.device, group: dist.ProcessGroup, collectives: list[Any]) -> float:
+    """Seconds of `count` products a @ a, with `collectives` (each issuing an asynchronous collective) started before it
+    and waited for after it (every rank starts together)."""
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    barrier(group)
+    pending = [issue() for issue in collectives]
+    sync(device)
+    t0 = clock()
+    for _ in range(count):
+        a @ a
+    sync(device)
+    seconds = clock() - t0
+    for p in pending:
+        p.wait()
+    return seconds
+
+
 def block_efficiency(
     device: torch.device,
     group: dist.ProcessGroup,
@@ -278,6 +324,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
                 out["collectives"][op] = collective_curve(op, MESSAGE_BYTES[mode], device, group)
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
+        out["overlap_slowdown"] = overlap_slowdown(device, group) if rt.world_size > 1 else 0.0
         out["op_overhead_us"] = op_overhead(device)
         out["adamw"] = adamw_rate(device, group)
         out["flash_efficiency"] = attention_efficiency(device, group, max(v for _, v in out["matmul"]["fp32"]))
@@ -318,6 +365,7 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         op_overhead_us=m["op_overhead_us"],
         adamw=AdamWRate(**m["adamw"]) if m.get("adamw") else None,
         comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
+        overlap_slowdown=m.get("overlap_slowdown", 0.0),
         block_efficiency=m.get("block_efficiency", 1.0),
         attention_kernel="flash",  # the runtime's scaled_dot_product_attention
         flash_efficiency=m.get("flash_efficiency", 0.5),

@@ -19,7 +19,7 @@ from behemoth.models.activations import BlockActivations, block_activation_eleme
 from behemoth.models.causal_lm import CausalLM, build_causal_lm
 from behemoth.models.lora import has_adapter, inject_lora
 from behemoth.models.shape import ModelShape, training_flops_per_token
-from behemoth.planner.rank import split_model
+from behemoth.planner.rank import split_grid, split_model
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ModelCensus:
     matmul_params: int  # parameters a token is multiplied by (the MFU count)
     activations: BlockActivations
     lora: Any = None  # finetune.lora when it is enabled: the base is frozen, the adapters train
-    _shares: dict[tuple[int, int], TPShare] = field(default_factory=dict, repr=False)
+    _shares: dict[tuple[int, int, str, int], TPShare] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model_cfg: Any, hf: Any = None, lora: Any = None) -> ModelCensus:
@@ -83,29 +83,32 @@ class ModelCensus:
             matmul = one.matmul_params + sum(shape.block_matrix_params(i) for i in range(1, shape.n_layer))
             psi = model_cfg.num_params() if not getattr(hf, "arch", None) else psi
         census = cls(model_cfg, hf, shape, psi, matmul, activations, lora)
-        census._shares[(1, 1)] = share
+        census._shares[(1, 1, "1d", 1)] = share
         return census
 
-    def at(self, tp: int, ep: int = 1, mode: str = "1d") -> TPShare:
-        """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds; `mode` 2d: a
-        q x q grid (tp = q*q) holds 1/tp of every tensor, the head's vocabulary and every per-token width included
-        (docs/tensor2d.md; the refusals guarantee the sizes split)."""
-        if mode == "2d" and tp > 1:
-            whole = self.at(1, ep)
-            return replace(
-                whole,
-                tp=tp,
-                embed=whole.embed // tp,
-                block=whole.block // tp,
-                head=whole.head // tp,
-                tied=whole.tied // tp,
-                vocab=whole.vocab // tp,
-                block_weight_outputs=whole.block_weight_outputs // tp,
-                head_weight_outputs=whole.head_weight_outputs // tp,
-            )
-        if (tp, ep) not in self._shares:
-            self._shares[(tp, ep)] = _share(_one_block(self.model_cfg, self.hf, self.lora), tp, ep)
-        return self._shares[(tp, ep)]
+    def at(self, tp: int, ep: int = 1, mode: str = "1d", depth: int = 1) -> TPShare:
+        """What one rank of a tensor-parallel group of `tp` and an expert-parallel group of `ep` holds; `mode` 2d, 2.5d
+        (`depth` grids) or 3d: the one-block copy split by the runtime's own grid or cube layout (`rank.split_grid`):
+        1/q^2 of every parameter on a 2-D or 2.5-D grid, 1/q^3 on a cube, norms and biases included; the head's
+        vocabulary and every per-token width at 1/tp (a rank computes its sequences' share of its vocabulary block:
+        1/tp of the logits in every mode; the refusals guarantee the sizes split)."""
+        key = (tp, ep, mode if tp > 1 else "1d", depth if mode == "2.5d" and tp > 1 else 1)
+        if key not in self._shares:
+            one = _one_block(self.model_cfg, self.hf, self.lora)
+            if key[2] == "1d":
+                self._shares[key] = _share(one, tp, ep)
+            else:
+                whole = self.at(1, ep)
+                split_grid(one, tp, key[2], key[3])
+                counted = _share(one, 1, ep)
+                self._shares[key] = replace(
+                    counted,
+                    tp=tp,
+                    vocab=whole.vocab // tp,
+                    block_weight_outputs=whole.block_weight_outputs // tp,
+                    head_weight_outputs=whole.head_weight_outputs // tp,
+                )
+        return self._shares[key]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of a training step per token, as `CausalLM.flops_per_token` counts them (models/shape.py)."""

@@ -184,7 +184,21 @@ def stash_units(lay: Layout, rank: int) -> int:
 def block_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
     """What one block saves for backward for `tokens` tokens on one tensor-parallel rank (and context-parallel rank)."""
     dense = work.census.activations.elements(tokens, lay.tp, lay.seq_split)
-    return (dense + context_saved_elements(work, lay, tokens) + moe_saved_elements(work, lay, tokens)) * work.act_bytes
+    saved = dense + context_saved_elements(work, lay, tokens) + moe_saved_elements(work, lay, tokens)
+    return saved * work.act_bytes + cube_saved_bytes(lay, work, tokens)
+
+
+def cube_saved_bytes(lay: Layout, work: Workload, tokens: int) -> float:
+    """A 3-D block's linears save their gathered operands for backward (`cube._Cube`, as Colossal-AI's do): each input
+    q times its 1/q^3 piece (q - 1 pieces beyond the one the block's count holds) and its weight block gathered along
+    T, q times the rank's piece (in the parameters' dtype)."""
+    if lay.tp_mode != "3d" or lay.tp == 1:
+        return 0.0
+    shape, q, t = work.census.shape, lay.grid, lay.tp
+    ffn = shape.ffn * (2 if shape.gated else 1)
+    inputs = (2 * shape.d_model + shape.q_width + shape.ffn) * tokens / t  # qkv, fc (residual), proj, MLP proj inputs
+    weights = shape.d_model * (shape.q_width + 2 * shape.kv_width + shape.q_width + ffn + shape.ffn) / t
+    return (q - 1) * inputs * work.act_bytes + q * weights * BYTES_PER_PARAM[work.param_dtype][0]
 
 
 def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
@@ -197,7 +211,7 @@ def head_bytes(share: TPShare, lay: Layout, work: Workload, tokens: int) -> floa
 
 def embed_bytes(lay: Layout, tokens: int) -> float:
     """Token ids and positions (int64), and under tensor parallelism the vocabulary mask."""
-    rows = tokens / lay.grid  # a 2-D rank looks up its grid row's sequences
+    rows = tokens / lay.batch_blocks  # a grid (cube) rank looks up its block of the sequences
     return 8.0 * rows + (rows if lay.tp > 1 else 0)
 
 
@@ -217,12 +231,14 @@ def block_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> f
     """A block's backward: the largest weight gradient before it joins its buffer, the MLP's hidden gradient, and two
     hidden-size gradients (three without a pipeline, where the engine's loop holds one more)."""
     shape = work.census.shape
-    ffn = shape.ffn / lay.tp
+    ffn, weight = shape.ffn / lay.tp, shape.d_model * shape.ffn / lay.param_split  # the MLP weight's piece (2.5-D: 1/q^2)
     grad_bytes = 4 if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][1]
-    hidden = (2 if lay.pp > 1 else 3) / (lay.tp if lay.tp_mode == "2d" else 1)  # a 2-D rank's hidden gradients are 1/tp
-    out = grad_bytes * shape.d_model * ffn + (ffn + hidden * shape.d_model) * tokens * work.act_bytes
-    if lay.tp_mode == "2d" and lay.tp > 1:  # SUMMA's backward: broadcast blocks and partial products in flight
-        out += SUMMA_WEIGHT_BLOCKS * grad_bytes * shape.d_model * ffn + (ffn + 2 * shape.d_model / lay.tp) * tokens * work.act_bytes
+    hidden = (2 if lay.pp > 1 else 3) / (lay.tp if lay.gridded else 1)  # a grid rank's hidden gradients are 1/tp
+    out = grad_bytes * weight + (ffn + hidden * shape.d_model) * tokens * work.act_bytes
+    if lay.gridded and lay.tp_mode != "3d":  # SUMMA's backward: broadcast blocks and partial products in flight
+        out += SUMMA_WEIGHT_BLOCKS * grad_bytes * weight + (ffn + 2 * shape.d_model / lay.tp) * tokens * work.act_bytes
+    elif lay.gridded:  # the cube's MLP backward: the gathered output gradient, dX and dW before their reduce-scatters
+        out += lay.grid * (grad_bytes * weight + (ffn + shape.d_model / lay.tp) * tokens * work.act_bytes)
     return out
 
 
@@ -256,6 +272,8 @@ def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, s
     chunk passes: each holds one of its split stages' share (stage 0 never splits)."""
     if lay.pp == 1 or lay.schedule not in ("zb-h1", *V_SCHEDULES):
         return 0.0
+    if lay.offload.streams:
+        return streamed_deferred(lay, work, rank, stages, tokens)
     shape, t = work.census.shape, lay.tp
     if lay.schedule == "zb-h1" and rank == 0:
         return tokens * shape.d_model * work.act_bytes / (t if lay.seq_split else 1)
@@ -268,6 +286,19 @@ def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, s
         per_token += share.vocab + shape.d_model  # the LM head's output gradient and input
     per_token /= max(1, len(split)) if lay.schedule in V_SCHEDULES else 1
     return pending_weight_passes(lay, rank) * per_token * tokens * work.act_bytes
+
+
+def streamed_deferred(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
+    """A streamed stage's split backward (offload/stage_stream.py): its BI recomputes each block and keeps, until the W
+    that recomputes it again, each block's input and its output's gradient (two hidden states per block, the input
+    outliving the stash it was counted in), for each of the `pending_weight_passes` passes (a V rank's: chunk passes,
+    each one of its split stages' share; stage 0 never splits)."""
+    split = [n for s, n in stages if s != 0]
+    if not split:
+        return 0.0
+    blocks = sum(split) / (len(split) if lay.schedule in V_SCHEDULES else 1)
+    hidden = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
+    return pending_weight_passes(lay, rank) * blocks * 2 * hidden
 
 
 def pending_weight_passes(lay: Layout, rank: int) -> int:
@@ -325,7 +356,7 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     params, grads, optimizer = tiers["device"]
     params += FROZEN_PARAM_BYTES * frozen
     tokens = lay.tokens(work.seq_len)
-    recomputes = rank in lay.recompute if recompute is None else recompute
+    recomputes = (rank in lay.recompute if recompute is None else recompute) or (lay.pp > 1 and lay.offload.streams)  # a streamed stage
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved, Chimera and V count one unit per (stage, micro-batch)

@@ -21,6 +21,7 @@ from behemoth.plan import ParallelPlan
 from behemoth.planner.census import ModelCensus, TPShare
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "chimera", "zbv", "dualpipev", "1f1b-scp")
+GRID_MODES = ("2d", "2.5d", "3d")  # tensor parallelism over a grid or a cube (behemoth/parallel/tensor/summa.py, cube.py)
 CP_MODES = ("ring", "ulysses")  # context-parallel attention, resolved (parallel.cp_mode=auto picks one of them)
 
 
@@ -80,7 +81,7 @@ class Workload:
 
     def share(self, lay: Layout) -> TPShare:
         """What one rank of `lay` holds of the model (its tp, 1-D or 2-D, and ep)."""
-        return self.census.at(lay.tp, lay.ep, lay.tp_mode)
+        return self.census.at(lay.tp, lay.ep, lay.tp_mode, lay.depth)
 
 
 TIERS = TIER_NAMES  # offload.* tiers: device memory, host memory, disk
@@ -161,18 +162,47 @@ class Layout:
     offload: Offload = Offload()  # where the model states live
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence's tokens
     cp_mode: str = "ring"  # ring or ulysses (what parallel.cp_mode resolves to; unused at cp=1)
-    tp_mode: str = "1d"  # 1d (Megatron's column/row split) or 2d (a q x q SUMMA grid, tp = q*q: docs/tensor2d.md)
+    tp_mode: str = "1d"  # 1d (Megatron's column/row split), 2d (a q x q SUMMA grid, tp = q*q: docs/tensor2d.md),
+    # 2.5d (Tesseract: tp_depth such grids, tp = d*q*q) or 3d (a q x q x q cube, tp = q^3)
+    tp_depth: int = 1  # parallel.tp_depth: the grids of a 2.5-D Tesseract (1 otherwise)
+
+    @property
+    def gridded(self) -> bool:
+        """Whether tensor parallelism is a grid or a cube (2d, 2.5d, 3d): every activation and parameter in pieces."""
+        return self.tp_mode in GRID_MODES and self.tp > 1
 
     @property
     def seq_split(self) -> bool:
-        """Whether activations outside the tensor-parallel region are split over tp too: sequence parallelism, or a 2-D
-        grid (rows split the sequences, columns the features: 1/tp of every activation)."""
-        return self.sp or (self.tp_mode == "2d" and self.tp > 1)
+        """Whether activations outside the tensor-parallel region are split over tp too: sequence parallelism, or a grid
+        or cube (1/tp of every activation: 1/q^2 on a 2-D grid, 1/(q^2 d) under 2.5-D, 1/q^3 on a cube)."""
+        return self.sp or self.gridded
 
     @property
     def grid(self) -> int:
-        """q, the side of a 2-D grid (1 under 1-D tensor parallelism)."""
-        return math.isqrt(self.tp) if self.tp_mode == "2d" else 1
+        """q, the side of a 2-D / 2.5-D grid or of a 3-D cube (1 under 1-D tensor parallelism)."""
+        if not self.gridded:
+            return 1
+        if self.tp_mode == "3d":
+            return round(self.tp ** (1 / 3))
+        return math.isqrt(self.tp // self.depth)
+
+    @property
+    def depth(self) -> int:
+        """d of a 2.5-D Tesseract (1 in every other mode)."""
+        return self.tp_depth if self.tp_mode == "2.5d" else 1
+
+    @property
+    def param_split(self) -> int:
+        """Pieces each weight matrix is cut into over the tp group: tp, but q^2 under 2.5-D (the d grids hold the same
+        pieces, Tesseract's 1/q^2)."""
+        return self.grid**2 if self.tp_mode == "2.5d" and self.tp > 1 else self.tp
+
+    @property
+    def batch_blocks(self) -> int:
+        """Parts a micro-batch's sequences are cut into over the tp group: q grid rows (2d), d x q (2.5d), q^2 (3d)."""
+        if not self.gridded:
+            return 1
+        return self.grid**2 if self.tp_mode == "3d" else self.grid * self.depth
 
     @property
     def world(self) -> int:
@@ -217,8 +247,9 @@ class Layout:
             parts.insert(1, f"cp={self.cp}({self.cp_mode})")
         if self.sp:
             parts.append("sp")
-        if self.tp_mode == "2d":
-            parts.append(f"2d[{self.grid}x{self.grid}]")
+        if self.gridded:
+            q = self.grid
+            parts.append({"2d": f"2d[{q}x{q}]", "2.5d": f"2.5d[{self.depth}x{q}x{q}]", "3d": f"3d[{q}x{q}x{q}]"}[self.tp_mode])
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.chunks}" if self.chunks > 1 and self.schedule == "interleaved" else ""))
         parts.append(f"mb={self.micro_batch}x{self.microbatches}")
@@ -241,6 +272,7 @@ class Layout:
             cp_mode=self.cp_mode if self.cp > 1 else (base or ParallelPlan()).cp_mode,
             tp=self.tp,
             tp_mode=self.tp_mode,
+            tp_depth=self.depth,
             pp=self.pp,
             zero_stage=self.zero,
             sequence_parallel=self.sp and self.tp > 1,
@@ -291,6 +323,7 @@ class Layout:
             dims.cp,
             resolve_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp) if dims.cp > 1 else "ring",
             plan.tp_mode if dims.tp > 1 else "1d",
+            plan.tp_depth if plan.tp_mode == "2.5d" and dims.tp > 1 else 1,
         )
 
     def but(self, **changes: Any) -> Layout:

@@ -10,6 +10,7 @@ planned over it by `memory.py` (`plan_units`, `split_expert_units`, `FlatLayout`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,10 @@ from behemoth.parallel.pipeline.apply import stage_parameters, tied_peer
 from behemoth.parallel.pipeline.partition import cut_model
 from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.parallel.tensor import TensorPolicy, plan_tensor_parallel
+from behemoth.parallel.tensor.cube import Grid3D
+from behemoth.parallel.tensor.summa import Grid2D
+from behemoth.parallel.tensor.threed import apply_tensor_parallel_3d
+from behemoth.parallel.tensor.twod import apply_tensor_parallel_2d
 from behemoth.parallelize import resolve_stage_boundaries
 from behemoth.topology import ParallelDims
 
@@ -50,6 +55,18 @@ def split_model(lm: CausalLM, tp: int, ep: int, sequence_parallel: bool = False)
     if not lm.moe_layers:
         return None
     return plan_expert_parallel(lm.module, ep, layers=lm.moe_layers, tp=tp).is_expert
+
+
+def split_grid(lm: CausalLM, tp: int, mode: str, depth: int = 1) -> None:
+    """Split `lm` (meta) in place as 2-D (`mode` 2d), 2.5-D (2.5d, `depth` grids) or 3-D (3d) tensor parallelism does
+    (parallelize.apply_2d), for the rank at the grid's or cube's origin: with no process group the pieces' shapes are
+    a function of the degrees alone, and the refusals (`tensor2d_problems`, `tensor3d_problems`) guarantee every rank
+    holds equal ones."""
+    if mode == "3d":
+        apply_tensor_parallel_3d(lm.module, Grid3D.shape_only(round(tp ** (1 / 3)), 0), lm.tp3d_plan or {})
+        return
+    q = math.isqrt(tp // depth)
+    apply_tensor_parallel_2d(lm.module, Grid2D(q, 0, 0, None, None, depth=depth), lm.tp2d_plan or {})
 
 
 def rank_model(cfg: Any, dims: ParallelDims, pp_rank: int = 0) -> RankModel:

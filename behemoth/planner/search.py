@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from behemoth.models.causal_lm import has_tp2d_plan
+from behemoth.parallel.tensor.cube import cube_side
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
 from behemoth.planner.footprint import placed, stage_memory, state_bytes
@@ -29,6 +30,7 @@ from behemoth.planner.layout import CP_MODES, SCHEDULES, Layout, Offload, Worklo
 from behemoth.planner.stages import SINGLE_STAGE_SCHEDULES, cut_stages, stage_models
 from behemoth.planner.steptime import step_floor
 
+TP_MODES = ("1d", "2d", "2.5d", "3d")
 MEMORY_MARGIN = 0.05  # the memory model's stated accuracy: a plan's busiest rank stays this share below the usable bytes
 OFFLOAD_PLACEMENTS = (  # lightest I/O first: ZeRO-Offload's moments, then ZeRO-3 units on host memory, then on disk
     Offload(optimizer="host", zero_offload=True),
@@ -59,7 +61,8 @@ class Space:
     max_cp: int | None = None  # default: the devices of one node
     offload: tuple[Offload, ...] | None = None  # pinned placements; default: on the device, OFFLOAD_PLACEMENTS if nothing fits
     margin: float = MEMORY_MARGIN
-    tp_modes: tuple[str, ...] = ("1d", "2d")  # 2d: a q x q SUMMA grid where `grid_allowed` says the runtime runs one
+    tp_modes: tuple[str, ...] = TP_MODES  # 2d, 2.5d, 3d: grids and cubes where `grid_allowed` says the runtime runs one
+    max_depth: int = 2  # the deepest 2.5-D Tesseract tried (d grids of q x q)
 
 
 @dataclass
@@ -89,24 +92,40 @@ def tp_degrees(work: Workload, world: int, space: Space, cluster: ClusterSpec) -
     return [t for t in allowed(space.tp, divisors(world)) if all(s % t == 0 for s in sizes) and (space.tp is not None or t <= cap)]
 
 
-def grid_allowed(work: Workload, tp: int) -> bool:
-    """Whether a 2-D grid of tp = q*q ranks can run this model (`tensor2d_problems`): q >= 2, a family with a 2-D plan
-    (behemoth's GPT, the Llama-layout families of models/hf_families.py), untied, no experts, LoRA or dropout, and
-    n_head, the KV heads and the vocabulary split by q, d_model, the MLP and the key/value widths by q*q."""
-    shape, q = work.census.shape, math.isqrt(tp)
-    if q * q != tp or q < 2 or not has_tp2d_plan(shape.arch) or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
+def grid_allowed(work: Workload, tp: int, mode: str = "2d", depth: int = 1) -> bool:
+    """Whether a grid or cube of tp ranks can run this model (`tensor2d_problems`, `tensor3d_problems`): a family with a
+    2-D plan (behemoth's GPT; the Llama-layout families of models/hf_families.py on grids, not cubes), untied, no experts,
+    LoRA or dropout; a side q >= 2 (tp = q*q, d*q*q under 2.5-D, q^3 under 3-D), n_head, the KV heads and the vocabulary
+    split by q, d_model, the MLP and the key/value widths by q*q (by q^3 on a cube)."""
+    shape = work.census.shape
+    family = shape.arch == "gpt" or (mode != "3d" and has_tp2d_plan(shape.arch))
+    if not family or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
         return False
-    kv = shape.kv_heads != shape.n_head and bool(shape.kv_heads % q or shape.kv_width % tp)
-    return not (kv or shape.n_head % q or shape.vocab_size % q or shape.d_model % tp or shape.ffn % tp)
+    q = cube_side(tp) if mode == "3d" else math.isqrt(tp // depth)
+    pieces = q**3 if mode == "3d" else q * q
+    if q < 2 or (mode != "3d" and q * q * depth != tp):
+        return False
+    kv = shape.kv_heads != shape.n_head and bool(shape.kv_heads % q or shape.kv_width % pieces)
+    return not (kv or shape.n_head % q or shape.vocab_size % q or shape.d_model % pieces or shape.ffn % pieces)
 
 
-def tp_choices(work: Workload, world: int, space: Space, cluster: ClusterSpec) -> list[tuple[int, str]]:
-    """(degree, mode) pairs: every 1-D degree of `tp_degrees`, and 2-D grids of the world's square divisors within
-    the same cap (`grid_allowed`)."""
-    out = [(t, "1d") for t in tp_degrees(work, world, space, cluster)] if "1d" in space.tp_modes else []
+def grid_modes(tp: int, space: Space) -> list[tuple[str, int]]:
+    """(mode, depth) of every grid or cube a degree tp can form among the space's modes: a q x q grid, a d x q x q
+    Tesseract (d >= 2; `Space.max_depth`), a q^3 cube."""
+    out = [("2d", 1)] + [("2.5d", d) for d in range(2, min(tp // 4, space.max_depth) + 1) if tp % d == 0] + [("3d", 1)]
+    return [(m, d) for m, d in out if m in space.tp_modes]
+
+
+def tp_choices(work: Workload, world: int, space: Space, cluster: ClusterSpec) -> list[tuple[int, str, int]]:
+    """(degree, mode, depth) triples: every 1-D degree of `tp_degrees`, and the grids and cubes (`grid_modes`) of the
+    world's divisors within the same cap that the runtime runs (`grid_allowed`)."""
+    out = [(t, "1d", 1) for t in tp_degrees(work, world, space, cluster)] if "1d" in space.tp_modes else []
     cap = space.max_tp or cluster.devices_per_node
-    grids = [t for t in allowed(space.tp, divisors(world)) if (space.tp is not None or t <= cap) and grid_allowed(work, t)]
-    return out + [(t, "2d") for t in grids if "2d" in space.tp_modes]
+    for t in allowed(space.tp, divisors(world)):
+        if space.tp is None and t > cap:
+            continue
+        out += [(t, m, d) for m, d in grid_modes(t, space) if grid_allowed(work, t, m, d)]
+    return out
 
 
 def schedules_for(pp: int, m: int, n_layer: int, space: Space) -> list[tuple[str, int]]:
@@ -154,34 +173,41 @@ def cp_modes(work: Workload, tp: int, cp: int, sp: bool, space: Space) -> list[s
     return [m for m in space.cp_modes if fits.get(m) and not (sp and (s // cp) % tp)]
 
 
-def offload_allowed(off: Offload, zero: int, pp: int, work: Workload) -> bool:
+def offload_allowed(off: Offload, zero: int, pp: int, work: Workload, schedule: str = "1f1b") -> bool:
     """Whether the runtime can run this placement at this stage (`offload_problems`): ZeRO-Offload's moments at stages
-    1-2, streamed units at stage 3 without a pipeline (float32 or bf16 compute parameters), no streamed experts."""
+    1-2; streamed units at stage 3 without a pipeline, and under one (each stage streaming its own units,
+    offload/stage_stream.py: stage 0, which means the same for streamed units) with any schedule that keeps one
+    replica of each stage (not Chimera) and an untied model without a LoRA base; no streamed experts."""
     if not off.enabled:
         return True
     if off.zero_offload:
         return zero in (1, 2)
-    return zero == 3 and pp == 1 and not any(work.census.shape.experts)
+    if any(work.census.shape.experts):
+        return False
+    if pp == 1:
+        return zero == 3
+    return zero == 0 and schedule != "chimera" and not work.census.shape.tied and work.census.lora is None
 
 
 def enumerate_layouts(work: Workload, world: int, space: Space, cluster: ClusterSpec, offload: tuple[Offload, ...] | None = None) -> list[Layout]:
     """Every layout of `world` processes the space allows (before boundaries and recomputation are chosen), with each
     placement of `offload` (default: the space's pinned ones, else the device only)."""
     out = []
-    for tp, mode in tp_choices(work, world, space, cluster):
+    for tp, mode, depth in tp_choices(work, world, space, cluster):
         for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer]):
             for ep in ep_degrees(work, world // (tp * pp), space):
                 for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster) if mode == "1d" else [1]:
                     found = degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
-                    out += found if mode == "1d" else grid_layouts(found, math.isqrt(tp))
+                    out += found if mode == "1d" else grid_layouts(found, mode, depth)
     return out
 
 
-def grid_layouts(layouts: list[Layout], q: int) -> list[Layout]:
-    """The 2-D versions of 1-D layouts of a degree q*q that the grid composes with (`twod_problems.unsupported`): no
-    sequence parallelism, every state on the device, micro-batches of whole grid rows (any pipeline, any ZeRO stage)."""
-    keep = [lay for lay in layouts if not lay.sp and not lay.offload.enabled and lay.micro_batch % q == 0]
-    return [lay.but(tp_mode="2d") for lay in keep]
+def grid_layouts(layouts: list[Layout], mode: str, depth: int) -> list[Layout]:
+    """The grid (cube) versions of 1-D layouts of the same degree that it composes with (`twod_problems.unsupported`):
+    no sequence parallelism, every state on the device, micro-batches of whole sequence blocks (q rows, d x q under
+    2.5-D, q^2 on a cube), any pipeline, any ZeRO stage on a 2-D grid and ZeRO 0-2 under 2.5-D and 3-D."""
+    grids = [lay.but(tp_mode=mode, tp_depth=depth) for lay in layouts if not lay.sp and not lay.offload.enabled]
+    return [lay for lay in grids if lay.micro_batch % lay.batch_blocks == 0 and (lay.zero < 3 or mode == "2d")]
 
 
 def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: int, cp: int, offload: tuple[Offload, ...] | None) -> list[Layout]:
@@ -202,7 +228,7 @@ def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: 
                         continue
                     for mode in cp_modes(work, tp, cp, sp, space):
                         for off in placements:
-                            if offload_allowed(off, zero, pp, work) and not (cp > 1 and off.enabled):
+                            if offload_allowed(off, zero, pp, work, schedule) and not (cp > 1 and off.enabled):
                                 out.append(Layout(dp, tp, pp, zero, sp, mb, m, schedule, v, ep=ep, offload=off, cp=cp, cp_mode=mode))
     return out
 
@@ -231,13 +257,13 @@ def fit_layout(work: Workload, lay: Layout, cluster: ClusterSpec, space: Space) 
         if plain.fits or not space.recompute:
             return plain
         return within_margin(price(work, lay.but(recompute=(0,)), cluster), cluster, space)
-    if lay.schedule in SINGLE_STAGE_SCHEDULES:
+    if lay.schedule in SINGLE_STAGE_SCHEDULES and not lay.offload.streams:
         cut = cut_stages(stage_models(work, lay, cluster, allow_recompute=space.recompute), work.census.shape.n_layer, limit)
         if cut is not None:
             return within_margin(price(work, lay.but(boundaries=cut[0], recompute=cut[1]), cluster, every_rank=False), cluster, space)
     bounds = planned_bounds(work, lay)
     plain = lay.but(boundaries=bounds)
-    if lay.schedule == "1f1b-scp":  # the schedule itself recomputes (check_scp_recompute): no rank is chosen to
+    if lay.schedule == "1f1b-scp" or lay.offload.streams:  # the schedule (check_scp_recompute) or the streamer recomputes
         return within_margin(price(work, plain, cluster, every_rank=False), cluster, space)
     over = [r for r in range(lay.pp) if stage_memory(work, plain, r, [(s, bounds[s + 1] - bounds[s]) for s in plain.held_stages(r)]).peak > limit]
     cost = price(work, plain.but(recompute=tuple(over)) if over and space.recompute else plain, cluster, every_rank=False)

@@ -158,6 +158,7 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         lay.cp,
         lay.cp_mode,
         lay.tp_mode,
+        lay.depth,
         work.dropout > 0,
         work.op_checkpointing,
         id(cluster.device),
@@ -186,8 +187,9 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     eff = dev.block_efficiency
     rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
     hidden = tokens * work.census.shape.d_model * work.act_bytes
-    if lay.tp_mode == "2d" and lay.tp > 1:
-        comm = sum(summa_seconds(work, lay, cluster, b * m * k, b * k * n) for b, m, n, k in block_products(work, lay.but(tp=1, tp_mode="1d"))) / 2
+    if lay.gridded:
+        whole = block_products(work, lay.but(tp=1, tp_mode="1d"))
+        comm = sum(grid_seconds(work, lay, cluster, b * m * k, b * k * n, b * m * n) for b, m, n, k in whole) / 2
     elif lay.sp:
         comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
     else:
@@ -203,21 +205,52 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
 
 
 def grid_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
-    """`block_products`, on a 2-D grid as SUMMA runs them: q steps of a (tokens/q, n/q, k/q) product per linear."""
-    if lay.tp_mode != "2d" or lay.tp == 1:
+    """`block_products` as a grid or cube runs them: SUMMA's q steps of a (tokens/(q d), n/q, k/q) product per linear
+    on a 2-D (d = 1) or 2.5-D grid; one (tokens/q, n/q, k/q) product of the gathered operands on a q^3 cube."""
+    if not lay.gridded:
         return block_products(work, lay)
-    q = lay.grid
-    return [(b * q, m / q, n / q, k / q) for b, m, n, k in block_products(work, lay.but(tp=1, tp_mode="1d"))]
+    q, whole = lay.grid, block_products(work, lay.but(tp=1, tp_mode="1d"))
+    if lay.tp_mode == "3d":
+        return [(b, m / q, n / q, k / q) for b, m, n, k in whole]
+    return [(b * q, m / (q * lay.depth), n / q, k / q) for b, m, n, k in whole]
+
+
+def grid_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w: float, y: float) -> float:
+    """Seconds of one linear's tensor-parallel collectives in forward and backward for a whole layer's input `x`, weight
+    `w` and output `y` (elements): SUMMA's on a 2-D / 2.5-D grid (`summa_seconds`), the cube's on a 3-D one."""
+    return cube_seconds(work, lay, cluster, x, w, y) if lay.tp_mode == "3d" else summa_seconds(work, lay, cluster, x, w)
 
 
 def summa_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w: float) -> float:
     """Seconds of one SUMMA linear's collectives in forward and backward on a q x q grid, for a whole layer's
     activation `x` and weight `w` (elements): 3q steps (q broadcasts forward; q broadcasts and q reductions backward),
     each moving a block of both, 1/q^2 of them (`summa.summa_volume`: 3q (x + w) / q^2 elements per rank), on the
-    link the grid spans, each step its own latency."""
+    link the grid spans, each step its own latency. Under 2.5-D each of the d grids runs it on its 1/d of the tokens
+    (Tesseract: activation blocks x / (d q^2), the same weight blocks w / q^2)."""
     q = lay.grid
-    step = cluster.collective("p2p", (x + w) / q**2 * work.act_bytes, lay.tp)
+    step = cluster.collective("p2p", (x / lay.depth + w) / q**2 * work.act_bytes, lay.tp)
     return 3 * q * step
+
+
+def cube_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w: float, y: float) -> float:
+    """Seconds of one 3-D linear's six collectives over lines of q ranks (`cube.cube_volume`): forward all-gathers X
+    along O and W along T and reduce-scatters Y along I; backward all-gathers dY and reduce-scatters dX and dW; each
+    gathered (scattered) tensor q times the rank's 1/q^3 piece, priced by the alpha-beta model on the cube's link."""
+    q = lay.grid
+
+    def line(op: str, whole: float) -> float:
+        return cluster.collective(op, whole / q**2 * work.act_bytes, q)
+
+    forward = line("all_gather", x) + line("all_gather", w) + line("reduce_scatter", y)
+    return forward + line("all_gather", y) + line("reduce_scatter", x) + line("reduce_scatter", w)
+
+
+def depth_sync_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float) -> float:
+    """2.5-D: the all-reduce of every weight gradient over the d grids that hold the same pieces, once per step after
+    the passes (`TensorParallel2D.finish_grads`), on the tp group's link (ranks q^2 apart)."""
+    if lay.tp_mode != "2.5d" or lay.depth == 1 or lay.tp == 1:
+        return 0.0
+    return cluster.collective("all_reduce", bytes_per(lay, work)[1] * elements, lay.depth, lay.grid**2)
 
 
 def op_products(work: Workload, lay: Layout) -> list[tuple[float, float, float, float]]:
@@ -247,9 +280,9 @@ def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     logits = dev.gemm_seconds(work.compute_dtype, tokens, share.vocab, work.census.shape.d_model)
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
     comm = cluster.collective("all_reduce", 3 * tokens * 4, lay.tp)  # the vocabulary-parallel loss's three reductions
-    if lay.tp_mode == "2d" and lay.tp > 1:  # the head is a SUMMA product too (forward's share of its three passes)
+    if lay.gridded:  # the head is a grid (cube) product too (forward's share of its three passes)
         d, vocab = work.census.shape.d_model, share.vocab * lay.tp
-        comm += summa_seconds(work, lay, cluster, tokens * d, d * vocab) / 3
+        comm += grid_seconds(work, lay, cluster, tokens * d, d * vocab, tokens * vocab) / 3
     return logits / dev.block_efficiency + softmax + comm + HEAD_OPS * dev.op_overhead_us * 1e-6
 
 
@@ -258,7 +291,7 @@ def embed_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     tokens = lay.tokens(work.seq_len)
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     lookup = 2 * hidden / (cluster.device.memory_bandwidth_gbs * 1e9)
-    if lay.tp_mode == "2d":  # each rank looks up its block: only the table's pieces are gathered (not priced)
+    if lay.gridded:  # each rank looks up its block: only the table's pieces are gathered (not priced)
         return lookup / lay.tp
     return lookup + cluster.collective("all_reduce", hidden, lay.tp)
 
@@ -273,21 +306,32 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     inline = pipeline_message_seconds(work, lay, cluster)
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
+    streamed = streamed_pipeline(lay)
     for s in range(lay.stages):
         n = bounds[s + 1] - bounds[s]
         ends = (embed if s == 0 else 0.0) + (head if s == lay.stages - 1 else 0.0)
-        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute else n * c.selective
-        recompute += again
+        again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute or streamed else n * c.selective
+        twice = again if streamed and lay.schedule in SPLIT_SCHEDULES and s > 0 else 0.0  # a streamed W recomputes again
+        recompute += again + twice
         waits = inline_transfers(work, lay, s) * inline
         fwd.append(n * (c.forward + c.comm) + ends + waits)
         bwd.append(n * (c.input_grad + c.comm) + ends + again + waits)
-        wgt.append(n * c.weight_grad + ends)
-    if lay.schedule == "1f1b-scp" and lay.pp > 1:  # the schedule's R passes: each rank but the last reruns most forwards
+        wgt.append(n * c.weight_grad + ends + twice)
+    if lay.schedule == "1f1b-scp" and lay.pp > 1 and not streamed:  # the schedule's R passes: each rank but the last reruns most forwards
         recompute += sum(fwd[s] * scp_share(lay, s) for s in range(lay.stages))
     p2p = pipeline_message_seconds(work, lay, cluster)
     tp_comm = work.census.shape.n_layer / lay.pp * c.comm * 2  # one rank's blocks, forward and input-gradient passes
     context = work.census.shape.n_layer / lay.pp * c.context
     return PassCosts(tuple(fwd), tuple(bwd), tuple(wgt), p2p, tp_comm, recompute / lay.pp, context)
+
+
+SPLIT_SCHEDULES = ("zb-h1", "zbv", "dualpipev")  # a backward split into input-gradient (BI) and weight (W) passes
+
+
+def streamed_pipeline(lay: Layout) -> bool:
+    """Whether each pipeline stage streams its own units (offload/stage_stream.py): a streamed stage keeps each block's
+    input and recomputes the block in its backward (a split backward: in its BI and again in its W)."""
+    return lay.pp > 1 and lay.offload.streams
 
 
 def scp_share(lay: Layout, rank: int) -> float:
@@ -483,15 +527,16 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
 
 
 def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, experts: float) -> float:
-    """Seconds the offload tiers move a step's bytes for one rank: parameters read for forward and again for backward and
-    written after the update, gradients written and read back, moments read and written; a node's devices share its
-    host memory and disk bandwidth."""
+    """Seconds the offload tiers move a step's bytes for one rank: parameters read for forward and again for backward (and
+    for a streamed stage's weight passes once more) and written after the update, gradients written and read back,
+    moments read and written; a node's devices share its host memory and disk bandwidth."""
     if not lay.offload.enabled:
         return 0.0
     tiers = placed(state_bytes(elements, lay, work, experts), lay)
     host, share = cluster.host, cluster.devices_per_node
     rate = {"host": host.memory_bandwidth_gbs * 1e9 / share, "disk": host.disk_bandwidth_gbs * 1e9 / share}
-    return sum((3 * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "device")
+    reads = 4 if streamed_pipeline(lay) and lay.schedule in SPLIT_SCHEDULES else 3  # a streamed W reads its units again
+    return sum((reads * p + 2 * g + 2 * k) / rate[tier] for tier, (p, g, k) in tiers.items() if tier != "device")
 
 
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:
@@ -504,7 +549,7 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     experts = sum(bounds[s + 1] - bounds[s] for s in lay.held_stages(busiest)) * share.experts
     forward = max(sum(costs.forward[s] for s in lay.held_stages(r)) for r in range(lay.pp))
     backward = max(sum(costs.backward[s] + costs.weight[s] for s in lay.held_stages(r)) for r in range(lay.pp))
-    passes += chimera_sync_seconds(lay, cluster, elements)
+    passes += chimera_sync_seconds(lay, cluster, elements) + depth_sync_seconds(work, lay, cluster, elements)
     m = lay.microbatches
     pp_comm = 2 * m * costs.p2p * max(1, lay.chunks) if lay.pp > 1 else 0.0
     dp = data_parallel_time(work, lay, cluster, elements, forward, backward)
