@@ -105,10 +105,11 @@ def transformers_engine(folder: str) -> Callable[[list[int], int], dict]:
     return run
 
 
-def behemoth_engine(folder: str, fused: bool) -> Callable[[list[int], int], dict]:
+def behemoth_engine(folder: str, fused: bool, split: bool = False) -> Callable[[list[int], int], dict]:
     from behemoth.inference import SamplingParams, load
+    from behemoth.inference.generate import CachePolicy
 
-    gen = load(folder)
+    gen = load(folder, cache=CachePolicy(split_products=split))  # split: batch-1 products on two threads (--split-products)
     gen.runner.fused = fused  # True: the one-call decode step, built at its first use; False: the model's own blocks
 
     def run(prompt: list[int], new: int) -> dict:
@@ -150,7 +151,8 @@ def main() -> None:
         save_tokenizer(folder, SHAPE["vocab_size"])
         convert_s = to_gguf(args.converter, folder, gguf)
         engines = {"llama.cpp (f32 GGUF)": llamacpp_engine(gguf, args.threads), "transformers generate": transformers_engine(folder)}
-        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth, model's own blocks": behemoth_engine(folder, False)}
+        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth generate --split-products": behemoth_engine(folder, True, True)}
+        engines |= {"behemoth, model's own blocks": behemoth_engine(folder, False)}
         prompt = make_prompts(1, args.prompt, SHAPE["vocab_size"])[0]
         t0 = time.perf_counter()
         for run in engines.values():
