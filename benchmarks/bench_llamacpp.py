@@ -6,7 +6,8 @@ own converter (convert_hf_to_gguf.py, shipped in llama-cpp-python's sdist under 
 f32 GGUF. Each engine then decodes the same 32-token prompt greedily for 64 tokens in this process, float32, on
 `--threads` threads, `--rounds` times interleaved, its fastest round reported: llama.cpp (llama-cpp-python),
 transformers' `generate`, and behemoth's `Generator.generate` (what `behemoth generate` runs), both with its decode
-step in one call (fast_decode.py) and with the model's own blocks (the path before it). Decode tok/s counts the
+step in one call (fast_decode.py) and with the model's own blocks (the path before it); then `--split-products` (each
+product as two halves on two threads) in a child process with one intra-op thread, its rounds after the others'. Decode tok/s counts the
 tokens after the first over the time after the first; CPU ms/token is this process's CPU time over the whole
 generation per token (the machine is shared: CPU time is steadier than wall time under load). Run:
 
@@ -122,6 +123,14 @@ def behemoth_engine(folder: str, fused: bool, split: bool = False) -> Callable[[
     return run
 
 
+def split_rounds(folder: str, prompt: list[int], new: int, rounds: int) -> list[dict]:
+    """`behemoth generate --split-products` in a process of its own (one intra-op thread: the split's two halves run on
+    it and an inter-op worker), after an untimed warm-up."""
+    run = behemoth_engine(folder, True, True)
+    run(prompt, 4)
+    return [run(prompt, new) for _ in range(rounds)]
+
+
 def table(best: dict[str, dict], reference: str) -> list[dict]:
     ref = best[reference]
     print(f"{'engine':<34}{'decode tok/s':>13}{'vs llama.cpp':>14}{'TTFT ms':>9}{'CPU ms/token':>14}{'same tokens':>13}")
@@ -144,6 +153,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from behemoth.faults.ranks import run_ranks
+
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as root:
         folder, gguf = str(Path(root) / "llama"), str(Path(root) / "llama-f32.gguf")
@@ -151,8 +162,7 @@ def main() -> None:
         save_tokenizer(folder, SHAPE["vocab_size"])
         convert_s = to_gguf(args.converter, folder, gguf)
         engines = {"llama.cpp (f32 GGUF)": llamacpp_engine(gguf, args.threads), "transformers generate": transformers_engine(folder)}
-        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth generate --split-products": behemoth_engine(folder, True, True)}
-        engines |= {"behemoth, model's own blocks": behemoth_engine(folder, False)}
+        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth, model's own blocks": behemoth_engine(folder, False)}
         prompt = make_prompts(1, args.prompt, SHAPE["vocab_size"])[0]
         t0 = time.perf_counter()
         for run in engines.values():
@@ -162,6 +172,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in engines.items():
                 runs[name].append(run(prompt, args.new))
+        runs["behemoth generate --split-products"] = run_ranks(1, split_rounds, folder, prompt, args.new, args.rounds, threads=1, timeout=3600)[0]
     shape = f"Llama {SHAPE}, {params / 1e6:.1f}M parameters"
     print(f"{shape}, float32, {args.threads} threads, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
     print(f"GGUF conversion {convert_s:.1f} s; warm-up of all engines {warm_s:.1f} s; best of {args.rounds} interleaved rounds\n")

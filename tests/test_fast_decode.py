@@ -107,6 +107,11 @@ def test_generate_with_split_products_from_the_command_line(llama, capsys):
 
     from behemoth.cli import main
 
-    assert main(["generate", llama, "--split-products", "--json", "--ignore-eos", "--max-tokens", "12", "--prompt-ids", "4,8,15,16"]) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", llama, "--split-products", "--json", "--ignore-eos", "--max-tokens", "12", "--prompt-ids", "4,8,15,16"]) == 0
+        assert torch.get_num_threads() == 1  # the split's two halves are its two threads
+    finally:
+        torch.set_num_threads(threads)
     tokens = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
     assert tokens == load(llama).generate([[4, 8, 15, 16]], SamplingParams(max_tokens=12), ignore_eos=True)[0].tokens

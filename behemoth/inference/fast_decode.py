@@ -188,8 +188,7 @@ class FusedDecoder:
         cos, sin = ctx["position_embeddings"]
         step = ctx["cache"]
         keys, values = storage.keys, storage.values  # type: ignore[attr-defined]
-        gather = step.batch.gather
-        start = contiguous_start(gather)
+        start = contiguous_start(step.batch.gather)
         return self.run(
             h,
             cos.unsqueeze(1),
@@ -198,7 +197,7 @@ class FusedDecoder:
             [keys[i] for i in layers],
             [values[i] for i in layers],
             step.batch.slots,
-            gather,
+            step.batch.gather,
             None if start >= 0 else ctx["attention_mask"],
             start,
             self.heads,
