@@ -6,7 +6,8 @@ own converter (convert_hf_to_gguf.py, shipped in llama-cpp-python's sdist under 
 f32 GGUF. Each engine then decodes the same 32-token prompt greedily for 64 tokens in this process, float32, on
 `--threads` threads, `--rounds` times interleaved, its fastest round reported: llama.cpp (llama-cpp-python),
 transformers' `generate`, and behemoth's `Generator.generate` (what `behemoth generate` runs), both with its decode
-step in one call (fast_decode.py) and with the model's own blocks (the path before it). Decode tok/s counts the
+step in one call (fast_decode.py) and with the model's own blocks (the path before it); then `--split-products` (each
+product as two halves on two threads) in a child process with one intra-op thread, its rounds after the others'. Decode tok/s counts the
 tokens after the first over the time after the first; CPU ms/token is this process's CPU time over the whole
 generation per token (the machine is shared: CPU time is steadier than wall time under load). Run:
 
@@ -105,10 +106,11 @@ def transformers_engine(folder: str) -> Callable[[list[int], int], dict]:
     return run
 
 
-def behemoth_engine(folder: str, fused: bool) -> Callable[[list[int], int], dict]:
+def behemoth_engine(folder: str, fused: bool, split: bool = False) -> Callable[[list[int], int], dict]:
     from behemoth.inference import SamplingParams, load
+    from behemoth.inference.generate import CachePolicy
 
-    gen = load(folder)
+    gen = load(folder, cache=CachePolicy(split_products=split))  # split: batch-1 products on two threads (--split-products)
     gen.runner.fused = fused  # True: the one-call decode step, built at its first use; False: the model's own blocks
 
     def run(prompt: list[int], new: int) -> dict:
@@ -119,6 +121,14 @@ def behemoth_engine(folder: str, fused: bool) -> Callable[[list[int], int], dict
         return dict(tokens=out.tokens, wall=out.latency_s, ttft=first, decode=(new - 1) / (out.latency_s - first), cpu_ms=cpu / new * 1e3)
 
     return run
+
+
+def split_rounds(folder: str, prompt: list[int], new: int, rounds: int) -> list[dict]:
+    """`behemoth generate --split-products` in a process of its own (one intra-op thread: the split's two halves run on
+    it and an inter-op worker), after an untimed warm-up."""
+    run = behemoth_engine(folder, True, True)
+    run(prompt, 4)
+    return [run(prompt, new) for _ in range(rounds)]
 
 
 def table(best: dict[str, dict], reference: str) -> list[dict]:
@@ -143,6 +153,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from behemoth.faults.ranks import run_ranks
+
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as root:
         folder, gguf = str(Path(root) / "llama"), str(Path(root) / "llama-f32.gguf")
@@ -160,6 +172,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in engines.items():
                 runs[name].append(run(prompt, args.new))
+        runs["behemoth generate --split-products"] = run_ranks(1, split_rounds, folder, prompt, args.new, args.rounds, threads=1, timeout=3600)[0]
     shape = f"Llama {SHAPE}, {params / 1e6:.1f}M parameters"
     print(f"{shape}, float32, {args.threads} threads, batch 1, {args.prompt}-token prompt, {args.new} greedy tokens")
     print(f"GGUF conversion {convert_s:.1f} s; warm-up of all engines {warm_s:.1f} s; best of {args.rounds} interleaved rounds\n")

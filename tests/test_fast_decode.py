@@ -7,7 +7,7 @@ import torch
 
 from behemoth.config import load_config
 from behemoth.inference import SamplingParams, load
-from behemoth.inference.fast_decode import FusedDecoder
+from behemoth.inference.fast_decode import FusedDecoder, contiguous_start
 from behemoth.inference.generate import CachePolicy, local_runner
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
 from behemoth.inference.loading import Source, load_model, resolve_source
@@ -20,15 +20,19 @@ def llama(tmp_path_factory) -> str:
     return build_llama(tmp_path_factory.mktemp("llama"), vocab_size=97)
 
 
-def decode_logits(runner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Prefill the prompts together, then `steps` greedy decode steps of every row: each step's logits [B, V]."""
+def decode_logits(runner, prompts: list[list[int]], steps: int, interleave: bool = False) -> list[torch.Tensor]:
+    """Prefill the prompts together, then `steps` greedy decode steps of every row: each step's logits [B, V]; with
+    `interleave`, another sequence takes a block after each of the rows' blocks (their slots are not consecutive)."""
     alloc = BlockAllocator(runner.storage.layout.num_blocks, runner.storage.layout.block_size)
     seqs = [list(p) for p in prompts]
     rows = [(i, list(p), 0) for i, p in enumerate(prompts)]
     out = []
     for _ in range(steps + 1):
         for seq, tokens, start in rows:
+            before = len(alloc.tables.get(seq, ()))
             alloc.grow(seq, start + len(tokens))
+            if interleave and len(alloc.tables[seq]) > before:
+                alloc.grow("other", alloc.lengths.get("other", 0) + alloc.block_size)
         logits = runner.forward(plan_step(alloc, rows))
         out.append(logits)
         for i, tok in enumerate(logits.argmax(-1).tolist()):
@@ -60,3 +64,54 @@ def test_greedy_generation_is_identical_and_other_models_keep_their_blocks(llama
     gpt = load(Source(load_config(None, ["model=gpt-tiny", "model.context=64"]), None, None))
     gpt.generate([[1, 2, 3]], SamplingParams(max_tokens=3), ignore_eos=True)
     assert gpt.runner.fused is None  # behemoth's GPT blocks are not Llama layers: its decode steps run them as before
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_batch_one_steps_with_split_products_equal_the_model_blocks(llama, interleave):
+    """One row: its products split over two threads, its cache read as a view of consecutive slots (or gathered where
+    another sequence's blocks sit between its own)."""
+    model = load_model(resolve_source(llama, []), init_runtime())
+    fused, plain = (local_runner(model, CachePolicy(block_size=4, max_blocks=32)) for _ in range(2))
+    fused.split_products, plain.fused = True, False
+    a = decode_logits(fused, [[3, 14, 15, 92, 65]], 12, interleave)
+    b = decode_logits(plain, [[3, 14, 15, 92, 65]], 12, interleave)
+    assert isinstance(fused.fused, FusedDecoder) and fused.fused.split
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+def test_contiguous_start():
+    assert contiguous_start(torch.tensor([[8, 9, 10, 11, 12]])) == 8
+    assert contiguous_start(torch.tensor([[0, 1, 2, 3, 8]])) == -1  # the next block is not the one after
+    assert contiguous_start(torch.tensor([[4, 5, 6, 7, 0]])) == -1
+    assert contiguous_start(torch.tensor([[0, 1], [2, 3]])) == -1  # two rows: gathered
+
+
+def test_batch_one_greedy_generation_equals_transformers_generate(llama):
+    import transformers
+
+    gen = load(llama)
+    gen.runner.split_products = True
+    prompt = [5, 6, 7, 8, 9, 10]
+    ours = gen.generate([prompt], SamplingParams(max_tokens=20), ignore_eos=True)[0].tokens
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, local_files_only=True).eval()
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert isinstance(gen.runner.fused, FusedDecoder) and gen.runner.fused.split
+    assert ours == ref[0, len(prompt) :].tolist()
+
+
+def test_generate_with_split_products_from_the_command_line(llama, capsys):
+    import json
+
+    from behemoth.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", llama, "--split-products", "--json", "--ignore-eos", "--max-tokens", "12", "--prompt-ids", "4,8,15,16"]) == 0
+        assert torch.get_num_threads() == 1  # the split's two halves are its two threads
+    finally:
+        torch.set_num_threads(threads)
+    tokens = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
+    assert tokens == load(llama).generate([[4, 8, 15, 16]], SamplingParams(max_tokens=12), ignore_eos=True)[0].tokens

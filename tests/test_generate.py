@@ -345,9 +345,10 @@ def test_generate_and_serve_document_their_options(capsys):
                 "--offload",
                 "--quantize",
                 "--kv-cache-mb",
+                "--split-products",
             ],
         ),
-        ("serve", ["--port", "--max-batch", "--max-waiting", "--max-tokens", "--batching", "--tp", "/v1/completions"]),
+        ("serve", ["--port", "--max-batch", "--max-waiting", "--max-tokens", "--batching", "--tp", "/v1/completions", "--split-products"]),
     ):
         with pytest.raises(SystemExit):
             main([command, "--help"])

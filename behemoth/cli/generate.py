@@ -50,6 +50,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache memory per process in MiB (default 256)")
     p.add_argument(
+        "--split-products",
+        action="store_true",
+        help="a plain Llama's batch-1 decode steps run each matrix product as two halves on two threads (CPU BLAS runs a "
+        "one-token product on one; docs/serving.md)",
+    )
+    p.add_argument(
         "--adapter",
         action="append",
         default=[],
@@ -218,9 +224,10 @@ def worker(
     offload: Any = None,
     speculative: tuple[Any, int] = (None, 4),
     experts: tuple[int, str] = (1, "owned"),
+    split_products: bool = False,
 ) -> Any:
     """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
-    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout)."""
+    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`: CachePolicy's."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -233,7 +240,7 @@ def worker(
             pp=pp,
             ep=experts[0],
             expert_layout=experts[1],
-            cache=CachePolicy(block_size, memory_mb),
+            cache=CachePolicy(block_size, memory_mb, split_products=split_products),
             ignore_eos=ignore_eos,
             quantize=quantize,
             offload=offload,
@@ -298,7 +305,8 @@ def run_generate(args: argparse.Namespace) -> int:
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)
-        out = worker(*call, offload, speculative, experts) if nproc == 1 else launch(nproc, worker, *call, offload, speculative, experts)[0]
+        rest = (offload, speculative, experts, args.split_products)
+        out = worker(*call, *rest) if nproc == 1 else launch(nproc, worker, *call, *rest)[0]
     return print_completions(out, args.json)
 
 

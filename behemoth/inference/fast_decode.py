@@ -7,7 +7,10 @@ from one TorchScript function (`decode_layers`, compiled once, about a second) w
 TorchScript's interpreter: per token, Python calls it once. The query/key/value projections and the gate/up
 projections are fused into one matrix each, and every weight is laid out [in, out] (one token's product runs about
 1.5x faster on CPU BLAS so); the model's own linear layers then view those matrices (no weight is duplicated: the
-model keeps working as before, its prefill included). Prefill, verification and every model that is not a plain Llama (biases,
+model keeps working as before, its prefill included). A lone sequence's step reads its cached keys and values as a view
+of its consecutive slots (no gather, no mask); with `split` (`--split-products`) a batch-1 step runs each product as two
+halves of the input features on two threads (CPU BLAS runs a one-token product on one), the halves being views of the
+one [in, out] matrix. Prefill, verification and every model that is not a plain Llama (biases,
 sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks (`ModelRunner.hidden`).
 """
 
@@ -33,6 +36,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _half_product(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    return F.linear(x[..., :k], w[:, :k])
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, split: bool) -> torch.Tensor:
+    """F.linear(x, w); with `split`, the first half of the input features on a task forked onto torch's inter-op thread
+    pool while this thread takes the second (CPU BLAS runs a one-token product on one thread; `w` is the [out, in] view
+    of an [in, out] matrix, so each half is a contiguous block of rows: no weight is copied)."""
+    if not split:
+        return F.linear(x, w)
+    k = w.shape[1] // 2
+    first = torch.jit.fork(_half_product, x, w, k)
+    second = F.linear(x[..., k:], w[:, k:])
+    return torch.jit.wait(first) + second
+
+
+def _attended(store: torch.Tensor, flat: torch.Tensor, start: int, B: int, L: int) -> torch.Tensor:
+    """[B, kv_heads, L, head_dim]: the cached keys or values every row attends to; `start` >= 0: one row whose slots are
+    start..start + L - 1 (a view, nothing copied), else the slots `flat` gathered with index_select (about 2.5x faster
+    on CPU than advanced indexing with the [B, L] tensor)."""
+    part = store.narrow(0, start, L) if start >= 0 else store.index_select(0, flat)
+    return part.view(B, L, store.shape[1], store.shape[2]).transpose(1, 2)
+
+
 def decode_layers(
     h: torch.Tensor,
     cos: torch.Tensor,
@@ -42,32 +69,34 @@ def decode_layers(
     values: list[torch.Tensor],
     slots: torch.Tensor,
     gather: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
+    start: int,
     heads: int,
     kv_heads: int,
     eps: float,
+    split: bool,
 ) -> torch.Tensor:
     """h [B, 1, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); one new token per row
     written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer), every row attending to its `gather`
-    slots under `mask` [B, 1, 1, L]; cos/sin [B, 1, 1, head_dim]."""
+    slots under `mask` [B, 1, 1, L] (None: every slot; `start` >= 0: the slots are start..start + L - 1); cos/sin
+    [B, 1, 1, head_dim]; `split`: every product on two threads (`_product`)."""
     B, L = gather.shape[0], gather.shape[1]
     D = keys[0].shape[-1]
     flat = gather.reshape(-1)
     for i in range(len(weights)):
         w = weights[i]
-        qkv = F.linear(_rms(h, w[0], eps), w[1]).view(B, heads + 2 * kv_heads, D)
+        qkv = _product(_rms(h, w[0], eps), w[1], split).view(B, heads + 2 * kv_heads, D)
         q = _rotate(qkv[:, :heads].unsqueeze(2), cos, sin)
         k = _rotate(qkv[:, heads : heads + kv_heads].unsqueeze(2), cos, sin)
         v = qkv[:, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.squeeze(2).to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.to(values[i].dtype))
-        # index_select of the flattened slots: about 2.5x faster on CPU than advanced indexing with the [B, L] tensor
-        k_all = keys[i].index_select(0, flat).view(B, L, kv_heads, D).transpose(1, 2).to(h.dtype)
-        v_all = values[i].index_select(0, flat).view(B, L, kv_heads, D).transpose(1, 2).to(h.dtype)
+        k_all = _attended(keys[i], flat, start, B, L).to(h.dtype)
+        v_all = _attended(values[i], flat, start, B, L).to(h.dtype)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        h = h + F.linear(a.transpose(1, 2).reshape(B, 1, heads * D), w[2])
-        gate, up = F.linear(_rms(h, w[3], eps), w[4]).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, w[5])
+        h = h + _product(a.transpose(1, 2).reshape(B, 1, heads * D), w[2], split)
+        gate, up = _product(_rms(h, w[3], eps), w[4], split).chunk(2, dim=-1)
+        h = h + _product(F.silu(gate) * up, w[5], split)
     return h
 
 
@@ -123,10 +152,19 @@ def layer_weights(block: Any) -> list[torch.Tensor]:
     return [block.input_layernorm.weight, qkv, o, block.post_attention_layernorm.weight, gate_up, down]
 
 
+def contiguous_start(gather: torch.Tensor) -> int:
+    """The first slot where the step has one row attending to consecutive slots (a lone sequence's blocks are handed out
+    in order), else -1."""
+    if gather.shape[0] != 1:
+        return -1
+    first = int(gather[0, 0])
+    return first if torch.equal(gather[0], torch.arange(first, first + gather.shape[1], device=gather.device)) else -1
+
+
 class FusedDecoder:
     """The decode step of a run of Llama decoder layers as one TorchScript call."""
 
-    def __init__(self, blocks: nn.ModuleList, layers: Sequence[int], head: Any = None) -> None:
+    def __init__(self, blocks: nn.ModuleList, layers: Sequence[int], head: Any = None, split: bool = False) -> None:
         first: Any = blocks[layers[0]]
         config = first.self_attn.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -135,20 +173,22 @@ class FusedDecoder:
         if head is not None and _plain_linear(head):
             fuse_columns([head])  # the head's own forward then reads its weight laid out [in, out] too
         self.run = scripted()
+        self.split = split  # batch-1 steps split every product over two threads (`_product`)
 
     @staticmethod
-    def of(blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None) -> FusedDecoder | None:
+    def of(blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None, split: bool = False) -> FusedDecoder | None:
         """The fused decoder of `layers` (and an untied `head` laid out for one-token products), or None where one of
-        the layers is not a plain Llama layer."""
+        the layers is not a plain Llama layer; `split`: batch-1 steps run each product on two threads."""
         if not layers or not all(fusable(blocks[i]) for i in layers):
             return None
-        return FusedDecoder(blocks, layers, head)
+        return FusedDecoder(blocks, layers, head, split)
 
     def __call__(self, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: object) -> torch.Tensor:
         """Every layer of `layers` on h [B, 1, d] of a decode step (`ctx`: the view's context, with its cache step)."""
         cos, sin = ctx["position_embeddings"]
         step = ctx["cache"]
         keys, values = storage.keys, storage.values  # type: ignore[attr-defined]
+        start = contiguous_start(step.batch.gather)
         return self.run(
             h,
             cos.unsqueeze(1),
@@ -158,8 +198,10 @@ class FusedDecoder:
             [values[i] for i in layers],
             step.batch.slots,
             step.batch.gather,
-            ctx["attention_mask"],
+            None if start >= 0 else ctx["attention_mask"],
+            start,
             self.heads,
             self.kv_heads,
             self.eps,
+            self.split and h.shape[0] == 1,
         )

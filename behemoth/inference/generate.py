@@ -39,11 +39,13 @@ LoadedModel = ParallelModel | StreamedModel  # in memory (laid out by paralleliz
 
 @dataclass(frozen=True)
 class CachePolicy:
-    """The paged KV cache: tokens per block and the memory per rank its blocks may take."""
+    """The paged KV cache: tokens per block and the memory per rank its blocks may take; and how the runner's one-call
+    decode step (fast_decode.py) runs batch-1 products."""
 
     block_size: int = 16
     memory_mb: float = 256.0
     max_blocks: int | None = None  # at most this many blocks (None: as many as memory_mb holds)
+    split_products: bool = False  # each batch-1 decode product on two threads (--split-products); torch then runs one intra-op thread
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or not self.memory_mb > 0:
@@ -98,7 +100,11 @@ def local_runner(model: LoadedModel, cache: CachePolicy) -> ModelRunner:
     storage = KVStorage(layout, model.rt.device)
     if isinstance(model, StreamedModel):
         return model.runner(storage)
-    return ModelRunner(model.lm, storage, tp=model.tp, device=model.rt.device)
+    runner = ModelRunner(model.lm, storage, tp=model.tp, device=model.rt.device)
+    runner.split_products = cache.split_products
+    if cache.split_products:  # its two halves are the two threads (this one, an inter-op worker): no intra-op workers
+        torch.set_num_threads(1)  # competing with them for the cores (measured: they cost more than they give)
+    return runner
 
 
 class Generator:

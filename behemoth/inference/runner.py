@@ -102,6 +102,7 @@ class ModelRunner:
         self.device = device or storage.device
         self.lora: LoRABank | None = None  # adapters served unmerged (lora_bank.py)
         self.fused: FusedDecoder | None | bool = tp is None  # decode steps' one-call path (fast_decode.py); built at first use
+        self.split_products = False  # its batch-1 products on two threads (`CachePolicy.split_products`)
         self.host_kv = HostKV(storage)  # preempted requests' keys and values (KV offload)
         lm.module.eval()
 
@@ -127,7 +128,7 @@ class ModelRunner:
     def fused_decoder(self) -> FusedDecoder | None:
         """The one-call decode step of this rank's layers, where every one is a plain Llama layer (else None, once)."""
         if self.fused is True:
-            self.fused = FusedDecoder.of(cast(nn.ModuleList, self.blocks), self.layers, self.untied_head())
+            self.fused = FusedDecoder.of(cast(nn.ModuleList, self.blocks), self.layers, self.untied_head(), self.split_products)
         return self.fused or None
 
     def untied_head(self) -> nn.Module | None:
