@@ -62,7 +62,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
 
 def fused_step_problems(cfg: Config) -> list[Problem]:
     """train.nonfinite=skip cannot skip a step that is applied during backward (offload's fused step)."""
-    if cfg.train.nonfinite != "skip" or not streams(cfg) or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
+    if cfg.train.nonfinite != "skip" or not streams(cfg) or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip, cfg.offload.commit):
         return []
     return [
         Problem.of(
