@@ -64,6 +64,7 @@ class Trainer:
         self.start_step = 0
         self.last_saved = -1
         self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
+        self.recovered: dict[str, Any] = {}  # the row of the last step a journaled run committed (logged if the kill lost it)
         # in the background unless offloaded: a host copy of the state is what offloading avoids
         self.saver = ckpt_io.CheckpointSaver(
             self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group, background=cfg.checkpoint.async_save and not cfg.offload.enabled
@@ -111,6 +112,7 @@ class Trainer:
         """A journaled scratch resumed where it was last committed (finishing the step it was applying): its step, with the
         RNG of that step. The checkpoint folders only mark the run; the state is the scratch."""
         record = sync.resume_journal()
+        self.recovered = record.metrics
         torch.set_rng_state(record.rng["cpu"])
         if "cuda" in record.rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(record.rng["cuda"])
@@ -175,6 +177,8 @@ class Trainer:
         val0 = self.validate(self.start_step)
         if log and not log.has_val(self.start_step):
             log.write({"step": self.start_step, "val_loss": val0})
+        if log and self.recovered and not log.has_loss(self.start_step):  # a step the journal finished after a kill
+            log.write({**self.recovered, "recovered": True})
         for event in self.events if log else ():
             log.write(event)
         counters = read_counters() if main else None  # this host's energy counters (RAPL, NVML), where readable
@@ -211,7 +215,8 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.engine.train_step(batches, lr, self.train_data.trained_targets(step))
         if self.journal is not None:  # the step committed, applied, and the scratch's (offload/journal.py)
-            self.journal.commit_step(step + 1, ckpt_io.rng_state())
+            row = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm} | ({"skipped": True} if result.skipped else {})
+            self.journal.commit_step(step + 1, ckpt_io.rng_state(), row)
         synchronize(self.rt.device)
         compile_s = CLOCK.take()  # train.compile: the first step's compilation, reported apart from its time
         dt = time.perf_counter() - t0 - compile_s

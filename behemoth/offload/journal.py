@@ -47,9 +47,10 @@ class StepRecord:
     coef: float = 1.0
     units: list[int] = field(default_factory=list)  # the units owed this step
     rng: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # the step's logged loss, norm, lr (a recovered step's row)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "count": self.count, "lr": self.lr, "coef": self.coef, "units": self.units, "rng": self.rng}
+        return {"step": self.step, "count": self.count, "lr": self.lr, "coef": self.coef, "units": self.units, "rng": self.rng, "metrics": self.metrics}
 
 
 def durable_save(value: dict[str, Any], path: Path) -> None:

@@ -236,7 +236,7 @@ class OffloadSync(GradSync):
         if self.journal is not None:
             self.journal.start(StepRecord(step, self.steps.step_count, rng=rng))
 
-    def commit_step(self, step: int, rng: dict[str, Any]) -> None:
+    def commit_step(self, step: int, rng: dict[str, Any], metrics: dict[str, Any]) -> None:
         """After the step's backward and its norm: the gradient log and the commit record made durable on every rank, then the
         apply pass (each unit written beside its files, recorded, renamed in), then the step is the scratch's."""
         log = self.journal
@@ -244,7 +244,7 @@ class OffloadSync(GradSync):
         self.io.drain()
         owed = [s for s in self.stores if s.pending is not None]
         first = owed[0].pending if owed else None
-        record = StepRecord(step, self.steps.step_count, first.lr if first else 0.0, first.coef if first else 1.0, [s.index for s in owed], rng)
+        record = StepRecord(step, self.steps.step_count, first.lr if first else 0.0, first.coef if first else 1.0, [s.index for s in owed], rng, metrics)
         log.commit(record, [s.g_key for s in owed])
         barrier(self.rt.world_group)  # no rank applies a step that another may not have committed
         self.flush()
