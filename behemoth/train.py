@@ -89,6 +89,12 @@ class Trainer:
         journaled = self.journal
         if journaled is not None and journaled.journal is not None and journaled.journal.reopening:
             step = self.resume_journal(journaled)
+        elif ckpt_io.read_meta(ckpt).get("journal"):
+            raise BehemothError(
+                f"checkpoint {ckpt} marks a journaled offloaded run (offload.commit=journal) whose state is its scratch, "
+                "but the scratch holds no journal to resume",
+                "resume with the run's own offload.dir and offload.commit=journal, or start the run again",
+            )
         else:
             step = self.load_checkpoint(ckpt)
             if journaled is not None:  # a full checkpoint (a finished run's) becomes the journal's first step
@@ -217,6 +223,7 @@ class Trainer:
         if self.journal is not None:  # the step committed, applied, and the scratch's (offload/journal.py)
             row = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm} | ({"skipped": True} if result.skipped else {})
             self.journal.commit_step(step + 1, ckpt_io.rng_state(), row)
+            result.metrics.update(self.journal.meter_tiers.metrics())  # the bytes of the step with its apply pass
         synchronize(self.rt.device)
         compile_s = CLOCK.take()  # train.compile: the first step's compilation, reported apart from its time
         dt = time.perf_counter() - t0 - compile_s

@@ -159,7 +159,8 @@ def test_a_killed_run_resumes_onto_the_same_curve_and_weights(uninterrupted, tmp
     run_dir = tmp_path / "killed"
     killed = behemoth_train(run_dir, kill=point)
     assert killed.returncode in (-9, 137), (killed.returncode, killed.stderr[-2000:])
-    assert max(losses(run_dir)) == 2 and (run_dir / "offload-scratch" / "rank0" / ("applied.log" if point.startswith("mid") else "state.pt")).is_file()
+    left = run_dir / "offload-scratch" / "rank0" / ("applied.log" if point.startswith("mid") else "state.pt")
+    assert max(losses(run_dir)) == 2 and left.is_file(), "killed in step 3, where the test hook says"
     resumed = behemoth_train(run_dir, "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(run_dir) == losses(uninterrupted), (losses(run_dir), losses(uninterrupted))
@@ -169,3 +170,10 @@ def test_a_killed_run_resumes_onto_the_same_curve_and_weights(uninterrupted, tmp
     want, got = load_file(uninterrupted / "model.safetensors"), load_file(run_dir / "model.safetensors")
     assert want.keys() == got.keys() and all(bool((want[k] == got[k]).all()) for k in want)
     assert all(math.isfinite(v) for v in losses(run_dir).values())
+
+
+@pytest.mark.slow
+def test_two_journaled_ranks_equal_the_single_process_run(runs, tmp_path):
+    """Data parallelism over two ranks, each committing its own shards' journal (the ranks agree before any applies)."""
+    got = run_ranks(2, train_body, tiny_config(tmp_path, *STEPS, "checkpoint.every=2", *JOURNAL))[0]
+    assert_close_runs(runs["memory"], got)

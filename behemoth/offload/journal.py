@@ -21,6 +21,7 @@ The disk holds the state, the gradient log and the units being written (one per 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -50,7 +51,7 @@ class StepRecord:
     metrics: dict[str, Any] = field(default_factory=dict)  # the step's logged loss, norm, lr (a recovered step's row)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "count": self.count, "lr": self.lr, "coef": self.coef, "units": self.units, "rng": self.rng, "metrics": self.metrics}
+        return dataclasses.asdict(self)
 
 
 def durable_save(value: dict[str, Any], path: Path) -> None:

@@ -244,7 +244,8 @@ class OffloadSync(GradSync):
         self.io.drain()
         owed = [s for s in self.stores if s.pending is not None]
         first = owed[0].pending if owed else None
-        record = StepRecord(step, self.steps.step_count, first.lr if first else 0.0, first.coef if first else 1.0, [s.index for s in owed], rng, metrics)
+        lr, coef = (first.lr, first.coef) if first else (0.0, 1.0)
+        record = StepRecord(step, self.steps.step_count, lr, coef, [s.index for s in owed], rng, metrics)
         log.commit(record, [s.g_key for s in owed])
         barrier(self.rt.world_group)  # no rank applies a step that another may not have committed
         self.flush()

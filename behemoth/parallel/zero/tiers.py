@@ -221,8 +221,9 @@ class FileTier(Tier):
     def reopen(self, key: str, numel: int, dtype: torch.dtype) -> None:
         """Open the key's existing file (a journaled scratch resumed), refusing one of another size."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if self.path(key).stat().st_size != nbytes:
-            raise BehemothError(f"{self.path(key)} has {self.path(key).stat().st_size} bytes, {key} needs {nbytes}", "resume with the run's own config")
+        size = self.path(key).stat().st_size
+        if size != nbytes:
+            raise BehemothError(f"{self.path(key)} has {size} bytes, {key} needs {nbytes}", "resume with the run's own config")
         self.files[key] = (os.open(self.path(key), os.O_RDWR), numel, dtype)
 
     def stage(self, key: str, t: torch.Tensor) -> None:
