@@ -188,19 +188,27 @@ class FileTier(Tier):
 
     def store(self, key: str, t: torch.Tensor) -> None:
         """Write the whole of `key`; a file a checkpoint links is left to it, and the bytes go to a new file."""
-        fd, numel, dtype = self.files[key]
-        if t.numel() != numel or t.dtype != dtype:
-            raise ValueError(f"{key}: storing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
-        host = t.detach().contiguous().cpu()
-        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+        fd = self.files[key][0]
+        buf = self._bytes_for(key, t)
         linked = os.fstat(fd).st_nlink > 1
         if linked:
             fd = self._new_file(key, len(buf))
+        self._write_all(fd, buf)
+        if linked:
+            self._replace(key, fd)
+
+    def _bytes_for(self, key: str, t: torch.Tensor) -> memoryview:
+        """`t`'s bytes on the host, checked against the key's file (every write replaces the whole of it)."""
+        _, numel, dtype = self.files[key]
+        if t.numel() != numel or t.dtype != dtype:
+            raise ValueError(f"{key}: writing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
+        host = t.detach().contiguous().cpu()
+        return memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+
+    def _write_all(self, fd: int, buf: memoryview) -> None:
         done = 0
         while done < len(buf):
             done += os.pwrite(fd, buf[done:], done)
-        if linked:
-            self._replace(key, fd)
         self.count(written=done)
 
     def _new_file(self, key: str, nbytes: int) -> int:
@@ -228,18 +236,13 @@ class FileTier(Tier):
 
     def stage(self, key: str, t: torch.Tensor) -> None:
         """Write the whole of `key` to a new file beside its own, flushed to the disk; `commit_staged` makes it the key's."""
-        _, numel, dtype = self.files[key]
-        if t.numel() != numel or t.dtype != dtype:
-            raise ValueError(f"{key}: staging {t.numel()} x {t.dtype} for a file of {numel} x {dtype}")
-        host = t.detach().contiguous().cpu()
-        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+        buf = self._bytes_for(key, t)
         fd = self._new_file(key, len(buf))
-        done = 0
-        while done < len(buf):
-            done += os.pwrite(fd, buf[done:], done)
-        os.fsync(fd)
-        os.close(fd)
-        self.count(written=done)
+        try:
+            self._write_all(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def commit_staged(self, key: str) -> None:
         """The staged file (if one is there) becomes the key's file (a rename: atomic)."""
