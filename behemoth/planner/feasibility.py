@@ -70,7 +70,8 @@ def fused_step_problems(cfg: Config) -> list[Problem]:
             f"train.nonfinite=skip with offload.step={cfg.offload.step} and train.grad_clip="
             f"{cfg.train.grad_clip}: each unit steps during backward, before the step is known to be finite, so it "
             "cannot be skipped",
-            "set offload.step=deferred (the step waits for the norm) or train.nonfinite=stop",
+            "set offload.step=deferred (the step waits for the norm), offload.commit=journal (disk tiers: the step is applied after "
+            "its commit), or train.nonfinite=stop",
         )
     ]
 
