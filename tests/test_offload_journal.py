@@ -177,3 +177,13 @@ def test_two_journaled_ranks_equal_the_single_process_run(runs, tmp_path):
     """Data parallelism over two ranks, each committing its own shards' journal (the ranks agree before any applies)."""
     got = run_ranks(2, train_body, tiny_config(tmp_path, *STEPS, "checkpoint.every=2", *JOURNAL))[0]
     assert_close_runs(runs["memory"], got)
+
+
+@pytest.mark.slow
+def test_8bit_moments_journal_as_the_fused_step_does(tmp_path):
+    """offload.optimizer_bits=8: codes and block scales are written beside their files and renamed in like float32 moments."""
+    eight = ("offload.optimizer_bits=8", *STEPS)
+    journal = run_ranks(1, train_body, tiny_config(tmp_path / "journal", *eight, *JOURNAL))[0]
+    fused = run_ranks(1, train_body, tiny_config(tmp_path / "fused", *eight, *ON_DISK, "offload.step=fused"))[0]
+    assert journal["losses"] == fused["losses"]
+    assert_close_runs(fused, journal, loss_rtol=0.0, weight_rtol=0.0, weight_atol=0.0)
