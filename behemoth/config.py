@@ -151,6 +151,11 @@ class OffloadConfig(Section):
         "(needs train.grad_clip=0); deferred: at its next fetch, once the clipped norm is known; auto",
     )
     optimizer_bits: Literal[32, 8] = Field(32, description="8: Adam moments in 8-bit blocks (bitsandbytes; pip install -e .[offload])")
+    commit: Literal["link", "journal"] = Field(
+        "link",
+        description="how a disk-tier run survives a kill: link (checkpoints hard-link the scratch; 2x the state on disk "
+        "once it writes on) or journal (each step committed through a gradient log, the scratch resumable in place)",
+    )
     max_memory_gb: float | None = Field(None, gt=0, description="memory budget per rank for states, buffers and activations (GiB)")
 
     @property

@@ -146,10 +146,11 @@ class Engine:
         self.model.close()
 
 
-def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
-    """The configured model, laid out over `rt` by the config's plan (no optimizer)."""
+def build_model(cfg: Config, rt: Runtime, *, resume: bool = False) -> ParallelModel:
+    """The configured model, laid out over `rt` by the config's plan (no optimizer); `resume`: a resumed run (a journaled
+    offload scratch it left is reopened instead of drawn again)."""
     offload = (
-        OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype)
+        OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip, param_dtype=cfg.parallel.param_dtype, resume=resume)
         if cfg.offload.enabled
         else None
     )
@@ -167,6 +168,6 @@ def build_model(cfg: Config, rt: Runtime) -> ParallelModel:
     )
 
 
-def build_engine(cfg: Config, rt: Runtime) -> Engine:
+def build_engine(cfg: Config, rt: Runtime, *, resume: bool = False) -> Engine:
     """The configured model under its plan, with its optimizers: ready to train."""
-    return Engine(build_model(cfg, rt), cfg.train, cfg.train.global_batch * cfg.seq_len)
+    return Engine(build_model(cfg, rt, resume=resume), cfg.train, cfg.train.global_batch * cfg.seq_len)

@@ -70,15 +70,20 @@ class MetricsLog:
     def __init__(self, path: Path, *, truncate_after: int | None = None, tensorboard: bool = False) -> None:
         self.path = path
         self.validated: set[int] = set()  # steps of the run being resumed that have a validation loss
+        self.trained: set[int] = set()  # ... and a training loss
         if truncate_after is not None and path.exists():  # a resumed run rewrites what came after its checkpoint
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= truncate_after]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
             self.validated = {r.get("step", 0) for r in kept if "val_loss" in r}
+            self.trained = {r.get("step", 0) for r in kept if "loss" in r}
         self.file = open(path, "a")
         self.board = TensorBoardLog(path.parent, purge_after=truncate_after) if tensorboard else None
 
     def has_val(self, step: int) -> bool:
         return step in self.validated
+
+    def has_loss(self, step: int) -> bool:
+        return step in self.trained
 
     def write(self, record: dict[str, Any]) -> None:
         self.file.write(json.dumps(record) + "\n")

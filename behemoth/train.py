@@ -53,7 +53,7 @@ class Trainer:
             raise BehemothError(problem)
         self.layout = cfg.batch_layout(rt.dims)  # the batch splits over dp x ep (experts route different tokens)
         dp_rank = rt.data_rank()
-        self.engine = build_engine(cfg, rt)
+        self.engine = build_engine(cfg, rt, resume=resume is not None)
         self.train_data = BatchSampler(cfg.corpus_split(corpus, "train"), cfg.seq_len, self.layout, dp_rank, cfg.train.seed, TRAIN_STREAM)
         val_data = BatchSampler(cfg.corpus_split(corpus, "val"), cfg.seq_len, self.layout, dp_rank, cfg.train.seed, VAL_STREAM)
         self.val_batches = [mb for i in range(cfg.train.eval_batches) for mb in val_data.micro_batches(i)]
@@ -64,6 +64,7 @@ class Trainer:
         self.start_step = 0
         self.last_saved = -1
         self.events: list[dict[str, Any]] = []  # resumes, written to metrics.jsonl once it is open
+        self.recovered: dict[str, Any] = {}  # the row of the last step a journaled run committed (logged if the kill lost it)
         # in the background unless offloaded: a host copy of the state is what offloading avoids
         self.saver = ckpt_io.CheckpointSaver(
             self.run_dir, keep=cfg.checkpoint.keep, group=rt.world_group, background=cfg.checkpoint.async_save and not cfg.offload.enabled
@@ -72,10 +73,60 @@ class Trainer:
         self.peak_source = "train.peak_tflops" if cfg.train.peak_tflops else peak_source(rt.device)
         if resume is not None:  # last: nothing may draw from the RNG between restoring it and the first step
             self.start_step = self.load(resume)
+        elif self.journal is not None:  # offload.commit=journal: the drawn scratch is step 0, resumable from the start
+            self.journal.journal_start(0, ckpt_io.rng_state())
+            self.save_marker(0)
         RECORDER.arm(run_dir=self.run_dir, timeout_s=cfg.run.timeout_s)
+
+    @property
+    def journal(self) -> OffloadSync | None:
+        """The offloaded sync when its steps are committed through a journal (offload.commit=journal)."""
+        sync = self.offload_sync()
+        return sync if sync is not None and sync.journal is not None else None
 
     def load(self, ckpt: Path) -> int:
         t0 = time.perf_counter()
+        journaled = self.journal
+        if journaled is not None and journaled.journal is not None and journaled.journal.reopening:
+            step = self.resume_journal(journaled)
+        elif ckpt_io.read_meta(ckpt).get("journal"):
+            raise BehemothError(
+                f"checkpoint {ckpt} marks a journaled offloaded run (offload.commit=journal) whose state is its scratch, "
+                "but the scratch holds no journal to resume",
+                "resume with the run's own offload.dir and offload.commit=journal, or start the run again",
+            )
+        else:
+            step = self.load_checkpoint(ckpt)
+            if journaled is not None:  # a full checkpoint (a finished run's) becomes the journal's first step
+                journaled.journal_start(step, ckpt_io.rng_state())
+        self.events.append(
+            {
+                "step": step,
+                "event": "resume",
+                "from": ckpt.name if journaled is None or step == self.last_saved else f"{ckpt.name}, journal step {step}",
+                "world_size": self.rt.world_size,
+                "saved_world_size": ckpt_io.read_meta(ckpt)["world_size"],
+                "plan": describe_plan(self.cfg, self.rt.world_size),
+                "restart": restart_count(),
+                "load_s": time.perf_counter() - t0,
+                "time": time.time(),
+            }
+        )
+        return step
+
+    def resume_journal(self, sync: OffloadSync) -> int:
+        """A journaled scratch resumed where it was last committed (finishing the step it was applying): its step, with the
+        RNG of that step. The checkpoint folders only mark the run; the state is the scratch."""
+        record = sync.resume_journal()
+        self.recovered = record.metrics
+        torch.set_rng_state(record.rng["cpu"])
+        if "cuda" in record.rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(record.rng["cuda"])
+        self.last_saved = record.step if (ckpt_io.checkpoint_root(self.run_dir) / ckpt_io.step_name(record.step)).is_dir() else -1
+        return record.step
+
+    def load_checkpoint(self, ckpt: Path) -> int:
+        """Model states, RNG and step from checkpoint `ckpt`; its step."""
         state, sync = self.engine.state_dict(), self.offload_sync()
         across = bool(sync and persist.missing_8bit(state, ckpt, EIGHT_BIT))
         if sync is not None:
@@ -91,19 +142,6 @@ class Trainer:
         self.last_saved = meta["step"]
         if self.rt.is_main and ckpt.parent == ckpt_io.checkpoint_root(self.run_dir):
             ckpt_io.point_latest(ckpt)  # the run now stands on this checkpoint: a restart resumes from it, not a later one
-        self.events.append(
-            {
-                "step": meta["step"],
-                "event": "resume",
-                "from": ckpt.name,
-                "world_size": self.rt.world_size,
-                "saved_world_size": meta["world_size"],
-                "plan": describe_plan(self.cfg, self.rt.world_size),
-                "restart": restart_count(),
-                "load_s": time.perf_counter() - t0,
-                "time": time.time(),
-            }
-        )
         return meta["step"]
 
     def offload_sync(self) -> OffloadSync | None:
@@ -145,6 +183,8 @@ class Trainer:
         val0 = self.validate(self.start_step)
         if log and not log.has_val(self.start_step):
             log.write({"step": self.start_step, "val_loss": val0})
+        if log and self.recovered and not log.has_loss(self.start_step):  # a step the journal finished after a kill
+            log.write({**self.recovered, "recovered": True})
         for event in self.events if log else ():
             log.write(event)
         counters = read_counters() if main else None  # this host's energy counters (RAPL, NVML), where readable
@@ -180,6 +220,10 @@ class Trainer:
         CLOCK.take()  # compiling outside the step (an evaluation's graph) is counted in the run's total only
         t0 = time.perf_counter()
         result = self.engine.train_step(batches, lr, self.train_data.trained_targets(step))
+        if self.journal is not None:  # the step committed, applied, and the scratch's (offload/journal.py)
+            row = {"step": step + 1, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm} | ({"skipped": True} if result.skipped else {})
+            self.journal.commit_step(step + 1, ckpt_io.rng_state(), row)
+            result.metrics.update(self.journal.meter_tiers.metrics())  # the bytes of the step with its apply pass
         synchronize(self.rt.device)
         compile_s = CLOCK.take()  # train.compile: the first step's compilation, reported apart from its time
         dt = time.perf_counter() - t0 - compile_s
@@ -236,13 +280,25 @@ class Trainer:
         """Checkpoint step `step` (in the background with checkpoint.async_save); how long training stalled for it."""
         if step == self.last_saved:
             return {}
+        if self.journal is not None and step < self.cfg.train.end_step:
+            return self.save_marker(step)
         sync = self.offload_sync()
         backing = persist.backing(sync) if sync is not None and sync.policy.uses_disk else None
         stall = self.saver.save(self.engine.state_dict(), step, {"config": self.cfg.model_dump(mode="json")}, backing=backing)
         if sync is not None:
             persist.forget_views(sync)
+            sync.keep_scratch = False  # a journaled run's last checkpoint links the scratch: it holds the state from here
         self.last_saved = step
         return {"ckpt_stall_s": stall}
+
+    def save_marker(self, step: int) -> dict[str, float]:
+        """offload.commit=journal: a checkpoint folder that holds no model state (the scratch is resumable at its last
+        committed step), so that `--resume` and restarts find the run; no second copy of the state."""
+        t0 = time.perf_counter()
+        meta = {"config": self.cfg.model_dump(mode="json"), "journal": True}
+        self.saver.save({"journal": {"step": torch.tensor(step)}}, step, meta)
+        self.last_saved = step
+        return {"ckpt_stall_s": time.perf_counter() - t0}
 
     def open_log(self) -> MetricsLog | None:
         if not self.rt.is_main:

@@ -303,6 +303,7 @@ def launch_line(cfg: Config, nproc: int | tuple[int, int]) -> str:
             f"grads {off.grads_tier}, optimizer {off.optimizer} ({off.optimizer_bits}-bit), "
             f"{off.order + ' order' if cfg.parallel.pp == 1 else 'each stage in its schedule order'}, prefetch {off.prefetch}"
             + (f", budget {off.max_memory_gb} GiB" if off.max_memory_gb else "")
+            + (", steps committed through a journal" if off.commit == "journal" else "")
         )
     changed = config_overrides(cfg.model, cfg.hf) if cfg.hf.arch else {}
     if changed:

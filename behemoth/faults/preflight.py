@@ -79,12 +79,14 @@ def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
     params = cfg.model.num_params()
     linked, copied, scratch = checkpoint_bytes(cfg, params)
     export = 4 * params if exports(cfg) else 0
-    # a new checkpoint links the scratch (metadata only); once the run writes on, each kept one holds its own bytes
-    need = cfg.checkpoint.keep * (linked + copied) + copied + scratch + export - used_bytes(path)
     anchor = path
     while not anchor.exists():
         anchor = anchor.parent
     free = shutil.disk_usage(anchor if anchor.is_dir() else anchor.parent).free
+    if cfg.offload.enabled and cfg.offload.commit == "journal":
+        return journal_disk_problems(cfg, run_dir, free, export - used_bytes(path))
+    # a new checkpoint links the scratch (metadata only); once the run writes on, each kept one holds its own bytes
+    need = cfg.checkpoint.keep * (linked + copied) + copied + scratch + export - used_bytes(path)
     if free >= need:
         return []
     if linked:
@@ -103,6 +105,44 @@ def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
             f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but {what}{exported}: about {need / GIB:.2f} GiB",
             "free disk space, lower checkpoint.keep, or choose a run.dir on a larger disk"
             + (", or use offload.optimizer_bits=8" if linked and cfg.offload.optimizer_bits == 32 else ""),
+        )
+    ]
+
+
+JOURNAL_MARGIN = GIB  # beside a journaled run's files: its logs, markers and file-system slack
+
+
+def journal_bytes(cfg: Config) -> dict[str, int]:
+    """What an offload.commit=journal run holds on disk, by part: the state (float32 weights, Adam's moments), the
+    gradient log (one gradient in the compute dtype), the units being written beside their files (one per I/O thread,
+    the largest unit's weights and moments), a margin. Checkpoints add nothing: they mark the run, or (the last) link
+    the scratch once nothing writes it any more."""
+    params, off, m = cfg.model.num_params(), cfg.offload, cfg.model
+    per_param = 4 + (8 if off.optimizer_bits == 32 else 2 + 8 / 256)
+    embedding = m.vocab_size * m.d_model
+    block = (params - embedding * (1 if m.tie_embeddings else 2)) // max(1, m.n_layer)
+    return {
+        "state": int(per_param * params),
+        "gradient log": (2 if cfg.parallel.param_dtype == "bf16" else 4) * params,
+        "units in flight": int(off.io_threads * per_param * max(embedding, block)),
+        "margin": JOURNAL_MARGIN,
+    }
+
+
+def journal_disk_problems(cfg: Config, run_dir: str, free: int, extra: int) -> list[Problem]:
+    """Too little free disk for a journaled offloaded run (`journal_bytes`; `extra`: an export, less what the run reuses)."""
+    parts = journal_bytes(cfg)
+    need = sum(parts.values()) + extra
+    if free >= need:
+        return []
+    what = " + ".join(f"{n / GIB:.2f} GiB {k}" for k, n in parts.items())
+    return [
+        Problem.of(
+            "offload.commit",
+            f"run.dir={run_dir} has {free / GIB:.2f} GiB free, but a journaled offloaded run needs {what}"
+            + (f" + {extra / GIB:.2f} GiB of exported weights" if extra > 0 else "")
+            + f": about {need / GIB:.2f} GiB",
+            "free disk space, choose a run.dir on a larger disk, use offload.optimizer_bits=8, or parallel.param_dtype=bf16 (a bf16 gradient log)",
         )
     ]
 

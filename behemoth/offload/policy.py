@@ -26,16 +26,18 @@ class OffloadPolicy:
     bits: int = 32
     max_memory_bytes: float | None = None  # the budget the prefetch depth and the jobs in flight must fit
     param_dtype: str = "fp32"  # parallel.param_dtype: units computed with in bf16, float32 masters on their tier (as ZeRO-3)
+    journal: bool = False  # offload.commit=journal: each step committed through a redo log (offload/journal.py)
+    resume: bool = False  # a resumed run: a journaled scratch this run left is reopened, not drawn again
 
     def __post_init__(self) -> None:
         for kind in ("params", "grads", "optimizer"):
             object.__setattr__(self, kind, tier_name(getattr(self, kind)))
 
     @classmethod
-    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float, param_dtype: str = "fp32") -> OffloadPolicy:
-        """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping;
-        `param_dtype`: parallel.param_dtype)."""
-        fused = steps_in_backward(offload.step, grad_clip)
+    def of(cls, offload: Any, *, run_dir: str | None, grad_clip: float, param_dtype: str = "fp32", resume: bool = False) -> OffloadPolicy:
+        """The policy an `offload` config section and the run ask for (offload.step=auto: fused without clipping, unless
+        journaled; `param_dtype`: parallel.param_dtype; `resume`: the run resumes)."""
+        fused = steps_in_backward(offload.step, grad_clip, offload.commit)
         budget = offload.max_memory_gb * 2**30 if offload.max_memory_gb else None
         return cls(
             offload.params,
@@ -50,6 +52,8 @@ class OffloadPolicy:
             offload.optimizer_bits,
             budget,
             param_dtype,
+            offload.commit == "journal",
+            resume,
         )
 
     @property
@@ -72,6 +76,7 @@ class OffloadPolicy:
         return "disk" in self.tiers.values()
 
 
-def steps_in_backward(step: str, grad_clip: float) -> bool:
-    """Whether offload.step (with train.grad_clip) fuses the optimizer step into backward: `fused`, or `auto` unclipped."""
-    return step == "fused" or (step == "auto" and grad_clip == 0)
+def steps_in_backward(step: str, grad_clip: float, commit: str = "link") -> bool:
+    """Whether offload.step (with train.grad_clip) fuses the optimizer step into backward: `fused`, or `auto` unclipped
+    (offload.commit=journal logs the gradients instead: never fused)."""
+    return step == "fused" or (step == "auto" and grad_clip == 0 and commit != "journal")

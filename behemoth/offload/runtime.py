@@ -31,22 +31,23 @@ from behemoth.comm import CommMeter, barrier
 from behemoth.errors import BehemothError
 from behemoth.models.causal_lm import CausalLM, counted_targets, tied_names
 from behemoth.models.init import draw_full
-from behemoth.offload import scratch
+from behemoth.offload import journal, scratch
 from behemoth.offload.budget import ActivationShape, fit_budget, return_freed_memory
 from behemoth.offload.executor import Batch, Positions, Streamer
 from behemoth.offload.frozen import FolderShards, FolderWeights
 from behemoth.offload.io import IOPool
+from behemoth.offload.journal import StepRecord
 from behemoth.offload.optimizer import OffloadOptimizer
 from behemoth.offload.order import forward_order, make_order
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.offload.stepper import UnitSteps
-from behemoth.offload.store import TierMeter, Tiers, UnitStore, ValueSource, initial_shard
+from behemoth.offload.store import PendingStep, TierMeter, Tiers, UnitStore, ValueSource, initial_shard
 from behemoth.parallel.context import ContextParallel
 from behemoth.parallel.sync import AdamWSettings, GradSync, with_tied_names
 from behemoth.parallel.zero.adam import make_adam
 from behemoth.parallel.zero.layout import FlatLayout
 from behemoth.parallel.zero.runtime import DTYPES
-from behemoth.parallel.zero.tiers import make_tier
+from behemoth.parallel.zero.tiers import FileTier, make_tier
 from behemoth.parallel.zero.units import UnitSpec
 from behemoth.topology import Runtime
 
@@ -93,9 +94,12 @@ class OffloadSync(GradSync):
         )
         if rt.device.type == "cpu":
             return_freed_memory()
-        self.root = scratch.claim_for_run(policy.root or Path("offload-scratch"), policy.run_dir, rt, uses_disk=policy.uses_disk)
+        reopen = f"rank0/{journal.STATE}" if policy.journal and policy.resume else None  # a journaled scratch resumed
+        self.root = scratch.claim_for_run(policy.root or Path("offload-scratch"), policy.run_dir, rt, uses_disk=policy.uses_disk, keep=reopen)
         kinds = ("params", "grads", "optimizer")
         self.tiers = Tiers(*(make_tier(policy.tiers[k], rt.device, root=self.root / f"rank{rt.rank}" / k) for k in kinds))
+        self.journal = self._open_journal()
+        self.keep_scratch = self.journal is not None  # a journaled scratch outlives the process, until the run's end
         self.io = IOPool(policy.io_threads, max_in_flight=in_flight)
         self.specs = units
         self.stores: list[UnitStore] = []
@@ -105,6 +109,20 @@ class OffloadSync(GradSync):
         self.streamer = Streamer(self.model, lm.layers, self.stores, reads, io=self.io, prefetch=self.prefetch, device=rt.device, hooks=self.steps)
         self.meter_tiers = TierMeter(self.tiers)
 
+    def _open_journal(self) -> journal.Journal | None:
+        """offload.commit=journal: the redo log over this rank's disk tiers (reopening the files a resumed run left)."""
+        if not self.policy.journal:
+            return None
+        tiers = [self.tiers.params, self.tiers.grads, self.tiers.optimizer]
+        if not all(isinstance(t, FileTier) for t in tiers):
+            raise BehemothError(
+                "offload.commit=journal commits the step on the disk tier",
+                "set offload.params=disk offload.optimizer=disk (gradients: offload.grads=auto or disk)",
+            )
+        log = journal.Journal(self.root / f"rank{self.rt.rank}", *tiers)  # type: ignore[arg-type]
+        log.reopening = self.policy.resume and log.resumable
+        return log
+
     def _materialize(self, value: ValueSource) -> None:
         """Each unit's shard drawn (or loaded) one unit at a time and put on its tier: the model is never whole in memory.
         A frozen unit on the disk tier whose values are a model folder's is not copied at all: it is read from the folder
@@ -113,7 +131,10 @@ class OffloadSync(GradSync):
         from_folder = FolderShards(value, self.tiers.params, splits) if isinstance(value, FolderWeights) and self.policy.params == "disk" else None
         for i, spec in enumerate(self.specs):
             store = UnitStore(i, spec, spec.group or self.group, self.tiers, self.meter, compute_dtype=DTYPES[self.policy.param_dtype])
-            if spec.frozen and from_folder is not None:
+            store.journal = self.journal
+            if self.journal is not None and self.journal.reopening:
+                store.reopen_params()
+            elif spec.frozen and from_folder is not None:
                 store.source = from_folder.plan(spec, store.layout, store.rank)
             else:
                 store.allocate_params(initial_shard(spec, store.layout, store.rank, value))
@@ -208,14 +229,58 @@ class OffloadSync(GradSync):
         """(read, written) bytes per kind of state since the step began."""
         return self.meter_tiers.moved()
 
+    # --- offload.commit=journal (offload/journal.py) ---
+
+    def journal_start(self, step: int, rng: dict[str, Any]) -> None:
+        """The scratch as it stands is step `step` (drawn, or loaded from a checkpoint), recorded with the RNG to resume with."""
+        if self.journal is not None:
+            self.journal.start(StepRecord(step, self.steps.step_count, rng=rng))
+
+    def commit_step(self, step: int, rng: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """After the step's backward and its norm: the gradient log and the commit record made durable on every rank, then the
+        apply pass (each unit written beside its files, recorded, renamed in), then the step is the scratch's."""
+        log = self.journal
+        assert log is not None
+        self.io.drain()
+        owed = [s for s in self.stores if s.pending is not None]
+        first = owed[0].pending if owed else None
+        lr, coef = (first.lr, first.coef) if first else (0.0, 1.0)
+        record = StepRecord(step, self.steps.step_count, lr, coef, [s.index for s in owed], rng, metrics)
+        log.commit(record, [s.g_key for s in owed])
+        barrier(self.rt.world_group)  # no rank applies a step that another may not have committed
+        self.flush()
+        log.complete()
+        self.steps.forget_owed()
+
+    def resume_journal(self) -> StepRecord:
+        """Recovery: the step every rank committed finished from the log (idempotent per unit); the scratch's step record."""
+        log = self.journal
+        assert log is not None and log.reopening
+        record = log.pending(self.rt.world_group, self.rt.device)
+        if record is not None:
+            applied = log.applied()
+            for i in record.units:
+                store, keys = self.stores[i], list(self.stores[i].state_keys.values())
+                if i in applied:
+                    log.finish_applied(store.p_key, keys)
+                    continue
+                log.discard_staged(store.p_key, keys)
+                self.tiers.grads.reopen(store.g_key, store.shard_size, store.compute_dtype)  # type: ignore[attr-defined]
+                store.pending = PendingStep(record.lr, record.coef, record.count)
+            self.flush()
+            log.complete()
+        state = log.last_state()
+        self.steps.step_count = state.count
+        return state
+
     def close(self) -> None:
-        """Stop the I/O threads and remove the scratch directory (it is never a checkpoint)."""
+        """Stop the I/O threads and remove the scratch directory (unless a journaled run may resume from it)."""
         try:
             self.io.close()
         finally:
             for tier in self.tiers.all().values():
-                tier.close()
-            if self.policy.uses_disk:
+                tier.detach() if self.keep_scratch else tier.close()
+            if self.policy.uses_disk and not self.keep_scratch:
                 barrier(self.rt.world_group)
                 if self.rt.rank == 0:
                     scratch.release(self.root)

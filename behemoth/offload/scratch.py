@@ -91,12 +91,15 @@ def scratch_state(path: Path, run_dir: str | None) -> tuple[str, str]:
     return "refused", (f"offload.dir={path} holds the stale scratch of another {owner}; remove it (rm -r {path}) or choose another offload.dir")
 
 
-def claim(path: Path, run_dir: str | None) -> str | None:
-    """Make `path` this run's empty scratch directory; a message when a stale one of this run was emptied."""
+def claim(path: Path, run_dir: str | None, *, keep: str | None = None) -> str | None:
+    """Make `path` this run's empty scratch directory; a message when a stale one of this run was emptied. `keep`: a file
+    (relative to `path`) whose presence in a stale scratch of this run keeps it as it is (a journaled run resumed)."""
     state, why = scratch_state(path, run_dir)
     if state == "refused":
         raise BehemothError(why)
-    if state == "stale-own":
+    if state == "stale-own" and keep is not None and (path / keep).is_file():
+        why = f"offload.dir={path}: reopened the journaled scratch of an earlier attempt of this run"
+    elif state == "stale-own":
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     marker = {
@@ -118,15 +121,15 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing_ancestor(path)).free
 
 
-def claim_for_run(root: Path, run_dir: str | None, rt: Runtime, *, uses_disk: bool) -> Path:
-    """Rank 0 claims `root` for the run (refusing another run's, emptying a stale one of this run); every rank learns how
-    it went, so all refuse together."""
+def claim_for_run(root: Path, run_dir: str | None, rt: Runtime, *, uses_disk: bool, keep: str | None = None) -> Path:
+    """Rank 0 claims `root` for the run (refusing another run's, emptying a stale one of this run unless it holds `keep`);
+    every rank learns how it went, so all refuse together."""
 
     def attempt() -> str | None:
         if not uses_disk:
             return None
         try:
-            note = claim(root, run_dir)
+            note = claim(root, run_dir, keep=keep)
         except BehemothError as err:
             return f"error: {err}"
         if note:

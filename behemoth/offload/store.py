@@ -20,6 +20,7 @@ from behemoth.comm import CommMeter
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME, FULL_SHAPE, TAKE_LOCAL
 from behemoth.offload.frozen import FrozenShard
+from behemoth.offload.journal import Journal
 from behemoth.parallel.chunked import ChunkedTensor
 from behemoth.parallel.zero.adam import Adam8bit, AdamFP32, shard_pieces
 from behemoth.parallel.zero.layout import FlatLayout
@@ -103,6 +104,7 @@ class UnitStore(UnitRuntime):
         self.pending: PendingStep | None = None
         self.frozen = spec.frozen  # a LoRA base: read-only, no gradient, no optimizer state
         self.source: FrozenShard | None = None  # a frozen unit read straight from its model folder at every fetch
+        self.journal: Journal | None = None  # offload.commit=journal: the redo log its steps are written through
 
     @property
     def stored_dtype(self) -> torch.dtype:
@@ -113,6 +115,10 @@ class UnitStore(UnitRuntime):
         """Create the unit's parameter shard on its tier, holding `initial`."""
         self.tiers.params.allocate(self.p_key, self.shard_size, self.stored_dtype)
         self.tiers.params.store(self.p_key, initial.to(self.stored_dtype))
+
+    def reopen_params(self) -> None:
+        """The unit's parameter shard as a journaled scratch left it (a resume: nothing drawn or written)."""
+        self.tiers.params.reopen(self.p_key, self.shard_size, self.stored_dtype)  # type: ignore[attr-defined]
 
     def compute_shard(self, shard: torch.Tensor) -> torch.Tensor:
         """The fetched shard in the compute dtype, the one all-gathered and computed with (bf16 from the float32 master,
@@ -127,7 +133,10 @@ class UnitStore(UnitRuntime):
         spec = adam.state_spec(self.pieces, self.shard_size)
         self.state_keys = {name: f"{name}.{self.index}" for name in spec}
         for name, (numel, dtype) in spec.items():
-            self.tiers.optimizer.allocate(self.state_keys[name], numel, dtype)
+            if self.journal is not None and self.journal.reopening:
+                self.tiers.optimizer.reopen(self.state_keys[name], numel, dtype)  # type: ignore[attr-defined]
+            else:
+                self.tiers.optimizer.allocate(self.state_keys[name], numel, dtype)
 
     # --- jobs: run on an I/O thread ---
 
@@ -151,6 +160,9 @@ class UnitStore(UnitRuntime):
                 g.mul_(torch.tensor(coef, dtype=torch.float32).to(g.dtype))
             g, coef = g.float(), 1.0
         self.adam.step(p, g, state, self.pieces, lr=step.lr, coef=coef, step=step.step)
+        if self.journal is not None:  # offload.commit=journal: new files beside the old, recorded, renamed in
+            self.journal.write_unit(self.p_key, p, {name: (key, state[name]) for name, key in self.state_keys.items()}, self.index)
+            return
         self.tiers.params.store(self.p_key, p)
         for name, key in self.state_keys.items():
             self.tiers.optimizer.store(key, state[name])

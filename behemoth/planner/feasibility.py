@@ -62,7 +62,7 @@ def problems(cfg: Config, world: int) -> list[Problem]:
 
 def fused_step_problems(cfg: Config) -> list[Problem]:
     """train.nonfinite=skip cannot skip a step that is applied during backward (offload's fused step)."""
-    if cfg.train.nonfinite != "skip" or not streams(cfg) or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip):
+    if cfg.train.nonfinite != "skip" or not streams(cfg) or not steps_in_backward(cfg.offload.step, cfg.train.grad_clip, cfg.offload.commit):
         return []
     return [
         Problem.of(
@@ -70,7 +70,8 @@ def fused_step_problems(cfg: Config) -> list[Problem]:
             f"train.nonfinite=skip with offload.step={cfg.offload.step} and train.grad_clip="
             f"{cfg.train.grad_clip}: each unit steps during backward, before the step is known to be finite, so it "
             "cannot be skipped",
-            "set offload.step=deferred (the step waits for the norm) or train.nonfinite=stop",
+            "set offload.step=deferred (the step waits for the norm), offload.commit=journal (disk tiers: the step is applied after "
+            "its commit), or train.nonfinite=stop",
         )
     ]
 

@@ -233,6 +233,7 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
                 "set offload.step=deferred (exact clipping) or train.grad_clip=0",
             )
         )
+    out += journal_problems(cfg)
     if off.optimizer_bits == 8 and importlib.util.find_spec("bitsandbytes") is None:
         out.append(
             Problem.of(
@@ -246,6 +247,40 @@ def offload_problems(cfg: Any, dp: int, *, fit: bool = True) -> list[Problem]:
             offload_estimate(cfg, dp)
         except BehemothError as err:
             out.append(Problem.from_error("offload.max_memory_gb", err))
+    return out
+
+
+def journal_problems(cfg: Any) -> list[Problem]:
+    """offload.commit=journal commits each step on the disk tier: every state there, the step after the norm, one stream."""
+    off = cfg.offload
+    if off.commit != "journal":
+        return []
+    out = []
+    off_disk = [f"offload.{k}={v}" for k, v in (("params", off.params), ("grads", off.grads_tier), ("optimizer", off.optimizer)) if v != "disk"]
+    if off_disk:
+        out.append(
+            Problem.of(
+                "offload.commit",
+                f"offload.commit=journal with {', '.join(off_disk)}: the journal commits the step on the disk tier, where a kill leaves it",
+                "set offload.params=disk offload.optimizer=disk (and offload.grads=auto or disk), or offload.commit=link",
+            )
+        )
+    if off.step == "fused":
+        out.append(
+            Problem.of(
+                "offload.step",
+                "offload.step=fused with offload.commit=journal: a fused unit steps before the step is committed",
+                "set offload.step=auto or deferred (the journal logs each gradient and applies it after the commit)",
+            )
+        )
+    if cfg.parallel.pp > 1 or cfg.finetune.lora.enabled:
+        out.append(
+            Problem.of(
+                "offload.commit",
+                "offload.commit=journal journals one streamed model's states: not a pipeline's stages nor LoRA's resident adapters",
+                "set parallel.pp=1 and finetune.lora.enabled=false, or offload.commit=link",
+            )
+        )
     return out
 
 

@@ -104,6 +104,10 @@ class Tier:
     def close(self) -> None:
         self.held.clear()
 
+    def detach(self) -> None:
+        """Let go of the stored data, leaving what lies on disk (a journaled scratch kept for a resume)."""
+        self.close()
+
 
 class DeviceTier(Tier):
     """`device`: states stay in the compute device's memory."""
@@ -184,19 +188,27 @@ class FileTier(Tier):
 
     def store(self, key: str, t: torch.Tensor) -> None:
         """Write the whole of `key`; a file a checkpoint links is left to it, and the bytes go to a new file."""
-        fd, numel, dtype = self.files[key]
-        if t.numel() != numel or t.dtype != dtype:
-            raise ValueError(f"{key}: storing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
-        host = t.detach().contiguous().cpu()
-        buf = memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+        fd = self.files[key][0]
+        buf = self._bytes_for(key, t)
         linked = os.fstat(fd).st_nlink > 1
         if linked:
             fd = self._new_file(key, len(buf))
+        self._write_all(fd, buf)
+        if linked:
+            self._replace(key, fd)
+
+    def _bytes_for(self, key: str, t: torch.Tensor) -> memoryview:
+        """`t`'s bytes on the host, checked against the key's file (every write replaces the whole of it)."""
+        _, numel, dtype = self.files[key]
+        if t.numel() != numel or t.dtype != dtype:
+            raise ValueError(f"{key}: writing {t.numel()} x {t.dtype} into a file of {numel} x {dtype}")
+        host = t.detach().contiguous().cpu()
+        return memoryview(host.view(torch.uint8).numpy()) if numel else memoryview(b"")  # type: ignore[arg-type]
+
+    def _write_all(self, fd: int, buf: memoryview) -> None:
         done = 0
         while done < len(buf):
             done += os.pwrite(fd, buf[done:], done)
-        if linked:
-            self._replace(key, fd)
         self.count(written=done)
 
     def _new_file(self, key: str, nbytes: int) -> int:
@@ -211,6 +223,37 @@ class FileTier(Tier):
         old, numel, dtype = self.files[key]
         self.files[key] = (fd, numel, dtype)
         os.close(old)
+
+    # --- journaled writes (offload/journal.py): a key's new bytes beside the old, made its file by a rename ---
+
+    def reopen(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        """Open the key's existing file (a journaled scratch resumed), refusing one of another size."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        size = self.path(key).stat().st_size
+        if size != nbytes:
+            raise BehemothError(f"{self.path(key)} has {size} bytes, {key} needs {nbytes}", "resume with the run's own config")
+        self.files[key] = (os.open(self.path(key), os.O_RDWR), numel, dtype)
+
+    def stage(self, key: str, t: torch.Tensor) -> None:
+        """Write the whole of `key` to a new file beside its own, flushed to the disk; `commit_staged` makes it the key's."""
+        buf = self._bytes_for(key, t)
+        fd = self._new_file(key, len(buf))
+        try:
+            self._write_all(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def commit_staged(self, key: str) -> None:
+        """The staged file (if one is there) becomes the key's file (a rename: atomic)."""
+        if self.path(key).with_suffix(".new").exists():
+            self._replace(key, os.open(self.path(key).with_suffix(".new"), os.O_RDWR))
+
+    def discard_staged(self, key: str) -> None:
+        self.path(key).with_suffix(".new").unlink(missing_ok=True)
+
+    def fsync(self, key: str) -> None:
+        os.fsync(self.files[key][0])
 
     def link(self, key: str, dest: Path) -> None:
         """Commit `key`'s file as `dest` (a hard link, or a copy across file systems), flushed to the disk; the next
@@ -277,6 +320,12 @@ class FileTier(Tier):
     def close(self) -> None:
         for key in list(self.files):
             self.drop(key)
+
+    def detach(self) -> None:
+        for fd, _, _ in self.files.values():
+            os.close(fd)
+        self.files.clear()
+        self.mapped.clear()
 
 
 def make_tier(name: str, device: torch.device, *, root: Path | None = None) -> Tier:
