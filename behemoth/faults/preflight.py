@@ -14,6 +14,7 @@ from pathlib import Path
 
 from behemoth.config import Config
 from behemoth.errors import Problem
+from behemoth.models.causal_lm import num_params
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png", "model.safetensors", "checkpoints")
 CHECKPOINT_BYTES_PER_PARAM = 12  # float32 weights and AdamW's two moments
@@ -76,7 +77,7 @@ def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
     an offloaded run's scratch, and the exported weights when the run exports them; what is already in the run
     directory counts as space it will reuse."""
     path = Path(run_dir).expanduser()
-    params = cfg.model.num_params()
+    params = num_params(cfg.model, cfg.hf)
     linked, copied, scratch = checkpoint_bytes(cfg, params)
     export = 4 * params if exports(cfg) else 0
     anchor = path
@@ -117,7 +118,7 @@ def journal_bytes(cfg: Config) -> dict[str, int]:
     gradient log (one gradient in the compute dtype), the units being written beside their files (one per I/O thread,
     the largest unit's weights and moments), a margin. Checkpoints add nothing: they mark the run, or (the last) link
     the scratch once nothing writes it any more."""
-    params, off, m = cfg.model.num_params(), cfg.offload, cfg.model
+    params, off, m = num_params(cfg.model, cfg.hf), cfg.offload, cfg.model
     per_param = 4 + (8 if off.optimizer_bits == 32 else 2 + 8 / 256)
     embedding = m.vocab_size * m.d_model
     block = (params - embedding * (1 if m.tie_embeddings else 2)) // max(1, m.n_layer)
