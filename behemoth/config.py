@@ -163,6 +163,10 @@ class OffloadConfig(Section):
         """Whether the streaming runtime runs: any state placed on a tier, or 8-bit moments."""
         return any(t not in ("device", "none", "auto") for t in (self.params, self.grads, self.optimizer)) or self.optimizer_bits == 8
 
+    def scratch_dir(self, run_dir: str | None) -> Path:
+        """`offload.dir`, or `<run.dir>/offload-scratch`."""
+        return Path(self.dir).expanduser() if self.dir else Path(run_dir or "runs") / "offload-scratch"
+
     @property
     def grads_tier(self) -> str:
         return self.params if self.grads == "auto" else self.grads

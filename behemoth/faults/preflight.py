@@ -85,7 +85,8 @@ def disk_problems(cfg: Config, run_dir: str) -> list[Problem]:
         anchor = anchor.parent
     free = shutil.disk_usage(anchor if anchor.is_dir() else anchor.parent).free
     if cfg.offload.enabled and cfg.offload.commit == "journal":
-        return journal_disk_problems(cfg, run_dir, free, export - used_bytes(path))
+        reused = used_bytes(path) + allocated_bytes(cfg.offload.scratch_dir(run_dir))  # a resume writes over its scratch
+        return journal_disk_problems(cfg, run_dir, free, export - reused)
     # a new checkpoint links the scratch (metadata only); once the run writes on, each kept one holds its own bytes
     need = cfg.checkpoint.keep * (linked + copied) + copied + scratch + export - used_bytes(path)
     if free >= need:
@@ -165,6 +166,11 @@ def checkpoint_bytes(cfg: Config, params: int) -> tuple[int, int, int]:
 def exports(cfg: Config) -> bool:
     """checkpoint.export: true, false, or auto (unless offload streams the states: ZeRO-Offload's weights are whole)."""
     return not cfg.offload_streams if cfg.checkpoint.export == "auto" else bool(cfg.checkpoint.export)
+
+
+def allocated_bytes(folder: Path) -> int:
+    """Disk blocks the files under `folder` hold (0 when it does not exist)."""
+    return sum(f.stat().st_blocks * 512 for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
 
 
 def used_bytes(run_dir: Path) -> int:
