@@ -45,6 +45,7 @@ from behemoth.flight import HangError
 from behemoth.models.causal_lm import counted_targets
 from behemoth.parallel.deferred import DeferralSlot
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
+from behemoth.parallel.pipeline.buffers import RecvBuffers
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
@@ -151,6 +152,7 @@ class PipelineExecutor:
             self.groups.setdefault(g.at, []).append(g)
         self.stash_meter = StashMeter()
         self.stash_sizes: dict[tuple, int] | None = {} if static_stash else None  # (stage, shape, dtype, modes) -> bytes
+        self.buffers = RecvBuffers(self.device)  # receive buffers kept across steps (buffers.py)
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
@@ -174,6 +176,7 @@ class PipelineExecutor:
             step.run(i, a)
             times.append(ActionTime(a, t0, time.perf_counter()))
         step.finish()
+        self.buffers.end_step()
         return StepTrace(self.rank, times, step.loss, step.peak_stash)
 
     def wait(self, pending: Pending, index: int, a: Action, what: str) -> None:
@@ -237,7 +240,7 @@ class PipelineExecutor:
                 elif owner[stage - 1] == self.rank:
                     x = local.pop(stage - 1)
                 else:
-                    x = torch.empty(self.activations.shape(ids), dtype=self.activations.dtype, device=self.device)
+                    x = self.buffers.take(self.activations.shape(ids), self.activations.dtype)
                     a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
                     self.wait(self.send_recv(P2P(False, x, a.peer, tag - 1)), -1, a, "for a forward-only activation")
                 out = stage_forward(part, b, x)
@@ -250,6 +253,7 @@ class PipelineExecutor:
                     sends.append((self.send_recv(P2P(True, out, a.peer, tag)), a, out))  # keep `out` alive until sent
         for pending, a, _ in sends:
             self.wait(pending, -1, a, "for a forward-only send")
+        self.buffers.end_step()
         return outputs
 
 
@@ -283,12 +287,12 @@ class _Step:
         self.handlers[a.kind](index, a)
 
     def issue(self, group: P2PGroup) -> None:
-        """Issue one p2p group: its sends take their tensors from the mailbox, its receives get fresh buffers."""
+        """Issue one p2p group: its sends take their tensors from the mailbox, its receives a buffer nothing else holds."""
         ex, ops = self.ex, []
         for j in group.ops:
             a = ex.actions[j]
             if a.kind in RECVS:
-                tensor = torch.empty(ex.activations.shape(self.batches[a.microbatch][0]), dtype=ex.activations.dtype, device=ex.device)
+                tensor = ex.buffers.take(ex.activations.shape(self.batches[a.microbatch][0]), ex.activations.dtype)
             else:
                 tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
             ops.append(P2P(a.kind not in RECVS, tensor, a.peer, ex.tag(a)))
