@@ -94,6 +94,17 @@ class PipelineWaitError(BehemothError):
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One SEND/RECV of a p2p group, resolved once per executor: its action index, direction, peer, tag, mailbox key."""
+
+    index: int
+    send: bool
+    peer: int
+    tag: int
+    key: tuple[str, int, int]  # (payload, stage, micro-batch)
+
+
+@dataclass(frozen=True)
 class ActionTime:
     """When one action ran on this rank (seconds on the machine's monotonic clock)."""
 
@@ -150,9 +161,20 @@ class PipelineExecutor:
         self.groups: dict[int, list[P2PGroup]] = {}  # action index -> the p2p groups issued just before it
         for g in plan(schedule, rank):
             self.groups.setdefault(g.at, []).append(g)
+        self.resolved: dict[P2PGroup, tuple[Transfer, ...]] = {}  # each group's transfers, worked out at its first issue
         self.stash_meter = StashMeter()
         self.stash_sizes: dict[tuple, int] | None = {} if static_stash else None  # (stage, shape, dtype, modes) -> bytes
         self.buffers = RecvBuffers(self.device)  # receive buffers kept across steps (buffers.py)
+
+    def transfers(self, group: P2PGroup) -> tuple[Transfer, ...]:
+        """The group's transfers (the same every step: worked out once)."""
+        got = self.resolved.get(group)
+        if got is None:
+            got = self.resolved[group] = tuple(
+                Transfer(j, a.kind not in RECVS, a.peer, self.tag(a), (PAYLOAD[a.kind], a.stage, a.microbatch))
+                for j, a in ((j, self.actions[j]) for j in group.ops)
+            )
+        return got
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
@@ -288,19 +310,18 @@ class _Step:
 
     def issue(self, group: P2PGroup) -> None:
         """Issue one p2p group: its sends take their tensors from the mailbox, its receives a buffer nothing else holds."""
-        ex, ops = self.ex, []
-        for j in group.ops:
-            a = ex.actions[j]
-            if a.kind in RECVS:
-                tensor = ex.buffers.take(ex.activations.shape(self.batches[a.microbatch][0]), ex.activations.dtype)
+        ex, ops, transfers = self.ex, [], self.ex.transfers(group)
+        for t in transfers:
+            if t.send:
+                tensor = self.mailbox.pop(t.key)
             else:
-                tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
-            ops.append(P2P(a.kind not in RECVS, tensor, a.peer, ex.tag(a)))
-        for j, op, pending in zip(group.ops, ops, batch_p2p(ops, ex.comm.group, ex.comm.meter)):
-            if op.send:
-                self.sends.append((pending, j, ex.actions[j], op.tensor))
+                tensor = ex.buffers.take(ex.activations.shape(self.batches[t.key[2]][0]), ex.activations.dtype)
+            ops.append(P2P(t.send, tensor, t.peer, t.tag))
+        for t, op, pending in zip(transfers, ops, batch_p2p(ops, ex.comm.group, ex.comm.meter)):
+            if t.send:
+                self.sends.append((pending, t.index, ex.actions[t.index], op.tensor))
             else:
-                self.posted[j] = (pending, op.tensor)
+                self.posted[t.index] = (pending, op.tensor)
 
     def recv(self, index: int, a: Action) -> None:
         pending, buffer = self.posted.pop(index)  # issued with its group, at or before this action
