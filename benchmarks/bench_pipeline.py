@@ -129,6 +129,8 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
         "m": s.microbatches,
         "sends": sum(c for c, _ in sent) / (warmup + steps),  # this rank's messages and bytes sent per step
         "sent_mb": sum(b for _, b in sent) / (warmup + steps) / 2**20,
+        "recv_buffers": pipe.executor.buffers.allocated,  # receive buffers this rank made over all its steps (kept, reused)
+        "recvs": pipe.executor.buffers.allocated + pipe.executor.buffers.reused,
     }
 
 
