@@ -94,19 +94,19 @@ class Engine:
             sync.zero_grad()
         for optimizer in self.optimizers:  # before backward: an offloaded unit may step as soon as its gradient is complete
             optimizer.set_lr(lr)
-        loss = self.forward_backward(micro_batches)
+        loss = model.start_reduce_over_batch(self.forward_backward(micro_batches).clone())  # summed while the step goes on
         model.finish_grads()
         grad_norm = model.clip_grads(self.train.grad_clip, self.device)
         if not math.isfinite(grad_norm):  # not applied (every rank sees the same norm, so all skip alike); a step fused into
             # backward applied its finite part already, which only train.nonfinite=stop accepts (problems() refuses skip)
-            return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, skipped=True)
+            return StepResult(loss=float(loss()), grad_norm=grad_norm, skipped=True)
         for optimizer in self.optimizers:
             optimizer.step()
         metrics = model.step_metrics()
         if model.adapter is not None:
             synchronize(self.device)
             model.adapter.after_step(time.perf_counter() - started, metrics, self.device)
-        return StepResult(loss=float(model.reduce_over_batch(loss.clone())), grad_norm=grad_norm, metrics=metrics)
+        return StepResult(loss=float(loss()), grad_norm=grad_norm, metrics=metrics)
 
     def begin_step(self) -> float:
         """Before a step: clear the routers' statistics, let the expert-layout adapter pick this step's layout; the time."""

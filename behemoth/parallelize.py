@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,11 +115,23 @@ class ParallelModel:
         """Sum a per-rank quantity of the batch (a loss, token counts) over the ranks that see different parts of it:
         the pipeline (only last stages hold losses), the data-parallel replicas and the context-parallel ranks (each holds
         part of every sequence). (Reporting, not model traffic: unmetered.)"""
-        all_reduce(t, self.rt.group("pp"))
-        all_reduce(t, self.rt.group("dp"))
-        all_reduce(t, self.rt.group("cp"))
-        all_reduce(t, self.rt.group("ep"))
-        return t
+        return self.start_reduce_over_batch(t)()
+
+    def start_reduce_over_batch(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`reduce_over_batch` begun now and finished by calling the result: the first of its groups with more than one rank
+        reduces in the background meanwhile (the step's loss travels while gradients are clipped and the optimizers step);
+        every rank must start and finish it at the same points. The sum is the same as `reduce_over_batch`'s."""
+        groups = [g for g in (self.rt.group(name) for name in ("pp", "dp", "cp", "ep")) if dist.get_world_size(g) > 1]
+        first = all_reduce(t, groups[0], async_op=True) if groups else None
+
+        def finish() -> torch.Tensor:
+            if first is not None:
+                first.wait()
+            for group in groups[1:]:
+                all_reduce(t, group)
+            return t
+
+        return finish
 
     def router_metrics(self) -> dict[str, Any]:
         """The step's auxiliary losses and expert usage (MoE models; empty otherwise), summed over every rank holding a

@@ -112,7 +112,9 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
     pipe = engine.model.pipeline
     latency = p2p_latency(pipe.group, (cfg.train.global_batch // cfg.parallel.microbatches, cfg.seq_len, cfg.model.d_model))
     timelines: list = []
+    meter, before = engine.model.meter, {op: (s.calls, s.bytes) for op, s in engine.model.meter.ops.items()}
     times, cpu = timed_steps(engine.train_step, sampler, steps, warmup, lambda: timelines.append(gather_timelines(pipe.last_trace, pipe.group)))
+    sent = [(s.calls - before.get(op, (0, 0))[0], s.bytes - before.get(op, (0, 0))[1]) for op, s in meter.ops.items() if op == "send"]
     s, best = pipe.schedule, timelines[min(range(len(times)), key=times.__getitem__)]  # the least disturbed step
     simulated = simulate(s, measured_costs([best], s, latency))
     return {
@@ -125,6 +127,10 @@ def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[st
         "stash_mb": pipe.last_trace.peak_stash_bytes / 2**20,
         "p2p_ms": latency * 1e3,
         "m": s.microbatches,
+        "sends": sum(c for c, _ in sent) / (warmup + steps),  # this rank's messages and bytes sent per step
+        "sent_mb": sum(b for _, b in sent) / (warmup + steps) / 2**20,
+        "recv_buffers": pipe.executor.buffers.allocated,  # receive buffers this rank made over all its steps (kept, reused)
+        "recvs": pipe.executor.buffers.allocated + pipe.executor.buffers.reused,
     }
 
 
@@ -141,7 +147,8 @@ def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
 
 
 def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, Any]:
-    """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B, or its ScheduleZBVZeroBubble / ScheduleDualPipeV with two
+    """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B, its ScheduleInterleaved1F1B with two stages per rank
+    (rank r holds r and r + p, as behemoth's interleaved), or its ScheduleZBVZeroBubble / ScheduleDualPipeV with two
     stages per rank in the same V, on the same stages of the same model."""
     import torch
     from torch.distributed import pipelining as tp
@@ -156,8 +163,8 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     rt = init_runtime(**cfg.parallel.degrees())
     rank, group, tokens = rt.coordinate("pp"), rt.group("pp"), cfg.train.global_batch * cfg.seq_len
     lm = build_causal_lm(cfg.model)
-    model, stages = lm.module, 2 * world if schedule in ("zbv", "dualpipev") else world
-    held = [rank, stages - 1 - rank] if stages > world else [rank]
+    model, stages = lm.module, 2 * world if schedule in ("zbv", "dualpipev", "interleaved") else world
+    held = [rank] if stages == world else [rank, rank + world] if schedule == "interleaved" else [rank, stages - 1 - rank]
     parts = cut_model(model, held, resolve_stage_boundaries(cfg.parallel, lm, cfg.seq_len, 0), lm.layers)
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
 
@@ -172,7 +179,13 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
             return self.part.forward(x)
 
     torch_stages = [tp.PipelineStage(StageModule(parts[s]), s, stages, rt.device, group=group) for s in held]
-    kind = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B, "zbv": tp.ScheduleZBVZeroBubble, "dualpipev": tp.ScheduleDualPipeV}[schedule]
+    kind = {
+        "gpipe": tp.ScheduleGPipe,
+        "1f1b": tp.Schedule1F1B,
+        "interleaved": tp.ScheduleInterleaved1F1B,
+        "zbv": tp.ScheduleZBVZeroBubble,
+        "dualpipev": tp.ScheduleDualPipeV,
+    }[schedule]
     loss = lambda out, y: summed_token_loss(out, y) / tokens  # noqa: E731
     pipe = kind(torch_stages if stages > world else torch_stages[0], n_microbatches=cfg.parallel.microbatches, loss_fn=loss, scale_grads=False)
     from peers import plain_adamw

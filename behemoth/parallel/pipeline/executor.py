@@ -45,6 +45,7 @@ from behemoth.flight import HangError
 from behemoth.models.causal_lm import counted_targets
 from behemoth.parallel.deferred import DeferralSlot
 from behemoth.parallel.pipeline.analysis.rendezvous import check_rendezvous
+from behemoth.parallel.pipeline.buffers import RecvBuffers
 from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, message_key, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.partition import PipelineStage
 from behemoth.parallel.pipeline.schedules import COMPUTE, RECVS, Action, Kind, Schedule
@@ -90,6 +91,17 @@ class Activations:
 
 class PipelineWaitError(BehemothError):
     """A message or gradient sync that did not complete within run.timeout_s."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One SEND/RECV of a p2p group, resolved once per executor: its action index, direction, peer, tag, mailbox key."""
+
+    index: int
+    send: bool
+    peer: int
+    tag: int
+    key: tuple[str, int, int]  # (payload, stage, micro-batch)
 
 
 @dataclass(frozen=True)
@@ -149,8 +161,20 @@ class PipelineExecutor:
         self.groups: dict[int, list[P2PGroup]] = {}  # action index -> the p2p groups issued just before it
         for g in plan(schedule, rank):
             self.groups.setdefault(g.at, []).append(g)
+        self.resolved: dict[P2PGroup, tuple[Transfer, ...]] = {}  # each group's transfers, worked out at its first issue
         self.stash_meter = StashMeter()
         self.stash_sizes: dict[tuple, int] | None = {} if static_stash else None  # (stage, shape, dtype, modes) -> bytes
+        self.buffers = RecvBuffers(self.device)  # receive buffers kept across steps (buffers.py)
+
+    def transfers(self, group: P2PGroup) -> tuple[Transfer, ...]:
+        """The group's transfers (the same every step: worked out once)."""
+        got = self.resolved.get(group)
+        if got is None:
+            got = self.resolved[group] = tuple(
+                Transfer(j, a.kind not in RECVS, a.peer, self.tag(a), (PAYLOAD[a.kind], a.stage, a.microbatch))
+                for j, a in ((j, self.actions[j]) for j in group.ops)
+            )
+        return got
 
     def tag(self, a: Action) -> int:
         """A message's tag, unique within a step: (payload, producing stage, micro-batch)."""
@@ -174,6 +198,7 @@ class PipelineExecutor:
             step.run(i, a)
             times.append(ActionTime(a, t0, time.perf_counter()))
         step.finish()
+        self.buffers.end_step()
         return StepTrace(self.rank, times, step.loss, step.peak_stash)
 
     def wait(self, pending: Pending, index: int, a: Action, what: str) -> None:
@@ -237,7 +262,7 @@ class PipelineExecutor:
                 elif owner[stage - 1] == self.rank:
                     x = local.pop(stage - 1)
                 else:
-                    x = torch.empty(self.activations.shape(ids), dtype=self.activations.dtype, device=self.device)
+                    x = self.buffers.take(self.activations.shape(ids), self.activations.dtype)
                     a = Action(Kind.RECV_ACT, stage - 1, b, peer=owner[stage - 1])
                     self.wait(self.send_recv(P2P(False, x, a.peer, tag - 1)), -1, a, "for a forward-only activation")
                 out = stage_forward(part, b, x)
@@ -250,6 +275,7 @@ class PipelineExecutor:
                     sends.append((self.send_recv(P2P(True, out, a.peer, tag)), a, out))  # keep `out` alive until sent
         for pending, a, _ in sends:
             self.wait(pending, -1, a, "for a forward-only send")
+        self.buffers.end_step()
         return outputs
 
 
@@ -283,20 +309,19 @@ class _Step:
         self.handlers[a.kind](index, a)
 
     def issue(self, group: P2PGroup) -> None:
-        """Issue one p2p group: its sends take their tensors from the mailbox, its receives get fresh buffers."""
-        ex, ops = self.ex, []
-        for j in group.ops:
-            a = ex.actions[j]
-            if a.kind in RECVS:
-                tensor = torch.empty(ex.activations.shape(self.batches[a.microbatch][0]), dtype=ex.activations.dtype, device=ex.device)
+        """Issue one p2p group: its sends take their tensors from the mailbox, its receives a buffer nothing else holds."""
+        ex, ops, transfers = self.ex, [], self.ex.transfers(group)
+        for t in transfers:
+            if t.send:
+                tensor = self.mailbox.pop(t.key)
             else:
-                tensor = self.mailbox.pop((PAYLOAD[a.kind], a.stage, a.microbatch))
-            ops.append(P2P(a.kind not in RECVS, tensor, a.peer, ex.tag(a)))
-        for j, op, pending in zip(group.ops, ops, batch_p2p(ops, ex.comm.group, ex.comm.meter)):
-            if op.send:
-                self.sends.append((pending, j, ex.actions[j], op.tensor))
+                tensor = ex.buffers.take(ex.activations.shape(self.batches[t.key[2]][0]), ex.activations.dtype)
+            ops.append(P2P(t.send, tensor, t.peer, t.tag))
+        for t, op, pending in zip(transfers, ops, batch_p2p(ops, ex.comm.group, ex.comm.meter)):
+            if t.send:
+                self.sends.append((pending, t.index, ex.actions[t.index], op.tensor))
             else:
-                self.posted[j] = (pending, op.tensor)
+                self.posted[t.index] = (pending, op.tensor)
 
     def recv(self, index: int, a: Action) -> None:
         pending, buffer = self.posted.pop(index)  # issued with its group, at or before this action
