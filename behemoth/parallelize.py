@@ -428,8 +428,8 @@ def offloaded_model(
         materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
         adapters = [apply_data_parallel(model, rt.data_group(), DataParallelPolicy(plan.bucket_mb), meter=meter)]  # dp x cp
     if pipeline is not None:
-        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter, context=context)
-        return ParallelModel(lm, rt, [sync], pipeline, tp, meter, experts, executor=stages)
+        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter, context=context, others=adapters)
+        return ParallelModel(lm, rt, [sync, *adapters], pipeline, tp, meter, experts, executor=stages)
     return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters, context))
 
 

@@ -133,3 +133,47 @@ def test_a_split_tensor_is_read_alone_from_its_file(tmp_path, dtype):
         part, read = read_split(entry, layout)
         assert torch.equal(part, layout.take_local(full.float())), layout
         assert read == sum(length for _, _, length in layout.pieces) * full.numel() // full.shape[layout.dim] * dtype.itemsize, layout
+
+
+def piped_lora(cfg_dict: dict[str, Any], init: dict[str, Any], bug: bool) -> dict[str, Any]:
+    """`behemoth_lora` under a streamed pipeline; `bug`: the control, the last stage sends back a zero gradient, so the
+    first stage's adapters never learn."""
+    if bug:
+        from behemoth.offload.stage_stream import StageStreams
+
+        end_pass = StageStreams.end_pass
+
+        def dropped(self: StageStreams, kind: str, stage: int, mb: int, step: Any, state: Any) -> None:
+            end_pass(self, kind, stage, mb, step, state)
+            if kind in ("B", "BI") and stage > 0:
+                step.mailbox[("grad", stage, mb)].zero_()
+
+        StageStreams.end_pass = dropped  # type: ignore[method-assign]  # this process only
+    return behemoth_lora(cfg_dict, init)
+
+
+PIPED = [
+    pytest.param("host", "1f1b", False, id="host-1f1b"),
+    pytest.param("disk", "gpipe", False, id="disk-gpipe", marks=pytest.mark.slow),  # the base read from the folder itself
+    pytest.param("host", "zb-h1", False, id="host-zb-h1", marks=pytest.mark.slow),  # a split backward: adapters learn in W
+    pytest.param("host", "1f1b", True, id="control"),
+]
+
+
+@pytest.mark.parametrize(("tier", "schedule", "bug"), PIPED)
+def test_lora_with_a_base_streamed_by_pipeline_stages_equals_one_process(folder, init, single, tmp_path, tier, schedule, bug):  # noqa: F811
+    """pp=2, each stage streams its part of the frozen base (read-only: no gradient, no moment of it) and keeps its
+    blocks' adapters resident with their Adam state: the single-process curve and adapters; a stage that sends back no
+    gradient misses them (the control)."""
+    options = ("parallel.pp=2", f"parallel.schedule={schedule}", "parallel.microbatches=2", f"offload.params={tier}", f"offload.dir={tmp_path / 's'}")
+    got = run_ranks(2, piped_lora, lora_config(tmp_path, folder, *options), init, bug)
+    assert not set(got[0]["adapters"]) & set(got[1]["adapters"])  # each stage holds its blocks' adapters
+    for rank in got:
+        states, adapters = rank["states"], rank["local_adapter_bytes"]
+        assert not rank["held"] and states["grads"] == adapters and states["optimizer"] == 2 * adapters, states
+    merged = {"losses": got[1]["losses"], "adapters": {**got[0]["adapters"], **got[1]["adapters"]}}  # the last stage's losses
+    if not bug:
+        assert_same_training(single, merged)
+        return
+    with pytest.raises(AssertionError):
+        assert_same_training(single, merged)

@@ -44,6 +44,7 @@ from behemoth.parallel.pipeline.executor import ACT, GRAD, ActionTime, Activatio
 from behemoth.parallel.pipeline.executor import _Step as PipelineStep  # the mailbox, p2p groups and checks of one step
 from behemoth.parallel.pipeline.partition import PipelineStage, full_sequence_like
 from behemoth.parallel.pipeline.schedules import COMPUTE
+from behemoth.parallel.sync import GradSync
 from behemoth.parallel.zero.runtime import DTYPES
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
@@ -100,8 +101,10 @@ class StageStreams:
         hidden_size: int,
         meter: CommMeter | None = None,
         context: ContextParallel | None = None,
+        others: list[GradSync] | None = None,
     ) -> None:
         self.sync, self.pipeline, self.context = sync, pipeline, context  # context: cp > 1, each rank streams its shard of the tokens
+        self.others = others or []  # resident parameters' syncs (a frozen base's adapters), reduced at finish
         self.schedule, self.rank, self.device = pipeline.schedule, pipeline.rank, sync.rt.device
         model, view = sync.model, sync.lm.layers
         self.blocks = model.get_submodule(view.blocks)
@@ -152,10 +155,12 @@ class StageStreams:
                 f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for {self.schedule.microbatches}",
                 "build the pipeline for the step's micro-batch count",
             )
+        for other in self.others:  # passes interleave micro-batches: resident gradients are reduced at finish
+            other.begin_micro_batch(False)
         batches = self.shard(micro_batches)
         step, state = PipelineStep(ex, batches, loss_fn, autocast), self.boundary(batches)
         cursor = _Cursor(ex, step)
-        passes = stage_passes(self.schedule, self.rank, self.units)
+        passes = stage_passes(self.schedule, self.rank, self.units, embedding_backward=not self.frozen_embedding())
         where = {v: (i, j == 0, j == len(visits) - 1) for i, visits in passes for j, v in enumerate(visits)}
         kinds = {i: PASS_KIND[visits[0].kind] for i, visits in passes}  # F, B, BI or W (a first stage's W is a full B)
         self.ends_ctx = {visits[0].mb: i for i, visits in passes if kinds[i] != "F"}  # mb -> its last backward pass here
@@ -188,6 +193,11 @@ class StageStreams:
         self.pipeline.last_trace = StepTrace(self.rank, times, total, self.streamer.peak_activation_bytes)
         sync.streamer.peak_activation_bytes = self.streamer.peak_activation_bytes  # what the sync's metrics report
         return total
+
+    def frozen_embedding(self) -> bool:
+        """Whether this rank's first stage holds a frozen embedding (a LoRA base): its lookup has no gradient to give."""
+        embedding = self.streamer.stores.get(0)
+        return embedding is not None and embedding.frozen
 
     def begin_pass(self, kind: str, stage: int, mb: int, step: PipelineStep, state: BoundaryPass) -> None:
         """A pass's input from the mailbox: a later stage's activation, an earlier stage's output gradient (`kind`: the

@@ -168,7 +168,7 @@ def streams(cfg: Any) -> bool:
 def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
     """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
     refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), a tied embedding (on two stages), experts or a LoRA base with it."""
+    (offload/stage_order.py), a tied embedding (on two stages) or experts with it."""
     from behemoth.models.causal_lm import model_shape
     from behemoth.parallel.pipeline.schedules import build_schedule
 
@@ -185,8 +185,6 @@ def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
         why = "a tied embedding lives on the first and the last stage, whose streamed units step their gradients apart"
     if not why and any(shape.experts):
         why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
-    if not why and cfg.finetune.lora.enabled:
-        why = "a LoRA base is not streamed by pipeline stages (its adapters stay resident, outside the stage's units)"
     if not why:
         return None
     return Problem.of(
