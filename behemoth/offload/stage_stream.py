@@ -38,8 +38,10 @@ from behemoth.offload.executor import BoundaryPass, Streamer
 from behemoth.offload.order import Action as Visit
 from behemoth.offload.runtime import OffloadSync
 from behemoth.offload.stage_order import stage_passes, stage_units
+from behemoth.offload.stage_tied import TiedSteps
+from behemoth.offload.store import UnitStore
 from behemoth.parallel.context import ContextParallel
-from behemoth.parallel.pipeline.apply import PipelineParallel
+from behemoth.parallel.pipeline.apply import PipelineParallel, tied_peer
 from behemoth.parallel.pipeline.executor import ACT, GRAD, ActionTime, Activations, PipeComm, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.executor import _Step as PipelineStep  # the mailbox, p2p groups and checks of one step
 from behemoth.parallel.pipeline.partition import PipelineStage, full_sequence_like
@@ -64,6 +66,15 @@ def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int
             why = f"offload under a pipeline streams embeddings, blocks and heads; {spec.names[0]} is none of them"
             raise BehemothError(why, "use parallel.pp=1")
     return out
+
+
+def tied_steps(sync: OffloadSync, pipeline: PipelineParallel, embedding: UnitStore | None, meter: CommMeter | None) -> TiedSteps | None:
+    """The step hooks that sum a tied embedding's two copies, on the first and the last stage's ranks when they differ."""
+    peer = tied_peer(pipeline.schedule, pipeline.rank, pipeline.tied)
+    if peer is None or embedding is None:
+        return None
+    counted = pipeline.schedule.stage_ranks[0][0] == pipeline.rank  # the first stage counts it in the norm, as in memory
+    return TiedSteps(sync.steps, embedding, peer=peer, group=pipeline.group, counted=counted, timeout_s=pipeline.policy.timeout_s, meter=meter)
 
 
 class _Cursor:
@@ -113,7 +124,9 @@ class StageStreams:
         local = {g: i for i, g in enumerate(numbers)}
         reads = {numbers[i]: tuple(numbers[j] for j in r) for i, r in sync.streamer.reads.items() if r}
         stores = {g: sync.stores[local[g]] for g in numbers}
-        self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps)
+        self.tied = tied_steps(sync, pipeline, stores.get(0), meter)
+        hooks = sync.steps if self.tied is None else self.tied
+        self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=hooks)
         self.executor = PipelineExecutor(
             self.schedule,
             self.rank,
@@ -190,6 +203,8 @@ class StageStreams:
         self.streamer.run([v for _, visits in passes for v in visits], compute)
         cursor.run_until(len(ex.actions))
         step.finish()
+        if self.tied is not None:  # both copies' gradients complete now: summed, then stepped alike
+            self.tied.sum_copies()
         self.pipeline.last_trace = StepTrace(self.rank, times, total, self.streamer.peak_activation_bytes)
         sync.streamer.peak_activation_bytes = self.streamer.peak_activation_bytes  # what the sync's metrics report
         return total
