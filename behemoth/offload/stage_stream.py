@@ -123,7 +123,7 @@ class StageStreams:
         numbers = global_units(sync, self.blocks, pipeline.bounds[-1])
         local = {g: i for i, g in enumerate(numbers)}
         reads = {numbers[i]: tuple(numbers[j] for j in r) for i, r in sync.streamer.reads.items() if r}
-        stores = {g: sync.stores[local[g]] for g in numbers}
+        stores = self.stores = {g: sync.stores[local[g]] for g in numbers}  # by order.py's unit number
         self.tied = tied_steps(sync, pipeline, stores.get(0), meter)
         hooks = sync.steps if self.tied is None else self.tied
         self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=hooks)
@@ -211,7 +211,7 @@ class StageStreams:
 
     def frozen_embedding(self) -> bool:
         """Whether this rank's first stage holds a frozen embedding (a LoRA base): its lookup has no gradient to give."""
-        embedding = self.streamer.stores.get(0)
+        embedding = self.stores.get(0)
         return embedding is not None and embedding.frozen
 
     def begin_pass(self, kind: str, stage: int, mb: int, step: PipelineStep, state: BoundaryPass) -> None:
