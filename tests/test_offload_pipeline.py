@@ -139,16 +139,19 @@ def test_streamed_pipeline_under_tensor_or_data_parallelism_trains_the_curve(tmp
 @pytest.mark.parametrize("zero", [0, 3])
 def test_a_streamed_pipeline_passes_the_feasibility_check_at_zero_stage_0_and_3(zero):
     """Streamed units are ZeRO-3's at either stage (offload's docs: 0 and 3 mean the same here), so ZeRO-3's refusal
-    under a pipeline (each pass would gather the stage again) is not offload's; a tied head and a LoRA base pass too,
-    experts are refused with their reason."""
+    under a pipeline (each pass would gather the stage again) is not offload's; a tied head, a LoRA base and experts
+    (over ep too) pass as well."""
     from behemoth.config import load_config
     from behemoth.planner.feasibility import problems
 
     options = ["model=gpt-tiny", "parallel.pp=2", "parallel.microbatches=4", f"parallel.zero_stage={zero}", *DISK]
-    for extra in ([], ["model.tie_embeddings=true"], ["finetune.lora.enabled=true"]):
-        assert problems(load_config(None, [*options, *extra]), 2) == [], extra
-    moe = [p.message for p in problems(load_config(None, [*options, "model=gpt-moe-tiny"]), 2)]
-    assert len(moe) == 1 and "a stage's expert units are not streamed yet" in moe[0], moe
+    for extra, world in (
+        ([], 2),
+        (["model.tie_embeddings=true"], 2),
+        (["finetune.lora.enabled=true"], 2),
+        (["model=gpt-moe-tiny", "parallel.ep=2"], 4),
+    ):
+        assert problems(load_config(None, [*options, *extra]), world) == [], extra
 
 
 # (schedule, tier): V-shaped (two stages per rank, the first and the last on rank 0, split backwards; DualPipeV mixes in
@@ -228,3 +231,48 @@ def test_a_tied_embedding_streamed_under_data_parallelism_trains_the_curve(tmp_p
     options = ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4", *DISK]
     got = run_ranks(4, train_plans, [tiny_config(tmp_path / "pp-dp", f"data.path={CORPUS}", *BASE, *TIED, *options)], timeout=300)[0][0]
     assert_close_runs(ref, got)
+
+
+def _expert_plans(cfgs: list[dict[str, Any]], control: dict[str, Any]) -> list[dict[str, Any]]:
+    """`train_plans` of `cfgs`, then of `control` with every expert unit's complete gradient zeroed before its step."""
+    from behemoth.offload.stepper import UnitSteps
+    from tests.test_composition import train_plans
+
+    out = train_plans(cfgs)
+    complete = UnitSteps.gradient_complete
+
+    def no_expert_grads(self: UnitSteps, store: Any, shard: Any, grad: Any, **kwargs: Any) -> None:
+        complete(self, store, shard, grad.zero_() if store.spec.group is not None else grad, **kwargs)
+
+    UnitSteps.gradient_complete = no_expert_grads  # type: ignore[method-assign]  # this process only
+    return out + train_plans([control])
+
+
+def test_experts_streamed_by_pipeline_stages_train_the_single_process_curve(tmp_path):
+    """An MoE model (4 experts per block, top-2), pp=2, units in host memory, experts inside their blocks' units (ep=1):
+    losses within 1e-5 and final weights within 1e-4 of one process in memory."""
+    from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.microbatches=4", "offload.params=host", "offload.optimizer=host"]
+    got = run_ranks(2, train_plans, [tiny_config(tmp_path / "pp", f"data.path={CORPUS}", *BASE, *MOE, *options)], timeout=300)[0][0]
+    assert_close_runs(ref, got)
+
+
+@pytest.mark.slow
+def test_expert_units_over_ep_streamed_by_pipeline_stages_train_the_curve(tmp_path):
+    """pp=2 x ep=2 from disk (4 processes): each block's experts are a unit of their own over the experts' group, read
+    by the block's visits on its stage: the single-process curve; their gradients zeroed, the experts miss it (the
+    control)."""
+    from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", *DISK]
+
+    def cfg(name: str) -> dict[str, Any]:
+        return tiny_config(tmp_path / name, f"data.path={CORPUS}", *BASE, *MOE, *options)
+
+    got = run_ranks(4, _expert_plans, [cfg("pp-ep")], cfg("control"), timeout=400)[0]
+    assert_close_runs(ref, got[0])
+    with pytest.raises(AssertionError):
+        assert_close_runs(ref, got[1])

@@ -54,7 +54,8 @@ PASS_KIND = {"F": "F", "FB": "F", "B": "B", "BI": "BI", "W": "W"}  # a pass by i
 
 
 def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int]:
-    """The order.py number of each of this rank's units (its stages' embedding, blocks and head)."""
+    """The order.py number of each of this rank's units (its stages' embedding, blocks and head); a block's expert unit
+    (experts over ep) is n_layer + 2 + the block's number: no visit names it, its block's visits read it."""
     index = {id(m): int(k) for k, m in blocks._modules.items()}
     out = []
     for spec in sync.specs:
@@ -62,9 +63,15 @@ def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int
             out.append(index[id(spec.module)] + 1)
         elif spec.role in ("embedding", "head"):
             out.append(0 if spec.role == "embedding" else n_layer + 1)
+        elif spec.role == "block":
+            out.append(-1)  # an expert unit: numbered from the block that reads it, below
         else:
             why = f"offload under a pipeline streams embeddings, blocks and heads; {spec.names[0]} is none of them"
             raise BehemothError(why, "use parallel.pp=1")
+    for unit, read in sync.streamer.reads.items():
+        for j in read:
+            if out[j] == -1:
+                out[j] = n_layer + 1 + out[unit]
     return out
 
 

@@ -172,8 +172,8 @@ def streams(cfg: Any) -> bool:
 def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
     """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
     refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), or experts with it."""
-    from behemoth.models.causal_lm import model_shape
+    (offload/stage_order.py). Tied embeddings (offload/stage_tied.py), experts (a block's visits read its expert unit)
+    and a LoRA base (read-only units) stream under every other schedule."""
     from behemoth.parallel.pipeline.schedules import build_schedule
 
     plan = cfg.parallel
@@ -181,18 +181,12 @@ def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
         why = pipeline_refusal(build_schedule(plan.schedule, plan.pp, cfg.batch_layout(rank_dims(cfg, dp)).accum, plan.schedule_chunks))
     except BehemothError:
         return None  # an impossible schedule request: pipeline_problems names it
-    try:
-        shape = model_shape(cfg.model, cfg.hf)
-    except BehemothError:
-        return None  # a model that cannot be built: model_problems names it
-    if not why and any(shape.experts):
-        why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
     if not why:
         return None
     return Problem.of(
         "parallel.pp",
         f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
-        "use parallel.schedule=gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev or 1f1b-scp with a dense model (no experts), or parallel.pp=1",
+        "use parallel.schedule=gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev or 1f1b-scp, or parallel.pp=1",
     )
 
 
