@@ -5,7 +5,9 @@ against the single-process curve (losses and final weights). Here: other micro-b
 the single-process losses, the bytes each stage moves per step against what its unit visits plan (offload/stage_order.py;
 zb-h1's split backward too), a stage that sends a wrong gradient and a W that adds no weight gradient missing the curve
 (the controls), zbv, dualpipev and 1f1b-scp against the single-process curve, and a checkpoint of a pipelined offloaded
-run resuming on the same curve, streamed again or in memory on one process.
+run resuming on the same curve, streamed again or in memory on one process; a tied embedding (its two copies' gradients
+summed; not summed: the control) and experts (inside their blocks' units, or over ep in units of their own; their
+gradients zeroed: the control) against the single-process curve. A LoRA base: tests/test_lora_offload.py.
 """
 
 from __future__ import annotations

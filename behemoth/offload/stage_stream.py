@@ -19,6 +19,10 @@ streamed as interleaving's are, each pass visiting its own stage's units.
 A later stage's first block reads the received activation as its kept input; the last stage's head computes the loss
 and its backward at once (`FB`), as a streamed step's head does.
 
+A tied embedding's copies on the first and the last stage are summed after the passes (stage_tied.py); a block's
+expert unit (experts over ep) is read by each visit of its block; a frozen base (LoRA) streams read-only, its
+embedding takes no backward visit, and the adapters' sync (`others`) reduces them at finish.
+
 Evaluation runs the pipeline's forward-only flow, each stage streaming its units once per batch.
 """
 
