@@ -341,13 +341,17 @@ def parallelize(
     if lora is not None and lora.enabled:
         inject_lora(lm, lora)
     model, meter = lm.module, CommMeter()
+    optimizer_tier = "device"
+    if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
+        optimizer_tier, offload = offload.optimizer, None
     pipeline = None
     if rt.dims.pp > 1:
         bounds = resolve_stage_boundaries(plan, lm, seq_len, batch.micro_batch, rt)
         policy = PipelinePolicy(
             plan.schedule, batch.accum, tuple(bounds), plan.schedule_chunks, plan.recompute, plan.tp if plan.sequence_parallel else 1, timeout_s
         )
-        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed)
+        streamed = offload is not None and for_training  # offload streams the stages' units
+        pipeline = apply_pipeline(model, rt.group("pp"), policy, layers=lm.layers, tied=lm.shape.tied, transposed=lm.transposed, streamed=streamed)
     tp: TensorParallel | TensorParallel2D | TensorParallel3D | None = None
     if rt.dims.tp > 1 and plan.tp_mode != "1d":
         tp = apply_2d(lm, rt, meter, for_training, plan)
@@ -360,9 +364,6 @@ def parallelize(
             apply_subbatches(model.get_submodule(lm.layers.blocks), tp_comm, plan.tp_subbatches)
     experts = apply_experts(lm, plan, rt, meter, timeout_s)
     context = apply_context(lm, plan, rt, meter, timeout_s) if for_training else None  # inference: cp ranks are replicas
-    optimizer_tier = "device"
-    if offload is not None and offload.optimizer_only and plan.zero_stage in (1, 2):  # ZeRO-Offload: the ZeRO sync's moments on host
-        optimizer_tier, offload = offload.optimizer, None
     if offload is not None:
         if not for_training:
             raise ValueError("offload streams training's units: not for inference (inference/offload.py)")
@@ -441,8 +442,8 @@ def offloaded_model(
         materialize(model, seed=seed, device=rt.device, init_spec=lm.init_spec)  # what is left on the modules: the adapters
         adapters = [apply_data_parallel(model, rt.data_group(), DataParallelPolicy(plan.bucket_mb), meter=meter)]  # dp x cp
     if pipeline is not None:
-        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter, context=context)
-        return ParallelModel(lm, rt, [sync], pipeline, tp, meter, experts, executor=stages)
+        stages = StageStreams(sync, pipeline, hidden_size=lm.shape.d_model, meter=meter, context=context, others=adapters)
+        return ParallelModel(lm, rt, [sync, *adapters], pipeline, tp, meter, experts, executor=stages)
     return ParallelModel(lm, rt, [sync, *adapters], None, tp, meter, experts, executor=StreamedSteps(sync, adapters, context))
 
 

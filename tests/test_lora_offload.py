@@ -133,3 +133,64 @@ def test_a_split_tensor_is_read_alone_from_its_file(tmp_path, dtype):
         part, read = read_split(entry, layout)
         assert torch.equal(part, layout.take_local(full.float())), layout
         assert read == sum(length for _, _, length in layout.pieces) * full.numel() // full.shape[layout.dim] * dtype.itemsize, layout
+
+
+def zero_gradient_sent_back() -> None:
+    """The control of a streamed pipeline: the last stage sends back a zero gradient, so the first stage's adapters
+    never learn (this process only)."""
+    from behemoth.offload.stage_stream import StageStreams
+
+    end_pass = StageStreams.end_pass
+
+    def dropped(self: StageStreams, kind: str, stage: int, mb: int, step: Any, state: Any) -> None:
+        end_pass(self, kind, stage, mb, step, state)
+        if kind in ("B", "BI") and stage > 0:
+            step.mailbox[("grad", stage, mb)].zero_()
+
+    StageStreams.end_pass = dropped  # type: ignore[method-assign]
+
+
+def piped_lora(cfgs: list[dict[str, Any]], init: dict[str, Any], control: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """`behemoth_lora` of each config in turn under a streamed pipeline, then of `control` with a zero gradient sent back."""
+    out = [behemoth_lora(cfg, init) for cfg in cfgs]
+    if control is not None:
+        zero_gradient_sent_back()
+        out.append(behemoth_lora(control, init))
+    return out
+
+
+def piped_options(tmp_path: Any, name: str, tier: str, schedule: str) -> tuple[str, ...]:
+    return ("parallel.pp=2", f"parallel.schedule={schedule}", "parallel.microbatches=2", f"offload.params={tier}", f"offload.dir={tmp_path / name}")
+
+
+def check_piped_lora(single: dict[str, Any], got: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each stage holds its blocks' adapters and their Adam state, no gradient or moment of the base; the merged run (the
+    last stage's losses)."""
+    assert not set(got[0]["adapters"]) & set(got[1]["adapters"])
+    for rank in got:
+        states, adapters = rank["states"], rank["local_adapter_bytes"]
+        assert not rank["held"] and states["grads"] == adapters and states["optimizer"] == 2 * adapters, states
+    return {"losses": got[1]["losses"], "adapters": {**got[0]["adapters"], **got[1]["adapters"]}}
+
+
+def test_lora_with_a_base_streamed_by_pipeline_stages_equals_one_process(folder, init, single, tmp_path):  # noqa: F811
+    """pp=2 under 1f1b, the base in host memory: each stage streams its part of the frozen base (read-only) and keeps its
+    blocks' adapters resident: the single-process curve and adapters; a stage that sends back no gradient misses them
+    (the control)."""
+    cfg = lora_config(tmp_path / "run", folder, *piped_options(tmp_path, "s1", "host", "1f1b"))
+    control = lora_config(tmp_path / "control", folder, *piped_options(tmp_path, "s2", "host", "1f1b"))
+    ranks = run_ranks(2, piped_lora, [cfg], init, control)
+    assert_same_training(single, check_piped_lora(single, [r[0] for r in ranks]))
+    with pytest.raises(AssertionError):
+        assert_same_training(single, check_piped_lora(single, [r[1] for r in ranks]))
+
+
+@pytest.mark.slow
+def test_lora_base_streamed_from_its_folder_or_under_a_split_backward_equals_one_process(folder, init, single, tmp_path):  # noqa: F811
+    """pp=2 with the base read from the model folder itself (gpipe, offload.params=disk) and under zb-h1 (the adapters
+    learn in the W passes): the single-process curve and adapters."""
+    layouts = [("disk", "gpipe"), ("host", "zb-h1")]
+    cfgs = [lora_config(tmp_path / f"r{i}", folder, *piped_options(tmp_path, f"s{i}", *layout)) for i, layout in enumerate(layouts)]
+    ranks = run_ranks(2, piped_lora, cfgs, init)
+    for i in range(len(layouts)):
+        assert_same_training(single, check_piped_lora(single, [r[i] for r in ranks]))

@@ -201,7 +201,6 @@ def _cfg(*overrides):
     "overrides, option, words",
     [
         (["offload.params=disk", "parallel.pp=2", "parallel.schedule=chimera", "train.micro_batch=1"], "parallel.pp", "two replicas of every stage"),
-        (["offload.params=disk", "parallel.pp=2", "model.tie_embeddings=true"], "parallel.pp", "a tied embedding lives on the first"),
         (["offload.params=disk", "parallel.zero_stage=2"], "parallel.zero_stage", "ZeRO-3's shards"),
         (["offload.optimizer=disk", "offload.step=fused"], "offload.step", "before the global norm is known"),
         (["offload.max_memory_gb=1"], "offload.max_memory_gb", "no state is offloaded"),

@@ -5,7 +5,9 @@ against the single-process curve (losses and final weights). Here: other micro-b
 the single-process losses, the bytes each stage moves per step against what its unit visits plan (offload/stage_order.py;
 zb-h1's split backward too), a stage that sends a wrong gradient and a W that adds no weight gradient missing the curve
 (the controls), zbv, dualpipev and 1f1b-scp against the single-process curve, and a checkpoint of a pipelined offloaded
-run resuming on the same curve, streamed again or in memory on one process.
+run resuming on the same curve, streamed again or in memory on one process; a tied embedding (its two copies' gradients
+summed; not summed: the control) and experts (inside their blocks' units, or over ep in units of their own; their
+gradients zeroed: the control) against the single-process curve. A LoRA base: tests/test_lora_offload.py.
 """
 
 from __future__ import annotations
@@ -139,14 +141,19 @@ def test_streamed_pipeline_under_tensor_or_data_parallelism_trains_the_curve(tmp
 @pytest.mark.parametrize("zero", [0, 3])
 def test_a_streamed_pipeline_passes_the_feasibility_check_at_zero_stage_0_and_3(zero):
     """Streamed units are ZeRO-3's at either stage (offload's docs: 0 and 3 mean the same here), so ZeRO-3's refusal
-    under a pipeline (each pass would gather the stage again) is not offload's; a tied head is refused with its reason."""
+    under a pipeline (each pass would gather the stage again) is not offload's; a tied head, a LoRA base and experts
+    (over ep too) pass as well."""
     from behemoth.config import load_config
     from behemoth.planner.feasibility import problems
 
     options = ["model=gpt-tiny", "parallel.pp=2", "parallel.microbatches=4", f"parallel.zero_stage={zero}", *DISK]
-    assert problems(load_config(None, options), 2) == []
-    tied = [p.message for p in problems(load_config(None, [*options, "model.tie_embeddings=true"]), 2)]
-    assert len(tied) == 1 and "a tied embedding lives on the first and the last stage" in tied[0], tied
+    for extra, world in (
+        ([], 2),
+        (["model.tie_embeddings=true"], 2),
+        (["finetune.lora.enabled=true"], 2),
+        (["model=gpt-moe-tiny", "parallel.ep=2"], 4),
+    ):
+        assert problems(load_config(None, [*options, *extra]), world) == [], extra
 
 
 # (schedule, tier): V-shaped (two stages per rank, the first and the last on rank 0, split backwards; DualPipeV mixes in
@@ -178,3 +185,96 @@ def test_v_shaped_and_scp_schedules_stream_the_single_process_curve(tmp_path):
             assert_close_runs(ref, got)
         except AssertionError as err:
             raise AssertionError(f"{name} x offload {tier}: {err}") from None
+
+
+TIED = ["model.tie_embeddings=true"]
+
+
+def _tied_plans(cfgs: list[dict[str, Any]], control: dict[str, Any]) -> list[dict[str, Any]]:
+    """`train_plans` of `cfgs`, then of `control` with the two copies of the tied embedding's gradient never summed (each
+    stage steps its own copy with its own part of the gradient)."""
+    from behemoth.offload import stage_tied
+    from tests.test_composition import train_plans
+
+    out = train_plans(cfgs)
+    stage_tied.pair_all_reduce = lambda *args, **kwargs: None  # type: ignore[assignment]  # this process only
+    return out + train_plans([control])
+
+
+def test_a_tied_embedding_streamed_by_two_stages_trains_the_single_process_curve(tmp_path):
+    """A GPT-2-like tied head, pp=2: the first stage's embedding unit and the last stage's copy of it (read by the head)
+    each hold their gradient to the end of the step's passes, sum the two shards and take the same step (deferred with
+    clipping under 1f1b from host memory, fused without under zb-h1 from disk): losses within 1e-5 and final weights
+    within 1e-4 of one process in memory; the copies stepped apart (gradients not summed) miss the curve (the control)."""
+    from tests.test_composition import BASE, CORPUS, train_plans
+
+    def cfg(name: str, *options: str) -> dict[str, Any]:
+        return tiny_config(tmp_path / name, f"data.path={CORPUS}", *BASE, *TIED, *options)
+
+    fused = ["train.grad_clip=0", "offload.step=fused"]
+    refs = run_ranks(1, train_plans, [cfg("ref"), cfg("ref-fused", *fused)], timeout=120)[0]
+    piped = ["parallel.pp=2", "parallel.microbatches=4"]
+    host = [*piped, "parallel.schedule=1f1b", "offload.params=host", "offload.optimizer=host"]
+    disk = [*piped, "parallel.schedule=zb-h1", *DISK, *fused]
+    got = run_ranks(2, _tied_plans, [cfg("host", *host), cfg("disk", *disk)], cfg("control", *host), timeout=300)[0]
+    assert_close_runs(refs[0], got[0])
+    assert_close_runs(refs[1], got[1])
+    with pytest.raises(AssertionError):
+        assert_close_runs(refs[0], got[2])
+
+
+@pytest.mark.slow
+def test_a_tied_embedding_streamed_under_data_parallelism_trains_the_curve(tmp_path):
+    """pp=2 x dp=2, units from disk: both copies of the tied embedding are cut into the same 1/dp shards, so each dp
+    rank sums its shard with its pipeline peer's: the single-process curve (4 processes)."""
+    from tests.test_composition import BASE, CORPUS, train_plans
+
+    ref = run_ranks(1, train_plans, [tiny_config(tmp_path / "ref", f"data.path={CORPUS}", *BASE, *TIED)], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4", *DISK]
+    got = run_ranks(4, train_plans, [tiny_config(tmp_path / "pp-dp", f"data.path={CORPUS}", *BASE, *TIED, *options)], timeout=300)[0][0]
+    assert_close_runs(ref, got)
+
+
+def _expert_plans(cfgs: list[dict[str, Any]], control: dict[str, Any]) -> list[dict[str, Any]]:
+    """`train_plans` of `cfgs`, then of `control` with every expert unit's complete gradient zeroed before its step."""
+    from behemoth.offload.stepper import UnitSteps
+    from tests.test_composition import train_plans
+
+    out = train_plans(cfgs)
+    complete = UnitSteps.gradient_complete
+
+    def no_expert_grads(self: UnitSteps, store: Any, shard: Any, grad: Any, **kwargs: Any) -> None:
+        complete(self, store, shard, grad.zero_() if store.spec.group is not None else grad, **kwargs)
+
+    UnitSteps.gradient_complete = no_expert_grads  # type: ignore[method-assign]  # this process only
+    return out + train_plans([control])
+
+
+def test_experts_streamed_by_pipeline_stages_train_the_single_process_curve(tmp_path):
+    """An MoE model (4 experts per block, top-2), pp=2, units in host memory, experts inside their blocks' units (ep=1):
+    losses within 1e-5 and final weights within 1e-4 of one process in memory."""
+    from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.microbatches=4", "offload.params=host", "offload.optimizer=host"]
+    got = run_ranks(2, train_plans, [tiny_config(tmp_path / "pp", f"data.path={CORPUS}", *BASE, *MOE, *options)], timeout=300)[0][0]
+    assert_close_runs(ref, got)
+
+
+@pytest.mark.slow
+def test_expert_units_over_ep_streamed_by_pipeline_stages_train_the_curve(tmp_path):
+    """pp=2 x ep=2 from disk (4 processes): each block's experts are a unit of their own over the experts' group, read
+    by the block's visits on its stage: the single-process curve; their gradients zeroed, the experts miss it (the
+    control)."""
+    from tests.test_composition import BASE, CORPUS, MOE, reference_config, train_plans
+
+    ref = run_ranks(1, train_plans, [reference_config(True, tmp_path / "ref")], timeout=120)[0][0]
+    options = ["parallel.pp=2", "parallel.ep=2", "parallel.microbatches=4", *DISK]
+
+    def cfg(name: str) -> dict[str, Any]:
+        return tiny_config(tmp_path / name, f"data.path={CORPUS}", *BASE, *MOE, *options)
+
+    got = run_ranks(4, _expert_plans, [cfg("pp-ep")], cfg("control"), timeout=400)[0]
+    assert_close_runs(ref, got[0])
+    with pytest.raises(AssertionError):
+        assert_close_runs(ref, got[1])

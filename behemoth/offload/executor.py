@@ -256,7 +256,8 @@ class Streamer:
 
     def submit(self, stay: Residency) -> None:
         store = self.stores[stay.unit]
-        self.fetches[id(stay)] = self.io.submit(stay.unit, store.load, self.hooks.take_pending(store), stay.partial_in and stay.grads)
+        with_grad = stay.partial_in and stay.grads and not store.frozen  # a frozen unit wrote no partial gradient to read back
+        self.fetches[id(stay)] = self.io.submit(stay.unit, store.load, self.hooks.take_pending(store), with_grad)
         self.fetching.add(stay.unit)
 
     def begin(self, stay: Residency) -> None:

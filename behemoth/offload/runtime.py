@@ -306,7 +306,8 @@ def stream_order(units: list[UnitSpec], apart: list[bool] | None = None) -> tupl
         block = units[units.index(spec) - 1]  # split_expert_units puts a block's experts right after it
         reads[dense.index(block)] = (len(dense) + j,)
     head = len(dense) - 1
-    reads[head] = tuple(dense.index(r) for r in dense[head].reads)
+    if dense[head].role == "head":  # a pipeline rank without the last stage holds no head
+        reads[head] = tuple(dense.index(r) for r in dense[head].reads)
     return dense + experts, reads
 
 

@@ -33,11 +33,14 @@ def pipeline_refusal(schedule: Schedule) -> str:
     return ""
 
 
-def stage_passes(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]]) -> list[tuple[int, list[Action]]]:
+def stage_passes(
+    schedule: Schedule, rank: int, stage_units: list[tuple[int, ...]], *, embedding_backward: bool = True
+) -> list[tuple[int, list[Action]]]:
     """`stage_order` pass by pass: (the pass's index in the rank's action list, its unit visits), what a stage streamer
     runs between the schedule's transfers. A pass with no visits is left out: a RECOMPUTE (1f1b-scp; a streamed stage
     recomputes every unit in its backward already) and the first stage's input-gradient pass (it has no input gradient
-    to send; its weight pass is the full backward, as the in-memory executor's is)."""
+    to send; its weight pass is the full backward, as the in-memory executor's is). `embedding_backward=False`: a frozen
+    embedding (a LoRA base) takes no backward visit, as at parallel.pp=1."""
     why = pipeline_refusal(schedule)
     if why:
         raise ValueError(why)
@@ -49,7 +52,7 @@ def stage_passes(schedule: Schedule, rank: int, stage_units: list[tuple[int, ...
         if a.kind is Kind.FORWARD:
             out.append((i, [Action("FB" if u == head else "F", u, mb) for u in units]))
         elif a.kind is Kind.BACKWARD or (a.kind is Kind.BACKWARD_WEIGHT and first):
-            out.append((i, [Action("B", u, mb) for u in reversed(units) if u != head]))
+            out.append((i, [Action("B", u, mb) for u in reversed(units) if u != head and (u or embedding_backward)]))
         elif a.kind is Kind.BACKWARD_INPUT and not first:
             out.append((i, [Action("BI", u, mb) for u in reversed(units) if u != head]))
         elif a.kind is Kind.BACKWARD_WEIGHT:  # in forward order: its first unit is the input pass's last, often still resident

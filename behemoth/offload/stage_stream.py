@@ -19,6 +19,10 @@ streamed as interleaving's are, each pass visiting its own stage's units.
 A later stage's first block reads the received activation as its kept input; the last stage's head computes the loss
 and its backward at once (`FB`), as a streamed step's head does.
 
+A tied embedding's copies on the first and the last stage are summed after the passes (stage_tied.py); a block's
+expert unit (experts over ep) is read by each visit of its block; a frozen base (LoRA) streams read-only, its
+embedding takes no backward visit, and the adapters' sync (`others`) reduces them at finish.
+
 Evaluation runs the pipeline's forward-only flow, each stage streaming its units once per batch.
 """
 
@@ -38,12 +42,15 @@ from behemoth.offload.executor import BoundaryPass, Streamer
 from behemoth.offload.order import Action as Visit
 from behemoth.offload.runtime import OffloadSync
 from behemoth.offload.stage_order import stage_passes, stage_units
+from behemoth.offload.stage_tied import TiedSteps
+from behemoth.offload.store import UnitStore
 from behemoth.parallel.context import ContextParallel
-from behemoth.parallel.pipeline.apply import PipelineParallel
+from behemoth.parallel.pipeline.apply import PipelineParallel, tied_peer
 from behemoth.parallel.pipeline.executor import ACT, GRAD, ActionTime, Activations, PipeComm, PipelineExecutor, StepTrace
 from behemoth.parallel.pipeline.executor import _Step as PipelineStep  # the mailbox, p2p groups and checks of one step
 from behemoth.parallel.pipeline.partition import PipelineStage, full_sequence_like
 from behemoth.parallel.pipeline.schedules import COMPUTE
+from behemoth.parallel.sync import GradSync
 from behemoth.parallel.zero.runtime import DTYPES
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
@@ -51,7 +58,8 @@ PASS_KIND = {"F": "F", "FB": "F", "B": "B", "BI": "BI", "W": "W"}  # a pass by i
 
 
 def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int]:
-    """The order.py number of each of this rank's units (its stages' embedding, blocks and head)."""
+    """The order.py number of each of this rank's units (its stages' embedding, blocks and head); a block's expert unit
+    (experts over ep) is n_layer + 2 + the block's number: no visit names it, its block's visits read it."""
     index = {id(m): int(k) for k, m in blocks._modules.items()}
     out = []
     for spec in sync.specs:
@@ -59,10 +67,25 @@ def global_units(sync: OffloadSync, blocks: nn.Module, n_layer: int) -> list[int
             out.append(index[id(spec.module)] + 1)
         elif spec.role in ("embedding", "head"):
             out.append(0 if spec.role == "embedding" else n_layer + 1)
+        elif spec.role == "block":
+            out.append(-1)  # an expert unit: numbered from the block that reads it, below
         else:
             why = f"offload under a pipeline streams embeddings, blocks and heads; {spec.names[0]} is none of them"
             raise BehemothError(why, "use parallel.pp=1")
+    for unit, read in sync.streamer.reads.items():
+        for j in read:
+            if out[j] == -1:
+                out[j] = n_layer + 1 + out[unit]
     return out
+
+
+def tied_steps(sync: OffloadSync, pipeline: PipelineParallel, embedding: UnitStore | None, meter: CommMeter | None) -> TiedSteps | None:
+    """The step hooks that sum a tied embedding's two copies, on the first and the last stage's ranks when they differ."""
+    peer = tied_peer(pipeline.schedule, pipeline.rank, pipeline.tied)
+    if peer is None or embedding is None:
+        return None
+    counted = pipeline.schedule.stage_ranks[0][0] == pipeline.rank  # the first stage counts it in the norm, as in memory
+    return TiedSteps(sync.steps, embedding, peer=peer, group=pipeline.group, counted=counted, timeout_s=pipeline.policy.timeout_s, meter=meter)
 
 
 class _Cursor:
@@ -100,8 +123,10 @@ class StageStreams:
         hidden_size: int,
         meter: CommMeter | None = None,
         context: ContextParallel | None = None,
+        others: list[GradSync] | None = None,
     ) -> None:
         self.sync, self.pipeline, self.context = sync, pipeline, context  # context: cp > 1, each rank streams its shard of the tokens
+        self.others = others or []  # resident parameters' syncs (a frozen base's adapters), reduced at finish
         self.schedule, self.rank, self.device = pipeline.schedule, pipeline.rank, sync.rt.device
         model, view = sync.model, sync.lm.layers
         self.blocks = model.get_submodule(view.blocks)
@@ -109,8 +134,10 @@ class StageStreams:
         numbers = global_units(sync, self.blocks, pipeline.bounds[-1])
         local = {g: i for i, g in enumerate(numbers)}
         reads = {numbers[i]: tuple(numbers[j] for j in r) for i, r in sync.streamer.reads.items() if r}
-        stores = {g: sync.stores[local[g]] for g in numbers}
-        self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=sync.steps)
+        stores = self.stores = {g: sync.stores[local[g]] for g in numbers}  # by order.py's unit number
+        self.tied = tied_steps(sync, pipeline, stores.get(0), meter)
+        hooks = sync.steps if self.tied is None else self.tied
+        self.streamer = Streamer(model, view, cast(Any, stores), reads, io=sync.io, prefetch=sync.prefetch, device=self.device, hooks=hooks)
         self.executor = PipelineExecutor(
             self.schedule,
             self.rank,
@@ -152,10 +179,12 @@ class StageStreams:
                 f"{len(micro_batches)} micro-batches for a {self.schedule.name} schedule built for {self.schedule.microbatches}",
                 "build the pipeline for the step's micro-batch count",
             )
+        for other in self.others:  # passes interleave micro-batches: resident gradients are reduced at finish
+            other.begin_micro_batch(False)
         batches = self.shard(micro_batches)
         step, state = PipelineStep(ex, batches, loss_fn, autocast), self.boundary(batches)
         cursor = _Cursor(ex, step)
-        passes = stage_passes(self.schedule, self.rank, self.units)
+        passes = stage_passes(self.schedule, self.rank, self.units, embedding_backward=not self.frozen_embedding())
         where = {v: (i, j == 0, j == len(visits) - 1) for i, visits in passes for j, v in enumerate(visits)}
         kinds = {i: PASS_KIND[visits[0].kind] for i, visits in passes}  # F, B, BI or W (a first stage's W is a full B)
         self.ends_ctx = {visits[0].mb: i for i, visits in passes if kinds[i] != "F"}  # mb -> its last backward pass here
@@ -185,9 +214,16 @@ class StageStreams:
         self.streamer.run([v for _, visits in passes for v in visits], compute)
         cursor.run_until(len(ex.actions))
         step.finish()
+        if self.tied is not None:  # both copies' gradients complete now: summed, then stepped alike
+            self.tied.sum_copies()
         self.pipeline.last_trace = StepTrace(self.rank, times, total, self.streamer.peak_activation_bytes)
         sync.streamer.peak_activation_bytes = self.streamer.peak_activation_bytes  # what the sync's metrics report
         return total
+
+    def frozen_embedding(self) -> bool:
+        """Whether this rank's first stage holds a frozen embedding (a LoRA base): its lookup has no gradient to give."""
+        embedding = self.stores.get(0)
+        return embedding is not None and embedding.frozen
 
     def begin_pass(self, kind: str, stage: int, mb: int, step: PipelineStep, state: BoundaryPass) -> None:
         """A pass's input from the mailbox: a later stage's activation, an earlier stage's output gradient (`kind`: the

@@ -48,12 +48,14 @@ class UnitSteps:
             store.grad_waiting = False
         return step
 
-    def gradient_complete(self, store: UnitStore, shard: torch.Tensor, grad: torch.Tensor) -> None:
-        """A unit's gradient is whole (summed over micro-batches and ranks): count its norm, then step it or keep it."""
+    def gradient_complete(self, store: UnitStore, shard: torch.Tensor, grad: torch.Tensor, *, counted: bool = True) -> None:
+        """A unit's gradient is whole (summed over micro-batches and ranks): count its norm (unless another rank counts
+        it: `counted`), then step it or keep it."""
         if self.tp is not None:
             self.tp.finish_grads([(store.layout.names[pc.index], grad[pc.shard_offset : pc.shard_offset + pc.numel]) for pc in store.raw_pieces])
         square = self.weighted_square(store, grad)
-        self.norm_sq += square
+        if counted:
+            self.norm_sq += square
         if self.fused:
             self.nonfinite = self.nonfinite or not bool(torch.isfinite(square))
             if self.nonfinite:  # the step's norm will not be finite: it applies to no further unit (the engine skips it)

@@ -84,7 +84,7 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
     context parallelism the units are sharded over dp x cp and each rank holds 1/cp of every sequence's activations."""
     dims, cp = rank_dims(cfg, dp), cfg.parallel.cp
     psi = sum(p.numel() for p in build_causal_lm(cfg.model, cfg.hf).module.parameters())
-    ranked = rank_model(cfg, dims, pp_rank)  # cut, split by tp and ep on meta, then cut into units as parallelize does
+    ranked = rank_model(cfg, dims, pp_rank, streamed=True)  # cut, split by tp and ep on meta, then cut into units as parallelize does
     lm, tp = ranked.lm, dims.tp
     specs, reads, apart = stream_units(lm, ranked.is_expert if dims.ep > 1 else None)
     layouts = [FlatLayout(s.names, s.shapes, dp * cp if e else dp * cp * dims.ep) for s, e in zip(specs, apart)]
@@ -116,13 +116,17 @@ def offload_estimate(cfg: Any, dp: int, *, ranks: int | None = None, device_type
 def stage_visits(cfg: Any, lm: Any, dims: ParallelDims, pp_rank: int) -> list[Action]:
     """Pipeline rank `pp_rank`'s unit visits for one step (offload/stage_order.py), numbered as its own units are (the
     stages' embedding, blocks and head in forward order), as the stage streamer runs them."""
+    from behemoth.parallel.pipeline.apply import tied_peer
     from behemoth.parallel.pipeline.schedules import build_schedule
 
     plan, batch = cfg.parallel, cfg.batch_layout(dims)
     schedule = build_schedule(plan.schedule, dims.pp, batch.accum, plan.schedule_chunks)
     bounds = resolve_stage_boundaries(plan, build_causal_lm(cfg.model, cfg.hf), cfg.seq_len, batch.micro_batch)
     units = stage_units(bounds)
-    local = {u: i for i, u in enumerate(sorted(u for s in schedule.chunk_stages[pp_rank] for u in units[s]))}
+    held = {u for s in schedule.chunk_stages[pp_rank] for u in units[s]}
+    if tied_peer(schedule, pp_rank, lm.shape.tied) is not None:
+        held.add(0)  # a tied embedding's copy, read by the last stage's head (offload/stage_tied.py)
+    local = {u: i for i, u in enumerate(sorted(held))}
     return [Action(v.kind, local[v.unit], v.mb) for v in stage_order(schedule, pp_rank, units)]
 
 
@@ -168,8 +172,8 @@ def streams(cfg: Any) -> bool:
 def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
     """Offload under a pipeline, where each stage streams its own units in its schedule's order (offload/stage_stream.py),
     refused in one line when it cannot: the schedule's own reason where a stage could not follow its passes
-    (offload/stage_order.py), a tied embedding (on two stages), experts or a LoRA base with it."""
-    from behemoth.models.causal_lm import model_shape
+    (offload/stage_order.py). Tied embeddings (offload/stage_tied.py), experts (a block's visits read its expert unit)
+    and a LoRA base (read-only units) stream under every other schedule."""
     from behemoth.parallel.pipeline.schedules import build_schedule
 
     plan = cfg.parallel
@@ -177,22 +181,12 @@ def pipeline_offload_problem(cfg: Any, dp: int) -> Problem | None:
         why = pipeline_refusal(build_schedule(plan.schedule, plan.pp, cfg.batch_layout(rank_dims(cfg, dp)).accum, plan.schedule_chunks))
     except BehemothError:
         return None  # an impossible schedule request: pipeline_problems names it
-    try:
-        shape = model_shape(cfg.model, cfg.hf)
-    except BehemothError:
-        return None  # a model that cannot be built: model_problems names it
-    if not why and shape.tied:
-        why = "a tied embedding lives on the first and the last stage, whose streamed units step their gradients apart"
-    if not why and any(shape.experts):
-        why = "a stage's expert units are not streamed yet (offload streams experts with parallel.pp=1)"
-    if not why and cfg.finetune.lora.enabled:
-        why = "a LoRA base is not streamed by pipeline stages (its adapters stay resident, outside the stage's units)"
     if not why:
         return None
     return Problem.of(
         "parallel.pp",
         f"offload with parallel.pp={plan.pp} (parallel.schedule={plan.schedule}): {why}",
-        "use parallel.schedule=gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev or 1f1b-scp with an untied dense model, or parallel.pp=1",
+        "use parallel.schedule=gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev or 1f1b-scp, or parallel.pp=1",
     )
 
 

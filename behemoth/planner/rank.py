@@ -69,15 +69,16 @@ def split_grid(lm: CausalLM, tp: int, mode: str, depth: int = 1) -> None:
     apply_tensor_parallel_2d(lm.module, Grid2D(q, 0, 0, None, None, depth=depth), lm.tp2d_plan or {})
 
 
-def rank_model(cfg: Any, dims: ParallelDims, pp_rank: int = 0) -> RankModel:
-    """Pipeline rank `pp_rank`'s part of the config's model on `dims`, as `parallelize` lays it out (steps 1-3)."""
+def rank_model(cfg: Any, dims: ParallelDims, pp_rank: int = 0, *, streamed: bool = False) -> RankModel:
+    """Pipeline rank `pp_rank`'s part of the config's model on `dims`, as `parallelize` lays it out (steps 1-3);
+    `streamed`: its stages streamed by offload (a tied embedding's last-stage copy is the whole embedding unit)."""
     lm, plan = build_causal_lm(cfg.model, cfg.hf), cfg.parallel
     stages, shared = None, False
     if dims.pp > 1:
         batch = cfg.batch_layout(dims)
         schedule = build_schedule(plan.schedule, dims.pp, batch.accum, plan.schedule_chunks)
         bounds = resolve_stage_boundaries(plan, lm, cfg.seq_len, batch.micro_batch)  # balance=time: by FLOPs before launch
-        stages = cut_model(lm.module, schedule.chunk_stages[pp_rank], bounds, lm.layers, lm.shape.tied)
+        stages = cut_model(lm.module, schedule.chunk_stages[pp_rank], bounds, lm.layers, lm.shape.tied, streamed=streamed)
         shared = tied_peer(schedule, pp_rank, lm.shape.tied) is not None
     is_expert = split_model(lm, dims.tp, dims.ep, plan.sequence_parallel)
     held = stage_parameters(lm.module, stages, lm.layers, shared=shared) if stages is not None else None

@@ -64,12 +64,14 @@ class PipelineParallel:
         *,
         tied: bool,
         transposed: frozenset[str] = frozenset(),
+        streamed: bool = False,
     ) -> None:
         self.model, self.group, self.policy, self.layers, self.tied = model, group, policy, layers, tied
+        self.streamed = streamed  # stages streamed by offload: their executor sums a tied embedding's shards itself
         self.rank = dist.get_rank(group)
         self.schedule: Schedule = build_schedule(policy.schedule, dist.get_world_size(group), policy.microbatches, policy.chunks)
         self.bounds = list(policy.boundaries)
-        self.stages = cut_model(model, self.schedule.chunk_stages[self.rank], self.bounds, layers, tied)
+        self.stages = cut_model(model, self.schedule.chunk_stages[self.rank], self.bounds, layers, tied, streamed=streamed)
         self.transposed = transposed
         for stage in self.stages.values():
             stage.seq_split = policy.seq_split
@@ -142,9 +144,10 @@ class PipelineParallel:
         return tied_peer(self.schedule, self.rank, self.tied)
 
     def sum_tied_grads(self) -> None:
-        """Sum the first and last stages' copies of a tied embedding's gradient (before the data-parallel reduction)."""
+        """Sum the first and last stages' copies of a tied embedding's gradient (before the data-parallel reduction; a
+        streamed pipeline's stages sum their copies' shards in their step, offload/stage_tied.py)."""
         peer = self._tied_peer()
-        if peer is not None:
+        if peer is not None and not self.streamed:
             grad = self.model.get_submodule(self.layers.embedding).weight.grad
             pair_all_reduce(grad, peer, self.group, self.meter, tag=TIED_TAG, timeout_s=self.policy.timeout_s)
 
@@ -194,7 +197,9 @@ def apply_pipeline(
     layers: LayeredView,
     tied: bool = False,
     transposed: frozenset[str] = frozenset(),
+    streamed: bool = False,
 ) -> PipelineParallel:
     """Cut `model` (on the meta device) down to this rank's pipeline stages of `policy`'s schedule; `transposed` names
-    the linear layers that hold an [in, out] weight (their gradients are deferred too under a split backward)."""
-    return PipelineParallel(model, group, policy, layers, tied=tied, transposed=transposed)
+    the linear layers that hold an [in, out] weight (their gradients are deferred too under a split backward);
+    `streamed`: offload streams the stages' units."""
+    return PipelineParallel(model, group, policy, layers, tied=tied, transposed=transposed, streamed=streamed)

@@ -157,16 +157,19 @@ def _drop(model: nn.Module, name: str) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, None)
 
 
-def cut_model(model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView, tied: bool = False) -> dict[int, PipelineStage]:
+def cut_model(
+    model: nn.Module, held_stages: Sequence[int], bounds: Sequence[int], view: LayeredView, tied: bool = False, *, streamed: bool = False
+) -> dict[int, PipelineStage]:
     """Keep only the parts of `model` (on the meta device) that the stages in `held_stages` use; `tied`: the head
-    reads the embedding's weight, so the last stage keeps the embedding module too."""
+    reads the embedding's weight, so the last stage keeps the embedding module too (`streamed`: every module of the
+    embedding unit, so that its copy is cut into the first stage's shards, offload/stage_tied.py)."""
     stages = len(bounds) - 1
     first, last = 0 in held_stages, stages - 1 in held_stages
     blocks = model.get_submodule(view.blocks)
     keep = {i: blocks[i] for s in held_stages for i in range(bounds[s], bounds[s + 1])}
     model.set_submodule(view.blocks, StageBlocks(keep))
     for name in view.first if not first else ():
-        if not (name == view.embedding and last and tied):
+        if not (last and tied and (streamed or name == view.embedding)):
             _drop(model, name)
     for name in view.last if not last else ():
         _drop(model, name)
