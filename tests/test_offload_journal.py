@@ -109,6 +109,30 @@ def test_the_disk_check_counts_state_and_gradient_log_and_fits_5b_in_75_gib(tmp_
     assert "56.29 GiB state" in refused.message and "18.76 GiB gradient log" in refused.message and "gradient log" in refused.message, refused.message
 
 
+def test_a_resume_counts_the_scratch_it_writes_over_as_free(tmp_path, monkeypatch):
+    """A journaled run's resume finds its own scratch on the disk: what those files hold is reused, not needed again
+    (a 5B resume was refused with 10 GiB free next to its 66 GiB of scratch)."""
+    import shutil
+    from collections import namedtuple
+
+    from behemoth.config import Config
+    from behemoth.faults import preflight
+    from behemoth.faults.preflight import disk_problems, journal_bytes
+
+    monkeypatch.setattr(preflight, "JOURNAL_MARGIN", 0)  # the tiny model's own bytes only
+    run = tmp_path / "run"
+    cfg = Config.model_validate(tiny_config(tmp_path, *JOURNAL, f"run.dir={run}"))
+    need = sum(journal_bytes(cfg).values())
+    assert need < 64 * 2**20
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * need, 9 * need, need // 2))
+    assert disk_problems(cfg, str(run))  # a fresh run: half of what it needs is free
+    scratch = cfg.offload.scratch_dir(str(run)) / "rank0"
+    scratch.mkdir(parents=True)
+    (scratch / "unit.bin").write_bytes(os.urandom(need // 2 + 1))  # the earlier attempt's files, really allocated
+    assert disk_problems(cfg, str(run)) == []
+
+
 def test_journal_needs_every_state_on_disk_and_no_fused_step():
     from tests.test_offload_nonfinite import _problems
 
