@@ -192,12 +192,13 @@ def model_shape(model_cfg: Any, hf: Any = None) -> ModelShape:
 
 
 def num_params(model_cfg: Any, hf: Any = None) -> int:
-    """Parameters of the model a config describes (a Hugging Face family's counted on the meta device)."""
+    """Parameters of the model a config describes (a Hugging Face family's counted on the meta device, a tied head once)."""
     if hf is None or hf.arch is None:
         return int(model_cfg.num_params())
     from behemoth.models import hf as hf_models
 
-    return hf_models.hf_num_params(model_cfg, hf)
+    hf_models.require_transformers()
+    return sum(p.numel() for p in hf_models.build_hf(hf_models.transformers_config(model_cfg, hf), hf.arch).parameters())
 
 
 def has_tp2d_plan(arch: str) -> bool:

@@ -21,7 +21,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -338,11 +338,6 @@ def require_transformers() -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise BehemothError("hf.arch needs the transformers package, which is not installed", "pip install 'behemoth[hf]'") from None
-
-
-def hf_num_params(model_cfg: Any, hf: HFConfig) -> int:
-    """Parameters of the `hf.arch` model a config describes, counted on the meta device (a tied head once)."""
-    return sum(p.numel() for p in build_hf(transformers_config(model_cfg, hf), cast(str, hf.arch)).parameters())
 
 
 def build_hf(config: Any, arch: str) -> nn.Module:
