@@ -256,7 +256,9 @@ def attach_adapters(gen: Generator, folders: dict[str, str]) -> LoRABank:
 
 def bank_for(runner: ModelRunner, folders: dict[str, str]) -> LoRABank:
     """This rank's part of the batched adapters: the layers of every block it holds (all of them without a pipeline)."""
-    pipelined = type(runner.blocks).__name__ == "StageBlocks"
+    from behemoth.parallel.pipeline.partition import StageBlocks
+
+    pipelined = isinstance(runner.blocks, StageBlocks)
     return LoRABank(runner.lm.module, folders, blocks=runner.view.blocks if pipelined else None)
 
 

@@ -30,8 +30,10 @@ MARKER = "behemoth-offload.json"
 
 
 def default_scratch(offload_dir: str | None, run_dir: str | None) -> Path:
-    """`offload.dir`, or `<run.dir>/offload-scratch`."""
-    return Path(offload_dir).expanduser() if offload_dir else Path(run_dir or "runs") / "offload-scratch"
+    """`offload.dir`, or `<run.dir>/offload-scratch` (`OffloadConfig.scratch_dir`)."""
+    from behemoth.config import OffloadConfig
+
+    return OffloadConfig(dir=offload_dir).scratch_dir(run_dir)
 
 
 def existing_ancestor(path: Path) -> Path:
