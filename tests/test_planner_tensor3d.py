@@ -46,10 +46,15 @@ def test_a_tesseract_holds_a_quarter_and_a_cube_an_eighth_of_every_parameter():
     assert Layout(tp=8, tp_mode="2.5d", tp_depth=2).param_split == 4 and Layout(tp=8, tp_mode="3d").param_split == 8
 
 
-def test_no_enumerated_tesseract_or_cube_is_one_the_runtime_refuses():
-    """A dense untied GPT on one node of 8 devices gets 2 x 2 x 2 Tesseracts and cubes (ZeRO 0-2, no SP, micro-batches
-    of 4 sequences), each passing `problems()`; a tied model none."""
-    cfg = load_config(None, DENSE8)
+LLAMA8 = [*DENSE8, "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64"]  # grouped-query attention
+
+
+@pytest.mark.parametrize("preset", [DENSE8, LLAMA8], ids=["gpt", "hf-llama"])
+def test_no_enumerated_tesseract_or_cube_is_one_the_runtime_refuses(preset):
+    """A dense untied GPT or Hugging Face Llama on one node of 8 devices gets 2 x 2 x 2 Tesseracts and cubes (ZeRO 0-2,
+    no SP, micro-batches of 4 sequences), each passing `problems()`; a tied model none, a family without a 3-D plan
+    (Qwen3's per-head norms) no cube."""
+    cfg = load_config(None, preset)
     layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), node_of_8(1.0))
     deep = [lay for lay in layouts if lay.tp_mode in ("2.5d", "3d")]
     assert {lay.tp_mode for lay in deep} == {"2.5d", "3d"} and {lay.zero for lay in deep} == {0, 1, 2}
@@ -57,6 +62,8 @@ def test_no_enumerated_tesseract_or_cube_is_one_the_runtime_refuses():
     assert [lay.describe() for lay in deep if refusals(cfg, lay, 8)] == []
     tied = load_config(None, [*DENSE8, "model.tie_embeddings=true"])
     assert not [lay for lay in enumerate_layouts(Workload.of(tied), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode != "1d"]
+    qwen3 = load_config(None, [*LLAMA8, "model=hf:qwen3"])
+    assert not [lay for lay in enumerate_layouts(Workload.of(qwen3), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode == "3d"]
 
 
 def test_grid_collectives_are_priced_by_the_alpha_beta_model():

@@ -149,7 +149,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
             tp3d_plan=GPT_TP3D_PLAN,
         )
     from behemoth.models import hf as hf_models
-    from behemoth.models.hf_families import DECODER_VIEW, tp2d_plan
+    from behemoth.models.hf_families import DECODER_VIEW, tp2d_plan, tp3d_plan
 
     hf_models.require_transformers()
     config = hf_models.transformers_config(model_cfg, hf)
@@ -178,6 +178,7 @@ def _build(model_cfg: Any, hf: Any) -> CausalLM:
         moe_layers=moe_layers,
         routers=routers,
         tp2d_plan=tp2d_plan(hf.arch),
+        tp3d_plan=tp3d_plan(hf.arch),
     )
 
 
@@ -201,11 +202,12 @@ def num_params(model_cfg: Any, hf: Any = None) -> int:
     return sum(p.numel() for p in hf_models.build_hf(hf_models.transformers_config(model_cfg, hf), hf.arch).parameters())
 
 
-def has_tp2d_plan(arch: str) -> bool:
-    """Whether models of the family `arch` (a ModelShape's) have a 2-D tensor-parallel plan (parallel.tp_mode=2d)."""
-    from behemoth.models.hf_families import tp2d_plan
+def has_tp2d_plan(arch: str, mode: str = "2d") -> bool:
+    """Whether models of the family `arch` (a ModelShape's) have a 2-D tensor-parallel plan (parallel.tp_mode=2d, 2.5d),
+    or with mode="3d" a 3-D one."""
+    from behemoth.models.hf_families import tp2d_plan, tp3d_plan
 
-    return arch == "gpt" or tp2d_plan(arch) is not None
+    return arch == "gpt" or (tp3d_plan if mode == "3d" else tp2d_plan)(arch) is not None
 
 
 def model_problems(model_cfg: Any, hf: Any = None, plan: Any = None) -> list[str]:

@@ -33,7 +33,7 @@ class Family:
     zero_norms: bool = False  # RMSNorm computes x * (1 + w): its weights start at 0
     embed_scale: bool = False  # embeddings are multiplied by sqrt(hidden_size) (inside the embedding module)
     no_tp: str = ""  # why tensor parallelism cannot split it (empty: it can)
-    tp2d: bool = False  # the standard layout's 2-D plan splits it (DECODER_TP2D_PLAN: RMSNorm of the Llama kind, no per-head norms)
+    tp2d: bool = False  # the standard layout's 2-D and 3-D plans split it (RMSNorm of the Llama kind, no per-head norms)
 
 
 FAMILIES: dict[str, Family] = {
@@ -114,9 +114,24 @@ DECODER_TP2D_PLAN: dict[str, str] = {
 }
 
 
+# 3-D (parallel/tensor/threed.py): q/k/v and gate/up go from the residual layout (features on the cube's A axis) to the
+# inner one (on B, whole heads of whole sequences, as on a grid column), o_proj and down_proj come back; RoPE reads the
+# positions of whole sequences and the norms sum along A, so the layers run unchanged, as under 2-D.
+DECODER_TP3D_PLAN: dict[str, str] = {
+    **DECODER_TP2D_PLAN,
+    "model.layers.*.self_attn.o_proj": "linear-back",
+    "model.layers.*.mlp.down_proj": "linear-back",
+}
+
+
 def tp2d_plan(name: str) -> dict[str, str] | None:
     """The family's 2-D tensor-parallel plan (None: it has none)."""
     return dict(DECODER_TP2D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d else None
+
+
+def tp3d_plan(name: str) -> dict[str, str] | None:
+    """The family's 3-D tensor-parallel plan (None: it has none); the families with a 2-D plan have one."""
+    return dict(DECODER_TP3D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d else None
 
 
 def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") -> list[str]:
@@ -124,9 +139,9 @@ def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") ->
     and style tp_mode)."""
     fam = FAMILIES[name]
     out = []
-    if tp > 1 and tp_mode in ("2d", "2.5d") and not fam.tp2d:
-        families = ", ".join(k for k, f in FAMILIES.items() if f.tp2d)
-        out.append(f"parallel.tp_mode={tp_mode}: hf {name} has no 2-D plan (2-D splits {families} and behemoth's GPT); use parallel.tp_mode=1d")
+    if tp > 1 and tp_mode != "1d" and not fam.tp2d:
+        families, kind = ", ".join(k for k, f in FAMILIES.items() if f.tp2d), "3-D" if tp_mode == "3d" else "2-D"
+        out.append(f"parallel.tp_mode={tp_mode}: hf {name} has no {kind} plan ({kind} splits {families} and behemoth's GPT); use parallel.tp_mode=1d")
     try:
         attention_window(config)
     except ValueError as err:

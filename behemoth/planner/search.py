@@ -94,11 +94,11 @@ def tp_degrees(work: Workload, world: int, space: Space, cluster: ClusterSpec) -
 
 def grid_allowed(work: Workload, tp: int, mode: str = "2d", depth: int = 1) -> bool:
     """Whether a grid or cube of tp ranks can run this model (`tensor2d_problems`, `tensor3d_problems`): a family with a
-    2-D plan (behemoth's GPT; the Llama-layout families of models/hf_families.py on grids, not cubes), untied, no experts,
+    2-D (or 3-D) plan (behemoth's GPT, the Llama-layout families of models/hf_families.py), untied, no experts,
     LoRA or dropout; a side q >= 2 (tp = q*q, d*q*q under 2.5-D, q^3 under 3-D), n_head, the KV heads and the vocabulary
     split by q, d_model, the MLP and the key/value widths by q*q (by q^3 on a cube)."""
     shape = work.census.shape
-    family = shape.arch == "gpt" or (mode != "3d" and has_tp2d_plan(shape.arch))
+    family = has_tp2d_plan(shape.arch, mode)
     if not family or shape.tied or any(shape.experts) or work.census.lora is not None or work.dropout:
         return False
     q = cube_side(tp) if mode == "3d" else math.isqrt(tp // depth)

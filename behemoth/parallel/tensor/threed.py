@@ -10,7 +10,8 @@ The residual stream's activations [batch, T, h] on rank (t, a, b) are sequence b
     linear-back  nn.Linear from the inner layout back to the residual one (B -> A)
     embedding    nn.Embedding, its features A's block cut in q^2 over the plane at a, gathered before the lookup; a
                  [batch, T] input keeps sequence block t*q + b, a [T] input (positions) all
-    norm         nn.LayerNorm on the residual layout: mean and variance summed along A, weight and bias as vectors
+    norm         nn.LayerNorm (or a Llama-kind RMSNorm) on the residual layout: mean and variance (mean square) summed
+                 along A, weight and bias as vectors
 Attention needs no communication: B's qkv block holds whole heads of whole sequences. The loss: the head (a `linear`)
 leaves rank (t, a, b) the logits of sequence block t*q + a x B's vocabulary block, so the cross-entropy is
 vocabulary-parallel along B and the sums are all-reduced over the plane at b (the q^2 sequence blocks).
@@ -32,7 +33,7 @@ from behemoth.parallel.tensor.cube import Grid3D, cube_linear, gather_plane, oth
 from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, shard_parameter, vocab_parallel_cross_entropy
 from behemoth.parallel.tensor.plan import match_plan
 from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, even, packed, sub
-from behemoth.parallel.tensor.twod import _LayerNorm2D
+from behemoth.parallel.tensor.twod import _LayerNorm2D, norm_spec
 
 STYLES_3D = ("linear", "linear-back", "embedding", "norm")
 
@@ -105,29 +106,27 @@ class Embedding3D(nn.Module):
 
 
 class LayerNorm3D(nn.Module):
-    """LayerNorm of the residual layout: mean and variance from sums along A (2-D's LayerNorm with A as its row);
-    weight and bias gathered over the plane at a."""
+    """LayerNorm (or a Llama-kind RMSNorm: `rms`) of the residual layout: mean and variance (mean square) from sums
+    along A (2-D's norm with A as its row); weight and bias gathered over the plane at a."""
 
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid3D) -> None:
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid3D, rms: bool = False) -> None:
         super().__init__()
-        self.weight, self.bias, self.width, self.eps, self.grid = weight, bias, width, eps, grid
+        self.weight, self.bias, self.width, self.eps, self.grid, self.rms = weight, bias, width, eps, grid, rms
         self.sums = Grid2D(grid.q, grid.coord("a"), 0, grid.lines.get("a"), None, grid.meter)  # only its row is used
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, grid: Grid3D) -> LayerNorm3D:
-        if not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1:
-            raise BehemothError(f"{name} is a {type(module).__name__}; the 3-D norm style applies to nn.LayerNorm over one dimension", "map it")
-        width = module.normalized_shape[0]
+        width, eps, rms = norm_spec(module, name, "3-D")
         weight, bias = (
-            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, "a", f"{name}.{n}")) if p is not None else None
-            for n, p in (("weight", module.weight), ("bias", module.bias))
+            shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, "a", f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
+            for n, p in (("weight", module.weight), ("bias", getattr(module, "bias", None)))
         )
-        return cls(weight, bias, width, module.eps, grid)
+        return cls(weight, bias, width, eps, grid, rms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = gather_plane(self.weight, self.grid, "a") if self.weight is not None else None
         bias = gather_plane(self.bias, self.grid, "a") if self.bias is not None else None
-        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.sums, False))
+        return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.sums, self.rms))
 
 
 class TensorParallel3D:

@@ -8,7 +8,7 @@ from typing import Any
 from behemoth.errors import Problem
 from behemoth.models.shape import ModelShape
 from behemoth.parallel.tensor.cube import cube_side
-from behemoth.parallel.tensor.twod_problems import unsupported
+from behemoth.parallel.tensor.twod_problems import unsplit_sizes, unsupported
 
 
 def tensor3d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | None) -> list[Problem]:
@@ -27,9 +27,7 @@ def tensor3d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
         return [Problem.of("parallel.tp_mode", message, "use parallel.tp=8 (2 x 2 x 2)")]
     out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode=3d with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
     if shape is not None:
-        sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q**3), "the MLP width": (shape.ffn, q**3)}
-        sizes["model.vocab_size"] = (shape.vocab_size, q)
-        bad = [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
+        bad = unsplit_sizes(shape, q, q**3)
         if bad:
             message = f"parallel.tp={plan.tp} (a {q} x {q} x {q} cube) does not split {', '.join(bad)}"
             out.append(Problem.of("parallel.tp", message, "choose sizes the cube divides"))

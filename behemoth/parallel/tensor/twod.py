@@ -112,12 +112,7 @@ class LayerNorm2D(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> LayerNorm2D:
-        rms = is_rms_norm(module)
-        if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
-            message = f"{name} is a {type(module).__name__}; the 2-D norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
-            raise BehemothError(message, "map it to another style")
-        width: int = module.weight.shape[0] if rms else module.normalized_shape[0]  # type: ignore[index,assignment]
-        eps = float(module.variance_epsilon if rms else module.eps)  # type: ignore[arg-type]
+        width, eps, rms = norm_spec(module, name, "2-D")
         weight, bias = (
             shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
             for n, p in (("weight", module.weight), ("bias", getattr(module, "bias", None)))
@@ -128,6 +123,17 @@ class LayerNorm2D(nn.Module):
         weight = gather_column(self.weight, self.grid) if self.weight is not None else None
         bias = gather_column(self.bias, self.grid) if self.bias is not None else None
         return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid, self.rms))
+
+
+def norm_spec(module: nn.Module, name: str, mode: str) -> tuple[int, float, bool]:
+    """(width, eps, rms) of a norm the grid or cube splits: nn.LayerNorm over one dimension or an RMSNorm of the Llama
+    kind; anything else is refused, naming the module."""
+    rms = is_rms_norm(module)
+    if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
+        message = f"{name} is a {type(module).__name__}; the {mode} norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
+        raise BehemothError(message, "map it to another style")
+    width: int = module.weight.shape[0] if rms else module.normalized_shape[0]  # type: ignore[index,assignment]
+    return width, float(module.variance_epsilon if rms else module.eps), rms  # type: ignore[arg-type]
 
 
 def is_rms_norm(module: nn.Module) -> bool:

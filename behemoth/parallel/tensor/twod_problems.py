@@ -28,12 +28,7 @@ def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
         return [Problem.of("parallel.tp_mode", message, f"use parallel.tp={near} ({grid})")]
     out = [Problem.of("parallel.tp_mode", f"parallel.tp_mode={mode} with {what}: not composed yet", fix) for what, fix in unsupported(cfg)]
     if shape is not None:
-        sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, q * q), "the MLP width": (shape.ffn, q * q)}
-        if shape.kv_heads != shape.n_head:  # grouped-query attention: each column holds the key/value heads its query heads read
-            sizes["hf.kv_heads"] = (shape.kv_heads, q)
-            sizes["the key/value width (kv heads x head_dim)"] = (shape.kv_width, q * q)
-        sizes["model.vocab_size"] = (shape.vocab_size, q)
-        bad = [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
+        bad = unsplit_sizes(shape, q, q * q)
         if bad:
             message = f"parallel.tp={plan.tp} (a {q} x {q} grid) does not split {', '.join(bad)}"
             out.append(Problem.of("parallel.tp", message, "choose sizes the grid divides"))
@@ -49,6 +44,17 @@ def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
     return out
 
 
+def unsplit_sizes(shape: ModelShape, q: int, pieces: int) -> list[str]:
+    """"name=n (by k)" for each size a grid (pieces = q*q) or cube (q^3) of side q does not split: the heads and the
+    vocabulary by q, the widths by `pieces`."""
+    sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, pieces), "the MLP width": (shape.ffn, pieces)}
+    if shape.kv_heads != shape.n_head:  # grouped-query attention: each column holds the key/value heads its query heads read
+        sizes["hf.kv_heads"] = (shape.kv_heads, q)
+        sizes["the key/value width (kv heads x head_dim)"] = (shape.kv_width, pieces)
+    sizes["model.vocab_size"] = (shape.vocab_size, q)
+    return [f"{name}={n} (by {by})" for name, (n, by) in sizes.items() if n % by]
+
+
 def unsupported(cfg: Any) -> list[tuple[str, str]]:
     """(what, fix) for each setting 2-D tensor parallelism does not run with."""
     plan, out = cfg.parallel, []
@@ -59,8 +65,7 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
         (plan.ep > 1 or bool(getattr(cfg.model, "moe", None) and cfg.model.moe.enabled), "a mixture of experts", "use a dense model, or tp_mode=1d"),
         (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
         (cfg.offload.enabled, "offload", "turn offload off"),
-        # 2-D / 2.5-D: the families with a 2-D plan are the model's to say (models/hf_families.py, model_problems)
-        (cfg.hf.arch is not None and plan.tp_mode == "3d", f"hf.arch={cfg.hf.arch} (3-D plans exist for behemoth's GPT)", "use tp_mode=1d or 2d"),
+        # the families with a 2-D / 3-D plan are the model's to say (models/hf_families.py, model_problems)
         (bool(getattr(cfg.model, "tie_embeddings", False)), "model.tie_embeddings=true", "set model.tie_embeddings=false"),
         (bool(getattr(cfg.model, "dropout", 0)), f"model.dropout={getattr(cfg.model, 'dropout', 0)}", "set model.dropout=0"),
         (cfg.train.loss_chunk > 0, f"train.loss_chunk={cfg.train.loss_chunk} (the head is a SUMMA product)", "set train.loss_chunk=0"),
