@@ -463,18 +463,22 @@ def burst_model(lm: CausalLM, widths: list[int], rt: Runtime, batch: BatchLayout
 
 def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, plan: ParallelPlan) -> TensorParallel2D | TensorParallel3D:
     """2-D tensor parallelism (parallel.tp_mode=2d) over each tp group as a q x q grid, by the model's 2-D plan; 2.5-D
-    (tp_mode=2.5d) as tp_depth such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube."""
+    (tp_mode=2.5d) as tp_depth such grids, each with its share of the batch; 3-D (tp_mode=3d) as a q x q x q cube. For
+    inference only 2-D, every grid row running the whole batch: a request's keys and values then stay on the ranks of
+    its heads' column whatever rows the scheduler's next batch puts it in."""
     mode, depth = plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1
     layout = lm.tp3d_plan if mode == "3d" else lm.tp2d_plan
-    if layout is None or not for_training or rt.world_size != dist.get_world_size():
+    if layout is None or (not for_training and mode != "2d") or rt.world_size != dist.get_world_size():
         raise BehemothError(
-            f"parallel.tp_mode={mode} trains a model with a {mode} plan (planner/feasibility names them) in a job that is the whole world",
+            f"parallel.tp_mode={mode} runs a model with a {mode} plan (planner/feasibility names them; inference: 2d only) "
+            "in a job that is the whole world",
             "use tp_mode=1d here (generation loads a 2-D/3-D checkpoint in any layout)",
         )
     if mode == "3d":
         cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
         return apply_tensor_parallel_3d(lm.module, cube, layout)
-    return apply_tensor_parallel_2d(lm.module, grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth), layout)
+    grid = grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth, shared_batch=not for_training)
+    return apply_tensor_parallel_2d(lm.module, grid, layout)
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

@@ -32,6 +32,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a run directory (its latest checkpoint), a checkpoint folder or a save_pretrained folder")
     p.add_argument("--nproc", type=int, default=None, metavar="N", help="processes (default: tp x pp)")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel degree (heads and KV cache split over T)")
+    p.add_argument(
+        "--tp-mode",
+        choices=["1d", "2d"],
+        default="1d",
+        help="1d (default: heads split over --tp) or 2d (--tp = q*q ranks as a q x q grid: every weight 1/q^2 per process, "
+        "the KV cache split by heads over the q columns; Llama, Mistral, Qwen2 and behemoth's GPT)",
+    )
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
     p.add_argument(
         "--ep",
@@ -225,9 +232,11 @@ def worker(
     speculative: tuple[Any, int] = (None, 4),
     experts: tuple[int, str] = (1, "owned"),
     split_products: bool = False,
+    tp_mode: str = "1d",
 ) -> Any:
     """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
-    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`: CachePolicy's."""
+    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`: CachePolicy's; `tp_mode`
+    2d: the tp ranks as a grid."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -246,6 +255,7 @@ def worker(
             offload=offload,
             draft=speculative[0],
             draft_tokens=speculative[1],
+            tp_mode=tp_mode,
         )
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
@@ -274,6 +284,22 @@ def check_expert_parallel(args: argparse.Namespace) -> None:
         )
 
 
+def check_grid(args: argparse.Namespace) -> None:
+    """--tp-mode 2d before anything loads: the options a grid's generation does not run with yet."""
+    from behemoth.inference.loading import grid_generation_problems
+
+    found = grid_generation_problems(
+        args.tp_mode,
+        pp=args.pp,
+        ep=args.ep,
+        quantize=args.quantize,
+        offload=bool(getattr(args, "offload", None)),
+        adapter=bool(args.adapter or getattr(args, "batched_adapters", None)),
+    )
+    if found:
+        raise BehemothError("; ".join(found), "drop those options, or run --tp-mode 1d (a 2-D checkpoint loads in any layout)")
+
+
 def check_plan(args: argparse.Namespace, nproc: int) -> None:
     """Refuse, before any process starts, a source that does not load or degrees the model cannot be split by."""
     from behemoth.inference.generate import CachePolicy
@@ -281,11 +307,13 @@ def check_plan(args: argparse.Namespace, nproc: int) -> None:
 
     CachePolicy(args.block_size, args.kv_cache_mb)
     check_expert_parallel(args)
+    check_grid(args)
     source = resolve_source(args.source, args.overrides)
     try:
-        check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp, ep=args.ep), nproc)
+        check_inference_plan(inference_config(source.config, tp=args.tp, pp=args.pp, ep=args.ep, tp_mode=args.tp_mode), nproc)
     except Refused as err:  # in the words of this command's options
-        words = {"parallel.tp=": "--tp ", "parallel.pp=": "--pp ", "parallel.ep=": "--ep "}
+        words = {"parallel.tp_mode=": "--tp-mode ", "parallel.tp ": "--tp ", "parallel.tp=": "--tp "}
+        words.update({"parallel.pp=": "--pp ", "parallel.ep=": "--ep "})
         raise Refused(Problem(p.option, _in_words(p.message, words)) for p in err.problems) from None
 
 
@@ -305,7 +333,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)
-        rest = (offload, speculative, experts, args.split_products)
+        rest = (offload, speculative, experts, args.split_products, args.tp_mode)
         out = worker(*call, *rest) if nproc == 1 else launch(nproc, worker, *call, *rest)[0]
     return print_completions(out, args.json)
 

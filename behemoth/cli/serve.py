@@ -187,7 +187,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
     source = resolve_source(args.source, args.overrides)
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp, ep=args.ep)
-    model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout)
+    model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout, tp_mode=args.tp_mode)
     cache = CachePolicy(args.block_size, args.kv_cache_mb, split_products=args.split_products)
     if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
         from behemoth.flight import RECORDER

@@ -24,7 +24,7 @@ from behemoth.inference.loading import Source, load_model, resolve_source
 from behemoth.inference.lora_bank import LoRABank
 from behemoth.inference.ngram import NgramDraft, NgramProposer
 from behemoth.inference.offload import MeasuredTier, OffloadPolicy, StreamedModel, load_offloaded
-from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, module_dtype
+from behemoth.inference.runner import DistributedRunner, ModelRunner, Runner, cache_layout, follow, head_split, module_dtype
 from behemoth.inference.sampling import SamplingParams
 from behemoth.inference.scheduler import Request, Scheduler, SchedulerPolicy
 from behemoth.inference.server import ServeLimits
@@ -92,11 +92,11 @@ def held_layers(model: LoadedModel) -> tuple[int, ...]:
 def local_runner(model: LoadedModel, cache: CachePolicy) -> ModelRunner:
     """This rank's runner: its layers, its heads of the KV cache, as many blocks as `cache.memory_mb` holds (an
     offloaded model's runner streams its blocks)."""
-    layers = held_layers(model)
+    layers, heads = held_layers(model), head_split(model.tp, model.rt.dims.tp)
     dtype = module_dtype(model.module) if isinstance(model, ParallelModel) else torch.float32  # streamed units are float32
-    probe = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=1, dtype=dtype)
+    probe = cache_layout(model.lm, layers=layers, tp=heads, block_size=cache.block_size, num_blocks=1, dtype=dtype)
     blocks = min(blocks_for_memory(int(cache.memory_mb * 2**20), probe.bytes_per_block), cache.max_blocks or 1 << 62)
-    layout = cache_layout(model.lm, layers=layers, tp=model.rt.dims.tp, block_size=cache.block_size, num_blocks=blocks, dtype=probe.dtype)
+    layout = cache_layout(model.lm, layers=layers, tp=heads, block_size=cache.block_size, num_blocks=blocks, dtype=probe.dtype)
     storage = KVStorage(layout, model.rt.device)
     if isinstance(model, StreamedModel):
         return model.runner(storage)
@@ -354,11 +354,12 @@ def load_for_generation(
     quantize: str | None = None,
     offload: OffloadPolicy | None = None,
     expert_layout: str = "owned",
+    tp_mode: str = "1d",
 ) -> LoadedModel:
-    """This rank's model: laid out in memory (`ep` > 1: this rank's experts of every MoE layer), or (`offload`) with its
-    blocks on a tier, each tp rank its own shard."""
+    """This rank's model: laid out in memory (`ep` > 1: this rank's experts of every MoE layer; `tp_mode` 2d: on a grid),
+    or (`offload`) with its blocks on a tier, each tp rank its own shard."""
     if offload is None:
-        return load_model(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, expert_layout=expert_layout)
+        return load_model(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, expert_layout=expert_layout, tp_mode=tp_mode)
     if pp > 1 or ep > 1 or quantize is not None:
         raise BehemothError(
             f"offloaded generation with pp={pp}, ep={ep}, quantize={quantize}: every rank streams all of its blocks, in float32",
@@ -384,6 +385,7 @@ def generate_on_ranks(
     draft: str | NgramDraft | None = None,
     draft_tokens: int = 4,
     expert_layout: str = "owned",
+    tp_mode: str = "1d",
 ) -> list[Completion] | None:
     """One rank of a tp x pp x ep generation job: rank 0 generates and returns the completions, the others follow
     (None); under ep every rank runs the same steps, each MoE layer's experts computed in `expert_layout`. With
@@ -391,7 +393,7 @@ def generate_on_ranks(
     process), speculative decoding (`attach_speculative`)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp, ep=ep)
-    model = load_for_generation(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, offload=offload, expert_layout=expert_layout)
+    model = load_for_generation(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, offload=offload, expert_layout=expert_layout, tp_mode=tp_mode)
     try:
         return _generate_loaded(model, source, prompts, params, cache, ignore_eos, (draft, draft_tokens))
     finally:

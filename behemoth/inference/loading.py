@@ -8,6 +8,7 @@ buffers, no optimizer) whatever layout trained it, and DCP reads each rank's par
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,19 +91,33 @@ def _flatten(saved: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1, ep: int = 1) -> Config:
+def inference_config(cfg: Config, *, tp: int = 1, pp: int = 1, ep: int = 1, tp_mode: str = "1d") -> Config:
     """The config laid out for generation: tp x pp x ep processes, no data parallelism, no ZeRO, one micro-batch per
     stage; with ep > 1 every rank holds 1/ep of each MoE layer's experts and runs the same requests, the rest of the
-    model replicated."""
+    model replicated. tp_mode=2d: the tp ranks as a q x q grid whose rows each run the whole batch (a nominal batch of q
+    meets training's rule that the rows split it)."""
     plan = ParallelPlan(
         tp=tp,
+        tp_mode=tp_mode,
         pp=pp,
         ep=ep,
         dp=1,
         schedule="gpipe",
         balance="flops" if pp > 1 else cfg.parallel.balance,
     )
-    return cfg.replace(parallel=plan, train={"global_batch": pp * ep, "micro_batch": 1, "seq_len": None})
+    rows = math.isqrt(tp) if tp_mode == "2d" else 1
+    return cfg.replace(parallel=plan, train={"global_batch": pp * ep * rows, "micro_batch": rows, "seq_len": None})
+
+
+def grid_generation_problems(tp_mode: str, *, pp: int, ep: int, quantize: str | None, offload: bool, adapter: bool) -> list[str]:
+    """Why generation on a 2-D grid (--tp-mode 2d) cannot run with these options (empty: it can): it runs the grid's
+    layers in memory, in float32 or bf16, one grid for every layer."""
+    if tp_mode == "1d":
+        return []
+    if tp_mode != "2d":
+        return [f"--tp-mode {tp_mode}: generation runs 1d or 2d (a 2.5-D or 3-D checkpoint loads under either)"]
+    others = {"--pp": pp > 1, "--ep": ep > 1, "--quantize": quantize is not None, "--offload": offload, "--adapter": adapter}
+    return [f"--tp-mode 2d with {name}: not composed yet (use --tp-mode 1d)" for name, bad in others.items() if bad]
 
 
 def check_inference_plan(cfg: Config, world: int) -> None:
@@ -113,13 +128,21 @@ def check_inference_plan(cfg: Config, world: int) -> None:
 
 
 def load_model(
-    source: Source, rt: Runtime, *, tp: int = 1, pp: int = 1, ep: int = 1, quantize: str | None = None, expert_layout: str = "owned"
+    source: Source,
+    rt: Runtime,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    quantize: str | None = None,
+    expert_layout: str = "owned",
+    tp_mode: str = "1d",
 ) -> ParallelModel:
     """This rank's part of the model, laid out for generation and holding the source's weights (`quantize="int8"`: its
     linear weights in int8, per-channel scales; "int4": 4-bit, a scale per 64 input channels; `ep`: this rank's experts
     only, read as their slices of the checkpoint's tensors, computed in `expert_layout`: owned, alltoall or gather,
-    parallel/expert/dispatch.py)."""
-    cfg = inference_config(source.config, tp=tp, pp=pp, ep=ep)
+    parallel/expert/dispatch.py; `tp_mode` 2d: the tp ranks as a grid, parallel/tensor/twod.py)."""
+    cfg = inference_config(source.config, tp=tp, pp=pp, ep=ep, tp_mode=tp_mode)
     lm = build_causal_lm(cfg.model, cfg.hf)
     lora = cfg.finetune.lora if source.checkpoint is not None and cfg.finetune.lora.enabled else None  # a LoRA run's checkpoint: adapters
     if source.checkpoint is not None and lora is None:

@@ -26,6 +26,7 @@ from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
 from behemoth.inference.lora_bank import LoRABank
 from behemoth.models.causal_lm import CausalLM
 from behemoth.parallel.tensor import TensorParallel
+from behemoth.parallel.tensor.twod import TensorParallel2D
 
 STOP = "stop"
 KEEPALIVE = "keepalive"
@@ -62,14 +63,21 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def gather_vocab(logits: torch.Tensor, tp: TensorParallel | None, vocab_size: int) -> torch.Tensor:
-    """[B, V]: the full vocabulary's logits from this rank's shard of a vocabulary-parallel head (padding cut)."""
+def gather_vocab(logits: torch.Tensor, tp: TensorParallel | TensorParallel2D | None, vocab_size: int) -> torch.Tensor:
+    """[B, V]: the full vocabulary's logits from this rank's shard of a vocabulary-parallel head (padding cut); on a
+    2-D grid the shards are the row's columns'."""
     if tp is None or tp.vocab is None or logits.shape[-1] != tp.vocab.padded:
         return logits[:, :vocab_size]
-    parts = logits.new_empty((tp.tp.size * logits.shape[0], logits.shape[1]))
-    all_gather(parts, logits.contiguous(), tp.tp.group)
+    comm = tp.grid.row_comm() if isinstance(tp, TensorParallel2D) else tp.tp
+    parts = logits.new_empty((comm.size * logits.shape[0], logits.shape[1]))
+    all_gather(parts, logits.contiguous(), comm.group)
     B = logits.shape[0]
-    return parts.view(tp.tp.size, B, -1).permute(1, 0, 2).reshape(B, -1)[:, :vocab_size]
+    return parts.view(comm.size, B, -1).permute(1, 0, 2).reshape(B, -1)[:, :vocab_size]
+
+
+def head_split(tp: TensorParallel | TensorParallel2D | None, degree: int) -> int:
+    """Over how many ranks the key/value heads are split: the tp degree, or a 2-D grid's q (its columns)."""
+    return tp.grid.q if isinstance(tp, TensorParallel2D) else degree
 
 
 class HostKV:
@@ -93,7 +101,9 @@ class HostKV:
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
-    def __init__(self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | TensorParallel2D | None = None, device: torch.device | None = None
+    ) -> None:
         self.lm, self.storage, self.tp = lm, storage, tp
         self.view = lm.layers  # the model's own blocks, run against the cache
         self.blocks = lm.module.get_submodule(self.view.blocks)

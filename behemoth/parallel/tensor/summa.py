@@ -50,9 +50,10 @@ class Grid2D:
     depth: int = 1
     layer: int = 0
     depth_group: Any = None  # dist.ProcessGroup of ranks (row, col) of layers 0..d-1 (depth > 1)
+    shared_batch: bool = False  # inference: every row runs the whole batch (a request's KV stays on its column's ranks)
 
     @classmethod
-    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None, depth: int = 1) -> Grid2D:
+    def build(cls, tp_groups: list[list[int]], rank: int, meter: CommMeter | None = None, depth: int = 1, shared_batch: bool = False) -> Grid2D:
         """The grids of every tp group (global ranks, in tp order: rank l*q*q + i*q + j is (i, j) of layer l). Every rank
         of the world creates every row, column and depth group, in the same order (c10d's rule for new_group)."""
         q = math.isqrt(len(tp_groups[0]) // depth)
@@ -65,17 +66,17 @@ class Grid2D:
                 i, j = divmod(g.index(rank), q)
                 tp_index = n // depth
                 deep = depth_groups[tp_index * q * q + i * q + j] if depth > 1 else None
-                return cls(q, i, j, row_groups[n * q + i], col_groups[n * q + j], meter, depth, n % depth, deep)
+                return cls(q, i, j, row_groups[n * q + i], col_groups[n * q + j], meter, depth, n % depth, deep, shared_batch)
         raise BehemothError(f"rank {rank} is in no tensor-parallel group", "build the grid from the mesh's tp groups")
 
     @property
     def batch_blocks(self) -> int:
-        """How many parts a micro-batch's sequences are cut into: q rows of each of the d layers."""
-        return self.depth * self.q
+        """How many parts a micro-batch's sequences are cut into: q rows of each of the d layers (1: `shared_batch`)."""
+        return 1 if self.shared_batch else self.depth * self.q
 
     @property
     def batch_index(self) -> int:
-        return self.layer * self.q + self.row
+        return 0 if self.shared_batch else self.layer * self.q + self.row
 
     def row_comm(self) -> TPComm:
         """The row as a TPComm (the vocabulary-parallel loss over column j's vocabulary block)."""

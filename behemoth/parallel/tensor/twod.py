@@ -257,8 +257,9 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
     return TensorParallel2D(model, grid, vocab)
 
 
-def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, depth: int = 1) -> Grid2D:
-    """This rank's grid from the mesh's global ranks (every tp group's, in tp order); `depth` > 1: 2.5-D."""
+def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, depth: int = 1, shared_batch: bool = False) -> Grid2D:
+    """This rank's grid from the mesh's global ranks (every tp group's, in tp order); `depth` > 1: 2.5-D; `shared_batch`:
+    every row runs the whole batch (inference)."""
     tp = mesh_ranks.shape[tp_dim]
     groups = mesh_ranks.movedim(tp_dim, -1).reshape(-1, tp).tolist()
-    return Grid2D.build(groups, dist.get_rank(), meter, depth)
+    return Grid2D.build(groups, dist.get_rank(), meter, depth, shared_batch)

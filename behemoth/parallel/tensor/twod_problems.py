@@ -45,7 +45,7 @@ def tensor2d_problems(cfg: Any, shape: ModelShape | None, micro_batch: int | Non
 
 
 def unsplit_sizes(shape: ModelShape, q: int, pieces: int) -> list[str]:
-    """"name=n (by k)" for each size a grid (pieces = q*q) or cube (q^3) of side q does not split: the heads and the
+    """ "name=n (by k)" for each size a grid (pieces = q*q) or cube (q^3) of side q does not split: the heads and the
     vocabulary by q, the widths by `pieces`."""
     sizes = {"model.n_head": (shape.n_head, q), "model.d_model": (shape.d_model, pieces), "the MLP width": (shape.ffn, pieces)}
     if shape.kv_heads != shape.n_head:  # grouped-query attention: each column holds the key/value heads its query heads read
