@@ -180,3 +180,41 @@ def test_hf_tp2d_refused_before_launch(tmp_path, overrides, message):
     cfg = Config.model_validate(tiny_config(tmp_path, *base, *overrides))
     found = " | ".join(p.message for p in problems(cfg, 8 if "parallel.tp=8" in overrides else 4))
     assert message in found, found
+
+
+def _rms_norm_bf16() -> dict[str, float]:
+    """transformers' LlamaRMSNorm in bf16 against the grid's (LayerNorm2D, rms): output, input and weight gradients; the
+    error of a control whose mean square is this rank's features only (a lost row sum)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from behemoth.parallel.tensor.layers import TP_LAYOUT
+    from behemoth.parallel.tensor.summa import BlockLayout, even
+    from behemoth.parallel.tensor.twod import LayerNorm2D
+
+    grid, width = _grid(), 32
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(width, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(4, 8, width) * 3).to(torch.bfloat16).requires_grad_(True)
+    probe = torch.randn(4, 8, width).to(torch.bfloat16)
+    (norm(x) * probe).sum().backward()
+    block = lambda t: BlockLayout.of(t.shape, d0=even(4, 2, grid.row, "x"), d2=even(width, 2, grid.col, "x")).take_local(t)  # noqa: E731
+    layer = LayerNorm2D.from_module(norm, "norm", grid)
+    mine = block(x.detach()).requires_grad_(True)
+    y = layer(mine)
+    (y * block(probe)).sum().backward()
+    tol = dict(rtol=1.6e-2, atol=1e-2)  # bf16: 8 bits of mantissa
+    torch.testing.assert_close(y, block(norm(x).detach()), **tol)
+    torch.testing.assert_close(mine.grad, block(x.grad), **tol)
+    torch.testing.assert_close(layer.weight.grad, getattr(layer.weight, TP_LAYOUT).take_local(norm.weight.grad), rtol=1.6e-2, atol=5e-2)
+    local, w_block = mine.detach().float(), norm.weight.detach()[even(width, 2, grid.col, "w")[0][0] :][: width // 2]
+    wrong = (local * torch.rsqrt(local.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * w_block
+    return {"bug_err": (wrong - block(norm(x).detach())).abs().max().item(), "dtype": str(y.dtype)}
+
+
+def test_rms_norm_on_the_grid_in_bf16_equals_transformers():
+    """bf16 (the dtype GPUs train in): the grid's RMSNorm output and gradients within bf16's tolerance of transformers'
+    LlamaRMSNorm on one process; the control (a mean square of this rank's features only) misses by more."""
+    for r in run_ranks(4, _rms_norm_bf16):
+        assert r["dtype"] == "torch.bfloat16" and r["bug_err"] > 0.1, r
