@@ -478,7 +478,9 @@ def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, pl
         cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
         return apply_tensor_parallel_3d(lm.module, cube, layout)
     grid = grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth, shared_batch=not for_training)
-    return apply_tensor_parallel_2d(lm.module, grid, layout)
+    tp = apply_tensor_parallel_2d(lm.module, grid, layout)
+    lm.after_tensor_parallel(rt.dims.tp)  # Gemma's embedding scale back on the replaced table (the 2-D families have no other hook)
+    return tp
 
 
 def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMeter, timeout_s: float) -> ContextParallel | None:

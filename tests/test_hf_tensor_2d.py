@@ -29,6 +29,8 @@ SHAPES = {  # 4 query heads over 2 key/value heads: each grid column holds 2 que
     "llama": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),
     "qwen2": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2),  # bias on q, k, v
     "mistral": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    # (1 + w) RMSNorm, embeddings scaled by sqrt(hidden_size), GeGLU
+    "gemma": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
 }
 
 
@@ -71,6 +73,7 @@ def check_gradients(cfg_dict: dict[str, Any], mode: str = "2d") -> dict[str, flo
         grid = _grid()
         assert par.tp2d_plan is not None
         tp, buggy = apply_tensor_parallel_2d(par.module, grid, par.tp2d_plan), grid.row == 1
+        par.after_tensor_parallel(4)  # as parallelize does: Gemma's embedding scale on the replaced table
     for lm in (ref, par):
         materialize(lm.module, seed=0, device=cpu, init_spec=lm.init_spec)
         lm.after_materialize(cpu)  # the folder's weights
@@ -105,7 +108,7 @@ def _grid_body(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "arch",
     # the default suite keeps Llama (~15-35 s by the host's load); Qwen2's q/k/v biases and Mistral's sliding window are slow
-    ["llama", pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow)],
+    ["llama", *(pytest.param(arch, marks=pytest.mark.slow) for arch in ("qwen2", "mistral", "gemma"))],
 )
 def test_hf_tp2d_equals_single_process(tmp_path, arch):
     """Gradients of one batch (1e-4) and 3 training steps (losses 1e-5, weights 1e-4) on a 2 x 2 grid against one
@@ -167,6 +170,7 @@ def test_hf_llama_8_ranks_equals_single_process(tmp_path, extra):
         (["hf.ffn=66"], "the MLP width=66 (by 4)"),
         (["model.n_head=1", "hf.kv_heads=1"], "model.n_head=1 (by 2)"),
         (["model=hf:qwen3"], "hf qwen3 has no 2-D plan"),
+        (["model=hf:gemma", "parallel.tp_mode=3d", "parallel.tp=8"], "hf gemma has no 3-D plan"),
         (["model=hf:gpt2", "hf.kv_heads=4"], "hf gpt2 has no 2-D plan"),
         (["model=hf:qwen3", "parallel.tp_mode=3d", "parallel.tp=8"], "hf qwen3 has no 3-D plan"),
         (["model.tie_embeddings=true"], "model.tie_embeddings=true"),

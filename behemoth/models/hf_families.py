@@ -41,7 +41,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("MistralConfig", "MistralForCausalLM", tp2d=True),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", tp2d=True),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", bias_keys=("attention_bias",)),
-    "gemma": Family("GemmaConfig", "GemmaForCausalLM", bias_keys=("attention_bias",), zero_norms=True, embed_scale=True),
+    "gemma": Family("GemmaConfig", "GemmaForCausalLM", bias_keys=("attention_bias",), zero_norms=True, embed_scale=True, tp2d=True),
     "phi3": Family(
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -125,13 +125,18 @@ DECODER_TP3D_PLAN: dict[str, str] = {
 
 
 def tp2d_plan(name: str) -> dict[str, str] | None:
-    """The family's 2-D tensor-parallel plan (None: it has none)."""
-    return dict(DECODER_TP2D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d else None
+    """The family's 2-D tensor-parallel plan (None: it has none); Gemma's norms scale by 1 + w (`norm:offset`) and its
+    embedding's sqrt(hidden_size) comes back through `keep_embed_scale`, as under 1-D."""
+    if name not in FAMILIES or not FAMILIES[name].tp2d:
+        return None
+    offset = FAMILIES[name].zero_norms
+    return {k: "norm:offset" if offset and v == "norm" else v for k, v in DECODER_TP2D_PLAN.items()}
 
 
 def tp3d_plan(name: str) -> dict[str, str] | None:
-    """The family's 3-D tensor-parallel plan (None: it has none); the families with a 2-D plan have one."""
-    return dict(DECODER_TP3D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d else None
+    """The family's 3-D tensor-parallel plan (None: it has none): the families with a 2-D plan, but Gemma (its 1 + w norms
+    are not on the cube yet)."""
+    return dict(DECODER_TP3D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d and not FAMILIES[name].zero_norms else None
 
 
 def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") -> list[str]:
@@ -139,8 +144,9 @@ def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") ->
     and style tp_mode)."""
     fam = FAMILIES[name]
     out = []
-    if tp > 1 and tp_mode != "1d" and not fam.tp2d:
-        families, kind = ", ".join(k for k, f in FAMILIES.items() if f.tp2d), "3-D" if tp_mode == "3d" else "2-D"
+    if tp > 1 and tp_mode != "1d" and (tp3d_plan if tp_mode == "3d" else tp2d_plan)(name) is None:
+        plans = tp3d_plan if tp_mode == "3d" else tp2d_plan
+        families, kind = ", ".join(k for k in FAMILIES if plans(k) is not None), "3-D" if tp_mode == "3d" else "2-D"
         out.append(f"parallel.tp_mode={tp_mode}: hf {name} has no {kind} plan ({kind} splits {families} and behemoth's GPT); use parallel.tp_mode=1d")
     try:
         attention_window(config)

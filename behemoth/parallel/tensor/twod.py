@@ -9,6 +9,7 @@ Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
                  column before the lookup; a [batch, T] input keeps grid row i's sequences, a [T] input (positions) all
     norm         nn.LayerNorm (or a Llama-kind RMSNorm) on feature blocks: mean and variance (mean square) summed along
                  the row, weight and bias as vectors
+    norm:offset  an RMSNorm that scales by 1 + w (Gemma's, its epsilon `eps`)
 Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
 
 The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
@@ -106,28 +107,36 @@ class LayerNorm2D(nn.Module):
     """LayerNorm (or RMSNorm: `rms`) over features split along the row: mean and variance (mean square) from row sums
     (two passes, as nn.LayerNorm); its weight and bias are column j's blocks, gathered from the column's pieces."""
 
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D, rms: bool = False) -> None:
+    def __init__(
+        self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid2D, rms: bool = False, offset: bool = False
+    ) -> None:
         super().__init__()
         self.weight, self.bias, self.width, self.eps, self.grid, self.rms = weight, bias, width, eps, grid, rms
+        self.offset = offset  # scales by 1 + w (Gemma)
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> LayerNorm2D:
-        width, eps, rms = norm_spec(module, name, "2-D")
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D, offset: bool = False) -> LayerNorm2D:
+        width, eps, rms = norm_spec(module, name, "2-D", offset)
         weight, bias = (
             shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
             for n, p in (("weight", module.weight), ("bias", getattr(module, "bias", None)))
         )
-        return cls(weight, bias, width, eps, grid, rms)
+        return cls(weight, bias, width, eps, grid, rms, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = gather_column(self.weight, self.grid) if self.weight is not None else None
+        weight = 1 + weight if self.offset and weight is not None else weight
         bias = gather_column(self.bias, self.grid) if self.bias is not None else None
         return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.grid, self.rms))
 
 
-def norm_spec(module: nn.Module, name: str, mode: str) -> tuple[int, float, bool]:
+def norm_spec(module: nn.Module, name: str, mode: str, offset: bool = False) -> tuple[int, float, bool]:
     """(width, eps, rms) of a norm the grid or cube splits: nn.LayerNorm over one dimension or an RMSNorm of the Llama
-    kind; anything else is refused, naming the module."""
+    kind (`offset`: of Gemma's, 1 + w); anything else is refused, naming the module."""
+    if offset:
+        if not (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "eps", None), float)):
+            raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm:offset style applies to a (1 + w) RMSNorm", "map it to norm")
+        return module.weight.shape[0], float(module.eps), True  # type: ignore[index,arg-type]
     rms = is_rms_norm(module)
     if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
         message = f"{name} is a {type(module).__name__}; the {mode} norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
@@ -245,7 +254,7 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
         elif kind == "embedding":
             new = Embedding2D.from_module(module, name, grid)
         else:
-            new = LayerNorm2D.from_module(module, name, grid)
+            new = LayerNorm2D.from_module(module, name, grid, offset=arg == "offset")
         model.set_submodule(name, new)
     whole = [n for n, p in model.named_parameters(remove_duplicate=False) if not hasattr(p, TP_LAYOUT)]
     if whole:
