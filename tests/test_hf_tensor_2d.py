@@ -1,5 +1,5 @@
-"""Unmodified Hugging Face Llama and Qwen2 (RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen2's q/k/v biases) under
-2-D tensor parallelism (parallel.tp_mode=2d, a 2 x 2 grid) equal the single process, starting from the same
+"""Unmodified Hugging Face Llama and Qwen2 (RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen2's q/k/v biases), and
+(slow) Mistral, Gemma and Qwen3, under 2-D tensor parallelism (parallel.tp_mode=2d, a 2 x 2 grid) equal the single process, starting from the same
 save_pretrained folder.
 
 One 4-rank run per family checks the model against plain transformers (its summed loss and every parameter's gradient)
@@ -31,6 +31,7 @@ SHAPES = {  # 4 query heads over 2 key/value heads: each grid column holds 2 que
     "mistral": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
     # (1 + w) RMSNorm, embeddings scaled by sqrt(hidden_size), GeGLU
     "gemma": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "qwen3": dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8),  # q/k norms
 }
 
 
@@ -83,6 +84,7 @@ def check_gradients(cfg_dict: dict[str, Any], mode: str = "2d") -> dict[str, flo
     ref_loss.backward()
     loss = tp.cross_entropy_sum(par.logits(idx), targets)
     loss.backward()
+    tp.finish_grads([(n, p.grad) for n, p in par.module.named_parameters()])  # what the engine does after backward
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     full = dict(ref.module.named_parameters())
     for name, p in par.module.named_parameters():
@@ -108,7 +110,7 @@ def _grid_body(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "arch",
     # the default suite keeps Llama (~15-35 s by the host's load); Qwen2's q/k/v biases and Mistral's sliding window are slow
-    ["llama", *(pytest.param(arch, marks=pytest.mark.slow) for arch in ("qwen2", "mistral", "gemma"))],
+    ["llama", *(pytest.param(arch, marks=pytest.mark.slow) for arch in ("qwen2", "mistral", "gemma", "qwen3"))],
 )
 def test_hf_tp2d_equals_single_process(tmp_path, arch):
     """Gradients of one batch (1e-4) and 3 training steps (losses 1e-5, weights 1e-4) on a 2 x 2 grid against one
@@ -119,7 +121,7 @@ def test_hf_tp2d_equals_single_process(tmp_path, arch):
     ref = run_ranks(1, train_body, tiny_config(tmp_path / "ref", f"hf.weights={folder}", *STEPS))[0]
     got = run_ranks(4, _grid_body, tiny_config(tmp_path / "2d", f"hf.weights={folder}", *STEPS, *GRID))
     for r in got:
-        assert r["bug_err"] > 1e-3, f"the control (wrong RoPE positions on a grid row) would pass: {r['bug_err']:.2g}"
+        assert r["bug_err"] > 1e-4, f"the control (wrong RoPE positions on a grid row) is within 10x the loss tolerance: {r['bug_err']:.2g}"
     assert_close_runs(ref, got[0]["run"])
     assert all(r["run"]["losses"] == got[0]["run"]["losses"] for r in got), "grid ranks disagree on the loss"
     if arch == "qwen2":
@@ -169,7 +171,7 @@ def test_hf_llama_8_ranks_equals_single_process(tmp_path, extra):
         (["hf.kv_heads=1"], "does not split hf.kv_heads=1 (by 2)"),
         (["hf.ffn=66"], "the MLP width=66 (by 4)"),
         (["model.n_head=1", "hf.kv_heads=1"], "model.n_head=1 (by 2)"),
-        (["model=hf:qwen3"], "hf qwen3 has no 2-D plan"),
+        (["model=hf:phi3"], "hf phi3 has no 2-D plan"),
         (["model=hf:gemma", "parallel.tp_mode=3d", "parallel.tp=8"], "hf gemma has no 3-D plan"),
         (["model=hf:gpt2", "hf.kv_heads=4"], "hf gpt2 has no 2-D plan"),
         (["model=hf:qwen3", "parallel.tp_mode=3d", "parallel.tp=8"], "hf qwen3 has no 3-D plan"),

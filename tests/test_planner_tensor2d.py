@@ -49,11 +49,19 @@ LLAMA = [*DENSE, "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64
 
 @pytest.mark.parametrize(
     "preset,grids_expected",
-    [(DENSE, True), (MOE, False), ([*DENSE, "model.tie_embeddings=true"], False), (LLAMA, True), ([*LLAMA, "model=hf:qwen3"], False)],
+    [
+        (DENSE, True),
+        (MOE, False),
+        ([*DENSE, "model.tie_embeddings=true"], False),
+        (LLAMA, True),
+        ([*LLAMA, "model=hf:qwen3"], True),
+        ([*LLAMA, "model=hf:phi3"], False),
+    ],
 )
 def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset, grids_expected):
     """A dense untied GPT or Hugging Face Llama on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2 or pp=2), each
-    passing `problems()`; an MoE, a tied model or a family without a 2-D plan (Qwen3's per-head norms) none."""
+    passing `problems()`; an MoE, a tied model or a family without a 2-D plan (Phi-3's fused qkv) none; Qwen3 (its
+    per-head norms replicated) gets them."""
     cfg = load_config(None, preset)
     layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), small_cluster(1.0))
     grids = [lay for lay in layouts if lay.tp_mode == "2d"]

@@ -37,7 +37,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         choices=["1d", "2d"],
         default="1d",
         help="1d (default: heads split over --tp) or 2d (--tp = q*q ranks as a q x q grid: every weight 1/q^2 per process, "
-        "the KV cache split by heads over the q columns; Llama, Mistral, Qwen2, Gemma and behemoth's GPT)",
+        "the KV cache split by heads over the q columns; Llama, Mistral, Qwen2, Qwen3, Gemma and behemoth's GPT)",
     )
     p.add_argument("--pp", type=int, default=1, metavar="P", help="pipeline-parallel degree (layers over P stages)")
     p.add_argument(

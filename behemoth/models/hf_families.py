@@ -34,13 +34,14 @@ class Family:
     embed_scale: bool = False  # embeddings are multiplied by sqrt(hidden_size) (inside the embedding module)
     no_tp: str = ""  # why tensor parallelism cannot split it (empty: it can)
     tp2d: bool = False  # the standard layout's 2-D and 3-D plans split it (RMSNorm of the Llama kind, no per-head norms)
+    head_norms: bool = False  # RMSNorms of q and k over head_dim, one weight for every head (Qwen3's q_norm, k_norm)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM", bias_keys=("attention_bias", "mlp_bias"), tp2d=True),
     "mistral": Family("MistralConfig", "MistralForCausalLM", tp2d=True),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", tp2d=True),
-    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", bias_keys=("attention_bias",)),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", bias_keys=("attention_bias",), tp2d=True, head_norms=True),
     "gemma": Family("GemmaConfig", "GemmaForCausalLM", bias_keys=("attention_bias",), zero_norms=True, embed_scale=True, tp2d=True),
     "phi3": Family(
         "Phi3Config",
@@ -126,17 +127,22 @@ DECODER_TP3D_PLAN: dict[str, str] = {
 
 def tp2d_plan(name: str) -> dict[str, str] | None:
     """The family's 2-D tensor-parallel plan (None: it has none); Gemma's norms scale by 1 + w (`norm:offset`) and its
-    embedding's sqrt(hidden_size) comes back through `keep_embed_scale`, as under 1-D."""
+    embedding's sqrt(hidden_size) comes back through `keep_embed_scale`, as under 1-D; Qwen3's per-head norms are
+    `replicated`."""
     if name not in FAMILIES or not FAMILIES[name].tp2d:
         return None
-    offset = FAMILIES[name].zero_norms
-    return {k: "norm:offset" if offset and v == "norm" else v for k, v in DECODER_TP2D_PLAN.items()}
+    fam = FAMILIES[name]
+    plan = {k: "norm:offset" if fam.zero_norms and v == "norm" else v for k, v in DECODER_TP2D_PLAN.items()}
+    if fam.head_norms:  # on column j's whole heads, so local; their one head_dim weight whole on every rank
+        plan.update({"model.layers.*.self_attn.q_norm": "replicated", "model.layers.*.self_attn.k_norm": "replicated"})
+    return plan
 
 
 def tp3d_plan(name: str) -> dict[str, str] | None:
-    """The family's 3-D tensor-parallel plan (None: it has none): the families with a 2-D plan, but Gemma (its 1 + w norms
-    are not on the cube yet)."""
-    return dict(DECODER_TP3D_PLAN) if name in FAMILIES and FAMILIES[name].tp2d and not FAMILIES[name].zero_norms else None
+    """The family's 3-D tensor-parallel plan (None: it has none): the families with a 2-D plan, but Gemma and Qwen3 (their
+    1 + w and per-head norms are not on the cube yet)."""
+    fam = FAMILIES.get(name)
+    return dict(DECODER_TP3D_PLAN) if fam is not None and fam.tp2d and not (fam.zero_norms or fam.head_norms) else None
 
 
 def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") -> list[str]:

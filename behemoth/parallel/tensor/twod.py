@@ -10,6 +10,9 @@ Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
     norm         nn.LayerNorm (or a Llama-kind RMSNorm) on feature blocks: mean and variance (mean square) summed along
                  the row, weight and bias as vectors
     norm:offset  an RMSNorm that scales by 1 + w (Gemma's, its epsilon `eps`)
+    replicated   a module run on local features whose parameters every rank holds whole (Qwen3's per-head q/k norms,
+                 one head_dim vector for every head): each rank's gradient covers its heads and sequences, so it is summed
+                 over the row and the column (the whole grid)
 Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
 
 The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
@@ -35,7 +38,7 @@ from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, shard_paramet
 from behemoth.parallel.tensor.plan import match_plan
 from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, even, gather_column, packed, sub, summa_linear
 
-STYLES_2D = ("linear", "embedding", "norm")
+STYLES_2D = ("linear", "embedding", "norm", "replicated")
 
 
 def vector_pieces(n: int, grid: Grid2D, name: str) -> BlockLayout:
@@ -136,7 +139,7 @@ def norm_spec(module: nn.Module, name: str, mode: str, offset: bool = False) -> 
     if offset:
         if not (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "eps", None), float)):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D norm:offset style applies to a (1 + w) RMSNorm", "map it to norm")
-        return module.weight.shape[0], float(module.eps), True  # type: ignore[index,arg-type]
+        return int(module.weight.shape[0]), float(module.eps), True  # type: ignore[index,arg-type]
     rms = is_rms_norm(module)
     if not rms and (not isinstance(module, nn.LayerNorm) or len(module.normalized_shape) != 1):
         message = f"{name} is a {type(module).__name__}; the {mode} norm style applies to nn.LayerNorm over one dimension or an RMSNorm"
@@ -203,23 +206,28 @@ class TensorParallel2D:
 
     sequence_parallel = False
 
-    def __init__(self, model: nn.Module, grid: Grid2D, vocab: VocabShard | None) -> None:
+    def __init__(self, model: nn.Module, grid: Grid2D, vocab: VocabShard | None, replicated: frozenset[str] = frozenset()) -> None:
         self.grid, self.vocab = grid, vocab
         named = list(model.named_parameters(remove_duplicate=False))
         self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
         self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
+        self.replicated = replicated | {getattr(p, FULL_NAME, n) for n, p in named if n in replicated}  # whole on every rank
 
     @torch.no_grad()
     def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
-        """2-D: nothing to sum (every gradient already is this rank's block's whole gradient). 2.5-D: each layer's is
-        its share of the batch's, summed over the depth in one all-reduce (whole or ZeRO slices: equal layouts)."""
+        """2-D: nothing to sum but the replicated parameters' (over the row, then the column); every other gradient
+        already is this rank's block's whole gradient. 2.5-D: each layer's is its share of the batch's, summed over the
+        depth in one all-reduce (whole or ZeRO slices: equal layouts)."""
+        whole = [g for name, g in slices if name in self.replicated]
+        reduce_flat(whole, self.grid.row_comm().all_reduce)
+        reduce_flat(whole, self.grid.col_comm().all_reduce)
         depth = self.grid.depth_comm()
         if depth is not None:
             reduce_flat([g for _, g in slices], depth.all_reduce)
 
     def copies(self, name: str) -> int:
-        """Ranks of the tp group holding this parameter's piece: one per layer of the depth."""
-        return self.grid.depth
+        """Ranks of the tp group holding this parameter's piece: one per layer of the depth (every rank: replicated)."""
+        return self.grid.depth * (self.grid.q**2 if name in self.replicated else 1)
 
     def activation_block(self, hidden_size: int) -> tuple[int, int]:
         """(hidden features, sequence blocks) of this rank's piece of a [batch, T, hidden] residual activation: column
@@ -244,11 +252,14 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
     """Replace the modules `plan` names by their 2-D versions (on the meta device or not); refuse a plan that leaves a
     parameter whole or a tied head (its one table would need two layouts)."""
     styles = match_plan(plan, [n for n, _ in model.named_modules() if n], STYLES_2D)
-    vocab = None
+    vocab, replicated = None, set()
     for name, style in styles.items():
         module = model.get_submodule(name)
         kind, _, arg = style.partition(":")
         new: nn.Module
+        if kind == "replicated":
+            replicated |= keep_whole(module, name)
+            continue
         if kind == "linear":
             new = Linear2D.from_module(module, name, grid, int(arg or 1))
         elif kind == "embedding":
@@ -263,7 +274,18 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
     if head is not None:
         v = int(model.get_submodule("lm_head").weight.shape[0])  # type: ignore[index]  # a Linear2D's block
         vocab = VocabShard(grid.col * v, v, v)
-    return TensorParallel2D(model, grid, vocab)
+    return TensorParallel2D(model, grid, vocab, frozenset(replicated))
+
+
+def keep_whole(module: nn.Module, name: str) -> set[str]:
+    """Mark `module`'s parameters as held whole on every rank (a layout of the full tensor); their names."""
+    out = set()
+    for pname, p in list(module.named_parameters(recurse=True)):
+        full = f"{name}.{pname}"
+        holder = module.get_submodule(pname.rpartition(".")[0]) if "." in pname else module
+        setattr(holder, pname.rpartition(".")[2], shard_parameter(p, full, BlockLayout.of(tuple(p.shape))))
+        out.add(full)
+    return out
 
 
 def grid_of(mesh_ranks: torch.Tensor, tp_dim: int, meter: CommMeter, depth: int = 1, shared_batch: bool = False) -> Grid2D:
