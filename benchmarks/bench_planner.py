@@ -17,7 +17,10 @@
 (c) Published: every run recorded in benchmarks/published/*.yaml (a paper's or project's layout and measured
     throughput, with its source and table), priced by the planner's one pricing function on the source's hardware,
     predicted beside published tokens per second per GPU, the ratio per row, the Spearman rank correlation, and the
-    winner where a source compares layouts of one model. No constant is fitted to these rows.
+    winner where a source compares layouts of one model. One number is fitted to published rows: the A100 preset's
+    `sustained_clock`, to the MosaicML A100 80GB table's rows alone (`published.fit_sustained_clock`, re-run here);
+    every other source's rows are held out and summarized apart, and the same fit on Megatron-LM's rows alone is
+    printed beside it (how far one source's value is from another's).
 
     python benchmarks/bench_planner.py --part published [--markdown FILE]   # about a minute
 """
@@ -200,35 +203,52 @@ def part_b() -> None:
         )
 
 
+def row_summary(label: str, rows: list) -> str:
+    """Rows, sources, Spearman, how many within 10% and the median |ratio - 1| of `rows`."""
+    rho = spearman([r.published for r in rows], [r.predicted for r in rows])
+    within = sum(abs(r.ratio - 1) <= 0.10 for r in rows)
+    median = statistics.median(abs(r.ratio - 1) for r in rows)
+    return (
+        f"{label}: {len(rows)} rows from {len({r.source for r in rows})} sources; Spearman {rho:.3f}; {within} of {len(rows)}"
+        f" within 10%; median |ratio - 1| {median:.1%}"
+    )
+
+
 def part_published(markdown: str | None = None) -> None:
     """(c): predicted against published per-GPU throughput, one row per published run."""
-    from behemoth.planner.published import comparisons, validate
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.published import FIT_FILES, comparisons, fit_sustained_clock, validate
 
     t0 = time.perf_counter()
     rows = validate()
     seconds = time.perf_counter() - t0
-    print("\n(c) published runs priced by the planner (tokens/s per GPU; predicted / published)")
-    header = f"{'run':<24}{'layout (as published)':<44}{'published':>10}{'predicted':>10}{'ratio':>7}{'MFU':>6}{'fits':>6}  source"
+    fitted = {r.name for r in validate(files=set(FIT_FILES))}
+    print("\n(c) published runs priced by the planner (tokens/s per GPU; predicted / published; fit: the rows the clock is fitted to)")
+    header = f"{'run':<24}{'layout (as published)':<44}{'published':>10}{'predicted':>10}{'ratio':>7}{'MFU':>6}{'fits':>6}{'fit':>5}  source"
     print(header)
     lines = []
     for r in rows:
-        fits = "yes" if r.cost.fits else "no"
-        print(f"{r.name:<24}{r.layout:<44}{r.published:>10.1f}{r.predicted:>10.1f}{r.ratio:>7.2f}{r.cost.mfu:>6.0%}{fits:>6}  {r.source}, {r.where}")
-        lines.append(
-            f"| {r.name} | `{r.layout}` | {r.published:.1f} | {r.predicted:.1f} | {r.ratio:.2f} | {r.cost.mfu:.0%} | {fits} | {r.source}, {r.where} |"
+        fits, fit = "yes" if r.cost.fits else "no", "fit" if r.name in fitted else "held"
+        print(
+            f"{r.name:<24}{r.layout:<44}{r.published:>10.1f}{r.predicted:>10.1f}{r.ratio:>7.2f}{r.cost.mfu:>6.0%}{fits:>6}{fit:>5}"
+            f"  {r.source}, {r.where}"
         )
-    rho = spearman([r.published for r in rows], [r.predicted for r in rows])
-    within = sum(abs(r.ratio - 1) <= 0.10 for r in rows)
-    median = statistics.median(abs(r.ratio - 1) for r in rows)
+        lines.append(
+            f"| {r.name} | `{r.layout}` | {r.published:.1f} | {r.predicted:.1f} | {r.ratio:.2f} | {r.cost.mfu:.0%} | {fits} | {fit} |"
+            f" {r.source}, {r.where} |"
+        )
+    shipped = load_cluster("a100-80gb").device.sustained_clock
     summary = [
-        f"{len(rows)} rows from {len({r.source for r in rows})} sources; Spearman {rho:.3f}; {within} of {len(rows)} within 10%;"
-        f" median |ratio - 1| {median:.1%}; priced in {seconds:.1f} s",
+        row_summary("all", rows) + f"; priced in {seconds:.1f} s",
+        row_summary("held out (not fitted)", [r for r in rows if r.name not in fitted]),
+        f"sustained clock: {shipped} in the a100-80gb preset; fitted to {', '.join(sorted(FIT_FILES))} now: {fit_sustained_clock()};"
+        f" the same fit to megatron-2021.yaml alone: {fit_sustained_clock({'megatron-2021.yaml'})}",
     ]
     for source, published, predicted in comparisons(rows=rows):
         summary.append(f"{source}: published winner {published}, predicted winner {predicted} ({'same' if published == predicted else 'DIFFERENT'})")
     print("\n".join(summary))
     if markdown:
-        table = ["| run | layout | published | predicted | ratio | MFU | fits | source |", "|---|---|---:|---:|---:|---:|---|---|"]
+        table = ["| run | layout | published | predicted | ratio | MFU | fits | fit | source |", "|---|---|---:|---:|---:|---:|---|---|---|"]
         Path(markdown).write_text("\n".join(table + lines + [""] + [f"- {line}" for line in summary]) + "\n")
 
 

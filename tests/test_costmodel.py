@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 
 from behemoth.config import load_config
+from behemoth.planner.attention import attention_seconds
 from behemoth.planner.cluster import GemmCurve, LinkSpec, fit_gemm, load_cluster
+from behemoth.planner.comm import bytes_per, data_parallel_time
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import attention_seconds, bytes_per, data_parallel_time, step_time
+from behemoth.planner.steptime import step_time
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ import pytest
 from behemoth.config import load_config
 from behemoth.planner.attention import DROPOUT_PASSES, attention_seconds
 from behemoth.planner.cluster import load_cluster
+from behemoth.planner.compute import block_costs, op_products
 from behemoth.planner.elementwise import EAGER_BACKWARD, eager_forward_bytes, elementwise_seconds
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.messages import inline_transfers, pipeline_message_seconds
-from behemoth.planner.steptime import block_costs, op_products, pass_costs
+from behemoth.planner.steptime import pass_costs
 
 LLAMA = ["model=hf:llama", "model.context=512", "model.n_layer=4", "model.d_model=256", "model.n_head=8", "hf.kv_heads=2", "hf.ffn=640"]
 RUN = ["train.seq_len=512", "train.global_batch=8", "train.precision=bf16"]

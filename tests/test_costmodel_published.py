@@ -22,3 +22,38 @@ def test_published_rows_load_price_and_rank():
     assert spearman([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 40.0, 30.0]) == pytest.approx(0.8)
     assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert spearman([1.0, 1.0, 2.0], [1.0, 2.0, 3.0]) == pytest.approx(math.sqrt(3) / 2)
+
+
+def test_the_a100_sustained_clock_is_the_fit_to_its_rows_alone():
+    """The one number fitted to published runs is the fit it says it is (the MosaicML A100 80GB rows, re-fitted here),
+    it moves every product's and flash kernel's rate but not the rated peak MFU is counted against, and a device
+    without it (a calibration, the H100 preset) runs at its rated rate."""
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.published import FIT_FILES, fit_sustained_clock, validate
+
+    a100, h100 = load_cluster("a100-80gb").device, load_cluster("h100-sxm").device
+    assert fit_sustained_clock() == pytest.approx(a100.sustained_clock, abs=0.003)
+    assert FIT_FILES <= {s for s in a100.sustained_source.replace("/", " ").split() if s.endswith(".yaml")}
+    assert a100.peak_rate("bf16") == pytest.approx(a100.peak("bf16") * a100.sustained_clock)
+    assert h100.sustained_clock == 1.0 and h100.peak_rate("bf16") == h100.peak("bf16")
+    fitted = validate(files=set(FIT_FILES))
+    slower = validate(files=set(FIT_FILES), device={"sustained_clock": a100.sustained_clock - 0.1})
+    assert all(s.predicted < r.predicted for s, r in zip(slower, fitted))
+    assert math.exp(sum(math.log(r.ratio) for r in fitted) / len(fitted)) == pytest.approx(1.0, abs=0.01)
+
+
+def test_behemoth_plan_states_the_curve_and_the_fitted_clock_with_their_sources():
+    from behemoth.cli.plan import assumptions
+    from behemoth.config import load_config
+    from behemoth.planner.cluster import load_cluster
+    from behemoth.planner.cost import price
+    from behemoth.planner.layout import Layout, Workload
+
+    cluster = load_cluster("a100-80gb").with_nodes(8)
+    work = Workload.of(load_config(None, ["model=gpt-1m", "train.global_batch=8", "train.seq_len=64"]))
+    said = assumptions([price(work, Layout(8, 1, 1, 0, False, 1, 1, "1f1b", 1, ()), cluster)], work, cluster)
+    dev = cluster.device
+    assert f"ceiling {dev.gemm.ceiling:.3g}, half {dev.gemm.half:.3g}: {dev.gemm.source}" in said
+    assert f"x {dev.sustained_clock:.3g} sustained clock ({dev.sustained_source})" in said
+    h100 = load_cluster("h100-sxm")
+    assert "sustained clock" not in assumptions([price(work, Layout(8, 1, 1, 0, False, 1, 1, "1f1b", 1, ()), h100)], work, h100)

@@ -12,8 +12,8 @@ from behemoth.parallel.pipeline.analysis.simulate import Costs, simulate, stash_
 from behemoth.parallel.pipeline.schedules import build_schedule
 from behemoth.planner.footprint import steady_peaks
 from behemoth.planner.layout import Layout, Workload
+from behemoth.planner.pipetime import PassCosts, closed_form_step, closed_listed_step
 from behemoth.planner.search import Space, search
-from behemoth.planner.steptime import PassCosts, closed_form_step, closed_listed_step
 from tests.test_planner_search_dims import optimum, small_cluster
 
 LISTED = ("zbv", "dualpipev", "1f1b-scp")

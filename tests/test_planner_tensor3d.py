@@ -10,10 +10,10 @@ import pytest
 
 from behemoth.cli.plan import assumptions
 from behemoth.config import load_config
+from behemoth.planner.comm import cube_seconds, depth_sync_seconds, summa_seconds
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.search import Space, enumerate_layouts, refusals, search
-from behemoth.planner.steptime import cube_seconds, depth_sync_seconds, summa_seconds
 from tests.test_planner_memory import BASE, TOLERANCE, measure_all
 from tests.test_planner_search_dims import SCHEDULES, optimum, small_cluster
 

@@ -157,6 +157,11 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
     dev, intra, inter, host = cluster.device, cluster.intra_node, cluster.inter_node, cluster.host
     dtype = work.compute_dtype
     curve = "measured matrix rates" if dev.matmul_tflops.get(dtype) else f"peak {dev.peak(dtype) / 1e12:.3g} TFLOP/s x efficiency by matrix size"
+    if not dev.matmul_tflops.get(dtype):
+        gemm = dev.gemm_curve(dtype)
+        curve += f" (ceiling {gemm.ceiling:.3g}, half {gemm.half:.3g}: {gemm.source or 'no source stated'})"
+    if dev.sustained_clock < 1.0:
+        curve += f", x {dev.sustained_clock:.3g} sustained clock ({dev.sustained_source or 'no source stated'})"
     lines = [
         "Assumptions behind these predictions:",
         f"  figures: {cluster.kind} cluster {cluster.name}" + (f" ({cluster.source.splitlines()[0][:100]})" if cluster.source else ""),

@@ -25,18 +25,11 @@ import yaml
 
 from behemoth.errors import BehemothError
 from behemoth.planner.cluster import ClusterSpec
+from behemoth.planner.comm import bucket_seconds, bytes_per, data_parallel_seconds
+from behemoth.planner.compute import block_pass, embed_pass, head_pass
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import (
-    block_pass,
-    bucket_seconds,
-    bytes_per,
-    data_parallel_seconds,
-    embed_pass,
-    head_pass,
-    optimizer_seconds,
-    pass_costs,
-)
+from behemoth.planner.steptime import optimizer_seconds, pass_costs
 
 DEFAULT_AMPLIFICATION = 2.0
 INF = float("inf")

@@ -118,7 +118,7 @@ def op_overhead(device: torch.device) -> float:
     """Microseconds of one operator of a model's pass when its tensors are tiny: a tiny GPT block's forward and backward
     (launch, dispatch, autograd and module overhead) divided by the operators the cost model counts for it."""
     from behemoth.models.gpt import Block, GPTConfig
-    from behemoth.planner.steptime import FORWARD_OPS_PER_BLOCK
+    from behemoth.planner.compute import FORWARD_OPS_PER_BLOCK
 
     g = torch.Generator(device=device).manual_seed(0)
     block = Block(GPTConfig(n_layer=1, n_head=2, d_model=16, context=8, vocab_size=8)).to(device)
@@ -247,8 +247,8 @@ def priced_block(
     """(products and attention, everything else) seconds steptime prices for one block of width `d` over `tokens`,
     forward and backward, on a device with the measured fp32 `matmul` curve."""
     from behemoth.config import load_config
+    from behemoth.planner.compute import block_costs
     from behemoth.planner.layout import Layout, Workload
-    from behemoth.planner.steptime import block_costs
 
     options = [f"model.d_model={d}", "model.n_head=4", "model.n_layer=1", f"model.context={tokens}", "model.vocab_size=8"]
     work = Workload.of(load_config(None, options + [f"train.seq_len={tokens}", "train.global_batch=1"]))

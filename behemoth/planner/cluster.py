@@ -144,6 +144,14 @@ class DeviceSpec(Spec):
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
     adamw: AdamWRate | None = Field(None, description="measured AdamW step cost (behemoth calibrate); None: priced from memory bandwidth")
+    sustained_clock: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="share of the rated (boost-clock) rate the device sustains through a training step's kernels; 1 for a "
+        "calibration (its rates are measured); a preset states where its figure comes from",
+    )
+    sustained_source: str = Field("", description="where `sustained_clock` comes from (a fit: its rows and command)")
     block_efficiency: float = Field(
         1.0,
         gt=0,
@@ -203,7 +211,11 @@ class DeviceSpec(Spec):
         return max(compute, memory)
 
     def peak_rate(self, dtype: str) -> float:
-        """FLOP/s the curve's shares are of: the rated peak, or the best measured when none is rated."""
+        """FLOP/s the curve's shares are of while training: the rated rate at the sustained clock."""
+        return self.rated_rate(dtype) * self.sustained_clock
+
+    def rated_rate(self, dtype: str) -> float:
+        """FLOP/s the device is rated at: the rated peak, or the best measured when none is rated."""
         rated = self.peak_tflops.get(dtype)
         if rated is None and self.matmul_tflops.get(dtype):
             rated = max(v for _, v in self.matmul_tflops[dtype])
@@ -218,7 +230,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 
 def _fitted_curve(device: DeviceSpec, dtype: str) -> GemmCurve:
     measured = device.matmul_tflops.get(dtype)
-    peak = device.peak_rate(dtype) / 1e12
+    peak = device.rated_rate(dtype) / 1e12
     if measured:
         points = [(n, n, n, v / peak) for n, v in measured]
         return fit_gemm(points, source=f"fitted to the measured {dtype} squares")

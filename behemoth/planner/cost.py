@@ -14,7 +14,8 @@ from behemoth.models.shape import hardware_flops_per_token, layer_flops
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.footprint import RankMemory, rank_memory
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import StepTime, runtime_bounds, scp_share, step_time, uniform_bounds
+from behemoth.planner.pipetime import runtime_bounds, scp_share, uniform_bounds
+from behemoth.planner.steptime import StepTime, step_time
 
 GiB = 2**30
 TIGHT_MEMORY = 0.9  # a plan whose busiest rank uses more than this share of the device is memory-bound

@@ -82,11 +82,13 @@ def row_layout(row: dict[str, Any]) -> Layout:
     return Layout(dp, tp, pp, row["zero"], False, mb, m, row["schedule"], 1, recompute)
 
 
-def source_cluster(source: dict[str, Any], gpus: int) -> ClusterSpec:
-    """The source's preset with what the source says differs (device fields, the network), for `gpus` devices."""
+def source_cluster(source: dict[str, Any], gpus: int, device: dict[str, Any] | None = None) -> ClusterSpec:
+    """The source's preset with what the source says differs (device fields, the network), for `gpus` devices; `device`:
+    fields set on top (a fit's trial value)."""
     cluster = load_cluster(source["cluster"]).with_nodes(gpus)
-    if source.get("device"):
-        cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update=source["device"])})
+    update = {**source.get("device", {}), **(device or {})}
+    if update:
+        cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update=update)})
     if source.get("inter_node") and cluster.inter_node is not None:
         cluster = cluster.model_copy(update={"inter_node": cluster.inter_node.model_copy(update=source["inter_node"])})
     return cluster
@@ -116,7 +118,7 @@ def load_sources(folder: Path = PUBLISHED_DIR) -> list[dict[str, Any]]:
     return sources
 
 
-def price_row(source: dict[str, Any], row: dict[str, Any]) -> PublishedRow:
+def price_row(source: dict[str, Any], row: dict[str, Any], device: dict[str, Any] | None = None) -> PublishedRow:
     """One row priced by the planner's one pricing function (the simulator for a pipeline)."""
     from behemoth.config import load_config
 
@@ -124,15 +126,40 @@ def price_row(source: dict[str, Any], row: dict[str, Any]) -> PublishedRow:
     work = replace(work, op_checkpointing=row["recompute"] == "op", p2p_inline=row.get("p2p_inline", "none"), p2p_split=row.get("p2p_split", False))
     lay = row_layout(row)
     lay = lay.but(boundaries=planned_bounds(work, lay))
-    cost = price(work, lay, source_cluster(source, row["gpus"]), exact=True, every_rank=False)
+    cost = price(work, lay, source_cluster(source, row["gpus"], device), exact=True, every_rank=False)
     predicted = cost.tokens_per_s / row["gpus"]
     described = lay.describe() + (" rc-op" if work.op_checkpointing else "")
     return PublishedRow(source["source"], row["name"], row.get("where", ""), described, published_tokens(source["metric"], row), predicted, cost)
 
 
-def validate(folder: Path = PUBLISHED_DIR, names: set[str] | None = None) -> list[PublishedRow]:
-    """Every published row (or those `names`), priced."""
-    return [price_row(src, row) for src in load_sources(folder) for row in src["rows"] if names is None or row["name"] in names]
+def validate(
+    folder: Path = PUBLISHED_DIR, names: set[str] | None = None, files: set[str] | None = None, device: dict[str, Any] | None = None
+) -> list[PublishedRow]:
+    """Every published row (or those `names`, or those of the source `files`), priced (`device`: fields set on top)."""
+    return [
+        price_row(src, row, device)
+        for src in load_sources(folder)
+        if files is None or src["file"] in files
+        for row in src["rows"]
+        if names is None or row["name"] in names
+    ]
+
+
+FIT_FILES = frozenset({"mpt-a100-80gb.yaml"})  # the rows the a100-80gb preset's sustained clock is fitted to
+CLOCK_BRACKET = (0.6, 1.0)  # a sustained clock is searched between these shares of the rated one
+CLOCK_TOLERANCE = 0.002
+
+
+def fit_sustained_clock(files: set[str] | frozenset[str] = FIT_FILES, folder: Path = PUBLISHED_DIR) -> float:
+    """The device's `sustained_clock` at which the rows of the source `files` are predicted, on geometric mean, at their
+    published throughput (the log ratios' mean zero): predicted throughput rises with the clock, so a bisection finds it.
+    The one number fitted to published runs; the rows of every other source stay held out."""
+    lo, hi = CLOCK_BRACKET
+    while hi - lo > CLOCK_TOLERANCE:
+        mid = (lo + hi) / 2
+        rows = validate(folder, files=set(files), device={"sustained_clock": mid})
+        lo, hi = (mid, hi) if statistics.fmean(math.log(r.ratio) for r in rows) < 0 else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass
 
 from behemoth.planner.cluster import ClusterSpec
+from behemoth.planner.compute import block_pass, embed_pass, head_pass
 from behemoth.planner.footprint import RankMemory, pending_weight_passes, stage_memory, stash_units
 from behemoth.planner.layout import Layout, Workload
-from behemoth.planner.steptime import block_pass, embed_pass, head_pass
 
 SINGLE_STAGE_SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 
