@@ -2,16 +2,20 @@
 live tensors during a training step (`profiler/measure.LiveBytes`) for a grid of small plans — data parallelism, ZeRO 0-3,
 tensor and sequence parallelism, a pipeline under each schedule (the V-shaped and shifted ones too), recomputation —
 on 1, 2 and 4 processes. The model states part must also equal the engine's own count to the byte. The default grid runs in well under a minute; the
-wider one is `pytest -m slow tests/test_planner_memory.py`."""
+wider one is `pytest -m slow tests/test_planner_memory.py`. A pipeline rank's kept receive buffers (parallel/pipeline/buffers.py)
+are part of the measured peak, and their count must equal the one the planner reads off the schedule."""
 
 from __future__ import annotations
 
 import pytest
 
 from behemoth.config import Config
+from behemoth.parallel.pipeline.schedules import schedule_chunks
 from behemoth.planner.cluster import load_cluster
 from behemoth.planner.cost import price
+from behemoth.planner.footprint import message_bytes
 from behemoth.planner.layout import Layout, Workload
+from behemoth.planner.receives import kept_receives
 from tests.common import tiny_config
 from tests.dist import run_ranks
 
@@ -68,20 +72,29 @@ def measure_all(cfgs: list[dict]) -> list[dict]:
     return [measure_plan(cfg, 1, 1) for cfg in cfgs]
 
 
+def kept_receive_bytes(work: Workload, lay: Layout, rank: int) -> float:
+    """The receive buffers the planner says pipeline rank `rank` keeps (planner/receives.py), in bytes."""
+    slots = kept_receives(lay.schedule, lay.pp, lay.microbatches, schedule_chunks(lay.schedule, lay.chunks), rank)
+    return slots * message_bytes(lay, work, lay.tokens(work.seq_len))
+
+
 def mismatches(world: int, plans: list[tuple[str, ...]], tmp_path, tolerance: float = TOLERANCE) -> list[str]:
-    """Every (plan, rank) whose predicted peak is off the measured one by more than `tolerance` (5%; states must match
-    exactly)."""
+    """Every (plan, rank) whose predicted peak is off the measured one by more than `tolerance` (5%; states and kept
+    receive buffers must match exactly)."""
     cfgs = [tiny_config(tmp_path / "run", *BASE, *plan) for plan in plans]
     ranks = run_ranks(world, measure_all, cfgs, timeout=300)
     cluster = load_cluster("a100-80gb")
     worst = []
     for i, plan in enumerate(plans):
         cfg = Config.model_validate(cfgs[i])
-        cost = price(Workload.of(cfg), Layout.of_config(cfg, world), cluster)
+        work, lay = Workload.of(cfg), Layout.of_config(cfg, world)
+        cost = price(work, lay, cluster)
         for got in (r[i] for r in ranks):
             predicted = cost.memory[got["coords"]["pp"]]
             states = sum(got["states"][k] for k in ("params", "grads", "optimizer"))
             assert abs(predicted.states - states) <= 0.002 * states, f"{plan} rank {got['rank']}: states {predicted.states} vs {states}"
+            kept = kept_receive_bytes(work, lay, got["coords"]["pp"])
+            assert kept == got["kept_receives"], f"{plan} rank {got['rank']}: kept receive buffers {kept} vs {got['kept_receives']}"
             error = predicted.peak / got["peak"] - 1
             worst.append((abs(error), plan, got["rank"], predicted.peak, got["peak"]))
     return [f"{' '.join(p) or 'dp'} rank {r}: predicted {a:.0f} vs measured {b} ({e:.1%})" for e, p, r, a, b in worst if e > tolerance]

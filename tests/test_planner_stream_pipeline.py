@@ -61,3 +61,71 @@ def test_a_streamed_split_backward_keeps_two_hidden_states_per_block_until_its_w
     cluster = small_cluster(1.0)
     t_split, t_plain = price(work, split, cluster).time, price(work, plain, cluster).time
     assert t_split.recompute > t_plain.recompute > 0 and t_split.offload_io > t_plain.offload_io
+
+
+def counted_collectives(cfg_dict: dict) -> dict:
+    """One rank of a streamed pipeline: the bytes a step all-gathers and reduce-scatters (the engine's meter)."""
+    from behemoth.config import Config
+    from behemoth.engine import build_engine
+    from behemoth.profiler.measure import random_micro_batches
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(cfg_dict)
+    rt = init_runtime(timeout_s=cfg.run.timeout_s, **cfg.parallel.degrees())
+    try:
+        engine = build_engine(cfg, rt)
+        batches = random_micro_batches(cfg, rt.dims, seed=rt.coordinate("dp"))
+        engine.model.meter.reset()
+        engine.train_step(batches, lr=1e-4)
+        ops = engine.model.meter.summary()
+        return {"pp": rt.coordinate("pp"), **{op: ops.get(op, {}).get("bytes", 0) for op in ("all_gather", "reduce_scatter", "all_reduce")}}
+    finally:
+        engine.close()
+        rt.close()
+
+
+HOST_STATES = tuple(f"offload.{k}=host" for k in ("params", "grads", "optimizer"))
+STREAMED_DP = ("model.n_layer=4", "parallel.pp=2", "train.micro_batch=1", "train.global_batch=8", *HOST_STATES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zb-h1", "1f1b"])
+def test_a_streamed_pipelines_data_parallel_traffic_is_what_its_units_move(schedule, tmp_path):
+    """pp=2 x dp=2 streamed from host memory (4 gloo ranks): each rank's all-gathered and reduce-scattered bytes in a
+    step, counted by the engine's meter, equal the planner's count of its units' stays (each gathers the unit, each that
+    computes gradients reduce-scatters them; 1F1B's first stage keeps its embedding from a backward into the next
+    forward) to the padding of its units (they were equal to the byte), and no all-reduce of the gradients runs."""
+    from behemoth.config import Config
+    from behemoth.planner.cost import resolve_bounds
+    from behemoth.planner.stream_traffic import streamed_traffic_bytes
+    from tests.common import tiny_config
+    from tests.dist import run_ranks
+
+    raw = tiny_config(tmp_path / "run", *STREAMED_DP, f"parallel.schedule={schedule}")
+    ranks = run_ranks(4, counted_collectives, raw, timeout=300)
+    cfg = Config.model_validate(raw)
+    work, lay = Workload.of(cfg), Layout.of_config(cfg, 4)
+    bounds = resolve_bounds(work, lay)
+    for got in ranks:
+        gathered, scattered = streamed_traffic_bytes(work, lay, bounds, got["pp"])
+        assert abs(got["all_gather"] / gathered - 1) < 0.002 and abs(got["reduce_scatter"] / scattered - 1) < 0.002, (got, gathered, scattered)
+        assert got["all_reduce"] < 64  # the loss's scalars, no gradients
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"])
+def test_the_closed_count_of_streamed_stays_bounds_the_listed_one(schedule):
+    """A long pipeline's stays are counted without merges: the same reduce-scatters as the visit order's stays, at
+    least as many gathers, more where a pass's first unit is kept from the pass before (the embedding from a backward
+    into a forward, the last block from a forward into its backward, a W's first block from its BI); GPipe (all
+    forwards, then all backwards) merges at most once a stage, at its turn."""
+    from behemoth.planner.stream_traffic import closed_stays, unit_stays
+
+    v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+    lay = Layout(pp=2, micro_batch=1, microbatches=4, schedule=schedule, chunks=v, offload=HOST)
+    bounds = tuple(range(0, 4 * lay.stages + 1, 4))
+    for rank in range(2):
+        listed, closed = unit_stays(schedule, 2, 4, v, rank, bounds), closed_stays(lay, bounds, rank)
+        assert [u for u, _, _ in listed] == sorted(u for u, _, _ in closed)
+        assert sum(g for *_, g in listed) == sum(g for *_, g in closed)
+        extra = sum(s for _, s, _ in closed) - sum(s for _, s, _ in listed)
+        assert 0 <= extra <= (len(lay.held_stages(rank)) if schedule == "gpipe" else extra), (schedule, rank, listed, closed)

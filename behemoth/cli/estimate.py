@@ -126,11 +126,11 @@ def measure(cfg: Config, world: int, ests: list[StageEstimate]) -> dict[int, dic
 
 
 def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str, Any]]:
-    """One rank: build the engine at each stage, run one step on random tokens; the bytes it holds and the traffic of the step."""
-    import torch
-
+    """One rank: build the engine at each stage, run one step of one micro-batch of random tokens; the bytes it holds and
+    the traffic of the step."""
     from behemoth.config import Config
     from behemoth.engine import build_engine
+    from behemoth.profiler.measure import random_micro_batches
     from behemoth.topology import init_runtime
 
     base = Config.model_validate(cfg_dict)
@@ -142,8 +142,7 @@ def measure_worker(cfg_dict: dict[str, Any], stages: list[int]) -> list[dict[str
             cfg = Config.model_validate({**cfg_dict, "parallel": plan})
             engine = build_engine(cfg, rt)
             engine.model.measure_buffers()
-            tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
-            engine.train_step([(tokens[:, :-1], tokens[:, 1:])], lr=0.0)
+            engine.train_step(random_micro_batches(cfg, rt.dims, seed=0)[:1], lr=0.0)  # one micro-batch of the plan's size
             out.append({"stage": stage, "bytes": engine.model_state_bytes(), "comm": engine.model.meter.summary()})
             del engine
     finally:

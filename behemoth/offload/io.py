@@ -9,10 +9,12 @@ did not hide. A job's exception is raised where its result is waited for, at the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 
@@ -27,6 +29,7 @@ class IOPool:
         self.last: dict[int, Future] = {}
         self.unfinished: deque[Future] = deque()
         self.wait_s = 0.0
+        self.job_context: Callable[[], AbstractContextManager] | None = None  # what each job runs in (a memory meter's)
 
     def submit(self, unit: int, job: Callable[..., Any], *args: Any) -> Future:
         """Run `job(*args)` after every job submitted earlier for `unit`."""
@@ -34,7 +37,7 @@ class IOPool:
         while len(self.unfinished) >= self.max_in_flight:
             self.wait(self.unfinished[0])
         before, done = self.last.get(unit), Future()
-        future = self.pool.submit(_after, before, done, job, args)
+        future = self.pool.submit(_after, before, done, job, args, self.job_context)
         self.last[unit] = done  # the order of a unit's jobs needs their end, not their results (which may be large)
         self.unfinished.append(future)
         return future
@@ -67,11 +70,12 @@ class IOPool:
             self.pool.shutdown(wait=True)
 
 
-def _after(before: Future | None, done: Future, job: Callable[..., Any], args: tuple) -> Any:
+def _after(before: Future | None, done: Future, job: Callable[..., Any], args: tuple, context: Callable[[], AbstractContextManager] | None) -> Any:
     try:
         if before is not None:
             before.result()  # an earlier job of this unit failed: so does this one
-        result = job(*args)
+        with context() if context is not None else contextlib.nullcontext():
+            result = job(*args)
     except BaseException as err:
         done.set_exception(err)
         raise

@@ -88,7 +88,7 @@ def unfit_advice(
     lines = [
         f"No plan fits {world} devices of {gib(light.limit)} GiB usable: the lightest, {light.layout.describe()}, needs "
         f"{gib(light.peak_memory)} GiB on pp rank {mem.rank}, {gib(over)} GiB ({over / light.limit:.0%}) more "
-        f"(model states {gib(mem.states)}, activations {gib(mem.stash)}, working set {gib(mem.working + mem.deferred + mem.buffers)})."
+        f"(model states {gib(mem.states)}, activations {gib(mem.stash)}, working set {gib(mem.working + mem.deferred + mem.buffers + mem.receives)})."
     ]
     more = fits_on(world)
     if more is not None:

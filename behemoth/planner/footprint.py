@@ -29,7 +29,7 @@ from functools import lru_cache
 
 from behemoth.parallel.pipeline.analysis.simulate import stash_profile
 from behemoth.parallel.pipeline.refusals import V_SCHEDULES
-from behemoth.parallel.pipeline.schedules import build_schedule
+from behemoth.parallel.pipeline.schedules import build_schedule, schedule_chunks
 from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.planner.attention import context_backward_working, context_saved_elements
@@ -37,6 +37,7 @@ from behemoth.planner.census import TPShare
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
 from behemoth.planner.moe_memory import moe_backward_working, moe_saved_elements
+from behemoth.planner.receives import kept_receives
 
 STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
 FROZEN_PARAM_BYTES = 4  # a frozen (LoRA) base parameter: float32 on every data-parallel rank, nothing else
@@ -58,6 +59,7 @@ class RankMemory:
     elements: int = 0
     host: float = 0.0  # model states offloaded to host memory (offload.*=cpu), not on the device
     disk: float = 0.0  # model states offloaded to disk (offload.*=disk)
+    receives: float = 0.0  # the pipeline's kept receive buffers (resident all step; they hold every received tensor)
 
     @property
     def states(self) -> float:
@@ -65,12 +67,13 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        return self.states + max(self.stash + self.working + self.deferred + self.buffers, self.optimizer_step)
+        return self.states + self.receives + max(self.stash + self.working + self.deferred + self.buffers, self.optimizer_step)
 
     def scaled(self, stash: float, deferred: float) -> float:
         """The peak of a rank like this one holding `stash` times its stashed micro-batches and `deferred` times its
         deferred gradients (ranks of one pipeline differ only in those)."""
-        return self.states + max(self.stash * stash + self.working + self.deferred * deferred + self.buffers, self.optimizer_step)
+        transient = self.stash * stash + self.working + self.deferred * deferred + self.buffers
+        return self.states + self.receives + max(transient, self.optimizer_step)
 
 
 def rank_blocks(lay: Layout, bounds: tuple[int, ...], rank: int) -> list[tuple[int, int]]:
@@ -259,9 +262,25 @@ def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int
     if lay.pp == 1:
         return 0.0
     directions = sum((s != lay.stages - 1) + (s != 0) for s, _ in stages)
-    message = tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
+    message = message_bytes(lay, work, tokens)
     held = lay.microbatches if lay.schedule in ("1f1b", "gpipe", "zb-h1", "1f1b-scp") else 1
     return held * directions * message
+
+
+def message_bytes(lay: Layout, work: Workload, tokens: int) -> float:
+    """One pipeline message: a micro-batch's hidden states (or their gradient) between two stages."""
+    return tokens * work.census.shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
+
+
+def receive_buffers(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], units: int, tokens: int) -> float:
+    """The kept receive buffers of pipeline rank `rank` (planner/receives.py), less the received stage inputs its stash
+    counts (`units` stashed micro-batches, spread over its held stages, and 1f1b-scp's kept inputs): those live in them."""
+    if lay.pp == 1:
+        return 0.0
+    slots = kept_receives(lay.schedule, lay.pp, lay.microbatches, schedule_chunks(lay.schedule, lay.chunks), rank)
+    later = sum(s != 0 for s, _ in stages) / len(stages)
+    kept = schedule_peaks(lay.schedule, lay.pp, lay.microbatches)[rank][2] if lay.schedule == "1f1b-scp" and later else 0
+    return max(0.0, slots - units * later - kept) * message_bytes(lay, work, tokens)
 
 
 def deferred_gradients(share: TPShare, lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:
@@ -376,4 +395,5 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
         elements,
         sum(tiers["host"]),
         sum(tiers["disk"]),
+        receive_buffers(lay, work, rank, stages, units, tokens),
     )

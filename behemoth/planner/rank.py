@@ -70,8 +70,9 @@ def split_grid(lm: CausalLM, tp: int, mode: str, depth: int = 1) -> None:
 
 
 def rank_model(cfg: Any, dims: ParallelDims, pp_rank: int = 0, *, streamed: bool = False) -> RankModel:
-    """Pipeline rank `pp_rank`'s part of the config's model on `dims`, as `parallelize` lays it out (steps 1-3);
-    `streamed`: its stages streamed by offload (a tied embedding's last-stage copy is the whole embedding unit)."""
+    """Pipeline rank `pp_rank`'s part of the config's model on `dims`, as `parallelize` lays it out (steps 1-3; a 2-D,
+    2.5-D or 3-D plan by `split_grid`); `streamed`: its stages streamed by offload (a tied embedding's last-stage copy
+    is the whole embedding unit)."""
     lm, plan = build_causal_lm(cfg.model, cfg.hf), cfg.parallel
     stages, shared = None, False
     if dims.pp > 1:
@@ -80,6 +81,10 @@ def rank_model(cfg: Any, dims: ParallelDims, pp_rank: int = 0, *, streamed: bool
         bounds = resolve_stage_boundaries(plan, lm, cfg.seq_len, batch.micro_batch)  # balance=time: by FLOPs before launch
         stages = cut_model(lm.module, schedule.chunk_stages[pp_rank], bounds, lm.layers, lm.shape.tied, streamed=streamed)
         shared = tied_peer(schedule, pp_rank, lm.shape.tied) is not None
-    is_expert = split_model(lm, dims.tp, dims.ep, plan.sequence_parallel)
+    if dims.tp > 1 and plan.tp_mode != "1d":  # a grid or cube: every parameter cut to 1/q^2 or 1/q^3 (no experts: refused)
+        split_grid(lm, dims.tp, plan.tp_mode, plan.tp_depth if plan.tp_mode == "2.5d" else 1)
+        is_expert = None
+    else:
+        is_expert = split_model(lm, dims.tp, dims.ep, plan.sequence_parallel)
     held = stage_parameters(lm.module, stages, lm.layers, shared=shared) if stages is not None else None
     return RankModel(lm, dims, held, is_expert)

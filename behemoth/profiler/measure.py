@@ -15,6 +15,7 @@ benchmarks/bench_planner.py. Per rank, after warm-up steps (so the optimizer sta
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 import weakref
 from typing import Any
@@ -26,36 +27,65 @@ from torch.utils._pytree import tree_flatten
 from behemoth.topology import ParallelDims
 
 
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages operators allocate while active, live now and at their peak (freed storages leave
-    the count when their last reference goes). Outputs that alias an input (views, in-place ops) allocate nothing."""
+class Ledger:
+    """Live and peak bytes of tracked storages, shared by the `LiveBytes` modes of several threads."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.live = self.peak = 0
-        self._alive: dict[int, Any] = {}
+        self.alive: dict[int, Any] = {}
+        self.lock = threading.RLock()  # a weakref callback may free a storage while this thread tracks one
 
-    def _free(self, key: int, nbytes: int) -> None:
-        if self._alive.pop(key, None) is not None:
-            self.live -= nbytes
+    def free(self, key: int, nbytes: int) -> None:
+        with self.lock:
+            if self.alive.pop(key, None) is not None:
+                self.live -= nbytes
 
-    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
+    def track(self, t: torch.Tensor, inputs: set[int]) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in inputs or key in self._alive:
-            return
-        nbytes = storage.nbytes()
-        self._alive[key] = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self._free(key, nbytes))
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        with self.lock:
+            if key in inputs or key in self.alive:
+                return
+            nbytes = storage.nbytes()
+            self.alive[key] = weakref.ref(storage, lambda _ref, key=key, nbytes=nbytes: self.free(key, nbytes))
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages operators allocate while active, live now and at their peak (freed storages leave
+    the count when their last reference goes). Outputs that alias an input (views, in-place ops) allocate nothing.
+    A dispatch mode is per thread: `on_thread` counts another thread's allocations (offload's I/O jobs) in the same
+    ledger."""
+
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        super().__init__()
+        self.ledger = ledger or Ledger()
+
+    @property
+    def live(self) -> int:
+        return self.ledger.live
+
+    @property
+    def peak(self) -> int:
+        return self.ledger.peak
+
+    def on_thread(self) -> LiveBytes:
+        """A mode for another thread, counting into this one's ledger."""
+        return LiveBytes(self.ledger)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._track(t, inputs)
+                self.ledger.track(t, inputs)
         return out
+
+
+def io_pools(model: Any) -> list[Any]:
+    """The offload I/O pools of a model's syncs (their jobs allocate on threads of their own)."""
+    return [sync.io for sync in getattr(model, "syncs", []) if hasattr(sync, "io")]
 
 
 def random_micro_batches(cfg: Any, dims: ParallelDims, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,6 +117,16 @@ def activation_bytes(engine: Any, micro_batches: list) -> int:
     return meter.bytes
 
 
+def kept_receive_bytes(model: Any) -> int:
+    """Bytes of the receive buffers a pipeline rank keeps between steps (parallel/pipeline/buffers.py): resident when
+    a step starts, and reused by its receives (which then allocate nothing a `LiveBytes` would see)."""
+    pipeline = getattr(model, "pipeline", None)
+    executor = getattr(pipeline, "executor", None) if pipeline is not None else None
+    streamed = getattr(model, "executor", None)
+    executor = executor or getattr(streamed, "executor", None)  # a streamed pipeline's own pipeline executor
+    return executor.buffers.held_bytes() if executor is not None and hasattr(executor, "buffers") else 0
+
+
 def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> dict[str, Any]:
     """One rank of a job under the current process group: build the plan's engine, time `steps` steps after `warmup`,
     and measure the memory of the last one (see the module docstring)."""
@@ -108,16 +148,25 @@ def measure_plan(cfg_dict: dict[str, Any], steps: int = 3, warmup: int = 1) -> d
             synchronize(rt.device)
             times.append(time.perf_counter() - t0)
         engine.model.measure_buffers()
-        with LiveBytes() as live:  # one more step, metered (the meters slow it: not timed)
+        kept = kept_receive_bytes(engine.model)
+        pools = io_pools(engine.model)
+        with LiveBytes() as live:  # one more step, metered (the meters slow it: not timed), offload's I/O jobs too
+            for pool in pools:
+                pool.job_context = live.on_thread
             engine.train_step(batches, lr=1e-4)
+            for pool in pools:
+                pool.drain()
+                pool.job_context = None
         states = engine.model_state_bytes()
         held = sum(states[k] for k in ("params", "grads", "optimizer"))
+        engine.close()  # offload's I/O threads and scratch: the next plan measured in this process may claim them
         return {
             "rank": rt.rank,
             "coords": {d: rt.coordinate(d) for d in ("pp", "dp", "tp")},
             "states": states,
             "activations": activation_bytes(engine, batches),
-            "peak": held + live.peak,
+            "peak": held + kept + live.peak,
+            "kept_receives": kept,
             "step_time": statistics.median(times[warmup:]),
             "times": times[warmup:],
         }
