@@ -32,7 +32,8 @@ def test_deepspeed_peer_ends_on_the_trials_own_curve(tmp_path, corpus):  # noqa:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
     script = str(ROOT / "benchmarks" / "sweep_deepspeed.py")
     argv = ["--config", str(config), "--lrs", ",".join(map(str, lrs)), "--stage", "2", "--out", str(out)]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script, *argv], env=env, check=True, timeout=900)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
+    subprocess.run([*launch, *argv], env=env, check=True, timeout=900)
     theirs = json.loads(out.read_text())["trials"]
     for (train, val), trial in zip(ours, theirs, strict=True):
         assert trial["losses"] == pytest.approx([loss for _, loss in train], rel=1e-5)
