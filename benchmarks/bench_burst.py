@@ -203,9 +203,9 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
     )
     print(
         "| plan | measured ms | predicted ms | measured / predicted | rank 0 passes ms (predicted compute + transfer) "
-        "| sync ms (predicted) | optimizer ms (predicted) |"
+        "| sync ms (predicted) | optimizer ms (predicted) | CPU ms per step, all ranks |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     dp = (n,) * len(plan.widths)
     for widths in plans:
         got, want = best[widths], problem.plan_of(widths)
@@ -214,7 +214,7 @@ def measure(args: argparse.Namespace, rows: list[dict]) -> tuple[int, ...]:
         print(
             f"| {widths}{label} | {got['step_s'] * 1e3:.1f} | {want.step_seconds * 1e3:.1f} | {got['step_s'] / want.step_seconds:.2f} | "
             f"{got['passes_s'] * 1e3:.1f} ({(p['compute'] + p['transfer']) * 1e3:.1f}) | {got['sync_s'] * 1e3:.1f} ({p['sync'] * 1e3:.1f}) | "
-            f"{got['optimizer_s'] * 1e3:.1f} ({p['optimizer'] * 1e3:.1f}) |"
+            f"{got['optimizer_s'] * 1e3:.1f} ({p['optimizer'] * 1e3:.1f}) | {got['cpu_all_s'] * 1e3:.1f} |"
         )
         rows.append(
             ratio("burst", f"measured {n} CPU ranks {widths}", "predicted", "step time", got["step_s"], want.step_seconds, higher_is_better=False)

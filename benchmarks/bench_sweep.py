@@ -2,7 +2,8 @@
 a device budget, hydra against each trial alone with offload.
 
     python benchmarks/bench_sweep.py [--part makespan|spill|all] [--trials 4] [--steps 40] [--concurrency 2] [--model gpt-tiny]
-        [--budget-mb 0.4] [--cases loop,sequential,concurrent,hydra-whole,hydra] [--spill-model gpt-1m] [--spill-layers 8]
+        [--budget-mb 0.4] [--cases loop,sequential,concurrent,hydra-whole,hydra,deepspeed-0,deepspeed-1,deepspeed-2] [--ds-nproc 2]
+        [--spill-model gpt-1m] [--spill-layers 8]
         [--spill-budget-mb 6.5]
         [--quick] [--json FILE]
 
@@ -13,7 +14,10 @@ a device budget, hydra against each trial alone with offload.
 - `sweep concurrent`: `behemoth sweep` with `--concurrency` trials at once, each slot pinned to its share of the cores;
 - `sweep hydra`: `behemoth sweep` with sweep.execution=hydra on `--concurrency` workers: every trial's shard tasks
   interleaved over the workers by longest remaining time, once with each trial whole (one shard) and once cut into
-  shards against a device budget of `--budget-mb` (spilled to shared host memory between tasks, prefetched).
+  shards against a device budget of `--budget-mb` (spilled to shared host memory between tasks, prefetched);
+- `deepspeed-Z` (needs the `bench` extra): the same K trials one after another under DeepSpeed ZeRO stage Z, each over
+  `--ds-nproc` gloo ranks on DeepSpeed's CPU accelerator, in one torchrun launch (benchmarks/sweep_deepspeed.py: the
+  sweep's model, data, schedule and AdamW); with `sequential` also run, each trial's losses are compared with its own.
 
 `--part spill`: K trials of `--spill-model` (states over `--spill-budget-mb`) on 2 ranks: hydra (budget, shards spilled
 to host memory) against a sequential sweep of `--nproc 2` runs with offload.params=host and offload.optimizer=host.
@@ -57,11 +61,17 @@ CPU_S: list[float] = []  # the CPU seconds (user + system, the command and every
 
 def behemoth(*args: str) -> float:
     """Run a behemoth command to its end; its wall time (its CPU time appended to CPU_S)."""
+    return timed_command("-m", "behemoth", *args)
+
+
+def timed_command(*args: str, timeout: float | None = None) -> float:
+    """Run `python ARGS` to its end (OMP_NUM_THREADS=1, this tree importable); its wall time (its CPU time, and that of
+    every process it waited for, appended to CPU_S)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, "-m", "behemoth", *args], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     if proc.returncode != 0:
-        raise SystemExit(f"behemoth {' '.join(args[:2])} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise SystemExit(f"{' '.join(args[:3])} failed: {proc.stderr.strip().splitlines()[-1:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     CPU_S.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
     return time.perf_counter() - t0
@@ -82,6 +92,36 @@ def run_sweep(work: Path, cfg: dict, k: int, name: str, nproc: int = 1, **option
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump({"sweep": {"dir": str(work / name), **options}, "base": cfg, "grid": {"train.lr": lrs(k)}}))
     return behemoth("sweep", str(path), "--nproc", str(nproc))
+
+
+DEEPSPEED = ROOT / "benchmarks" / "sweep_deepspeed.py"
+
+
+def run_deepspeed(work: Path, k: int, stage: int, nproc: int, config: str = "base.yaml") -> float:
+    """The K trials one after another under DeepSpeed ZeRO `stage`, each over `nproc` gloo ranks: one torchrun launch
+    of benchmarks/sweep_deepspeed.py (the same model, data, schedule and AdamW as the sweep's trials)."""
+    argv = ["--config", str(work / config), "--lrs", ",".join(map(str, lrs(k))), "--stage", str(stage)]
+    argv += ["--out", str(work / f"deepspeed-{stage}.json")]
+    return timed_command("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(DEEPSPEED), *argv, timeout=3600)
+
+
+def trial_curves(folder: Path, k: int) -> list[tuple[list[float], float]]:
+    """Each trial of a sweep directory, in grid order: its per-step training losses and its last validation loss."""
+    curves = []
+    for i in range(k):
+        rows = [json.loads(line) for line in (folder / f"trial-{i:03d}" / "metrics.jsonl").read_text().splitlines()]
+        curves.append(([r["loss"] for r in rows if "loss" in r], [r["val_loss"] for r in rows if "val_loss" in r][-1]))
+    return curves
+
+
+def deepspeed_agreement(work: Path, k: int, stage: int) -> str:
+    """How far DeepSpeed's per-step and final validation losses are from the sequential sweep's, over the K trials."""
+    ours = trial_curves(work / "sequential", k)
+    theirs = json.loads((work / f"deepspeed-{stage}.json").read_text())["trials"]
+    steps = max(abs(a - b) / abs(a) for (losses, _), t in zip(ours, theirs) for a, b in zip(losses, t["losses"], strict=True))
+    val = max(abs(v - t["val_loss"]) / abs(v) for (_, v), t in zip(ours, theirs))
+    finals = ", ".join(f"{v:.4f}/{t['val_loss']:.4f}" for (_, v), t in zip(ours, theirs))
+    return f"  deepspeed-{stage} vs sweep sequential: largest relative loss difference {steps:.1e} (steps), {val:.1e} (final val; {finals})"
 
 
 def hydra_shards(work: Path, name: str) -> tuple[int, float]:
@@ -112,14 +152,19 @@ def makespan_part(args: argparse.Namespace, work: Path, steps: int, argv: list[s
         "hydra-whole": lambda: run_sweep(work, cfg, k, "hydra-whole", nproc=c, execution="hydra"),
         "hydra": lambda: run_sweep(work, cfg, k, "hydra", nproc=c, execution="hydra", hydra={"budget_mb": args.budget_mb}),
     }
+    runs |= {f"deepspeed-{z}": lambda z=z: run_deepspeed(work, k, z, args.ds_nproc) for z in range(4)}
+    cases = args.cases.split(",")
+    if any(case.startswith("deepspeed") for case in cases):  # its first launch JIT-builds a CPU op (minutes): not timed
+        run_deepspeed(work, 1, 0, args.ds_nproc, config="warm.yaml")
     measured: dict[str, tuple[float, float]] = {}
-    for case in args.cases.split(","):
+    for case in cases:
         if case not in runs:
             raise SystemExit(f"--cases: {case!r} is not one of {','.join(runs)}")
         CPU_S.clear()
         wall = runs[case]()
         measured[case] = (wall, sum(CPU_S))
     labels = {"loop": "loop of behemoth train", "sequential": "sweep sequential", "concurrent": f"sweep concurrent ({c} at once)"}
+    labels |= {f"deepspeed-{z}": f"DeepSpeed ZeRO-{z}, trials one after another ({args.ds_nproc} ranks each)" for z in range(4)}
     for name in ("hydra-whole", "hydra"):
         if name in measured:
             shards, peak = hydra_shards(work, name)
@@ -134,8 +179,11 @@ def makespan_part(args: argparse.Namespace, work: Path, steps: int, argv: list[s
     for name in ("hydra-whole", "hydra"):
         if name in measured:
             print(breakdown(work, name))
+    for z in range(4):
+        if f"deepspeed-{z}" in measured and "sequential" in measured:
+            print(deepspeed_agreement(work, k, z))
     rows = []
-    for case in ("hydra-whole", "hydra", "concurrent"):
+    for case in ("hydra-whole", "hydra", "concurrent", *(f"deepspeed-{z}" for z in range(4))):
         if case in measured and "sequential" in measured:
             rows.append(ratio("sweep", f"{k}x{args.model} {case}", "sweep sequential", "makespan_s", measured[case][0], seq, higher_is_better=False))
     return rows
@@ -186,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--budget-mb", type=float, default=0.4, help="hydra's device budget for model states per worker, MiB")
     p.add_argument("--cases", default="loop,sequential,concurrent,hydra-whole,hydra", help="makespan cases to run, comma-separated")
+    p.add_argument("--ds-nproc", type=int, default=2, help="deepspeed-Z cases: ranks per trial (DeepSpeed's data parallelism)")
     p.add_argument("--spill-model", default="gpt-1m", help="--part spill: the model whose states exceed --spill-budget-mb")
     p.add_argument("--spill-layers", type=int, default=8, help="--part spill: the model's blocks")
     p.add_argument("--spill-budget-mb", type=float, default=6.5, help="--part spill: hydra's device budget per worker, MiB")
