@@ -20,13 +20,12 @@ from typing import Any
 
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
 from behemoth.sweep.hydra import wire
 from behemoth.sweep.hydra.join import Joins, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
-from behemoth.sweep.hydra.worker import worker_main
+from behemoth.sweep.hydra.worker import trial_model, worker_main
 from behemoth.sweep.setup import SweepSetup
 
 DEPTH = 2  # tasks a worker holds: the running one and the prefetched next
@@ -302,7 +301,7 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
         if why:
             raise BehemothError(f"{trial.name} ({trial.diff()}): hydra execution does not run {why}", "use sweep.execution=sequential or concurrent")
         try:
-            plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
+            plan_shards(trial_model(cfg), budget)
         except BehemothError as err:
             raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
     hydra = options.hydra

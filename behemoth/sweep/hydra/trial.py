@@ -16,16 +16,18 @@ from typing import Any
 import torch
 
 from behemoth.config import Config, load_config
-from behemoth.data import BatchSampler
+from behemoth.data import BatchSampler, copy_tokenizer
 from behemoth.engine import lr_at
 from behemoth.errors import BehemothError
 from behemoth.faults.preflight import exports
 from behemoth.metrics import MetricsLog
-from behemoth.models.causal_lm import build_causal_lm
-from behemoth.models.init import materialize
+from behemoth.models.causal_lm import CausalLM
+from behemoth.models.init import draw_full
+from behemoth.models.lora import adapter_parameters
+from behemoth.models.peft_io import write_adapter
 from behemoth.parallel.clip import clip_coefficient
-from behemoth.sweep.hydra.shards import STATES, ShardPlan, plan_shards
-from behemoth.sweep.hydra.worker import disk_buffer
+from behemoth.sweep.hydra.shards import ShardPlan, plan_shards
+from behemoth.sweep.hydra.worker import disk_buffer, trial_model
 from behemoth.topology import ParallelDims
 
 Task = dict[str, Any]
@@ -35,14 +37,15 @@ TRAIN_STREAM, VAL_STREAM = 0, 1  # as the trainer draws its train and validation
 
 def unsupported(cfg: Config) -> str | None:
     """Why hydra cannot run this trial exactly as `behemoth train` would (None: it can)."""
+    lora = cfg.finetune.lora
     checks = [
         (any((d or 1) > 1 for d in cfg.parallel.degrees().values()), "a parallel plan (hydra runs each trial's shards one at a time)"),
         (cfg.offload.enabled, "offload (hydra spills the shards itself)"),
-        (cfg.finetune.lora.enabled, "LoRA"),
+        (lora.enabled and lora.base_bits != 32, f"finetune.lora.base_bits={lora.base_bits} (hydra keeps the frozen base in float32)"),
+        (lora.enabled and lora.dropout > 0, f"finetune.lora.dropout={lora.dropout} (its random draws follow the whole model's order)"),
         (cfg.model.moe.enabled, "a mixture of experts"),
         (cfg.model.dropout_p > 0, f"dropout {cfg.model.dropout_p} (its random draws follow the whole model's order)"),
         (cfg.train.precision != "fp32", f"precision {cfg.train.precision}"),
-        (cfg.hf.arch is not None, f"hf.arch={cfg.hf.arch} (its rotary buffers are not sharded yet)"),
     ]
     return next((why for bad, why in checks if bad), None)
 
@@ -56,9 +59,10 @@ class HydraTrial:
         why = unsupported(self.cfg)
         if why:
             raise BehemothError(f"{name}: hydra execution does not run {why}", "run this sweep with sweep.execution=sequential or concurrent")
-        lm = build_causal_lm(self.cfg.model, self.cfg.hf)
+        lm = trial_model(self.cfg)
         self.plan: ShardPlan = plan_shards(lm, budget_bytes)
-        self.host = [self.new_buffer(s.index, STATES * s.numel, spill) for s in self.plan.shards]
+        self.adapters = sorted(adapter_parameters(lm.module))  # LoRA's trained parameters (empty: the whole model trains)
+        self.host = [self.new_buffer(s.index, s.buffer_numel, spill) for s in self.plan.shards]
         self.step = self.adam_steps = 0
         self.pending: list[dict[str, Any] | None] = [None] * len(self.plan.shards)
         if not self.restore():
@@ -91,13 +95,25 @@ class HydraTrial:
     def buffers(self) -> dict[str, Any]:
         return {self.key(i): self.handle(i) for i in range(len(self.host))}
 
-    def initialize(self, lm: Any) -> None:
-        """Every parameter drawn from (seed, name) as the trial's own run draws it, into its shard's flat buffer."""
-        materialize(lm.module, seed=self.cfg.train.seed, device=torch.device("cpu"), init_spec=lm.init_spec)
-        named = dict(lm.module.named_parameters())
+    def initialize(self, lm: CausalLM) -> None:
+        """Every parameter as the trial's own run gives it, straight into its shard's buffer (one parameter at a time,
+        never the whole model): drawn from (seed, name), then (hf.weights) the folder's tensors read over the model's
+        own parameters; LoRA's adapters are always drawn."""
+        where = self.locations()
+        for name, view in where.items():
+            view.copy_(draw_full(lm.init_spec(name), tuple(view.shape), self.cfg.train.seed, name))
+        if lm.weights:
+            from behemoth.models.hf import load_weights
+
+            load_weights(lm.module, lm.weights, params={n: v for n, v in where.items() if n not in self.adapters})
+
+    def locations(self) -> dict[str, torch.Tensor]:
+        """Every parameter's value as a view into its shard's spilled buffer, by its single-process name."""
+        out = {}
         for shard, buf in zip(self.plan.shards, self.host):
-            for name, offset in zip(shard.names, shard.offsets()):
-                buf[offset : offset + named[name].numel()].copy_(named[name].detach().flatten())
+            for name, (offset, shape) in shard.locations().items():
+                out[name] = buf[offset : offset + math.prod(shape)].view(shape)
+        return out
 
     @property
     def state_path(self) -> Path:
@@ -122,19 +138,25 @@ class HydraTrial:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by its single-process name (copies), from the spilled shards."""
-        out = {}
-        for shard, buf in zip(self.plan.shards, self.host):
-            for name, offset, shape in zip(shard.names, shard.offsets(), shard.shapes):
-                out[name] = buf[offset : offset + math.prod(shape)].clone().view(shape)
-        return out
+        return {name: view.clone() for name, view in self.locations().items()}
+
+    def export(self) -> None:
+        """What the trial's own run writes at its end: a LoRA run its adapters (PEFT's layout, `adapter/`), another its
+        consolidated weights (model.safetensors) when checkpoint.export asks."""
+        if self.adapters:
+            weights = self.weights()
+            write_adapter(self.run_dir / "adapter", {n: weights[n] for n in self.adapters}, self.cfg.finetune.lora, self.cfg.hf.weights)
+        elif exports(self.cfg):
+            from safetensors.torch import save_file
+
+            save_file(self.weights(), str(self.run_dir / "model.safetensors"))
 
     def task(self, kind: str, index: int, **fields: Any) -> Task:
         shard = self.plan.shards[index]
         borrow = None
         if shard.borrowed:
-            owner = self.plan.shards[0]
-            at = owner.names.index(shard.borrowed)
-            borrow = (self.key(0), owner.offsets()[at], owner.shapes[at])
+            offset, shape = self.plan.shards[0].locations()[shard.borrowed]
+            borrow = (self.key(0), offset, shape, self.plan.borrowed_copies)
         out = {"kind": kind, "shard": shard, "host": self.key(index), "borrow": borrow, "config": self.config, "pending": self.pending[index]}
         self.pending[index] = None  # the worker applies it as it loads the shard
         return out | fields
@@ -156,14 +178,14 @@ class HydraTrial:
         finally:
             log.close()
         self.save()
-        if self.step == self.cfg.train.steps and exports(self.cfg):
-            from safetensors.torch import save_file
-
-            save_file(self.weights(), str(self.run_dir / "model.safetensors"))
+        if self.step == self.cfg.train.steps:
+            self.export()
 
     def open_log(self) -> MetricsLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        if self.cfg.tokenizer_folder:  # as the trial's own run: its directory decodes what it generates on its own
+            copy_tokenizer(self.cfg.tokenizer_folder, self.run_dir)
         return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step)
 
     def validate(self) -> Generator[Task, dict[str, Any], float]:
@@ -189,6 +211,9 @@ class HydraTrial:
         turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
         squares, grads, tied = {last: turn["squares"]}, turn["grad_inputs"], turn["tied_grads"]
         for s in reversed(range(last)):
+            if s == 0 and not self.plan.shards[0].numel and tied[0] is None:
+                squares[s] = []  # token ids in, nothing trained (LoRA's frozen embedding): no backward to run
+                continue
             result = yield self.task("backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None)
             squares[s], grads = result["squares"], result["grad_inputs"]
         loss = torch.zeros(())
