@@ -97,14 +97,19 @@ def assert_trials_equal_their_runs_alone(sweep: Path, root: Path, trials: list[s
         for name, t in theirs.items():
             assert ours[name].equal(t), f"{trial}: {name}"  # every weight (adapter), bit for bit
         assert (sweep / trial / "tokenizer.json").is_file()  # the run directory keeps the tokenizer, as the run alone's
+        config = Path("adapter") / "adapter_config.json"  # what `behemoth serve --adapter` and PEFT read beside the tensors
+        assert (sweep / trial / config).is_file() == (root / f"alone-{trial}" / config).is_file()
+        if (sweep / trial / config).is_file():
+            assert (sweep / trial / config).read_text() == (root / f"alone-{trial}" / config).read_text()
 
 
 @pytest.fixture(scope="module")
 def qwen2_sweep(tmp_path_factory):
-    """A pretrained tied Qwen2 trained whole and with LoRA, 2 steps each on two workers."""
+    """A pretrained tied Qwen2 trained whole and with rank-16 LoRA (its frozen embedding a shard of its own, with
+    nothing to train: no backward task), 2 steps each on two workers."""
     root = tmp_path_factory.mktemp("hydra-qwen2")
     folder = pretrained(root, "qwen2")
-    trials = [{"train.lr": 0.003}, {"finetune.lora.enabled": True, "train.lr": 0.01}]
+    trials = [{"train.lr": 0.003}, {"finetune.lora.enabled": True, "finetune.lora.rank": 16, "train.lr": 0.01}]
     return root, folder, run_hydra(root, folder, 2, trials)
 
 
@@ -113,19 +118,33 @@ def test_pretrained_qwen2_trials_with_and_without_lora_equal_their_runs_alone(qw
     root, _, sweep = qwen2_sweep
     assert_trials_equal_their_runs_alone(sweep, root, ["trial-000", "trial-001"])
     assert not (sweep / "trial-001" / "model.safetensors").exists()  # a LoRA run writes its adapters, as alone
+    report = json.loads((sweep / "hydra.json").read_text())
+    assert [t["shards"] for t in report["trials"].values()] == [5, 5], report["trials"]
+    assert all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
 
 
 def test_a_lora_shard_holds_the_frozen_base_as_values_only(qwen2_sweep):
-    """The whole-model trial's blocks take a shard each; under LoRA (no gradient or moments for the base) the same
-    budget holds several blocks a shard. Each worker's resident model states stay within the budget."""
-    _, _, sweep = qwen2_sweep
-    report = json.loads((sweep / "hydra.json").read_text())
-    whole, lora = report["trials"]["trial-000"], report["trials"]["trial-001"]
-    assert whole["shards"] == 5 and lora["shards"] == 2, report["trials"]
-    assert lora["state_bytes"] < whole["state_bytes"] / 2
-    assert all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
-    adapter = json.loads((sweep / "trial-001" / "adapter" / "adapter_config.json").read_text())
-    assert adapter["r"] == 4 and adapter["peft_type"] == "LORA"
+    """The whole model's blocks take a shard each; under LoRA (no gradient or moments for the base: 4 bytes a frozen
+    parameter) the same budget holds three blocks a shard at rank 4; at rank 16 the frozen embedding is a shard alone."""
+    from behemoth.config import load_config
+    from behemoth.sweep.hydra.shards import FIRST, plan_shards
+    from behemoth.sweep.hydra.worker import trial_model
+
+    _, folder, _ = qwen2_sweep
+    budget = int(BUDGET_MB * 2**20)
+    plans = {}
+    for lora in ("false", "true finetune.lora.rank=4", "true finetune.lora.rank=16"):
+        cfg = load_config(None, [f"hf.weights={folder}", *f"finetune.lora.enabled={lora}".split()])
+        plans[lora.split("=")[-1]] = plan_shards(trial_model(cfg), budget)
+    whole, rank4, rank16 = plans["false"], plans["4"], plans["16"]
+    assert [s.pieces for s in whole.shards] == [(FIRST,), (0,), (1,), (2,), ("last",)]
+    assert [s.pieces for s in rank4.shards] == [(FIRST, 0, 1), (2, "last")]
+    assert rank16.shards[0].pieces == (FIRST,) and rank16.shards[0].numel == 0  # the embedding: frozen values only
+    embedding = whole.shards[0]
+    assert whole.resident_bytes(embedding) == 16 * embedding.numel and rank16.resident_bytes(rank16.shards[0]) == 4 * embedding.numel
+    lm_head = rank4.shards[-1]  # reads the frozen tied embedding: its value without a gradient
+    assert lm_head.borrowed == "model.embed_tokens.weight" and rank4.resident_bytes(lm_head) == 4 * (lm_head.buffer_numel + embedding.numel)
+    assert all(len(s.names) > 0 and all(".lora_" in n for n in s.names) for s in rank4.shards[1:])  # only adapters train
 
 
 @pytest.mark.slow  # an untied Llama, whole and with LoRA, and each run alone: ~40 s on a quiet 2-core machine (-m slow -k hydra)
@@ -134,3 +153,27 @@ def test_pretrained_llama_trials_with_and_without_lora_equal_their_runs_alone(tm
     trials = [{"train.lr": 0.003, "train.grad_clip": 0.05}, {"finetune.lora.enabled": True, "train.lr": 0.01}]
     sweep = run_hydra(tmp_path, folder, 3, trials)
     assert_trials_equal_their_runs_alone(sweep, tmp_path, ["trial-000", "trial-001"])
+
+
+@pytest.mark.slow  # five families in one sweep, and each run alone: ~60 s on a quiet 2-core machine (-m slow -k hydra)
+def test_every_decoder_family_trains_under_hydra_as_alone(tmp_path):
+    """GPT-2 (learned positions, Conv1D), Mistral, Qwen3 (per-head q/k norms), Gemma (scaled embeddings, norms as
+    offsets) and Phi-3 (fused qkv) with random weights drawn from (seed, name): each trial, cut into shards, equals its
+    run alone."""
+    from tests.test_sweep_run import base
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text((Path(json.__file__).parent / "decoder.py").read_text() * 4)
+    cfg = base(corpus, 2, model={"n_layer": 2}, train={"micro_batch": 4, "eval_every": 1}, checkpoint={"export": True})
+    families = ["gpt2", "mistral", "qwen3", "gemma", "phi3"]
+    sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": 2.5, "join": False}}
+    path = write_sweep(tmp_path / "families.yaml", sweep, cfg, list=[{"hf.arch": f} for f in families])
+    with deadline(900):
+        assert main(["sweep", str(path), "--nproc", "2"]) == 0
+    report = json.loads((tmp_path / "sweep" / "hydra.json").read_text())
+    assert all(t["shards"] >= 2 for t in report["trials"].values()), report["trials"]
+    for i in range(len(families)):
+        trial = tmp_path / "sweep" / f"trial-{i:03d}"
+        assert curve(trial) == alone(trial, tmp_path / f"alone-{i}"), families[i]
+        ours, theirs = load_file(trial / "model.safetensors"), load_file(tmp_path / f"alone-{i}" / "model.safetensors")
+        assert sorted(ours) == sorted(theirs) and all(ours[k].equal(t) for k, t in theirs.items()), families[i]

@@ -225,7 +225,7 @@ class HydraExecutor:
         answer = merged
         run.trial.busy_s += answer["wall_s"]
         self.times[(name, kind, shard.index)] = answer["wall_s"]
-        units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
+        units = max(1, shard.parameters_numel) * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
         self.rate = answer["wall_s"] / units if self.rate == 0 else 0.8 * self.rate + 0.2 * answer["wall_s"] / units
         if not answer["ok"]:
             run.chain.close()
@@ -280,7 +280,7 @@ def remaining_s(run: Running, times: dict[tuple[str, str, int], float], rate: fl
     total = 0.0
     for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
         measured = times.get((name, kind, s))
-        total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (rate or 1.0))
+        total += count * (measured if measured is not None else trial.plan.shards[s].parameters_numel * tokens * (rate or 1.0))
     return total if math.isfinite(total) else 0.0
 
 

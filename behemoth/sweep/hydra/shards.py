@@ -40,6 +40,11 @@ class Shard:
         return sum(numel_of(s) for s in self.frozen_shapes)
 
     @property
+    def parameters_numel(self) -> int:
+        """Elements of every parameter the shard computes with, trained or frozen (what prices a task not measured yet)."""
+        return self.numel + self.frozen_numel
+
+    @property
     def buffer_numel(self) -> int:
         return STATES * self.numel + self.frozen_numel
 
