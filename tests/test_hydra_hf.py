@@ -20,6 +20,7 @@ from tests.test_hydra import deadline
 from tests.test_sweep_run import alone, curve, write_sweep
 
 pytest.importorskip("transformers")
+DROPOUT = {"finetune.lora.enabled": True, "finetune.lora.dropout": 0.1, "model.dropout": 0.1, "train.lr": 0.01}  # attention's and LoRA's
 BUDGET_MB = 0.4  # a block of the 3-block Qwen2 below holds 0.14 MiB of states trained whole, 0.07 MiB under LoRA rank 4
 
 
@@ -105,11 +106,12 @@ def assert_trials_equal_their_runs_alone(sweep: Path, root: Path, trials: list[s
 
 @pytest.fixture(scope="module")
 def qwen2_sweep(tmp_path_factory):
-    """A pretrained tied Qwen2 trained whole and with rank-16 LoRA (its frozen embedding a shard of its own, with
-    nothing to train: no backward task), 2 steps each on two workers."""
+    """A pretrained tied Qwen2 trained whole, with rank-16 LoRA (its frozen embedding a shard of its own, with nothing
+    to train: no backward task), and with rank-4 LoRA under dropout; 2 steps each (2 micro-batches a step) on two
+    workers."""
     root = tmp_path_factory.mktemp("hydra-qwen2")
     folder = pretrained(root, "qwen2")
-    trials = [{"train.lr": 0.003}, {"finetune.lora.enabled": True, "finetune.lora.rank": 16, "train.lr": 0.01}]
+    trials = [{"train.lr": 0.003}, {"finetune.lora.enabled": True, "finetune.lora.rank": 16, "train.lr": 0.01}, DROPOUT]
     return root, folder, run_hydra(root, folder, 2, trials)
 
 
@@ -119,8 +121,18 @@ def test_pretrained_qwen2_trials_with_and_without_lora_equal_their_runs_alone(qw
     assert_trials_equal_their_runs_alone(sweep, root, ["trial-000", "trial-001"])
     assert not (sweep / "trial-001" / "model.safetensors").exists()  # a LoRA run writes its adapters, as alone
     report = json.loads((sweep / "hydra.json").read_text())
-    assert [t["shards"] for t in report["trials"].values()] == [5, 5], report["trials"]
+    assert [t["shards"] for t in report["trials"].values()] == [5, 5, 2], report["trials"]
     assert all(0 < peak <= report["budget_bytes"] for peak in report["resident_peak_bytes"])
+
+
+def test_dropout_draws_the_masks_of_the_run_alone(qwen2_sweep):
+    """Attention and LoRA dropout under hydra: micro-batch after micro-batch through the 2 shards, the generator's state
+    carried between tasks and restored for each shard's recompute, so the masks are the run alone's. (Running every
+    micro-batch through a shard before the next shard, or recomputing from another state, fails this.)"""
+    root, _, sweep = qwen2_sweep
+    assert_trials_equal_their_runs_alone(sweep, root, ["trial-002"])
+    clean = [r["loss"] for r in map(json.loads, (sweep / "trial-001" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert clean != [r["loss"] for r in map(json.loads, (sweep / "trial-002" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def test_a_lora_shard_holds_the_frozen_base_as_values_only(qwen2_sweep):
@@ -155,25 +167,25 @@ def test_pretrained_llama_trials_with_and_without_lora_equal_their_runs_alone(tm
     assert_trials_equal_their_runs_alone(sweep, tmp_path, ["trial-000", "trial-001"])
 
 
-@pytest.mark.slow  # five families in one sweep, and each run alone: ~60 s on a quiet 2-core machine (-m slow -k hydra)
-def test_every_decoder_family_trains_under_hydra_as_alone(tmp_path):
-    """GPT-2 (learned positions, Conv1D), Mistral, Qwen3 (per-head q/k norms), Gemma (scaled embeddings, norms as
-    offsets) and Phi-3 (fused qkv) with random weights drawn from (seed, name): each trial, cut into shards, equals its
-    run alone."""
+@pytest.mark.slow  # five families in three sweeps, and each run alone: ~90 s on a quiet 2-core machine (-m slow -k hydra)
+@pytest.mark.parametrize(("families", "budget_mb"), [(("gpt2", "mistral", "phi3"), 0.6), (("qwen3",), 1.5), (("gemma",), 2.5)])  # head_dim 128, 256
+def test_every_decoder_family_trains_under_hydra_as_alone(tmp_path, families, budget_mb):
+    """GPT-2 (learned positions, Conv1D), Mistral, Phi-3 (fused qkv), Qwen3 (per-head q/k norms) and Gemma (scaled
+    embeddings, norms as offsets) with random weights drawn from (seed, name), each cut into at least 3 shards: every
+    trial equals its run alone."""
     from tests.test_sweep_run import base
 
     corpus = tmp_path / "text.txt"
     corpus.write_text((Path(json.__file__).parent / "decoder.py").read_text() * 4)
     cfg = base(corpus, 2, model={"n_layer": 2}, train={"micro_batch": 4, "eval_every": 1}, checkpoint={"export": True})
-    families = ["gpt2", "mistral", "qwen3", "gemma", "phi3"]
-    sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": 2.5, "join": False}}
+    sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": budget_mb, "join": False}}
     path = write_sweep(tmp_path / "families.yaml", sweep, cfg, list=[{"hf.arch": f} for f in families])
     with deadline(900):
         assert main(["sweep", str(path), "--nproc", "2"]) == 0
     report = json.loads((tmp_path / "sweep" / "hydra.json").read_text())
-    assert all(t["shards"] >= 2 for t in report["trials"].values()), report["trials"]
-    for i in range(len(families)):
+    assert all(t["shards"] >= 3 for t in report["trials"].values()), report["trials"]
+    for i, family in enumerate(families):
         trial = tmp_path / "sweep" / f"trial-{i:03d}"
-        assert curve(trial) == alone(trial, tmp_path / f"alone-{i}"), families[i]
+        assert curve(trial) == alone(trial, tmp_path / f"alone-{i}"), family
         ours, theirs = load_file(trial / "model.safetensors"), load_file(tmp_path / f"alone-{i}" / "model.safetensors")
-        assert sorted(ours) == sorted(theirs) and all(ours[k].equal(t) for k, t in theirs.items()), families[i]
+        assert sorted(ours) == sorted(theirs) and all(ours[k].equal(t) for k, t in theirs.items()), family

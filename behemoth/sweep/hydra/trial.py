@@ -32,6 +32,7 @@ from behemoth.topology import ParallelDims
 
 Task = dict[str, Any]
 Chain = Generator[Task, dict[str, Any], None]
+Forward = tuple[list[list[torch.Tensor]], dict[str, Any], list[list[torch.Tensor]] | list[None]]  # kept inputs, the turn, RNG states
 TRAIN_STREAM, VAL_STREAM = 0, 1  # as the trainer draws its train and validation batches
 
 
@@ -42,12 +43,15 @@ def unsupported(cfg: Config) -> str | None:
         (any((d or 1) > 1 for d in cfg.parallel.degrees().values()), "a parallel plan (hydra runs each trial's shards one at a time)"),
         (cfg.offload.enabled, "offload (hydra spills the shards itself)"),
         (lora.enabled and lora.base_bits != 32, f"finetune.lora.base_bits={lora.base_bits} (hydra keeps the frozen base in float32)"),
-        (lora.enabled and lora.dropout > 0, f"finetune.lora.dropout={lora.dropout} (its random draws follow the whole model's order)"),
         (cfg.model.moe.enabled, "a mixture of experts"),
-        (cfg.model.dropout_p > 0, f"dropout {cfg.model.dropout_p} (its random draws follow the whole model's order)"),
         (cfg.train.precision != "fp32", f"precision {cfg.train.precision}"),
     ]
     return next((why for bad, why in checks if bad), None)
+
+
+def cfg_draws(cfg: Config) -> bool:
+    """Whether the trial's training forward draws random numbers (dropout in the model or on LoRA's input)."""
+    return cfg.model.dropout_p > 0 or (cfg.finetune.lora.enabled and cfg.finetune.lora.dropout > 0)
 
 
 class HydraTrial:
@@ -64,6 +68,8 @@ class HydraTrial:
         self.adapters = sorted(adapter_parameters(lm.module))  # LoRA's trained parameters (empty: the whole model trains)
         self.host = [self.new_buffer(s.index, s.buffer_numel, spill) for s in self.plan.shards]
         self.step = self.adam_steps = 0
+        self.draws = cfg_draws(self.cfg)  # dropout: the trial carries the CPU generator from task to task
+        self.rng = torch.Generator().manual_seed(self.cfg.train.seed).get_state()  # as `behemoth train` seeds it
         self.pending: list[dict[str, Any] | None] = [None] * len(self.plan.shards)
         if not self.restore():
             self.initialize(lm)
@@ -127,13 +133,14 @@ class HydraTrial:
         for buf, saved in zip(self.host, state["shards"]):
             buf.copy_(saved)
         self.step, self.adam_steps = state["step"], state["adam_steps"]
+        self.rng = state.get("rng", self.rng)
         return True
 
     def save(self) -> None:
         """The shards' states (all steps applied) and the step, written atomically: where a resumed sweep continues."""
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        torch.save({"step": self.step, "adam_steps": self.adam_steps, "shards": [b.clone() for b in self.host]}, tmp)
+        torch.save({"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "shards": [b.clone() for b in self.host]}, tmp)
         os.replace(tmp, self.state_path)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -204,17 +211,15 @@ class HydraTrial:
         batches, train = self.train_data.micro_batches(step), self.cfg.train
         scale = max(1, self.train_data.trained_targets(step))
         last = len(self.plan.shards) - 1
-        kept, h = [], [x for x, _ in batches]
-        for s in range(last):
-            kept.append(h)
-            h = (yield self.task("forward", s, inputs=h))["outputs"]
-        turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
+        kept, turn, states = yield from (self.forward_drawing if self.draws else self.forward_all)(batches, scale)
         squares, grads, tied = {last: turn["squares"]}, turn["grad_inputs"], turn["tied_grads"]
         for s in reversed(range(last)):
             if s == 0 and not self.plan.shards[0].numel and tied[0] is None:
                 squares[s] = []  # token ids in, nothing trained (LoRA's frozen embedding): no backward to run
                 continue
-            result = yield self.task("backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None)
+            result = yield self.task(
+                "backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None, rngs=states[s]
+            )
             squares[s], grads = result["squares"], result["grad_inputs"]
         loss = torch.zeros(())
         for value in turn["losses"]:
@@ -224,6 +229,37 @@ class HydraTrial:
         self.schedule_update(norm, lr, step)
         busy = self.busy_s - busy0
         return {"step": step + 1, "loss": float(loss), "lr": lr, "grad_norm": norm, "step_time_s": busy, "wall_s": time.time() - t0}
+
+    def forward_all(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: int) -> Generator[Task, dict[str, Any], Forward]:
+        """Forward through shards 0..S-2, every micro-batch in one task a shard, then the last shard's turn (forward,
+        loss, backward): each shard's kept inputs, the turn's answer."""
+        last = len(self.plan.shards) - 1
+        kept, h = [], [x for x, _ in batches]
+        for s in range(last):
+            kept.append(h)
+            h = (yield self.task("forward", s, inputs=h))["outputs"]
+        turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
+        return kept, turn, [None] * last
+
+    def forward_drawing(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: int) -> Generator[Task, dict[str, Any], Forward]:
+        """With dropout: micro-batch after micro-batch through every shard and the turn, the order in which the whole
+        model draws its masks, the CPU generator's state carried from task to task (and kept per shard and micro-batch
+        for the recompute in backward, which draws the same masks again)."""
+        last = len(self.plan.shards) - 1
+        kept: list[list[torch.Tensor]] = [[] for _ in range(last)]
+        states: list[list[torch.Tensor]] = [[] for _ in range(last)]
+        turns = []
+        for x, y in batches:
+            h = x
+            for s in range(last):
+                kept[s].append(h)
+                states[s].append(self.rng)
+                out = yield self.task("forward", s, inputs=[h], rngs=[self.rng])
+                h, self.rng = out["outputs"][0], out["rng"]
+            turns.append((yield self.task("turn", last, inputs=[h], targets=[y], scale=scale, rngs=[self.rng])))
+            self.rng = turns[-1]["rng"]
+        merged = {key: [v for t in turns for v in t[key]] for key in ("losses", "grad_inputs", "tied_grads")}
+        return kept, merged | {"squares": turns[-1]["squares"]}, states
 
     def grad_norm(self, squares: dict[int, list[float]]) -> float:
         """The global norm as the engine sums it: |g|^2 of every parameter, in the model's order, into a float32 total."""
@@ -256,7 +292,8 @@ class HydraTrial:
         every = self.cfg.train.eval_every
         evals = (steps // every if every else 0) + 1
         out = {("validate", s): evals for s in range(shards)}
+        per_step = self.cfg.batch_layout(ParallelDims(1)).accum if self.draws else 1  # forward tasks a shard a step
         for s in range(shards - 1):
-            out[("forward", s)] = out[("backward", s)] = steps
-        out[("turn", shards - 1)] = steps
+            out[("forward", s)], out[("backward", s)] = steps * per_step, steps
+        out[("turn", shards - 1)] = steps * per_step
         return out

@@ -217,7 +217,22 @@ def run_validate(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tie
 def run_forward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: nn.Parameter | None) -> dict[str, Any]:
     """A training forward of a shard before the last (with autograd on, as the whole model's forward runs): its outputs."""
     skeleton.lm.module.train()
-    return {"outputs": [skeleton.run(task["shard"].pieces, h).detach() for h in task["inputs"]]}
+    outs = []
+    for i, h in enumerate(task["inputs"]):
+        draw_from(task, i)
+        outs.append(skeleton.run(task["shard"].pieces, h).detach())
+    return {"outputs": outs} | drawn(task)
+
+
+def draw_from(task: Task, i: int) -> None:
+    """With dropout: the CPU generator set to the state the trial's own run has where micro-batch i enters this shard."""
+    if task.get("rngs") is not None:
+        torch.set_rng_state(task["rngs"][i])
+
+
+def drawn(task: Task) -> dict[str, Any]:
+    """With dropout: the generator's state after this task's draws (where the next shard, or micro-batch, starts)."""
+    return {"rng": torch.get_rng_state()} if task.get("rngs") is not None else {}
 
 
 def boundary(h: torch.Tensor) -> torch.Tensor:
@@ -230,8 +245,9 @@ def run_turn(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: n
     gradient at its input and (tied head) its part of the embedding's gradient."""
     skeleton.lm.module.train()
     losses, grad_inputs, tied_grads = [], [], []
-    for h, y in zip(task["inputs"], task["targets"]):
+    for i, (h, y) in enumerate(zip(task["inputs"], task["targets"])):
         h = boundary(h)
+        draw_from(task, i)
         if tied is not None:
             tied.grad = None
         with skeleton.loss_head():
@@ -241,7 +257,7 @@ def run_turn(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: n
         losses.append(float(loss.detach()))
         grad_inputs.append(h.grad)
         tied_grads.append(tied.grad if tied is not None else None)
-    return {"losses": losses, "grad_inputs": grad_inputs, "tied_grads": tied_grads}
+    return {"losses": losses, "grad_inputs": grad_inputs, "tied_grads": tied_grads} | drawn(task)
 
 
 def run_backward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: nn.Parameter | None) -> dict[str, Any]:
@@ -254,6 +270,7 @@ def run_backward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tie
     for i, (h, g) in enumerate(zip(task["inputs"], task["grad_outputs"])):
         h = boundary(h)
         hook = embedding.register_hook(lambda grad, t=task["tied_grads"][i]: grad + t) if embedding is not None else None
+        draw_from(task, i)  # the recompute draws the forward's masks again
         skeleton.run(shard.pieces, h).backward(g)
         if hook is not None:
             hook.remove()
