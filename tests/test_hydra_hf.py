@@ -159,7 +159,7 @@ def test_a_lora_shard_holds_the_frozen_base_as_values_only(qwen2_sweep):
     assert all(len(s.names) > 0 and all(".lora_" in n for n in s.names) for s in rank4.shards[1:])  # only adapters train
 
 
-@pytest.mark.slow  # an untied Llama, whole and with LoRA, and each run alone: ~40 s on a quiet 2-core machine (-m slow -k hydra)
+@pytest.mark.slow  # an untied Llama, whole and with LoRA, and each run alone: 111 s on 2 cores at load 16 (-m slow -k hydra)
 def test_pretrained_llama_trials_with_and_without_lora_equal_their_runs_alone(tmp_path):
     folder = pretrained(tmp_path, "llama")
     trials = [{"train.lr": 0.003, "train.grad_clip": 0.05}, {"finetune.lora.enabled": True, "train.lr": 0.01}]
@@ -167,7 +167,7 @@ def test_pretrained_llama_trials_with_and_without_lora_equal_their_runs_alone(tm
     assert_trials_equal_their_runs_alone(sweep, tmp_path, ["trial-000", "trial-001"])
 
 
-@pytest.mark.slow  # five families in three sweeps, and each run alone: ~90 s on a quiet 2-core machine (-m slow -k hydra)
+@pytest.mark.slow  # five families in three sweeps, and each run alone: 36-55 s a sweep on 2 cores at load 16 (-m slow -k hydra)
 @pytest.mark.parametrize(("families", "budget_mb"), [(("gpt2", "mistral", "phi3"), 0.6), (("qwen3",), 1.5), (("gemma",), 2.5)])  # head_dim 128, 256
 def test_every_decoder_family_trains_under_hydra_as_alone(tmp_path, families, budget_mb):
     """GPT-2 (learned positions, Conv1D), Mistral, Phi-3 (fused qkv), Qwen3 (per-head q/k norms) and Gemma (scaled

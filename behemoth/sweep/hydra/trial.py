@@ -103,15 +103,17 @@ class HydraTrial:
 
     def initialize(self, lm: CausalLM) -> None:
         """Every parameter as the trial's own run gives it, straight into its shard's buffer (one parameter at a time,
-        never the whole model): drawn from (seed, name), then (hf.weights) the folder's tensors read over the model's
-        own parameters; LoRA's adapters are always drawn."""
+        never the whole model): with hf.weights, the folder's tensors (its own run draws them first and reads the folder
+        over them), the rest (LoRA's adapters, or every parameter without a folder) drawn from (seed, name)."""
         where = self.locations()
+        stored = {n: v for n, v in where.items() if n not in self.adapters} if lm.weights else {}
         for name, view in where.items():
-            view.copy_(draw_full(lm.init_spec(name), tuple(view.shape), self.cfg.train.seed, name))
+            if name not in stored:
+                view.copy_(draw_full(lm.init_spec(name), tuple(view.shape), self.cfg.train.seed, name))
         if lm.weights:
             from behemoth.models.hf import load_weights
 
-            load_weights(lm.module, lm.weights, params={n: v for n, v in where.items() if n not in self.adapters})
+            load_weights(lm.module, lm.weights, params=stored)  # refuses a folder that lacks one of them
 
     def locations(self) -> dict[str, torch.Tensor]:
         """Every parameter's value as a view into its shard's spilled buffer, by its single-process name."""
