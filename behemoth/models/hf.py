@@ -449,13 +449,15 @@ def hf_logits(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor | Non
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, weights: str) -> int:
-    """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters; a parameter
-    that takes a whole stored tensor of its dtype is read straight into its storage (the weights are resident once)."""
+def load_weights(model: nn.Module, weights: str, params: dict[str, torch.Tensor] | None = None) -> int:
+    """Copy a save_pretrained directory's safetensors into the (materialized, possibly split) parameters, or into
+    `params` by name (a hydra trial's views into its shards; `model` on meta then); a tensor that takes a whole stored
+    tensor of its dtype is read straight into its storage (the weights are resident once)."""
     files = sorted(Path(weights).expanduser().glob("*.safetensors"))
     if not files:
         raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
-    params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters() if not hasattr(p, ADAPTER)}  # adapters: not in the folder
+    if params is None:  # adapters: not in the folder
+        params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters() if not hasattr(p, ADAPTER)}
     index = read_index(files)
     direct = {k for k, p in params.items() if k in index and _takes_whole(p, index[k])}
     for key in direct:

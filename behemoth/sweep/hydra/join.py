@@ -21,8 +21,9 @@ SPLIT = ("inputs", "targets", "grad_outputs")  # per micro-batch tensors split b
 
 
 def splittable(task: Task) -> bool:
-    """A task with at least two rows in every micro-batch can be split over two workers."""
-    return all(h.shape[0] >= 2 for h in task["inputs"])
+    """A task with at least two rows in every micro-batch can be split over two workers (not one that draws dropout
+    masks: their values depend on the rows drawn at once)."""
+    return task.get("rngs") is None and all(h.shape[0] >= 2 for h in task["inputs"])
 
 
 def halves(task: Task, snapshot_key: str) -> tuple[Task, Task]:

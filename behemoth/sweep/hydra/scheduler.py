@@ -20,13 +20,12 @@ from typing import Any
 
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
-from behemoth.models.causal_lm import build_causal_lm
 from behemoth.sweep.executors import Job, Outcome, stop_worker
 from behemoth.sweep.hydra import wire
 from behemoth.sweep.hydra.join import Joins, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
-from behemoth.sweep.hydra.worker import worker_main
+from behemoth.sweep.hydra.worker import trial_model, worker_main
 from behemoth.sweep.setup import SweepSetup
 
 DEPTH = 2  # tasks a worker holds: the running one and the prefetched next
@@ -226,7 +225,7 @@ class HydraExecutor:
         answer = merged
         run.trial.busy_s += answer["wall_s"]
         self.times[(name, kind, shard.index)] = answer["wall_s"]
-        units = shard.numel * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
+        units = max(1, shard.parameters_numel) * max(1, sum(h.numel() for h in run.ready.get("inputs", [])))  # type: ignore[union-attr]
         self.rate = answer["wall_s"] / units if self.rate == 0 else 0.8 * self.rate + 0.2 * answer["wall_s"] / units
         if not answer["ok"]:
             run.chain.close()
@@ -281,7 +280,7 @@ def remaining_s(run: Running, times: dict[tuple[str, str, int], float], rate: fl
     total = 0.0
     for (kind, s), count in trial.remaining(run.job["stop_at"]).items():
         measured = times.get((name, kind, s))
-        total += count * (measured if measured is not None else trial.plan.shards[s].numel * tokens * (rate or 1.0))
+        total += count * (measured if measured is not None else trial.plan.shards[s].parameters_numel * tokens * (rate or 1.0))
     return total if math.isfinite(total) else 0.0
 
 
@@ -302,7 +301,7 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
         if why:
             raise BehemothError(f"{trial.name} ({trial.diff()}): hydra execution does not run {why}", "use sweep.execution=sequential or concurrent")
         try:
-            plan_shards(build_causal_lm(cfg.model, cfg.hf), budget)
+            plan_shards(trial_model(cfg), budget)
         except BehemothError as err:
             raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
     hydra = options.hydra

@@ -1,6 +1,7 @@
 """A trial's model cut into shards: consecutive pieces (the embedding, each block, the head) packed while a shard's
-model states (parameter, gradient, AdamW's two moments: 16 bytes a float32 parameter) fit half the device budget, so the
-shard that runs and the next one, prefetched, fit it together. Each shard's states are one flat float32 buffer."""
+model states (a trained parameter's value, gradient and AdamW's two moments: 16 bytes a float32 parameter; a frozen one's
+value alone, 4 bytes: LoRA's base) fit half the device budget, so the shard that runs and the next one, prefetched, fit it
+together. Each shard's states are one flat float32 buffer: the trained parameters' four states, then the frozen values."""
 
 from __future__ import annotations
 
@@ -26,17 +27,47 @@ class Shard:
     names: tuple[str, ...]  # single-process parameter names, in the model's order
     shapes: tuple[tuple[int, ...], ...]
     borrowed: str | None = None  # a tied weight another shard owns, read here (the tied head reads the embedding's)
+    frozen_names: tuple[str, ...] = ()  # parameters that do not train (LoRA's base): their values only, after the states
+    frozen_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def numel(self) -> int:
+        """Elements of the trained parameters (each has STATES values in the buffer)."""
         return sum(numel_of(s) for s in self.shapes)
 
+    @property
+    def frozen_numel(self) -> int:
+        return sum(numel_of(s) for s in self.frozen_shapes)
+
+    @property
+    def parameters_numel(self) -> int:
+        """Elements of every parameter the shard computes with, trained or frozen (what prices a task not measured yet)."""
+        return self.numel + self.frozen_numel
+
+    @property
+    def buffer_numel(self) -> int:
+        return STATES * self.numel + self.frozen_numel
+
     def offsets(self) -> list[int]:
-        out, at = [], 0
-        for shape in self.shapes:
-            out.append(at)
-            at += numel_of(shape)
-        return out
+        return running_offsets(self.shapes, 0)
+
+    def frozen_offsets(self) -> list[int]:
+        """Where each frozen parameter's value starts in the shard's buffer."""
+        return running_offsets(self.frozen_shapes, STATES * self.numel)
+
+    def locations(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every parameter's value in the shard's buffer: name -> (offset, shape)."""
+        trained = zip(self.names, self.offsets(), self.shapes)
+        frozen = zip(self.frozen_names, self.frozen_offsets(), self.frozen_shapes)
+        return {name: (offset, shape) for name, offset, shape in (*trained, *frozen)}
+
+
+def running_offsets(shapes: tuple[tuple[int, ...], ...], start: int) -> list[int]:
+    out, at = [], start
+    for shape in shapes:
+        out.append(at)
+        at += numel_of(shape)
+    return out
 
 
 @dataclass(frozen=True)
@@ -45,16 +76,21 @@ class ShardPlan:
 
     shards: tuple[Shard, ...]
     budget_bytes: int | None
-    borrowed_numel: int = 0  # the tied weight's elements (its value and its gradient come along with the last shard)
+    borrowed_numel: int = 0  # the tied weight's elements (its value, and its gradient when it trains, come along with the last shard)
     order: dict[str, int] = field(default_factory=dict)  # parameter name -> its position in the model's named_parameters
+    borrowed_trains: bool = True  # False: the tied weight is frozen (LoRA): no gradient comes with it
 
     def resident_bytes(self, shard: Shard) -> int:
         """Bytes of model states a worker holds while `shard` runs (its flat buffer, and a borrowed weight with its gradient)."""
-        return 4 * (STATES * shard.numel + (2 * self.borrowed_numel if shard.borrowed else 0))
+        return 4 * (shard.buffer_numel + (self.borrowed_copies * self.borrowed_numel if shard.borrowed else 0))
+
+    @property
+    def borrowed_copies(self) -> int:
+        return 2 if self.borrowed_trains else 1
 
     @property
     def state_bytes(self) -> int:
-        return sum(4 * STATES * s.numel for s in self.shards)
+        return sum(4 * s.buffer_numel for s in self.shards)
 
 
 def numel_of(shape: tuple[int, ...]) -> int:
@@ -98,14 +134,26 @@ def plan_shards(lm: CausalLM, budget_bytes: int | None) -> ShardPlan:
         raise BehemothError(f"hydra execution: parameters {sorted(missing)[:3]} belong to no embedding, block or head", "use a layered model")
     borrowed = lm.layers.embedding + ".weight" if lm.shape.tied and not any(n == "lm_head.weight" for n in owned[LAST]) else None
     borrowed_numel = named[borrowed].numel() if borrowed else 0
+    trains = borrowed is None or named[borrowed].requires_grad
     limit = None if budget_bytes is None else budget_bytes // 2
-    groups = pack(pieces, {p: 4 * STATES * sum(named[n].numel() for n in owned[p]) for p in pieces}, limit, 8 * borrowed_numel)
+    sizes = {p: 4 * sum(named[n].numel() * (STATES if named[n].requires_grad else 1) for n in owned[p]) for p in pieces}
+    groups = pack(pieces, sizes, limit, 4 * (2 if trains else 1) * borrowed_numel)
     shards = []
     for i, group in enumerate(groups):
-        names = tuple(n for piece in group for n in owned[piece])
-        shapes = tuple(tuple(named[n].shape) for n in names)
-        shards.append(Shard(i, tuple(group), names, shapes, borrowed if LAST in group and borrowed and FIRST not in group else None))
-    return ShardPlan(tuple(shards), budget_bytes, borrowed_numel, order)
+        names = [n for piece in group for n in owned[piece]]
+        trained, frozen = [n for n in names if named[n].requires_grad], [n for n in names if not named[n].requires_grad]
+        shards.append(
+            Shard(
+                i,
+                tuple(group),
+                tuple(trained),
+                tuple(tuple(named[n].shape) for n in trained),
+                borrowed if LAST in group and borrowed and FIRST not in group else None,
+                tuple(frozen),
+                tuple(tuple(named[n].shape) for n in frozen),
+            )
+        )
+    return ShardPlan(tuple(shards), budget_bytes, borrowed_numel, order, trains)
 
 
 def pack(pieces: list[str | int], size: dict[str | int, int], limit: int | None, last_extra: int) -> list[list[str | int]]:

@@ -16,35 +16,42 @@ from typing import Any
 import torch
 
 from behemoth.config import Config, load_config
-from behemoth.data import BatchSampler
+from behemoth.data import BatchSampler, copy_tokenizer
 from behemoth.engine import lr_at
 from behemoth.errors import BehemothError
 from behemoth.faults.preflight import exports
 from behemoth.metrics import MetricsLog
-from behemoth.models.causal_lm import build_causal_lm
-from behemoth.models.init import materialize
+from behemoth.models.causal_lm import CausalLM
+from behemoth.models.init import draw_full
+from behemoth.models.lora import adapter_parameters
+from behemoth.models.peft_io import write_adapter
 from behemoth.parallel.clip import clip_coefficient
-from behemoth.sweep.hydra.shards import STATES, ShardPlan, plan_shards
-from behemoth.sweep.hydra.worker import disk_buffer
+from behemoth.sweep.hydra.shards import ShardPlan, plan_shards
+from behemoth.sweep.hydra.worker import disk_buffer, trial_model
 from behemoth.topology import ParallelDims
 
 Task = dict[str, Any]
 Chain = Generator[Task, dict[str, Any], None]
+Forward = tuple[list[list[torch.Tensor]], dict[str, Any], list[list[torch.Tensor]] | list[None]]  # kept inputs, the turn, RNG states
 TRAIN_STREAM, VAL_STREAM = 0, 1  # as the trainer draws its train and validation batches
 
 
 def unsupported(cfg: Config) -> str | None:
     """Why hydra cannot run this trial exactly as `behemoth train` would (None: it can)."""
+    lora = cfg.finetune.lora
     checks = [
         (any((d or 1) > 1 for d in cfg.parallel.degrees().values()), "a parallel plan (hydra runs each trial's shards one at a time)"),
         (cfg.offload.enabled, "offload (hydra spills the shards itself)"),
-        (cfg.finetune.lora.enabled, "LoRA"),
+        (lora.enabled and lora.base_bits != 32, f"finetune.lora.base_bits={lora.base_bits} (hydra keeps the frozen base in float32)"),
         (cfg.model.moe.enabled, "a mixture of experts"),
-        (cfg.model.dropout_p > 0, f"dropout {cfg.model.dropout_p} (its random draws follow the whole model's order)"),
         (cfg.train.precision != "fp32", f"precision {cfg.train.precision}"),
-        (cfg.hf.arch is not None, f"hf.arch={cfg.hf.arch} (its rotary buffers are not sharded yet)"),
     ]
     return next((why for bad, why in checks if bad), None)
+
+
+def cfg_draws(cfg: Config) -> bool:
+    """Whether the trial's training forward draws random numbers (dropout in the model or on LoRA's input)."""
+    return cfg.model.dropout_p > 0 or (cfg.finetune.lora.enabled and cfg.finetune.lora.dropout > 0)
 
 
 class HydraTrial:
@@ -56,10 +63,13 @@ class HydraTrial:
         why = unsupported(self.cfg)
         if why:
             raise BehemothError(f"{name}: hydra execution does not run {why}", "run this sweep with sweep.execution=sequential or concurrent")
-        lm = build_causal_lm(self.cfg.model, self.cfg.hf)
+        lm = trial_model(self.cfg)
         self.plan: ShardPlan = plan_shards(lm, budget_bytes)
-        self.host = [self.new_buffer(s.index, STATES * s.numel, spill) for s in self.plan.shards]
+        self.adapters = sorted(adapter_parameters(lm.module))  # LoRA's trained parameters (empty: the whole model trains)
+        self.host = [self.new_buffer(s.index, s.buffer_numel, spill) for s in self.plan.shards]
         self.step = self.adam_steps = 0
+        self.draws = cfg_draws(self.cfg)  # dropout: the trial carries the CPU generator from task to task
+        self.rng = torch.Generator().manual_seed(self.cfg.train.seed).get_state()  # as `behemoth train` seeds it
         self.pending: list[dict[str, Any] | None] = [None] * len(self.plan.shards)
         if not self.restore():
             self.initialize(lm)
@@ -91,13 +101,27 @@ class HydraTrial:
     def buffers(self) -> dict[str, Any]:
         return {self.key(i): self.handle(i) for i in range(len(self.host))}
 
-    def initialize(self, lm: Any) -> None:
-        """Every parameter drawn from (seed, name) as the trial's own run draws it, into its shard's flat buffer."""
-        materialize(lm.module, seed=self.cfg.train.seed, device=torch.device("cpu"), init_spec=lm.init_spec)
-        named = dict(lm.module.named_parameters())
+    def initialize(self, lm: CausalLM) -> None:
+        """Every parameter as the trial's own run gives it, straight into its shard's buffer (one parameter at a time,
+        never the whole model): with hf.weights, the folder's tensors (its own run draws them first and reads the folder
+        over them), the rest (LoRA's adapters, or every parameter without a folder) drawn from (seed, name)."""
+        where = self.locations()
+        stored = {n: v for n, v in where.items() if n not in self.adapters} if lm.weights else {}
+        for name, view in where.items():
+            if name not in stored:
+                view.copy_(draw_full(lm.init_spec(name), tuple(view.shape), self.cfg.train.seed, name))
+        if lm.weights:
+            from behemoth.models.hf import load_weights
+
+            load_weights(lm.module, lm.weights, params=stored)  # refuses a folder that lacks one of them
+
+    def locations(self) -> dict[str, torch.Tensor]:
+        """Every parameter's value as a view into its shard's spilled buffer, by its single-process name."""
+        out = {}
         for shard, buf in zip(self.plan.shards, self.host):
-            for name, offset in zip(shard.names, shard.offsets()):
-                buf[offset : offset + named[name].numel()].copy_(named[name].detach().flatten())
+            for name, (offset, shape) in shard.locations().items():
+                out[name] = buf[offset : offset + math.prod(shape)].view(shape)
+        return out
 
     @property
     def state_path(self) -> Path:
@@ -111,30 +135,37 @@ class HydraTrial:
         for buf, saved in zip(self.host, state["shards"]):
             buf.copy_(saved)
         self.step, self.adam_steps = state["step"], state["adam_steps"]
+        self.rng = state.get("rng", self.rng)
         return True
 
     def save(self) -> None:
         """The shards' states (all steps applied) and the step, written atomically: where a resumed sweep continues."""
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        torch.save({"step": self.step, "adam_steps": self.adam_steps, "shards": [b.clone() for b in self.host]}, tmp)
+        torch.save({"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "shards": [b.clone() for b in self.host]}, tmp)
         os.replace(tmp, self.state_path)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by its single-process name (copies), from the spilled shards."""
-        out = {}
-        for shard, buf in zip(self.plan.shards, self.host):
-            for name, offset, shape in zip(shard.names, shard.offsets(), shard.shapes):
-                out[name] = buf[offset : offset + math.prod(shape)].clone().view(shape)
-        return out
+        return {name: view.clone() for name, view in self.locations().items()}
+
+    def export(self) -> None:
+        """What the trial's own run writes at its end: a LoRA run its adapters (PEFT's layout, `adapter/`), another its
+        consolidated weights (model.safetensors) when checkpoint.export asks."""
+        if self.adapters:
+            weights = self.weights()
+            write_adapter(self.run_dir / "adapter", {n: weights[n] for n in self.adapters}, self.cfg.finetune.lora, self.cfg.hf.weights)
+        elif exports(self.cfg):
+            from safetensors.torch import save_file
+
+            save_file(self.weights(), str(self.run_dir / "model.safetensors"))
 
     def task(self, kind: str, index: int, **fields: Any) -> Task:
         shard = self.plan.shards[index]
         borrow = None
         if shard.borrowed:
-            owner = self.plan.shards[0]
-            at = owner.names.index(shard.borrowed)
-            borrow = (self.key(0), owner.offsets()[at], owner.shapes[at])
+            offset, shape = self.plan.shards[0].locations()[shard.borrowed]
+            borrow = (self.key(0), offset, shape, self.plan.borrowed_copies)
         out = {"kind": kind, "shard": shard, "host": self.key(index), "borrow": borrow, "config": self.config, "pending": self.pending[index]}
         self.pending[index] = None  # the worker applies it as it loads the shard
         return out | fields
@@ -156,14 +187,14 @@ class HydraTrial:
         finally:
             log.close()
         self.save()
-        if self.step == self.cfg.train.steps and exports(self.cfg):
-            from safetensors.torch import save_file
-
-            save_file(self.weights(), str(self.run_dir / "model.safetensors"))
+        if self.step == self.cfg.train.steps:
+            self.export()
 
     def open_log(self) -> MetricsLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        if self.cfg.tokenizer_folder:  # as the trial's own run: its directory decodes what it generates on its own
+            copy_tokenizer(self.cfg.tokenizer_folder, self.run_dir)
         return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step)
 
     def validate(self) -> Generator[Task, dict[str, Any], float]:
@@ -182,14 +213,15 @@ class HydraTrial:
         batches, train = self.train_data.micro_batches(step), self.cfg.train
         scale = max(1, self.train_data.trained_targets(step))
         last = len(self.plan.shards) - 1
-        kept, h = [], [x for x, _ in batches]
-        for s in range(last):
-            kept.append(h)
-            h = (yield self.task("forward", s, inputs=h))["outputs"]
-        turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
+        kept, turn, states = yield from (self.forward_drawing if self.draws else self.forward_all)(batches, scale)
         squares, grads, tied = {last: turn["squares"]}, turn["grad_inputs"], turn["tied_grads"]
         for s in reversed(range(last)):
-            result = yield self.task("backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None)
+            if s == 0 and not self.plan.shards[0].numel and tied[0] is None:
+                squares[s] = []  # token ids in, nothing trained (LoRA's frozen embedding): no backward to run
+                continue
+            result = yield self.task(
+                "backward", s, inputs=kept[s], grad_outputs=grads, tied_grads=tied if s == 0 and tied[0] is not None else None, rngs=states[s]
+            )
             squares[s], grads = result["squares"], result["grad_inputs"]
         loss = torch.zeros(())
         for value in turn["losses"]:
@@ -199,6 +231,37 @@ class HydraTrial:
         self.schedule_update(norm, lr, step)
         busy = self.busy_s - busy0
         return {"step": step + 1, "loss": float(loss), "lr": lr, "grad_norm": norm, "step_time_s": busy, "wall_s": time.time() - t0}
+
+    def forward_all(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: int) -> Generator[Task, dict[str, Any], Forward]:
+        """Forward through shards 0..S-2, every micro-batch in one task a shard, then the last shard's turn (forward,
+        loss, backward): each shard's kept inputs, the turn's answer."""
+        last = len(self.plan.shards) - 1
+        kept, h = [], [x for x, _ in batches]
+        for s in range(last):
+            kept.append(h)
+            h = (yield self.task("forward", s, inputs=h))["outputs"]
+        turn = yield self.task("turn", last, inputs=h, targets=[y for _, y in batches], scale=scale)
+        return kept, turn, [None] * last
+
+    def forward_drawing(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: int) -> Generator[Task, dict[str, Any], Forward]:
+        """With dropout: micro-batch after micro-batch through every shard and the turn, the order in which the whole
+        model draws its masks, the CPU generator's state carried from task to task (and kept per shard and micro-batch
+        for the recompute in backward, which draws the same masks again)."""
+        last = len(self.plan.shards) - 1
+        kept: list[list[torch.Tensor]] = [[] for _ in range(last)]
+        states: list[list[torch.Tensor]] = [[] for _ in range(last)]
+        turns = []
+        for x, y in batches:
+            h = x
+            for s in range(last):
+                kept[s].append(h)
+                states[s].append(self.rng)
+                out = yield self.task("forward", s, inputs=[h], rngs=[self.rng])
+                h, self.rng = out["outputs"][0], out["rng"]
+            turns.append((yield self.task("turn", last, inputs=[h], targets=[y], scale=scale, rngs=[self.rng])))
+            self.rng = turns[-1]["rng"]
+        merged = {key: [v for t in turns for v in t[key]] for key in ("losses", "grad_inputs", "tied_grads")}
+        return kept, merged | {"squares": turns[-1]["squares"]}, states
 
     def grad_norm(self, squares: dict[int, list[float]]) -> float:
         """The global norm as the engine sums it: |g|^2 of every parameter, in the model's order, into a float32 total."""
@@ -231,7 +294,8 @@ class HydraTrial:
         every = self.cfg.train.eval_every
         evals = (steps // every if every else 0) + 1
         out = {("validate", s): evals for s in range(shards)}
+        per_step = self.cfg.batch_layout(ParallelDims(1)).accum if self.draws else 1  # forward tasks a shard a step
         for s in range(shards - 1):
-            out[("forward", s)] = out[("backward", s)] = steps
-        out[("turn", shards - 1)] = steps
+            out[("forward", s)], out[("backward", s)] = steps * per_step, steps
+        out[("turn", shards - 1)] = steps * per_step
         return out

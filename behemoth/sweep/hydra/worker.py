@@ -20,9 +20,10 @@ from torch import nn
 
 from behemoth.config import load_config
 from behemoth.models.causal_lm import CausalLM, build_causal_lm, counted_targets, summed_token_loss
+from behemoth.models.lora import inject_lora
 from behemoth.parallel.sync import adamw_settings, adamw_with_state, decays
 from behemoth.sweep.hydra import wire
-from behemoth.sweep.hydra.shards import FIRST, LAST, STATES, Shard
+from behemoth.sweep.hydra.shards import FIRST, LAST, STATES, Shard, numel_of
 
 Task = dict[str, Any]
 
@@ -53,31 +54,39 @@ class Resident:
 
 
 class Loaded:
-    """A task's shard in this worker's memory: its flat states (parameter | gradient | exp_avg | exp_avg_sq) and, for a
-    tied head, the borrowed embedding weight with a gradient of its own."""
+    """A task's shard in this worker's memory: its flat states (parameter | gradient | exp_avg | exp_avg_sq of the trained
+    parameters, then the frozen parameters' values) and, for a tied head, the borrowed embedding weight (with a gradient
+    of its own when it trains)."""
 
     def __init__(self, task: Task, resident: Resident, buffers: dict[str, torch.Tensor]) -> None:
         t0 = time.perf_counter()
         self.task, self.resident = task, resident
         self.host = buffers[task["host"]]
-        n = task["shard"].numel  # one storage per state: a gradient accumulating must not touch the saved weights' version
+        shard: Shard = task["shard"]
+        n, f = shard.numel, shard.frozen_numel  # one storage per state: a gradient accumulating must not touch the saved weights' version
         self.parts = [self.host[k * n : (k + 1) * n].clone() for k in range(STATES)]  # the copy in: host (or disk) -> device
+        self.frozen = self.host[STATES * n : STATES * n + f].clone()
         self.borrowed: torch.Tensor | None = None
+        copies = 0
         if task.get("borrow") is not None:
-            key, offset, shape = task["borrow"]
+            key, offset, shape, copies = task["borrow"]
             numel = int(torch.Size(shape).numel())
             self.borrowed = buffers[key][offset : offset + numel].clone().view(shape)
-        self.bytes = STATES * n * 4 + (2 * self.borrowed.numel() * 4 if self.borrowed is not None else 0)
+        self.bytes = (STATES * n + f) * 4 + (copies * self.borrowed.numel() * 4 if self.borrowed is not None else 0)
         resident.add(self.bytes)
         self.load_s = time.perf_counter() - t0
 
     def views(self, shard: Shard) -> list[list[torch.Tensor]]:
-        """[params, grads, exp_avgs, exp_avg_sqs], each a view per parameter of the shard."""
-        return [[part[o : o + int(torch.Size(s).numel())].view(s) for o, s in zip(shard.offsets(), shard.shapes)] for part in self.parts]
+        """[params, grads, exp_avgs, exp_avg_sqs], each a view per trained parameter of the shard."""
+        return [[part[o : o + numel_of(s)].view(s) for o, s in zip(shard.offsets(), shard.shapes)] for part in self.parts]
+
+    def frozen_views(self, shard: Shard) -> list[torch.Tensor]:
+        start = STATES * shard.numel
+        return [self.frozen[o - start : o - start + numel_of(s)].view(s) for o, s in zip(shard.frozen_offsets(), shard.frozen_shapes)]
 
     def spill(self, stepped: bool) -> None:
         """Write the states back to their host (or disk) buffer: the gradients, and the parameters and moments when a
-        step changed them (`stepped`)."""
+        step changed them (`stepped`); frozen values never change."""
         n = self.parts[0].numel()
         for k, part in enumerate(self.parts):
             if stepped or k == 1:
@@ -85,7 +94,15 @@ class Loaded:
 
     def release(self) -> None:
         self.resident.free(self.bytes)
-        self.parts, self.host, self.borrowed = [], None, None  # type: ignore[assignment]
+        self.parts, self.frozen, self.host, self.borrowed = [], None, None, None  # type: ignore[assignment]
+
+
+def trial_model(cfg: Any) -> CausalLM:
+    """The trial's model on the meta device as its own run builds it: with LoRA, the base frozen and adapters attached."""
+    lm = build_causal_lm(cfg.model, cfg.hf)
+    if cfg.finetune.lora.enabled:
+        inject_lora(lm, cfg.finetune.lora)
+    return lm
 
 
 class Skeleton:
@@ -93,7 +110,7 @@ class Skeleton:
 
     def __init__(self, config: str) -> None:
         self.cfg = load_config(config)
-        self.lm: CausalLM = build_causal_lm(self.cfg.model, self.cfg.hf)
+        self.lm: CausalLM = trial_model(self.cfg)
         self.owners: dict[str, list[tuple[nn.Module, str, nn.Parameter]]] = {}
         first_name: dict[int, str] = {}
         for mod_name, module in self.lm.module.named_modules():
@@ -102,10 +119,10 @@ class Skeleton:
                 self.owners.setdefault(name, []).append((module, leaf, p))
         self.settings = adamw_settings(self.cfg.train, torch.device("cpu"))
 
-    def install(self, names: list[str], tensors: list[torch.Tensor]) -> list[nn.Parameter]:
+    def install(self, names: list[str], tensors: list[torch.Tensor], *, trains: bool = True) -> list[nn.Parameter]:
         out = []
         for name, t in zip(names, tensors):
-            p = nn.Parameter(t)
+            p = nn.Parameter(t, requires_grad=trains)
             for module, leaf, _ in self.owners[name]:
                 module._parameters[leaf] = p
             out.append(p)
@@ -138,7 +155,7 @@ def apply_pending(skeleton: Skeleton, shard: Shard, views: list[list[torch.Tenso
     """The trial's last optimizer step on this shard, as the engine takes it: gradients times the clip coefficient, then
     torch's AdamW (decay on matrices and embeddings), its moments and step count the trial's; then zero gradients."""
     params, grads, exp_avgs, exp_avg_sqs = views
-    if pending["apply"]:
+    if pending["apply"] and params:  # a shard of frozen parameters only (LoRA's embedding) has nothing to step
         if pending["coef"] is not None:
             torch._foreach_mul_(grads, torch.tensor(pending["coef"], dtype=torch.float32))
         wrapped = [nn.Parameter(p) for p in params]
@@ -165,7 +182,10 @@ def run_task(skeleton: Skeleton, loaded: Loaded) -> dict[str, Any]:
     params = skeleton.install(list(shard.names), views[0])
     for p, g in zip(params, views[1]):
         p.grad = g  # backward accumulates into the shard's flat gradients
-    tied = skeleton.install([shard.borrowed], [cast(torch.Tensor, loaded.borrowed)])[0] if shard.borrowed else None
+    skeleton.install(list(shard.frozen_names), loaded.frozen_views(shard), trains=False)
+    tied = None
+    if shard.borrowed:
+        tied = skeleton.install([shard.borrowed], [cast(torch.Tensor, loaded.borrowed)], trains=task["borrow"][3] == 2)[0]
     try:
         kind = task["kind"]
         out = {"validate": run_validate, "forward": run_forward, "turn": run_turn, "backward": run_backward}[kind](skeleton, task, params, tied)
@@ -197,7 +217,22 @@ def run_validate(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tie
 def run_forward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: nn.Parameter | None) -> dict[str, Any]:
     """A training forward of a shard before the last (with autograd on, as the whole model's forward runs): its outputs."""
     skeleton.lm.module.train()
-    return {"outputs": [skeleton.run(task["shard"].pieces, h).detach() for h in task["inputs"]]}
+    outs = []
+    for i, h in enumerate(task["inputs"]):
+        draw_from(task, i)
+        outs.append(skeleton.run(task["shard"].pieces, h).detach())
+    return {"outputs": outs} | drawn(task)
+
+
+def draw_from(task: Task, i: int) -> None:
+    """With dropout: the CPU generator set to the state the trial's own run has where micro-batch i enters this shard."""
+    if task.get("rngs") is not None:
+        torch.set_rng_state(task["rngs"][i])
+
+
+def drawn(task: Task) -> dict[str, Any]:
+    """With dropout: the generator's state after this task's draws (where the next shard, or micro-batch, starts)."""
+    return {"rng": torch.get_rng_state()} if task.get("rngs") is not None else {}
 
 
 def boundary(h: torch.Tensor) -> torch.Tensor:
@@ -210,8 +245,9 @@ def run_turn(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: n
     gradient at its input and (tied head) its part of the embedding's gradient."""
     skeleton.lm.module.train()
     losses, grad_inputs, tied_grads = [], [], []
-    for h, y in zip(task["inputs"], task["targets"]):
+    for i, (h, y) in enumerate(zip(task["inputs"], task["targets"])):
         h = boundary(h)
+        draw_from(task, i)
         if tied is not None:
             tied.grad = None
         with skeleton.loss_head():
@@ -221,7 +257,7 @@ def run_turn(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: n
         losses.append(float(loss.detach()))
         grad_inputs.append(h.grad)
         tied_grads.append(tied.grad if tied is not None else None)
-    return {"losses": losses, "grad_inputs": grad_inputs, "tied_grads": tied_grads}
+    return {"losses": losses, "grad_inputs": grad_inputs, "tied_grads": tied_grads} | drawn(task)
 
 
 def run_backward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tied: nn.Parameter | None) -> dict[str, Any]:
@@ -234,6 +270,7 @@ def run_backward(skeleton: Skeleton, task: Task, params: list[nn.Parameter], tie
     for i, (h, g) in enumerate(zip(task["inputs"], task["grad_outputs"])):
         h = boundary(h)
         hook = embedding.register_hook(lambda grad, t=task["tied_grads"][i]: grad + t) if embedding is not None else None
+        draw_from(task, i)  # the recompute draws the forward's masks again
         skeleton.run(shard.pieces, h).backward(g)
         if hook is not None:
             hook.remove()
