@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from behemoth.planner.cluster import ClusterSpec
-from behemoth.planner.comm import chimera_sync_seconds, data_parallel_time, depth_sync_seconds, expert_seconds
+from behemoth.planner.comm import DataParallelTime, chimera_sync_seconds, data_parallel_time, depth_sync_seconds, expert_seconds
 from behemoth.planner.compute import block_costs, block_pass, embed_pass, head_pass
 from behemoth.planner.footprint import placed, rank_elements, state_bytes
 from behemoth.planner.layout import Layout, Workload
@@ -28,6 +28,7 @@ from behemoth.planner.pipetime import (
     scp_share,
     streamed_pipeline,
 )
+from behemoth.planner.stream_traffic import streamed_pipeline_dp_seconds
 
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
 
@@ -124,7 +125,11 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     passes += chimera_sync_seconds(lay, cluster, elements) + depth_sync_seconds(work, lay, cluster, elements)
     m = lay.microbatches
     pp_comm = 2 * m * costs.p2p * max(1, lay.chunks) if lay.pp > 1 else 0.0
-    dp = data_parallel_time(work, lay, cluster, elements, forward, backward)
+    if streamed_pipeline(lay):  # each stay of a unit gathers it (and reduce-scatters its gradient), exposed
+        streamed = streamed_pipeline_dp_seconds(work, lay, cluster, bounds)
+        dp = DataParallelTime(streamed, streamed)
+    else:
+        dp = data_parallel_time(work, lay, cluster, elements, forward, backward)
     return StepTime(
         passes,
         bubble,
