@@ -88,6 +88,7 @@ def with_client(served, batch, want, slots):
         for b in (0, 1, 2):
             r = client.completions.create(model=names[slots[b]], prompt=batch[b], max_tokens=12, temperature=0, logprobs=0)
             assert r.choices[0].logprobs.tokens == [f"token_id:{t}" for t in want[b]]
+            assert r.model == names[slots[b]]  # the response names the adapter asked for
 
 
 def test_an_adapter_on_a_layer_the_model_lacks_is_refused_by_name(folders, tmp_path):

@@ -45,21 +45,25 @@ class Route:
 
 def generation_routes(engine: EngineLoop, limits: ServeLimits, tokenizer: "Tokenizer | None") -> dict[str, Route]:
     """/v1/completions and /v1/chat/completions as data (completions.py, chat.py)."""
-    name = limits.model_name
+
+    def answered(req: Any) -> str:
+        """The model a response names: the adapter (or base) the request asked for, else the base."""
+        return req.model or limits.model_name
+
     return {
         "/v1/completions": Route(
             CompletionRequest,
             lambda req: completion_prompts(req, tokenizer, limits),
             lambda req, prompts: start_completion(engine, req, prompts, limits),
-            lambda req, prompts, flight, slot: stream_completion(req, prompts, flight, tokenizer, name, slot),
-            lambda req, prompts, flight, results: completion_response(req, prompts, flight, results, tokenizer, name),
+            lambda req, prompts, flight, slot: stream_completion(req, prompts, flight, tokenizer, answered(req), slot),
+            lambda req, prompts, flight, results: completion_response(req, prompts, flight, results, tokenizer, answered(req)),
         ),
         "/v1/chat/completions": Route(
             ChatRequest,
             lambda req: chat_prompt(req, tokenizer, limits),
             lambda req, prepared: start_chat(engine, req, prepared[0], prepared[1], limits),
-            lambda req, prepared, flight, slot: stream_chat(req, prepared[0], flight, tokenizer, name, slot),
-            lambda req, prepared, flight, results: chat_response(req, prepared[0], flight, results, tokenizer, name),
+            lambda req, prepared, flight, slot: stream_chat(req, prepared[0], flight, tokenizer, answered(req), slot),
+            lambda req, prepared, flight, results: chat_response(req, prepared[0], flight, results, tokenizer, answered(req)),
         ),
     }
 
