@@ -183,10 +183,11 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
     from behemoth.inference.generate import CachePolicy, follow_model, generator_for
     from behemoth.inference.loading import load_model, resolve_source
-    from behemoth.topology import init_runtime
+    from behemoth.topology import init_runtime, one_rank_runtime
 
     source = resolve_source(args.source, args.overrides)
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp, ep=args.ep)
+    draft_rt = one_rank_runtime(rt, source.config.run.timeout_s) if args.draft else rt  # every rank: a collective
     model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout)
     cache = CachePolicy(args.block_size, args.kv_cache_mb, split_products=args.split_products)
     if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
@@ -200,7 +201,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     if args.draft or args.speculative:
         from behemoth.inference.generate import attach_speculative
 
-        attach_speculative(gen, speculative_of(args, 1), args.draft_tokens, rt, args.kv_cache_mb)
+        attach_speculative(gen, speculative_of(args), args.draft_tokens, draft_rt, args.kv_cache_mb)
     if args.batched_adapters:
         from behemoth.inference.generate import attach_adapters
 
@@ -265,7 +266,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_kv_offload(args)
     check_plan(args, nproc)
     policy_of(args, 1)
-    speculative_of(args, nproc)
+    speculative_of(args)
     check_batched_adapters(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)
