@@ -32,10 +32,11 @@ def _serve(
     ngram: bool | str,
     adapters: dict[str, str] | None = None,
     slots: list[int] | None = None,
+    ep: int = 1,
 ) -> tuple[list[list[int]], dict[str, int]] | None:
-    """One rank of a served model: rank 0 schedules the batch over BLOCKS blocks (KV offload, speculation: n-gram when
-    `ngram` is True, a draft model when it is the draft's folder, and batched adapters, row b with adapter slots[b], as
-    asked), the others follow its steps; rank 0's outputs and counters."""
+    """One rank of a served model at tp x pp x ep: rank 0 schedules the batch over BLOCKS blocks (KV offload, speculation:
+    n-gram when `ngram` is True, a draft model when it is the draft's folder, and batched adapters, row b with adapter
+    slots[b], as asked), the others follow its steps; rank 0's outputs and counters."""
     from behemoth.inference.generate import CachePolicy, attach_adapters, attach_speculative, follow_model, generator_for
     from behemoth.inference.kv_cache import BlockAllocator
     from behemoth.inference.loading import load_model, resolve_source
@@ -45,9 +46,9 @@ def _serve(
     from behemoth.topology import init_runtime, one_rank_runtime
 
     source = resolve_source(folder, [])
-    rt = init_runtime(timeout_s=60, tp=tp, pp=pp)
+    rt = init_runtime(timeout_s=60, tp=tp, pp=pp, ep=ep)
     draft_rt = one_rank_runtime(rt, 60) if isinstance(ngram, str) else rt
-    model = load_model(source, rt, tp=tp, pp=pp)
+    model = load_model(source, rt, tp=tp, pp=pp, ep=ep)
     cache = CachePolicy(block_size=BLOCK, memory_mb=1)
     if rt.rank != 0:
         follow_model(model, cache, adapters=adapters)
@@ -152,7 +153,6 @@ def test_batched_adapters_under_tp_and_pp_equal_one_process(folder, adapters, si
     [
         (["generate", "--speculative", "ngram", "--offload", "host", "--nproc", "2", "--tp", "2", "--prompt", "x"], "with --offload host"),
         (["serve", "--adapter", "a={folder}", "--quantize", "int8"], "with --quantize int8: batched adapters run without it"),
-        (["serve", "--kv-offload", "--nproc", "2", "--ep", "2"], "--kv-offload with --ep 2"),
     ],
 )
 def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys, argv, message):

@@ -88,7 +88,7 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
 
 def speculative_of(args: argparse.Namespace) -> Any:
     """What --draft / --speculative ask for (a folder, an NgramDraft, or None), refused before anything loads when it
-    cannot run: the model in memory (on one process or split by --tp/--pp; a draft model is whole on job rank 0), one
+    cannot run: the model in memory (on one process or split by --tp/--pp/--ep; a draft model is whole on job rank 0), one
     kind of proposal, at least one token, a draft that exists."""
     from pathlib import Path
 
@@ -99,11 +99,11 @@ def speculative_of(args: argparse.Namespace) -> Any:
         return None
     if args.draft and args.speculative:
         raise BehemothError(f"--draft {args.draft} with --speculative {args.speculative}: one kind of proposal at a time", "drop one of them")
-    if getattr(args, "offload", None) or args.ep > 1:
-        why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--ep {args.ep}"
+    if getattr(args, "offload", None):
+        why = f"--offload {args.offload}"
         raise BehemothError(
             f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process "
-            "or split by --tp/--pp",
+            "or split by --tp/--pp/--ep",
             f"drop {what}, or {why}",
         )
     if args.draft_tokens < 1:

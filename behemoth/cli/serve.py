@@ -88,7 +88,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "--kv-offload",
         action="store_true",
         help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation); "
-        "under --tp/--pp each process keeps its own heads and layers",
+        "under --tp/--pp each process keeps its own heads and layers, under --ep its copy of them",
     )
     p.add_argument(
         "--quantize",
@@ -148,12 +148,6 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
             raise BehemothError(f"--adapter {name}={folder} with {what}: batched adapters run without it", f"drop {what}")
         if not name or not Path(folder).is_dir():
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
-
-
-def check_kv_offload(args: argparse.Namespace) -> None:
-    """--kv-offload runs on one process, under --tp (each rank its heads) and under --pp (each stage its layers)."""
-    if args.kv_offload and args.ep > 1:
-        raise BehemothError(f"--kv-offload with --ep {args.ep}: KV offload runs on one process or under --tp/--pp", f"drop --ep {args.ep}")
 
 
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
@@ -263,7 +257,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
     require_serving_stack()
     nproc = world_size(args)
-    check_kv_offload(args)
     check_plan(args, nproc)
     policy_of(args, 1)
     speculative_of(args)
