@@ -155,6 +155,15 @@ def init_runtime(*, timeout_s: float = 300.0, models: int = 1, **degrees: int) -
     return Runtime(dist.get_rank(group), dims.world_size, int(os.environ.get("LOCAL_RANK", 0)), device, dims, mesh, group, owns)
 
 
+def one_rank_runtime(rt: Runtime, timeout_s: float) -> Runtime:
+    """A runtime of this process alone (a one-rank job of its own), for a model one rank holds whole beside the job's
+    sharded one (speculative decoding's draft on job rank 0). Collective: every rank of `rt`'s job calls it, in the
+    same order, since each one-rank group is created by all ranks."""
+    if rt.world_size == 1:
+        return rt
+    return init_runtime(timeout_s=timeout_s, models=rt.world_size)
+
+
 def join_process_group(device: torch.device, timeout_s: float) -> bool:
     """Initialize the default process group unless it exists; True if this call created it."""
     if dist.is_initialized():

@@ -134,7 +134,6 @@ def test_a_bad_draft_is_refused_by_name(folders):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--draft", "{small}", "--tp", "2"], "--draft with 2 processes: a draft model runs on one process"),
         (["--draft", "{small}", "--draft-tokens", "0"], "--draft-tokens 0: a draft proposes at least one token per step"),
         (["--draft", "/no/such/folder"], "--draft /no/such/folder does not exist"),
         (["--adapter", "a={small}", "--prefix-caching"], "batched adapters run without it"),

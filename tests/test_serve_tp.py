@@ -25,21 +25,30 @@ def batch() -> list[list[int]]:
 
 
 def _serve(
-    folder: str, tp: int, pp: int, kv_offload: bool, ngram: bool, adapters: dict[str, str] | None = None, slots: list[int] | None = None
+    folder: str,
+    tp: int,
+    pp: int,
+    kv_offload: bool,
+    ngram: bool | str,
+    adapters: dict[str, str] | None = None,
+    slots: list[int] | None = None,
+    ep: int = 1,
 ) -> tuple[list[list[int]], dict[str, int]] | None:
-    """One rank of a served model: rank 0 schedules the batch over BLOCKS blocks (KV offload, n-gram speculation and
-    batched adapters, row b with adapter slots[b], as asked), the others follow its steps; rank 0's outputs and counters."""
+    """One rank of a served model at tp x pp x ep: rank 0 schedules the batch over BLOCKS blocks (KV offload, speculation:
+    n-gram when `ngram` is True, a draft model when it is the draft's folder, and batched adapters, row b with adapter
+    slots[b], as asked), the others follow its steps; rank 0's outputs and counters."""
     from behemoth.inference.generate import CachePolicy, attach_adapters, attach_speculative, follow_model, generator_for
     from behemoth.inference.kv_cache import BlockAllocator
     from behemoth.inference.loading import load_model, resolve_source
     from behemoth.inference.ngram import NgramDraft
     from behemoth.inference.sampling import SamplingParams
     from behemoth.inference.scheduler import Scheduler, SchedulerPolicy
-    from behemoth.topology import init_runtime
+    from behemoth.topology import init_runtime, one_rank_runtime
 
     source = resolve_source(folder, [])
-    rt = init_runtime(timeout_s=60, tp=tp, pp=pp)
-    model = load_model(source, rt, tp=tp, pp=pp)
+    rt = init_runtime(timeout_s=60, tp=tp, pp=pp, ep=ep)
+    draft_rt = one_rank_runtime(rt, 60) if isinstance(ngram, str) else rt
+    model = load_model(source, rt, tp=tp, pp=pp, ep=ep)
     cache = CachePolicy(block_size=BLOCK, memory_mb=1)
     if rt.rank != 0:
         follow_model(model, cache, adapters=adapters)
@@ -49,7 +58,7 @@ def _serve(
         if adapters:
             attach_adapters(gen, adapters)
         if ngram:
-            attach_speculative(gen, NgramDraft(tokens=4), 4, rt, 1.0)
+            attach_speculative(gen, ngram if isinstance(ngram, str) else NgramDraft(tokens=4), 3, draft_rt, 1.0)
         speculative = gen.scheduler().speculative
         policy = SchedulerPolicy(context=gen.context, kv_offload=kv_offload)
         sched = Scheduler(gen.runner, BlockAllocator(BLOCKS, BLOCK), policy, None, speculative)
@@ -97,6 +106,22 @@ def test_ngram_speculation_with_kv_offload_under_tp_and_pp_equals_one_process(fo
 
 
 @pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return save_llama(str(tmp_path_factory.mktemp("draft")), ["model.n_layer=1"], 8, std=0.05)  # another model, one layer
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_a_draft_model_under_tp_and_pp_gives_the_one_process_greedy_tokens(folder, single, draft, tp, pp):
+    """The draft runs whole on job rank 0 (a one-rank runtime of its own), the target split over the processes checks its
+    proposals; with preemption (recomputation: the draft's cache of a preempted request is released and rebuilt)."""
+    ranks = run_ranks(tp * pp, _serve, folder, tp, pp, False, draft, timeout=90)
+    out, stats = ranks[0]
+    assert [o for o, sp in zip(out, PARAMS) if sp is GREEDY] == [o for o, sp in zip(single[0], PARAMS) if sp is GREEDY]
+    assert ranks[1] is None and len(out[1]) == 16 and stats["preemptions"] > 0
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"] and stats["steps"] < single[1]["steps"]
+
+
+@pytest.fixture(scope="module")
 def adapters(folder, tmp_path_factory):
     from tests.test_serve_adapters import save_adapter
 
@@ -127,9 +152,7 @@ def test_batched_adapters_under_tp_and_pp_equal_one_process(folder, adapters, si
     "argv, message",
     [
         (["generate", "--speculative", "ngram", "--offload", "host", "--nproc", "2", "--tp", "2", "--prompt", "x"], "with --offload host"),
-        (["generate", "--draft", "{folder}", "--tp", "2", "--prompt", "x"], "--draft with 2 processes: a draft model runs on one process"),
         (["serve", "--adapter", "a={folder}", "--quantize", "int8"], "with --quantize int8: batched adapters run without it"),
-        (["serve", "--kv-offload", "--nproc", "2", "--ep", "2"], "--kv-offload with --ep 2"),
     ],
 )
 def test_what_still_runs_on_one_process_is_refused_before_loading(folder, capsys, argv, message):
@@ -194,10 +217,15 @@ def _cli_tokens(folder: str, *extra: str) -> list[list[int]]:
     argv = [sys.executable, "-m", "behemoth", "generate", folder, "--json", "--max-tokens", "16", "--ignore-eos", "--block-size", "4", *ids, *extra]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
-    assert ("proposed tokens accepted" in out.stderr) == ("ngram" in extra), out.stderr
+    assert ("proposed tokens accepted" in out.stderr) == ("ngram" in extra or "--draft" in extra), out.stderr
     return [json.loads(line)["tokens"] for line in out.stdout.splitlines()]
 
 
 @pytest.mark.slow
 def test_the_command_line_generate_under_tp_speculates_with_ngram_as_one_process(folder):
     assert _cli_tokens(folder, "--nproc", "2", "--tp", "2", "--speculative", "ngram") == _cli_tokens(folder)
+
+
+@pytest.mark.slow
+def test_the_command_line_generate_under_pp_speculates_with_a_draft_as_one_process(folder, draft):
+    assert _cli_tokens(folder, "--nproc", "2", "--pp", "2", "--draft", draft, "--draft-tokens", "3") == _cli_tokens(folder)

@@ -93,9 +93,9 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-min", type=int, default=1, metavar="N", help="--speculative ngram: shortest suffix looked up (default 1)")
 
 
-def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
+def speculative_of(args: argparse.Namespace) -> Any:
     """What --draft / --speculative ask for (a folder, an NgramDraft, or None), refused before anything loads when it
-    cannot run: the model in memory (n-gram lookup: on one process or split by --tp; a draft model: one process), one
+    cannot run: the model in memory (on one process or split by --tp/--pp/--ep; a draft model is whole on job rank 0), one
     kind of proposal, at least one token, a draft that exists."""
     from pathlib import Path
 
@@ -106,15 +106,13 @@ def speculative_of(args: argparse.Namespace, nproc: int) -> Any:
         return None
     if args.draft and args.speculative:
         raise BehemothError(f"--draft {args.draft} with --speculative {args.speculative}: one kind of proposal at a time", "drop one of them")
-    if getattr(args, "offload", None) or args.ep > 1:
-        why = f"--offload {args.offload}" if getattr(args, "offload", None) else f"--ep {args.ep}"
+    if getattr(args, "offload", None):
+        why = f"--offload {args.offload}"
         raise BehemothError(
             f"{what} with {why}: speculative decoding checks the proposals in one forward of the model in memory, on one process "
-            "or split by --tp/--pp",
+            "or split by --tp/--pp/--ep",
             f"drop {what}, or {why}",
         )
-    if args.draft and nproc > 1:
-        raise BehemothError(f"--draft with {nproc} processes: a draft model runs on one process", "use --speculative ngram, or drop --tp")
     if args.draft_tokens < 1:
         raise BehemothError(
             f"--draft-tokens {args.draft_tokens}: a draft proposes at least one token per step", "use --draft-tokens 1 or more (e.g. 4)"
@@ -329,7 +327,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts, nproc = prompts_of(args), world_size(args)
     params = sampling_dicts(args, len(prompts))
     check_plan(args, nproc)
-    speculative = (speculative_of(args, nproc), args.draft_tokens)
+    speculative = (speculative_of(args), args.draft_tokens)
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)

@@ -88,7 +88,7 @@ def serve_parser() -> argparse.ArgumentParser:
         "--kv-offload",
         action="store_true",
         help="a preempted request's KV blocks go to host memory and come back when it resumes (instead of its recomputation); "
-        "under --tp/--pp each process keeps its own heads and layers",
+        "under --tp/--pp each process keeps its own heads and layers, under --ep its copy of them",
     )
     p.add_argument(
         "--quantize",
@@ -150,12 +150,6 @@ def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
             raise BehemothError(f"--adapter {name}={folder}: not a NAME=DIR of an adapter folder", "give e.g. --adapter support=path/to/lora")
 
 
-def check_kv_offload(args: argparse.Namespace) -> None:
-    """--kv-offload runs on one process, under --tp (each rank its heads) and under --pp (each stage its layers)."""
-    if args.kv_offload and args.ep > 1:
-        raise BehemothError(f"--kv-offload with --ep {args.ep}: KV offload runs on one process or under --tp/--pp", f"drop --ep {args.ep}")
-
-
 def serve_limits(args: argparse.Namespace, base: ServeLimits) -> ServeLimits:
     """The model's limits with the command line's: prompt length, streams, choices, body size, API key, adapter names."""
     import os
@@ -183,10 +177,11 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
 
     from behemoth.inference.generate import CachePolicy, follow_model, generator_for
     from behemoth.inference.loading import load_model, resolve_source
-    from behemoth.topology import init_runtime
+    from behemoth.topology import init_runtime, one_rank_runtime
 
     source = resolve_source(args.source, args.overrides)
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp, ep=args.ep)
+    draft_rt = one_rank_runtime(rt, source.config.run.timeout_s) if args.draft else rt  # every rank: a collective
     model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout, tp_mode=args.tp_mode)
     cache = CachePolicy(args.block_size, args.kv_cache_mb, split_products=args.split_products)
     if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
@@ -200,7 +195,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     if args.draft or args.speculative:
         from behemoth.inference.generate import attach_speculative
 
-        attach_speculative(gen, speculative_of(args, 1), args.draft_tokens, rt, args.kv_cache_mb)
+        attach_speculative(gen, speculative_of(args), args.draft_tokens, draft_rt, args.kv_cache_mb)
     if args.batched_adapters:
         from behemoth.inference.generate import attach_adapters
 
@@ -262,10 +257,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     require_serving_stack()
     nproc = world_size(args)
-    check_kv_offload(args)
     check_plan(args, nproc)
     policy_of(args, 1)
-    speculative_of(args, nproc)
+    speculative_of(args)
     check_batched_adapters(args, nproc)
     if nproc == 1:
         serve_on_ranks(args)

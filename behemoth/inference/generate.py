@@ -32,7 +32,7 @@ from behemoth.inference.serving import EngineLoop
 from behemoth.inference.speculative import SpeculativeDecoder
 from behemoth.inference.text import Tokenizer, encode_prompt, tokenizer_for
 from behemoth.parallelize import ParallelModel
-from behemoth.topology import Runtime, init_runtime
+from behemoth.topology import Runtime, init_runtime, one_rank_runtime
 
 LoadedModel = ParallelModel | StreamedModel  # in memory (laid out by parallelize) or with its blocks on a tier
 
@@ -209,12 +209,11 @@ def ngram_for(gen: Generator, spec: NgramDraft) -> NgramDraft:
 
 
 def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: float) -> DraftModel:
-    """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`)."""
+    """The draft model of `path` on this process, with a KV cache of as many blocks as the target's (within `memory_mb`);
+    `rt` is this process's own (`one_rank_runtime`): the target may be split over several, the draft is whole here."""
     check_speculative(gen, f"--draft {path}")
     if rt.world_size > 1:
-        raise BehemothError(
-            f"--draft {path} with {rt.world_size} processes: a draft model runs on one process", "use --speculative ngram, or drop --tp"
-        )
+        raise BehemothError(f"--draft {path} given a runtime of {rt.world_size} processes", "load the draft on one_rank_runtime(rt)")
     SpeculativeDecoder.check_tokens(tokens)
     model = load_model(resolve_source(path, []), rt)
     if model.lm.shape.vocab_size != gen.runner.vocab_size:
@@ -227,7 +226,8 @@ def draft_for(gen: Generator, path: str, tokens: int, rt: Runtime, memory_mb: fl
 
 
 def attach_speculative(gen: Generator, draft: str | NgramDraft | None, tokens: int, rt: Runtime, memory_mb: float) -> None:
-    """Speculative decoding for `gen`: n-gram lookup (an NgramDraft) or the draft model in folder `draft` (None: off)."""
+    """Speculative decoding for `gen`: n-gram lookup (an NgramDraft) or the draft model in folder `draft` (None: off),
+    loaded on `rt`, this process's own runtime (`one_rank_runtime` when the target is split over several)."""
     if isinstance(draft, NgramDraft):
         gen.draft = ngram_for(gen, draft)
     elif draft is not None:
@@ -393,9 +393,10 @@ def generate_on_ranks(
     process), speculative decoding (`attach_speculative`)."""
     source = resolve_source(path, list(overrides))
     rt = rt or init_runtime(timeout_s=source.config.run.timeout_s, tp=tp, pp=pp, ep=ep)
+    draft_rt = one_rank_runtime(rt, source.config.run.timeout_s) if isinstance(draft, str) else rt  # every rank: a collective
     model = load_for_generation(source, rt, tp=tp, pp=pp, ep=ep, quantize=quantize, offload=offload, expert_layout=expert_layout, tp_mode=tp_mode)
     try:
-        return _generate_loaded(model, source, prompts, params, cache, ignore_eos, (draft, draft_tokens))
+        return _generate_loaded(model, source, prompts, params, cache, ignore_eos, (draft, draft_tokens, draft_rt))
     finally:
         model.close()
 
@@ -407,7 +408,7 @@ def _generate_loaded(
     params: list[dict[str, Any]],
     cache: CachePolicy,
     ignore_eos: bool,
-    speculative: tuple[str | NgramDraft | None, int] = (None, 4),
+    speculative: tuple[str | NgramDraft | None, int, Runtime | None] = (None, 4, None),
 ) -> list[Completion] | None:
     """Rank 0 generates for the prompts (its cache sized for them), the others follow its steps."""
     rt = model.rt
@@ -421,7 +422,7 @@ def _generate_loaded(
         return None
     gen = generator_for(model, source, cache)
     try:
-        attach_speculative(gen, *speculative, rt, cache.memory_mb)
+        attach_speculative(gen, speculative[0], speculative[1], speculative[2] or rt, cache.memory_mb)
         out = gen.generate(prompts, sampling, ignore_eos=ignore_eos)
         if "draft_tokens" in gen.stats:
             print(speculation_line(gen.stats), file=sys.stderr, flush=True)

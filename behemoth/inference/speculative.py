@@ -123,6 +123,15 @@ class DraftProposer:
             d.append(int(torch.multinomial(q, 1, generator=r.generator)))
 
 
+def take_blocks(alloc: BlockAllocator, req: Request, drafts: list[int]) -> None:
+    """The target's blocks for `req`'s checked positions. Each row's budget saw the free blocks alone, so the rows before
+    it may have taken them: the proposals that no longer fit are dropped (fewer checked; every kept token the same)."""
+    while drafts and not alloc.can_grow(req.id, req.cached + 1 + len(drafts)):
+        drafts.pop()
+    if drafts:
+        alloc.grow(req.id, max(alloc.lengths.get(req.id, 0), req.cached + 1 + len(drafts)))
+
+
 class SpeculativeDecoder:
     """A proposer (draft model or n-gram lookup) and the verification of one decode step in one target forward."""
 
@@ -153,8 +162,7 @@ class SpeculativeDecoder:
         ks = [self.budget(sched, r) for r in rows]
         drafts, dists = self.proposer.propose(rows, ks)
         for r, d in zip(rows, drafts):
-            if d:
-                sched.alloc.grow(r.id, max(sched.alloc.lengths.get(r.id, 0), r.cached + 1 + len(d)))
+            take_blocks(sched.alloc, r, d)
         batch = [(r.id, [r.tokens[r.cached]] + d, r.cached) for r, d in zip(rows, drafts)]
         logits = cast(ModelRunner, sched.runner).verify(plan_step(sched.alloc, batch, [r.params.adapter for r in rows]))
         sched.stats["decode_tokens"] += sum(len(new) for _, new, _ in batch)
