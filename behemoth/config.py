@@ -77,7 +77,7 @@ class TrainConfig(Section):
     nonfinite: Literal["stop", "skip"] = Field("stop", description="a non-finite loss or gradient norm: stop the run, or skip that step's update")
     stop_at: int | None = Field(None, ge=1, description="end this run after step N, validated and checkpointed (the LR schedule spans train.steps)")
     adamw: Literal["auto", "for-loop", "foreach", "fused"] = Field(
-        "auto", description="torch's AdamW implementation (auto: fused on CUDA, foreach elsewhere; docs/performance.md)"
+        "auto", description="torch's AdamW implementation (auto: fused on CUDA and the CPU, foreach elsewhere; docs/performance.md)"
     )
     compile: bool = Field(
         False,

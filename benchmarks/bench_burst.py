@@ -75,7 +75,7 @@ def simulate(rows: list[dict]) -> None:
 
 
 def training_adamw(params: Any) -> Any:
-    """torch's AdamW with the kernel `behemoth train` picks on this device (foreach on CPU, where torch's own default
+    """torch's AdamW with the kernel `behemoth train` picks on this device (fused on CPU, where torch's own default
     is the slower for-loop), as `behemoth calibrate` times it."""
     import torch
 

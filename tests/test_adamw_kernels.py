@@ -73,6 +73,6 @@ def test_kernel_per_device():
     from behemoth.engine import adamw_kernel
 
     train = load_config(None, ["model=gpt-tiny"]).train
-    assert adamw_kernel(train, torch.device("cuda")) == "fused" and adamw_kernel(train, torch.device("cpu")) == "foreach"
+    assert adamw_kernel(train, torch.device("cuda")) == "fused" and adamw_kernel(train, torch.device("cpu")) == "fused"
     chosen = load_config(None, ["model=gpt-tiny", "train.adamw=for-loop"]).train
     assert adamw_kernel(chosen, torch.device("cuda")) == "for-loop"

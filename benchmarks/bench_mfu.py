@@ -1,0 +1,179 @@
+"""MFU of one training process against the measured matmul peak: behemoth eager and compiled, beside a plain
+transformers GPT-2 + AdamW loop eager and under torch.compile, on the same shape.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py              # gpt2-124m, 4 x 512 tokens, float32, 2 threads
+    OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py --quick      # gpt-20m, 4 x 128 tokens
+
+One child process per mode (eager, compiled) holds behemoth's engine and the peer's model at once and alternates them
+step by step, each step right after a timing of the peak (metrics.measure_peak_tflops: a float32 2048^3 matmul at the
+process's threads), so both see the same moment of a shared machine. FLOPs per step are behemoth's MFU count for both
+(6 x the matmul parameters + attention, models/shape.py; the peer is the same shape). Reported per system:
+
+- MFU (wall): FLOPs over the fastest step, divided by the fastest peak timing of the run;
+- MFU (CPU): FLOPs per CPU second of the least-CPU step, divided by the peak matmul's FLOPs per CPU second (its
+  least-CPU timing): the steadier of the two when other work loads the machine (both sides pay the same contention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from ratios import add_report_args, command_line, ratio, write_rows  # noqa: E402
+
+Step = Callable[[], None]
+
+
+def timed(fn: Step) -> tuple[float, float]:
+    """Wall and process CPU seconds of fn() (CPU summed over the process's threads)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def behemoth_step(model: str, batch: int, seq: int, compiled: bool, run_dir: str, tokens: Any, extra: list[str]) -> tuple[Step, float]:
+    """behemoth's engine as `behemoth train` builds it for one process; its step and its FLOPs per step."""
+    from behemoth.config import load_config
+    from behemoth.engine import build_engine
+    from behemoth.topology import init_runtime
+
+    opts = [f"model={model}", f"train.seq_len={seq}", f"train.global_batch={batch}", f"train.compile={str(compiled).lower()}"]
+    opts += [f"run.dir={run_dir}", *extra]
+    engine = build_engine(load_config(None, opts), init_runtime())
+    batches = [(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())]
+    return lambda: engine.train_step(batches, 1e-4) and None, engine.model.lm.flops_per_token(seq) * batch * seq
+
+
+def peer_step(model: str, compiled: bool, tokens: Any, adamw: str) -> Step:
+    """transformers' GPT2LMHeadModel of the preset's widths (tied as the preset is), torch's AdamW, clipping at 1.0."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from behemoth.models.gpt import PRESETS
+
+    p = PRESETS[model]
+    cfg = GPT2Config(
+        n_layer=p["n_layer"],
+        n_head=p["n_head"],
+        n_embd=p["d_model"],
+        n_positions=p["context"],
+        vocab_size=p["vocab_size"],
+        tie_word_embeddings=bool(p.get("tie_embeddings")),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    net = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, **{adamw: True})
+    fwd = torch.compile(net, dynamic=False) if compiled else net
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def step() -> None:
+        logits = fwd(input_ids=x).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def child(model: str, batch: int, seq: int, compiled: bool, steps: int, warmup: int, adamw: str, extra: list[str]) -> None:
+    """One mode: both systems, alternated step by step after a peak timing each; prints one JSON line."""
+    import torch
+
+    from behemoth.metrics import PEAK_SIZE, measure_peak_tflops
+    from behemoth.models.gpt import PRESETS
+
+    tokens = torch.randint(0, PRESETS[model]["vocab_size"], (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as run_dir:
+        ours, flops = behemoth_step(model, batch, seq, compiled, run_dir, tokens, extra)
+        systems = {"behemoth": ours, "peer": peer_step(model, compiled, tokens, adamw)}
+        out: dict[str, Any] = {"flops": flops, "threads": torch.get_num_threads(), "peak_wall": [], "peak_cpu": []}
+        for name, fn in systems.items():
+            out[name] = {"warmup_s": [timed(fn)[0] for _ in range(warmup)], "wall": [], "cpu": []}
+        a = torch.randn(PEAK_SIZE, PEAK_SIZE)
+        for _ in range(steps):
+            for name, fn in systems.items():
+                measure_peak_tflops(torch.device("cpu"), runs=1)  # the matmul warm again after the other's step
+                wall, cpu = timed(lambda: a @ a)
+                out["peak_wall"].append(wall)
+                out["peak_cpu"].append(cpu)
+                wall, cpu = timed(fn)
+                out[name]["wall"].append(wall)
+                out[name]["cpu"].append(cpu)
+    print(json.dumps(out))
+
+
+def run_mode(args: argparse.Namespace, compiled: bool, cache: str) -> dict[str, Any]:
+    call = (args.model, args.batch, args.seq, compiled, args.steps, args.warmup, args.peer_adamw, args.set)
+    code = f"import bench_mfu as b; b.child{call!r}"
+    env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
+    if res.returncode:
+        raise RuntimeError(f"{'compiled' if compiled else 'eager'} run failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def mfu(r: dict[str, Any], name: str) -> tuple[float, float]:
+    """(wall MFU, CPU MFU) of one system in one mode's result."""
+    peak_flops = 2 * 2048**3
+    wall = r["flops"] / min(r[name]["wall"]) / (peak_flops / min(r["peak_wall"]))
+    cpu = r["flops"] / min(r[name]["cpu"]) / (peak_flops / min(r["peak_cpu"]))
+    return wall, cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2-124m")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of each system, alternated")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each system first (compilation among them)")
+    ap.add_argument("--peer-adamw", default="foreach", choices=["foreach", "fused"], help="the peer's torch.optim.AdamW kernel")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="behemoth config overrides (e.g. train.adamw=foreach)")
+    ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    add_report_args(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.model, args.seq, args.steps, args.warmup = "gpt-20m", 128, 2, 1
+    load = os.getloadavg()
+    print(f"{args.model}, {args.batch} x {args.seq} tokens, float32, {os.environ.get('OMP_NUM_THREADS', 'default')} threads, one process", *args.set)
+    print(f"load average before: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+    print("| mode | system | MFU (wall) | MFU (CPU) | fastest step s | least CPU s/step | tokens/s | behemoth / peer (CPU s) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        for mode in args.modes:
+            r = run_mode(args, mode == "compiled", cache)
+            speedup = min(r["peer"]["cpu"]) / min(r["behemoth"]["cpu"])
+            for name, label in (("behemoth", "behemoth"), ("peer", f"transformers GPT-2 + AdamW ({args.peer_adamw})")):
+                wall, cpu = mfu(r, name)
+                tok = args.batch * args.seq / min(r[name]["wall"])
+                cell = f"{speedup:.2f}" if name == "behemoth" else ""
+                cells = [mode, label, f"{wall:.3f}", f"{cpu:.3f}", f"{min(r[name]['wall']):.2f}", f"{min(r[name]['cpu']):.2f}", f"{tok:.0f}", cell]
+                print("| " + " | ".join(cells) + " |", flush=True)
+            peak = 2 * 2048**3 / min(r["peak_wall"]) / 1e9
+            print(f"| {mode} | peak: 2048^3 matmul | - | - | {min(r['peak_wall']):.3f} ({peak:.0f} GFLOP/s) | {min(r['peak_cpu']):.3f} | - | - |")
+            ours, theirs = min(r["behemoth"]["cpu"]), min(r["peer"]["cpu"])
+            rows.append(ratio("mfu", f"{args.model} {mode}", "transformers GPT-2", "CPU s per step", ours, theirs, higher_is_better=False))
+    load = os.getloadavg()
+    print(f"\nload average after: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; {command_line('bench_mfu.py', argv)}")
+    write_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
