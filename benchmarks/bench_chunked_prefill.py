@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ratios import write_rows  # noqa: E402
 
-from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
+from benchmarks.llama_models import SHAPES, save_llama  # noqa: E402
 
 
 def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:

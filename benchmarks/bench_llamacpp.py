@@ -5,8 +5,9 @@ and a sentencepiece tokenizer trained offline on the stdlib's sources are saved 
 own converter (convert_hf_to_gguf.py, shipped in llama-cpp-python's sdist under vendor/llama.cpp) writes it as an
 f32 GGUF. Each engine then decodes the same 32-token prompt greedily for 64 tokens in this process, float32, on
 `--threads` threads, `--rounds` times interleaved, its fastest round reported: llama.cpp (llama-cpp-python),
-transformers' `generate`, and behemoth's `Generator.generate` (what `behemoth generate` runs), both with its decode
-step in one call (fast_decode.py) and with the model's own blocks (the path before it); then `--split-products` (each
+transformers' `generate`, and behemoth's `Generator.generate` (what `behemoth generate` runs): with its decode step in
+one call (fast_decode.py; at two threads each product of the lone row as one batched product of two halves), the same
+with every product whole, and with the model's own blocks (the path before fast_decode); then `--split-products` (each
 product as two halves on two threads) in a child process with one intra-op thread, its rounds after the others'. Decode tok/s counts the
 tokens after the first over the time after the first; CPU ms/token is this process's CPU time over the whole
 generation per token (the machine is shared: CPU time is steadier than wall time under load). Run:
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ratios import write_rows  # noqa: E402
 
-from benchmarks.bench_inference import SHAPES, make_prompts, save_llama  # noqa: E402
+from benchmarks.llama_models import SHAPES, make_prompts, save_llama  # noqa: E402
 
 SHAPE = {**SHAPES["full"], "vocab_size": 2048}
 
@@ -106,12 +107,15 @@ def transformers_engine(folder: str) -> Callable[[list[int], int], dict]:
     return run
 
 
-def behemoth_engine(folder: str, fused: bool, split: bool = False) -> Callable[[list[int], int], dict]:
+def behemoth_engine(folder: str, fused: bool, split: bool = False, halves: bool = True) -> Callable[[list[int], int], dict]:
     from behemoth.inference import SamplingParams, load
     from behemoth.inference.generate import CachePolicy
 
     gen = load(folder, cache=CachePolicy(split_products=split))  # split: batch-1 products on two threads (--split-products)
-    gen.runner.fused = fused  # True: the one-call decode step, built at its first use; False: the model's own blocks
+    gen.runner.fused = fused  # True: the one-call decode step; False: the model's own blocks
+    decoder = gen.runner.fused_decoder()
+    if decoder is not None and not halves:
+        decoder.halves = None  # every product whole (one BLAS call on one thread), as before the batched halves
 
     def run(prompt: list[int], new: int) -> dict:
         c0 = time.process_time()
@@ -162,7 +166,8 @@ def main() -> None:
         save_tokenizer(folder, SHAPE["vocab_size"])
         convert_s = to_gguf(args.converter, folder, gguf)
         engines = {"llama.cpp (f32 GGUF)": llamacpp_engine(gguf, args.threads), "transformers generate": transformers_engine(folder)}
-        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth, model's own blocks": behemoth_engine(folder, False)}
+        engines |= {"behemoth generate": behemoth_engine(folder, True), "behemoth, whole products": behemoth_engine(folder, True, halves=False)}
+        engines["behemoth, model's own blocks"] = behemoth_engine(folder, False)
         prompt = make_prompts(1, args.prompt, SHAPE["vocab_size"])[0]
         t0 = time.perf_counter()
         for run in engines.values():

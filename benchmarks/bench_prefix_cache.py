@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ratios import write_rows  # noqa: E402
 
-from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
+from benchmarks.llama_models import SHAPES, save_llama  # noqa: E402
 
 
 def workload(vocab: int, system: int, question: int, waves: int, per_wave: int) -> list[list[list[int]]]:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ratios import write_rows  # noqa: E402
 
 from behemoth.faults.launch import free_port  # noqa: E402
-from benchmarks.bench_inference import SHAPES, save_llama  # noqa: E402
+from benchmarks.llama_models import SHAPES, save_llama  # noqa: E402
 
 LEVELS = (1, 8, 32, 128)
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ratios import write_rows  # noqa: E402
 
-from benchmarks.bench_inference import SHAPES, make_prompts, save_llama  # noqa: E402
+from benchmarks.llama_models import SHAPES, make_prompts, save_llama  # noqa: E402
 
 
 def save_truncated(target: str, keep: int, out: str) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from behemoth.config import load_config
 from behemoth.inference import SamplingParams, load
-from behemoth.inference.fast_decode import FusedDecoder, contiguous_start
+from behemoth.inference.fast_decode import FusedDecoder, contiguous_start, halves
 from behemoth.inference.generate import CachePolicy, local_runner
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
 from behemoth.inference.loading import Source, load_model, resolve_source
@@ -79,6 +79,53 @@ def test_batch_one_steps_with_split_products_equal_the_model_blocks(llama, inter
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
         assert torch.equal(x.argmax(-1), y.argmax(-1))
+
+
+@pytest.fixture
+def two_threads():
+    """torch with two intra-op threads (a lone row's products then run as two batched halves), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_batch_one_steps_with_batched_halves_equal_the_model_blocks(llama, two_threads):
+    """Two intra-op threads: a lone row's products run as one batched product of two halves ([2, in / 2, out] views of
+    the fused matrices), a batch of two rows as plain products; both give the model's own blocks' logits."""
+    model = load_model(resolve_source(llama, []), init_runtime())
+    fused, plain = (local_runner(model, CachePolicy(block_size=4, max_blocks=32)) for _ in range(2))
+    plain.fused = False
+    for prompts in ([[3, 14, 15, 92, 65]], [[3, 14, 15, 92, 65], [9, 79, 32]]):
+        a, b = decode_logits(fused, prompts, 10), decode_logits(plain, prompts, 10)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+            assert torch.equal(x.argmax(-1), y.argmax(-1))
+    decoder = fused.fused
+    assert isinstance(decoder, FusedDecoder) and decoder.halves is not None
+    assert decoder.layer_weights(0, 1)[1].shape == (2, 16, 64) and decoder.layer_weights(0, 2)[1].shape == (64, 32)
+    assert decoder.layer_weights(0, 1)[1].data_ptr() == decoder.weights[0][1].data_ptr()  # views: no weight copied
+
+
+def test_batched_halves_greedy_generation_equals_transformers_generate(llama, two_threads):
+    import transformers
+
+    gen = load(llama)
+    prompt = [5, 6, 7, 8, 9, 10]
+    ours = gen.generate([prompt], SamplingParams(max_tokens=20), ignore_eos=True)[0].tokens
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, local_files_only=True).eval()
+    with torch.no_grad():
+        ref = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+    assert isinstance(gen.runner.fused, FusedDecoder) and gen.runner.fused.halves is not None
+    assert ours == ref[0, len(prompt) :].tolist()
+
+
+def test_halves_need_an_even_number_of_inputs():
+    weights = [torch.ones(6), torch.zeros(12, 6), torch.zeros(6, 4), torch.ones(6), torch.zeros(8, 6), torch.zeros(6, 4)]
+    split = halves(weights)
+    assert split is not None and [w.shape for w in split][1:3] == [(2, 3, 12), (2, 2, 6)]
+    weights[5] = torch.zeros(6, 3)  # the down projection's three inputs cannot be halved
+    assert halves(weights) is None
 
 
 def test_contiguous_start():

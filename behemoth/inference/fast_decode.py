@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from torch import nn
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm: float32 input in torch's one fused op (the same numbers), other dtypes upcast as transformers does."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, [x.shape[-1]], weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -41,9 +44,13 @@ def _half_product(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, split: bool) -> torch.Tensor:
-    """F.linear(x, w); with `split`, the first half of the input features on a task forked onto torch's inter-op thread
+    """F.linear(x, w) of w [out, in]; w [2, in / 2, out] (`halves`): one batched product of the two halves of the input
+    features, summed (torch runs the two on its two intra-op threads: CPU BLAS runs a one-token product on one); with
+    `split`, the first half of the input features on a task forked onto torch's inter-op thread
     pool while this thread takes the second (CPU BLAS runs a one-token product on one thread; `w` is the [out, in] view
     of an [in, out] matrix, so each half is a contiguous block of rows: no weight is copied)."""
+    if w.dim() == 3:
+        return torch.matmul(x.reshape(2, 1, w.shape[1]), w).sum(0).view(x.shape[:-1] + (w.shape[2],))
     if not split:
         return F.linear(x, w)
     k = w.shape[1] // 2
@@ -86,8 +93,8 @@ def decode_layers(
     for i in range(len(weights)):
         w = weights[i]
         qkv = _product(_rms(h, w[0], eps), w[1], split).view(B, heads + 2 * kv_heads, D)
-        q = _rotate(qkv[:, :heads].unsqueeze(2), cos, sin)
-        k = _rotate(qkv[:, heads : heads + kv_heads].unsqueeze(2), cos, sin)
+        qk = _rotate(qkv[:, : heads + kv_heads].unsqueeze(2), cos, sin)  # the queries' and keys' rotation in one
+        q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.squeeze(2).to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.to(values[i].dtype))
@@ -152,6 +159,15 @@ def layer_weights(block: Any) -> list[torch.Tensor]:
     return [block.input_layernorm.weight, qkv, o, block.post_attention_layernorm.weight, gate_up, down]
 
 
+def halves(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """A layer's `layer_weights` with each product's matrix as [2, in / 2, out] (views of its two halves of the input
+    features, nothing copied): `_product`'s batched two-thread form. None where a product has an odd number of inputs."""
+    products = (1, 2, 4, 5)
+    if any(weights[i].shape[1] % 2 for i in products):
+        return None
+    return [w.t().view(2, w.shape[1] // 2, w.shape[0]) if i in products else w for i, w in enumerate(weights)]
+
+
 def contiguous_start(gather: torch.Tensor) -> int:
     """The first slot where the step has one row attending to consecutive slots (a lone sequence's blocks are handed out
     in order), else -1."""
@@ -170,6 +186,8 @@ class FusedDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = float(first.input_layernorm.variance_epsilon)
         self.weights = {i: layer_weights(blocks[i]) for i in layers}
+        split_weights = {i: halves(w) for i, w in self.weights.items()}
+        self.halves = None if any(w is None for w in split_weights.values()) else split_weights
         if head is not None and _plain_linear(head):
             fuse_columns([head])  # the head's own forward then reads its weight laid out [in, out] too
         self.run = scripted()
@@ -193,7 +211,7 @@ class FusedDecoder:
             h,
             cos.unsqueeze(1),
             sin.unsqueeze(1),
-            [self.weights[i] for i in layers],
+            [self.layer_weights(i, h.shape[0]) for i in layers],
             [keys[i] for i in layers],
             [values[i] for i in layers],
             step.batch.slots,
@@ -205,3 +223,10 @@ class FusedDecoder:
             self.eps,
             self.split and h.shape[0] == 1,
         )
+
+    def layer_weights(self, layer: int, rows: int) -> list[torch.Tensor]:
+        """Layer `layer`'s weights for a step of `rows` rows: a lone row's products as two batched halves (`halves`)
+        where torch has two intra-op threads to run them and `split` does not fork them instead."""
+        if rows == 1 and self.halves is not None and not self.split and torch.get_num_threads() >= 2:
+            return cast(list[torch.Tensor], self.halves[layer])
+        return self.weights[layer]
