@@ -456,8 +456,7 @@ def load_weights(model: nn.Module, weights: str, params: dict[str, torch.Tensor]
     files = sorted(Path(weights).expanduser().glob("*.safetensors"))
     if not files:
         raise BehemothError(f"hf.weights={weights} holds no *.safetensors file", "save the model with save_pretrained(..., safe_serialization=True)")
-    if params is None:  # adapters: not in the folder
-        params = {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters() if not hasattr(p, ADAPTER)}
+    params = params or {getattr(p, FULL_NAME, n): p for n, p in model.named_parameters() if not hasattr(p, ADAPTER)}  # adapters: not in the folder
     index = read_index(files)
     direct = {k for k, p in params.items() if k in index and _takes_whole(p, index[k])}
     for key in direct:
