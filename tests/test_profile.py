@@ -80,7 +80,8 @@ def test_injected_stalls_land_where_they_were_put(results: list[dict[str, Any]])
         assert base["data"] < 0.2 * DATA_SLEEP_S and stalled["data"] >= 0.95 * DATA_SLEEP_S, (base, stalled)
         delay = reduces * COLLECTIVE_DELAY_S
         assert stalled["comm_dp"] >= 0.95 * delay > base["comm_dp"], (base, stalled, reduces)
-        assert stalled["data"] < DATA_SLEEP_S + 0.2 * DATA_SLEEP_S, (base, stalled)
+        # and nothing else lands in data: not a collective's delay (a sleep may overrun on a loaded machine, by less)
+        assert stalled["data"] < DATA_SLEEP_S + base["data"] + 0.5 * COLLECTIVE_DELAY_S, (base, stalled)
 
 
 def test_communication_is_split_by_link(results: list[dict[str, Any]]) -> None:

@@ -14,32 +14,41 @@ from __future__ import annotations
 from functools import lru_cache
 
 from behemoth.parallel.pipeline.actions import BACKWARDS, RECVS, Action, Kind
-from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, p2p_groups
+from behemoth.parallel.pipeline.p2p_groups import RECV_LOOKAHEAD, P2PGroup, p2p_groups, reference_timeline
 from behemoth.parallel.pipeline.schedules import build_schedule
 
 RELEASING = BACKWARDS | {Kind.BACKWARD_WEIGHT}
 LISTED_RANK_ACTIONS = 4_000  # a schedule with at most this many actions per rank has its slots counted off its lists
 
 
-def release_index(actions: list[Action], recv: Action) -> int:
-    """The action after which a received tensor is free: the consuming stage's last backward or weight pass of its
-    micro-batch; the end of the step when none runs here."""
-    stage = recv.stage + 1 if recv.kind is Kind.RECV_ACT else recv.stage - 1
-    uses = [i for i, a in enumerate(actions) if a.stage == stage and a.microbatch == recv.microbatch and a.kind in RELEASING]
-    return max(uses, default=len(actions))
-
-
-@lru_cache(maxsize=1024)
 def receive_slots(name: str, p: int, m: int, v: int, rank: int) -> int:
     """Kept receive buffers of pipeline rank `rank` under schedule `name` (p ranks, m micro-batches, v chunks): the
     most receives taken and not yet free at once in a step."""
+    return schedule_slots(name, p, m, v)[rank]
+
+
+@lru_cache(maxsize=256)
+def schedule_slots(name: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    """`receive_slots` of every rank, off one build of the schedule and one reference timeline (the search asks for
+    every rank of the same schedules over and over)."""
     schedule = build_schedule(name, p, m, v)
-    actions = schedule.per_rank[rank]
+    timeline = reference_timeline(schedule)
+    return tuple(rank_slots(schedule.per_rank[rank], p2p_groups(schedule, rank, RECV_LOOKAHEAD, timeline)) for rank in range(p))
+
+
+def rank_slots(actions: list[Action], groups: list[P2PGroup]) -> int:
+    """The most receives of one rank's list taken (when their group is issued) and not yet free at once."""
+    last: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> index of its last backward or weight pass
+    for i, a in enumerate(actions):
+        if a.kind in RELEASING:
+            last[a.stage, a.microbatch] = i
     events: list[tuple[int, int]] = []
-    for group in p2p_groups(schedule, rank, RECV_LOOKAHEAD):
+    for group in groups:
         for j in group.ops:
-            if actions[j].kind in RECVS:
-                events += [(group.at, 1), (release_index(actions, actions[j]) + 1, -1)]
+            recv = actions[j]
+            if recv.kind in RECVS:
+                stage = recv.stage + 1 if recv.kind is Kind.RECV_ACT else recv.stage - 1
+                events += [(group.at, 1), (last.get((stage, recv.microbatch), len(actions)) + 1, -1)]
     alive = most = 0
     for _, change in sorted(events):  # at one index a release (-1) comes before a take (+1)
         alive += change
