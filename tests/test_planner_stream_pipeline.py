@@ -17,9 +17,9 @@ from tests.test_planner_search_dims import DENSE, SCHEDULES, optimum, small_clus
 HOST = Offload(params="host", grads="host", optimizer="host")
 
 
-@pytest.mark.parametrize("memory_gb", [0.0002, 0.00015])
+@pytest.mark.parametrize("memory_gb", [0.0002, 0.00025])
 def test_a_streamed_pipeline_is_searched_when_nothing_fits_and_is_the_brute_force_optimum(memory_gb):
-    """4 devices of 200 (150) KB: no plan fits on the devices; with offload the best is a 2-stage pipeline streaming its
+    """4 devices of 200 (250) KB: no plan fits on the devices; with offload the best is a 2-stage pipeline streaming its
     units from host memory, `problems()` accepts it, and the search finds the brute-force best."""
     cfg = load_config(None, DENSE)
     cluster, space = small_cluster(memory_gb), Space(**SCHEDULES)

@@ -38,6 +38,8 @@ from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.memory import BYTES_PER_PARAM
 from behemoth.planner.moe_memory import moe_backward_working, moe_saved_elements
 from behemoth.planner.receives import kept_receives
+from behemoth.planner.stream_memory import LISTED_VISITS, MOMENT_BYTES, UnitBytes, moments, stream_transient, synthetic_bounds
+from behemoth.planner.stream_traffic import compute_bytes
 
 STATE_BYTES_ZERO0 = (4, 4, 8)  # float32 parameters, gradients, Adam moments (replicated data parallelism)
 FROZEN_PARAM_BYTES = 4  # a frozen (LoRA) base parameter: float32 on every data-parallel rank, nothing else
@@ -60,6 +62,7 @@ class RankMemory:
     host: float = 0.0  # model states offloaded to host memory (offload.*=cpu), not on the device
     disk: float = 0.0  # model states offloaded to disk (offload.*=disk)
     receives: float = 0.0  # the pipeline's kept receive buffers (resident all step; they hold every received tensor)
+    streamed: float = 0.0  # a streamed pipeline stage: units, I/O jobs and activations at its worst moment (stream_memory.py)
 
     @property
     def states(self) -> float:
@@ -67,12 +70,15 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        return self.states + self.receives + max(self.stash + self.working + self.deferred + self.buffers, self.optimizer_step)
+        transient = self.streamed or self.stash + self.working + self.deferred + self.buffers
+        return self.states + self.receives + max(transient, self.optimizer_step)
 
     def scaled(self, stash: float, deferred: float) -> float:
         """The peak of a rank like this one holding `stash` times its stashed micro-batches and `deferred` times its
         deferred gradients (ranks of one pipeline differ only in those)."""
         transient = self.stash * stash + self.working + self.deferred * deferred + self.buffers
+        if self.streamed:
+            transient = self.streamed + self.stash * (stash - 1) + self.deferred * (deferred - 1)
         return self.states + self.receives + max(transient, self.optimizer_step)
 
 
@@ -377,11 +383,16 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     tokens = lay.tokens(work.seq_len)
     recomputes = (rank in lay.recompute if recompute is None else recompute) or (lay.pp > 1 and lay.offload.streams)  # a streamed stage
     per_micro_batch = sum(stage_stash(share, lay, work, s, n, recomputes, tokens) for s, n in stages)
+    if streamed_stage(lay) and last:  # a streamed last stage runs its head's forward and backward at once: nothing kept
+        per_micro_batch -= head_bytes(share, lay, work, tokens)
     units = stash_units(lay, rank)
     stash = per_micro_batch * units / len(stages)  # interleaved, Chimera and V count one unit per (stage, micro-batch)
     stash += kept_inputs(lay, work, rank, first, tokens)
     opt_elements = trained / (lay.shard_ranks if lay.zero else 1) if lay.offload.tier("optimizer") == "device" else 0.0
     step = 4 * opt_elements * (2 if lay.zero and work.param_dtype != "fp32" else 1)  # foreach temporaries (+ float32 grads)
+    deferred = deferred_gradients(share, lay, work, rank, stages, tokens)
+    if streamed_stage(lay):
+        return streamed_memory(work, lay, rank, stages, (params, grads, optimizer), stash, deferred, step, elements, tiers)
     return RankMemory(
         rank,
         params,
@@ -390,10 +401,71 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
         zero_buffers(share, trained, lay, work, blocks),
         stash,
         working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
-        deferred_gradients(share, lay, work, rank, stages, tokens),
+        deferred,
         step,
         elements,
         sum(tiers["host"]),
         sum(tiers["disk"]),
         receive_buffers(lay, work, rank, stages, units, tokens),
+    )
+
+
+def streamed_stage(lay: Layout) -> bool:
+    """Whether each pipeline stage streams its own units (offload/stage_stream.py)."""
+    return lay.pp > 1 and lay.offload.streams
+
+
+def streamed_memory(
+    work: Workload,
+    lay: Layout,
+    rank: int,
+    stages: list[tuple[int, int]],
+    states: tuple[float, float, float],
+    stash: float,
+    deferred: float,
+    step: float,
+    elements: int,
+    tiers: dict[str, tuple[float, float, float]],
+) -> RankMemory:
+    """A streamed stage's memory at its worst moment (stream_memory.py): the units its visit order holds resident and
+    prefetched, the deferred steps its first fetches run, beside each moment's activations (a first pass: the block's
+    input and output and a forward's transient, the MLP's pre-activation and activation; later the stash, deferred
+    gradients and messages, and a backward's two hidden-state gradients or the head's loss gradients)."""
+    share, tokens, shape = work.share(lay), lay.tokens(work.seq_len), work.census.shape
+    hidden = tokens * shape.d_model * work.act_bytes / (lay.tp if lay.seq_split else 1)
+    forward = 2 * (shape.ffn / lay.tp) * tokens * work.act_bytes
+    act = {"first": forward, "first:embed": hidden, "forward": forward, "backward": 0.0, "head": loss_working(share, lay, work, tokens)}
+    if not any(s == 0 for s, _ in stages):  # a later stage's first fetches run while it waits for its first input
+        act["first"] = 0.0
+    ub = UnitBytes(
+        {"embed": share.embed, "block": share.block, "head": share.head + share.tied},
+        lay.shard_ranks,
+        compute_bytes(lay, work),
+        MOMENT_BYTES[lay.offload.bits],
+        lay.offload.io_threads,
+        not lay.offload.fused,
+    )
+    held_blocks = {s: n for s, n in stages}
+    bounds = synthetic_bounds(lay.stages, held_blocks)
+    m, v = lay.microbatches, schedule_chunks(lay.schedule, lay.chunks)
+    if (sum(held_blocks.values()) + 2) * m * 3 > LISTED_VISITS:  # the same patterns in a shorter step
+        m = min(m, 2 * lay.pp)
+    units, at = stream_transient(ub, moments(lay.schedule, lay.pp, m, v, rank, bounds, lay.offload.prefetch), hidden, act)
+    slots = kept_receives(lay.schedule, lay.pp, lay.microbatches, v, rank)  # what it received lives in them (not in `at`)
+    params, grads, optimizer = states
+    return RankMemory(
+        rank,
+        params,
+        grads,
+        optimizer,
+        units,
+        stash,
+        max(0.0, at - stash - deferred),
+        deferred,
+        step,
+        elements,
+        sum(tiers["host"]),
+        sum(tiers["disk"]),
+        slots * message_bytes(lay, work, tokens),
+        units + at,
     )

@@ -100,6 +100,7 @@ class Offload:
     prefetch: int = 2
     fused: bool = False
     zero_offload: bool = False  # ZeRO 1-2 with only the moments in host memory: priced as that stage, nothing streams
+    io_threads: int = 2  # offload.io_threads: deferred steps that run at once (each holds a unit's moments)
 
     @classmethod
     def of(cls, cfg: Any) -> Offload:
@@ -108,7 +109,7 @@ class Offload:
         if not cfg.offload.enabled:
             return cls()
         p = OffloadPolicy.of(cfg.offload, run_dir=cfg.run.dir, grad_clip=cfg.train.grad_clip)
-        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused, zero_offload=not cfg.offload_streams)
+        return cls(p.params, p.grads, p.optimizer, p.bits, p.prefetch, p.fused, zero_offload=not cfg.offload_streams, io_threads=p.io_threads)
 
     @property
     def enabled(self) -> bool:
