@@ -5,12 +5,15 @@ with exactly the losses they have alone. Every trial leaves what the other execu
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from safetensors.torch import load_file
 
 from behemoth.cli import main
 from behemoth.metrics import tensorboard_available
 from tests.test_hydra import deadline
-from tests.test_sweep_run import alone, base, corpus, csv_rows, curve, write_sweep  # noqa: F401 - corpus is a fixture
+from tests.test_sweep_run import alone, base, corpus, csv_rows, curve, run_killed, write_sweep  # noqa: F401 - corpus is a fixture
 
 FAULTS = "trial-000:validate:kill,trial-001:backward:raise"  # trial-000's first task, trial-001's first backward
 
@@ -60,3 +63,23 @@ def test_every_trial_leaves_what_its_own_run_leaves(failing_sweep):
     assert any(line.startswith("behemoth: done: validation loss 5.5") and "(step 3)" in line for line in lines)
     failed = root / "sweep" / "trial-001"
     assert (failed / "loss.png").is_file() and "behemoth: error: shard 2 backward of step 1" in (failed / "train.log").read_text()
+
+
+@pytest.mark.slow  # a sweep killed mid-trial and resumed, then the trial alone: ~30 s on a loaded 2-core machine
+def test_killed_hydra_trial_resumes_from_its_last_checkpoint(corpus, tmp_path):  # noqa: F811
+    """checkpoint.every inside a hydra segment: killed after a mid-trial save (steps 3, 6, ... carry optimizer steps
+    the shards take only when next loaded), the resumed trial continues from there and ends with exactly the losses and
+    weights of the trial alone."""
+    cfg = base(corpus, 16, model={"preset": "gpt-tiny", "n_layer": 2}, train={"eval_every": 4}, checkpoint={"every": 3, "export": True})
+    sweep = {"dir": str(tmp_path / "sweep"), "execution": "hydra", "hydra": {"budget_mb": 0.4}}
+    path = write_sweep(tmp_path / "resume.yaml", sweep, cfg)
+    trial = tmp_path / "sweep" / "trial-000"
+    run_killed(path, trial / "hydra" / "latest")
+    assert main(["sweep", str(path), "--resume"]) == 0
+    resumed = re.search(r"sweep: trial-000 resumes at step (\d+) -> step 16", (tmp_path / "sweep" / "sweep.log").read_text())
+    assert resumed and 3 <= int(resumed[1]) < 16 and int(resumed[1]) % 3 == 0
+    (train, val), (train_alone, val_alone) = curve(trial), alone(trial, tmp_path / "alone")
+    assert train == train_alone and len(train) == 16  # every loss, exactly
+    assert [v for v in val if v[0] in dict(val_alone)] == val_alone  # (the resumed run validates at its start too)
+    ours, theirs = load_file(trial / "model.safetensors"), load_file(tmp_path / "alone" / "model.safetensors")
+    assert all(ours[name].equal(t) for name, t in theirs.items())

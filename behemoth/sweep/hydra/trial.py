@@ -139,14 +139,18 @@ class HydraTrial:
             buf.copy_(saved)
         self.step, self.adam_steps = state["step"], state["adam_steps"]
         self.rng = state.get("rng", self.rng)
+        self.pending = state.get("pending", self.pending)
         return True
 
     def save(self) -> None:
-        """The shards' states (all steps applied) and the step, written atomically: where a resumed sweep continues."""
+        """The shards' states, the optimizer steps they take when next loaded, and the step, written atomically: where a
+        resumed sweep continues (hydra/latest names the step, for the sweep to say where)."""
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        torch.save({"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "shards": [b.clone() for b in self.host]}, tmp)
+        state = {"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "pending": self.pending, "shards": [b.clone() for b in self.host]}
+        torch.save(state, tmp)
         os.replace(tmp, self.state_path)
+        (self.run_dir / "hydra" / "latest").write_text(f"step_{self.step:07d}\n")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by its single-process name (copies), from the spilled shards."""
@@ -188,6 +192,8 @@ class HydraTrial:
                 if train.eval_every and self.step % train.eval_every == 0 or self.step == end:
                     record["val_loss"] = yield from self.validate()
                 log.write(record)
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < end:
+                    self.save()  # checkpoint.every: where a killed sweep resumes this trial
         finally:
             log.close()
         self.save()
