@@ -66,6 +66,10 @@ def test_a_trial_hydra_cannot_run_exactly_is_refused_before_launch(corpus, tmp_p
     path = write_sweep(tmp_path / "s.yaml", {"dir": str(tmp_path / "sw"), "execution": "hydra"}, cfg)
     assert main(["sweep", str(path)]) == 2
     assert "trial-000 ((base)): hydra execution does not run precision bf16" in capsys.readouterr().err
+    cfg["train"]["precision"] = "fp32"  # fixed, but with a budget too small: refused again, not as a sweep to --resume
+    path = write_sweep(tmp_path / "s.yaml", {"dir": str(tmp_path / "sw"), "execution": "hydra", "hydra": {"budget_mb": 0.01}}, cfg)
+    assert main(["sweep", str(path)]) == 2
+    assert "raise sweep.hydra.budget_mb to at least" in capsys.readouterr().err and not (tmp_path / "sw" / "trials.json").exists()
 
 
 @pytest.fixture(scope="module")

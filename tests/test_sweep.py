@@ -143,6 +143,9 @@ def test_a_new_sweep_is_refused_over_an_old_one_and_resume_needs_one(tmp_path):
     path.write_text(yaml.safe_dump({"sweep": {"dir": str(tmp_path / "sw")}, "base": cfg, "grid": {"train.lr": [0.1, 0.2]}}))
     with pytest.raises(BehemothError, match="holds no sweep"):
         prepare(path, [], 1, resume=True)
+    with pytest.raises(BehemothError, match=r"--nproc 0: a trial runs on at least one process; give --nproc 1 or more"):
+        prepare(path, [], 0, resume=False)
+    assert not (tmp_path / "sw").exists()  # refused before anything is written
     setup = prepare(path, [], 1, resume=False)
     assert [t.name for t in setup.trials] == ["trial-000", "trial-001"] and (setup.dir / "trial-001" / "trial.yaml").is_file()
     assert yaml.safe_load((setup.dir / "trial-001" / "trial.yaml").read_text())["train"]["lr"] == 0.2

@@ -10,9 +10,13 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from behemoth.errors import ERROR_PREFIX, exit_code
+from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
+
+if TYPE_CHECKING:
+    from behemoth.sweep.executors import Executor
+    from behemoth.sweep.setup import SweepSetup
 
 
 def sweep_parser() -> argparse.ArgumentParser:
@@ -38,7 +42,7 @@ def sweep_main(argv: list[str]) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from behemoth.sweep.runner import SweepRunner, make_executor
+    from behemoth.sweep.runner import SweepRunner
     from behemoth.sweep.setup import prepare
 
     setup = prepare(Path(args.file), args.overrides, args.nproc, resume=args.resume)
@@ -50,11 +54,25 @@ def run_sweep(args: argparse.Namespace) -> int:
             log.flush()
 
         try:
-            rows = SweepRunner(setup, say=say).run(make_executor(setup, train_segment))
+            runner = SweepRunner(setup, say=say)
+            rows = runner.run(launch(setup, args.resume))
         except KeyboardInterrupt:
             say(f"sweep: interrupted; continue with: behemoth sweep {args.file} --resume")
             return 130
     return 0 if all(not r["status"].startswith("failed") for r in rows) else 1
+
+
+def launch(setup: SweepSetup, resume: bool) -> Executor:
+    """The sweep's executor; a new sweep refused here (hydra's checks of every trial) leaves no sweep behind to resume,
+    so the same command runs it once the sweep file is fixed."""
+    from behemoth.sweep.runner import make_executor
+
+    try:
+        return make_executor(setup, train_segment)
+    except BehemothError:
+        if not resume:
+            (setup.dir / "trials.json").unlink(missing_ok=True)
+        raise
 
 
 def train_segment(job: dict[str, Any]) -> dict[str, Any]:

@@ -151,14 +151,14 @@ class SweepRunner:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    """The step of a run directory's latest checkpoint (0: none)."""
-    latest = run_dir / "checkpoints" / "latest"
-    if not latest.is_file():
-        return 0
-    try:
-        return int(latest.read_text().strip().removeprefix("step_"))
-    except ValueError:
-        return 0
+    """The step of a run directory's latest checkpoint, or of a hydra trial's saved state (0: none)."""
+    for latest in (run_dir / "checkpoints" / "latest", run_dir / "hydra" / "latest"):
+        if latest.is_file():
+            try:
+                return int(latest.read_text().strip().removeprefix("step_"))
+            except ValueError:
+                return 0
+    return 0
 
 
 def val_loss_at(run_dir: Path, step: int) -> float | None:

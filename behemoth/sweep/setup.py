@@ -42,6 +42,8 @@ def default_sweep_dir(path: Path) -> Path:
 def prepare(path: Path, overrides: list[str], nproc: int | None, *, resume: bool) -> SweepSetup:
     """Read the sweep file, expand its trials and validate every trial's config before anything runs; a new sweep
     writes its directory, a resumed one must find the same trials there."""
+    if nproc is not None and nproc < 1:
+        raise BehemothError(f"--nproc {nproc}: a trial runs on at least one process", "give --nproc 1 or more, or leave it out (sweep.nproc, else 1)")
     spec = read_sweep_file(path)
     sweep_dir = Path(spec.sweep.dir) if spec.sweep.dir else default_sweep_dir(path)
     trials = expand(spec)

@@ -11,7 +11,9 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -21,7 +23,7 @@ from typing import Any
 from behemoth.config import load_config
 from behemoth.errors import BehemothError
 from behemoth.sweep.executors import Job, Outcome, stop_worker
-from behemoth.sweep.hydra import wire
+from behemoth.sweep.hydra import artifacts, wire
 from behemoth.sweep.hydra.join import Joins, splittable
 from behemoth.sweep.hydra.shards import plan_shards
 from behemoth.sweep.hydra.trial import Chain, HydraTrial, Task, unsupported
@@ -107,6 +109,7 @@ class HydraExecutor:
         self.done: deque[tuple[Job, Outcome]] = deque()
         self.ids = itertools.count()
         self.tasks: dict[int, str] = {}  # task id -> trial
+        self.sent: dict[int, Task] = {}  # task id -> the task as sent (a worker that dies is sent again those it had not begun)
         self.times: dict[tuple[str, str, int], float] = {}  # (trial, kind, shard) -> last measured seconds
         self.rate = 0.0  # seconds per (shard element x token), measured: prices tasks not yet measured
         self.resident_peak = [0] * len(self.workers.procs)
@@ -122,6 +125,7 @@ class HydraExecutor:
             trial = self.trials.get(name) or HydraTrial(name, folder_of(job), job["config"], self.budget, self.spill)
         except Exception as err:  # noqa: BLE001 - a trial that cannot start fails alone
             self.done.append((job, {"rc": 1, "error": one_line(err), "wall_s": 0.0}))
+            artifacts.segment_failed(folder_of(job), one_line(err), trace_of(err))
             return
         self.trials[name] = trial
         plan = trial.plan
@@ -139,14 +143,18 @@ class HydraExecutor:
         except StopIteration:
             self.finish(name, {"rc": 0, "error": None, "wall_s": run.trial.busy_s})
         except Exception as err:  # noqa: BLE001 - BehemothError (a non-finite step) or a failed task
-            self.finish(name, {"rc": 1, "error": one_line(err), "wall_s": run.trial.busy_s})
+            self.finish(name, {"rc": 1, "error": one_line(err), "wall_s": run.trial.busy_s}, trace_of(err))
 
-    def finish(self, name: str, outcome: Outcome) -> None:
+    def finish(self, name: str, outcome: Outcome, trace: str = "") -> None:
+        """End a trial's segment; a trial done or failed lets its spilled shards go (a later rung keeps them)."""
         run = self.running.pop(name)
         run.trial.busy_s = 0.0
-        if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:  # its shards are let go; a later rung keeps them
+        if outcome["rc"] != 0:
+            run.trial.failed(outcome["error"], trace)
+        if outcome["rc"] != 0 or run.trial.step >= run.trial.cfg.train.steps:
             self.trials.pop(name, None)
             self.workers.forget(f"{name}/")
+            run.trial.release()
         self.joins.drop(name, let_go=name not in self.trials)
         self.done.append((run.job, outcome))
 
@@ -175,10 +183,21 @@ class HydraExecutor:
 
     def send(self, run: Running, task: Task, worker: int) -> int:
         task_id = next(self.ids)
-        self.workers.send(worker, {**task, "id": task_id}, run.trial.buffers() | self.joins.buffers(run.job["trial"]))
-        self.workers.held[worker][task_id] = run.job["trial"]
+        self.sent[task_id] = {**task, "id": task_id}
         self.tasks[task_id] = run.job["trial"]
+        self.deliver(worker, task_id)
         return task_id
+
+    def deliver(self, worker: int, task_id: int) -> None:
+        """Hand a sent task to a worker; one found dead is replaced (`worker_died`) and the task goes to the new one."""
+        name = self.tasks[task_id]
+        buffers = self.trials[name].buffers() | self.joins.buffers(name)
+        try:
+            self.workers.send(worker, self.sent[task_id], buffers)
+        except OSError:  # its pipe is closed: it died since the last answer
+            self.worker_died(worker)
+            self.workers.send(worker, self.sent[task_id], buffers)
+        self.workers.held[worker][task_id] = name
 
     def join(self, run: Running, task: Task, first: int, second: int) -> None:
         """The task's rows split over two workers: the first half on the spilled shard, the second on a snapshot of it."""
@@ -211,6 +230,7 @@ class HydraExecutor:
 
     def answered(self, worker: int, answer: dict[str, Any]) -> None:
         name = self.tasks.pop(answer["id"])
+        self.sent.pop(answer["id"], None)
         self.workers.held[worker].pop(answer["id"], None)
         self.resident_peak[worker] = max(self.resident_peak[worker], answer.get("resident_peak", 0))
         self.busy_s[worker] += answer["wall_s"]
@@ -229,23 +249,39 @@ class HydraExecutor:
         self.rate = answer["wall_s"] / units if self.rate == 0 else 0.8 * self.rate + 0.2 * answer["wall_s"] / units
         if not answer["ok"]:
             run.chain.close()
-            self.finish(name, {"rc": 1, "error": f"shard {shard.index} {kind}: {answer['error']}", "wall_s": run.trial.busy_s})
+            error = f"{where(run.trial, kind, shard.index)}: {answer['error']}"
+            self.finish(name, {"rc": 1, "error": error, "wall_s": run.trial.busy_s}, answer.get("traceback", ""))
             return
         self.advance(run, answer)
 
     def worker_died(self, worker: int) -> None:
-        """A worker that died fails the trials whose tasks it held; the others go on."""
-        proc = self.workers.procs[worker]
+        """A worker that died fails the trial whose task it was running (the first it held that it had not answered);
+        the tasks it held next, only prefetched (read from their spilled shards, never written back), go to the worker
+        that replaces it, so their trials go on as if nothing had happened."""
+        proc, conn = self.workers.procs[worker], self.workers.conns[worker]
         proc.join(timeout=5)
-        for task_id, name in self.workers.held[worker].items():
-            self.tasks.pop(task_id, None)
-            run = self.running.get(name)
-            if run is not None:
-                run.chain.close()
-                error = f"hydra worker {worker} died (exit code {proc.exitcode}) running its shard"
-                self.finish(name, {"rc": 1, "error": error, "wall_s": run.trial.busy_s})
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():  # what it answered before it died counts
+                answer = conn.recv()
+                if "id" in answer:
+                    self.answered(worker, answer)
+        held = sorted(self.workers.held[worker])
         self.workers.held[worker] = {}
         self.workers.start(worker)
+        for i, task_id in enumerate(held):
+            name = self.tasks.get(task_id)
+            run = self.running.get(name) if name is not None else None
+            if run is None:
+                self.tasks.pop(task_id, None)
+                self.sent.pop(task_id, None)
+            elif i > 0:
+                self.deliver(worker, task_id)
+            else:
+                task = self.sent.pop(task_id)
+                self.tasks.pop(task_id)
+                run.chain.close()
+                error = f"hydra worker {worker} died ({exit_status(proc.exitcode)}) running {where(run.trial, task['kind'], task['shard'].index)}"
+                self.finish(name, {"rc": 1, "error": error, "wall_s": run.trial.busy_s})  # type: ignore[arg-type]
 
     def remaining_s(self, run: Running) -> float:
         return remaining_s(run, self.times, self.rate)
@@ -306,6 +342,24 @@ def hydra_executor(setup: SweepSetup, capacity: int) -> HydraExecutor:
             raise BehemothError(f"{trial.name} ({trial.diff()}): {err}") from None
     hydra = options.hydra
     return HydraExecutor(capacity, setup.nproc, budget_mb=hydra.budget_mb, spill=hydra.spill, join=hydra.join, report=setup.dir / "hydra.json")
+
+
+def where(trial: HydraTrial, kind: str, shard: int) -> str:
+    """A task in words: its shard, its kind, the step it belongs to (a validation: the step it validates)."""
+    return f"shard {shard} validate at step {trial.step}" if kind == "validate" else f"shard {shard} {kind} of step {trial.step + 1}"
+
+
+def exit_status(code: int | None) -> str:
+    """How a process ended, in words: the signal that killed it, or its exit code."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def trace_of(err: BaseException) -> str:
+    """The traceback of an error behemoth did not raise on purpose (a BehemothError says all in its line)."""
+    return "" if isinstance(err, BehemothError) else "".join(traceback.format_exception(err))
 
 
 def one_line(err: BaseException) -> str:

@@ -6,8 +6,10 @@ the losses and weights it has trained alone."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
 import time
 from collections.abc import Generator
 from pathlib import Path
@@ -20,12 +22,13 @@ from behemoth.data import BatchSampler, copy_tokenizer
 from behemoth.engine import lr_at
 from behemoth.errors import BehemothError
 from behemoth.faults.preflight import exports
-from behemoth.metrics import MetricsLog
+from behemoth.metrics import MetricsLog, tensorboard_available
 from behemoth.models.causal_lm import CausalLM
 from behemoth.models.init import draw_full
 from behemoth.models.lora import adapter_parameters
 from behemoth.models.peft_io import write_adapter
 from behemoth.parallel.clip import clip_coefficient
+from behemoth.sweep.hydra import artifacts
 from behemoth.sweep.hydra.shards import ShardPlan, plan_shards
 from behemoth.sweep.hydra.worker import disk_buffer, trial_model
 from behemoth.topology import ParallelDims
@@ -136,14 +139,18 @@ class HydraTrial:
             buf.copy_(saved)
         self.step, self.adam_steps = state["step"], state["adam_steps"]
         self.rng = state.get("rng", self.rng)
+        self.pending = state.get("pending", self.pending)
         return True
 
     def save(self) -> None:
-        """The shards' states (all steps applied) and the step, written atomically: where a resumed sweep continues."""
+        """The shards' states, the optimizer steps they take when next loaded, and the step, written atomically: where a
+        resumed sweep continues (hydra/latest names the step, for the sweep to say where)."""
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        torch.save({"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "shards": [b.clone() for b in self.host]}, tmp)
+        state = {"step": self.step, "adam_steps": self.adam_steps, "rng": self.rng, "pending": self.pending, "shards": [b.clone() for b in self.host]}
+        torch.save(state, tmp)
         os.replace(tmp, self.state_path)
+        (self.run_dir / "hydra" / "latest").write_text(f"step_{self.step:07d}\n")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every parameter by its single-process name (copies), from the spilled shards."""
@@ -174,6 +181,7 @@ class HydraTrial:
         """The tasks of this trial up to step `stop_at`: validation at the start (unless logged), then each step."""
         end = min(stop_at, self.cfg.train.steps)
         log = self.open_log()
+        artifacts.log_lines(self.run_dir, self.launch_line(stop_at))
         try:
             if not log.has_val(self.step):
                 log.write({"step": self.step, "val_loss": (yield from self.validate())})
@@ -184,18 +192,47 @@ class HydraTrial:
                 if train.eval_every and self.step % train.eval_every == 0 or self.step == end:
                     record["val_loss"] = yield from self.validate()
                 log.write(record)
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0 and self.step < end:
+                    self.save()  # checkpoint.every: where a killed sweep resumes this trial
         finally:
             log.close()
         self.save()
         if self.step == self.cfg.train.steps:
             self.export()
+        artifacts.segment_done(self.run_dir, self.busy_s)
+
+    def launch_line(self, stop_at: int) -> str:
+        """What a segment is about to run: the model, its shards against the budget and where they wait, batch, steps."""
+        cfg, plan = self.cfg, self.plan
+        name = f"hf:{cfg.hf.arch}" if cfg.hf.arch else cfg.model.preset
+        params = sum(s.parameters_numel for s in plan.shards)
+        budget = f"a {plan.budget_bytes / 2**20:.3g} MiB budget" if plan.budget_bytes else "no budget"
+        where = "disk" if hasattr(self, "spill_dir") else "host memory"
+        return (
+            f"behemoth: hydra: {name} ({params / 1e6:.2f}M parameters), {len(plan.shards)} shards under {budget} "
+            f"({plan.state_bytes / 2**20:.2f} MiB of states, spilled to {where}), batch {cfg.train.global_batch}x{cfg.seq_len} "
+            f"tokens, steps {self.step} -> {min(stop_at, cfg.train.steps)} -> {self.run_dir}"
+        )
+
+    def failed(self, error: str, trace: str) -> None:
+        """A segment ended by an error: said in train.log (with the traceback of where it was raised) and loss.png."""
+        artifacts.segment_failed(self.run_dir, error, trace)
+
+    def release(self) -> None:
+        """The trial is done or failed: its spilled shards go (their files too; hydra/state.pt keeps where it ended)."""
+        self.host = []
+        if hasattr(self, "spill_dir"):
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # hydra/ itself, unless state.pt is in it
+                self.spill_dir.parent.rmdir()
 
     def open_log(self) -> MetricsLog:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
         if self.cfg.tokenizer_folder:  # as the trial's own run: its directory decodes what it generates on its own
             copy_tokenizer(self.cfg.tokenizer_folder, self.run_dir)
-        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step)
+        board = self.cfg.run.tensorboard
+        return MetricsLog(self.run_dir / "metrics.jsonl", truncate_after=self.step, tensorboard=tensorboard_available() if board == "auto" else board)
 
     def validate(self) -> Generator[Task, dict[str, Any], float]:
         """The engine's evaluation: every validation batch forward, shard after shard; mean token loss."""

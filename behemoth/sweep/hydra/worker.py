@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -295,6 +296,7 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
             if isinstance(loaded, BaseException):
                 raise loaded
             skeleton = skeletons.get(task["config"]) or skeletons.setdefault(task["config"], Skeleton(task["config"]))
+            fault_point(task)
             out = run_task(skeleton, loaded)
             out |= {"ok": True, "load_s": loaded.load_s}
         except Exception as err:  # noqa: BLE001 - a trial's error is its outcome: the worker goes on with the others
@@ -309,6 +311,7 @@ def worker_main(conn: Connection, index: int, threads: int) -> None:
 def receive(conn: Connection, inbox: queue.Queue, resident: Resident) -> None:
     """Messages in order: spilled buffers to open (kept open, by key) or let go, and tasks, whose shards it loads."""
     buffers: dict[str, torch.Tensor] = {}
+    broken: dict[str, str] = {}  # key -> why its buffer could not be opened
     while True:
         try:
             task = conn.recv()
@@ -318,14 +321,40 @@ def receive(conn: Connection, inbox: queue.Queue, resident: Resident) -> None:
             inbox.put(None)
             return
         if "register" in task or "forget" in task:
-            buffers |= {key: open_host(handle) for key, handle in task.get("register", {}).items()}
+            for key, handle in task.get("register", {}).items():
+                try:
+                    buffers[key] = open_host(handle)
+                except Exception as err:  # noqa: BLE001 - the trial whose buffer this is fails at its next task, not the worker
+                    buffers.pop(key, None)
+                    broken[key] = f"its spilled buffer {key} could not be opened: {type(err).__name__}: {err}"
             for key in task.get("forget", []):
                 buffers.pop(key, None)
+                broken.pop(key, None)
             continue
         try:
+            why = next((broken[k] for k in (task["host"], (task.get("borrow") or [None])[0]) if k in broken), None)
+            if why:
+                raise OSError(why)
             inbox.put((task, Loaded(task, resident, buffers)))
         except Exception as err:  # noqa: BLE001 - reported by the main thread as the task's error
             inbox.put((task, err))
+
+
+def fault_point(task: Task) -> None:
+    """BEHEMOTH_HYDRA_FAULT=<trial>:<kind>:<raise|kill>[,...]: the first task of that kind of that trial a worker runs raises a
+    RuntimeError (as a CUDA out-of-memory does) or kills the worker (SIGKILL, as the kernel's OOM killer does); tests of
+    a trial that fails while the others go on."""
+    for fault in os.environ.get("BEHEMOTH_HYDRA_FAULT", "").split(","):
+        trial, kind, how = (fault.split(":") + ["", ""])[:3]
+        if task["host"].split("/")[0] != trial or task["kind"] != kind or fault in FIRED:
+            continue
+        FIRED.add(fault)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"BEHEMOTH_HYDRA_FAULT: {trial}'s {kind} task failed as asked")
+
+
+FIRED: set[str] = set()  # each fault fires once in a worker
 
 
 def disk_buffer(path: Path, numel: int) -> torch.Tensor:
