@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import random
 import statistics
@@ -59,10 +60,13 @@ def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[st
     cmds = {
         BEHEMOTH: [sys.executable, "-m", "behemoth", "serve", folder, "--port", "{port}", "--model-name", "llama"]
         + ["--max-batch", str(top), "--max-waiting", "4096", "--max-streams", str(4 * top), "--kv-cache-mb", "512"],
-        LLAMA_PY: [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", "{port}", "--model_alias", "llama"]
-        + ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", str(ctx), "--n_batch", "512"]
-        + ["--interrupt_requests", "False", "--verbose", "False"],
     }
+    if importlib.util.find_spec("llama_cpp") is not None and not args.no_llama_cpp_python:
+        cmds[LLAMA_PY] = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", "{port}", "--model_alias", "llama"]
+        cmds[LLAMA_PY] += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", str(ctx), "--n_batch", "512"]
+        cmds[LLAMA_PY] += ["--interrupt_requests", "False", "--verbose", "False"]
+    else:
+        print("llama-cpp-python's server: skipped (not installed, or --no-llama-cpp-python)", flush=True)
     if args.llama_server:
         cmds[LLAMA_CPP] = [args.llama_server, "-m", gguf, "--port", "{port}", "--alias", "llama", "-t", str(args.threads)]
         cmds[LLAMA_CPP] += ["-tb", str(args.threads), "--parallel", str(top), "-c", str(ctx * top), "--cont-batching", "-b", "512"]
@@ -171,9 +175,10 @@ def ttft_stats(ttfts: list[float]) -> dict[str, float]:
 
 
 def prompts_for(name: str, texts: list[str], args: argparse.Namespace) -> list[Any]:
-    """The prompts as each server is sent them: text to llama.cpp's (which tokenize it with a BOS first, as the GGUF
-    says); to behemoth the same ids (its text prompts are encoded without special tokens, as the raw completion)."""
-    return [[args.bos, *args.tokenizer.encode(t, add_special_tokens=False)] for t in texts] if name == BEHEMOTH else texts
+    """The prompts as each server is sent them: the same text to every one (llama.cpp's tokenize it with a BOS first, as
+    the GGUF says; behemoth as transformers' tokenizer(text) does, BOS first), or with `--ids` to behemoth the ids
+    transformers' tokenizer gives (tokenization out of its measured time)."""
+    return [args.tokenizer(t).input_ids for t in texts] if name == BEHEMOTH and args.ids else texts
 
 
 def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -255,6 +260,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per-client", type=int, default=2, help="requests per client per level (default 2)")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--ids", action="store_true", help="send behemoth token ids (transformers' tokenizer's) instead of text")
+    p.add_argument("--no-llama-cpp-python", action="store_true", help="leave out llama-cpp-python's server")
     p.add_argument("--quick", action="store_true", help="16 output tokens, levels 1 and 8")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -278,7 +285,7 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         args.tokenizer = AutoTokenizer.from_pretrained(folder)
-        args.eos, args.bos = args.tokenizer.eos_token_id, args.tokenizer.bos_token_id
+        args.eos = args.tokenizer.eos_token_id
         cmds = server_commands(folder, gguf, args)
         servers = {name: start_server(cmd, args.threads) for name, cmd in cmds.items()}
         try:

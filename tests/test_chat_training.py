@@ -75,7 +75,7 @@ def test_the_run_directory_keeps_the_tokenizer_it_trained_with(setup, tmp_path):
     given = dict(o.split("=", 1) for o in opts)
     folder, trained = given["hf.weights"], Path(given["data.path"]).parent / "ref"  # the fixture's single-process run
     cfg = load_config(None, opts)
-    expected = AutoTokenizer.from_pretrained(folder, local_files_only=True)("alpha beta gamma", add_special_tokens=False)["input_ids"]
+    expected = AutoTokenizer.from_pretrained(folder, local_files_only=True)("alpha beta gamma")["input_ids"]
     assert (trained / "tokenizer.json").is_file(), "training did not copy the tokenizer into the run directory"
     assert tokenizer_home(cfg, trained) == str(trained)
     bare = tmp_path / "run"

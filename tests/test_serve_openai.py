@@ -197,7 +197,7 @@ def test_completion_fields_at_their_defaults_and_in_use(client, hf):
     many = client.completions.create(model="tiny-llama", prompt=["x = ", "def f("], max_tokens=4, temperature=0, n=2)
     lone = client.completions.create(model="tiny-llama", prompt="def f(", max_tokens=4, temperature=0).choices[0].text
     assert [c.text for c in many.choices] == [text, text, lone, lone] and many.usage.prompt_tokens == sum(
-        len(tok.encode(p, add_special_tokens=False)) for p in ("x = ", "def f(")
+        len(tok(p).input_ids) for p in ("x = ", "def f(")
     )
     cut = client.completions.create(model="tiny-llama", prompt="x = ", max_tokens=4, temperature=0, stop=[text[2:4]])
     assert cut.choices[0].text == text[: text.index(text[2:4])] and cut.choices[0].finish_reason == "stop"
@@ -205,6 +205,21 @@ def test_completion_fields_at_their_defaults_and_in_use(client, hf):
         client.completions.create(model="tiny-llama", prompt="x = ", max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True})
     )
     assert "".join(p.choices[0].text for p in pieces if p.choices) == text and pieces[-1].usage.completion_tokens == 4
+
+
+def test_text_prompts_are_encoded_as_transformers_tokenizer_encodes_them(client, hf, gen):
+    """A text prompt gets the BOS the tokenizer adds (tokenizer(text), as the model was trained and llama.cpp encodes);
+    the chat template's text already holds its BOS, which is not doubled."""
+    model, tok = hf
+    ids = tok("def parse(args):").input_ids
+    assert ids[0] == tok.bos_token_id and gen.encode("def parse(args):") == ids
+    ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10, min_new_tokens=10)[0, len(ids) :].tolist()
+    r = client.completions.create(model="tiny-llama", prompt="def parse(args):", max_tokens=10, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].text == tok.decode(ref)
+    assert client.completions.create(model="tiny-llama", prompt=ids, max_tokens=10, temperature=0).choices[0].text == tok.decode(ref)
+    chat = rendered(tok)
+    assert chat[0] == tok.bos_token_id and chat[1] != tok.bos_token_id
+    assert client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=1).usage.prompt_tokens == len(chat)
 
 
 @pytest.mark.parametrize(

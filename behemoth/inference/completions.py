@@ -207,8 +207,13 @@ def _now() -> int:
     return int(time.time())
 
 
-def prompt_text(ids: list[int], tokenizer: Tokenizer | None) -> str:
-    return tokenizer.decode(ids) if tokenizer is not None else ""
+def prompt_text(req: CompletionRequest, prompts: list[list[int]], k: int, tokenizer: Tokenizer | None) -> str:
+    """Prompt `k` as echoed: the text as sent (not its ids decoded, which would show the BOS the tokenizer added), or
+    ids decoded."""
+    given = req.prompts[k]
+    if isinstance(given, str):
+        return given
+    return tokenizer.decode(prompts[k]) if tokenizer is not None else ""
 
 
 def completion_response(
@@ -220,7 +225,7 @@ def completion_response(
     picked = best_indices(requests, len(prompts), per_prompt, n) if flight is not None else [p * n + j for p in range(len(prompts)) for j in range(n)]
     choices = []
     for index, i in enumerate(picked):
-        head = prompt_text(prompts[i // per_prompt if flight else i // n], tokenizer) if req.echo else ""
+        head = prompt_text(req, prompts, i // per_prompt if flight else i // n, tokenizer) if req.echo else ""
         text, reason = results[i] if flight is not None else ("", "length")
         choice = {"index": index, "text": head + text, "logprobs": None, "finish_reason": reason}
         if req.logprobs is not None:
@@ -242,7 +247,7 @@ async def stream_completion(
     try:
         if req.echo or flight is None:
             for i in range(len(prompts) * n):
-                text = prompt_text(prompts[i // n], tokenizer) if req.echo else ""
+                text = prompt_text(req, prompts, i // n, tokenizer) if req.echo else ""
                 reason = None if flight else "length"
                 yield sse({**completion_object(name, model, [_piece(i, text, reason, req, None)], None), **extra})
         while flight is not None and not flight.done:

@@ -33,7 +33,9 @@ class HFTokenizer:
         self.inner = AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.inner.encode(text, add_special_tokens=False))
+        """The ids transformers' `tokenizer(text)` gives: with the special tokens it adds to a lone text (a Llama
+        sentencepiece tokenizer's BOS first), as the model was trained on and as llama.cpp encodes a prompt."""
+        return list(self.inner(text)["input_ids"])
 
     def decode(self, tokens: list[int]) -> str:
         return self.inner.decode(tokens, skip_special_tokens=False)
