@@ -476,10 +476,11 @@ def apply_2d(lm: CausalLM, rt: Runtime, meter: CommMeter, for_training: bool, pl
         )
     if mode == "3d":
         cube = cube_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, plan.tp_regather)
-        return apply_tensor_parallel_3d(lm.module, cube, layout)
-    grid = grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth, shared_batch=not for_training)
-    tp = apply_tensor_parallel_2d(lm.module, grid, layout)
-    lm.after_tensor_parallel(rt.dims.tp)  # Gemma's embedding scale back on the replaced table (the 2-D families have no other hook)
+        tp: TensorParallel2D | TensorParallel3D = apply_tensor_parallel_3d(lm.module, cube, layout)
+    else:
+        grid = grid_of(rt.mesh.mesh, MESH_DIMS.index("tp"), meter, depth, shared_batch=not for_training)
+        tp = apply_tensor_parallel_2d(lm.module, grid, layout)
+    lm.after_tensor_parallel(tp.grid.q)  # Gemma's embedding scale back on the replaced table; GPT-2's split_size h/q
     return tp
 
 

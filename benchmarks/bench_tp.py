@@ -8,7 +8,7 @@ a weight into contiguous rows, so the peer's fused qkv rows are stored permuted 
 rank): both sides then compute the same function, and the first losses are printed to show it. Run:
 
     python benchmarks/bench_tp.py [--steps 20] [--warmup 3] [--rounds 3] [--model gpt-6m]
-    python benchmarks/bench_tp.py --part 2d [--steps 10]   # 2-D (SUMMA, 2 x 2 grid) vs 1-D tensor parallelism, 4 ranks
+    python benchmarks/bench_tp.py --part 2d [--steps 10]   # 2-D (SUMMA, 2 x 2 grid) vs 1-D tensor parallelism vs DTensor, 4 ranks
     python benchmarks/bench_tp.py --part 3d [--steps 10]   # 3-D (2 x 2 x 2 cube) vs 1-D tensor parallelism, 8 ranks
     python benchmarks/bench_tp.py --part subbatch [--model gpt-1m]   # sub-pipelined TP: tp_subbatches 1, 2, 4 at tp=2
 
@@ -242,16 +242,16 @@ def run(model: str, steps: int, warmup: int, rounds: int) -> list[dict[str, Any]
     return rows
 
 
-# (tp, name, overrides) on tp ranks, 1-D first
+# (tp, name, overrides) on tp ranks, 1-D first; "dtensor": torch's parallelize_module (1-D, the same plan as behemoth's)
 VARIANTS = {
-    "2d": ((4, "1d", ()), (4, "2d", ())),
+    "2d": ((4, "1d", ()), (4, "2d", ()), (4, "dtensor", ("parallel.tp_mode=1d",))),
     "3d": ((8, "1d", ()), (8, "3d", ()), (8, "3d-regather", ("parallel.tp_mode=3d", "parallel.tp_regather=true"))),
 }
 
 
 def run_2d(model: str, steps: int, warmup: int, rounds: int, part: str = "2d") -> dict[str, Any]:
-    """behemoth at tp=4 on 4 ranks, 1-D (Megatron, no SP) and 2-D (SUMMA on a 2 x 2 grid), or (`part` 3d) at tp=8 on 8
-    ranks, 1-D and 3-D (a 2 x 2 x 2 cube), alternating; best round each."""
+    """behemoth at tp=4 on 4 ranks, 1-D (Megatron, no SP) and 2-D (SUMMA on a 2 x 2 grid), and DTensor's 1-D, or (`part`
+    3d) at tp=8 on 8 ranks, 1-D and 3-D (a 2 x 2 x 2 cube), alternating; best round each."""
     from behemoth.config import load_config
     from behemoth.faults.ranks import run_ranks
 
@@ -260,7 +260,7 @@ def run_2d(model: str, steps: int, warmup: int, rounds: int, part: str = "2d") -
         for tp, mode, extra in VARIANTS[part]:
             overrides = [f"parallel.tp={tp}", *(extra or [f"parallel.tp_mode={mode}"]), "run.progress=false"]
             cfg = load_config(None, MODELS[model] + overrides).model_dump(mode="json")
-            res = run_ranks(tp, bench_rank, "behemoth", cfg, steps, warmup, timeout=3600)
+            res = run_ranks(tp, bench_rank, "dtensor" if mode == "dtensor" else "behemoth", cfg, steps, warmup, timeout=3600)
             if mode not in best or res[0]["tokens_per_s"] > best[mode][0]["tokens_per_s"]:
                 best[mode] = res
     return {"model": model, "part": part, **best}

@@ -90,7 +90,8 @@ def dtensor_plan(model: Any, sp: bool) -> dict[str, Any]:
                 {
                     f"{b}.ln_1": SequenceParallel(),
                     f"{b}.ln_2": SequenceParallel(),
-                    f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    # the attention's second input is its KV cache (None while training): no layout
+                    f"{b}.attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
                     f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 }
             )

@@ -53,7 +53,7 @@ LLAMA8 = [*DENSE8, "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=
 def test_no_enumerated_tesseract_or_cube_is_one_the_runtime_refuses(preset):
     """A dense untied GPT or Hugging Face Llama on one node of 8 devices gets 2 x 2 x 2 Tesseracts and cubes (ZeRO 0-2,
     no SP, micro-batches of 4 sequences), each passing `problems()`; a tied model none, a family without a 3-D plan
-    (Qwen3's per-head norms) no cube."""
+    (Phi-3's fused qkv) no cube, Qwen3 (per-head norms replicated) cubes that pass."""
     cfg = load_config(None, preset)
     layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), node_of_8(1.0))
     deep = [lay for lay in layouts if lay.tp_mode in ("2.5d", "3d")]
@@ -62,8 +62,11 @@ def test_no_enumerated_tesseract_or_cube_is_one_the_runtime_refuses(preset):
     assert [lay.describe() for lay in deep if refusals(cfg, lay, 8)] == []
     tied = load_config(None, [*DENSE8, "model.tie_embeddings=true"])
     assert not [lay for lay in enumerate_layouts(Workload.of(tied), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode != "1d"]
-    qwen3 = load_config(None, [*LLAMA8, "model=hf:qwen3"])
-    assert not [lay for lay in enumerate_layouts(Workload.of(qwen3), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode == "3d"]
+    phi3 = load_config(None, [*LLAMA8, "model=hf:phi3"])
+    assert not [lay for lay in enumerate_layouts(Workload.of(phi3), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode == "3d"]
+    qwen3 = load_config(None, [*LLAMA8, "model=hf:qwen3"])  # its per-head norms held whole on the cube
+    cubes = [lay for lay in enumerate_layouts(Workload.of(qwen3), 8, Space(**SCHEDULES), node_of_8(1.0)) if lay.tp_mode == "3d"]
+    assert cubes and [lay.describe() for lay in cubes if refusals(qwen3, lay, 8)] == []
 
 
 def test_grid_collectives_are_priced_by_the_alpha_beta_model():

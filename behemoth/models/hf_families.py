@@ -125,10 +125,29 @@ DECODER_TP3D_PLAN: dict[str, str] = {
 }
 
 
+# GPT-2 on the grid: its Conv1D weights ([in, out]) blocked as nn.Linear's are (c_attn's fused [q|k|v] as 3 segments, so
+# column j holds whole heads of each; `adapt_attention_width` sets split_size to h/q), LayerNorms with biases, the learned
+# position table looked up by every row, and the head tied to wte (twod.py's TiedHead2D, on the table's layout).
+GPT2_TP2D_PLAN: dict[str, str] = {
+    "transformer.wte": "embedding",
+    "transformer.wpe": "embedding:positions",
+    "transformer.h.*.ln_1": "norm",
+    "transformer.h.*.attn.c_attn": "linear:3",
+    "transformer.h.*.attn.c_proj": "linear",
+    "transformer.h.*.ln_2": "norm",
+    "transformer.h.*.mlp.c_fc": "linear",
+    "transformer.h.*.mlp.c_proj": "linear",
+    "transformer.ln_f": "norm",
+    "lm_head": "linear",
+}
+
+
 def tp2d_plan(name: str) -> dict[str, str] | None:
     """The family's 2-D tensor-parallel plan (None: it has none); Gemma's norms scale by 1 + w (`norm:offset`) and its
     embedding's sqrt(hidden_size) comes back through `keep_embed_scale`, as under 1-D; Qwen3's per-head norms are
-    `replicated`."""
+    `replicated`; GPT-2's is its own (above)."""
+    if name == "gpt2":
+        return dict(GPT2_TP2D_PLAN)
     if name not in FAMILIES or not FAMILIES[name].tp2d:
         return None
     fam = FAMILIES[name]
@@ -139,10 +158,11 @@ def tp2d_plan(name: str) -> dict[str, str] | None:
 
 
 def tp3d_plan(name: str) -> dict[str, str] | None:
-    """The family's 3-D tensor-parallel plan (None: it has none): the families with a 2-D plan, but Gemma and Qwen3 (their
-    1 + w and per-head norms are not on the cube yet)."""
-    fam = FAMILIES.get(name)
-    return dict(DECODER_TP3D_PLAN) if fam is not None and fam.tp2d and not (fam.zero_norms or fam.head_norms) else None
+    """The family's 3-D tensor-parallel plan (None: it has none): its 2-D plan with o_proj and down_proj back from B to A
+    (Gemma's `norm:offset` norms and Qwen3's `replicated` per-head norms as under 2-D). GPT-2 has none: its tied head
+    has no cube layout yet."""
+    plan = tp2d_plan(name) if name != "gpt2" else None
+    return None if plan is None else {**plan, **{k: v for k, v in DECODER_TP3D_PLAN.items() if v == "linear-back"}}
 
 
 def family_problems(config: Any, name: str, tp: int = 1, tp_mode: str = "1d") -> list[str]:

@@ -12,6 +12,9 @@ The residual stream's activations [batch, T, h] on rank (t, a, b) are sequence b
                  [batch, T] input keeps sequence block t*q + b, a [T] input (positions) all
     norm         nn.LayerNorm (or a Llama-kind RMSNorm) on the residual layout: mean and variance (mean square) summed
                  along A, weight and bias as vectors
+    norm:offset  an RMSNorm that scales by 1 + w (Gemma's)
+    replicated   a module run on local features whose parameters every rank holds whole (Qwen3's per-head q/k norms on
+                 B's whole heads): each rank's gradient covers its heads and sequences, so it is summed over the cube
 Attention needs no communication: B's qkv block holds whole heads of whole sequences. The loss: the head (a `linear`)
 leaves rank (t, a, b) the logits of sequence block t*q + a x B's vocabulary block, so the cross-entropy is
 vocabulary-parallel along B and the sums are all-reduced over the plane at b (the q^2 sequence blocks).
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from behemoth.comm import reduce_flat
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
@@ -33,9 +37,9 @@ from behemoth.parallel.tensor.cube import Grid3D, cube_linear, gather_plane, oth
 from behemoth.parallel.tensor.layers import TP_LAYOUT, VocabShard, shard_parameter, vocab_parallel_cross_entropy
 from behemoth.parallel.tensor.plan import match_plan
 from behemoth.parallel.tensor.summa import BlockLayout, Grid2D, even, packed, sub
-from behemoth.parallel.tensor.twod import _LayerNorm2D, norm_spec
+from behemoth.parallel.tensor.twod import _LayerNorm2D, keep_whole, norm_spec
 
-STYLES_3D = ("linear", "linear-back", "embedding", "norm")
+STYLES_3D = ("linear", "linear-back", "embedding", "norm", "replicated")
 
 
 def vector_pieces(n: int, grid: Grid3D, axis: str, name: str, parts: int = 1) -> BlockLayout:
@@ -109,43 +113,56 @@ class LayerNorm3D(nn.Module):
     """LayerNorm (or a Llama-kind RMSNorm: `rms`) of the residual layout: mean and variance (mean square) from sums
     along A (2-D's norm with A as its row); weight and bias gathered over the plane at a."""
 
-    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid3D, rms: bool = False) -> None:
+    def __init__(
+        self, weight: nn.Parameter | None, bias: nn.Parameter | None, width: int, eps: float, grid: Grid3D, rms: bool = False, offset: bool = False
+    ) -> None:
         super().__init__()
         self.weight, self.bias, self.width, self.eps, self.grid, self.rms = weight, bias, width, eps, grid, rms
+        self.offset = offset  # scales by 1 + w (Gemma)
         self.sums = Grid2D(grid.q, grid.coord("a"), 0, grid.lines.get("a"), None, grid.meter)  # only its row is used
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, grid: Grid3D) -> LayerNorm3D:
-        width, eps, rms = norm_spec(module, name, "3-D")
+    def from_module(cls, module: nn.Module, name: str, grid: Grid3D, offset: bool = False) -> LayerNorm3D:
+        width, eps, rms = norm_spec(module, name, "3-D", offset)
         weight, bias = (
             shard_parameter(p, f"{name}.{n}", vector_pieces(width, grid, "a", f"{name}.{n}")) if isinstance(p, nn.Parameter) else None
             for n, p in (("weight", module.weight), ("bias", getattr(module, "bias", None)))
         )
-        return cls(weight, bias, width, eps, grid, rms)
+        return cls(weight, bias, width, eps, grid, rms, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = gather_plane(self.weight, self.grid, "a") if self.weight is not None else None
+        weight = 1 + weight if self.offset and weight is not None else weight
         bias = gather_plane(self.bias, self.grid, "a") if self.bias is not None else None
         return _LayerNorm2D.apply(x, weight, bias, (self.width, self.eps, self.sums, self.rms))
 
 
 class TensorParallel3D:
     """What applying a 3-D plan leaves behind (the interface of plan.TensorParallel): no gradient is partial (each
-    piece gets its whole gradient from the cube's reduce-scatters) and no two tp ranks hold the same piece."""
+    piece gets its whole gradient from the cube's reduce-scatters) and no two tp ranks hold the same piece, but the
+    replicated parameters, which every rank holds whole."""
 
     sequence_parallel = False
 
-    def __init__(self, model: nn.Module, grid: Grid3D, vocab: VocabShard | None) -> None:
+    def __init__(self, model: nn.Module, grid: Grid3D, vocab: VocabShard | None, replicated: frozenset[str] = frozenset()) -> None:
         self.grid, self.vocab = grid, vocab
         named = list(model.named_parameters(remove_duplicate=False))
         self.layouts = {n: getattr(p, TP_LAYOUT) for n, p in named if hasattr(p, TP_LAYOUT)}
         self.split_layouts = {getattr(p, FULL_NAME, n): layout for n, p in named if (layout := getattr(p, TP_LAYOUT, None)) is not None}
+        self.replicated = replicated | {getattr(p, FULL_NAME, n) for n, p in named if n in replicated}  # whole on every rank
 
+    @torch.no_grad()
     def finish_grads(self, slices: list[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to sum: every gradient already is this rank's piece's whole gradient."""
+        """Nothing to sum but the replicated parameters' (over the plane at a, then along A: the whole cube); every other
+        gradient already is this rank's piece's whole gradient."""
+        whole = [g for name, g in slices if name in self.replicated]
+        if whole:
+            reduce_flat(whole, self.grid.plane_comm("a").all_reduce)
+            reduce_flat(whole, self.grid.line_comm("a").all_reduce)
 
     def copies(self, name: str) -> int:
-        return 1
+        """Ranks of the tp group holding this parameter's piece: one (every rank: replicated)."""
+        return self.grid.q**3 if name in self.replicated else 1
 
     def activation_block(self, hidden_size: int) -> tuple[int, int]:
         """(hidden features, sequence blocks) of this rank's piece of a residual activation: A's feature block of
@@ -169,16 +186,20 @@ def apply_tensor_parallel_3d(model: nn.Module, grid: Grid3D, plan: dict[str, str
     """Replace the modules `plan` names by their 3-D versions (on the meta device or not); refuse a plan that leaves a
     parameter whole (a tied head: its one table would need two layouts)."""
     styles = match_plan(plan, [n for n, _ in model.named_modules() if n], STYLES_3D)
+    replicated: set[str] = set()
     for name, style in styles.items():
         module = model.get_submodule(name)
         kind, _, arg = style.partition(":")
         new: nn.Module
+        if kind == "replicated":
+            replicated |= keep_whole(module, name)
+            continue
         if kind in ("linear", "linear-back"):
             new = Linear3D.from_module(module, name, grid, "a" if kind == "linear" else "b", int(arg or 1))
         elif kind == "embedding":
             new = Embedding3D.from_module(module, name, grid)
         else:
-            new = LayerNorm3D.from_module(module, name, grid)
+            new = LayerNorm3D.from_module(module, name, grid, offset=arg == "offset")
         model.set_submodule(name, new)
     whole = [n for n, p in model.named_parameters(remove_duplicate=False) if not hasattr(p, TP_LAYOUT)]
     if whole:
@@ -187,4 +208,4 @@ def apply_tensor_parallel_3d(model: nn.Module, grid: Grid3D, plan: dict[str, str
     if "lm_head" in styles:
         v = int(model.get_submodule("lm_head").weight.shape[0])  # type: ignore[index]  # a Linear3D's block
         vocab = VocabShard(grid.coord("b") * v, v, v)
-    return TensorParallel3D(model, grid, vocab)
+    return TensorParallel3D(model, grid, vocab, frozenset(replicated))

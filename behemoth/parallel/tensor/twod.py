@@ -5,8 +5,10 @@ Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
     linear       nn.Linear as a SUMMA product: weight block (i, j) = inputs of row i x outputs of column j; its bias
                  column j's block, cut in q by row i
     linear:K     the same for K fused equal output segments (a fused [q|k|v]): column j holds whole heads of each
+                 (either on an nn.Linear or on a transposed Conv1D, GPT-2's [in, out] weight, blocked the same way)
     embedding    nn.Embedding with its features cut in q^2 (column j's block, cut by row i), all-gathered along the
                  column before the lookup; a [batch, T] input keeps grid row i's sequences, a [T] input (positions) all
+    embedding:positions  the same for a position table: a [1, T] input (positions shared by the batch) is kept whole
     norm         nn.LayerNorm (or a Llama-kind RMSNorm) on feature blocks: mean and variance (mean square) summed along
                  the row, weight and bias as vectors
     norm:offset  an RMSNorm that scales by 1 + w (Gemma's, its epsilon `eps`)
@@ -14,6 +16,7 @@ Styles of a 2-D plan (module-name pattern -> style, as for 1-D plans):
                  one head_dim vector for every head): each rank's gradient covers its heads and sequences, so it is summed
                  over the row and the column (the whole grid)
 Every parameter must be named by the plan: activations are blocks [batch/q, T, h/q], which no replicated module reads.
+A `linear` head whose weight is an `embedding`'s table (a tied head, GPT-2's) becomes `TiedHead2D`, on the table's layout.
 
 The loss: the head's logits on rank (i, j) are row i's sequences x column j's vocabulary block, so the cross-entropy is
 vocabulary-parallel along the row (layers.py's, two small all-reduces per token) and the rows' sums are all-reduced
@@ -29,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from behemoth.comm import CommMeter, all_reduce, reduce_flat
+from behemoth.comm import CommMeter, all_gather, all_reduce, reduce_flat, reduce_scatter
 from behemoth.errors import BehemothError
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
@@ -68,19 +71,26 @@ class Linear2D(nn.Module):
 
     @classmethod
     def from_module(cls, module: nn.Module, name: str, grid: Grid2D, parts: int = 1) -> Linear2D:
-        if not isinstance(module, nn.Linear):
+        transposed = type(module).__name__ == "Conv1D" and hasattr(module, "nf")  # transformers' Conv1D: weight [in, out]
+        if not isinstance(module, nn.Linear) and not transposed:
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D linear style applies to nn.Linear", "map it to another 2-D style")
-        out, inp = module.weight.shape
+        n0, n1 = (int(n) for n in module.weight.shape)  # type: ignore[union-attr]
+        out, inp = (n1, n0) if transposed else (n0, n1)
         cols = packed(out, parts, grid.q, grid.col, f"{name}.weight")
         rows = even(inp, grid.q, grid.row, f"{name}.weight")
-        weight = shard_parameter(module.weight, f"{name}.weight", BlockLayout.of((out, inp), d0=cols, d1=rows))  # type: ignore[arg-type]
+        layout = BlockLayout.of((inp, out), d0=rows, d1=cols) if transposed else BlockLayout.of((out, inp), d0=cols, d1=rows)
+        weight = shard_parameter(module.weight, f"{name}.weight", layout)  # type: ignore[arg-type]
         bias = None
         if module.bias is not None:
-            bias = shard_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))
-        return cls(weight, bias, grid)
+            bias = shard_parameter(module.bias, f"{name}.bias", BlockLayout.of((out,), d0=sub(cols, grid.q, grid.row, f"{name}.bias")))  # type: ignore[arg-type]
+        new = cls(weight, bias, grid)
+        new.transposed = transposed
+        return new
+
+    transposed = False  # the weight is stored [in, out] (a Conv1D's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = summa_linear(x.reshape(-1, x.shape[-1]), self.weight, self.grid)
+        y = summa_linear(x.reshape(-1, x.shape[-1]), self.weight.t() if self.transposed else self.weight, self.grid)
         if self.bias is not None:
             y = y + gather_column(self.bias, self.grid)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -89,21 +99,63 @@ class Linear2D(nn.Module):
 class Embedding2D(nn.Module):
     """A lookup into column j's feature block of the table (all-gathered from the column's q pieces)."""
 
-    def __init__(self, weight: nn.Parameter, grid: Grid2D, padding_idx: int | None) -> None:
+    def __init__(self, weight: nn.Parameter, grid: Grid2D, padding_idx: int | None, positions: bool = False) -> None:
         super().__init__()
         self.weight, self.grid, self.padding_idx = weight, grid, padding_idx
+        self.positions = positions  # a position table: a [1, T] input is shared by every sequence, kept whole
 
     @classmethod
-    def from_module(cls, module: nn.Module, name: str, grid: Grid2D) -> Embedding2D:
+    def from_module(cls, module: nn.Module, name: str, grid: Grid2D, positions: bool = False) -> Embedding2D:
         if not isinstance(module, nn.Embedding):
             raise BehemothError(f"{name} is a {type(module).__name__}; the 2-D embedding style applies to nn.Embedding", "map it to another style")
         rows, width = module.weight.shape
         layout = BlockLayout.of((rows, width), d1=vector_pieces(width, grid, f"{name}.weight").dims[0])
-        return cls(shard_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx)  # type: ignore[arg-type]
+        return cls(shard_parameter(module.weight, f"{name}.weight", layout), grid, module.padding_idx, positions)  # type: ignore[arg-type]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ids = batch_block(ids, self.grid) if ids.dim() == 2 else ids
+        shared = self.positions and ids.shape[0] == 1
+        ids = batch_block(ids, self.grid) if ids.dim() == 2 and not shared else ids
         return F.embedding(ids, gather_column(self.weight, self.grid), padding_idx=self.padding_idx)
+
+
+class TiedHead2D(nn.Module):
+    """An LM head whose weight is the embedding's table (tied, as GPT-2's), on the table's layout: rank (i, j) multiplies
+    row i's tokens' features of column j by column j's feature block of the whole vocabulary (gathered along the column,
+    as the lookup gathers it), and the row's partial logits are reduce-scattered by vocabulary block along the row. Rank
+    (i, j) then holds row i's tokens x column j's vocabulary block, the layout of a `linear` head, for the same loss; the
+    table's gradient sums the lookup's and the head's. Per rank: one [tokens/q, V] partial product transiently, and a
+    reduce-scatter of it (an all-gather of its gradient in backward)."""
+
+    chunkable = False  # a head computed across ranks
+
+    def __init__(self, embedding: Embedding2D) -> None:
+        super().__init__()
+        self.weight, self.grid = embedding.weight, embedding.grid  # the same Parameter: tied as in one process
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x @ gather_column(self.weight, self.grid).t().to(x.dtype)
+        return _ScatterRow.apply(partial, self.grid)
+
+
+class _ScatterRow(torch.autograd.Function):
+    """Partial sums [..., n] over the row's features, reduce-scattered along the row by the last dimension (column j keeps
+    block j of n); all-gathered backward."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, grid: Grid2D) -> torch.Tensor:
+        ctx.grid = grid
+        flat = partial.movedim(-1, 0).contiguous()
+        out = flat.new_empty((flat.shape[0] // grid.q, *flat.shape[1:]))
+        reduce_scatter(out, flat, grid.row_group, grid.meter)
+        return out.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grid: Grid2D = ctx.grid
+        flat = grad.movedim(-1, 0).contiguous()
+        out = flat.new_empty((grid.q * flat.shape[0], *flat.shape[1:]))
+        all_gather(out, flat, grid.row_group, grid.meter)
+        return out.movedim(0, -1), None
 
 
 class LayerNorm2D(nn.Module):
@@ -253,6 +305,8 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
     parameter whole or a tied head (its one table would need two layouts)."""
     styles = match_plan(plan, [n for n, _ in model.named_modules() if n], STYLES_2D)
     vocab, replicated = None, set()
+    tables = {id(getattr(model.get_submodule(n), "weight", None)): n for n, s in styles.items() if s.startswith("embedding")}
+    tied = {n: tables[id(w)] for n, s in styles.items() if s == "linear" and id(w := getattr(model.get_submodule(n), "weight", None)) in tables}
     for name, style in styles.items():
         module = model.get_submodule(name)
         kind, _, arg = style.partition(":")
@@ -260,19 +314,24 @@ def apply_tensor_parallel_2d(model: nn.Module, grid: Grid2D, plan: dict[str, str
         if kind == "replicated":
             replicated |= keep_whole(module, name)
             continue
+        if name in tied:
+            continue  # after its table (below)
         if kind == "linear":
             new = Linear2D.from_module(module, name, grid, int(arg or 1))
         elif kind == "embedding":
-            new = Embedding2D.from_module(module, name, grid)
+            new = Embedding2D.from_module(module, name, grid, positions=arg == "positions")
         else:
             new = LayerNorm2D.from_module(module, name, grid, offset=arg == "offset")
         model.set_submodule(name, new)
+    for name, table in tied.items():
+        model.set_submodule(name, TiedHead2D(model.get_submodule(table)))  # type: ignore[arg-type]
     whole = [n for n, p in model.named_parameters(remove_duplicate=False) if not hasattr(p, TP_LAYOUT)]
     if whole:
-        raise BehemothError(f"2-D tensor parallelism: {', '.join(whole[:3])} is not split by the 2-D plan (a tied head?)", "untie the head or map it")
+        raise BehemothError(f"2-D tensor parallelism: {', '.join(whole[:3])} is not split by the 2-D plan", "map it in the plan")
     head = styles.get("lm_head")
     if head is not None:
         v = int(model.get_submodule("lm_head").weight.shape[0])  # type: ignore[index]  # a Linear2D's block
+        v = v // grid.q if "lm_head" in tied else v  # the tied table holds every row of the vocabulary
         vocab = VocabShard(grid.col * v, v, v)
     return TensorParallel2D(model, grid, vocab, frozenset(replicated))
 

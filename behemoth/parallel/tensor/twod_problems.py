@@ -66,7 +66,7 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
         (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
         (cfg.offload.enabled, "offload", "turn offload off"),
         # the families with a 2-D / 3-D plan are the model's to say (models/hf_families.py, model_problems)
-        (bool(getattr(cfg.model, "tie_embeddings", False)), "model.tie_embeddings=true", "set model.tie_embeddings=false"),
+        (tied_unsplit(cfg), "model.tie_embeddings=true", "set model.tie_embeddings=false"),
         (bool(getattr(cfg.model, "dropout", 0)), f"model.dropout={getattr(cfg.model, 'dropout', 0)}", "set model.dropout=0"),
         (cfg.train.loss_chunk > 0, f"train.loss_chunk={cfg.train.loss_chunk} (the head is a SUMMA product)", "set train.loss_chunk=0"),
         (cfg.train.compile, "train.compile=true", "set train.compile=false"),
@@ -74,3 +74,9 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
     ]
     out += [(what, fix) for bad, what, fix in checks if bad]
     return out
+
+
+def tied_unsplit(cfg: Any) -> bool:
+    """A tied head the plan cannot split: every one but GPT-2's under 2-D / 2.5-D (twod.py's TiedHead2D)."""
+    gpt2 = getattr(getattr(cfg, "hf", None), "arch", None) == "gpt2" and cfg.parallel.tp_mode in ("2d", "2.5d")
+    return bool(getattr(cfg.model, "tie_embeddings", False)) and not gpt2
