@@ -273,8 +273,7 @@ def model_problems(model_cfg: Any, hf: HFConfig, plan: Any = None) -> list[str]:
     if hf.arch == "gpt2" and model_cfg.bias is False:
         out.append("model.bias=false: GPT-2 always has biases; leave model.bias unset or use model=hf:llama")
     if hf.arch == "gpt2" and plan is not None and plan.tp > 1 and plan.tp_mode == "3d":
-        reason = "its tied head has no cube layout yet; 2-D and 2.5-D split it"
-        out.append(f"parallel.tp_mode=3d: hf gpt2 has no 3-D plan ({reason}); use parallel.tp_mode=1d or 2d")
+        out.append("parallel.tp_mode=3d: hf gpt2 has no 3-D plan (its tied head has no cube layout); use parallel.tp_mode=1d or 2d")
     if hf.arch == "gpt2" and hf.kv_heads not in (None, model_cfg.n_head):
         out.append(f"hf.kv_heads={hf.kv_heads}: GPT-2 has no grouped-query attention; leave hf.kv_heads unset")
     if hf.arch in FAMILIES and model_cfg.bias is not None and not BIAS_KEYS[hf.arch]:
