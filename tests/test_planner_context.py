@@ -12,7 +12,7 @@ import yaml
 
 from behemoth.config import load_config
 from behemoth.planner.cluster import load_cluster
-from behemoth.planner.layout import Layout, Workload
+from behemoth.planner.layout import Layout, Offload, Workload
 from behemoth.planner.search import Space, enumerate_layouts, refusals, search
 from tests.test_planner_memory import mismatches
 from tests.test_planner_search_dims import DENSE, SCHEDULES, optimum, small_cluster
@@ -120,7 +120,8 @@ def test_a_long_sequence_is_planned_context_parallel_and_its_yaml_trains(tmp_pat
     work = Workload.of(cfg)
     chosen = search(work, cluster, 2, Space(), cfg=cfg).ranked[0]
     assert chosen.layout.cp == 2 and chosen.layout.recompute  # memory binds: it fits only recomputing
-    assert search(work, cluster, 2, Space(recompute=False), cfg=cfg).ranked == []
+    on_devices = (Offload(),)  # a streamed (offloaded) pipeline fits without recomputing; on the devices nothing does
+    assert search(work, cluster, 2, Space(recompute=False, offload=on_devices), cfg=cfg).ranked == []
     flat = search(work, cluster, 2, Space(cp=(1,)), cfg=cfg).ranked
     assert flat and all(c.layout.tp > 1 or c.layout.pp > 1 for c in flat)
     assert chosen.step_seconds < flat[0].step_seconds, (chosen.layout.describe(), flat[0].layout.describe())
