@@ -51,8 +51,10 @@ def test_op_checkpointing_reruns_every_second_product_and_the_elementwise_forwar
     dev = a100.device
     rerun = sum(dev.gemm_seconds("bf16", m, n, k, b) for b, m, n, k in products[1::2])  # k, o and up
     elementwise = elementwise_seconds(work, lay, a100)[0]
-    launches = 30 * dev.op_overhead_us * 1e-6
-    assert block_costs(op, lay, a100).selective == pytest.approx(rerun + elementwise + launches, rel=1e-9)
+    launches = 30 * dev.op_overhead_us * 1e-6  # a GPU queues the launches while earlier kernels run: the larger counts
+    assert dev.async_launch and block_costs(op, lay, a100).selective == pytest.approx(max(rerun + elementwise, launches), rel=1e-9)
+    sync = with_device(a100, async_launch=False)  # a host that runs each operator itself pays both
+    assert block_costs(op, lay, sync).selective == pytest.approx(rerun + elementwise + launches, rel=1e-9)
     assert block_costs(work, lay, a100).selective == 0.0
     bounds = (0, 4)
     plain, selective = pass_costs(work, lay, a100, bounds), pass_costs(op, lay, a100, bounds)

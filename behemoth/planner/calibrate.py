@@ -365,6 +365,7 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         op_overhead_us=m["op_overhead_us"],
         adamw=AdamWRate(**m["adamw"]) if m.get("adamw") else None,
         comm_overlap=m.get("comm_overlap", 0.9 if m["device"] == "cuda" else 0.0),
+        async_launch=m["device"] == "cuda",  # CUDA queues kernels ahead of the device; a CPU runs each operator as it is called
         overlap_slowdown=m.get("overlap_slowdown", 0.0),
         block_efficiency=m.get("block_efficiency", 1.0),
         attention_kernel="flash",  # the runtime's scaled_dot_product_attention

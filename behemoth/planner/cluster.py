@@ -143,6 +143,11 @@ class DeviceSpec(Spec):
     _curves: dict[str, GemmCurve] = PrivateAttr(default_factory=dict)
     memory_bandwidth_gbs: float = Field(..., gt=0, description="device memory bandwidth, GB/s")
     op_overhead_us: float = Field(5.0, ge=0, description="fixed cost of launching one operator")
+    async_launch: bool = Field(
+        False,
+        description="the host queues kernels ahead of the device (CUDA streams), so a pass costs the larger of its kernels' "
+        "and its launches' seconds, not their sum; False where operators run on the host that issues them (a CPU)",
+    )
     adamw: AdamWRate | None = Field(None, description="measured AdamW step cost (behemoth calibrate); None: priced from memory bandwidth")
     sustained_clock: float = Field(
         1.0,
@@ -209,6 +214,13 @@ class DeviceSpec(Spec):
         compute = flops / (self.peak_rate(dtype) * self.gemm_curve(dtype).efficiency(m, n, k))
         memory = batch * (m * k + k * n + m * n) * DTYPE_BYTES.get(dtype, 4) / (self.memory_bandwidth_gbs * GB)
         return max(compute, memory)
+
+    def issued(self, kernels: float, ops: float) -> float:
+        """Seconds of `ops` operators whose kernels take `kernels` seconds: launches and kernels in sequence on a host
+        that runs them itself; on an asynchronous device the launches are issued while earlier kernels run, so only
+        what the launches take beyond the kernels is exposed."""
+        launches = ops * self.op_overhead_us * 1e-6
+        return max(kernels, launches) if self.async_launch else kernels + launches
 
     def peak_rate(self, dtype: str) -> float:
         """FLOP/s the curve's shares are of while training: the rated rate at the sustained clock."""

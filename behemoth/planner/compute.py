@@ -3,7 +3,8 @@
 Each pass of a micro-batch through a block costs its matrix products at the device's rate for products of their
 (m, n, k) (`cluster.DeviceSpec.gemm_seconds`; backward: each product's input-gradient and weight-gradient products),
 its attention kernel (`attention.py`), its elementwise traffic at the memory bandwidth (`elementwise.py`) and a fixed
-launch cost per operator; tensor parallelism adds its collectives inside the passes (two all-reduces per block each
+launch cost per operator (on a GPU, which runs kernels from a queue the host fills ahead of it, only where the launches
+outlast the kernels: `DeviceSpec.async_launch`); tensor parallelism adds its collectives inside the passes (two all-reduces per block each
 way, or with sequence parallelism two all-gathers and two reduce-scatters of the same bytes; a grid's or cube's in
 `comm.py`), on the link the tensor-parallel group spans. The embedding and the head are priced on their own.
 """
@@ -88,7 +89,8 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
 
 def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts:
     """One block's passes: each product at its (m, n, k) rate (backward: the input-gradient product (m, k, n) and the
-    weight-gradient product (k, n, m)), attention, elementwise traffic (`elementwise.py`), a launch per operator."""
+    weight-gradient product (k, n, m)), attention, elementwise traffic (`elementwise.py`), a launch per operator (hidden
+    behind the kernels on a device that queues them: `DeviceSpec.issued`)."""
     dev, dtype, tokens = cluster.device, work.compute_dtype, lay.tokens(work.seq_len)
     products = grid_products(work, lay)
     forward = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in products)
@@ -97,9 +99,8 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     attn_f, attn_b = attention_seconds(work, lay, cluster)
     cp_f, cp_b = context_comm_seconds(work, lay, cluster)  # exposed ring hops or Ulysses all-to-alls
     elementwise, elementwise_b = elementwise_seconds(work, lay, cluster)
-    launches = FORWARD_OPS_PER_BLOCK * dev.op_overhead_us * 1e-6
-    eff = dev.block_efficiency
-    rerun = sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise + launches
+    ops, eff = FORWARD_OPS_PER_BLOCK, dev.block_efficiency
+    rerun = dev.issued(sum(dev.gemm_seconds(dtype, m, n, k, b) for b, m, n, k in op_products(work, lay)[1::2]) / eff + elementwise, ops)
     hidden = tokens * work.census.shape.d_model * work.act_bytes
     if lay.gridded:
         whole = block_products(work, lay.but(tp=1, tp_mode="1d"))
@@ -109,9 +110,9 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
     else:
         comm = cluster.collective("all_reduce", hidden, lay.tp)
     return BlockCosts(
-        (forward + attn_f) / eff + elementwise + launches + cp_f,
-        (input_grad + attn_b) / eff + elementwise_b + launches + cp_b,
-        weight_grad / eff + launches / 2,
+        dev.issued((forward + attn_f) / eff + elementwise, ops) + cp_f,
+        dev.issued((input_grad + attn_b) / eff + elementwise_b, ops) + cp_b,
+        dev.issued(weight_grad / eff, ops / 2),
         2 * comm,
         cp_f + cp_b,
         rerun if work.op_checkpointing else 0.0,
@@ -159,7 +160,7 @@ def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     if lay.gridded:  # the head is a grid (cube) product too (forward's share of its three passes)
         d, vocab = work.census.shape.d_model, share.vocab * lay.tp
         comm += grid_seconds(work, lay, cluster, tokens * d, d * vocab, tokens * vocab) / 3
-    return logits / dev.block_efficiency + softmax + comm + HEAD_OPS * dev.op_overhead_us * 1e-6
+    return dev.issued(logits / dev.block_efficiency + softmax, HEAD_OPS) + comm
 
 
 def embed_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:

@@ -31,6 +31,7 @@ from behemoth.planner.pipetime import (
 from behemoth.planner.stream_traffic import streamed_pipeline_dp_seconds
 
 OPTIMIZER_BYTES_PER_ELEMENT = 36  # AdamW reads parameter, gradient and two moments, writes three, plus temporaries
+OPTIMIZER_OPS = 40  # operators one AdamW step launches (multi-tensor kernels over the rank's parameters)
 
 
 @dataclass
@@ -96,7 +97,7 @@ def optimizer_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, element
     dev = cluster.device
     if dev.adamw is not None:
         return dev.adamw.seconds(local)
-    return OPTIMIZER_BYTES_PER_ELEMENT * local / (dev.memory_bandwidth_gbs * 1e9) + 40 * dev.op_overhead_us * 1e-6 if local > 0 else 0.0
+    return dev.issued(OPTIMIZER_BYTES_PER_ELEMENT * local / (dev.memory_bandwidth_gbs * 1e9), OPTIMIZER_OPS) if local > 0 else 0.0
 
 
 def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, experts: float) -> float:
