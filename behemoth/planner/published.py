@@ -66,7 +66,8 @@ def config_options(row: dict[str, Any]) -> list[str]:
 
 
 def row_layout(row: dict[str, Any]) -> Layout:
-    """The layout a row states: data parallel = GPUs / (tp x pp), micro-batches = batch / (dp x micro-batch); recompute
+    """The layout a row states: data parallel = GPUs / (tp x pp), micro-batches = batch / (dp x micro-batch), the schedule
+    and its chunks per rank (`chunks`, v of the interleaved schedule; default 1); recompute
     `all` (every block), `none`, or `op` (an op-level policy: no block recomputed whole, see `Workload.op_checkpointing`)."""
     tp, pp, gpus, mb = row["tp"], row["pp"], row["gpus"], row["micro_batch"]
     dp, rest = divmod(gpus, tp * pp)
@@ -79,7 +80,7 @@ def row_layout(row: dict[str, Any]) -> Layout:
     if row["recompute"] not in ("all", "none", "op"):
         raise BehemothError(f"published row {row['name']}: recompute={row['recompute']!r} is not all, none or op", "write recompute: all, none or op")
     recompute = tuple(range(pp)) if row["recompute"] == "all" else ()
-    return Layout(dp, tp, pp, row["zero"], False, mb, m, row["schedule"], 1, recompute)
+    return Layout(dp, tp, pp, row["zero"], False, mb, m, row["schedule"], row.get("chunks", 1), recompute)
 
 
 def source_cluster(source: dict[str, Any], gpus: int, device: dict[str, Any] | None = None) -> ClusterSpec:
