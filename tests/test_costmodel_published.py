@@ -57,3 +57,29 @@ def test_behemoth_plan_states_the_curve_and_the_fitted_clock_with_their_sources(
     assert f"x {dev.sustained_clock:.3g} sustained clock ({dev.sustained_source})" in said
     h100 = load_cluster("h100-sxm")
     assert "sustained clock" not in assumptions([price(work, Layout(8, 1, 1, 0, False, 1, 1, "1f1b", 1, ()), h100)], work, h100)
+
+
+OUTSIDE_10_PERCENT = {  # rows the model does not bring within 10%, with the band each is held to (docs/planner.md says why)
+    "MPT-3B x64": (1.0, 1.13),
+    "MPT-3B x128": (1.0, 1.13),
+    "MT-NLG-530B x280 nodes": (1.1, 1.3),
+    "MT-NLG-530B x350 nodes": (1.1, 1.3),
+    "MT-NLG-530B x420 nodes": (1.1, 1.3),
+}
+
+
+def test_every_published_row_is_within_10_percent_but_the_five_named():
+    """What the cost model holds against the 33 published rows (docs/planner.md, "Validation against published runs"):
+    every row but the five named within 10% of its published throughput (those five within their bands), the rank
+    correlation at least 0.99, and each source that compares layouts of one model has its winner reproduced. A cost
+    that regresses moves some row out of its band."""
+    from behemoth.planner.published import comparisons, spearman, validate
+
+    rows = validate()
+    assert len(rows) == 33
+    for r in rows:
+        lo, hi = OUTSIDE_10_PERCENT.get(r.name, (0.9, 1.1))
+        assert lo <= r.ratio <= hi, (r.name, round(r.ratio, 3), (lo, hi))
+    assert spearman([r.published for r in rows], [r.predicted for r in rows]) >= 0.99
+    compared = comparisons(rows=rows)
+    assert len(compared) == 2 and all(published == predicted for _, published, predicted in compared), compared

@@ -167,7 +167,9 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
         f"  figures: {cluster.kind} cluster {cluster.name}" + (f" ({cluster.source.splitlines()[0][:100]})" if cluster.source else ""),
         f"  memory: {(dev.memory_gb - dev.reserved_gb):.1f} GB usable per device ({dev.memory_gb:.1f} less {dev.reserved_gb:.1f} reserved); "
         f"a plan keeps {MEMORY_MARGIN:.0%} of it free (the memory model's accuracy), so none above {ranked[0].limit / 2**30:.2f} GiB is chosen",
-        f"  compute ({dtype}): {curve}; a block reaches {dev.block_efficiency:.0%} of that rate; {dev.op_overhead_us:.1f} us per operator; "
+        f"  compute ({dtype}): {curve}; a block reaches {dev.block_efficiency:.0%} of that rate; {dev.op_overhead_us:.1f} us per operator"
+        + (" (issued while queued kernels run: a pass costs the larger)" if dev.async_launch else "")
+        + "; "
         f"memory-bound work at {dev.memory_bandwidth_gbs:.0f} GB/s",
         f"  links: within a node {intra.latency_us:.1f} us + bytes / {intra.bandwidth_gbs:.0f} GB/s"
         + (f", between nodes {inter.latency_us:.1f} us + bytes / {inter.bandwidth_gbs:.0f} GB/s" if inter else "")
