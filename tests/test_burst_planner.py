@@ -65,7 +65,8 @@ def test_dynamic_program_finds_the_brute_force_optimum(model):
 
 
 def test_amplification_cap_is_respected_and_binds():
-    world, work = 8, workload("model=gpt-1m", "train.seq_len=64")
+    # 64 sequences: enough work per layer that spreading it beats an A100's launch floor (at 8 every layer stays on one)
+    world, work = 8, workload("model=gpt-1m", "train.seq_len=64", "train.global_batch=64")
     cluster = load_cluster("a100-80gb").with_nodes(world)
     problem = BurstProblem(work, cluster, world)
     free = problem.solve(math.inf)
@@ -111,7 +112,8 @@ def shared_core_cluster(world: int, cores: int):
     """`world` CPU-like ranks on one node of `cores` cores (the preset's rates read as measured with every rank busy)."""
     base = load_cluster("a100-80gb")
     host = base.host.model_copy(update={"cores": cores})
-    return base.model_copy(update={"devices_per_node": world, "nodes": 1, "host": host})
+    device = base.device.model_copy(update={"async_launch": False})  # a CPU runs each operator as it issues it
+    return base.model_copy(update={"devices_per_node": world, "nodes": 1, "host": host, "device": device})
 
 
 def test_ranks_sharing_cores_compute_faster_when_fewer_are_busy():
@@ -151,7 +153,7 @@ def test_cost_terms_have_their_structural_properties(cluster):
     cores = cluster.host.cores or world  # past the cores, more ranks share them: a layer may get slower
     for layer in range(problem.layers):
         seconds = [problem.costs[c].train[layer] for c in problem.widths if c <= cores]
-        assert seconds == sorted(seconds, reverse=True)
+        assert all(a >= b * (1 - 1e-12) for a, b in zip(seconds, seconds[1:])), seconds  # equal at a launch floor
     for widths in ((1, 2, 4, 1), (4, 1, 2, 4)):
         plan = problem.plan_of(widths)
         assert plan.step_seconds == pytest.approx(sum(plan.parts.values()), rel=1e-12)
