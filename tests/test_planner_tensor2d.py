@@ -18,6 +18,7 @@ GRID_PLANS = {  # measured within 0.5% (d_model=256 was not used to fit SUMMA's 
         ("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=4", "parallel.zero_stage=1"),
         ("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=2", "model.d_model=256", "parallel.zero_stage=2"),
     ],
+    8: [("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=4", "parallel.zero_stage=3")],  # dp=2 x a 2 x 2 grid
 }
 
 

@@ -148,10 +148,6 @@ def test_tp25d_depth2_equals_single_process(tmp_path):
     [
         (["parallel.tp=2"], "parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got 2)"),
         (["parallel.tp=4", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
-        (
-            ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.zero_stage=3"],
-            "parallel.zero_stage=3 (tested with tp_mode=2d only)",
-        ),
         (["parallel.tp=4", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
         (["parallel.tp=4", "model.n_head=1", "model.d_model=34"], "does not split model.n_head=1 (by 2), model.d_model=34 (by 4)"),
         (["parallel.tp=4", "train.micro_batch=1"], "a micro-batch has 1"),

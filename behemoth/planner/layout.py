@@ -199,6 +199,12 @@ class Layout:
         return self.grid**2 if self.tp_mode == "2.5d" and self.tp > 1 else self.tp
 
     @property
+    def regathers_units(self) -> bool:
+        """Whether ZeRO-3 gathers a unit again in backward (it does so for a parameter autograd saved): not on a cube,
+        whose linears save their weight blocks gathered along T and whose norms and tables save their plane gathers."""
+        return not (self.tp_mode == "3d" and self.tp > 1)
+
+    @property
     def batch_blocks(self) -> int:
         """Parts a micro-batch's sequences are cut into over the tp group: q grid rows (2d), d x q (2.5d), q^2 (3d)."""
         if not self.gridded:

@@ -205,9 +205,9 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
 def grid_layouts(layouts: list[Layout], mode: str, depth: int) -> list[Layout]:
     """The grid (cube) versions of 1-D layouts of the same degree that it composes with (`twod_problems.unsupported`):
     no sequence parallelism, every state on the device, micro-batches of whole sequence blocks (q rows, d x q under
-    2.5-D, q^2 on a cube), any pipeline, any ZeRO stage on a 2-D grid and ZeRO 0-2 under 2.5-D and 3-D."""
+    2.5-D, q^2 on a cube), any pipeline, any ZeRO stage."""
     grids = [lay.but(tp_mode=mode, tp_depth=depth) for lay in layouts if not lay.sp and not lay.offload.enabled]
-    return [lay for lay in grids if lay.micro_batch % lay.batch_blocks == 0 and (lay.zero < 3 or mode == "2d")]
+    return [lay for lay in grids if lay.micro_batch % lay.batch_blocks == 0]
 
 
 def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: int, cp: int, offload: tuple[Offload, ...] | None) -> list[Layout]:
