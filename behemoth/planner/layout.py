@@ -301,7 +301,7 @@ class Layout:
         """The layout a config's plan (and offload section) describes on `world` processes (its recompute policy resolved
         to ranks)."""
         from behemoth.models.causal_lm import model_shape
-        from behemoth.parallel.context.apply import resolve_mode
+        from behemoth.parallel.context.apply import heads_per_rank, resolve_mode
         from behemoth.parallel.pipeline.analysis.simulate import peak_stash
         from behemoth.parallel.pipeline.schedules import build_schedule
         from behemoth.parallel.recompute import recompute_ranks
@@ -328,7 +328,9 @@ class Layout:
             dims.ep,
             Offload.of(cfg),
             dims.cp,
-            resolve_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp) if dims.cp > 1 else "ring",
+            resolve_mode(plan.cp_mode, heads_per_rank(model_shape(cfg.model, cfg.hf).n_head, dims.tp, plan.tp_mode, plan.tp_depth), dims.cp)
+            if dims.cp > 1
+            else "ring",
             plan.tp_mode if dims.tp > 1 else "1d",
             plan.tp_depth if plan.tp_mode == "2.5d" and dims.tp > 1 else 1,
         )
