@@ -53,7 +53,7 @@ from behemoth.parallel.burst import BurstGroups, BurstModel
 from behemoth.parallel.burst.train import BurstSteps, burst_syncs
 from behemoth.parallel.clip import clip_coefficient, clip_grad_norm
 from behemoth.parallel.compile import apply_compile
-from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, resolve_mode
+from behemoth.parallel.context import ContextParallel, ContextPolicy, apply_context_parallel, heads_per_rank, resolve_mode
 from behemoth.parallel.data import DataParallelPolicy, apply_data_parallel
 from behemoth.parallel.executor import Executor, MicroBatchLoop, PipelineSteps
 from behemoth.parallel.expert import EPComm, ExpertParallel, ExpertPolicy, apply_expert_parallel
@@ -489,5 +489,5 @@ def apply_context(lm: CausalLM, plan: ParallelPlan, rt: Runtime, meter: CommMete
     No parameter changes, so it may come anywhere before the syncs; after tp, whose heads per rank Ulysses splits."""
     if rt.dims.cp == 1:
         return None
-    mode = resolve_mode(plan.cp_mode, lm.shape.n_head // rt.dims.tp, rt.dims.cp)
+    mode = resolve_mode(plan.cp_mode, heads_per_rank(lm.shape.n_head, rt.dims.tp, plan.tp_mode, plan.tp_depth), rt.dims.cp)
     return apply_context_parallel(lm, rt.group("cp"), ContextPolicy(mode, timeout_s), meter)

@@ -79,7 +79,6 @@ OFFLOAD_ZERO12 = ("keeps every parameter and its gradient whole on each rank",)
 OFFLOAD_REPLICAS = ("keeps two replicas of every stage",)
 # 2-D tensor parallelism (docs/tensor2d.md): what it does not run with yet
 TP2D_EXPERTS = ("a mixture of experts: not composed yet",)
-TP2D_CP = ("context parallelism): not composed yet",)
 TP2D_OFFLOAD = ("with offload: not composed yet",)
 
 # Every pair and its expected outcome: TRAINS, or the reason it is refused. Making a pair compose changes its entry.
@@ -161,7 +160,7 @@ PAIRS: list[tuple[str, str, str | tuple[str, ...]]] = [
     ("zero3", "tp2d", TRAINS),
     *[(f"pp-{name}", "tp2d", TRAINS) for name in SCHEDULES],
     ("tp2d", "ep", TP2D_EXPERTS),
-    ("tp2d", "cp", TP2D_CP),
+    ("tp2d", "cp", TRAINS),  # each grid rank holds its cp shard of row i's sequences
     ("tp2d", "host", TP2D_OFFLOAD),
     ("tp2d", "disk", TP2D_OFFLOAD),
 ]

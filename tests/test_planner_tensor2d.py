@@ -18,6 +18,12 @@ GRID_PLANS = {  # measured within 0.5% (d_model=256 was not used to fit SUMMA's 
         ("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=4", "parallel.zero_stage=1"),
         ("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=2", "model.d_model=256", "parallel.zero_stage=2"),
     ],
+    8: [  # dp=2 x a 2 x 2 grid under ZeRO-3; cp=2 x a 2 x 2 grid (ring, with ZeRO-3, Ulysses over 4 heads per column)
+        ("parallel.tp=4", "parallel.tp_mode=2d", "train.micro_batch=4", "parallel.zero_stage=3"),
+        ("parallel.tp=4", "parallel.tp_mode=2d", "parallel.cp=2", "parallel.cp_mode=ring", "train.micro_batch=4"),
+        ("parallel.tp=4", "parallel.tp_mode=2d", "parallel.cp=2", "parallel.cp_mode=ring", "train.micro_batch=2", "parallel.zero_stage=3"),
+        ("parallel.tp=4", "parallel.tp_mode=2d", "parallel.cp=2", "parallel.cp_mode=ulysses", "train.micro_batch=4", "model.n_head=8"),
+    ],
 }
 
 
@@ -59,8 +65,8 @@ LLAMA = [*DENSE, "model=hf:llama", "model.n_head=4", "hf.kv_heads=2", "hf.ffn=64
     ],
 )
 def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset, grids_expected):
-    """A dense untied GPT or Hugging Face Llama on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2 or pp=2), each
-    passing `problems()`; an MoE, a tied model or a family without a 2-D plan (Phi-3's fused qkv) none; Qwen3 (its
+    """A dense untied GPT or Hugging Face Llama on 8 devices gets 2 x 2 grids (ZeRO 0-3, no SP; dp=2, pp=2 or cp=2),
+    each passing `problems()`; an MoE, a tied model or a family without a 2-D plan (Phi-3's fused qkv) none; Qwen3 (its
     per-head norms replicated) gets them."""
     cfg = load_config(None, preset)
     layouts = enumerate_layouts(Workload.of(cfg), 8, Space(**SCHEDULES), small_cluster(1.0))
@@ -69,7 +75,7 @@ def test_no_enumerated_2d_layout_is_one_the_runtime_refuses(preset, grids_expect
         assert grids == []
         return
     assert grids and {lay.zero for lay in grids} == {0, 1, 2, 3} and all(lay.tp == 4 and not lay.sp for lay in grids)
-    assert {lay.pp for lay in grids} == {1, 2}
+    assert {lay.pp for lay in grids} == {1, 2} and {lay.cp for lay in grids} == {1, 2}
     assert [lay.describe() for lay in grids if refusals(cfg, lay, 8)] == []
 
 

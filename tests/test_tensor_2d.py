@@ -148,11 +148,9 @@ def test_tp25d_depth2_equals_single_process(tmp_path):
     [
         (["parallel.tp=2"], "parallel.tp_mode=2d needs parallel.tp to be a square q*q >= 4 (got 2)"),
         (["parallel.tp=4", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
-        (
-            ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.zero_stage=3"],
-            "parallel.zero_stage=3 (tested with tp_mode=2d only)",
-        ),
         (["parallel.tp=4", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
+        (["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "parallel.cp=2"], "context parallelism: tested with tp_mode=2d only"),
+        (["parallel.tp=4", "parallel.cp=2", "parallel.cp_mode=ulysses"], "does not divide model.n_head=2 on parallel.tp=4 (2d) = 1 heads"),
         (["parallel.tp=4", "model.n_head=1", "model.d_model=34"], "does not split model.n_head=1 (by 2), model.d_model=34 (by 4)"),
         (["parallel.tp=4", "train.micro_batch=1"], "a micro-batch has 1"),
         (["parallel.tp=4", "parallel.tp_depth=2"], "parallel.tp_depth=2 needs parallel.tp_mode=2.5d"),
@@ -164,7 +162,7 @@ def test_tp2d_refused_before_launch(tmp_path, overrides, message):
     from behemoth.planner.feasibility import problems
 
     cfg = Config.model_validate(tiny_config(tmp_path, "parallel.tp_mode=2d", *overrides))
-    world = 16 if "parallel.tp=8" in overrides else 4
+    world = 16 if "parallel.tp=8" in overrides else 8 if "parallel.cp=2" in overrides else 4
     found = " | ".join(p.message for p in problems(cfg, world))
     assert message in found, found
 

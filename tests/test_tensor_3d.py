@@ -175,7 +175,6 @@ def test_tp3d_training_equals_single_process(tmp_path, regather):
     "overrides,message",
     [
         (["parallel.tp=4"], "parallel.tp_mode=3d needs parallel.tp to be a cube q*q*q >= 8 (got 4)"),
-        (["parallel.tp=8", "parallel.zero_stage=3"], "parallel.zero_stage=3 (tested with tp_mode=2d only)"),
         (["parallel.tp=8", "model.tie_embeddings=true"], "model.tie_embeddings=true"),
         (["parallel.tp=8", "model.d_model=36", "model.n_head=3"], "does not split model.n_head=3 (by 2), model.d_model=36 (by 8)"),
         (["parallel.tp=8", "train.global_batch=2"], "a micro-batch has 2"),

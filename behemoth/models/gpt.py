@@ -277,7 +277,7 @@ def gpt_tp_plan(cfg: GPTConfig) -> dict[str, str]:
 # behemoth's GPT as a 2-D tensor-parallel plan (parallel/tensor/twod.py): every parameter in the q x q decomposition.
 GPT_TP2D_PLAN: dict[str, str] = {
     "wte": "embedding",
-    "wpe": "embedding",
+    "wpe": "embedding:positions",  # a [1, T] input (a context-parallel shard's global positions) is read whole by every row
     "blocks.*.ln_1": "norm",
     "blocks.*.attn.qkv": "linear:3",
     "blocks.*.attn.proj": "linear",
@@ -292,6 +292,7 @@ GPT_TP2D_PLAN: dict[str, str] = {
 # axis) to the inner one (on B), `linear-back` returns; attention and the MLP each go there and back.
 GPT_TP3D_PLAN: dict[str, str] = {
     **GPT_TP2D_PLAN,
+    "wpe": "embedding",
     "blocks.*.attn.proj": "linear-back",
     "blocks.*.mlp.proj": "linear-back",
 }

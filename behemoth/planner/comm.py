@@ -94,8 +94,8 @@ def bucket_seconds(cluster: ClusterSpec, op: str, nbytes: float, bucket: float, 
 def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, forward: float, backward: float) -> DataParallelTime:
     """The data-parallel traffic of `elements` parameters on the group's link (dp x ep ranks, tp apart): DDP's bucketed
     all-reduce behind the last micro-batch's `backward`; ZeRO 1-2's bucketed reduce-scatter (every micro-batch under
-    ZeRO-2) and the parameters' all-gather after the step; ZeRO-3's per-unit all-gathers in forward and backward and
-    reduce-scatters in backward, every micro-batch, each behind one unit's share of `forward` and `backward` (the
+    ZeRO-2) and the parameters' all-gather after the step; ZeRO-3's per-unit all-gathers in forward and backward (a
+    cube's in forward only) and reduce-scatters in backward, every micro-batch, each behind one unit's share of `forward` and `backward` (the
     runtime prefetches one unit ahead: a unit's collectives hide behind its neighbour's compute, not the pass's).
     A pipeline reduces once, after its passes (nothing hides it)."""
     n = lay.shard_ranks
@@ -120,12 +120,14 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     scatter = cluster.collective("reduce_scatter", g * elements / units, n, tp)
     # forward: the first unit's gather waits; each later one hides behind the unit before it
     f_rest, f_slow = behind(cluster, gather, forward / units, 0.0)
-    # backward: each unit's next gather and its own reduce-scatter share the collective stream behind its backward
-    b_rest, b_slow = behind(cluster, gather + scatter, backward / units, 0.0)
+    # backward: each unit's next gather (none on a cube: `Layout.regathers_units`) and its own reduce-scatter share the
+    # collective stream behind its backward
+    again = gather if lay.regathers_units else 0.0
+    b_rest, b_slow = behind(cluster, again + scatter, backward / units, 0.0)
     exposed_f = gather + (units - 1) * f_rest
     exposed_b = (units - 1) * b_rest + max(scatter, b_rest)
     contention = (units - 1) * (f_slow + b_slow)
-    return DataParallelTime(m * units * (2 * gather + scatter), m * (exposed_f + exposed_b), m * contention)
+    return DataParallelTime(m * units * (gather + again + scatter), m * (exposed_f + exposed_b), m * contention)
 
 
 def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, backward: float, forward: float | None = None) -> float:

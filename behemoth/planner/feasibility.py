@@ -19,6 +19,7 @@ from behemoth.models.causal_lm import model_problems, model_shape
 from behemoth.offload.policy import steps_in_backward
 from behemoth.parallel.burst.problems import burst_problems
 from behemoth.parallel.compile import compile_problems
+from behemoth.parallel.context.apply import heads_per_rank
 from behemoth.parallel.context.apply import resolve_mode as context_mode
 from behemoth.parallel.context.problems import context_problems
 from behemoth.parallel.pipeline.partition import check_stage_boundaries
@@ -223,7 +224,9 @@ def describe_plan(cfg: Config, world: int) -> str:
     degrees += f" (2-D: a {side} x {side} grid)" if dims.tp > 1 and plan.tp_mode == "2d" else ""
     degrees += f" (2.5-D: {plan.tp_depth} x {side} x {side})" if dims.tp > 1 and plan.tp_mode == "2.5d" else ""
     degrees += f" (3-D: a {round(dims.tp ** (1 / 3))}^3 cube)" if dims.tp > 1 and plan.tp_mode == "3d" else ""
-    degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp)})" if dims.cp > 1 else ""
+    if dims.cp > 1:
+        heads = heads_per_rank(model_shape(cfg.model, cfg.hf).n_head, dims.tp, plan.tp_mode, plan.tp_depth)
+        degrees += f" x cp={dims.cp} ({context_mode(plan.cp_mode, heads, dims.cp)})"
     if plan.burst is not None:  # every layer at its own width over the job (parallel/burst)
         return f"burst (layer widths {list(plan.burst)})"
     if plan.pp == 1:

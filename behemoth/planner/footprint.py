@@ -125,9 +125,10 @@ def placed(states: tuple[float, float, float], lay: Layout) -> dict[str, tuple[f
     return {tier: tuple(b if off.tier(k) == tier else 0.0 for k, b in zip(kinds, kept)) for tier in TIER_NAMES}  # type: ignore[misc]
 
 
-def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int) -> float:
+def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blocks: int, working: float = 0.0) -> float:
     """Stage 2's gradient buckets in flight; stage 3's gathered units (the embedding or head, or 1 + prefetch blocks);
-    offloaded, the units resident on the device (1 + offload.prefetch) and one unit's gradient."""
+    offloaded, the units resident on the device (1 + offload.prefetch) and one unit's gradient. On a cube the units are
+    gathered in forward only: beside the stash, the larger of them and backward's `working` set is the peak's."""
     p = STATE_BYTES_ZERO0[0] if lay.zero == 0 else BYTES_PER_PARAM[work.param_dtype][0]
     if lay.offload.streams:  # gathered units and one gradient in the compute dtype (bf16: and the float32 shard kept)
         window = min(1 + lay.offload.prefetch, max(1, blocks)) * share.block
@@ -137,7 +138,8 @@ def zero_buffers(share: TPShare, elements: int, lay: Layout, work: Workload, blo
         return min(elements * p, (MAX_BUCKETS_IN_FLIGHT + 1) * work.bucket_mb * 2**20)
     if lay.zero == 3:
         window = min(1 + work.prefetch, max(1, blocks)) * share.block
-        return p * max(window, share.embed, share.head + share.tied)
+        gathered = p * max(window, share.embed, share.head + share.tied)
+        return gathered if lay.regathers_units else max(0.0, gathered - working)
     return 0.0
 
 
@@ -393,14 +395,15 @@ def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int,
     deferred = deferred_gradients(share, lay, work, rank, stages, tokens)
     if streamed_stage(lay):
         return streamed_memory(work, lay, rank, stages, (params, grads, optimizer), stash, deferred, step, elements, tiers)
+    working = working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens)
     return RankMemory(
         rank,
         params,
         grads,
         optimizer,
-        zero_buffers(share, trained, lay, work, blocks),
+        zero_buffers(share, trained, lay, work, blocks, working),
         stash,
-        working_set(share, lay, work, stages, tokens, recomputes) + messages(lay, work, rank, stages, tokens),
+        working,
         deferred,
         step,
         elements,

@@ -199,6 +199,12 @@ class Layout:
         return self.grid**2 if self.tp_mode == "2.5d" and self.tp > 1 else self.tp
 
     @property
+    def regathers_units(self) -> bool:
+        """Whether ZeRO-3 gathers a unit again in backward (it does so for a parameter autograd saved): not on a cube,
+        whose linears save their weight blocks gathered along T and whose norms and tables save their plane gathers."""
+        return not (self.tp_mode == "3d" and self.tp > 1)
+
+    @property
     def batch_blocks(self) -> int:
         """Parts a micro-batch's sequences are cut into over the tp group: q grid rows (2d), d x q (2.5d), q^2 (3d)."""
         if not self.gridded:
@@ -295,7 +301,7 @@ class Layout:
         """The layout a config's plan (and offload section) describes on `world` processes (its recompute policy resolved
         to ranks)."""
         from behemoth.models.causal_lm import model_shape
-        from behemoth.parallel.context.apply import resolve_mode
+        from behemoth.parallel.context.apply import heads_per_rank, resolve_mode
         from behemoth.parallel.pipeline.analysis.simulate import peak_stash
         from behemoth.parallel.pipeline.schedules import build_schedule
         from behemoth.parallel.recompute import recompute_ranks
@@ -322,7 +328,9 @@ class Layout:
             dims.ep,
             Offload.of(cfg),
             dims.cp,
-            resolve_mode(plan.cp_mode, model_shape(cfg.model, cfg.hf).n_head // dims.tp, dims.cp) if dims.cp > 1 else "ring",
+            resolve_mode(plan.cp_mode, heads_per_rank(model_shape(cfg.model, cfg.hf).n_head, dims.tp, plan.tp_mode, plan.tp_depth), dims.cp)
+            if dims.cp > 1
+            else "ring",
             plan.tp_mode if dims.tp > 1 else "1d",
             plan.tp_depth if plan.tp_mode == "2.5d" and dims.tp > 1 else 1,
         )

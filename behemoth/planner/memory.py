@@ -163,10 +163,12 @@ def stage_estimate(
     tie_embeddings: bool = False,
     stage_params: dict[int, list[Any]] | None = None,
     experts: ExpertSync | None = None,
+    regathers: bool = True,
 ) -> StageEstimate:
     """Exact bytes data rank `rank` of `n` holds at `stage` for `model` (a meta model is enough; `layers`: GPT's by default;
     `stage_params`: under a pipeline, the parameters of each stage the rank holds, bucketed per stage; `experts`: expert
-    weights synchronised over a group of their own)."""
+    weights synchronised over a group of their own; `regathers`: whether stage 3 gathers units again in backward, not
+    on a 3-D cube: `Layout.regathers_units`)."""
     p, g, k = BYTES_PER_PARAM[param_dtype]
     psi = sum(t.numel() for t in model.parameters())
     formula = formula_bytes(psi, n, stage, param_dtype)
@@ -199,7 +201,7 @@ def stage_estimate(
     if stage == 3:
         sizes = UnitSizes.of(units, layouts)
         est.buffers.update(stage3_buffers(sizes, prefetch, p))
-        est.traffic = sizes.gathered() + padded
+        est.traffic = sizes.gathered(regathers) + padded
     else:
         est.traffic = 2 * padded
     return est
@@ -229,10 +231,11 @@ class UnitSizes:
         experts = [b[1] if len(b) > 1 else 0 for b in blocks.values()]
         return cls(sum(role["root"]), role["embedding"], [b[0] for b in blocks.values()], role["head"], tied, experts if any(experts) else [])
 
-    def gathered(self) -> int:
+    def gathered(self, regathers: bool = True) -> int:
         """Elements all-gathered per forward and backward: every unit in forward, all but the embedding in backward
-        (a lookup needs no weights), and a tied embedding once more in each."""
-        return 2 * (self.root + sum(self.blocks) + sum(self.experts) + sum(self.head) + self.tied) + sum(self.embedding)
+        (a lookup needs no weights; none without `regathers`), and a tied embedding once more in each."""
+        again = self.root + sum(self.blocks) + sum(self.experts) + sum(self.head) + self.tied
+        return (2 if regathers else 1) * again + sum(self.embedding)
 
 
 def _nested_peak(sizes: UnitSizes, prefetch: int, head: list[int]) -> int:
@@ -296,6 +299,7 @@ def estimate(
             tie_embeddings=lm.shape.tied,
             stage_params=part.stage_params if s in (1, 2) else None,
             experts=experts,
+            regathers=not (plan.tp_mode == "3d" and plan.tp > 1 and not plan.tp_regather),
         )
         for s in stages
     ]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from behemoth.models.causal_lm import has_tp2d_plan
+from behemoth.parallel.context.apply import heads_per_rank
 from behemoth.parallel.tensor.cube import cube_side
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.cost import PlanCost, planned_bounds, price, price_ranking, simulable
@@ -196,18 +197,20 @@ def enumerate_layouts(work: Workload, world: int, space: Space, cluster: Cluster
     for tp, mode, depth in tp_choices(work, world, space, cluster):
         for pp in allowed(space.pp, [p for p in divisors(world // tp) if p <= work.census.shape.n_layer]):
             for ep in ep_degrees(work, world // (tp * pp), space):
-                for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster) if mode == "1d" else [1]:
+                for cp in cp_degrees(work, world // (tp * pp * ep), pp, ep, space, cluster) if mode in ("1d", "2d") else [1]:
                     found = degree_layouts(work, space, world // (tp * pp * ep * cp), tp, pp, ep, cp, offload)
-                    out += found if mode == "1d" else grid_layouts(found, mode, depth)
+                    out += found if mode == "1d" else grid_layouts(found, mode, depth, work.census.shape.n_head)
     return out
 
 
-def grid_layouts(layouts: list[Layout], mode: str, depth: int) -> list[Layout]:
+def grid_layouts(layouts: list[Layout], mode: str, depth: int, n_head: int) -> list[Layout]:
     """The grid (cube) versions of 1-D layouts of the same degree that it composes with (`twod_problems.unsupported`):
     no sequence parallelism, every state on the device, micro-batches of whole sequence blocks (q rows, d x q under
-    2.5-D, q^2 on a cube), any pipeline, any ZeRO stage on a 2-D grid and ZeRO 0-2 under 2.5-D and 3-D."""
+    2.5-D, q^2 on a cube), any pipeline, any ZeRO stage, and on a 2-D grid context parallelism (Ulysses where cp
+    divides a grid column's n_head / q heads)."""
     grids = [lay.but(tp_mode=mode, tp_depth=depth) for lay in layouts if not lay.sp and not lay.offload.enabled]
-    return [lay for lay in grids if lay.micro_batch % lay.batch_blocks == 0 and (lay.zero < 3 or mode == "2d")]
+    heads = heads_per_rank(n_head, grids[0].tp, mode, depth) if grids else 0
+    return [lay for lay in grids if lay.micro_batch % lay.batch_blocks == 0 and (lay.cp_mode != "ulysses" or lay.cp == 1 or heads % lay.cp == 0)]
 
 
 def degree_layouts(work: Workload, space: Space, dp: int, tp: int, pp: int, ep: int, cp: int, offload: tuple[Offload, ...] | None) -> list[Layout]:

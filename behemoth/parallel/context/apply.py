@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,15 @@ from behemoth.parallel.sync import GradSync
 def resolve_mode(mode: str, heads: int, cp: int) -> str:
     """`auto`: Ulysses when cp divides the heads (two all-to-alls per attention), else the ring."""
     return mode if mode != "auto" else ("ulysses" if heads % cp == 0 else "ring")
+
+
+def heads_per_rank(n_head: int, tp: int, tp_mode: str = "1d", tp_depth: int = 1) -> int:
+    """Attention heads a tensor-parallel rank attends over (what Ulysses splits over cp): n_head / tp under 1-D, n_head / q
+    on a q x q grid (column j's heads of row i's sequences; 2.5-D: q = sqrt(tp / d)) or a q^3 cube (B's heads)."""
+    if tp_mode == "1d" or tp == 1:
+        return n_head // tp
+    q = round(tp ** (1 / 3)) if tp_mode == "3d" else math.isqrt(tp // (tp_depth if tp_mode == "2.5d" else 1))
+    return n_head // max(q, 1)
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,9 @@ class ContextParallel:
     attention: ContextAttention
 
     def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's tokens of a micro-batch, their targets and global positions [B, T/cp]."""
-        positions = self.layout.positions(inputs.shape[1], inputs.device).expand(inputs.shape[0], -1)
+        """This rank's tokens of a micro-batch, their targets and global positions [1, T/cp]: one row every sequence
+        shares, so a 2-D grid row that holds a block of the sequences reads it whole (as transformers' own [1, T])."""
+        positions = self.layout.positions(inputs.shape[1], inputs.device).unsqueeze(0)
         return self.layout.shard(inputs), self.layout.shard(targets), positions
 
     def positions_of_shard(self, x: torch.Tensor) -> torch.Tensor:

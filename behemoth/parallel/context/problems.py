@@ -7,7 +7,7 @@ from typing import Any
 
 from behemoth.errors import Problem
 from behemoth.models.shape import ModelShape
-from behemoth.parallel.context.apply import resolve_mode
+from behemoth.parallel.context.apply import heads_per_rank, resolve_mode
 
 
 def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
@@ -25,10 +25,10 @@ def context_problems(cfg: Any, shape: ModelShape | None) -> list[Problem]:
         )
     if shape is None:
         return out
-    heads = shape.n_head // plan.tp
+    heads = heads_per_rank(shape.n_head, plan.tp, plan.tp_mode, plan.tp_depth)
     mode = resolve_mode(plan.cp_mode, heads, cp)
     if mode == "ulysses" and heads % cp:
-        tp = f" / parallel.tp={plan.tp}" if plan.tp > 1 else ""
+        tp = f" on parallel.tp={plan.tp} ({plan.tp_mode})" if plan.tp > 1 else ""
         out.append(
             Problem.of(
                 "parallel.cp_mode",

@@ -59,9 +59,12 @@ def unsupported(cfg: Any) -> list[tuple[str, str]]:
     """(what, fix) for each setting 2-D tensor parallelism does not run with."""
     plan, out = cfg.parallel, []
     checks = [
-        (plan.zero_stage == 3 and plan.tp_mode != "2d", "parallel.zero_stage=3 (tested with tp_mode=2d only)", "use zero_stage 0-2, or tp_mode=2d"),
         (plan.sequence_parallel, "parallel.sequence_parallel=true (2-D splits the batch instead)", "set parallel.sequence_parallel=false"),
-        (plan.cp > 1, f"parallel.cp={plan.cp} (context parallelism)", "set parallel.cp=1"),
+        (
+            plan.cp > 1 and plan.tp_mode != "2d",
+            f"parallel.cp={plan.cp} (context parallelism: tested with tp_mode=2d only)",
+            "set parallel.cp=1, or use tp_mode=2d",
+        ),
         (plan.ep > 1 or bool(getattr(cfg.model, "moe", None) and cfg.model.moe.enabled), "a mixture of experts", "use a dense model, or tp_mode=1d"),
         (plan.burst is not None, "parallel.burst", "leave parallel.burst unset"),
         (cfg.offload.enabled, "offload", "turn offload off"),
