@@ -47,6 +47,7 @@ def test_the_chunk_is_the_largest_whose_step_is_within_the_factor():
     assert budget.chunk(4, 480) == 13  # half way: 1.95 ms more, 15.95 ms at 8 tokens, 17.95 at 16
     assert budget.chunk(16, 0) == 31  # 16 decodes: limit 26.25 ms, the mixed step 6 ms more: 22 ms at 16, 26.5 at 32
     assert budget.chunk(0, 0) == 4096  # nothing decodes: no stream to stall, whole prompts up to the cap
+    assert budget.costs.decode_time(32) == pytest.approx(25.5 * MS)  # past 16 rows along the last segment
     for rows, prefix in ((4, 0), (4, 960), (4, 480), (16, 0), (9, 300)):
         c, limit = budget.chunk(rows, prefix), 1.5 * budget.costs.decode_time(rows)
         assert budget.costs.mixed_time(c, rows, prefix) <= limit < budget.costs.mixed_time(c + 1, rows, prefix)
@@ -102,9 +103,12 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(generator, tmp_path):
     from behemoth.inference import CachePolicy, load
     from tests.test_hf_families import save_family
 
-    save_family("mistral", tmp_path / "mistral")  # a sliding window of 8: packed keys keep their own positions
-    gen = load(str(tmp_path / "mistral"), cache=CachePolicy(block_size=4, memory_mb=1))
-    packed_vs_rows(gen.runner, BlockAllocator(gen.num_blocks, gen.block_size), [("chunk", prompt(9, 3), 12), ("a", [5], 20), ("b", [7], 3)])
+    for family in ("llama", "mistral"):  # Llama: the fused decoder runs the packed row; Mistral's window of 8: the model's
+        save_family(family, tmp_path / family)  # own blocks, the packed keys keeping their own positions
+        gen = load(str(tmp_path / family), cache=CachePolicy(block_size=4, memory_mb=1))
+        rows = [("chunk", prompt(9, 3), 12), ("a", [5], 20), ("b", [7], 3)]
+        packed_vs_rows(gen.runner, BlockAllocator(gen.num_blocks, gen.block_size), rows)
+        assert (gen.runner.fused not in (None, False)) == (family == "llama")
 
 
 def test_auto_budget_changes_no_token_and_is_measured_on_the_model(generator):

@@ -130,7 +130,8 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         layers = self.layers if layers is None else layers
-        fused = self.fused_decoder() if h.shape[1] == 1 and self.lora is None else None
+        fusable_step = h.shape[1] == 1 or step.batch.packed is not None  # a decode step, or a packed (mixed) step
+        fused = self.fused_decoder() if fusable_step and self.lora is None else None
         if fused is not None:
             return fused(h, ctx, layers, self.storage)
         for i in layers:

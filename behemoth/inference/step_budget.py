@@ -9,8 +9,10 @@ prompt so far) and with the decode rows, which count against the budget because 
 At start `measure_step_costs` times, on the served model and its KV cache: decode-only steps of a few batch sizes,
 and mixed steps of `rows` decode rows plus a chunk of c tokens (c = 4, 8, 16, ...), once at the start of a prompt and
 once at the end of the context. `StepBudget.chunk(rows, prefix)` is then, at every step, the largest chunk whose
-predicted time is within the factor: a decode step's time is a line in the batch size, a mixed step's time is
-interpolated between the measured chunks (never extrapolated past the largest) and between the two prefixes.
+predicted time is within the factor: a decode step's time is interpolated between the measured batch sizes, a mixed step's time is
+interpolated between the measured chunks (never extrapolated past the largest) and between the two prefixes. Each
+time is the fastest of a few forwards timed in turn: on a CPU in this process's CPU time (other processes' load stays
+out of it), on an accelerator in wall time up to the result.
 """
 
 from __future__ import annotations
@@ -58,11 +60,13 @@ class StepCosts:
 
 
 def decode_line(decode: dict[int, float], rows: int) -> float:
-    """A decode-only step of `rows` requests: the least-squares line through the measured batch sizes (never falling)."""
-    xs, ys = list(decode), list(decode.values())
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(1e-12, sum((x - mx) ** 2 for x in xs))
-    return my + max(0.0, slope) * (rows - mx)
+    """A decode-only step of `rows` requests: on the line through the measured batch sizes (made non-decreasing), past
+    the largest along its last segment."""
+    xs = sorted(decode)
+    if rows <= xs[-1]:
+        return envelope(decode, rows)
+    top, below = envelope(decode, xs[-1]), envelope(decode, xs[-2])
+    return top + (rows - xs[-1]) * (top - below) / (xs[-1] - xs[-2])
 
 
 def envelope(times: dict[int, float], chunk: float) -> float:
@@ -132,16 +136,22 @@ def check_factor(factor: float) -> None:
 Forward = Callable[[StepBatch], torch.Tensor]
 
 
-def timed(forward: Forward, batch: StepBatch, repeats: int) -> float:
-    """The fastest of `repeats` forwards, in seconds (the least disturbed by other work; `.item()` waits for a GPU)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = forward(batch)
-        if out is not None:
-            out[:1, :1].sum().item()
-        best = min(best, time.perf_counter() - start)
-    return best
+Clock = Callable[[], float]
+
+
+def clock_of(out: torch.Tensor | None) -> Clock:
+    """On a CPU this process's CPU time (other processes' load stays out of the budget; with several intra-op threads it
+    counts each one's time, which only makes the budget more cautious); on an accelerator the wall clock."""
+    return time.process_time if out is None or out.device.type == "cpu" else time.perf_counter
+
+
+def timed(forward: Forward, batch: StepBatch, clock: Clock) -> float:
+    """Seconds of one forward up to its result (`.item()` waits for an accelerator)."""
+    start = clock()
+    out = forward(batch)
+    if out is not None:
+        out[:1, :1].sum().item()
+    return clock() - start
 
 
 def chunk_sizes(context: int) -> tuple[list[int], int]:
@@ -161,12 +171,13 @@ def measure_step_costs(
     rows: int,
     max_rows: int,
     factor: float,
-    repeats: int = 3,
+    repeats: int = 5,
     time_limit_s: float = 30,
 ) -> StepCosts:
     """Time decode-only and mixed steps on the model behind `forward` (its KV cache's free slots take junk keys, given
-    back at once). Chunks grow until a mixed step exceeds `factor` x the decode step of `max_rows`, `time_limit_s` is
-    spent, or half the context is reached."""
+    back at once). A first round finds the chunks to measure: they grow until a mixed step exceeds `factor` x the
+    decode step of `max_rows`, `time_limit_s` is spent, or half the context is reached; `repeats - 1` more rounds time
+    every step again in turn (a burst of other work then spoils one sample of each, not every sample of one)."""
     sizes, deep_prefix = chunk_sizes(context)
     decode_rows = sorted({1, rows, max(rows, min(max_rows, 4 * rows))})
     need = -(-context // block_size) + max(decode_rows) * -(-2 // block_size)
@@ -181,13 +192,19 @@ def measure_step_costs(
         alloc.grow(("decode", r), 2)
     alloc.grow("prompt", context)
     decodes = [(("decode", r), [1], 1) for r in range(max(decode_rows))]
-    decode = {n: timed(forward, plan_step(alloc, decodes[:n]), repeats) for n in decode_rows}
-    limit, started = factor * decode_line(decode, max_rows), time.perf_counter()
-    shallow: dict[int, float] = {}
-    deep: dict[int, float] = {}
+    steps = {("decode", n): plan_step(alloc, decodes[:n]) for n in decode_rows}
+    clock = clock_of(forward(steps["decode", 1]))  # untimed: the first forward builds what later ones reuse
+    times = {key: timed(forward, batch, clock) for key, batch in steps.items()}
+    limit, started = factor * decode_line({n: times["decode", n] for n in decode_rows}, max_rows), time.perf_counter()
     for c in sizes:
-        shallow[c] = timed(forward, plan_packed_step(alloc, [("prompt", [1] * c, 0), *decodes[:rows]]), repeats)
-        deep[c] = timed(forward, plan_packed_step(alloc, [("prompt", [1] * c, deep_prefix), *decodes[:rows]]), repeats)
-        if min(shallow[c], deep[c]) > limit or time.perf_counter() - started > time_limit_s:
+        for kind, prefix in (("shallow", 0), ("deep", deep_prefix)):
+            steps[kind, c] = plan_packed_step(alloc, [("prompt", [1] * c, prefix), *decodes[:rows]])
+            forward(steps[kind, c])  # untimed: a new shape
+            times[kind, c] = timed(forward, steps[kind, c], clock)
+        if min(times["shallow", c], times["deep", c]) > limit or time.perf_counter() - started > time_limit_s:
             break
-    return StepCosts(rows, decode, shallow, deep, deep_prefix)
+    for _ in range(repeats - 1):
+        for key, batch in steps.items():
+            times[key] = min(times[key], timed(forward, batch, clock))
+    table = {kind: {c: t for (k, c), t in times.items() if k == kind} for kind in ("decode", "shallow", "deep")}
+    return StepCosts(rows, table["decode"], table["shallow"], table["deep"], deep_prefix)
