@@ -8,7 +8,7 @@ prompt so far) and with the decode rows, which count against the budget because 
 
 At start `measure_step_costs` times, on the served model and its KV cache: decode-only steps of a few batch sizes,
 and mixed steps of `rows` decode rows plus a chunk of c tokens (c = 4, 8, 16, ...), once at the start of a prompt and
-once at the end of the context. `StepBudget.chunk(rows, prefix)` is then, at every step, the largest chunk whose
+once at the end of the context (its last quarter). `StepBudget.chunk(rows, prefix)` is then, at every step, the largest chunk whose
 predicted time is within the factor: a decode step's time is interpolated between the measured batch sizes, a mixed step's time is
 interpolated between the measured chunks (never extrapolated past the largest) and between the two prefixes. Each
 time is the fastest of a few forwards timed in turn: on a CPU in this process's CPU time (other processes' load stays
@@ -27,6 +27,7 @@ from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, StepBatch, plan_packed_step, plan_step
 
 CHUNKS = (4, 8, 16, 32, 64, 128, 256, 512)  # the chunk sizes a measurement tries, smallest first
+DECODE_DEPTH = 32  # the position of the measured decodes' new tokens
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class StepCosts:
         """A mixed step: `rows` decodes and a chunk of `chunk` tokens attending to `prefix` earlier positions."""
         near = envelope(self.shallow, chunk)
         far = envelope(self.deep, chunk)
-        at = min(1.0, max(0.0, prefix / max(1, self.deep_prefix)))
+        at = max(0.0, prefix / max(1, self.deep_prefix))  # past the deep prefix along the same line (attention is linear in it)
         return near + at * (far - near) + self.decode_time(rows) - self.decode_time(self.rows)
 
 
@@ -155,10 +156,11 @@ def timed(forward: Forward, batch: StepBatch, clock: Clock) -> float:
 
 
 def chunk_sizes(context: int) -> tuple[list[int], int]:
-    """The chunks a measurement tries (up to half the context) and the prefix of its deep measurements (the rest)."""
-    sizes = [c for c in CHUNKS if c <= context // 2]
+    """The chunks a measurement tries (up to a quarter of the context) and the prefix of its deep measurements (the
+    rest: the deepest a chunk of each size can start; deeper prefixes extrapolate at most a third past it)."""
+    sizes = [c for c in CHUNKS if c <= context // 4]
     if not sizes:
-        raise BehemothError(f"--prefill-chunk auto with a context of {context} tokens", f"use a context of {2 * CHUNKS[0]} or more, or a fixed chunk")
+        raise BehemothError(f"--prefill-chunk auto with a context of {context} tokens", f"use a context of {4 * CHUNKS[0]} or more, or a fixed chunk")
     return sizes, context - sizes[-1]
 
 
@@ -171,16 +173,17 @@ def measure_step_costs(
     rows: int,
     max_rows: int,
     factor: float,
-    repeats: int = 5,
+    repeats: int = 7,
     time_limit_s: float = 30,
 ) -> StepCosts:
     """Time decode-only and mixed steps on the model behind `forward` (its KV cache's free slots take junk keys, given
     back at once). A first round finds the chunks to measure: they grow until a mixed step exceeds `factor` x the
-    decode step of `max_rows`, `time_limit_s` is spent, or half the context is reached; `repeats - 1` more rounds time
+    decode step of `max_rows`, `time_limit_s` is spent, or a quarter of the context is reached; `repeats - 1` more rounds time
     every step again in turn (a burst of other work then spoils one sample of each, not every sample of one)."""
     sizes, deep_prefix = chunk_sizes(context)
     decode_rows = sorted({1, rows, max(rows, min(max_rows, 4 * rows))})
-    need = -(-context // block_size) + max(decode_rows) * -(-2 // block_size)
+    depth = min(DECODE_DEPTH, context // 2)  # the decodes' position: a stream some tokens in
+    need = -(-context // block_size) + max(decode_rows) * -(-(depth + 1) // block_size)
     if need > num_blocks:
         raise BehemothError(
             f"--prefill-chunk auto measures a step at the end of the context ({context} tokens) beside {max(decode_rows)} decodes: "
@@ -189,9 +192,9 @@ def measure_step_costs(
         )
     alloc = BlockAllocator(num_blocks, block_size)  # its own table over the cache's slots: nothing is running yet
     for r in range(max(decode_rows)):
-        alloc.grow(("decode", r), 2)
+        alloc.grow(("decode", r), depth + 1)
     alloc.grow("prompt", context)
-    decodes = [(("decode", r), [1], 1) for r in range(max(decode_rows))]
+    decodes = [(("decode", r), [1], depth) for r in range(max(decode_rows))]
     steps = {("decode", n): plan_step(alloc, decodes[:n]) for n in decode_rows}
     clock = clock_of(forward(steps["decode", 1]))  # untimed: the first forward builds what later ones reuse
     times = {key: timed(forward, batch, clock) for key, batch in steps.items()}
