@@ -139,6 +139,9 @@ def test_a_bad_draft_is_refused_by_name(folders):
         (["--adapter", "a={small}", "--prefix-caching"], "batched adapters run without it"),
         (["--adapter", "a=/no/such/folder"], "--adapter a=/no/such/folder: not a NAME=DIR of an adapter folder"),
         (["--prefill-chunk", "0"], "--prefill-chunk 0 is not a positive count"),
+        (["--prefill-chunk", "big"], "--prefill-chunk big is neither a count of tokens nor auto"),
+        (["--prefill-chunk", "auto", "--draft", "{small}"], "--prefill-chunk auto with --draft: its prompt chunks and decodes cannot share"),
+        (["--prefill-step-factor", "2"], "--prefill-step-factor 2.0 without --prefill-chunk auto"),
     ],
 )
 def test_serve_refuses_bad_draft_adapter_and_chunk_options_before_loading(folders, capsys, argv, message):

@@ -33,10 +33,11 @@ def _serve(
     adapters: dict[str, str] | None = None,
     slots: list[int] | None = None,
     ep: int = 1,
+    chunk: int | None = None,
 ) -> tuple[list[list[int]], dict[str, int]] | None:
     """One rank of a served model at tp x pp x ep: rank 0 schedules the batch over BLOCKS blocks (KV offload, speculation:
     n-gram when `ngram` is True, a draft model when it is the draft's folder, and batched adapters, row b with adapter
-    slots[b], as asked), the others follow its steps; rank 0's outputs and counters."""
+    slots[b], as asked; prompts in chunks of `chunk`), the others follow its steps; rank 0's outputs and counters."""
     from behemoth.inference.generate import CachePolicy, attach_adapters, attach_speculative, follow_model, generator_for
     from behemoth.inference.kv_cache import BlockAllocator
     from behemoth.inference.loading import load_model, resolve_source
@@ -60,7 +61,7 @@ def _serve(
         if ngram:
             attach_speculative(gen, ngram if isinstance(ngram, str) else NgramDraft(tokens=4), 3, draft_rt, 1.0)
         speculative = gen.scheduler().speculative
-        policy = SchedulerPolicy(context=gen.context, kv_offload=kv_offload)
+        policy = SchedulerPolicy(context=gen.context, kv_offload=kv_offload, prefill_chunk=chunk)
         sched = Scheduler(gen.runner, BlockAllocator(BLOCKS, BLOCK), policy, None, speculative)
         slots = slots or [0] * len(PARAMS)
         reqs = [sched.submit(p, SamplingParams(**sp, adapter=a)) for p, sp, a in zip(batch(), PARAMS, slots)]
@@ -87,6 +88,13 @@ def test_the_single_process_run_is_transformers_greedy_generation(folder, single
     greedy = [i for i, sp in enumerate(PARAMS) if sp is GREEDY]
     want = hf_generate(folder, [batch()[i] for i in greedy], max_new_tokens=16)
     assert [single[0][i] for i in greedy] == want
+
+
+def test_packed_chunked_prefill_under_tp_equals_one_process(folder, single):
+    """Chunks of 5 in one packed forward with the decodes, every rank running it with its heads, preempted mid-prefill."""
+    ranks = run_ranks(2, _serve, folder, 2, 1, False, False, None, None, 1, 5, timeout=90)
+    out, stats = ranks[0]
+    assert out == single[0] and stats["mixed_steps"] > 0 and stats["preemptions"] > 0
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])

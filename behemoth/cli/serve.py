@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from behemoth.cli.generate import add_model_options, add_speculative_options, check_plan, speculative_of, with_adapter, world_size
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   behemoth serve big_model --draft small_model --draft-tokens 4   # speculative decoding (same vocabulary)
   behemoth serve runs/X --speculative ngram                        # speculative decoding by prompt lookup (no draft model)
   behemoth serve runs/X --prefill-chunk 256                        # long prompts prefilled 256 tokens per step
+  behemoth serve runs/X --prefill-chunk auto                       # chunk measured at start: a step within 1.5x of a decode step
   behemoth serve hf_dir --nproc 2 --tp 2 --adapter sql=lora_dir     # batched LoRA adapters, split like the layers they adapt
   behemoth serve runs/X --nproc 2 --tp 2 --kv-offload --speculative ngram   # KV offload and prompt lookup under --tp
 """
@@ -79,10 +80,18 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefill-chunk",
-        type=int,
         default=None,
-        metavar="N",
-        help="prefill at most N prompt tokens per step, between decode steps (a long prompt does not stall running streams; default: whole prompts)",
+        metavar="N|auto",
+        help="prefill at most N prompt tokens per step, in the same forward as the running requests' decodes (a long prompt does "
+        "not stall running streams; default: whole prompts). auto: step times measured at start on the served model pick, at "
+        "every step, the largest chunk whose step stays within --prefill-step-factor x a decode-only step of the running batch",
+    )
+    p.add_argument(
+        "--prefill-step-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --prefill-chunk auto: how much longer than a decode-only step a step that also prefills may take (default 1.5)",
     )
     p.add_argument(
         "--kv-offload",
@@ -117,19 +126,43 @@ def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
     for name in ("body_timeout_s", "step_timeout_s", "stream_idle_timeout_s"):
         if not getattr(args, name) > 0:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive number of seconds", "use e.g. 30")
-    counts = ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens", "prefill_chunk")
+    counts = ("max_batch", "max_waiting", "max_tokens", "max_streams", "max_choices", "max_body_kb", "max_prompt_tokens")
     for name in (*counts, "stream_max_unsent_kb"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise BehemothError(f"--{name.replace('_', '-')} {getattr(args, name)} is not a positive count", "use 1 or more")
+    chunk = prefill_chunk_of(args)
     return SchedulerPolicy(
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         context=context,
         policy=args.batching,
         prefix_caching=args.prefix_caching,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=chunk,
+        step_factor=1.5 if args.prefill_step_factor is None else args.prefill_step_factor,
         kv_offload=args.kv_offload,
     )
+
+
+def prefill_chunk_of(args: argparse.Namespace) -> int | Literal["auto"] | None:
+    """--prefill-chunk: a positive count, or auto where its measured budget can run (one forward for a chunk and the
+    decodes: no draft model, no pipeline); --prefill-step-factor only with auto."""
+    text = args.prefill_chunk
+    if args.prefill_step_factor is not None and text != "auto":
+        raise BehemothError(f"--prefill-step-factor {args.prefill_step_factor} without --prefill-chunk auto", "add --prefill-chunk auto")
+    if text is None:
+        return None
+    if text == "auto":
+        other = "--draft" if args.draft else "--speculative" if args.speculative else f"--pp {args.pp}" if args.pp > 1 else None
+        if other:
+            raise BehemothError(f"--prefill-chunk auto with {other}: its prompt chunks and decodes cannot share one forward", "use --prefill-chunk N")
+        return "auto"
+    try:
+        chunk = int(text)
+    except ValueError:
+        raise BehemothError(f"--prefill-chunk {text} is neither a count of tokens nor auto", "use e.g. --prefill-chunk 256, or auto") from None
+    if chunk < 1:
+        raise BehemothError(f"--prefill-chunk {chunk} is not a positive count", "use 1 or more")
+    return chunk
 
 
 def check_batched_adapters(args: argparse.Namespace, nproc: int) -> None:
@@ -231,6 +264,8 @@ def serve_engine(args: argparse.Namespace, engine: EngineLoop, limits: ServeLimi
         f"on http://{args.host}:{args.port}/v1 (completions, chat/completions, models){'; API key required' if limits.api_key else ''}",
         flush=True,
     )
+    if engine.scheduler.budget is not None:
+        print(f"behemoth: {engine.scheduler.budget.describe()}", flush=True)
     try:
         server.run()
     finally:

@@ -1,4 +1,5 @@
-"""The decode step of a Llama as one captured graph: every layer of a step of one new token per row, no Python per layer.
+"""The decode step of a Llama as one captured graph: every layer of a step of one new token per row (or of a packed
+step: a prompt's chunk and the decodes in one row, chunked prefill's mixed step), no Python per layer.
 
 A decode step (each row adds one token) of a small model is dominated by host work, not arithmetic: the unmodified
 transformers decoder layers make dozens of module calls, view and cast ops per layer. `FusedDecoder` runs the same
@@ -10,7 +11,9 @@ projections are fused into one matrix each, and every weight is laid out [in, ou
 model keeps working as before, its prefill included). A lone sequence's step reads its cached keys and values as a view
 of its consecutive slots (no gather, no mask); with `split` (`--split-products`) a batch-1 step runs each product as two
 halves of the input features on two threads (CPU BLAS runs a one-token product on one), the halves being views of the
-one [in, out] matrix. Prefill, verification and every model that is not a plain Llama (biases,
+one [in, out] matrix. A packed step (`kv_cache.PackedRows`) runs the same function on its one row of T tokens under its
+mask, so a chunk that rides on the decodes costs what its arithmetic costs, not the layers' host work. Whole-prompt
+prefill, verification and every model that is not a plain Llama (biases,
 sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks (`ModelRunner.hidden`).
 """
 
@@ -83,25 +86,25 @@ def decode_layers(
     eps: float,
     split: bool,
 ) -> torch.Tensor:
-    """h [B, 1, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); one new token per row
-    written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer), every row attending to its `gather`
-    slots under `mask` [B, 1, 1, L] (None: every slot; `start` >= 0: the slots are start..start + L - 1); cos/sin
-    [B, 1, 1, head_dim]; `split`: every product on two threads (`_product`)."""
-    B, L = gather.shape[0], gather.shape[1]
+    """h [B, T, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); every new token (T = 1
+    per row, or one packed row of T) written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer), every
+    row attending to its `gather` slots under `mask` [B, 1, T, L] (None: every slot, T = 1; `start` >= 0: the slots are
+    start..start + L - 1); cos/sin [B, 1, T, head_dim]; `split`: every product on two threads (`_product`)."""
+    B, T, L = h.shape[0], h.shape[1], gather.shape[1]
     D = keys[0].shape[-1]
     flat = gather.reshape(-1)
     for i in range(len(weights)):
         w = weights[i]
-        qkv = _product(_rms(h, w[0], eps), w[1], split).view(B, heads + 2 * kv_heads, D)
-        qk = _rotate(qkv[:, : heads + kv_heads].unsqueeze(2), cos, sin)  # the queries' and keys' rotation in one
+        qkv = _product(_rms(h, w[0], eps), w[1], split).view(B, T, heads + 2 * kv_heads, D).transpose(1, 2)
+        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # the queries' and keys' rotation in one
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]
-        keys[i].index_copy_(0, slots, k.squeeze(2).to(keys[i].dtype))
-        values[i].index_copy_(0, slots, v.to(values[i].dtype))
+        keys[i].index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, kv_heads, D).to(keys[i].dtype))
+        values[i].index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, kv_heads, D).to(values[i].dtype))
         k_all = _attended(keys[i], flat, start, B, L).to(h.dtype)
         v_all = _attended(values[i], flat, start, B, L).to(h.dtype)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        h = h + _product(a.transpose(1, 2).reshape(B, 1, heads * D), w[2], split)
+        h = h + _product(a.transpose(1, 2).reshape(B, T, heads * D), w[2], split)
         gate, up = _product(_rms(h, w[3], eps), w[4], split).chunk(2, dim=-1)
         h = h + _product(F.silu(gate) * up, w[5], split)
     return h
@@ -202,16 +205,18 @@ class FusedDecoder:
         return FusedDecoder(blocks, layers, head, split)
 
     def __call__(self, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: object) -> torch.Tensor:
-        """Every layer of `layers` on h [B, 1, d] of a decode step (`ctx`: the view's context, with its cache step)."""
+        """Every layer of `layers` on h [B, 1, d] of a decode step, or [1, T, d] of a packed one (`ctx`: the view's
+        context, with its cache step)."""
         cos, sin = ctx["position_embeddings"]
         step = ctx["cache"]
         keys, values = storage.keys, storage.values  # type: ignore[attr-defined]
-        start = contiguous_start(step.batch.gather)
+        tokens = h.shape[0] * h.shape[1]
+        start = contiguous_start(step.batch.gather) if h.shape[1] == 1 else -1  # a packed row always needs its mask
         return self.run(
             h,
             cos.unsqueeze(1),
             sin.unsqueeze(1),
-            [self.layer_weights(i, h.shape[0]) for i in layers],
+            [self.layer_weights(i, tokens) for i in layers],
             [keys[i] for i in layers],
             [values[i] for i in layers],
             step.batch.slots,
@@ -221,11 +226,11 @@ class FusedDecoder:
             self.heads,
             self.kv_heads,
             self.eps,
-            self.split and h.shape[0] == 1,
+            self.split and tokens == 1,
         )
 
     def layer_weights(self, layer: int, rows: int) -> list[torch.Tensor]:
-        """Layer `layer`'s weights for a step of `rows` rows: a lone row's products as two batched halves (`halves`)
+        """Layer `layer`'s weights for a step of `rows` tokens: a lone token's products as two batched halves (`halves`)
         where torch has two intra-op threads to run them and `split` does not fork them instead."""
         if rows == 1 and self.halves is not None and not self.split and torch.get_num_threads() >= 2:
             return cast(list[torch.Tensor], self.halves[layer])

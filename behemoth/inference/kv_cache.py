@@ -10,7 +10,10 @@ The cache is split in two, so that several ranks can share one scheduler:
 
 `plan_step` turns "these sequences, these new tokens" into a `StepBatch`: plain tensors (token ids,
 positions, the slot of each new token, the slots every row attends to) that any rank can run against
-its storage without knowing the block tables. `CacheStep` is that batch bound to a rank's storage; it
+its storage without knowing the block tables. `plan_packed_step` puts every sequence's new tokens in one row
+(`PackedRows`: a mask keeps each sequence to its own keys), so a chunk of a long prompt and many one-token
+decodes share one forward without padding (chunked prefill's mixed steps: the weights are read once).
+`CacheStep` is that batch bound to a rank's storage; it
 is the `KVCacheStep` the models' cached forward hands its keys and values to (models/layered.py).
 """
 
@@ -100,6 +103,20 @@ class BlockAllocator:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
 
+@dataclass(frozen=True)
+class PackedRows:
+    """Several sequences' new tokens packed into row 0 of a StepBatch: which sequence each new token (query) and each
+    attended slot (key) belongs to, each key's position, and where each sequence's last new token sits in the row."""
+
+    query_rows: torch.Tensor  # [T] the sequence of each new token
+    key_rows: torch.Tensor  # [L] the sequence of each attended slot
+    key_positions: torch.Tensor  # [L] the position of each attended slot in its sequence
+    ends: torch.Tensor  # [R] the column of each sequence's last new token
+
+    def to(self, device: torch.device) -> PackedRows:
+        return PackedRows(*(t.to(device) for t in (self.query_rows, self.key_rows, self.key_positions, self.ends)))
+
+
 @dataclass
 class StepBatch:
     """One forward of new tokens for B sequences, as plain tensors (picklable; sent as is to other ranks).
@@ -114,6 +131,7 @@ class StepBatch:
     slots: torch.Tensor  # [N] the slot of every real new token, row by row
     gather: torch.Tensor  # [B, L] the slot of every position a row attends to (0 past its end)
     adapters: torch.Tensor | None = None  # [B] each row's LoRA adapter slot (lora_bank.py; 0: the base), None: all base
+    packed: PackedRows | None = None  # several sequences in row 0 (plan_packed_step), None: a sequence per row
 
     @property
     def valid(self) -> torch.Tensor:
@@ -121,13 +139,29 @@ class StepBatch:
 
     def attention_mask(self, device: torch.device) -> torch.Tensor:
         """[B, 1, T, L]: a new token at position p attends to positions 0..p of its own sequence."""
-        keys = torch.arange(self.gather.shape[1], device=device)
-        return (keys <= self.positions.to(device).unsqueeze(-1)).unsqueeze(1)
+        queries = self.positions.to(device).unsqueeze(-1)
+        if self.packed is None:
+            return (torch.arange(self.gather.shape[1], device=device) <= queries).unsqueeze(1)
+        p = self.packed.to(device)
+        return ((p.key_positions <= queries) & (p.key_rows == p.query_rows.unsqueeze(-1))).unsqueeze(1)
+
+    def key_positions(self, device: torch.device) -> torch.Tensor:
+        """[B or 1, L]: the position in its sequence of every attended slot (a sliding window's mask needs it)."""
+        if self.packed is None:
+            return torch.arange(self.gather.shape[1], device=device).unsqueeze(0)
+        return self.packed.key_positions.to(device).unsqueeze(0)
+
+    def last_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, column) of each sequence's last new token: where its next token's logits come from."""
+        if self.packed is None:
+            return torch.arange(self.ids.shape[0]), self.lengths - 1
+        return torch.zeros_like(self.packed.ends), self.packed.ends
 
     def to(self, device: torch.device) -> StepBatch:
         adapters = None if self.adapters is None else self.adapters.to(device)
+        packed = None if self.packed is None else self.packed.to(device)
         ids, positions, lengths, slots, gather = (t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather))
-        return StepBatch(ids, positions, lengths, slots, gather, adapters=adapters)
+        return StepBatch(ids, positions, lengths, slots, gather, adapters=adapters, packed=packed)
 
 
 def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], adapters: list[int] | None = None) -> StepBatch:
@@ -153,6 +187,23 @@ def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], ada
     lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
     rows_adapters = torch.tensor(adapters, dtype=torch.long) if adapters is not None and any(adapters) else None
     return StepBatch(ids, positions, lengths, torch.cat(slots), gather, rows_adapters)
+
+
+def plan_packed_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> StepBatch:
+    """`plan_step`'s rows packed into one row of their new tokens, attending to the concatenation of their slots
+    (`PackedRows`); the model's logits come back for each sequence's last new token, as with `plan_step`."""
+    single = [plan_step(alloc, [row]) for row in rows]
+    ends = torch.tensor([len(tokens) for _, tokens, _ in rows]).cumsum(0) - 1
+    packed = PackedRows(
+        torch.cat([torch.full((len(tokens),), i, dtype=torch.long) for i, (_, tokens, _) in enumerate(rows)]),
+        torch.cat([torch.full((b.gather.shape[1],), i, dtype=torch.long) for i, b in enumerate(single)]),
+        torch.cat([torch.arange(b.gather.shape[1]) for b in single]),
+        ends,
+    )
+    ids, positions = torch.cat([b.ids[0] for b in single]), torch.cat([b.positions[0] for b in single])
+    T = ids.shape[0]
+    gather = torch.cat([b.gather[0] for b in single]).unsqueeze(0)
+    return StepBatch(ids.unsqueeze(0), positions.unsqueeze(0), torch.tensor([T]), torch.cat([b.slots for b in single]), gather, packed=packed)
 
 
 class KVStorage:
@@ -188,6 +239,7 @@ class CacheStep:
         self.batch, self.storage = batch, storage
         self.valid = batch.valid.to(storage.device)
         self.attention_mask = batch.attention_mask(storage.device)
+        self.key_positions = batch.key_positions(storage.device)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the real new tokens' keys and values ([B, kv_heads, T, head_dim]) into their slots; return those of every

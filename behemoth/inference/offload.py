@@ -187,6 +187,8 @@ class StreamedModel:
 class StreamedRunner(ModelRunner):
     """A ModelRunner whose units the streamer brings in as each forward reaches them (prefetched ahead, dropped after)."""
 
+    packs_rows = False  # its forward takes one sequence per row
+
     def __init__(self, model: StreamedModel, storage: KVStorage) -> None:
         super().__init__(model.lm, storage, tp=model.tp, device=model.rt.device)
         self.model, self.streamer = model, model.streamer

@@ -101,6 +101,8 @@ class HostKV:
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
+    packs_rows = True  # it runs packed steps (kv_cache.plan_packed_step): a prompt's chunk and the decodes in one forward
+
     def __init__(
         self, lm: CausalLM, storage: KVStorage, *, tp: TensorParallel | TensorParallel2D | None = None, device: torch.device | None = None
     ) -> None:
@@ -128,7 +130,8 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         layers = self.layers if layers is None else layers
-        fused = self.fused_decoder() if h.shape[1] == 1 and self.lora is None else None
+        fusable_step = h.shape[1] == 1 or step.batch.packed is not None  # a decode step, or a packed (mixed) step
+        fused = self.fused_decoder() if fusable_step and self.lora is None else None
         if fused is not None:
             return fused(h, ctx, layers, self.storage)
         for i in layers:
@@ -159,7 +162,11 @@ class ModelRunner:
         return gather_vocab(logits, self.tp, self.vocab_size).float()
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
-        return self.head(self.hidden(batch), batch.lengths)
+        h = self.hidden(batch)
+        if batch.packed is None:
+            return self.head(h, batch.lengths)
+        ends = batch.packed.ends.to(h.device)  # packed sequences: the logits of each one's last new token
+        return self.head(h[0, ends].unsqueeze(1), torch.ones_like(ends))
 
     @torch.no_grad()
     def verify(self, batch: StepBatch) -> torch.Tensor:
@@ -199,6 +206,7 @@ class DistributedRunner:
     def __init__(self, local: Runner, group: dist.ProcessGroup) -> None:
         self.local, self.group = local, group
         self.vocab_size = local.vocab_size
+        self.packs_rows = getattr(local, "packs_rows", False)
 
     def _send(self, message: object) -> None:
         broadcast_object(lambda: message, self.group, is_source=True)

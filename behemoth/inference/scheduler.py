@@ -13,7 +13,11 @@ when it is admitted again, so only its last token is computed anew (under tensor
 copies its own heads and layers: this scheduler, on job rank 0, sends each move with the steps, runner.KVMove).
 With `prefill_chunk`, a step prefills at most that many prompt tokens (Sarathi / vLLM chunked prefill): a long prompt
 is prefilled over several steps, each also decoding every running request, so running streams keep getting a token
-per step while it is admitted; its first token is drawn when its last chunk is in the cache.
+per step while it is admitted; its first token is drawn when its last chunk is in the cache. Where the runner packs rows
+(`kv_cache.plan_packed_step`), the chunk and the decodes are one forward (a mixed step: the weights are read once, so the
+chunk rides on the decode's cost). With `prefill_chunk="auto"` the chunk is chosen at every step from step times
+measured at start on the served model (step_budget.py): the largest whose mixed step stays within `step_factor` x a
+decode-only step of the running batch.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Any, Literal, Protocol
 import torch
 
 from behemoth.errors import BehemothError
-from behemoth.inference.kv_cache import BlockAllocator, plan_step
+from behemoth.inference.kv_cache import BlockAllocator, plan_packed_step, plan_step
 from behemoth.inference.prefix_cache import PrefixCachingAllocator
 from behemoth.inference.runner import KVMove, Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
+from behemoth.inference.step_budget import StepBudget, check_factor, measure_step_costs
 from behemoth.inference.text import TextTracker, Tokenizer
 
 
@@ -90,12 +95,16 @@ class SchedulerPolicy:
     context: int = 1024  # positions a sequence may occupy (the model's context)
     policy: Literal["continuous", "static"] = "continuous"
     prefix_caching: bool = False  # share full KV blocks of equal prefixes between requests (prefix_cache.py)
-    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most (None: whole prompts, max_prefill_tokens)
+    prefill_chunk: int | Literal["auto"] | None = None  # prompt tokens prefilled per step at most (None: whole prompts;
+    # "auto": measured at start, the largest chunk whose step is within step_factor x a decode-only step, step_budget.py)
+    step_factor: float = 1.5  # with prefill_chunk="auto": a mixed step's time at most this times a decode-only step's
     kv_offload: bool = False  # a preempted request's KV blocks go to host memory and come back, instead of recomputation
 
     def __post_init__(self) -> None:
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise BehemothError(f"a prefill chunk of {self.prefill_chunk} tokens", "use --prefill-chunk 1 or more (e.g. 256), or leave it unset")
+        chunk = self.prefill_chunk
+        if chunk is not None and chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise BehemothError(f"a prefill chunk of {chunk!r} tokens", "use --prefill-chunk 1 or more (e.g. 256) or auto, or leave it unset")
+        check_factor(self.step_factor)
 
 
 class Speculative(Protocol):
@@ -116,7 +125,9 @@ class Scheduler:
         policy: SchedulerPolicy,
         tokenizer: Tokenizer | None = None,
         speculative: Speculative | None = None,
+        budget: StepBudget | None = None,
     ) -> None:
+        """`budget`: with prefill_chunk="auto", step costs already measured (None: measure them now, step_budget.py)."""
         if policy.prefix_caching and not isinstance(alloc, PrefixCachingAllocator):
             alloc = PrefixCachingAllocator(alloc.num_blocks, alloc.block_size)
         self.runner, self.alloc, self.policy, self.tokenizer = runner, alloc, policy, tokenizer
@@ -130,10 +141,34 @@ class Scheduler:
         self.stats = {"steps": 0, "prefill_tokens": 0, "decode_tokens": 0, "preemptions": 0, "finished": 0, "aborted": 0, "prefix_hit_tokens": 0}
         if speculative is not None:
             self.stats.update(draft_tokens=0, accepted_tokens=0)
+        self.packs = bool(getattr(runner, "packs_rows", False)) and policy.prefill_chunk is not None and speculative is None
+        self.budget = (budget or self._measure_budget()) if policy.prefill_chunk == "auto" else None
+        if policy.prefill_chunk is not None:
+            self.stats.update(mixed_steps=0)  # steps whose one forward held a prompt's chunk and the decodes
         if policy.kv_offload:
             if not hasattr(runner, "move_kv"):
                 raise BehemothError(f"KV offload with a {type(runner).__name__}: it has no host copies of its cache", "drop --kv-offload")
             self.stats.update(offloaded_tokens=0, restored_tokens=0)  # tokens a draft proposed, and those the target kept
+
+    def _measure_budget(self) -> StepBudget:
+        """`prefill_chunk="auto"`: time the served model's steps now, before any request (step_budget.py)."""
+        p = self.policy
+        if not self.packs:
+            why = "a draft model's decode steps" if self.speculative is not None else f"a {type(self.runner).__name__}"
+            raise BehemothError(f"--prefill-chunk auto with {why}: its prompt chunks and decodes cannot share one forward", "use --prefill-chunk N")
+        alloc, rows = self.alloc, min(4, p.max_batch)
+        costs = measure_step_costs(
+            self.runner.forward, alloc.num_blocks, alloc.block_size, context=p.context, rows=rows, max_rows=p.max_batch, factor=p.step_factor
+        )
+        return StepBudget(costs, p.step_factor, p.max_prefill_tokens)
+
+    def chunk_limit(self, decoding: int, prefix: int) -> int | None:
+        """Prompt tokens this step may prefill, with `decoding` requests decoding and the next prompt `prefix` tokens in
+        (None: whole prompts, up to max_prefill_tokens)."""
+        chunk = self.policy.prefill_chunk
+        if self.budget is not None:
+            return self.budget.chunk(decoding, prefix)
+        return None if chunk == "auto" else chunk
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (thread-safe); QueueFull when the waiting queue is at its bound."""
@@ -178,19 +213,24 @@ class Scheduler:
         finished = self._drop_aborted()
         self._admit()
         decoding = self._make_room([r for r in self.running if r.prefilled])
-        chunks = self._prefill_chunks([r for r in self.running if not r.prefilled])
-        for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
-            group = [(r, n) for r, n in group if r in self.running]
-            if group and not is_prefill and self.speculative is not None:
-                finished += self.speculative.decode(self, [r for r, _ in group])
-            elif group:
-                finished += self._run(group, is_prefill)
+        prefilling = [r for r in self.running if not r.prefilled]
+        chunks = self._prefill_chunks(prefilling, self.chunk_limit(len(decoding), prefilling[0].cached if prefilling else 0))
+        if chunks and decoding and self.packs and not any(r.params.adapter for r, _ in chunks) and not any(r.params.adapter for r in decoding):
+            finished += self._run(chunks + [(r, 1) for r in decoding], packed=True)  # a mixed step: one forward
+            self.stats["mixed_steps"] += 1
+        else:
+            for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
+                group = [(r, n) for r, n in group if r in self.running]
+                if group and not is_prefill and self.speculative is not None:
+                    finished += self.speculative.decode(self, [r for r, _ in group])
+                elif group:
+                    finished += self._run(group)
         self.stats["steps"] += 1
         return finished
 
-    def _prefill_chunks(self, prefilling: list[Request]) -> list[tuple[Request, int]]:
+    def _prefill_chunks(self, prefilling: list[Request], budget: int | None) -> list[tuple[Request, int]]:
         """(request, tokens to prefill this step) of the requests still prefilling, within the step's prefill chunk."""
-        budget, out = self.policy.prefill_chunk, []
+        out = []
         for r in prefilling:
             left = len(r.tokens) - r.cached
             take = left if budget is None else min(left, budget)
@@ -219,7 +259,7 @@ class Scheduler:
             return []
         admitted: list[Request] = []
         pending: set[bytes] = set()  # names of the blocks this step's newcomers will fill
-        chunk = p.prefill_chunk
+        chunk = self.chunk_limit(sum(r.prefilled for r in self.running), 0)
         budget = p.max_prefill_tokens if chunk is None else chunk - sum(len(r.tokens) - r.cached for r in self.running if not r.prefilled)
         with self.lock:
             while self.waiting and len(self.running) < p.max_batch and (chunk is None or budget > 0):
@@ -292,15 +332,17 @@ class Scheduler:
             self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
 
-    def _run(self, chunks: list[tuple[Request, int]], prefill: bool) -> list[Request]:
-        """One forward of `chunks` (request, its next n tokens); a token for each request whose tokens are all cached."""
+    def _run(self, chunks: list[tuple[Request, int]], packed: bool = False) -> list[Request]:
+        """One forward of `chunks` (request, its next n tokens), packed in one row or a row each; a token for each
+        request whose tokens are all cached."""
         rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
-        logits = self.runner.forward(plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks]))
+        batch = plan_packed_step(self.alloc, rows) if packed else plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks])
+        logits = self.runner.forward(batch)
         for (r, _), (_, new, _) in zip(chunks, rows):
+            self.stats["decode_tokens" if r.prefilled else "prefill_tokens"] += len(new)
             r.cached += len(new)
             if self.prefixes is not None:
                 self.prefixes.register(r.id, r.tokens[: r.cached])
-        self.stats["prefill_tokens" if prefill else "decode_tokens"] += sum(len(new) for _, new, _ in rows)
         ready = [i for i, (r, _) in enumerate(chunks) if r.cached == len(r.tokens)]
         group = [chunks[i][0] for i in ready]
         for r in group:

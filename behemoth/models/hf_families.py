@@ -194,7 +194,7 @@ def _mask(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, cache: KVC
     if cache is not None:
         if window is None:
             return cache.attention_mask
-        keys = torch.arange(cache.attention_mask.shape[-1], device=positions.device)
+        keys = cache.key_positions.to(positions.device).unsqueeze(1)  # [B, 1, L]: positions, also of packed rows
         return cache.attention_mask & (keys > positions.unsqueeze(-1) - window).unsqueeze(1)
     make = create_causal_mask if window is None else create_sliding_window_causal_mask
     return make(config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)

@@ -25,9 +25,10 @@ from behemoth.errors import BehemothError
 
 class KVCacheStep(Protocol):
     """One forward's view of a KV cache (what stores it lives in `behemoth.inference`). Keys and values are
-    [batch, kv_heads, tokens, head_dim] (this rank's heads); attended position j is column j of the mask."""
+    [batch, kv_heads, tokens, head_dim] (this rank's heads); the mask's columns are the attended slots, `key_positions` their positions."""
 
     attention_mask: torch.Tensor  # [batch, 1, new tokens, attended positions], True where a query may attend
+    key_positions: torch.Tensor  # [batch or 1, attended positions]: each attended slot's position in its sequence
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' keys and values of layer `layer_idx`; every attended position's keys and values."""
@@ -77,7 +78,7 @@ def _mask(model: nn.Module, h: torch.Tensor, positions: torch.Tensor, cache: KVC
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     if window is None:
         return cache.attention_mask
-    keys = torch.arange(cache.attention_mask.shape[-1], device=positions.device)
+    keys = cache.key_positions.to(positions.device).unsqueeze(1)  # [B, 1, L]: positions, also of packed rows
     return cache.attention_mask & (keys > positions.unsqueeze(-1) - window).unsqueeze(1)
 
 
