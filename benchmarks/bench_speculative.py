@@ -11,10 +11,14 @@ no-draft run's (greedy: they must). Modes run interleaved, `--repeats` times, th
 n-gram (prompt lookup) proposals need no draft model: they help exactly when the text repeats. Two workloads: the
 target above ("varied": its random-weight greedy output does not repeat, so lookup finds little), and the same
 weights scaled down ("repeating": a small init whose greedy output falls into a cycle, as a model copying from its
-prompt or repeating a pattern does), each against its own no-draft run. Run:
+prompt or repeating a pattern does), each against its own no-draft run.
+
+`--part trained` trains a byte-level target (8 layers, width 512) and a 1-layer draft here with `behemoth train`
+(speculative_trained.py) and measures held-out prompts greedy and sampled. Run:
 
     python benchmarks/bench_speculative.py --quick     # the small Llama: about a minute
     python benchmarks/bench_speculative.py             # the 25M Llama
+    python benchmarks/bench_speculative.py --part trained --runs /tmp/spec-runs   # trains (minutes), keeps the runs
 """
 
 from __future__ import annotations
@@ -96,8 +100,9 @@ def trials(modes: dict[str, tuple], prompt: list[int], args: argparse.Namespace)
     return {name: max(t, key=lambda r: r["tok_s"]) for name, t in runs.items()}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["random", "trained"], default="random", help="random-weight models, or a pair trained here")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--prompt", type=int, default=32)
@@ -105,8 +110,35 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2, help="layers of the truncated draft")
     p.add_argument("--scale", type=float, default=0.2, help="weight scale of the repeating target (its init std is 0.1 x this)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60, help="trained: the target's training steps (8 x 128 tokens each)")
+    p.add_argument("--draft-steps", type=int, default=200, help="trained: the draft's training steps")
+    p.add_argument("--distill", type=int, default=128, help="trained: the draft learns from this many target continuations (0: the corpus)")
+    p.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[2, 3, 4, 5], help="trained: draft tokens per step")
+    p.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",") if t], default=[0.8], help="trained: sampled workloads")
+    p.add_argument("--prompts", type=int, default=4, help="trained: held-out prompts, each decoded alone")
+    p.add_argument("--runs", default=None, help="trained: keep (and reuse) the trained runs in this folder, not a temporary one")
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main_trained(args: argparse.Namespace) -> None:
+    """Train the pair (or reuse --runs), then measure batch-1 greedy decode with and without speculation."""
+    from speculative_trained import DRAFT, TARGET, measure, print_trained, train_pair
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.runs or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        seconds = train_pair(root, args)
+        workloads = measure(root, args)
+    print(f"batch 1, {args.prompts} held-out prompts of {args.prompt} bytes, {args.new} tokens each; byte-level Llamas trained here")
+    print(f"target {TARGET} ({args.steps} steps); draft {DRAFT} ({args.draft_steps} steps, distill={args.distill})\n")
+    write_rows(args.json, print_trained(workloads, seconds, args))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.part == "trained":
+        return main_trained(args)
     from behemoth.inference import load
     from behemoth.inference.generate import draft_for
     from behemoth.inference.ngram import NgramDraft

@@ -162,3 +162,41 @@ def test_generate_with_split_products_from_the_command_line(llama, capsys):
         torch.set_num_threads(threads)
     tokens = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"]
     assert tokens == load(llama).generate([[4, 8, 15, 16]], SamplingParams(max_tokens=12), ignore_eos=True)[0].tokens
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_steps_of_several_tokens_per_row_equal_the_model_blocks(llama, onednn, monkeypatch):
+    """A speculative check (a few new tokens per row, every row full) takes the one-call step, its products by oneDNN or
+    F.linear, and gives the blocks' logits after every new token; a batch whose rows add different numbers of tokens
+    (padding) runs the blocks."""
+    from behemoth.inference import fast_decode
+    from behemoth.inference.runner import fused_step
+
+    monkeypatch.setattr(fast_decode, "ONEDNN_PRODUCTS", onednn)
+    model = load_model(resolve_source(llama, []), init_runtime())
+    fused, plain = (local_runner(model, CachePolicy(block_size=4, max_blocks=32)) for _ in range(2))
+    plain.fused = False
+    prompts = [[3, 14, 15, 92, 65, 35, 8, 9, 79, 32], [9, 79, 32, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    checks = [[(0, [5, 6, 7, 8], 10)], [(0, [5, 6, 7], 14), (1, [1, 2, 3], 20)], [(1, [40, 41], 23)]]
+    steps = []
+    for runner in (fused, plain):
+        alloc = BlockAllocator(32, 4)
+        for seq, p in enumerate(prompts):
+            alloc.grow(seq, 40)
+            runner.forward(plan_step(alloc, [(seq, p, 0)]))
+        steps.append([runner.verify(plan_step(alloc, rows)) for rows in checks])
+    calls = []
+    decoder = fused.fused
+    assert isinstance(decoder, FusedDecoder)
+    for a, b in zip(*steps):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    run = decoder.run
+    decoder.run = lambda *args: calls.append(args[0].shape[:2]) or run(*args)  # type: ignore[method-assign]
+    alloc = BlockAllocator(32, 4)
+    alloc.grow(0, 12)
+    fused.verify(plan_step(alloc, [(0, [1, 2, 3], 0)]))
+    alloc.grow(1, 12)
+    padded = plan_step(alloc, [(0, [4], 3), (1, [1, 2], 0)])
+    fused.verify(padded)
+    assert calls == [(1, 3)] and not fused_step(padded)  # the padded batch ran the model's blocks

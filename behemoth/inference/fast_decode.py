@@ -1,5 +1,4 @@
-"""The decode step of a Llama as one captured graph: every layer of a step of one new token per row (or of a packed
-step: a prompt's chunk and the decodes in one row, chunked prefill's mixed step), no Python per layer.
+"""The decode step of a Llama as one captured graph: every layer of a step of one new token per row, no Python per layer.
 
 A decode step (each row adds one token) of a small model is dominated by host work, not arithmetic: the unmodified
 transformers decoder layers make dozens of module calls, view and cast ops per layer. `FusedDecoder` runs the same
@@ -11,10 +10,14 @@ projections are fused into one matrix each, and every weight is laid out [in, ou
 model keeps working as before, its prefill included). A lone sequence's step reads its cached keys and values as a view
 of its consecutive slots (no gather, no mask); with `split` (`--split-products`) a batch-1 step runs each product as two
 halves of the input features on two threads (CPU BLAS runs a one-token product on one), the halves being views of the
-one [in, out] matrix. A packed step (`kv_cache.PackedRows`) runs the same function on its one row of T tokens under its
-mask, so a chunk that rides on the decodes costs what its arithmetic costs, not the layers' host work. Whole-prompt
-prefill, verification and every model that is not a plain Llama (biases,
-sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks (`ModelRunner.hidden`).
+one [in, out] matrix. A packed step (`kv_cache.PackedRows`: chunked prefill's prompt chunk and the decodes in one row)
+runs the same function on its one row of T tokens under its mask, so a chunk that rides on the decodes costs what its
+arithmetic costs, not the layers' host work. A step that adds the same few tokens to every row (a speculative check of K + 1 tokens, a draft
+catching up: up to `runner.FUSED_MAX_NEW`, no row padded) takes the same call under a causal mask, its products by
+oneDNN's matmul on CPUs (`onednn_products`: MKL's product of a few tokens by the [in, out] layout costs up to 2.3x a
+one-token product, oneDNN's about 1.5x). Longer prefills, padded batches and every model that is not a plain Llama
+(biases, sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks
+(`ModelRunner.hidden`).
 """
 
 from __future__ import annotations
@@ -46,14 +49,26 @@ def _half_product(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     return F.linear(x[..., :k], w[:, :k])
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, split: bool) -> torch.Tensor:
+@torch.jit.ignore
+def _onednn_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) by oneDNN's matmul (TorchScript cannot type the op's empty scalar list: it runs in Python)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+_onednn_product.__annotations__ = {"x": torch.Tensor, "w": torch.Tensor, "return": torch.Tensor}  # TorchScript reads types, not strings
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, split: bool, onednn: bool) -> torch.Tensor:
     """F.linear(x, w) of w [out, in]; w [2, in / 2, out] (`halves`): one batched product of the two halves of the input
     features, summed (torch runs the two on its two intra-op threads: CPU BLAS runs a one-token product on one); with
     `split`, the first half of the input features on a task forked onto torch's inter-op thread
     pool while this thread takes the second (CPU BLAS runs a one-token product on one thread; `w` is the [out, in] view
-    of an [in, out] matrix, so each half is a contiguous block of rows: no weight is copied)."""
+    of an [in, out] matrix, so each half is a contiguous block of rows: no weight is copied); with `onednn`, a product of
+    a few tokens by oneDNN's matmul (`ONEDNN_PRODUCTS`), on the same view."""
     if w.dim() == 3:
         return torch.matmul(x.reshape(2, 1, w.shape[1]), w).sum(0).view(x.shape[:-1] + (w.shape[2],))
+    if onednn and not split:
+        return _onednn_product(x, w)
     if not split:
         return F.linear(x, w)
     k = w.shape[1] // 2
@@ -85,28 +100,30 @@ def decode_layers(
     kv_heads: int,
     eps: float,
     split: bool,
+    onednn: bool,
 ) -> torch.Tensor:
-    """h [B, T, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); every new token (T = 1
-    per row, or one packed row of T) written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer), every
-    row attending to its `gather` slots under `mask` [B, 1, T, L] (None: every slot, T = 1; `start` >= 0: the slots are
-    start..start + L - 1); cos/sin [B, 1, T, head_dim]; `split`: every product on two threads (`_product`)."""
+    """h [B, T, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); the T new tokens of
+    every row (all real: no padding) written to `slots` (row by row) of `keys`/`values` ([slots, kv_heads, head_dim] per
+    layer), every row attending to its `gather` slots under `mask` [B, 1, T, L] (None: every slot, for T = 1; `start`
+    >= 0: the slots are start..start + L - 1); cos/sin [B, 1, T, head_dim]; `split`: every product on two threads;
+    `onednn`: every product by oneDNN (`_product`)."""
     B, T, L = h.shape[0], h.shape[1], gather.shape[1]
     D = keys[0].shape[-1]
     flat = gather.reshape(-1)
     for i in range(len(weights)):
         w = weights[i]
-        qkv = _product(_rms(h, w[0], eps), w[1], split).view(B, T, heads + 2 * kv_heads, D).transpose(1, 2)
-        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # the queries' and keys' rotation in one
+        qkv = _product(_rms(h, w[0], eps), w[1], split, onednn).view(B, T, heads + 2 * kv_heads, D)
+        qk = _rotate(qkv[:, :, : heads + kv_heads].transpose(1, 2), cos, sin)  # the queries' and keys' rotation in one
         q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, heads + kv_heads :]
+        v = qkv[:, :, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, kv_heads, D).to(keys[i].dtype))
-        values[i].index_copy_(0, slots, v.transpose(1, 2).reshape(B * T, kv_heads, D).to(values[i].dtype))
+        values[i].index_copy_(0, slots, v.reshape(B * T, kv_heads, D).to(values[i].dtype))
         k_all = _attended(keys[i], flat, start, B, L).to(h.dtype)
         v_all = _attended(values[i], flat, start, B, L).to(h.dtype)
         a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
-        h = h + _product(a.transpose(1, 2).reshape(B, T, heads * D), w[2], split)
-        gate, up = _product(_rms(h, w[3], eps), w[4], split).chunk(2, dim=-1)
-        h = h + _product(F.silu(gate) * up, w[5], split)
+        h = h + _product(a.transpose(1, 2).reshape(B, T, heads * D), w[2], split, onednn)
+        gate, up = _product(_rms(h, w[3], eps), w[4], split, onednn).chunk(2, dim=-1)
+        h = h + _product(F.silu(gate) * up, w[5], split, onednn)
     return h
 
 
@@ -120,6 +137,17 @@ def scripted() -> torch.jit.ScriptFunction:
             warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
             _SCRIPTED.append(torch.jit.script(decode_layers))
     return _SCRIPTED[0]
+
+
+def onednn_products(h: torch.Tensor) -> bool:
+    """Whether a step of several tokens per row runs its products by oneDNN's matmul: float32 on a CPU whose torch has it.
+    Measured on this project's CPU (MKL, one thread, the [in, out] layout of `fuse_columns`), 2 to 6 tokens times a
+    23M-parameter stack of matrices take 5.5-6 ms by oneDNN against 5.7-9 ms by F.linear (one token: 3.4-4 ms): a
+    speculative check of K + 1 tokens then costs about 1.5x a decode step, not 2.3x (benchmarks/bench_speculative.py)."""
+    return ONEDNN_PRODUCTS and h.device.type == "cpu" and h.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+ONEDNN_PRODUCTS = True  # several-token steps' products by oneDNN on CPUs (`onednn_products`); False: F.linear
 
 
 def _plain_linear(m: nn.Module) -> bool:
@@ -205,33 +233,36 @@ class FusedDecoder:
         return FusedDecoder(blocks, layers, head, split)
 
     def __call__(self, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: object) -> torch.Tensor:
-        """Every layer of `layers` on h [B, 1, d] of a decode step, or [1, T, d] of a packed one (`ctx`: the view's
-        context, with its cache step)."""
+        """Every layer of `layers` on h [B, T, d] of a step whose rows all add T tokens (`ctx`: the view's context, with
+        its cache step): a decode step (T = 1), a few tokens per row (a speculative check, a draft catching up), or the
+        one row of a packed step (chunked prefill's chunk and the decodes, under the packed mask)."""
         cos, sin = ctx["position_embeddings"]
         step = ctx["cache"]
         keys, values = storage.keys, storage.values  # type: ignore[attr-defined]
-        tokens = h.shape[0] * h.shape[1]
-        start = contiguous_start(step.batch.gather) if h.shape[1] == 1 else -1  # a packed row always needs its mask
+        packed = step.batch.packed is not None
+        start = -1 if packed else contiguous_start(step.batch.gather)  # a packed row always needs its mask
+        rows, new = h.shape[0], h.shape[1]
         return self.run(
             h,
             cos.unsqueeze(1),
             sin.unsqueeze(1),
-            [self.layer_weights(i, tokens) for i in layers],
+            [self.layer_weights(i, rows * new) for i in layers],
             [keys[i] for i in layers],
             [values[i] for i in layers],
             step.batch.slots,
             step.batch.gather,
-            None if start >= 0 else ctx["attention_mask"],
+            None if start >= 0 and new == 1 else ctx["attention_mask"],
             start,
             self.heads,
             self.kv_heads,
             self.eps,
-            self.split and tokens == 1,
+            self.split and rows == 1,
+            new > 1 and not packed and onednn_products(h),
         )
 
-    def layer_weights(self, layer: int, rows: int) -> list[torch.Tensor]:
-        """Layer `layer`'s weights for a step of `rows` tokens: a lone token's products as two batched halves (`halves`)
-        where torch has two intra-op threads to run them and `split` does not fork them instead."""
-        if rows == 1 and self.halves is not None and not self.split and torch.get_num_threads() >= 2:
+    def layer_weights(self, layer: int, tokens: int) -> list[torch.Tensor]:
+        """Layer `layer`'s weights for a step of `tokens` new tokens in all: a lone token's products as two batched halves
+        (`halves`) where torch has two intra-op threads to run them and `split` does not fork them instead."""
+        if tokens == 1 and self.halves is not None and not self.split and torch.get_num_threads() >= 2:
             return cast(list[torch.Tensor], self.halves[layer])
         return self.weights[layer]

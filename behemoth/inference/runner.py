@@ -98,6 +98,17 @@ class HostKV:
             self.saved.pop(move.request, None)
 
 
+FUSED_MAX_NEW = 16  # new tokens per row up to which a step whose rows are all full takes the one-call decode step
+
+
+def fused_step(batch: StepBatch) -> bool:
+    """A step for the one-call decode step (fast_decode.py): every row adds the same few tokens, none padded (decode
+    steps, a speculative check of equal proposals, a draft catching up); longer prefills and padded batches run the
+    model's blocks."""
+    T = batch.ids.shape[1]
+    return T == 1 or (T <= FUSED_MAX_NEW and bool((batch.lengths == T).all()))
+
+
 class ModelRunner:
     """This rank's model (every layer it holds) and KV storage; forward of a StepBatch to the last tokens' logits."""
 
@@ -130,8 +141,7 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         layers = self.layers if layers is None else layers
-        fusable_step = h.shape[1] == 1 or step.batch.packed is not None  # a decode step, or a packed (mixed) step
-        fused = self.fused_decoder() if fusable_step and self.lora is None else None
+        fused = self.fused_decoder() if self.lora is None and (fused_step(step.batch) or step.batch.packed is not None) else None
         if fused is not None:
             return fused(h, ctx, layers, self.storage)
         for i in layers:

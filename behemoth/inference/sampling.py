@@ -124,8 +124,10 @@ def processed_logits(
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[B, V] on the CPU: the distribution sampled rows draw from (temperature, then top-k, then top-p, of processed logits)."""
     rows = logits / torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(-1)
-    rows = top_k_filter(rows, torch.tensor([p.top_k for p in params], device=logits.device))
-    rows = top_p_filter(rows, torch.tensor([p.top_p for p in params], device=logits.device))
+    if any(p.top_k > 0 for p in params):  # else every row keeps all (each filter sorts the vocabulary: skipped)
+        rows = top_k_filter(rows, torch.tensor([p.top_k for p in params], device=logits.device))
+    if any(p.top_p < 1.0 for p in params):
+        rows = top_p_filter(rows, torch.tensor([p.top_p for p in params], device=logits.device))
     return rows.softmax(dim=-1).cpu()
 
 
