@@ -5,7 +5,7 @@ product over B x T positions, of which a batch of 32 bench prompts (62 to 197 to
 `prefill_layers` runs the same arithmetic as `LlamaDecoderLayer` (fast_decode.py's, with its fused [in, out] weights)
 on the N real tokens alone, packed row after row into [N, d]: every product and elementwise op runs over N rows. Only
 attention (a small part of a prefill's work at these lengths) runs over the rows padded back to T, in one SDPA call per
-layer (one call per row was measured slower under load at two threads: many small ops, each a barrier of both
+layer (one call per row served slower in one loaded run at two threads: many small ops, each a barrier of both
 threads): rows that all start at position 0 attend causally to their own new keys (no gather, no mask); a step with
 cached positions (a later prefill chunk, a prefix-cache hit, a speculative check) gathers every row's slots and
 attends under the step's mask (a new token at position p sees positions 0..p of its row). The keys and values are
