@@ -20,7 +20,10 @@ shared machine) and the load average beside it. Run:
 
     pip install -e '.[serve,llamacpp,llamacpp-server]'
     python benchmarks/bench_serve_llamacpp.py --converter llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \\
-        [--llama-server build/bin/llama-server]
+        [--llama-server build/bin/llama-server] [--baseline DIR]
+
+`--baseline DIR` also serves behemoth from another source tree (`git archive <commit> | tar -x -C DIR`, run with
+PYTHONPATH=DIR) beside this one: a change's before and after in one run, on the same load.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ LEVELS = (1, 8, 32)
 BEHEMOTH = "behemoth serve"
 LLAMA_PY = "llama-cpp-python server"
 LLAMA_CPP = "llama.cpp llama-server"
+BASELINE = "behemoth serve (baseline)"
 
 
 def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[str, list[str]]:
@@ -61,6 +65,8 @@ def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[st
         BEHEMOTH: [sys.executable, "-m", "behemoth", "serve", folder, "--port", "{port}", "--model-name", "llama"]
         + ["--max-batch", str(top), "--max-waiting", "4096", "--max-streams", str(4 * top), "--kv-cache-mb", "512"],
     }
+    if args.baseline:  # the same server from another source tree (an earlier commit), to measure a change in one run
+        cmds[BASELINE] = ["env", f"PYTHONPATH={args.baseline}", *cmds[BEHEMOTH]]
     if importlib.util.find_spec("llama_cpp") is not None and not args.no_llama_cpp_python:
         cmds[LLAMA_PY] = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", "{port}", "--model_alias", "llama"]
         cmds[LLAMA_PY] += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", str(ctx), "--n_batch", "512"]
@@ -178,7 +184,7 @@ def prompts_for(name: str, texts: list[str], args: argparse.Namespace) -> list[A
     """The prompts as each server is sent them: the same text to every one (llama.cpp's tokenize it with a BOS first, as
     the GGUF says; behemoth as transformers' tokenizer(text) does, BOS first), or with `--ids` to behemoth the ids
     transformers' tokenizer gives (tokenization out of its measured time)."""
-    return [args.tokenizer(t).input_ids for t in texts] if name == BEHEMOTH and args.ids else texts
+    return [args.tokenizer(t).input_ids for t in texts] if name in (BEHEMOTH, BASELINE) and args.ids else texts
 
 
 def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -261,6 +267,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--ids", action="store_true", help="send behemoth token ids (transformers' tokenizer's) instead of text")
+    p.add_argument("--baseline", default=None, help="also serve behemoth from this source tree (e.g. `git archive` of a commit)")
     p.add_argument("--no-llama-cpp-python", action="store_true", help="leave out llama-cpp-python's server")
     p.add_argument("--quick", action="store_true", help="16 output tokens, levels 1 and 8")
     p.add_argument("--json", default=None)

@@ -127,16 +127,18 @@ def decode_layers(
     return h
 
 
-_SCRIPTED: list[torch.jit.ScriptFunction] = []
+_SCRIPTED: dict[str, torch.jit.ScriptFunction] = {}
 
 
-def scripted() -> torch.jit.ScriptFunction:
-    """`decode_layers` compiled by TorchScript (once per process; torch marks torch.jit deprecated, and it still runs)."""
-    if not _SCRIPTED:
+def scripted(fn: Any = decode_layers) -> torch.jit.ScriptFunction:
+    """`fn` (`decode_layers`, or packed_prefill's `prefill_layers`) compiled by TorchScript, once per process (torch marks
+    torch.jit deprecated, and it still runs)."""
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    if name not in _SCRIPTED:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.jit.script.*is deprecated", category=DeprecationWarning)
-            _SCRIPTED.append(torch.jit.script(decode_layers))
-    return _SCRIPTED[0]
+            _SCRIPTED[name] = torch.jit.script(fn)
+    return _SCRIPTED[name]
 
 
 def onednn_products(h: torch.Tensor) -> bool:

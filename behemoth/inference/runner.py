@@ -24,6 +24,7 @@ from behemoth.comm import all_gather, broadcast_object
 from behemoth.inference.fast_decode import FusedDecoder
 from behemoth.inference.kv_cache import CacheLayout, KVStorage, StepBatch
 from behemoth.inference.lora_bank import LoRABank
+from behemoth.inference.packed_prefill import packed_step
 from behemoth.models.causal_lm import CausalLM
 from behemoth.parallel.tensor import TensorParallel
 from behemoth.parallel.tensor.twod import TensorParallel2D
@@ -125,6 +126,7 @@ class ModelRunner:
         self.device = device or storage.device
         self.lora: LoRABank | None = None  # adapters served unmerged (lora_bank.py)
         self.fused: FusedDecoder | None | bool = tp is None  # decode steps' one-call path (fast_decode.py); built at first use
+        self.packed_prefill = True  # other steps of several tokens per row run packed on the fused weights (packed_prefill.py)
         self.split_products = False  # its batch-1 products on two threads (`CachePolicy.split_products`)
         self.host_kv = HostKV(storage)  # preempted requests' keys and values (KV offload)
         lm.module.eval()
@@ -141,9 +143,11 @@ class ModelRunner:
             h = self.view.embed(model, step.batch.ids, positions)
         ctx = self.view.context(model, h, positions, step)
         layers = self.layers if layers is None else layers
-        fused = self.fused_decoder() if self.lora is None and (fused_step(step.batch) or step.batch.packed is not None) else None
-        if fused is not None:
+        fused = self.fused_decoder() if self.lora is None else None
+        if fused is not None and (fused_step(step.batch) or step.batch.packed is not None):
             return fused(h, ctx, layers, self.storage)
+        if fused is not None and self.packed_prefill:
+            return packed_step(fused, h, ctx, layers, self.storage)
         for i in layers:
             h = self.view.block(self.blocks[i], h, ctx)
         return h

@@ -1,0 +1,119 @@
+"""A step of several new tokens per row (prefill, chunked prefill, speculative checks) packed: no padding computed.
+
+A step's rows are right-padded to the longest row's new tokens (`StepBatch`); the model's own blocks then run every
+product over B x T positions, of which a batch of 32 bench prompts (62 to 197 tokens) leaves about a third padding.
+`prefill_layers` runs the same arithmetic as `LlamaDecoderLayer` (fast_decode.py's, with its fused [in, out] weights)
+on the N real tokens alone, packed row after row into [N, d]: every product and elementwise op runs over N rows. Only
+attention (a small part of a prefill's work at these lengths) runs over the rows padded back to T, in one SDPA call per
+layer (one call per row served slower in one loaded run at two threads: many small ops, each a barrier of both
+threads): rows that all start at position 0 attend causally to their own new keys (no gather, no mask); a step with
+cached positions (a later prefill chunk, a prefix-cache hit, a speculative check) gathers every row's slots and
+attends under the step's mask (a new token at position p sees positions 0..p of its row). The keys and values are
+written to and read back in the cache's dtype, as the blocks' path does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from behemoth.inference.fast_decode import FusedDecoder, _product, _rms, _rotate, scripted
+
+
+def _padded(x: torch.Tensor, where: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """[B, heads, T, D]: packed rows x [N, heads, D] put back at their positions `where` of B x T (zeros between)."""
+    return x.new_zeros(B * T, x.shape[1], x.shape[2]).index_copy_(0, where, x).view(B, T, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    where: torch.Tensor,
+    gather: torch.Tensor,
+    mask: torch.Tensor | None,
+    T: int,
+) -> torch.Tensor:
+    """[N, heads, D]: attention of the packed new queries q [N, heads, D] (their keys and values k, v [N, kv_heads, D]
+    already in the cache) as one SDPA call over the rows padded to T. `mask` None: every row starts at position 0, so
+    it attends causally to its own new keys (rounded through the cache's dtype, as read back); else [B, 1, T, L]: the
+    rows attend to their cached slots `gather` [B, L] (earlier chunks, a cached prefix) under it."""
+    B, L = gather.shape[0], gather.shape[1]
+    qp = _padded(q, where, B, T)
+    if mask is None:
+        kp = _padded(k.to(keys.dtype).to(q.dtype), where, B, T)
+        vp = _padded(v.to(values.dtype).to(q.dtype), where, B, T)
+        a = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+    else:
+        flat = gather.reshape(-1)
+        kp = keys.index_select(0, flat).view(B, L, keys.shape[1], keys.shape[2]).transpose(1, 2).to(q.dtype)
+        vp = values.index_select(0, flat).view(B, L, values.shape[1], values.shape[2]).transpose(1, 2).to(q.dtype)
+        a = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
+    return a.transpose(1, 2).reshape(B * T, q.shape[1], q.shape[2]).index_select(0, where)
+
+
+def prefill_layers(
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: list[list[torch.Tensor]],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    slots: torch.Tensor,
+    where: torch.Tensor,
+    gather: torch.Tensor,
+    mask: torch.Tensor | None,
+    T: int,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> torch.Tensor:
+    """h [N, d]: the real new tokens of B rows, row after row (`where`: their flat positions in the step's B x T), through
+    every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each, fast_decode's layout); their keys and values
+    written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer); `gather` [B, L]: each row's slots,
+    attended under `mask` (None: every row starts at position 0, `_attention`); cos/sin [N, 1, head_dim]."""
+    N = h.shape[0]
+    D = keys[0].shape[-1]
+    for i in range(len(weights)):
+        w = weights[i]
+        qkv = _product(_rms(h, w[0], eps), w[1], False).view(N, heads + 2 * kv_heads, D)
+        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, heads + kv_heads :]
+        keys[i].index_copy_(0, slots, k.to(keys[i].dtype))
+        values[i].index_copy_(0, slots, v.to(values[i].dtype))
+        a = _attention(q, k, v, keys[i], values[i], where, gather, mask, T).reshape(N, heads * D)
+        h = h + _product(a, w[2], False)
+        gate, up = _product(_rms(h, w[3], eps), w[4], False).chunk(2, dim=-1)
+        h = h + _product(F.silu(gate) * up, w[5], False)
+    return h
+
+
+def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: Any) -> torch.Tensor:
+    """h [B, T, d] of a step of several new tokens per row through `layers` with the fused decoder's weights, only its
+    real tokens computed (`prefill_layers`); [B, T, d] back, the padding positions zero (nothing reads them)."""
+    step = ctx["cache"]
+    valid = step.valid
+    cos, sin = ctx["position_embeddings"]  # [B, T, head_dim] of the padded positions: the real ones are picked
+    out = scripted(prefill_layers)(
+        h[valid],
+        cos[valid].unsqueeze(1),
+        sin[valid].unsqueeze(1),
+        [decoder.weights[i] for i in layers],
+        [storage.keys[i] for i in layers],
+        [storage.values[i] for i in layers],
+        step.batch.slots,
+        valid.reshape(-1).nonzero()[:, 0],
+        step.batch.gather,
+        ctx["attention_mask"] if bool(step.batch.positions[:, 0].any()) else None,
+        h.shape[1],
+        decoder.heads,
+        decoder.kv_heads,
+        decoder.eps,
+    )
+    return h.new_zeros(h.shape).index_put_((valid,), out)
