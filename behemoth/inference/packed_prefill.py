@@ -81,16 +81,16 @@ def prefill_layers(
     D = keys[0].shape[-1]
     for i in range(len(weights)):
         w = weights[i]
-        qkv = _product(_rms(h, w[0], eps), w[1], False).view(N, heads + 2 * kv_heads, D)
+        qkv = _product(_rms(h, w[0], eps), w[1], False, False).view(N, heads + 2 * kv_heads, D)
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.to(values[i].dtype))
         a = _attention(q, k, v, keys[i], values[i], where, gather, mask, T).reshape(N, heads * D)
-        h = h + _product(a, w[2], False)
-        gate, up = _product(_rms(h, w[3], eps), w[4], False).chunk(2, dim=-1)
-        h = h + _product(F.silu(gate) * up, w[5], False)
+        h = h + _product(a, w[2], False, False)
+        gate, up = _product(_rms(h, w[3], eps), w[4], False, False).chunk(2, dim=-1)
+        h = h + _product(F.silu(gate) * up, w[5], False, False)
     return h
 
 
