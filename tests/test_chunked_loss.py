@@ -227,9 +227,11 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("chunk", [24, -1])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_chunked_loss_under_other_layouts(plain_run, tmp_path, layout):
-    """ZeRO-3's gathered head, a zero-bubble pipeline's split backward, offload's streamed head: each equals the plain run
+def test_chunked_loss_under_other_layouts(plain_run, tmp_path, layout, chunk):
+    """ZeRO-3's gathered head, a zero-bubble pipeline's split backward, offload's streamed head: chunked (24: 64 tokens a
+    micro-batch in 3 chunks) and fused (-1) each equal the plain run
     (`OMP_NUM_THREADS=1 python -m pytest -q -m slow tests/test_chunked_loss.py`)."""
-    cfg = tiny_config(tmp_path, *SHORT, "train.loss_chunk=24", *LAYOUTS[layout])  # 64 tokens a micro-batch: 3 chunks
+    cfg = tiny_config(tmp_path, *SHORT, f"train.loss_chunk={chunk}", *LAYOUTS[layout])
     _assert_same_run(plain_run, run_ranks(2, train_body, cfg)[0])
