@@ -3,6 +3,7 @@ transformers GPT-2 + AdamW loop eager and under torch.compile, on the same shape
 
     OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py              # gpt2-124m, 4 x 512 tokens, float32, 2 threads
     OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py --quick      # gpt-20m, 4 x 128 tokens
+    OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py --profile 14 --set train.loss_chunk=0   # the plain loss; top ops
 
 One child process per mode (eager, compiled) holds behemoth's engine and the peer's model at once and alternates them
 step by step, each step right after a timing of the peak (metrics.measure_peak_tflops: a float32 2048^3 matmul at the
