@@ -1,14 +1,17 @@
-"""Peak memory and time of the LM head's linear + cross-entropy + backward: the plain head vs behemoth's chunked loss.
+"""Peak memory and time of the LM head's linear + cross-entropy + backward: the plain head vs behemoth's fused and
+chunked losses.
 
     python benchmarks/bench_head.py                       # vocabulary 128,256 at 8 x 1024 tokens, scaled to the memory free
     python benchmarks/bench_head.py --quick               # a short run (fewer tokens, one repetition)
 
-Both sides compute the summed token loss of h W^T over the same hidden states, weight and targets, and the gradients
-of h and W. Plain: F.linear then F.cross_entropy (the logits and their softmax whole). Chunked: behemoth's
-ChunkedLinearCrossEntropy (models/chunked_loss.py). Peak: bytes of tensor storages allocated while it runs
-(behemoth.profiler.measure.LiveBytes: what the allocator must find, inputs excluded), in a pass of its own; time: the
-median of --reps passes. The token count is halved until the plain side's estimated peak fits --max-gib and the memory
-free now (the table says so). liger-kernel's fused linear cross-entropy is run too when it is installed and runs on CPU.
+Every side computes the summed token loss of h W^T over the same hidden states, weight and targets, and the gradients
+of h and W. Plain: F.linear then F.cross_entropy (the logits and their softmax whole). Fused: behemoth's
+LinearCrossEntropy (models/chunked_loss.py; the default below the chunking size: logits computed once,
+vocabulary-major, kept and turned into their gradient in place). Chunked: behemoth's ChunkedLinearCrossEntropy. Peak:
+bytes of tensor storages allocated while it runs (behemoth.profiler.measure.LiveBytes: what the allocator must find,
+inputs excluded), in a pass of its own; time: the median of --reps passes, CPU: process CPU seconds of the least-CPU
+pass. The token count is halved until the plain side's estimated peak fits --max-gib and the memory free now (the
+table says so). liger-kernel's fused linear cross-entropy is run too when it is installed and runs on CPU.
 """
 
 from __future__ import annotations
@@ -81,17 +84,18 @@ def run_once(fn: Callable, h: torch.Tensor, w: torch.Tensor, targets: torch.Tens
     return float(loss.detach())
 
 
-def measure(fn: Callable, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, reps: int) -> tuple[int, float, float]:
-    """(peak bytes, median seconds, loss) of loss + backward."""
+def measure(fn: Callable, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, reps: int) -> tuple[int, float, float, float]:
+    """(peak bytes, median seconds, least process CPU seconds, loss) of loss + backward."""
     with LiveBytes() as live:
         loss = run_once(fn, h, w, targets)
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         run_once(fn, h, w, targets)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     h.grad = w.grad = None
-    return live.peak, statistics.median(times), loss
+    return live.peak, statistics.median(times), min(cpu), loss
 
 
 def main() -> None:
@@ -117,7 +121,7 @@ def main() -> None:
     h = torch.randn(tokens, args.d_model, generator=g).requires_grad_()
     w = (torch.randn(args.vocab, args.d_model, generator=g) * args.d_model**-0.5).requires_grad_()
     targets = torch.randint(0, args.vocab, (tokens,), generator=g)
-    sides: list[tuple[str, Callable]] = [("plain (F.linear + F.cross_entropy)", plain_loss)]
+    sides: list[tuple[str, Callable]] = [("plain (F.linear + F.cross_entropy)", plain_loss), ("behemoth fused, whole", chunked_loss(0))]
     sides += [(f"behemoth chunked, {c} tokens/chunk", chunked_loss(c)) for c in dict.fromkeys(min(c, tokens) for c in chunks)]
     liger = liger_loss()
     if liger is not None:
@@ -127,11 +131,12 @@ def main() -> None:
     print(f"plain logits alone at the asked size: {asked * args.vocab * 4 / GiB:.2f} GiB float32")
     print("liger-kernel: " + ("run" if liger is not None else "not installed (its fused kernel is Triton, for GPUs): not run"))
     rows = [(name, *measure(fn, h, w, targets, reps)) for name, fn in sides]
-    base_peak, base_time = rows[0][1], rows[0][2]
-    print("\n| head | peak MiB | plain / this (memory) | seconds | plain / this (speed) | loss |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, peak, seconds, loss in rows:
-        print(f"| {name} | {peak / 2**20:.0f} | {base_peak / peak:.2f} | {seconds:.3f} | {base_time / seconds:.2f} | {loss:.6g} |")
+    base_peak, base_time, base_cpu = rows[0][1], rows[0][2], rows[0][3]
+    print("\n| head | peak MiB | plain / this (memory) | seconds | plain / this (speed) | CPU s | plain / this (CPU) | loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, peak, seconds, cpu, loss in rows:
+        memory, speed = f"{peak / 2**20:.0f} | {base_peak / peak:.2f}", f"{seconds:.3f} | {base_time / seconds:.2f}"
+        print(f"| {name} | {memory} | {speed} | {cpu:.3f} | {base_cpu / cpu:.2f} | {loss:.6g} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ transformers GPT-2 + AdamW loop eager and under torch.compile, on the same shape
 
     OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py              # gpt2-124m, 4 x 512 tokens, float32, 2 threads
     OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py --quick      # gpt-20m, 4 x 128 tokens
+    OMP_NUM_THREADS=2 python benchmarks/bench_mfu.py --profile 14 --set train.loss_chunk=0   # the plain loss; top ops
 
 One child process per mode (eager, compiled) holds behemoth's engine and the peer's model at once and alternates them
 step by step, each step right after a timing of the peak (metrics.measure_peak_tflops: a float32 2048^3 matmul at the
@@ -91,8 +92,21 @@ def peer_step(model: str, compiled: bool, tokens: Any, adamw: str) -> Step:
     return step
 
 
-def child(model: str, batch: int, seq: int, compiled: bool, steps: int, warmup: int, adamw: str, extra: list[str]) -> None:
-    """One mode: both systems, alternated step by step after a peak timing each; prints one JSON line."""
+def op_profile(fn: Step, top: int) -> list[tuple[str, float, int]]:
+    """One step under torch.profiler: its `top` operators by self CPU time (name, self CPU seconds, calls), and the total
+    as "(all operators)" first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    return [("(all operators)", total, 0)] + [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:top]]
+
+
+def child(model: str, batch: int, seq: int, compiled: bool, steps: int, warmup: int, adamw: str, extra: list[str], profile: int = 0) -> None:
+    """One mode: both systems, alternated step by step after a peak timing each (then, with `profile`, one profiled step
+    of each); prints one JSON line."""
     import torch
 
     from behemoth.metrics import PEAK_SIZE, measure_peak_tflops
@@ -115,11 +129,13 @@ def child(model: str, batch: int, seq: int, compiled: bool, steps: int, warmup: 
                 wall, cpu = timed(fn)
                 out[name]["wall"].append(wall)
                 out[name]["cpu"].append(cpu)
+        for name, fn in systems.items() if profile else ():
+            out[name]["profile"] = op_profile(fn, profile)
     print(json.dumps(out))
 
 
 def run_mode(args: argparse.Namespace, compiled: bool, cache: str) -> dict[str, Any]:
-    call = (args.model, args.batch, args.seq, compiled, args.steps, args.warmup, args.peer_adamw, args.set)
+    call = (args.model, args.batch, args.seq, compiled, args.steps, args.warmup, args.peer_adamw, args.set, args.profile)
     code = f"import bench_mfu as b; b.child{call!r}"
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
@@ -136,6 +152,18 @@ def mfu(r: dict[str, Any], name: str) -> tuple[float, float]:
     return wall, cpu
 
 
+def print_profiles(mode: str, r: dict[str, Any]) -> None:
+    """The profiled step of each system: its costliest operators' self CPU seconds and share of the step's operators."""
+    print(f"\n{mode}: one profiled step, self time per operator (torch.profiler, its overhead included; the calling thread's clock)\n")
+    print("| system | operator | self s | share | calls |")
+    print("|---|---|---:|---:|---:|")
+    for name in ("behemoth", "peer"):
+        (_, total, _), *ops = r[name]["profile"]
+        print(f"| {name} | (all operators) | {total:.2f} | 100% | |")
+        for op, sec, calls in ops:
+            print(f"| {name} | `{op}` | {sec:.2f} | {100 * sec / total:.1f}% | {calls} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-124m")
@@ -146,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer-adamw", default="foreach", choices=["foreach", "fused"], help="the peer's torch.optim.AdamW kernel")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="behemoth config overrides (e.g. train.adamw=foreach)")
     ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="then profile one step of each system: its N costliest operators")
     add_report_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -155,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average before: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| mode | system | MFU (wall) | MFU (CPU) | fastest step s | least CPU s/step | tokens/s | behemoth / peer (CPU s) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    rows = []
+    rows, profiles = [], []
     with tempfile.TemporaryDirectory() as cache:
         for mode in args.modes:
             r = run_mode(args, mode == "compiled", cache)
@@ -170,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {mode} | peak: 2048^3 matmul | - | - | {min(r['peak_wall']):.3f} ({peak:.0f} GFLOP/s) | {min(r['peak_cpu']):.3f} | - | - |")
             ours, theirs = min(r["behemoth"]["cpu"]), min(r["peer"]["cpu"])
             rows.append(ratio("mfu", f"{args.model} {mode}", "transformers GPT-2", "CPU s per step", ours, theirs, higher_is_better=False))
+            profiles.append((mode, r))
+    for mode, r in profiles if args.profile else ():
+        print_profiles(mode, r)
     load = os.getloadavg()
     print(f"\nload average after: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; {command_line('bench_mfu.py', argv)}")
     write_rows(args.json, rows)

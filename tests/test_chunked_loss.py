@@ -1,5 +1,6 @@
-"""The chunked linear + cross-entropy (models/chunked_loss.py) against the plain head and loss: values and gradients in
-float32, with masked targets, at tp=1 and tp=2; training through the engine; its peak memory falls with the chunk."""
+"""The chunked and the fused (chunk 0: whole, logits kept) linear + cross-entropy (models/chunked_loss.py) against the
+plain head and loss: values and gradients in float32, with masked targets, at tp=1 and tp=2; training through the
+engine; peak memory falls with the chunk, and the fused one holds less than the plain one."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _grads(*ts: torch.Tensor | None) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("chunk", [1, 7, N, 1000])
+@pytest.mark.parametrize("chunk", [0, 1, 7, N, 1000])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_equals_the_plain_loss_and_gradients(chunk, transposed):
     h, w, b, targets = _problem(0)
@@ -59,11 +60,21 @@ def test_equals_the_plain_loss_and_gradients(chunk, transposed):
         _assert_close(a.t() if what == "weight" and transposed else a, e, f"{what} gradient")
 
 
-def test_every_target_masked_gives_zero_loss_and_gradient():
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_every_target_masked_gives_zero_loss_and_gradient(chunk):
     h, w, _, targets = _problem(1, bias=False)
-    loss = chunked_cross_entropy_sum(_deferred(h, w, None, 8), torch.full_like(targets, -100))
+    loss = chunked_cross_entropy_sum(_deferred(h, w, None, chunk), torch.full_like(targets, -100))
     loss.backward()
     assert loss.item() == 0.0 and not h.grad.any() and not w.grad.any()
+
+
+def test_fused_backward_twice_is_refused():
+    """The fused loss turns its kept logits into their gradient in place: a second backward must fail, not be wrong."""
+    h, w, b, targets = _problem(3)
+    loss = chunked_cross_entropy_sum(_deferred(h, w, b, 0), targets)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        loss.backward()
 
 
 def test_auto_chunking_rule():
@@ -79,8 +90,9 @@ MODELS = {
 }
 
 
-def _head_losses(model: str, chunk: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """A tiny model's summed loss and gradients through its own head: plain, or with the projection deferred (chunk > 0)."""
+def _head_losses(model: str, chunk: int | None) -> tuple[float, dict[str, torch.Tensor]]:
+    """A tiny model's summed loss and gradients through its own head: plain (None), or with the projection deferred to
+    the chunked (chunk > 0) or the fused loss (chunk -1, the default: 60 tokens are never chunked)."""
     from behemoth.config import load_config
     from behemoth.models.causal_lm import build_causal_lm, summed_token_loss
     from behemoth.models.init import materialize
@@ -93,19 +105,20 @@ def _head_losses(model: str, chunk: int) -> tuple[float, dict[str, torch.Tensor]
     ids = torch.randint(0, 256, (3, 20), generator=g)
     targets = torch.randint(0, 256, (3, 20), generator=g)
     targets[:, :6] = -100
-    head = lm.chunked_head(chunk) if chunk else None
+    head = lm.chunked_head(chunk) if chunk is not None else None
     with head.deferred() if head is not None else torch.enable_grad():
         out = lm.logits(ids)
-        assert (out.shape[-1] == 32) == bool(chunk)  # deferred: the final norm's output, not [.., vocab] logits
+        assert (out.shape[-1] == 32) == (chunk is not None)  # deferred: the final norm's output, not [.., vocab] logits
         loss = summed_token_loss(out, targets)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in lm.module.named_parameters()}
 
 
+@pytest.mark.parametrize("chunk", [13, -1])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_model_head_deferred_equals_plain(model):
-    ref_loss, ref = _head_losses(model, 0)
-    loss, got = _head_losses(model, 13)
+def test_model_head_deferred_equals_plain(model, chunk):
+    ref_loss, ref = _head_losses(model, None)
+    loss, got = _head_losses(model, chunk)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert ref.keys() == got.keys() and ("lm_head.weight" in ref) == (model != "gpt-tied")
     for name in ref:
@@ -149,7 +162,7 @@ def _vocab_parallel(chunk: int) -> str:
 
 def _vocab_parallel_then_train(cfg_dict: dict) -> tuple[list[str], dict]:
     """The vocabulary-parallel checks, then training, in one pair of ranks (one process start for both)."""
-    return [_vocab_parallel(chunk) for chunk in (6, 1000)], train_body(cfg_dict)
+    return [_vocab_parallel(chunk) for chunk in (6, 1000, 0)], train_body(cfg_dict)
 
 
 SHORT = ("train.steps=3", "train.eval_every=3", "train.log_every=1", "model.tie_embeddings=true")
@@ -169,7 +182,7 @@ def test_vocab_parallel_and_engine_tp2_sequence_parallel_chunks_equal_single_pro
     """Vocabulary-parallel chunks equal the plain loss; training at tp=2 + SP with them equals the unchunked single process."""
     cfg = tiny_config(tmp_path, *SHORT, "train.loss_chunk=100", "parallel.tp=2", "parallel.sequence_parallel=true")  # 256 tokens: 3 chunks
     results = run_ranks(2, _vocab_parallel_then_train, cfg)
-    assert [checks for checks, _ in results] == [["ok", "ok"]] * 2
+    assert [checks for checks, _ in results] == [["ok", "ok", "ok"]] * 2
     _assert_same_run(plain_run, results[0][1])
 
 
@@ -179,8 +192,9 @@ def test_engine_training_with_chunks_equals_unchunked(plain_run, tmp_path):
     _assert_same_run(plain_run, got)
 
 
-def _peak_bytes(chunk: int) -> int:
-    """Peak bytes allocated by the head's linear + loss + backward for 512 tokens over a 4096-word vocabulary."""
+def _peak_bytes(chunk: int | None) -> int:
+    """Peak bytes allocated by the head's linear + loss + backward for 512 tokens over a 4096-word vocabulary: plain
+    (None), fused (0) or chunked."""
     from behemoth.profiler.measure import LiveBytes
 
     g = torch.Generator().manual_seed(5)
@@ -188,7 +202,7 @@ def _peak_bytes(chunk: int) -> int:
     w = (torch.randn(4096, 64, generator=g) * 0.1).requires_grad_()
     targets = torch.randint(0, 4096, (512,), generator=g)
     with LiveBytes() as live:
-        if chunk:
+        if chunk is not None:
             loss = chunked_cross_entropy_sum(_deferred(h, w, None, chunk), targets)
         else:
             loss = F.cross_entropy(F.linear(h, w).float(), targets, reduction="sum")
@@ -198,9 +212,10 @@ def _peak_bytes(chunk: int) -> int:
 
 def test_peak_memory_falls_with_the_chunk():
     logits = 512 * 4096 * 4  # 8 MiB of float32 logits; the gradients of h and W are 1.1 MiB together
-    plain, big, small = _peak_bytes(0), _peak_bytes(256), _peak_bytes(32)
+    plain, fused, big, small = _peak_bytes(None), _peak_bytes(0), _peak_bytes(256), _peak_bytes(32)
     assert plain >= 2 * logits, plain  # the logits and their gradient (softmax) at once
-    assert plain > big > small, (plain, big, small)
+    assert fused <= logits + 2 * (512 + 4096) * 64 * 4 + 64 * 1024, fused  # one logits buffer, kept and reused in place
+    assert plain > fused > big > small, (plain, fused, big, small)
     assert small <= 4 * 32 * 4096 * 4 + 2 * (512 + 4096) * 64 * 4, small  # a few chunks' logits plus the gradients
 
 
@@ -212,9 +227,11 @@ LAYOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("chunk", [24, -1])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_chunked_loss_under_other_layouts(plain_run, tmp_path, layout):
-    """ZeRO-3's gathered head, a zero-bubble pipeline's split backward, offload's streamed head: each equals the plain run
+def test_chunked_loss_under_other_layouts(plain_run, tmp_path, layout, chunk):
+    """ZeRO-3's gathered head, a zero-bubble pipeline's split backward, offload's streamed head: chunked (24: 64 tokens a
+    micro-batch in 3 chunks) and fused (-1) each equal the plain run
     (`OMP_NUM_THREADS=1 python -m pytest -q -m slow tests/test_chunked_loss.py`)."""
-    cfg = tiny_config(tmp_path, *SHORT, "train.loss_chunk=24", *LAYOUTS[layout])  # 64 tokens a micro-batch: 3 chunks
+    cfg = tiny_config(tmp_path, *SHORT, f"train.loss_chunk={chunk}", *LAYOUTS[layout])
     _assert_same_run(plain_run, run_ranks(2, train_body, cfg)[0])

@@ -13,8 +13,10 @@ weight's gradients before the next chunk: the head's peak memory is one chunk's 
 tensor parallelism each rank holds a vocabulary shard; the maximum and the sums of exponentials and picked logits
 are all-reduced per chunk (`VocabSplit`), as the vocabulary-parallel loss does for the whole micro-batch.
 
-`train.loss_chunk` sets the tokens per chunk (0: never); its default, -1, chunks only a micro-batch whose float32
-logits on this rank would exceed AUTO_BYTES, in chunks of about CHUNK_BYTES of logits (`chunk_tokens`).
+`train.loss_chunk` sets the tokens per chunk (0: the plain head and loss); its default, -1, chunks only a micro-batch
+whose float32 logits on this rank would exceed AUTO_BYTES, in chunks of about CHUNK_BYTES of logits (`chunk_tokens`),
+and computes a smaller one's loss fused whole (`LinearCrossEntropy`: logits once, vocabulary-major, kept and turned into
+their own gradient in place; no recomputation, one logits buffer instead of the plain path's three).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CHUNK_BYTES = 256 << 20  # ... in chunks of at most 256 MiB of float32 logits (a
 @dataclass(frozen=True)
 class HeadInput:
     """What the head would have multiplied: its weight ([vocab, d], or [d, vocab] when transposed), bias, the matmul's
-    dtype (autocast's where it was on) and the tokens per chunk."""
+    dtype (autocast's where it was on) and the tokens per chunk (0: the whole micro-batch, fused, its logits kept)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -79,9 +81,10 @@ def _logits(h: torch.Tensor, head: HeadInput) -> torch.Tensor:
     return y.float()
 
 
-def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: log-sum-exp over the (full) vocabulary and the target's logit (0 for an ignored target). Consumes
-    `logits` (exponentiated in place: one [chunk, vocab] buffer, no temporaries of its size)."""
+def _exp_sums(logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: the (full vocabulary's) maximum logit, and [sum of exp(logit - maximum), the target's logit (0 for an
+    ignored target)]. Turns `logits` into exp(logits - maximum) in place (one [tokens, vocab] buffer, no temporaries of
+    its size); `logits` may be a transposed view ([vocab, tokens] storage)."""
     start, real = (0, logits.shape[1]) if split is None else (split.start, split.real)
     mine = (targets >= start) & (targets < start + real)
     mine &= targets != IGNORE_INDEX
@@ -93,6 +96,13 @@ def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit 
     sums = torch.stack([part.sub_(peak.unsqueeze(1)).exp_().sum(dim=1), picked])
     if split is not None:
         split.all_reduce(sums, "sum")  # every rank's share of the exponentials, and the one rank's picked logit
+    return peak, sums
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: log-sum-exp over the (full) vocabulary and the target's logit (0 for an ignored target). Consumes
+    `logits` (exponentiated in place)."""
+    peak, sums = _exp_sums(logits, targets, split)
     return torch.log(sums[0]) + peak, sums[1]
 
 
@@ -149,6 +159,68 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None
 
 
+def _logits_t(h: torch.Tensor, head: HeadInput) -> torch.Tensor:
+    """The logits transposed, [vocab, tokens] in float32: W h^T (+ b) in the head's dtype. The same products as
+    F.linear's h W^T, in the operand order whose output is vocabulary-major: on the CPU it ran at 0.98 of the 2048^3
+    matmul rate against 0.85 for h W^T on the gpt2-124m head (docs/performance.md)."""
+    w = head.weight.to(head.dtype)
+    w = w.t() if head.transposed else w  # [vocab, d]
+    x = h.to(head.dtype).t()
+    y = torch.mm(w, x) if head.bias is None else torch.addmm(head.bias.to(head.dtype).unsqueeze(1), w, x)
+    return y.float()
+
+
+def _scaled_softmax_minus_target(
+    exps: torch.Tensor, sums: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None, scale: torch.Tensor
+) -> torch.Tensor:
+    """scale x d(summed loss)/d(logits), in `exps`' storage: exps holds exp(logits - max) and `sums` their sums over the
+    full vocabulary, so the softmax is exps / sums; zero rows for ignored targets and padding columns."""
+    start, real = (0, exps.shape[1]) if split is None else (split.start, split.real)
+    grad = exps.mul_((scale / sums).unsqueeze(1))
+    if real < grad.shape[1]:
+        grad[:, real:] = 0.0
+    mine = (targets >= start) & (targets < start + real)
+    rows = torch.arange(grad.shape[0], device=grad.device)[mine]
+    grad[rows, targets[mine] - start] -= scale
+    return grad.masked_fill_((targets == IGNORE_INDEX).unsqueeze(1), 0.0)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of h W^T + b over a whole micro-batch, fused: the logits are computed once,
+    vocabulary-major (`_logits_t`), exponentiated in place in forward and kept as the one [vocab, tokens] buffer that
+    backward turns, in place again, into the logits' gradient. Against F.linear + F.cross_entropy: the faster operand
+    order, no log-softmax copy, no one-hot or softmax-gradient buffers, and no recomputation (the chunked loss's price)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, head: HeadInput, split: VocabSplit | None
+    ) -> torch.Tensor:
+        exps_t = _logits_t(h, HeadInput(weight, bias, head.transposed, head.dtype, head.chunk))
+        peak, sums = _exp_sums(exps_t.t(), targets, split)
+        total = (torch.log(sums[0]) + peak - sums[1]).masked_fill(targets == IGNORE_INDEX, 0.0).sum()
+        ctx.save_for_backward(h, weight, bias, targets, exps_t, sums[0])
+        ctx.head, ctx.split, ctx.spent = head, split, False
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.spent:
+            raise RuntimeError("the fused head + loss ran backward twice (retain_graph): its kept logits became the gradient in place")
+        ctx.spent = True
+        h, weight, bias, targets, exps_t, sums = ctx.saved_tensors
+        head, (want_h, want_w, want_b) = ctx.head, ctx.needs_input_grad[:3]
+        g_t = _scaled_softmax_minus_target(exps_t.t(), sums, targets, ctx.split, grad).t()  # [vocab, tokens], float32
+        g_t = g_t.to(head.dtype)
+        w = weight.to(head.dtype)
+        grad_h = (g_t.t() @ (w.t() if head.transposed else w)) if want_h else None
+        grad_w = None
+        if want_w:
+            grad_w = g_t @ h.to(head.dtype)  # [vocab, d]
+            grad_w = grad_w.t().contiguous() if head.transposed else grad_w
+        grad_b = g_t.float().sum(1) if want_b else None
+        return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None
+
+
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out += a @ b, in place where the dtypes allow (no [vocab, d] temporary per chunk)."""
     if a.dtype == out.dtype:
@@ -162,12 +234,14 @@ def _cast(g: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 
 
 def chunked_cross_entropy_sum(out: torch.Tensor, targets: torch.Tensor, split: VocabSplit | None = None) -> torch.Tensor:
-    """Summed token cross-entropy (float32) of a deferred head's output against `targets`, never holding its logits."""
+    """Summed token cross-entropy (float32) of a deferred head's output against `targets`: in chunks that never hold the
+    whole logits, or (chunk 0) fused over the whole micro-batch, its logits kept."""
     head = head_input_of(out)
     if head is None:
         raise TypeError("chunked_cross_entropy_sum takes a deferred head's output (ChunkedHead.deferred)")
     h = out.reshape(-1, out.shape[-1])
-    return ChunkedLinearCrossEntropy.apply(h, head.weight, head.bias, targets.reshape(-1), head, split)
+    fn = LinearCrossEntropy if head.chunk == 0 else ChunkedLinearCrossEntropy
+    return fn.apply(h, head.weight, head.bias, targets.reshape(-1), head, split)
 
 
 Projection = Callable[[], tuple[torch.Tensor, torch.Tensor | None, bool]]  # () -> (weight, bias, transposed), read at call time
@@ -187,10 +261,8 @@ class ChunkedHead:
                 return plain(x)
             weight, bias, transposed = self.params()
             chunk = chunk_tokens(self.loss_chunk, x.numel() // x.shape[-1], weight.shape[1 if transposed else 0])
-            if chunk is None:
-                return plain(x)
             out = x.view_as(x)
-            setattr(out, HEAD_INPUT, HeadInput(weight, bias, transposed, _matmul_dtype(x, weight), chunk))
+            setattr(out, HEAD_INPUT, HeadInput(weight, bias, transposed, _matmul_dtype(x, weight), chunk or 0))
             return out
 
         setattr(owner, method, project)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from behemoth.models.chunked_loss import chunk_tokens
 from behemoth.parallel.pipeline.analysis.simulate import stash_profile
 from behemoth.parallel.pipeline.refusals import V_SCHEDULES
 from behemoth.parallel.pipeline.schedules import build_schedule, schedule_chunks
@@ -257,9 +258,19 @@ SUMMA_WEIGHT_BLOCKS = 2.5  # MLP weight blocks a 2-D rank's backward holds besid
 
 
 def loss_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> float:
-    """The loss's backward over this rank's vocabulary: two float32 vocabulary-wide gradients, and without a pipeline
-    the logits (in the compute dtype), which the engine's loop still holds."""
+    """The loss's backward over this rank's vocabulary. The plain loss: two float32 vocabulary-wide gradients, and
+    without a pipeline the logits (in the compute dtype), which the engine's loop still holds. The fused one
+    (models/chunked_loss.py) turns its kept logits (the stash's softmax) into their gradient in place: only the hidden
+    states' gradient is new."""
+    if fused_loss(share, lay, work, tokens):
+        return work.act_bytes * work.census.shape.d_model * tokens
     return (8 + (work.act_bytes if lay.pp == 1 else 0)) * share.vocab * tokens
+
+
+def fused_loss(share: TPShare, lay: Layout, work: Workload, tokens: int) -> bool:
+    """Whether the engine computes this layout's loss fused (train.loss_chunk -1 below the chunking size; a 2-D or 3-D
+    head, computed across ranks, stays plain)."""
+    return work.loss_chunk != 0 and chunk_tokens(work.loss_chunk, tokens, share.vocab) is None and not lay.gridded
 
 
 def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:

@@ -42,6 +42,7 @@ class Workload:
     p2p_inline: str = "none"  # pipeline transfers a stage waits out in line with its passes: none, batched, separate (steptime.py)
     p2p_split: bool = False  # each tp rank sends 1/tp of a pipeline message, all-gathered within the tp group on arrival
     noisy_gating: bool = False  # model.moe.noise is not none: cp refuses it (each cp rank would draw other noise)
+    loss_chunk: int = 0  # train.loss_chunk (0 too where a LoRA adapter on the head keeps it plain): the head's loss path
 
     @classmethod
     def of(cls, cfg: Any, census: ModelCensus | None = None) -> Workload:
@@ -57,6 +58,7 @@ class Workload:
             cfg.model.moe.capacity_factor if cfg.model.moe.enabled else None,
             float(getattr(cfg.model, "dropout_p", 0.0) or 0.0),
             noisy_gating=cfg.model.moe.enabled and cfg.model.moe.noise != "none",
+            loss_chunk=0 if head_adapted(cfg.finetune.lora) else cfg.train.loss_chunk,
         )
 
     @property
@@ -82,6 +84,11 @@ class Workload:
     def share(self, lay: Layout) -> TPShare:
         """What one rank of `lay` holds of the model (its tp, 1-D or 2-D, and ep)."""
         return self.census.at(lay.tp, lay.ep, lay.tp_mode, lay.depth)
+
+
+def head_adapted(lora: Any) -> bool:
+    """Whether LoRA adapts the LM head (its hooks keep the head's plain linear + loss: CausalLM.chunked_head)."""
+    return bool(lora.enabled) and any(t.split(".")[-1] == "lm_head" for t in lora.targets)
 
 
 TIERS = TIER_NAMES  # offload.* tiers: device memory, host memory, disk
