@@ -86,12 +86,14 @@ def start_server(cmd: list[str], threads: int) -> tuple[subprocess.Popen, str]:
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in cmd], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the server's log goes to a file: a pipe nobody reads fills up, and a server that logs every request then blocks
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"{Path(cmd[0]).name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen([c.replace("{port}", str(port)) for c in cmd], env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"{cmd[0]} exited: {Path(log.name).read_text()[-2000:]}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                 return proc, url
