@@ -58,7 +58,8 @@ class Engine:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
         self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]
-        head = model.lm.chunked_head(train.loss_chunk)  # the loss paths below take the head's input, logits in chunks
+        # the loss paths below take the head's input, logits in chunks (or fused whole where the weights stay resident)
+        head = model.lm.chunked_head(train.loss_chunk, fuse=not any(s.gathers_parameters for s in model.syncs))
         self.loss_head = head.deferred if head is not None else contextlib.nullcontext
         if model.lm.routers is not None:  # the auxiliary losses' gradient, scaled as micro_loss scales the token loss
             model.lm.routers.loss_scale = 1.0 / tokens_per_step

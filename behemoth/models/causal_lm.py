@@ -88,10 +88,11 @@ class CausalLM:
             return self.module(idx) if self.logits_fn is None else self.logits_fn(self.module, idx)
         return self.module(idx, positions) if self.logits_fn is None else self.logits_fn(self.module, idx, positions)
 
-    def chunked_head(self, loss_chunk: int) -> ChunkedHead | None:
+    def chunked_head(self, loss_chunk: int, fuse: bool = True) -> ChunkedHead | None:
         """Let the head's projection leave its input to a chunked loss (`train.loss_chunk`; models/chunked_loss.py), or
         None: chunking off, no head on this rank (an earlier pipeline stage), or a head with forward hooks (a LoRA
-        adapter on it: its output is more than the projection)."""
+        adapter on it: its output is more than the projection). `fuse`: a micro-batch below the chunking size takes the
+        fused head + loss (False: the plain projection, as under ZeRO-3, whose head weight lives in its unit's window)."""
         if loss_chunk == 0:
             return None
         head = getattr(self.module, "lm_head", None)
@@ -99,10 +100,10 @@ class CausalLM:
             if head._forward_hooks or not getattr(head, "chunkable", True):  # hooks, or a head computed across ranks (2-D TP)
                 return None
             params = lambda: (head.weight, getattr(head, "bias", None), bool(getattr(head, "transposed", False)))  # noqa: E731  # read at each call
-            return ChunkedHead(head, "forward", params, loss_chunk)
+            return ChunkedHead(head, "forward", params, loss_chunk, fuse)
         if self.logits_fn is None and self.shape.tied and getattr(self.module, "wte", None) is not None:  # behemoth's GPT, tied
             wte: Any = self.module.get_submodule("wte")  # looked up now, its weight at each call (ZeRO-3 installs it)
-            return ChunkedHead(self.module, "project", lambda: (wte.weight, None, False), loss_chunk)
+            return ChunkedHead(self.module, "project", lambda: (wte.weight, None, False), loss_chunk, fuse)
         return None
 
     def after_tensor_parallel(self, tp: int) -> None:

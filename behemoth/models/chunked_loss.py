@@ -251,8 +251,9 @@ class ChunkedHead:
     """Switches a model's logits projection between computing logits and, inside `deferred()`, leaving its input
     (marked with a `HeadInput`) for the chunked loss. Installed on the instance: parameter names and hooks stay."""
 
-    def __init__(self, owner: nn.Module, method: str, params: Projection, loss_chunk: int) -> None:
+    def __init__(self, owner: nn.Module, method: str, params: Projection, loss_chunk: int, fuse: bool = True) -> None:
         self.owner, self.method, self.params, self.loss_chunk = owner, method, params, loss_chunk
+        self.fuse = fuse  # a micro-batch below the chunking size: fused (True) or the plain projection and loss
         self.active = False
         plain = getattr(owner, method)
 
@@ -261,6 +262,8 @@ class ChunkedHead:
                 return plain(x)
             weight, bias, transposed = self.params()
             chunk = chunk_tokens(self.loss_chunk, x.numel() // x.shape[-1], weight.shape[1 if transposed else 0])
+            if chunk is None and not self.fuse:
+                return plain(x)
             out = x.view_as(x)
             setattr(out, HEAD_INPUT, HeadInput(weight, bias, transposed, _matmul_dtype(x, weight), chunk or 0))
             return out

@@ -58,6 +58,7 @@ class OffloadSync(GradSync):
     """The gradient sync of a streamed model: units on tiers, gathered for compute, stepped where their state lives."""
 
     sharded = True
+    gathers_parameters = True
 
     @property
     def steps_in_backward(self) -> bool:  # type: ignore[override]

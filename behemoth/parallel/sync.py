@@ -111,6 +111,9 @@ class GradSync(abc.ABC):
     # True: the optimizer steps during backward (offload's fused step), before the global norm is known, so a step
     # cannot be skipped; such a sync steps no part whose gradient is not finite, so the weights stay finite
     steps_in_backward: bool = False
+    # True: parameters live as shards and are gathered for the passes (ZeRO-3, streamed offload), so a weight must not
+    # be used outside its unit's window (the fused head + loss would gather the head's unit once more and hold it)
+    gathers_parameters: bool = False
 
     @property
     def replicas(self) -> int:

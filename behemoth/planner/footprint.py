@@ -269,8 +269,10 @@ def loss_working(share: TPShare, lay: Layout, work: Workload, tokens: int) -> fl
 
 def fused_loss(share: TPShare, lay: Layout, work: Workload, tokens: int) -> bool:
     """Whether the engine computes this layout's loss fused (train.loss_chunk -1 below the chunking size; a 2-D or 3-D
-    head, computed across ranks, stays plain)."""
-    return work.loss_chunk != 0 and chunk_tokens(work.loss_chunk, tokens, share.vocab) is None and not lay.gridded
+    head, computed across ranks, and a head whose weight is gathered for the passes, under ZeRO-3 or streamed offload,
+    stay plain)."""
+    gathered = lay.zero == 3 or lay.offload.streams
+    return work.loss_chunk != 0 and chunk_tokens(work.loss_chunk, tokens, share.vocab) is None and not lay.gridded and not gathered
 
 
 def messages(lay: Layout, work: Workload, rank: int, stages: list[tuple[int, int]], tokens: int) -> float:

@@ -81,6 +81,10 @@ class ZeroSync(GradSync):
     sharded = True
     groups: list[FlatGroup]
 
+    @property
+    def gathers_parameters(self) -> bool:  # type: ignore[override]
+        return self.policy.stage == 3
+
     def __init__(
         self, model: nn.Module, group: dist.ProcessGroup, policy: ZeroPolicy, meter: CommMeter | None, select: Callable[[str], bool] | None = None
     ) -> None:
