@@ -82,7 +82,7 @@ class ZeroSync(GradSync):
     groups: list[FlatGroup]
 
     @property
-    def gathers_parameters(self) -> bool:  # type: ignore[override]
+    def gathers_parameters(self) -> bool:
         return self.policy.stage == 3
 
     def __init__(
