@@ -68,3 +68,18 @@ def pytest_collection_modifyitems(config, items):
     missing = sorted(k for k in SLOW_VARIANTS - found if k.split("::")[0] in files)
     if missing:
         raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS names tests that do not exist: {', '.join(missing)}")
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny_generator():
+    """gpt-tiny (context 192) loaded for inference with a small paged cache, shared by a module's serving tests."""
+    from behemoth.config import load_config
+    from behemoth.inference import CachePolicy, load
+    from behemoth.inference.loading import Source
+
+    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=192"]), None, None), cache=CachePolicy(block_size=8, memory_mb=2))
+    yield gen
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

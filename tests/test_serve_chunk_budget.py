@@ -17,20 +17,6 @@ from tests.test_serve_chunked import prompt, run_arrival
 MS = 1e-3
 
 
-@pytest.fixture(scope="module")
-def generator():
-    from behemoth.config import load_config
-    from behemoth.inference import CachePolicy, load
-    from behemoth.inference.loading import Source
-
-    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=192"]), None, None), cache=CachePolicy(block_size=8, memory_mb=2))
-    yield gen
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 DECODE = {1: 10.0 * MS, 4: 11.5 * MS, 16: 17.5 * MS}  # a line: 9.5 ms + 0.5 ms per row
 SHALLOW = {4: 13.0 * MS, 8: 14.0 * MS, 16: 16.0 * MS, 32: 20.5 * MS, 64: 28.0 * MS}  # 4 decodes + a chunk at position 0
 
@@ -77,13 +63,13 @@ def test_bad_budget_values_are_refused_by_name(make, message):
         make()
 
 
-def test_auto_is_refused_where_a_chunk_cannot_share_the_decodes_forward(generator):
+def test_auto_is_refused_where_a_chunk_cannot_share_the_decodes_forward(gpt_tiny_generator):
     class OneRowRunner:  # a runner of one sequence per row (as a pipeline's or a streamed model's)
-        vocab_size = generator.runner.vocab_size
-        forward = generator.runner.forward
+        vocab_size = gpt_tiny_generator.runner.vocab_size
+        forward = gpt_tiny_generator.runner.forward
 
     with pytest.raises(BehemothError, match="cannot share one forward"):
-        Scheduler(OneRowRunner(), BlockAllocator(64, 8), SchedulerPolicy(context=generator.context, prefill_chunk="auto"))
+        Scheduler(OneRowRunner(), BlockAllocator(64, 8), SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk="auto"))
 
 
 def packed_vs_rows(runner, alloc: BlockAllocator, rows) -> None:
@@ -98,9 +84,9 @@ def packed_vs_rows(runner, alloc: BlockAllocator, rows) -> None:
     assert packed.shape[0] == len(rows) and not torch.allclose(packed[0], packed[1])
 
 
-def test_a_packed_step_gives_each_sequence_its_own_logits(generator, tmp_path):
+def test_a_packed_step_gives_each_sequence_its_own_logits(gpt_tiny_generator, tmp_path):
     rows = [("chunk", prompt(13, 1), 20), ("a", [5], 30), ("b", [9], 7), ("c", prompt(4, 2), 0)]
-    packed_vs_rows(generator.runner, BlockAllocator(generator.num_blocks, generator.block_size), rows)
+    packed_vs_rows(gpt_tiny_generator.runner, BlockAllocator(gpt_tiny_generator.num_blocks, gpt_tiny_generator.block_size), rows)
     from behemoth.inference import CachePolicy, load
     from tests.test_hf_families import save_family
 
@@ -112,27 +98,27 @@ def test_a_packed_step_gives_each_sequence_its_own_logits(generator, tmp_path):
         assert (gen.runner.fused not in (None, False)) == (family == "llama")
 
 
-def test_auto_budget_changes_no_token_and_is_measured_on_the_model(generator):
-    whole, _, _ = run_arrival(generator, SchedulerPolicy(context=generator.context))
-    sched = generator.scheduler(SchedulerPolicy(context=generator.context, prefill_chunk="auto"))
+def test_auto_budget_changes_no_token_and_is_measured_on_the_model(gpt_tiny_generator):
+    whole, _, _ = run_arrival(gpt_tiny_generator, SchedulerPolicy(context=gpt_tiny_generator.context))
+    sched = gpt_tiny_generator.scheduler(SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk="auto"))
     c = sched.budget.costs
-    assert min(c.decode.values()) > 0 and len(c.shallow) >= 2 and c.deep_prefix == generator.context - 32  # chunks up to 192 / 4
+    assert min(c.decode.values()) > 0 and len(c.shallow) >= 2 and c.deep_prefix == gpt_tiny_generator.context - 32  # chunks up to 192 / 4
     assert "within 1.5x of a decode-only step" in sched.budget.describe()
-    chunked, got_at, steps = run_arrival(generator, sched.policy, sched=sched)
+    chunked, got_at, steps = run_arrival(gpt_tiny_generator, sched.policy, sched=sched)
     assert chunked == whole and got_at == list(range(len(chunked[0])))
     for i, (n, rows, prefix) in enumerate(zip(steps["prefill"], steps["decoding"], steps["prefix"])):
         assert n <= sched.budget.chunk(rows, prefix) or rows == 0, i  # each step within its budget
 
 
-def test_a_streams_gap_is_bounded_in_tokens_while_long_prompts_arrive(generator):
+def test_a_streams_gap_is_bounded_in_tokens_while_long_prompts_arrive(gpt_tiny_generator):
     """A given budget (12 tokens beside 1-2 decodes): between two of the stream's tokens the model computes at most the
     decodes and 12 prompt tokens, in one forward per step."""
-    policy = SchedulerPolicy(context=generator.context, prefill_chunk="auto", step_factor=13.1 / 9)
+    policy = SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk="auto", step_factor=13.1 / 9)
     flat = {c: 10 * MS + c * MS / 4 for c in (4, 8, 16, 32, 64)}  # 11 ms at 4 tokens, 13 at 12, 14 at 16; the limit 13.1 ms
     budget = StepBudget(StepCosts(4, {1: 9 * MS, 4: 9 * MS}, flat, flat, 96), factor=policy.step_factor, cap=4096)
-    sched = Scheduler(generator.runner, BlockAllocator(generator.num_blocks, generator.block_size), policy, budget=budget)
-    whole, _, _ = run_arrival(generator, SchedulerPolicy(context=generator.context))
-    chunked, got_at, steps = run_arrival(generator, policy, sched=sched)
+    sched = Scheduler(gpt_tiny_generator.runner, BlockAllocator(gpt_tiny_generator.num_blocks, gpt_tiny_generator.block_size), policy, budget=budget)
+    whole, _, _ = run_arrival(gpt_tiny_generator, SchedulerPolicy(context=gpt_tiny_generator.context))
+    chunked, got_at, steps = run_arrival(gpt_tiny_generator, policy, sched=sched)
     assert chunked == whole and got_at == list(range(len(chunked[0])))
     while_prefilling = [(n, rows) for n, rows in zip(steps["prefill"], steps["decoding"]) if n and rows]
     assert len(while_prefilling) >= 203 // 12 and max(n for n, _ in while_prefilling) == 12

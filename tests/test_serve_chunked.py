@@ -24,20 +24,6 @@ class CountingRunner:
         return self.inner.forward(batch)
 
 
-@pytest.fixture(scope="module")
-def generator():
-    from behemoth.config import load_config
-    from behemoth.inference import CachePolicy, load
-    from behemoth.inference.loading import Source
-
-    gen = load(Source(load_config(None, ["model=gpt-tiny", "model.context=192"]), None, None), cache=CachePolicy(block_size=8, memory_mb=2))
-    yield gen
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -67,23 +53,25 @@ def run_arrival(gen, policy: SchedulerPolicy, *, arrive_at: int = 3, long: int =
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_chunked_prefill_keeps_a_stream_decoding_and_changes_no_token(generator, prefix_caching):
-    whole, whole_at, whole_steps = run_arrival(generator, SchedulerPolicy(context=generator.context, prefix_caching=prefix_caching))
-    chunked, chunked_at, steps = run_arrival(generator, SchedulerPolicy(context=generator.context, prefix_caching=prefix_caching, prefill_chunk=16))
+def test_chunked_prefill_keeps_a_stream_decoding_and_changes_no_token(gpt_tiny_generator, prefix_caching):
+    whole, whole_at, whole_steps = run_arrival(gpt_tiny_generator, SchedulerPolicy(context=gpt_tiny_generator.context, prefix_caching=prefix_caching))
+    chunked, chunked_at, steps = run_arrival(
+        gpt_tiny_generator, SchedulerPolicy(context=gpt_tiny_generator.context, prefix_caching=prefix_caching, prefill_chunk=16)
+    )
     assert chunked == whole and all(len(t) > 5 for t in whole)
     assert max(steps["prefill"]) == 16 and max(whole_steps["prefill"]) >= 203  # both long prompts in one forward without chunks
     assert chunked_at == list(range(len(chunked[0])))  # a token at every step while 203 prompt tokens go in 16 at a time
     assert max(steps["forwards"]) == 1 and max(whole_steps["forwards"]) == 2  # a chunk rides in the decodes' forward
 
 
-def test_chunked_prefill_under_preemption_and_sampling_changes_no_token(generator):
+def test_chunked_prefill_under_preemption_and_sampling_changes_no_token(gpt_tiny_generator):
     """A cache too small for every request: chunked prompts are preempted mid-prefill and recomputed; seeded sampling too."""
     from behemoth.inference.kv_cache import BlockAllocator
     from behemoth.inference.scheduler import Scheduler
 
     def run(chunk):
-        policy = SchedulerPolicy(context=generator.context, prefill_chunk=chunk)
-        sched = Scheduler(generator.runner, BlockAllocator(24, 8), policy)
+        policy = SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk=chunk)
+        sched = Scheduler(gpt_tiny_generator.runner, BlockAllocator(24, 8), policy)
         params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=25, temperature=0.8, seed=3), SamplingParams(max_tokens=20)]
         reqs = [sched.submit(prompt(n, i), p) for i, (n, p) in enumerate(zip((50, 40, 60), params))]
         sched.run_until_done()
