@@ -9,7 +9,7 @@ import torch
 from behemoth.inference import SamplingParams
 from behemoth.inference.kv_cache import BlockAllocator
 from behemoth.inference.scheduler import Scheduler, SchedulerPolicy
-from tests.test_serve_chunked import generator, prompt  # noqa: F401 (the module's model)
+from tests.test_serve_chunked import prompt
 
 
 class OverwritingAllocator(BlockAllocator):
@@ -32,10 +32,10 @@ class OverwritingAllocator(BlockAllocator):
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_offloaded_preemption_changes_no_token_and_skips_recomputation(generator, chunk):  # noqa: F811
+def test_offloaded_preemption_changes_no_token_and_skips_recomputation(gpt_tiny_generator, chunk):
     def run(offload: bool):
-        policy = SchedulerPolicy(context=generator.context, prefill_chunk=chunk, kv_offload=offload)
-        sched = Scheduler(generator.runner, OverwritingAllocator(24, 8, generator.runner.storage), policy)
+        policy = SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk=chunk, kv_offload=offload)
+        sched = Scheduler(gpt_tiny_generator.runner, OverwritingAllocator(24, 8, gpt_tiny_generator.runner.storage), policy)
         params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=25, temperature=0.8, seed=3), SamplingParams(max_tokens=20)]
         reqs = [sched.submit(prompt(n, i), p) for i, (n, p) in enumerate(zip((50, 40, 60), params))]
         sched.run_until_done()
