@@ -11,8 +11,10 @@ children, `behemoth serve` on the folder and llama.cpp's servers on the GGUF, ea
   of one request.
 
 The official `openai` client (AsyncOpenAI, one event loop) runs N concurrent clients against each, every client
-sending its next request when the previous ends: the same prompts (slices of the stdlib's sources), greedy, streamed,
-`max_tokens` fixed and the end-of-sequence token banned by logit_bias, so every request yields exactly `max_tokens`.
+sending its next request when the previous ends: the same prompts (slices of the stdlib's sources, sent as the same
+token ids to every server: BOS and the tokenizer's ids, as llama.cpp tokenizes the text; new slices every round, so
+that no server prefills a repeated prompt from a cache), greedy, streamed, `max_tokens` fixed and the end-of-sequence
+token banned by logit_bias, so every request yields exactly `max_tokens`.
 Levels run interleaved (each level: every server in turn, the order reversed every other round), the best of
 `--rounds` kept. Per server and level: output tokens/s (all completion tokens over the level's wall time), p50/p99 time
 to first token (first streamed chunk), the server's CPU seconds per 1,000 output tokens (steadier than wall time on a
@@ -76,7 +78,7 @@ def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[st
     if args.llama_server:
         cmds[LLAMA_CPP] = [args.llama_server, "-m", gguf, "--port", "{port}", "--alias", "llama", "-t", str(args.threads)]
         cmds[LLAMA_CPP] += ["-tb", str(args.threads), "--parallel", str(top), "-c", str(ctx * top), "--cont-batching", "-b", "512"]
-        cmds[LLAMA_CPP] += ["--no-webui", "--log-disable"]
+        cmds[LLAMA_CPP] += ["--no-webui"]
     return cmds
 
 
@@ -183,15 +185,20 @@ def ttft_stats(ttfts: list[float]) -> dict[str, float]:
 
 
 def prompts_for(name: str, texts: list[str], args: argparse.Namespace) -> list[Any]:
-    """The prompts as each server is sent them: the same text to every one (llama.cpp's tokenize it with a BOS first, as
-    the GGUF says; behemoth as transformers' tokenizer(text) does, BOS first), or with `--ids` to behemoth the ids
-    transformers' tokenizer gives (tokenization out of its measured time)."""
-    return [args.tokenizer(t).input_ids for t in texts] if name in (BEHEMOTH, BASELINE) and args.ids else texts
+    """The prompts as each server is sent them: by default the same token ids to every server, those llama.cpp's
+    tokenizer gives the text (a BOS, then what transformers' tokenizer gives it: the folder's tokenizer adds no BOS), so
+    that both prefill the same tokens and greedy texts can be compared; with `--text`, the text itself to every server
+    (each then tokenizes it its own way: llama.cpp with a BOS first, behemoth as transformers does, without)."""
+    if args.text:
+        return texts
+    return [[args.tokenizer.bos_token_id, *args.tokenizer(t, add_special_tokens=False).input_ids] for t in texts]
 
 
-def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One level on one server, with the server's CPU seconds and the machine's load average."""
-    texts = make_prompts(max(clients * args.per_client, args.min_requests), args.prompt_chars, seed=clients)
+def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: argparse.Namespace, round_: int = 0) -> dict[str, Any]:
+    """One level on one server, with the server's CPU seconds and the machine's load average. Every round's prompts
+    are new (a server that keeps a prompt's KV cache, as llama-server's slots do, would otherwise prefill a repeated
+    round's prompts from its cache); every server gets the same ones."""
+    texts = make_prompts(max(clients * args.per_client, args.min_requests), args.prompt_chars, seed=1000 * round_ + clients)
     prompts = prompts_for(name, texts, args)
     c0 = cpu_seconds(proc.pid)
     got = asyncio.run(run_level(url, clients, prompts, args))
@@ -206,6 +213,19 @@ def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: arg
     return got
 
 
+def measure_again_once(name: str, server: tuple[subprocess.Popen, str], clients: int, args: argparse.Namespace, round_: int) -> dict[str, Any]:
+    """`measure`, repeated once when a request of the level fails on a connection error (llama-server, given token ids,
+    once closed a connection without an answer at the start of a round's first level while its process ran on); the
+    failure is printed, and a second one ends the run."""
+    import openai
+
+    try:
+        return measure(name, *server, clients, args, round_)
+    except openai.APIConnectionError as err:
+        print(f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again", flush=True)
+        return measure(name, *server, clients, args, round_)
+
+
 def run_all(servers: dict[str, tuple[subprocess.Popen, str]], args: argparse.Namespace) -> dict[tuple[str, int], dict[str, Any]]:
     """Every level on every server, interleaved, `args.rounds` rounds; the fastest round of each kept."""
     best: dict[tuple[str, int], dict[str, Any]] = {}
@@ -214,14 +234,18 @@ def run_all(servers: dict[str, tuple[subprocess.Popen, str]], args: argparse.Nam
     for r in range(args.rounds):
         for clients in args.levels:
             for name in list(servers) if r % 2 == 0 else list(servers)[::-1]:
-                got = measure(name, *servers[name], clients, args)
+                got = measure_again_once(name, servers[name], clients, args, r)
+                if (name, clients) in best:
+                    got["first_round"] = best[name, clients].get("first_round", best[name, clients])
                 if (name, clients) not in best or got["tok_s"] > best[name, clients]["tok_s"]:
                     best[name, clients] = got
     return best
 
 
 def same_text(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """How many of the level's completions two servers wrote alike (greedy on the same weights)."""
+    """How many of the level's completions two servers wrote alike (greedy on the same weights), in the first round
+    (every server was sent the same prompts in it)."""
+    a, b = a.get("first_round", a), b.get("first_round", b)
     return f"{sum(x['text'] == y['text'] for x, y in zip(a['rows'], b['rows']))}/{len(a['rows'])}"
 
 
@@ -268,7 +292,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per-client", type=int, default=2, help="requests per client per level (default 2)")
     p.add_argument("--min-requests", type=int, default=8, help="requests per level at least (default 8)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--ids", action="store_true", help="send behemoth token ids (transformers' tokenizer's) instead of text")
+    p.add_argument("--text", action="store_true", help="send every server the prompts' text (default: the same token ids)")
     p.add_argument("--baseline", default=None, help="also serve behemoth from this source tree (e.g. `git archive` of a commit)")
     p.add_argument("--no-llama-cpp-python", action="store_true", help="leave out llama-cpp-python's server")
     p.add_argument("--quick", action="store_true", help="16 output tokens, levels 1 and 8")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Literal
+import threading
+from typing import TYPE_CHECKING, Any, Literal
 
 from behemoth.cli.generate import add_model_options, add_speculative_options, check_plan, speculative_of, with_adapter, world_size
 from behemoth.errors import ERROR_PREFIX, BehemothError, exit_code
@@ -255,7 +256,8 @@ def serve_engine(args: argparse.Namespace, engine: EngineLoop, limits: ServeLimi
     server = uvicorn_server(build_app(engine, limits, gen.tokenizer), args.host, args.port, on_signal=on_signal)
     step_timeout_s = args.step_timeout_s if several_ranks else None  # one process: a long step (disk offload) is no hang
     watchdog = EngineWatchdog(engine, step_timeout_s, on_failed=lambda: setattr(server, "should_exit", True))
-    engine.start()
+    if several_ranks:  # one process: the engine steps on this thread (serve_beside_engine)
+        engine.start()
     watchdog.start()
     if args.host not in ("127.0.0.1", "localhost", "::1") and not limits.api_key:
         print(f"behemoth: warning: listening on {args.host} with no --api-key: anyone who reaches this port can use the model", file=sys.stderr)
@@ -267,13 +269,46 @@ def serve_engine(args: argparse.Namespace, engine: EngineLoop, limits: ServeLimi
     if engine.scheduler.budget is not None:
         print(f"behemoth: {engine.scheduler.budget.describe()}", flush=True)
     try:
-        server.run()
+        if several_ranks:
+            server.run()
+        else:
+            serve_beside_engine(server, engine)
     finally:
         watchdog.stop()
         engine.stop()
     if engine.error is not None:
         last = engine.error.strip().splitlines()[-1]
         raise BehemothError(f"the serving engine failed, so the server stopped: {last}", "see the log above; start the server again")
+
+
+def serve_beside_engine(server: Any, engine: EngineLoop) -> None:
+    """One process: HTTP on a thread of its own while the engine steps on this (main) thread, the one that loaded the
+    model (`EngineLoop.run_here`: its parallel regions ran about 1.5x slower on a second thread). SIGTERM/SIGINT reach
+    uvicorn's handler from here (uvicorn installs none off the main thread); the engine stops when the server has."""
+    import signal
+
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run()
+        except BaseException as err:  # uvicorn exits (SystemExit) when it cannot listen
+            failed.append(err)
+        finally:
+            engine.stopping = True
+            engine.wake.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    thread = threading.Thread(target=http, name="behemoth-http", daemon=True)
+    thread.start()
+    engine.run_here()
+    while thread.is_alive():  # a failed engine: the watchdog stops the server; a signal still reaches this thread
+        thread.join(timeout=0.5)
+    if failed and not server.started:
+        raise BehemothError(
+            f"the HTTP server did not start ({failed[0].__class__.__name__}: {failed[0]})", "is the port free? pick another with --port"
+        )
 
 
 def serve_worker(args: argparse.Namespace) -> None:

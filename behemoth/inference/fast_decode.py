@@ -259,7 +259,7 @@ class FusedDecoder:
             self.kv_heads,
             self.eps,
             self.split and rows == 1,
-            new > 1 and not packed and onednn_products(h),
+            rows * new > 1 and onednn_products(h),
         )
 
     def layer_weights(self, layer: int, tokens: int) -> list[torch.Tensor]:

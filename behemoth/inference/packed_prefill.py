@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from behemoth.inference.fast_decode import FusedDecoder, _product, _rms, _rotate, scripted
+from behemoth.inference.fast_decode import FusedDecoder, _product, _rms, _rotate, onednn_products, scripted
 
 
 def _padded(x: torch.Tensor, where: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -72,6 +72,7 @@ def prefill_layers(
     heads: int,
     kv_heads: int,
     eps: float,
+    onednn: bool,
 ) -> torch.Tensor:
     """h [N, d]: the real new tokens of B rows, row after row (`where`: their flat positions in the step's B x T), through
     every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each, fast_decode's layout); their keys and values
@@ -81,16 +82,16 @@ def prefill_layers(
     D = keys[0].shape[-1]
     for i in range(len(weights)):
         w = weights[i]
-        qkv = _product(_rms(h, w[0], eps), w[1], False, False).view(N, heads + 2 * kv_heads, D)
+        qkv = _product(_rms(h, w[0], eps), w[1], False, onednn).view(N, heads + 2 * kv_heads, D)
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.to(values[i].dtype))
         a = _attention(q, k, v, keys[i], values[i], where, gather, mask, T).reshape(N, heads * D)
-        h = h + _product(a, w[2], False, False)
-        gate, up = _product(_rms(h, w[3], eps), w[4], False, False).chunk(2, dim=-1)
-        h = h + _product(F.silu(gate) * up, w[5], False, False)
+        h = h + _product(a, w[2], False, onednn)
+        gate, up = _product(_rms(h, w[3], eps), w[4], False, onednn).chunk(2, dim=-1)
+        h = h + _product(F.silu(gate) * up, w[5], False, onednn)
     return h
 
 
@@ -115,5 +116,6 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
         decoder.heads,
         decoder.kv_heads,
         decoder.eps,
+        onednn_products(h),
     )
     return h.new_zeros(h.shape).index_put_((valid,), out)

@@ -188,7 +188,7 @@ class Scheduler:
             next(self.ids),
             list(prompt),
             params,
-            TextTracker(self.tokenizer, params.stop),
+            TextTracker(self.tokenizer, params.stop, prompt),
             sink,
             generator=None if params.greedy else request_generator(params.seed),
         )

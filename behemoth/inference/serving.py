@@ -1,6 +1,7 @@
 """The serving engine: the scheduler stepping on its own thread, and the counters `/metrics` reports.
 
-HTTP handlers (on the event loop) submit requests and abort them; the engine thread owns the
+HTTP handlers (on the event loop) submit requests and abort them; the engine thread (its own, or with `run_here` the
+caller's: one-process `behemoth serve` steps on its main thread, HTTP on another) owns the
 scheduler's running batch and the KV cache and steps while there is work. Tokens go back to each
 handler through its sink (a thread-safe hand-off to the event loop). An idle engine wakes on the next
 submission; while idle it tells the other ranks of a sharded model that the job is alive. `busy_since` says
@@ -95,11 +96,20 @@ class EngineLoop:
         self.error: str | None = None
         self.closing: str | None = None  # why new requests are refused while the server stops (it was signalled)
         self.busy_since: float | None = None  # monotonic time the step (or keepalive) in progress began; None while idle
-        self.thread = threading.Thread(target=self._loop, name="behemoth-engine", daemon=True)
+        self.own = threading.Thread(target=self._loop, name="behemoth-engine", daemon=True)
+        self.thread = self.own  # the thread that steps: its own, or the caller's (`run_here`)
 
     def start(self) -> EngineLoop:
-        self.thread.start()
+        self.own.start()
         return self
+
+    def run_here(self) -> None:
+        """Step on the calling thread until `stop` (from another thread) or a failure. One process serving runs its engine
+        so, on the main thread that loaded the model: the OpenMP runtime (libgomp) spins less once threads beyond the
+        cores' count are managed, and a second thread starting parallel regions beside the main thread's idle team ran a
+        decode step of the bench Llama about 1.5x slower than the main thread did (benchmarks/README.md)."""
+        self.thread = threading.current_thread()
+        self._loop()
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Callable[[Event], None]) -> Request:
         """Queue a request (QueueFull when the queue is at its bound) and wake the engine."""
@@ -154,5 +164,9 @@ class EngineLoop:
         self.wake.set()
         if self.error is not None:
             return
-        self.thread.join(timeout=60)
+        if self.thread is self.own:
+            if self.own.ident is not None:
+                self.own.join(timeout=60)
+        elif self.thread is not threading.current_thread():  # stepping on a caller's thread (`run_here`): the caller
+            return  # stops the engine again once its loop has returned, and the runner closes then
         self.runner.close()

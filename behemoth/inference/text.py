@@ -128,19 +128,37 @@ def held_back(text: str, stops: list[str]) -> int:
     return keep
 
 
-class TextTracker:
-    """The text of one request's generated tokens: what may be sent so far, and whether a stop string ended it."""
+CONTEXT_TOKENS = 4  # prompt tokens the generated ones are decoded after (`TextTracker`)
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
+
+class TextTracker:
+    """The text of one request's generated tokens: what may be sent so far, and whether a stop string ended it.
+
+    The tokens are decoded after the prompt's last few (`context`) and the context's own text is cut off: a
+    sentencepiece tokenizer drops the space that begins a lone sequence's first word, so "▁fin" alone decodes to "fin"
+    while after the prompt it is " fin" (the text that continues the prompt, as llama.cpp and vLLM answer it)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], context: list[int] | None = None) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.sent = 0
         self.text = ""
+        self.context = list(context or [])[-CONTEXT_TOKENS:] if tokenizer is not None else []
+        self.context_text = tokenizer.decode(self.context) if tokenizer is not None and self.context else ""
+
+    def decode(self, tokens: list[int]) -> str:
+        """The text of the generated `tokens` as it continues the prompt."""
+        assert self.tokenizer is not None
+        if self.context:
+            whole = self.tokenizer.decode(self.context + tokens)
+            if whole.startswith(self.context_text) and not self.context_text.endswith("\ufffd"):
+                return whole[len(self.context_text) :]
+        return self.tokenizer.decode(tokens)
 
     def update(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
         """(new text that may be sent, whether a stop string appeared). After a stop the text ends before it."""
         if self.tokenizer is None:
             return "", False
-        text = self.tokenizer.decode(tokens)
+        text = self.decode(tokens)
         cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             text, final = text[:cut], True
