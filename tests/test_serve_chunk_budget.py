@@ -5,13 +5,15 @@ whole-prompt prefill's and a stream's gap is bounded in tokens computed while lo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, plan_packed_step, plan_step
 from behemoth.inference.scheduler import Scheduler, SchedulerPolicy
-from behemoth.inference.step_budget import StepBudget, StepCosts
+from behemoth.inference.step_budget import Observed, StepBudget, StepCosts
 from tests.test_serve_chunked import prompt, run_arrival
 
 MS = 1e-3
@@ -103,11 +105,42 @@ def test_auto_budget_changes_no_token_and_is_measured_on_the_model(gpt_tiny_gene
     sched = gpt_tiny_generator.scheduler(SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk="auto"))
     c = sched.budget.costs
     assert min(c.decode.values()) > 0 and len(c.shallow) >= 2 and c.deep_prefix == gpt_tiny_generator.context - 32  # chunks up to 192 / 4
-    assert "within 1.5x of a decode-only step" in sched.budget.describe()
+    assert "within 1.5x of a decode-only step" in sched.budget.describe() and sched.budget.observed is not None
+    sched.budget = replace(sched.budget, observed=None)  # the rule alone: the served steps' correction is tested below
     chunked, got_at, steps = run_arrival(gpt_tiny_generator, sched.policy, sched=sched)
     assert chunked == whole and got_at == list(range(len(chunked[0])))
     for i, (n, rows, prefix) in enumerate(zip(steps["prefill"], steps["decoding"], steps["prefix"])):
         assert n <= sched.budget.chunk(rows, prefix) or rows == 0, i  # each step within its budget
+
+
+def test_served_steps_slower_than_measured_shrink_the_chunk():
+    """Mixed steps 20% over their prediction while decode steps keep to theirs: the limit shrinks by 1/1.2 (12 tokens
+    instead of 20 at position 0); mixed steps as fast as predicted bring it back; the scale is bounded."""
+    clock = iter(range(1000)).__next__
+    observed = Observed(clock=lambda: float(clock()))
+    budget = StepBudget(costs(), factor=1.5, observed=observed)
+    assert budget.chunk(4, 0) == 20 and observed.scale == 1.0  # nothing seen yet: the measured rule
+    observed.observe_decode(11.5 * MS, budget.costs.decode_time(4))
+    for _ in range(30):
+        observed.observe_mixed(1.2 * budget.costs.mixed_time(20, 4, 0), budget.costs.mixed_time(20, 4, 0))
+    assert observed.scale == pytest.approx(1 / 1.2)
+    limit = 1.5 * 11.5 * MS / 1.2  # 14.375 ms: on the line 14 -> 16 ms (8 -> 16 tokens) at 9.5
+    assert budget.chunk(4, 0) == 9 and budget.costs.mixed_time(9, 4, 0) <= limit < budget.costs.mixed_time(10, 4, 0)
+    for _ in range(60):
+        observed.observe_mixed(budget.costs.mixed_time(9, 4, 0), budget.costs.mixed_time(9, 4, 0))
+    assert observed.scale == pytest.approx(1.0, abs=1e-3) and budget.chunk(4, 0) == 20
+    for _ in range(60):
+        observed.observe_mixed(100 * MS, MS)
+    assert observed.scale == 0.25 and budget.chunk(4, 0) == 4  # bounded; a prompt still advances
+
+
+def test_the_scheduler_times_its_mixed_and_decode_steps_for_the_budget(gpt_tiny_generator):
+    sched = gpt_tiny_generator.scheduler(SchedulerPolicy(context=gpt_tiny_generator.context, prefill_chunk="auto"))
+    chunked, _, steps = run_arrival(gpt_tiny_generator, sched.policy, sched=sched)
+    observed = sched.budget.observed
+    mixed = sum(1 for n, rows in zip(steps["prefill"], steps["decoding"]) if n and rows)
+    assert observed.mixed_steps == mixed > 0 and observed.decode_steps > 0
+    assert 0.25 <= observed.scale <= 4.0 and observed.decode > 0 and observed.mixed > 0
 
 
 def test_a_streams_gap_is_bounded_in_tokens_while_long_prompts_arrive(gpt_tiny_generator):

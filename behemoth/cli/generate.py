@@ -63,6 +63,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
         "one-token product on one; docs/serving.md)",
     )
     p.add_argument(
+        "--no-decode-lanes",
+        action="store_true",
+        help="a plain Llama's decode steps gather each request's cached keys and values from the blocks at every step, "
+        "instead of attending to dense per-request lanes kept beside the cache (up to the cache's size again; docs/serving.md)",
+    )
+    p.add_argument(
         "--adapter",
         action="append",
         default=[],
@@ -231,10 +237,11 @@ def worker(
     experts: tuple[int, str] = (1, "owned"),
     split_products: bool = False,
     tp_mode: str = "1d",
+    decode_lanes: bool = True,
 ) -> Any:
     """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
-    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`: CachePolicy's; `tp_mode`
-    2d: the tp ranks as a grid."""
+    folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`, `decode_lanes`: CachePolicy's;
+    `tp_mode` 2d: the tp ranks as a grid."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
     try:
@@ -247,7 +254,7 @@ def worker(
             pp=pp,
             ep=experts[0],
             expert_layout=experts[1],
-            cache=CachePolicy(block_size, memory_mb, split_products=split_products),
+            cache=CachePolicy(block_size, memory_mb, split_products=split_products, decode_lanes=decode_lanes),
             ignore_eos=ignore_eos,
             quantize=quantize,
             offload=offload,
@@ -331,7 +338,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with offload_policy(args) as offload:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)
-        rest = (offload, speculative, experts, args.split_products, args.tp_mode)
+        rest = (offload, speculative, experts, args.split_products, args.tp_mode, not args.no_decode_lanes)
         out = worker(*call, *rest) if nproc == 1 else launch(nproc, worker, *call, *rest)[0]
     return print_completions(out, args.json)
 

@@ -217,7 +217,7 @@ def serve_on_ranks(args: argparse.Namespace) -> None:
     rt = init_runtime(timeout_s=source.config.run.timeout_s, tp=args.tp, pp=args.pp, ep=args.ep)
     draft_rt = one_rank_runtime(rt, source.config.run.timeout_s) if args.draft else rt  # every rank: a collective
     model = load_model(source, rt, tp=args.tp, pp=args.pp, ep=args.ep, quantize=args.quantize, expert_layout=args.expert_layout, tp_mode=args.tp_mode)
-    cache = CachePolicy(args.block_size, args.kv_cache_mb, split_products=args.split_products)
+    cache = CachePolicy(args.block_size, args.kv_cache_mb, split_products=args.split_products, decode_lanes=not args.no_decode_lanes)
     if rt.world_size > 1:  # heartbeats: a hung step's diagnosis names the rank that never arrived
         from behemoth.flight import RECORDER
 

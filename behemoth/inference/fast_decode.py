@@ -15,7 +15,10 @@ runs the same function on its one row of T tokens under its mask, so a chunk tha
 arithmetic costs, not the layers' host work. A step that adds the same few tokens to every row (a speculative check of K + 1 tokens, a draft
 catching up: up to `runner.FUSED_MAX_NEW`, no row padded) takes the same call under a causal mask, its products by
 oneDNN's matmul on CPUs (`onednn_products`: MKL's product of a few tokens by the [in, out] layout costs up to 2.3x a
-one-token product, oneDNN's about 1.5x). Longer prefills, padded batches and every model that is not a plain Llama
+one-token product, oneDNN's about 1.5x); so do a decode step of several rows and a packed step of `ONEDNN_PACKED_MIN`
+tokens or more (on this project's AMD CPU MKL runs float32 products at about 200 GFLOP/s on two threads, where oneDNN,
+built for AVX-512, reaches 440-460: a 32-row decode step of the 25M Llama took 22.7 ms instead of 30.5, a 32-prompt
+prefill 1.0 s instead of 1.6). Longer prefills, padded batches and every model that is not a plain Llama
 (biases, sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks
 (`ModelRunner.hidden`).
 """
@@ -29,6 +32,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from behemoth.inference.decode_lanes import DecodeLanes, LaneStep
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,12 +106,23 @@ def decode_layers(
     eps: float,
     split: bool,
     onednn: bool,
+    lane_keys: list[torch.Tensor],
+    lane_values: list[torch.Tensor],
+    lane: torch.Tensor | None,
+    lane_position: torch.Tensor | None,
+    lane_mask: torch.Tensor | None,
+    lanes: int,
+    lane_width: int,
+    lanes_in_order: bool,
 ) -> torch.Tensor:
     """h [B, T, d] through every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each); the T new tokens of
     every row (all real: no padding) written to `slots` (row by row) of `keys`/`values` ([slots, kv_heads, head_dim] per
     layer), every row attending to its `gather` slots under `mask` [B, 1, T, L] (None: every slot, for T = 1; `start`
     >= 0: the slots are start..start + L - 1); cos/sin [B, 1, T, head_dim]; `split`: every product on two threads;
-    `onednn`: every product by oneDNN (`_product`)."""
+    `onednn`: every product by oneDNN (`_product`). With `lane` (T = 1; decode_lanes.py): row b's new key and value
+    also go to position `lane_position[b]` of its lane `lane[b]` in `lane_keys`/`lane_values` ([lanes, positions,
+    kv_heads, head_dim] per layer), and it attends to lanes 0..`lanes` - 1, positions 0..`lane_width` - 1, under
+    `lane_mask` instead of gathering its slots."""
     B, T, L = h.shape[0], h.shape[1], gather.shape[1]
     D = keys[0].shape[-1]
     flat = gather.reshape(-1)
@@ -118,9 +134,21 @@ def decode_layers(
         v = qkv[:, :, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.transpose(1, 2).reshape(B * T, kv_heads, D).to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.reshape(B * T, kv_heads, D).to(values[i].dtype))
-        k_all = _attended(keys[i], flat, start, B, L).to(h.dtype)
-        v_all = _attended(values[i], flat, start, B, L).to(h.dtype)
-        a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+        if lane is not None and lane_position is not None:
+            lk, lv = lane_keys[i], lane_values[i]
+            lk.index_put_((lane, lane_position), k[:, :, 0].to(lk.dtype))
+            lv.index_put_((lane, lane_position), v[:, 0].to(lv.dtype))
+            k_all = lk.narrow(0, 0, lanes).narrow(1, 0, lane_width).transpose(1, 2).to(h.dtype)
+            v_all = lv.narrow(0, 0, lanes).narrow(1, 0, lane_width).transpose(1, 2).to(h.dtype)
+            if lanes_in_order:
+                a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=lane_mask, enable_gqa=True)
+            else:
+                spread = q.new_zeros(lanes, heads, 1, D).index_copy_(0, lane, q)
+                a = F.scaled_dot_product_attention(spread, k_all, v_all, attn_mask=lane_mask, enable_gqa=True).index_select(0, lane)
+        else:
+            k_all = _attended(keys[i], flat, start, B, L).to(h.dtype)
+            v_all = _attended(values[i], flat, start, B, L).to(h.dtype)
+            a = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
         h = h + _product(a.transpose(1, 2).reshape(B, T, heads * D), w[2], split, onednn)
         gate, up = _product(_rms(h, w[3], eps), w[4], split, onednn).chunk(2, dim=-1)
         h = h + _product(F.silu(gate) * up, w[5], split, onednn)
@@ -150,6 +178,10 @@ def onednn_products(h: torch.Tensor) -> bool:
 
 
 ONEDNN_PRODUCTS = True  # several-token steps' products by oneDNN on CPUs (`onednn_products`); False: F.linear
+ONEDNN_PACKED_MIN = 256  # a packed step (prefill, a chunk with the decodes) of fewer tokens keeps F.linear: oneDNN
+# builds a kernel for every new number of rows (0.2-0.4 ms a product the first time), which a chunked-prefill step of
+# 20-40 tokens, a new count at nearly every step, would pay each time; a decode step's rows (at most the batch's
+# bound) and a speculative check's few tokens repeat, so their kernels are built once
 
 
 def _plain_linear(m: nn.Module) -> bool:
@@ -225,6 +257,8 @@ class FusedDecoder:
             fuse_columns([head])  # the head's own forward then reads its weight laid out [in, out] too
         self.run = scripted()
         self.split = split  # batch-1 steps split every product over two threads (`_product`)
+        self.use_lanes = True  # decode steps attend to dense per-request lanes, not a gather of the cache (decode_lanes.py)
+        self.lanes: DecodeLanes | None = None
 
     @staticmethod
     def of(blocks: nn.ModuleList, layers: Sequence[int], head: nn.Module | None = None, split: bool = False) -> FusedDecoder | None:
@@ -244,6 +278,7 @@ class FusedDecoder:
         packed = step.batch.packed is not None
         start = -1 if packed else contiguous_start(step.batch.gather)  # a packed row always needs its mask
         rows, new = h.shape[0], h.shape[1]
+        lanes = self.lane_step(step.batch, storage, layers, h.dtype) if new == 1 and not packed and start < 0 else None
         return self.run(
             h,
             cos.unsqueeze(1),
@@ -259,8 +294,28 @@ class FusedDecoder:
             self.kv_heads,
             self.eps,
             self.split and rows == 1,
-            rows * new > 1 and onednn_products(h),
+            onednn_products(h) and (rows * new >= ONEDNN_PACKED_MIN if packed else rows * new > 1),
+            [self.lanes.keys[i] for i in layers] if lanes is not None and self.lanes is not None else [],
+            [self.lanes.values[i] for i in layers] if lanes is not None and self.lanes is not None else [],
+            None if lanes is None else lanes.lane,
+            None if lanes is None else lanes.position,
+            None if lanes is None else lanes.mask,
+            0 if lanes is None else lanes.lanes,
+            0 if lanes is None else lanes.positions,
+            lanes is not None and lanes.in_order,
         )
+
+    def lane_step(self, batch: Any, storage: Any, layers: Sequence[int], dtype: torch.dtype) -> LaneStep | None:
+        """The decode lanes of a decode step whose rows' owners are known (decode_lanes.py), built at first use over
+        `layers` within the paged cache's own bytes; None where lanes are off, or the step's rows do not fit them."""
+        if not self.use_lanes or batch.owners is None:
+            return None
+        if self.lanes is None:
+            layout = storage.layout
+            self.lanes = DecodeLanes(list(layers), layout.kv_heads, layout.head_dim, layout.bytes, dtype, storage.device)
+        if list(layers) != self.lanes.layers:
+            return None
+        return self.lanes.plan(batch.owners, batch.gather, batch.positions[:, 0], storage)
 
     def layer_weights(self, layer: int, tokens: int) -> list[torch.Tensor]:
         """Layer `layer`'s weights for a step of `tokens` new tokens in all: a lone token's products as two batched halves

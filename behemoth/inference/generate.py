@@ -46,6 +46,7 @@ class CachePolicy:
     memory_mb: float = 256.0
     max_blocks: int | None = None  # at most this many blocks (None: as many as memory_mb holds)
     split_products: bool = False  # each batch-1 decode product on two threads (--split-products); torch then runs one intra-op thread
+    decode_lanes: bool = True  # decode steps attend to dense per-request lanes, not a gather of the blocks (decode_lanes.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or not self.memory_mb > 0:
@@ -102,6 +103,7 @@ def local_runner(model: LoadedModel, cache: CachePolicy) -> ModelRunner:
         return model.runner(storage)
     runner = ModelRunner(model.lm, storage, tp=model.tp, device=model.rt.device)
     runner.split_products = cache.split_products
+    runner.decode_lanes = cache.decode_lanes
     if cache.split_products:  # its two halves are the two threads (this one, an inter-op worker): no intra-op workers
         torch.set_num_threads(1)  # competing with them for the cores (measured: they cost more than they give)
     return runner

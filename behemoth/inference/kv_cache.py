@@ -132,6 +132,7 @@ class StepBatch:
     gather: torch.Tensor  # [B, L] the slot of every position a row attends to (0 past its end)
     adapters: torch.Tensor | None = None  # [B] each row's LoRA adapter slot (lora_bank.py; 0: the base), None: all base
     packed: PackedRows | None = None  # several sequences in row 0 (plan_packed_step), None: a sequence per row
+    owners: tuple[Any, ...] | None = None  # each row's request and its epoch, for decode lanes (decode_lanes.py); None: unknown
 
     @property
     def valid(self) -> torch.Tensor:
@@ -161,12 +162,15 @@ class StepBatch:
         adapters = None if self.adapters is None else self.adapters.to(device)
         packed = None if self.packed is None else self.packed.to(device)
         ids, positions, lengths, slots, gather = (t.to(device) for t in (self.ids, self.positions, self.lengths, self.slots, self.gather))
-        return StepBatch(ids, positions, lengths, slots, gather, adapters=adapters, packed=packed)
+        return StepBatch(ids, positions, lengths, slots, gather, adapters=adapters, packed=packed, owners=self.owners)
 
 
-def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], adapters: list[int] | None = None) -> StepBatch:
+def plan_step(
+    alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], adapters: list[int] | None = None, owners: list[Any] | None = None
+) -> StepBatch:
     """The batch that runs `rows` = (sequence, new token ids, position of the first) with their slots (and each row's
-    adapter slot, when any is not the base); every sequence must already hold blocks for its new length (`BlockAllocator.grow`)."""
+    adapter slot, when any is not the base; each row's owner for decode lanes, when given); every sequence must
+    already hold blocks for its new length (`BlockAllocator.grow`)."""
     if not rows:
         raise ValueError("a step needs at least one sequence")
     B, T = len(rows), max(len(tokens) for _, tokens, _ in rows)
@@ -186,7 +190,7 @@ def plan_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]], ada
         slots.append(every[start:])
     lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
     rows_adapters = torch.tensor(adapters, dtype=torch.long) if adapters is not None and any(adapters) else None
-    return StepBatch(ids, positions, lengths, torch.cat(slots), gather, rows_adapters)
+    return StepBatch(ids, positions, lengths, torch.cat(slots), gather, rows_adapters, owners=None if owners is None else tuple(owners))
 
 
 def plan_packed_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> StepBatch:

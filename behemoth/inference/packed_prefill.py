@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from behemoth.inference.fast_decode import FusedDecoder, _product, _rms, _rotate, onednn_products, scripted
+from behemoth.inference.fast_decode import ONEDNN_PACKED_MIN, FusedDecoder, _product, _rms, _rotate, onednn_products, scripted
 
 
 def _padded(x: torch.Tensor, where: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -97,7 +97,10 @@ def prefill_layers(
 
 def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: Any) -> torch.Tensor:
     """h [B, T, d] of a step of several new tokens per row through `layers` with the fused decoder's weights, only its
-    real tokens computed (`prefill_layers`); [B, T, d] back, the padding positions zero (nothing reads them)."""
+    real tokens computed (`prefill_layers`); [B, T, d] back, the padding positions zero (nothing reads them). A step of
+    `ONEDNN_PACKED_MIN` tokens or more runs its products by oneDNN on CPUs (about 2x MKL's rate on this project's AMD
+    CPU); a smaller one keeps F.linear: oneDNN builds a kernel for every new number of rows (0.2-0.4 ms a product the
+    first time), which a chunked-prefill step of 20-40 tokens, a new count at nearly every step, would pay each time."""
     step = ctx["cache"]
     valid = step.valid
     cos, sin = ctx["position_embeddings"]  # [B, T, head_dim] of the padded positions: the real ones are picked
@@ -116,6 +119,6 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
         decoder.heads,
         decoder.kv_heads,
         decoder.eps,
-        onednn_products(h),
+        onednn_products(h) and int(valid.sum()) >= ONEDNN_PACKED_MIN,
     )
     return h.new_zeros(h.shape).index_put_((valid,), out)

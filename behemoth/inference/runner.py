@@ -128,6 +128,7 @@ class ModelRunner:
         self.fused: FusedDecoder | None | bool = tp is None  # decode steps' one-call path (fast_decode.py); built at first use
         self.packed_prefill = True  # other steps of several tokens per row run packed on the fused weights (packed_prefill.py)
         self.split_products = False  # its batch-1 products on two threads (`CachePolicy.split_products`)
+        self.decode_lanes = True  # its decode steps on dense per-request lanes (`CachePolicy.decode_lanes`)
         self.host_kv = HostKV(storage)  # preempted requests' keys and values (KV offload)
         lm.module.eval()
 
@@ -156,6 +157,8 @@ class ModelRunner:
         """The one-call decode step of this rank's layers, where every one is a plain Llama layer (else None, once)."""
         if self.fused is True:
             self.fused = FusedDecoder.of(cast(nn.ModuleList, self.blocks), self.layers, self.untied_head(), self.split_products)
+            if self.fused is not None:
+                self.fused.use_lanes = self.decode_lanes
         return self.fused or None
 
     def untied_head(self) -> nn.Module | None:

@@ -37,7 +37,7 @@ from behemoth.inference.kv_cache import BlockAllocator, plan_packed_step, plan_s
 from behemoth.inference.prefix_cache import PrefixCachingAllocator
 from behemoth.inference.runner import KVMove, Runner
 from behemoth.inference.sampling import SamplingParams, TokenChoice, choose_tokens, request_generator
-from behemoth.inference.step_budget import StepBudget, check_factor, measure_step_costs
+from behemoth.inference.step_budget import Observed, StepBudget, check_factor, measure_step_costs
 from behemoth.inference.text import TextTracker, Tokenizer
 
 
@@ -75,6 +75,7 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     generator: torch.Generator | None = None
+    epoch: int = 0  # preemptions so far: its keys and values since the last one (decode lanes tell them apart)
 
     @property
     def tokens(self) -> list[int]:
@@ -160,7 +161,7 @@ class Scheduler:
         costs = measure_step_costs(
             self.runner.forward, alloc.num_blocks, alloc.block_size, context=p.context, rows=rows, max_rows=p.max_batch, factor=p.step_factor
         )
-        return StepBudget(costs, p.step_factor, p.max_prefill_tokens)
+        return StepBudget(costs, p.step_factor, p.max_prefill_tokens, Observed(costs.clock))
 
     def chunk_limit(self, decoding: int, prefix: int) -> int | None:
         """Prompt tokens this step may prefill, with `decoding` requests decoding and the next prompt `prefix` tokens in
@@ -214,10 +215,19 @@ class Scheduler:
         self._admit()
         decoding = self._make_room([r for r in self.running if r.prefilled])
         prefilling = [r for r in self.running if not r.prefilled]
-        chunks = self._prefill_chunks(prefilling, self.chunk_limit(len(decoding), prefilling[0].cached if prefilling else 0))
+        prefix = prefilling[0].cached if prefilling else 0
+        chunks = self._prefill_chunks(prefilling, self.chunk_limit(len(decoding), prefix))
+        observed = self.budget.observed if self.budget is not None else None
+        started = observed.clock() if observed is not None else 0.0
         if chunks and decoding and self.packs and not any(r.params.adapter for r, _ in chunks) and not any(r.params.adapter for r in decoding):
             finished += self._run(chunks + [(r, 1) for r in decoding], packed=True)  # a mixed step: one forward
             self.stats["mixed_steps"] += 1
+            if observed is not None and self.budget is not None:  # how the served step compares with the measurement
+                predicted = self.budget.costs.mixed_time(sum(n for _, n in chunks), len(decoding), prefix)
+                observed.observe_mixed(observed.clock() - started, predicted)
+        elif not chunks and decoding and observed is not None and self.budget is not None and self.speculative is None:
+            finished += self._run([(r, 1) for r in decoding])
+            observed.observe_decode(observed.clock() - started, self.budget.costs.decode_time(len(decoding)))
         else:
             for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
                 group = [(r, n) for r, n in group if r in self.running]
@@ -328,6 +338,7 @@ class Scheduler:
         if self.speculative is not None:
             self.speculative.release(req.id)
         req.cached, req.prefilled = 0, False
+        req.epoch += 1
         with self.lock:
             self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
@@ -336,7 +347,8 @@ class Scheduler:
         """One forward of `chunks` (request, its next n tokens), packed in one row or a row each; a token for each
         request whose tokens are all cached."""
         rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
-        batch = plan_packed_step(self.alloc, rows) if packed else plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks])
+        owners = [(r.id, r.epoch) for r, _ in chunks]  # decode lanes (decode_lanes.py): a preempted request comes back anew
+        batch = plan_packed_step(self.alloc, rows) if packed else plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks], owners)
         logits = self.runner.forward(batch)
         for (r, _), (_, new, _) in zip(chunks, rows):
             self.stats["decode_tokens" if r.prefilled else "prefill_tokens"] += len(new)

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from behemoth.errors import BehemothError
 from behemoth.inference.kv_cache import BlockAllocator, StepBatch, plan_packed_step, plan_step
+
+Forward = Callable[[StepBatch], torch.Tensor]
+Clock = Callable[[], float]
 
 CHUNKS = (4, 8, 16, 32, 64, 128, 256, 512)  # the chunk sizes a measurement tries, smallest first
 DECODE_DEPTH = 32  # the position of the measured decodes' new tokens
@@ -40,6 +43,7 @@ class StepCosts:
     shallow: dict[int, float]
     deep: dict[int, float]
     deep_prefix: int
+    clock: Clock = field(default=time.process_time, compare=False)  # what timed them (`clock_of`)
 
     def __post_init__(self) -> None:
         if len(self.decode) < 2 or not self.shallow or set(self.shallow) != set(self.deep) or min(self.shallow) < 1:
@@ -85,14 +89,49 @@ def envelope(times: dict[int, float], chunk: float) -> float:
     return ys[-1]
 
 
+class Observed:
+    """How the served steps compare with the measurement: running means (exponential, weight `alpha` on the newest) of a
+    decode-only step's time over its prediction and of a mixed step's over its. Their quotient scales the budget's limit
+    (`StepBudget.chunk`): the measurement times the forward alone on a quiet cache, while a served step also plans,
+    samples and hands tokens out, and its chunk attends beside the streams' own prefixes; a mixed step that runs 5%
+    over its prediction relative to the decode steps (as measured on this project's machine) shrinks the chunk until
+    it does not. The scale is bounded to [1/4, 4]; steps are timed by the measurement's clock."""
+
+    def __init__(self, clock: Clock = time.process_time, alpha: float = 0.2) -> None:
+        self.clock, self.alpha = clock, alpha
+        self.decode = self.mixed = 1.0
+        self.decode_steps = self.mixed_steps = 0
+
+    def _mean(self, mean: float, seen: int, ratio: float) -> float:
+        return ratio if seen == 0 else (1 - self.alpha) * mean + self.alpha * ratio
+
+    def observe_decode(self, seconds: float, predicted: float) -> None:
+        self.decode = self._mean(self.decode, self.decode_steps, seconds / max(predicted, 1e-9))
+        self.decode_steps += 1
+
+    def observe_mixed(self, seconds: float, predicted: float) -> None:
+        self.mixed = self._mean(self.mixed, self.mixed_steps, seconds / max(predicted, 1e-9))
+        self.mixed_steps += 1
+
+    @property
+    def scale(self) -> float:
+        """The factor on the limit: (decode steps' time / prediction) / (mixed steps' time / prediction), once both kinds
+        have been seen (1 before)."""
+        if not (self.decode_steps and self.mixed_steps):
+            return 1.0
+        return min(4.0, max(0.25, self.decode / self.mixed))
+
+
 @dataclass(frozen=True)
 class StepBudget:
-    """The rule: a mixed step's predicted time <= `factor` x the decode-only step of the same batch; `cap` bounds a
-    chunk (the scheduler's prefill tokens per step) and is the chunk when nothing decodes (no stream to stall)."""
+    """The rule: a mixed step's predicted time <= `factor` x the decode-only step of the same batch, corrected by the
+    served steps where `observed` is given (the scheduler's measured budget); `cap` bounds a chunk (the scheduler's
+    prefill tokens per step) and is the chunk when nothing decodes (no stream to stall)."""
 
     costs: StepCosts
     factor: float = 1.5
     cap: int = 4096
+    observed: Observed | None = field(default=None, compare=False)  # the served steps' correction (None: none)
 
     def __post_init__(self) -> None:
         check_factor(self.factor)
@@ -102,7 +141,7 @@ class StepBudget:
         at least the smallest measured chunk (so a prompt always advances), at most the largest measured one."""
         if rows == 0:
             return self.cap
-        limit = self.factor * self.costs.decode_time(rows)
+        limit = self.factor * self.costs.decode_time(rows) * (self.observed.scale if self.observed is not None else 1.0)
         lo, hi = min(self.costs.shallow), min(self.cap, max(self.costs.shallow))
         if self.costs.mixed_time(lo, rows, prefix) > limit:
             return min(lo, self.cap)
@@ -132,12 +171,6 @@ def check_factor(factor: float) -> None:
             f"a prefill step factor of {factor}: a step that also prefills always takes longer than a decode-only step",
             "use a factor above 1, e.g. --prefill-step-factor 1.5",
         )
-
-
-Forward = Callable[[StepBatch], torch.Tensor]
-
-
-Clock = Callable[[], float]
 
 
 def clock_of(out: torch.Tensor | None) -> Clock:
@@ -210,4 +243,4 @@ def measure_step_costs(
         for key, batch in steps.items():
             times[key] = min(times[key], timed(forward, batch, clock))
     table = {kind: {c: t for (k, c), t in times.items() if k == kind} for kind in ("decode", "shallow", "deep")}
-    return StepCosts(rows, table["decode"], table["shallow"], table["deep"], deep_prefix)
+    return StepCosts(rows, table["decode"], table["shallow"], table["deep"], deep_prefix, clock)
