@@ -134,6 +134,12 @@ def main() -> None:
         print(f"auto budget measured in {time.perf_counter() - started:.1f} s: {budget.describe()}\n")
         trials = [[run(gen, streams, longs if m["arrive"] else [], args.new, m, budget) for m in modes] for _ in range(args.repeats)]
         best = [min((t[i] for t in trials), key=lambda r: r["cpu_p99_ms"]) for i in range(len(modes))]
+        seen = budget.observed
+        if seen is not None:  # the served steps' correction the auto runs taught the budget (step_budget.Observed)
+            print(
+                f"served mixed steps against the measurement after the runs: {seen.mixed:.2f}x their prediction "
+                f"({seen.mixed_steps} steps): the limit scaled by {seen.scale:.2f}\n"
+            )
     report(args, shape, length, modes, best)
 
 

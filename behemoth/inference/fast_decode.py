@@ -178,7 +178,7 @@ def onednn_products(h: torch.Tensor) -> bool:
 
 
 ONEDNN_PRODUCTS = True  # several-token steps' products by oneDNN on CPUs (`onednn_products`); False: F.linear
-ONEDNN_PACKED_MIN = 256  # a packed step (prefill, a chunk with the decodes) of fewer tokens keeps F.linear: oneDNN
+ONEDNN_PACKED_MIN = 64  # a packed step (prefill, a chunk with the decodes) of fewer tokens keeps F.linear: oneDNN
 # builds a kernel for every new number of rows (0.2-0.4 ms a product the first time), which a chunked-prefill step of
 # 20-40 tokens, a new count at nearly every step, would pay each time; a decode step's rows (at most the batch's
 # bound) and a speculative check's few tokens repeat, so their kernels are built once

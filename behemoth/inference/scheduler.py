@@ -225,9 +225,6 @@ class Scheduler:
             if observed is not None and self.budget is not None:  # how the served step compares with the measurement
                 predicted = self.budget.costs.mixed_time(sum(n for _, n in chunks), len(decoding), prefix)
                 observed.observe_mixed(observed.clock() - started, predicted)
-        elif not chunks and decoding and observed is not None and self.budget is not None and self.speculative is None:
-            finished += self._run([(r, 1) for r in decoding])
-            observed.observe_decode(observed.clock() - started, self.budget.costs.decode_time(len(decoding)))
         else:
             for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
                 group = [(r, n) for r, n in group if r in self.running]
