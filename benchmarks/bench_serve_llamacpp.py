@@ -223,7 +223,9 @@ def measure_again_once(name: str, server: tuple[subprocess.Popen, str], clients:
     try:
         return measure(name, *server, clients, args, round_)
     except openai.APIConnectionError as err:
-        print(f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts", flush=True)
+        print(
+            f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts", flush=True
+        )
         return measure(name, *server, clients, args, round_ + 100)
 
 
