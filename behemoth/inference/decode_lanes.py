@@ -42,7 +42,7 @@ class LaneStep:
 
 class DecodeLanes:
     """Dense per-request keys and values of `layers`, as many lanes of as many positions as decode steps need (grown in
-    steps of 8 lanes and `GROW` positions), within `limit_bytes`."""
+    steps of 8 lanes; positions to the next multiple of `GROW`, at least doubled while that fits), within `limit_bytes`."""
 
     def __init__(self, layers: Sequence[int], kv_heads: int, head_dim: int, limit_bytes: int, dtype: torch.dtype, device: torch.device) -> None:
         self.layers, self.kv_heads, self.head_dim, self.count = list(layers), kv_heads, head_dim, 0
@@ -68,6 +68,8 @@ class DecodeLanes:
         count, capacity = max(self.count, -(-rows // 8) * 8), max(self.capacity, -(-positions // GROW) * GROW)
         if self.bytes_for(count, capacity) > self.limit_bytes:
             return False
+        if capacity > self.capacity and self.bytes_for(count, 2 * self.capacity) <= self.limit_bytes:
+            capacity = max(capacity, 2 * self.capacity)  # positions double: a growth copies every lane, so grow rarely
         shape = (count, capacity, self.kv_heads, self.head_dim)
         for store in (self.keys, self.values):
             for layer in self.layers:

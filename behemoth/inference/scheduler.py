@@ -56,9 +56,10 @@ class Event:
     choice: TokenChoice | None = None  # the token's log-probability and the most likely alternatives
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One generation: its prompt, parameters, tokens so far, and where its events go."""
+    """One generation: its prompt, parameters, tokens so far, and where its events go. Requests compare by identity (the
+    scheduler's `r in self.running` then costs a pointer test per row, not a comparison of every field)."""
 
     id: int
     prompt: list[int]
