@@ -121,16 +121,17 @@ class _Sentencepiece:
     """A tokenizer whose decoder drops the space that begins a lone sequence (sentencepiece's "▁" words)."""
 
     def __init__(self) -> None:
-        from tokenizers import Tokenizer, decoders, models
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
         vocab = {"<s>": 0, "▁def": 1, "▁main": 2, "(": 3, "▁fin": 4, "ally": 5}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
         self.inner = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>")
 
     def encode(self, text: str) -> list[int]:
-        raise NotImplementedError
+        return list(self.inner.encode(text, add_special_tokens=False))
 
     def decode(self, tokens: list[int]) -> str:
         return self.inner.decode(tokens, skip_special_tokens=False)
@@ -139,6 +140,7 @@ class _Sentencepiece:
 def test_the_generated_text_continues_the_prompt_with_its_leading_space():
     tok = _Sentencepiece()
     assert tok.decode([4, 5]) == "finally"  # alone, the first word's space is dropped
+    assert tok.encode("finally") == [0]  # a word-level vocabulary: unknown words are <s>
     tracker = TextTracker(tok, [], context=[0, 1, 2, 3])
     first, _ = tracker.update([4])
     second, _ = tracker.update([4, 5])
