@@ -84,6 +84,11 @@ class TrainConfig(Section):
         description="compile each transformer block with torch.compile (regional; compile time reported apart and cached in "
         "~/.cache/behemoth/inductor; not for MoE models; docs/performance.md)",
     )
+    gemm: Literal["auto", "blas", "onednn"] = Field(
+        "auto",
+        description="library of the CPU float32 linears in training: torch's BLAS (MKL), oneDNN, or auto (oneDNN where a product "
+        "timed once per process at its thread count runs faster; CUDA, bf16 and compiled blocks always take F.linear; docs/performance.md)",
+    )
     loss_chunk: int = Field(
         -1,
         ge=-1,

@@ -25,6 +25,7 @@ import torch
 from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.gemm import route_linears, set_gemm
 from behemoth.offload import OffloadPolicy
 from behemoth.parallel.sync import adamw_kernel, adamw_settings  # noqa: F401 - here since the engine picked them
 from behemoth.parallelize import ParallelModel, parallelize
@@ -57,6 +58,8 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
+        set_gemm(train.gemm)  # which library multiplies the CPU float32 linears (models/gemm.py), for every layer routed:
+        route_linears(model.module)  # last, so LoRA, int8 bases and TP/ZeRO wrappers have already seen plain nn.Linear
         self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]
         # the loss paths below take the head's input, logits in chunks (or fused whole where the weights stay resident)
         head = model.lm.chunked_head(train.loss_chunk, fuse=not any(s.gathers_parameters for s in model.syncs))

@@ -19,17 +19,36 @@ PEAK_SIZE, PEAK_RUNS = 2048, 5  # the matmul every MFU figure is measured agains
 
 def measure_peak_tflops(device: torch.device, size: int = PEAK_SIZE, runs: int = PEAK_RUNS) -> float:
     """This rank's float32 matmul rate, as the peak MFU divides by: one size x size x size product at the process's
-    thread count, timed `runs` times after a warm-up, the best kept (so a busy moment does not lower the peak).
-    Its operands come from a generator of their own: the run's RNG is not touched."""
+    thread count, timed `runs` times after a warm-up, the best kept (so a busy moment does not lower the peak); on a
+    CPU the faster of torch's BLAS and oneDNN (training may use either: train.gemm)."""
+    rates = [measure_matmul_tflops(device, size, runs)]
+    if onednn_matmul(device):
+        rates.append(measure_matmul_tflops(device, size, runs, onednn=True))
+    return max(rates)
+
+
+def onednn_matmul(device: torch.device) -> bool:
+    """Whether a float32 product on `device` can run by oneDNN (a CPU whose torch has it)."""
+    available = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return device.type == "cpu" and available and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def measure_matmul_tflops(device: torch.device, size: int = PEAK_SIZE, runs: int = PEAK_RUNS, *, onednn: bool = False) -> float:
+    """One library's float32 size^3 product rate (`a @ b`, or oneDNN's a b^T), best of `runs` after a warm-up. Its
+    operands come from a generator of their own: the run's RNG is not touched."""
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(size, size, device=device, generator=g)
     b = torch.randn(size, size, device=device, generator=g)
-    a @ b  # warm up
+
+    def product() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "") if onednn else a @ b
+
+    product()  # warm up
     best = float("inf")
     for _ in range(runs):
         synchronize(device)
         t0 = time.perf_counter()
-        a @ b
+        product()
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best / 1e12
@@ -38,7 +57,8 @@ def measure_peak_tflops(device: torch.device, size: int = PEAK_SIZE, runs: int =
 def peak_source(device: torch.device, size: int = PEAK_SIZE, runs: int = PEAK_RUNS) -> str:
     """How `measure_peak_tflops` measured, in words, for the line that reports MFU."""
     where = "GPU" if device.type == "cuda" else f"{torch.get_num_threads()} CPU thread(s)"
-    return f"measured: float32 {size}x{size} matmul, best of {runs}, {where} per rank"
+    library = ", the faster of BLAS and oneDNN" if onednn_matmul(device) else ""
+    return f"measured: float32 {size}x{size} matmul{library}, best of {runs}, {where} per rank"
 
 
 def synchronize(device: torch.device) -> None:

@@ -27,6 +27,7 @@ from behemoth.flight import RECORDER, nccl_flight_env
 from behemoth.inference.adapters import save_run_adapter
 from behemoth.metrics import MetricsLog, gather_floats, measure_peak_tflops, memory_mb, peak_source, plot_loss, synchronize, tensorboard_available
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.gemm import describe as gemm_description
 from behemoth.offload import persist
 from behemoth.offload.optimizer import EIGHT_BIT
 from behemoth.offload.runtime import OffloadSync
@@ -167,6 +168,8 @@ class Trainer:
         cfg, main = self.cfg, self.rt.is_main
         self.compiled_before = CLOCK.total  # this run's compile time is what the clock adds from here
         log = self.open_log()
+        if main and self.rt.device.type == "cpu":  # the linears' library (train.gemm), measured once per process
+            print(f"behemoth: {gemm_description()}", file=sys.stderr, flush=True)
         tqdm.set_lock(threading.RLock())  # tqdm's default lock is a multiprocessing semaphore, which a killed worker leaks
         bar = tqdm(
             total=cfg.train.end_step,

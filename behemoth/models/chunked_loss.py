@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from behemoth.models import gemm
 
 IGNORE_INDEX = -100  # as models/causal_lm.py: a target the loss leaves out
 HEAD_INPUT = "_behemoth_head_input"  # the attribute a deferred head's output carries
@@ -77,7 +78,7 @@ def _logits(h: torch.Tensor, head: HeadInput) -> torch.Tensor:
     w = head.weight.to(head.dtype)
     b = None if head.bias is None else head.bias.to(head.dtype)
     x = h.to(head.dtype)
-    y = F.linear(x, w, b) if not head.transposed else (x @ w if b is None else torch.addmm(b, x, w))
+    y = gemm.linear(x, w, b) if not head.transposed else gemm.linear_transposed(x, w, b)
     return y.float()
 
 
@@ -150,7 +151,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             x = h[at : at + head.chunk]
             g = _softmax_minus_target(_logits(x, view), lse[at : at + head.chunk], targets[at : at + head.chunk], split).mul_(grad).to(head.dtype)
             if grad_h is not None:
-                grad_h[at : at + head.chunk] = g @ w.t() if head.transposed else g @ w
+                grad_h[at : at + head.chunk] = gemm.mm(g, w.t() if head.transposed else w)
             if grad_w is not None:
                 _accumulate(grad_w, *((x.to(head.dtype).t(), g) if head.transposed else (g.t(), x.to(head.dtype))))
             if grad_b is not None:
@@ -166,8 +167,8 @@ def _logits_t(h: torch.Tensor, head: HeadInput) -> torch.Tensor:
     w = head.weight.to(head.dtype)
     w = w.t() if head.transposed else w  # [vocab, d]
     x = h.to(head.dtype).t()
-    y = torch.mm(w, x) if head.bias is None else torch.addmm(head.bias.to(head.dtype).unsqueeze(1), w, x)
-    return y.float()
+    y = gemm.mm(w, x)
+    return (y if head.bias is None else y.add_(head.bias.to(head.dtype).unsqueeze(1))).float()
 
 
 def _scaled_softmax_minus_target(
@@ -212,10 +213,10 @@ class LinearCrossEntropy(torch.autograd.Function):
         g_t = _scaled_softmax_minus_target(exps_t.t(), sums, targets, ctx.split, grad).t()  # [vocab, tokens], float32
         g_t = g_t.to(head.dtype)
         w = weight.to(head.dtype)
-        grad_h = (g_t.t() @ (w.t() if head.transposed else w)) if want_h else None
+        grad_h = gemm.mm(g_t.t(), w.t() if head.transposed else w) if want_h else None
         grad_w = None
         if want_w:
-            grad_w = g_t @ h.to(head.dtype)  # [vocab, d]
+            grad_w = gemm.mm(g_t, h.to(head.dtype))  # [vocab, d]
             grad_w = grad_w.t().contiguous() if head.transposed else grad_w
         grad_b = g_t.float().sum(1) if want_b else None
         return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None

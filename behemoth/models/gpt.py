@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from behemoth.models.gemm import linear
 from behemoth.models.init import InitSpec
 from behemoth.models.layered import KVCacheStep
 from behemoth.models.moe import ExpertSpec, MoEConfig, MoELayer, RouterStats, StackedExperts, init_std, moe_params
@@ -226,7 +227,7 @@ class GPT(nn.Module):
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """The logits of final-norm hidden states: the LM head, or the token embedding's weight when tied."""
-        return F.linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
+        return linear(h, self.wte.weight) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits; `positions` [B, T]: the tokens' positions in their sequence (a context-parallel shard's), default 0 .. T-1."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from behemoth.errors import BehemothError
+from behemoth.models import gemm
 from behemoth.models.causal_lm import IGNORE_INDEX
 from behemoth.models.init import FULL_NAME, mark_partial
 from behemoth.parallel.chunked import Box
@@ -176,7 +177,7 @@ class _InputPath(torch.autograd.Function):
             ctx.cache.start(ctx.shard)
         (weight,) = ctx.saved_tensors
         weight = weight.to(grad.dtype)
-        return torch.matmul(grad, weight.t() if ctx.transposed else weight).to(ctx.x_dtype), None
+        return gemm.matmul(grad, weight.t() if ctx.transposed else weight).to(ctx.x_dtype), None
 
 
 class _WeightPath(torch.autograd.Function):
@@ -230,7 +231,7 @@ def regathered_weight_grads(
     if wants[0]:
         x = cache.take(shard).to(g.dtype)
         x = x.reshape(-1, x.shape[-1])
-        grad_w = (x.t() @ g if transposed else g.t() @ x).to(dtypes[0])
+        grad_w = (gemm.mm(x.t(), g) if transposed else gemm.mm(g.t(), x)).to(dtypes[0])
     if wants[1]:
         grad_b = g.sum(0).to(dtypes[1])
     return grad_w, grad_b
@@ -282,11 +283,9 @@ def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """x W^T + b for an nn.Linear weight [out, in]; x W + b for a transposed weight [in, out]."""
-    if not transposed:
-        return F.linear(x, weight, bias)
-    y = torch.matmul(x, weight)
-    return y if bias is None else y + bias
+    """x W^T + b for an nn.Linear weight [out, in]; x W + b for a transposed weight [in, out] (by the process's
+    train.gemm library: models/gemm.py)."""
+    return gemm.linear_transposed(x, weight, bias) if transposed else gemm.linear(x, weight, bias)
 
 
 def check_linear(module: nn.Module, name: str, transposed: bool) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from behemoth.config import load_config
 from behemoth.models.causal_lm import CausalLM, build_causal_lm, counted_targets, summed_token_loss
+from behemoth.models.gemm import route_linears, set_gemm
 from behemoth.models.lora import inject_lora
 from behemoth.parallel.sync import adamw_settings, adamw_with_state, decays
 from behemoth.sweep.hydra import wire
@@ -103,6 +104,8 @@ def trial_model(cfg: Any) -> CausalLM:
     lm = build_causal_lm(cfg.model, cfg.hf)
     if cfg.finetune.lora.enabled:
         inject_lora(lm, cfg.finetune.lora)
+    set_gemm(cfg.train.gemm)  # its linears by the library its run alone uses (models/gemm.py), so the results agree bit for bit
+    route_linears(lm.module)
     return lm
 
 
@@ -136,6 +139,7 @@ class Skeleton:
 
     def run(self, pieces: tuple[str | int, ...], h: torch.Tensor) -> torch.Tensor:
         """The shard's pieces in order: the view's embedding, blocks (each with its context), head."""
+        set_gemm(self.cfg.train.gemm)  # this trial's library (trials of one sweep may set train.gemm differently)
         view, m = self.lm.layers, self.lm.module
         blocks = cast(nn.ModuleList, m.get_submodule(view.blocks))
         for piece in pieces:
