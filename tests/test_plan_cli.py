@@ -140,6 +140,7 @@ def test_calibrate_writes_a_cluster_file(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "all_reduce" in printed and "ns per parameter element" in printed and "slower while one runs beside it" in printed
     assert 0 <= spec.device.overlap_slowdown <= 0.9  # measured on this host (its magnitude depends on the load)
+    assert "train.gemm=auto" in spec.source  # the products were timed by the library training multiplies with
 
 
 def measured_here(slowdown: float) -> dict:

@@ -53,14 +53,18 @@ def sync(device: torch.device) -> None:
 
 
 def matmul_curve(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], group: dist.ProcessGroup) -> list[tuple[int, float]]:
-    """(n, TFLOP/s) of n x n x n products, every rank multiplying at once."""
+    """(n, TFLOP/s) of n x n x n products, every rank multiplying at once, by the library training multiplies with
+    (`models.gemm`: oneDNN for CPU float32 where train.gemm=auto finds it faster than torch's BLAS, as on this
+    project's AMD CPU, where it runs at about twice MKL's rate)."""
+    from behemoth.models.gemm import mm
+
     g = torch.Generator(device=device).manual_seed(0)
     out = []
     for n in sizes:
         a = torch.randn(n, n, device=device, generator=g).to(dtype)
         b = torch.randn(n, n, device=device, generator=g).to(dtype)
         reps = max(2, min(20, int(2e9 / (2 * n**3)) + 1))
-        seconds = timed(lambda: a @ b, reps, device, group)
+        seconds = timed(lambda: mm(a, b), reps, device, group)
         out.append((n, 2 * n**3 / seconds / 1e12))
     return out
 
@@ -311,7 +315,10 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
     """One rank of the calibration (see the module docstring); rank 0 returns the measurements."""
     from behemoth.topology import init_runtime
 
+    from behemoth.models.gemm import describe, set_gemm
+
     rt = init_runtime(timeout_s=300.0)
+    set_gemm("auto")  # what a training run multiplies with by default (train.gemm): products and blocks timed so
     try:
         group, device = rt.world_group, rt.device
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -333,6 +340,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         )
         out["disk_bandwidth_gbs"] = disk_bandwidth(Path(cache_dir), DISK_BYTES[mode]) if rt.is_main else None
         out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU process ({os.cpu_count()} cores shared)"
+        out["gemm"] = describe()
         out["device_memory"] = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         out["cores"] = core_count() if device.type == "cpu" else None
         return out
@@ -387,7 +395,8 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         intra_node=link,
         host=host,
         kind="calibrated",
-        source=f"behemoth calibrate on {world} local {m['device']} process(es), {time.strftime('%Y-%m-%d %H:%M')}",
+        source=f"behemoth calibrate on {world} local {m['device']} process(es), {time.strftime('%Y-%m-%d %H:%M')}"
+        + (f"; {m['gemm']}" if m.get("gemm") else ""),
         measured=measured,
     )
 
