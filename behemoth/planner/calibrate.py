@@ -313,9 +313,8 @@ def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
 
 def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
     """One rank of the calibration (see the module docstring); rank 0 returns the measurements."""
-    from behemoth.topology import init_runtime
-
     from behemoth.models.gemm import describe, set_gemm
+    from behemoth.topology import init_runtime
 
     rt = init_runtime(timeout_s=300.0)
     set_gemm("auto")  # what a training run multiplies with by default (train.gemm): products and blocks timed so
