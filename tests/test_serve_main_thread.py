@@ -146,3 +146,66 @@ def test_the_generated_text_continues_the_prompt_with_its_leading_space():
     second, _ = tracker.update([4, 5])
     assert (first, second, tracker.text) == (" fin", "ally", " finally")
     assert tok.decode([0, 1, 2, 3]) + tracker.text == tok.decode([0, 1, 2, 3, 4, 5])  # prompt + completion = the whole text
+
+
+class _ByteFallbackPieces:
+    """A Llama-style tokenizer (tokenizer.json's BPE with byte fallback and the legacy decoder): "▁" words and <0xNN>
+    byte pieces, so a character can span several tokens."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<s>": 0, "</s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+        for word in ("▁the", "▁fin", "ally", "▁", "x", "▁é"):
+            vocab[word] = len(vocab)
+        tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        self.inner = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+        self.size = len(vocab)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.inner.decode(tokens, skip_special_tokens=False)
+
+
+def _byte_pieces(text: str) -> list[int]:
+    return [2 + b for b in text.encode()]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_text_equals_decoding_everything_at_once(seed):
+    """Token by token, with characters split over byte pieces (é, 𝄞) and a prompt that ends mid-character: what the
+    tracker hands out adds up to the whole decode of the tokens after the prompt. (Invalid bytes are the one place the
+    two may differ: the byte-fallback decoder replaces a run of byte pieces as a whole, so a lone continuation byte
+    before "é" makes three replacement characters decoded at once and "\ufffdé" decoded as the tokens come.)"""
+    import random
+
+    tok = _ByteFallbackPieces()
+    rng = random.Random(seed)
+    pieces = [[tok.size - 6], [tok.size - 5], [tok.size - 4], [tok.size - 3], [tok.size - 1], _byte_pieces("é"), _byte_pieces("𝄞")]
+    tokens = [t for _ in range(60) for t in rng.choice(pieces)]
+    prompts = ([0, tok.size - 6], [0] + _byte_pieces("𝄞")[:2], [])  # the last: no context
+    for prompt in prompts:
+        tracker, sent = TextTracker(tok, [], context=prompt), []
+        for n in range(1, len(tokens) + 1):
+            sent.append(tracker.update(tokens[:n], final=n == len(tokens))[0])
+        assert "".join(sent) == tracker.text == tracker.decode(tokens)
+        if prompt and prompt[-1] == tok.size - 6:
+            assert tok.decode(prompt) + tracker.text == tok.decode(prompt + tokens)  # the text continues the prompt's
+
+
+def test_a_stop_string_across_tokens_ends_the_incremental_text():
+    tok = _ByteFallbackPieces()
+    ids = [tok.size - 6, tok.size - 4, tok.size - 3, tok.size - 5, tok.size - 4]  # " the fin ally fin"... as pieces
+    text = tok.decode(ids)
+    stop = text[5:9]
+    tracker, sent = TextTracker(tok, [stop]), []
+    for n in range(1, len(ids) + 1):
+        delta, stopped = tracker.update(ids[:n])
+        sent.append(delta)
+        if stopped:
+            break
+    assert stopped and "".join(sent) == text[: text.index(stop)] == tracker.text

@@ -136,30 +136,69 @@ class TextTracker:
 
     The tokens are decoded after the prompt's last few (`context`) and the context's own text is cut off: a
     sentencepiece tokenizer drops the space that begins a lone sequence's first word, so "▁fin" alone decodes to "fin"
-    while after the prompt it is " fin" (the text that continues the prompt, as llama.cpp and vLLM answer it)."""
+    while after the prompt it is " fin" (the text that continues the prompt, as llama.cpp and vLLM answer it).
+
+    Decoding is incremental (as vLLM's detokenizer is): each update decodes a window from the tokens the last update
+    had already read (`prefix`) to the end and keeps what goes past the window's earlier text, so a step costs the same
+    at the 2,000th token as at the 10th (a whole decode of 2,000 ids took 0.83 ms, per request per step). An update
+    whose text ends in an unfinished UTF-8 character waits for the next token; a window whose text does not extend
+    the earlier text (a tokenizer that rewrites across the boundary) decodes everything again."""
 
     def __init__(self, tokenizer: Tokenizer | None, stops: list[str], context: list[int] | None = None) -> None:
         self.tokenizer, self.stops = tokenizer, stops
         self.sent = 0
-        self.text = ""
-        self.context = list(context or [])[-CONTEXT_TOKENS:] if tokenizer is not None else []
+        self.text = ""  # what has been handed out
+        self.full = ""  # the text of the tokens read so far (whole characters), stops not applied
+        self.longest_stop = max((len(stop) for stop in stops), default=0)
+        self.context = self._context(context)
         self.context_text = tokenizer.decode(self.context) if tokenizer is not None and self.context else ""
+        self.ids = list(self.context)  # the context, then every generated token read
+        self.count = 0  # generated tokens read
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read]: the last window, whose text `full` ends with
+
+    def _context(self, context: list[int] | None) -> list[int]:
+        """The prompt's last CONTEXT_TOKENS ids, or none where their text ends in an unfinished character (its
+        completion would be in the generated text, shifting it)."""
+        if self.tokenizer is None or not context:
+            return []
+        tail = list(context)[-CONTEXT_TOKENS:]
+        return [] if self.tokenizer.decode(tail).endswith("\ufffd") else tail
 
     def decode(self, tokens: list[int]) -> str:
-        """The text of the generated `tokens` as it continues the prompt."""
+        """The text of the generated `tokens` as it continues the prompt, decoded whole."""
         assert self.tokenizer is not None
         if self.context:
             whole = self.tokenizer.decode(self.context + tokens)
-            if whole.startswith(self.context_text) and not self.context_text.endswith("\ufffd"):
+            if whole.startswith(self.context_text):
                 return whole[len(self.context_text) :]
         return self.tokenizer.decode(tokens)
+
+    def _read(self, tokens: list[int], final: bool) -> None:
+        """Extend `full` by the text of the generated tokens not read yet."""
+        assert self.tokenizer is not None
+        if len(tokens) > self.count:
+            self.ids.extend(tokens[self.count :])
+            self.count = len(tokens)
+        elif not final or self.read == len(self.ids):
+            return
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix :])
+        if window.endswith("\ufffd") and not final:
+            return  # an unfinished character: its next bytes come with the next token
+        if window.startswith(before):
+            self.full += window[len(before) :]
+        else:
+            self.full = self.decode(tokens)
+        self.prefix, self.read = self.read, len(self.ids)
 
     def update(self, tokens: list[int], final: bool = False) -> tuple[str, bool]:
         """(new text that may be sent, whether a stop string appeared). After a stop the text ends before it."""
         if self.tokenizer is None:
             return "", False
-        text = self.decode(tokens)
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        self._read(tokens, final)
+        text = self.full
+        start = max(0, self.sent - self.longest_stop)  # nothing sent can begin a stop string (`held_back`)
+        cut = min((i for i in (text.find(s, start) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             text, final = text[:cut], True
         safe = len(text) if final else len(text) - held_back(text, self.stops)
