@@ -3,7 +3,9 @@
 Same model (built and initialized by behemoth), same batches, same AdamW and clipping on both
 sides; only the gradient synchronization (or the engine around the step) differs. Run:
 
-    python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m] [--quick] [--json FILE]
+    python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m] [--quick] [--json FILE] [--set train.gemm=blas]
+
+The peers multiply with torch's default BLAS; behemoth with train.gemm (default auto: oneDNN on CPUs where it is faster).
 
 Prints a markdown table: tokens/s (median step), the ratio behemoth / peer, and each rank's peak
 resident memory (RSS, which includes ~300 MB of torch itself on every rank).
@@ -24,10 +26,10 @@ MODELS = {
 }
 
 
-def make_config(model: str) -> dict[str, Any]:
+def make_config(model: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from behemoth.config import load_config
 
-    return load_config(None, MODELS[model] + ["run.progress=false"]).model_dump(mode="json")
+    return load_config(None, MODELS[model] + ["run.progress=false", *extra]).model_dump(mode="json")
 
 
 def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
@@ -85,10 +87,10 @@ def peer_step(kind: str, cfg: Any, rt: Any):
     return step
 
 
-def run(model: str, steps: int, warmup: int) -> list[dict[str, Any]]:
+def run(model: str, steps: int, warmup: int, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     from behemoth.faults.ranks import run_ranks
 
-    cfg = make_config(model)
+    cfg = make_config(model, extra)
     rows = []
     for ours, peer, world, threads in [("behemoth", "ddp", 2, 1), ("behemoth", "plain", 1, 2)]:
         a = run_ranks(world, bench_rank, ours, cfg, steps, warmup, threads=threads, timeout=1800)
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default="gpt-1m,gpt-6m")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for both sides (e.g. train.gemm=blas)")
     add_report_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     out = []
     for model in args.models.split(","):
-        for r in run(model, args.steps, args.warmup):
+        for r in run(model, args.steps, args.warmup, tuple(args.set)):
             print(
                 f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
                 f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |",
