@@ -103,8 +103,8 @@ def test_route_linears_keeps_parameters_hooks_and_names():
     assert seen == [torch.Size([3, 16])]
 
 
-def _train_counting(cfg: dict[str, Any]) -> dict[str, Any]:
-    """train_body, counting the products oneDNN ran in this process."""
+def _count_onednn() -> list[int]:
+    """From now on in this process, count the products oneDNN runs (in the list's one element)."""
     calls = [0]
     dnn = gemm._dnn
 
@@ -113,6 +113,12 @@ def _train_counting(cfg: dict[str, Any]) -> dict[str, Any]:
         return dnn(*args)
 
     gemm._dnn = counted
+    return calls
+
+
+def _train_counting(cfg: dict[str, Any]) -> dict[str, Any]:
+    """train_body, counting the products oneDNN ran in this process."""
+    calls = _count_onednn()
     return {**train_body(cfg), "onednn_calls": calls[0]}
 
 
@@ -160,14 +166,7 @@ def _lora_counting(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     from behemoth.topology import init_runtime
     from tests.test_lora import batches
 
-    calls = [0]
-    dnn = gemm._dnn
-
-    def counted(*args: Any) -> torch.Tensor:
-        calls[0] += 1
-        return dnn(*args)
-
-    gemm._dnn = counted
+    calls = _count_onednn()
     cfg = Config.model_validate(cfg_dict)
     engine = build_engine(cfg, init_runtime(timeout_s=cfg.run.timeout_s))
     losses = [engine.train_step([(x, y)], lr_at(step, cfg.train)).loss for step, (x, y) in enumerate(batches())]
