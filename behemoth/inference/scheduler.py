@@ -218,13 +218,14 @@ class Scheduler:
         prefilling = [r for r in self.running if not r.prefilled]
         prefix = prefilling[0].cached if prefilling else 0
         chunks = self._prefill_chunks(prefilling, self.chunk_limit(len(decoding), prefix))
-        observed = self.budget.observed if self.budget is not None else None
+        budget = self.budget
+        observed = budget.observed if budget is not None else None
         started = observed.clock() if observed is not None else 0.0
         if chunks and decoding and self.packs and not any(r.params.adapter for r, _ in chunks) and not any(r.params.adapter for r in decoding):
             finished += self._run(chunks + [(r, 1) for r in decoding], packed=True)  # a mixed step: one forward
             self.stats["mixed_steps"] += 1
-            if observed is not None and self.budget is not None:  # how the served step compares with the measurement
-                predicted = self.budget.costs.mixed_time(sum(n for _, n in chunks), len(decoding), prefix)
+            if budget is not None and observed is not None:  # how the served step compares with the measurement
+                predicted = budget.costs.mixed_time(sum(n for _, n in chunks), len(decoding), prefix)
                 observed.observe_mixed(observed.clock() - started, predicted)
         else:
             for group, is_prefill in ((chunks, True), ([(r, 1) for r in decoding], False)):
@@ -345,8 +346,10 @@ class Scheduler:
         """One forward of `chunks` (request, its next n tokens), packed in one row or a row each; a token for each
         request whose tokens are all cached."""
         rows = [(r.id, r.tokens[r.cached : r.cached + n], r.cached) for r, n in chunks]
-        owners = [(r.id, r.epoch) for r, _ in chunks]  # decode lanes (decode_lanes.py): a preempted request comes back anew
-        batch = plan_packed_step(self.alloc, rows) if packed else plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks], owners)
+        if packed:
+            batch = plan_packed_step(self.alloc, rows)
+        else:  # each row's owner for decode lanes (decode_lanes.py): a preempted request comes back with a new epoch
+            batch = plan_step(self.alloc, rows, [r.params.adapter for r, _ in chunks], [(r.id, r.epoch) for r, _ in chunks])
         logits = self.runner.forward(batch)
         for (r, _), (_, new, _) in zip(chunks, rows):
             self.stats["decode_tokens" if r.prefilled else "prefill_tokens"] += len(new)

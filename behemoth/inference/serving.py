@@ -107,7 +107,7 @@ class EngineLoop:
         """Step on the calling thread until `stop` (from another thread) or a failure. One process serving runs its engine
         so, on the main thread that loaded the model: the OpenMP runtime (libgomp) spins less once threads beyond the
         cores' count are managed, and a second thread starting parallel regions beside the main thread's idle team ran a
-        decode step of the bench Llama about 1.5x slower than the main thread did (benchmarks/README.md)."""
+        decode step of the bench Llama about 1.5x slower than the main thread did (docs/serving.md, "Many clients at once")."""
         self.thread = threading.current_thread()
         self._loop()
 
