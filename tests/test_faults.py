@@ -90,6 +90,44 @@ def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, layout):
     assert f"rings in {run_dir / 'hang'}" in line
 
 
+def stop_self_or_fail(folder: str) -> None:
+    """A two-worker entry point: rank 0 stops itself (SIGSTOP) and, once woken, fails with a line about its own stop;
+    rank 1 waits until rank 0 is stopped and fails with the line that names it."""
+    from behemoth.faults.elastic import process_state
+    from behemoth.flight.recorder import SELF_PAUSED
+
+    marker = Path(folder) / "rank0.pid"
+    if int(os.environ["RANK"]) == 0:
+        marker.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        raise RuntimeError(f"rank 0: all_reduce #3 waited 10.0 s: rank 0 {SELF_PAUSED} for 9 s of the wait")
+    deadline = time.monotonic() + 30
+    while not (marker.exists() and process_state(int(marker.read_text())) == "T") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise RuntimeError("rank 1: all_reduce #3 waited 10.0 s: rank 0 never arrived")
+
+
+def test_the_cause_is_named_even_when_the_woken_rank_exits_first(tmp_path, monkeypatch):
+    """A rank woken because its peer died can exit before the launcher looks (it was past its timeout): the one line
+    still names the peer that failed first, not the woken rank's line about its own stop. The launcher is held for
+    1 s after the wake so that both workers have exited when it looks."""
+    from behemoth.faults import elastic
+
+    wake = elastic.wake_if_peer_died
+
+    def wake_then_lag(pids: dict[int, int]) -> dict[int, int]:
+        dead = wake(pids)
+        if dead:
+            time.sleep(1.0)
+        return dead
+
+    monkeypatch.setattr(elastic, "wake_if_peer_died", wake_then_lag)
+    with pytest.raises(elastic.BehemothError) as failed:
+        elastic.launch_local(2, stop_self_or_fail, (str(tmp_path),), elastic.ElasticPolicy(grace_s=3.0))
+    assert str(failed.value).startswith("worker rank 1 failed: "), str(failed.value)
+    assert "rank 0 never arrived" in str(failed.value), str(failed.value)
+
+
 @pytest.mark.slow
 def test_chaos_twenty_trials():
     assert chaos_main(["--trials", "20"]) == 0

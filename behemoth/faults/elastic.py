@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
@@ -176,6 +178,34 @@ class BehemothAgent(LocalElasticAgent):
         super().__init__(spec, DefaultLogsSpecs(log_dir=log_dir), start_method="spawn", shutdown_timeout=int(max(1, grace_s)))
         self.grace_s = grace_s
         self.last_failure: RunResult | None = None
+        self.dead_at_wake: dict[int, int] = {}  # local rank -> pid: workers already gone when a stopped one was woken
+        self.wake_lock = threading.Lock()
+
+    def run(self, role: str = "default") -> RunResult:
+        """torch's run, with a thread that wakes stopped workers once a peer has died, also while torch's process context
+        is inside its join: a peer that dies just after a monitoring pass is found by the join, which then sends the
+        stopped worker SIGTERM and waits 30 s for it to act."""
+        done = threading.Event()
+        waker = threading.Thread(target=self.wake_while_running, args=(done,), name="behemoth-waker", daemon=True)
+        waker.start()
+        try:
+            return super().run(role)
+        finally:
+            done.set()
+            waker.join()
+
+    def wake_while_running(self, done: threading.Event) -> None:
+        while not done.wait(0.1):
+            self.wake_stopped()
+
+    def wake_stopped(self) -> None:
+        context = self._pcontext
+        if context is None:
+            return
+        with contextlib.suppress(Exception):  # the context may close or be replaced (a restart) under the thread
+            dead = wake_if_peer_died(context.pids())
+            with self.wake_lock:
+                self.dead_at_wake.update(dead)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         if self._pcontext is not None:
@@ -185,12 +215,28 @@ class BehemothAgent(LocalElasticAgent):
         super()._shutdown(death_sig, int(max(1, min(timeout, self.grace_s))))
 
     def _monitor_workers(self, worker_group: Any) -> RunResult:
-        if self._pcontext is not None:
-            wake_if_peer_died(list(self._pcontext.pids().values()))
+        self.wake_stopped()
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
+            self.add_failures_of_the_dead(result, worker_group)
             self.last_failure = result
         return result
+
+    def add_failures_of_the_dead(self, result: RunResult, worker_group: Any) -> None:
+        """torch's process context reports the first failed worker it finds ready; a stopped worker woken because a
+        peer had died can be ready first (it was past its timeout and exits at once), and its line is not the cause.
+        Every worker that had already failed when it was woken is added to `result.failures`, so that the one-line
+        report can pick the root cause among them."""
+        processes = getattr(getattr(self._pcontext, "_pc", None), "processes", None)
+        error_files = getattr(self._pcontext, "error_files", {})
+        with self.wake_lock:
+            dead, self.dead_at_wake = self.dead_at_wake, {}
+        for local_rank, pid in dead.items():
+            rank = worker_group.workers[local_rank].global_rank
+            exitcode = processes[local_rank].exitcode if processes is not None else 1
+            if rank in result.failures or exitcode == 0:
+                continue
+            result.failures[rank] = ProcessFailure(local_rank, pid, 1 if exitcode is None else exitcode, error_files.get(local_rank, ""))
 
     def _restart_workers(self, worker_group: Any) -> None:
         spec = worker_group.spec
@@ -215,15 +261,19 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def wake_if_peer_died(pids: list[int]) -> None:
+def wake_if_peer_died(pids: dict[int, int]) -> dict[int, int]:
     """Once a worker has exited, wake any stopped (SIGSTOP) one: the launcher then stops the rest with SIGTERM, which a
-    stopped process would hold for the 30 s torch waits before SIGKILL."""
-    states = {pid: process_state(pid) for pid in pids}
-    if any(state in (None, "Z", "X") for state in states.values()):
-        for pid, state in states.items():
-            if state == "T":
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGCONT)
+    stopped process would hold for the 30 s torch waits before SIGKILL. `pids` maps local rank -> pid; the workers that
+    had exited when one was woken are returned (local rank -> pid), empty if none was woken."""
+    states = {rank: (pid, process_state(pid)) for rank, pid in pids.items()}
+    dead = {rank: pid for rank, (pid, state) in states.items() if state in (None, "Z", "X")}
+    stopped = [pid for pid, state in states.values() if state == "T"]
+    if not dead or not stopped:
+        return {}
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGCONT)
+    return dead
 
 
 def run_agent(entrypoint: Callable[..., Any], args: tuple, *, nproc: int, handler: Any, policy: ElasticPolicy, log_dir: str) -> dict[int, Any]:
