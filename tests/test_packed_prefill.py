@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from behemoth.inference import SamplingParams, load
+from behemoth.inference import SamplingParams, load, packed_prefill
 from behemoth.inference.fast_decode import FusedDecoder
 from behemoth.inference.generate import CachePolicy, local_runner
 from behemoth.inference.kv_cache import BlockAllocator, plan_step
@@ -50,7 +50,12 @@ def run_steps(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return logits, hidden
 
 
-def test_packed_steps_equal_the_model_blocks(llama):
+@pytest.mark.parametrize("tile", [None, 5], ids=["one-tile", "tiles-of-5"])
+def test_packed_steps_equal_the_model_blocks(llama, tile, monkeypatch):
+    """Every step's logits and hidden states equal the blocks' at every real position; with tiles of 5 tokens (smaller
+    than the rows, so tiles cut across rows) as with the whole step in one tile."""
+    if tile is not None:
+        monkeypatch.setattr(packed_prefill, "TILE", tile)
     model = load_model(resolve_source(llama, []), init_runtime())
     packed, plain = (local_runner(model, CachePolicy(block_size=4, max_blocks=64)) for _ in range(2))
     plain.fused = False

@@ -9,7 +9,8 @@ layer (one call per row served slower in one loaded run at two threads: many sma
 threads): rows that all start at position 0 attend causally to their own new keys (no gather, no mask); a step with
 cached positions (a later prefill chunk, a prefix-cache hit, a speculative check) gathers every row's slots and
 attends under the step's mask (a new token at position p sees positions 0..p of its row). The keys and values are
-written to and read back in the cache's dtype, as the blocks' path does.
+written to and read back in the cache's dtype, as the blocks' path does. Outside attention a step runs `TILE` tokens at
+a time, so that a large prefill's intermediates (norms, products, SwiGLU) stay in the CPU's caches.
 """
 
 from __future__ import annotations
@@ -73,26 +74,40 @@ def prefill_layers(
     kv_heads: int,
     eps: float,
     onednn: bool,
+    tile: int,
 ) -> torch.Tensor:
     """h [N, d]: the real new tokens of B rows, row after row (`where`: their flat positions in the step's B x T), through
     every layer of `weights` ([norm, qkv, o, norm, gate_up, down] each, fast_decode's layout); their keys and values
     written to `slots` of `keys`/`values` ([slots, kv_heads, head_dim] per layer); `gather` [B, L]: each row's slots,
-    attended under `mask` (None: every row starts at position 0, `_attention`); cos/sin [N, 1, head_dim]."""
+    attended under `mask` (None: every row starts at position 0, `_attention`); cos/sin [N, 1, head_dim]. Everything
+    but attention runs `tile` tokens at a time (`TILE`): each token's arithmetic is its own, and a tile's intermediates
+    stay in the CPU's caches (the gate/up product of a 3,800-token prefill is 42 MB)."""
     N = h.shape[0]
     D = keys[0].shape[-1]
     for i in range(len(weights)):
         w = weights[i]
-        qkv = _product(_rms(h, w[0], eps), w[1], False, onednn).view(N, heads + 2 * kv_heads, D)
-        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, heads + kv_heads :]
+        q, k, v = h.new_empty(N, heads, D), h.new_empty(N, kv_heads, D), h.new_empty(N, kv_heads, D)
+        for s in range(0, N, tile):
+            e = min(N, s + tile)
+            qkv = _product(_rms(h[s:e], w[0], eps), w[1], False, onednn).view(e - s, heads + 2 * kv_heads, D)
+            qk = _rotate(qkv[:, : heads + kv_heads], cos[s:e], sin[s:e])
+            q[s:e], k[s:e], v[s:e] = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         keys[i].index_copy_(0, slots, k.to(keys[i].dtype))
         values[i].index_copy_(0, slots, v.to(values[i].dtype))
         a = _attention(q, k, v, keys[i], values[i], where, gather, mask, T).reshape(N, heads * D)
-        h = h + _product(a, w[2], False, onednn)
-        gate, up = _product(_rms(h, w[3], eps), w[4], False, onednn).chunk(2, dim=-1)
-        h = h + _product(F.silu(gate) * up, w[5], False, onednn)
+        out = torch.empty_like(h)
+        for s in range(0, N, tile):
+            e = min(N, s + tile)
+            x = h[s:e] + _product(a[s:e], w[2], False, onednn)
+            gate, up = _product(_rms(x, w[3], eps), w[4], False, onednn).chunk(2, dim=-1)
+            out[s:e] = x + _product(F.silu(gate) * up, w[5], False, onednn)
+        h = out
     return h
+
+
+TILE = 512  # tokens of a packed step computed at a time outside attention: measured on 32 prompts of 60-200 tokens
+# (3,799 in all, 25M Llama, 2 threads), the prefill took 0.65-0.68 s in tiles of 256-1,024 tokens against 0.93-1.04 s
+# whole (the same tokens)
 
 
 def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Sequence[int], storage: Any) -> torch.Tensor:
@@ -120,5 +135,6 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
         decoder.kv_heads,
         decoder.eps,
         onednn_products(h) and int(valid.sum()) >= ONEDNN_PACKED_MIN,
+        TILE,
     )
     return h.new_zeros(h.shape).index_put_((valid,), out)
