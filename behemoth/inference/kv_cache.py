@@ -102,6 +102,15 @@ class BlockAllocator:
         pos = torch.arange(start, stop)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def slot_table(self, seqs: list[Any], length: int) -> torch.Tensor:
+        """[len(seqs), length]: the flat slot of positions 0..length - 1 of each sequence, in one indexing (positions past a
+        sequence's blocks read block 0's slots: the caller masks them)."""
+        blocks = -(-length // self.block_size)
+        tables = [self.tables[s][:blocks] for s in seqs]
+        table = torch.tensor([t + [0] * (blocks - len(t)) for t in tables], dtype=torch.long)
+        pos = torch.arange(length)
+        return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
 
 @dataclass(frozen=True)
 class PackedRows:
@@ -175,22 +184,20 @@ def plan_step(
         raise ValueError("a step needs at least one sequence")
     B, T = len(rows), max(len(tokens) for _, tokens, _ in rows)
     L = max(start + len(tokens) for _, tokens, start in rows)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    gather = torch.zeros(B, L, dtype=torch.long)
-    slots = []
-    for b, (seq, tokens, start) in enumerate(rows):
-        n, end = len(tokens), start + len(tokens)
-        if alloc.lengths.get(seq, -1) < end:
-            raise ValueError(f"sequence {seq!r} holds {alloc.lengths.get(seq, 0)} positions, the step writes up to {end}")
-        ids[b, :n] = torch.tensor(tokens, dtype=torch.long)
-        positions[b, :n] = torch.arange(start, end)
-        every = alloc.slots(seq, 0, end)
-        gather[b, :end] = every
-        slots.append(every[start:])
-    lengths = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
+    for seq, tokens, start in rows:
+        if alloc.lengths.get(seq, -1) < start + len(tokens):
+            raise ValueError(f"sequence {seq!r} holds {alloc.lengths.get(seq, 0)} positions, the step writes up to {start + len(tokens)}")
+    counts = torch.tensor([len(tokens) for _, tokens, _ in rows], dtype=torch.long)
+    starts = torch.tensor([start for _, _, start in rows], dtype=torch.long)
+    ids = torch.tensor([tokens + [0] * (T - len(tokens)) for _, tokens, _ in rows], dtype=torch.long)
+    new = torch.arange(T).unsqueeze(0) < counts.unsqueeze(1)  # [B, T]: real new tokens
+    positions = (starts.unsqueeze(1) + torch.arange(T)) * new
+    gather = alloc.slot_table([seq for seq, _, _ in rows], L)  # [B, L]: every row's slots, position by position
+    held = torch.arange(L).unsqueeze(0) < (starts + counts).unsqueeze(1)
+    gather *= held  # positions past a row's end read slot 0 (masked)
+    written = held & (torch.arange(L).unsqueeze(0) >= starts.unsqueeze(1))  # each row's new positions, row after row
     rows_adapters = torch.tensor(adapters, dtype=torch.long) if adapters is not None and any(adapters) else None
-    return StepBatch(ids, positions, lengths, torch.cat(slots), gather, rows_adapters, owners=None if owners is None else tuple(owners))
+    return StepBatch(ids, positions, counts, gather[written], gather, rows_adapters, owners=None if owners is None else tuple(owners))
 
 
 def plan_packed_step(alloc: BlockAllocator, rows: list[tuple[Any, list[int], int]]) -> StepBatch:

@@ -101,10 +101,12 @@ def apply_openai_penalties(logits: torch.Tensor, params: list[SamplingParams], g
     if not any(p.penalized for p in params):
         return logits
     out = logits.clone()
+    biased = [(b, int(token), bias) for b, p in enumerate(params) if p.logit_bias for token, bias in p.logit_bias.items()]
+    if biased:  # every row's bias in one indexing
+        rows, ids, values = zip(*biased)
+        index = (torch.tensor(rows, device=out.device), torch.tensor(ids, device=out.device))
+        out.index_put_(index, torch.tensor(values, dtype=out.dtype, device=out.device), accumulate=True)
     for b, p in enumerate(params):
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
-            out[b, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
         if (p.presence_penalty or p.frequency_penalty) and generated[b]:
             counts = torch.bincount(torch.tensor(generated[b], dtype=torch.long), minlength=out.shape[-1]).to(out.device, out.dtype)
             out[b] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
