@@ -214,19 +214,23 @@ def measure(name: str, proc: subprocess.Popen, url: str, clients: int, args: arg
 
 
 def measure_again_once(name: str, server: tuple[subprocess.Popen, str], clients: int, args: argparse.Namespace, round_: int) -> dict[str, Any]:
-    """`measure`, repeated once when a request of the level fails on a connection error (llama-server, given token ids,
-    now and then closes a connection without an answer while its process runs on); the failure is printed, and a
-    second one ends the run. The repeat gets prompts of its own: the failed attempt's would be in the server's prompt
-    cache (llama-server then answered a repeated 32-client level at 1,375 tok/s against 890-910 for new prompts)."""
+    """`measure`, repeated when a request of the level fails on a connection error (llama-server, given token ids, now
+    and then closes a connection without an answer while its process runs on), up to `RETRIES` times; each failure is
+    printed, and one more ends the run. Each repeat gets prompts of its own: a failed attempt's would be in the server's
+    prompt cache (llama-server then answered a repeated 32-client level at 1,375 tok/s against 890-910 for new prompts)."""
     import openai
 
-    try:
-        return measure(name, *server, clients, args, round_)
-    except openai.APIConnectionError as err:
-        print(
-            f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts", flush=True
-        )
-        return measure(name, *server, clients, args, round_ + 100)
+    for attempt in range(RETRIES + 1):
+        try:
+            return measure(name, *server, clients, args, round_ + 100 * attempt)
+        except openai.APIConnectionError as err:
+            if attempt == RETRIES:
+                raise
+            print(f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts", flush=True)
+    raise AssertionError("unreachable")
+
+
+RETRIES = 3  # a level measured again at most this many times after a dropped connection
 
 
 def run_all(servers: dict[str, tuple[subprocess.Popen, str]], args: argparse.Namespace) -> dict[tuple[str, int], dict[str, Any]]:

@@ -182,7 +182,7 @@ def plan_step(
     already hold blocks for its new length (`BlockAllocator.grow`)."""
     if not rows:
         raise ValueError("a step needs at least one sequence")
-    B, T = len(rows), max(len(tokens) for _, tokens, _ in rows)
+    T = max(len(tokens) for _, tokens, _ in rows)
     L = max(start + len(tokens) for _, tokens, start in rows)
     for seq, tokens, start in rows:
         if alloc.lengths.get(seq, -1) < start + len(tokens):

@@ -163,9 +163,9 @@ class Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.lock = threading.Lock()
-        self.items: list[tuple[asyncio.Queue, Any]] = []
+        self.items: list[tuple[asyncio.Queue[Any], Any]] = []
 
-    def post(self, queue: asyncio.Queue, item: Any) -> None:
+    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
         with self.lock:
             self.items.append((queue, item))
             if len(self.items) > 1:  # a delivery is already scheduled and has not run yet
