@@ -226,7 +226,10 @@ def measure_again_once(name: str, server: tuple[subprocess.Popen, str], clients:
         except openai.APIConnectionError as err:
             if attempt == RETRIES:
                 raise
-            print(f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts", flush=True)
+            print(
+                f"  {name} @ {clients}: a request failed ({err.__class__.__name__}: {err.__cause__!r}); the level runs again on new prompts",
+                flush=True,
+            )
     raise AssertionError("unreachable")
 
 
