@@ -119,11 +119,12 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
     step = ctx["cache"]
     valid = step.valid
     cos, sin = ctx["position_embeddings"]  # [B, T, head_dim] of the padded positions: the real ones are picked
+    onednn = onednn_products(h) and int(valid.sum()) >= ONEDNN_PACKED_MIN
     out = scripted(prefill_layers)(
         h[valid],
         cos[valid].unsqueeze(1),
         sin[valid].unsqueeze(1),
-        [decoder.weights[i] for i in layers],
+        [decoder.layer_weights(i, int(valid.sum()), onednn) for i in layers],
         [storage.keys[i] for i in layers],
         [storage.values[i] for i in layers],
         step.batch.slots,
@@ -134,7 +135,7 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
         decoder.heads,
         decoder.kv_heads,
         decoder.eps,
-        onednn_products(h) and int(valid.sum()) >= ONEDNN_PACKED_MIN,
+        onednn,
         TILE,
     )
     return h.new_zeros(h.shape).index_put_((valid,), out)
