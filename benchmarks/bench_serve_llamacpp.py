@@ -24,6 +24,10 @@ shared machine) and the load average beside it. Run:
     python benchmarks/bench_serve_llamacpp.py --converter llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py \\
         [--llama-server build/bin/llama-server] [--baseline DIR]
 
+`--weights int4` serves 4-bit weights instead: behemoth with `--quantize int4` (symmetric, a scale per 64 inputs) and
+llama.cpp with the GGUF that its own `llama-quantize` (`--llama-quantize PATH`, default beside `--llama-server`) writes
+as Q4_0 (symmetric, a scale per 32 inputs) from the f32 one.
+
 `--baseline DIR` also serves behemoth from another source tree (`git archive <commit> | tar -x -C DIR`, run with
 PYTHONPATH=DIR) beside this one: a change's before and after in one run, on the same load.
 """
@@ -65,7 +69,8 @@ def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[st
     ctx = args.prompt_tokens + args.max_tokens + 64  # one request's context
     cmds = {
         BEHEMOTH: [sys.executable, "-m", "behemoth", "serve", folder, "--port", "{port}", "--model-name", "llama"]
-        + ["--max-batch", str(top), "--max-waiting", "4096", "--max-streams", str(4 * top), "--kv-cache-mb", "512"],
+        + ["--max-batch", str(top), "--max-waiting", "4096", "--max-streams", str(4 * top), "--kv-cache-mb", "512"]
+        + (["--quantize", "int4"] if args.weights == "int4" else []),
     }
     if args.baseline:  # the same server from another source tree (an earlier commit), to measure a change in one run
         cmds[BASELINE] = ["env", f"PYTHONPATH={args.baseline}", *cmds[BEHEMOTH]]
@@ -80,6 +85,16 @@ def server_commands(folder: str, gguf: str, args: argparse.Namespace) -> dict[st
         cmds[LLAMA_CPP] += ["-tb", str(args.threads), "--parallel", str(top), "-c", str(ctx * top), "--cont-batching", "-b", "512"]
         cmds[LLAMA_CPP] += ["--no-webui"]
     return cmds
+
+
+def q4_gguf(f32: str, args: argparse.Namespace) -> str:
+    """The f32 GGUF quantized to Q4_0 by llama.cpp's own llama-quantize; its path."""
+    tool = args.llama_quantize or (str(Path(args.llama_server).parent / "llama-quantize") if args.llama_server else None)
+    if tool is None or not Path(tool).exists():
+        raise SystemExit("--weights int4 needs llama.cpp's llama-quantize: --llama-quantize PATH (cmake --build build --target llama-quantize)")
+    out = f32.replace("-f32.gguf", "-q4_0.gguf")
+    subprocess.run([tool, f32, out, "Q4_0"], check=True, capture_output=True)
+    return out
 
 
 def start_server(cmd: list[str], threads: int) -> tuple[subprocess.Popen, str]:
@@ -277,10 +292,10 @@ def table(best: dict[tuple[str, int], dict[str, Any]], names: list[str], levels:
     return rows
 
 
-def ratio_rows(best: dict[tuple[str, int], dict[str, Any]], names: list[str], levels: list[int]) -> list[dict[str, Any]]:
+def ratio_rows(best: dict[tuple[str, int], dict[str, Any]], names: list[str], levels: list[int], weights: str = "f32") -> list[dict[str, Any]]:
     out = []
     for clients in levels:
-        ours, case = best[BEHEMOTH, clients], f"{clients} concurrent clients"
+        ours, case = best[BEHEMOTH, clients], f"{clients} concurrent clients" + ("" if weights == "f32" else f", {weights} weights")
         for peer in (n for n in names if n != BEHEMOTH):
             theirs = best[peer, clients]
             out += [
@@ -305,6 +320,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--text", action="store_true", help="send every server the prompts' text (default: the same token ids)")
     p.add_argument("--baseline", default=None, help="also serve behemoth from this source tree (e.g. `git archive` of a commit)")
     p.add_argument("--no-llama-cpp-python", action="store_true", help="leave out llama-cpp-python's server")
+    p.add_argument("--weights", choices=["f32", "int4"], default="f32", help="f32, or 4-bit: behemoth int4 against llama.cpp's Q4_0")
+    p.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize binary (default: beside --llama-server)")
     p.add_argument("--quick", action="store_true", help="16 output tokens, levels 1 and 8")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -325,6 +342,8 @@ def main() -> int:
         params = save_llama(SHAPE, folder)
         save_tokenizer(folder, SHAPE["vocab_size"])
         to_gguf(args.converter, folder, gguf)
+        if args.weights == "int4":
+            gguf = q4_gguf(gguf, args)
         from transformers import AutoTokenizer
 
         args.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -338,11 +357,12 @@ def main() -> int:
                 proc.terminate()
                 proc.wait(timeout=30)
     names = list(cmds)
-    print(f"\nLlama {params / 1e6:.1f}M parameters, float32, every server on {args.threads} threads; prompts of {args.prompt_chars} characters")
+    weights = "float32" if args.weights == "f32" else "4-bit weights (behemoth int4, llama.cpp Q4_0)"
+    print(f"\nLlama {params / 1e6:.1f}M parameters, {weights}, every server on {args.threads} threads; prompts of {args.prompt_chars} characters")
     print(f"of the stdlib's sources, {args.max_tokens} greedy output tokens each, streamed; best of {args.rounds} round(s).\n")
     print("\n".join(table(best, names, args.levels)))
     print("\n" + "\n".join(f"{name}: {' '.join(cmd)}" for name, cmd in cmds.items()))
-    write_rows(args.json, ratio_rows(best, names, args.levels))
+    write_rows(args.json, ratio_rows(best, names, args.levels, args.weights))
     return 0
 
 
