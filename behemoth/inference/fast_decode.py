@@ -217,6 +217,19 @@ def packed_layers(weights: dict[int, list[torch.Tensor]]) -> dict[int, list[torc
     return {layer: [prepack(w) if i in (1, 2, 4, 5) else w for i, w in enumerate(ws)] for layer, ws in weights.items()}
 
 
+def warm_products(layer: list[torch.Tensor], rows: int) -> None:
+    """Build oneDNN's kernels of one layer's prepacked products (every layer's have the same shapes; or of [one matrix],
+    the head's) for 1..`rows` rows,
+    once: each new row count's first product costs 0.3-0.4 ms more (measured here), which a chunked-prefill step of a
+    new size would otherwise pay in the middle of running streams. About 0.1 s for the 25M Llama."""
+    with torch.no_grad():
+        for w in (layer[i] for i in (1, 2, 4, 5)) if len(layer) > 1 else layer:
+            x = torch.zeros(rows, w.shape[1], dtype=torch.float32)
+            for m in range(1, rows + 1):
+                _onednn_product(x[:m], w)
+
+
+ONEDNN_ONE_ROW = False  # a lone token's products by the prepacked matrices too (else the two batched halves by BLAS)
 PACK_ROWS = 32  # the rows oneDNN's layout is chosen for (a full decode step of the default batch bound)
 PACK_LIMIT_BYTES = 2 << 30  # larger models keep one copy of their weights (their products read the [in, out] views)
 
@@ -285,11 +298,15 @@ class FusedDecoder:
         self.eps = float(first.input_layernorm.variance_epsilon)
         self.weights = {i: layer_weights(blocks[i]) for i in layers}
         self.packed = packed_layers(self.weights)  # oneDNN's own layout of the products' matrices, where it is kept
+        if self.packed is not None:
+            warm_products(self.packed[layers[0]], ONEDNN_PACKED_MIN)
         split_weights = {i: halves(w) for i, w in self.weights.items()}
         self.halves = None if any(w is None for w in split_weights.values()) else split_weights
         if head is not None and _plain_linear(head):
             fuse_columns([head])  # the head's own forward then reads its weight laid out [in, out] too
             head.packed_weight = prepack(head.weight) if self.packed is not None else None
+            if head.packed_weight is not None:
+                warm_products([head.packed_weight], ONEDNN_PACKED_MIN)
             head.forward = types.MethodType(_head_forward, head)
         self.run = scripted()
         self.split = split  # batch-1 steps split every product over two threads (`_product`)
@@ -315,7 +332,7 @@ class FusedDecoder:
         start = -1 if packed else contiguous_start(step.batch.gather)  # a packed row always needs its mask
         rows, new = h.shape[0], h.shape[1]
         lanes = self.lane_step(step.batch, storage, layers, h.dtype) if new == 1 and not packed and start < 0 else None
-        onednn = onednn_products(h) and (rows * new >= ONEDNN_PACKED_MIN if packed else rows * new > 1)
+        onednn = self.by_onednn(h, rows * new, packed)
         split = self.split and rows == 1  # `_product` then splits a product over two threads, by F.linear
         return self.run(
             h,
@@ -354,6 +371,17 @@ class FusedDecoder:
         if list(layers) != self.lanes.layers:
             return None
         return self.lanes.plan(batch.owners, batch.gather, batch.positions[:, 0], storage)
+
+    def by_onednn(self, h: torch.Tensor, tokens: int, packed: bool) -> bool:
+        """Whether a step of `tokens` new tokens in all runs its products by oneDNN: on CPUs in float32 (`onednn_products`),
+        a step of several tokens; with the matrices prepacked (`packed_layers`, whose kernels for up to
+        `ONEDNN_PACKED_MIN` rows are built at start) a packed step of any size, without them one of `ONEDNN_PACKED_MIN`
+        tokens or more (each new row count builds a kernel the first time)."""
+        if not onednn_products(h):
+            return False
+        if tokens == 1:
+            return ONEDNN_ONE_ROW and self.packed is not None
+        return self.packed is not None or not packed or tokens >= ONEDNN_PACKED_MIN
 
     def layer_weights(self, layer: int, tokens: int, onednn: bool = False) -> list[torch.Tensor]:
         """Layer `layer`'s weights for a step of `tokens` new tokens in all: with `onednn` (every product by oneDNN), its

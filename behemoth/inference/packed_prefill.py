@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from behemoth.inference.fast_decode import ONEDNN_PACKED_MIN, FusedDecoder, _product, _rms, _rotate, onednn_products, scripted
+from behemoth.inference.fast_decode import FusedDecoder, _product, _rms, _rotate, scripted
 
 
 def _padded(x: torch.Tensor, where: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
     step = ctx["cache"]
     valid = step.valid
     cos, sin = ctx["position_embeddings"]  # [B, T, head_dim] of the padded positions: the real ones are picked
-    onednn = onednn_products(h) and int(valid.sum()) >= ONEDNN_PACKED_MIN
+    onednn = decoder.by_onednn(h, int(valid.sum()), True)
     out = scripted(prefill_layers)(
         h[valid],
         cos[valid].unsqueeze(1),
