@@ -53,6 +53,27 @@ def test_fused_decode_steps_equal_the_model_blocks(llama):
         assert torch.equal(x.argmax(-1), y.argmax(-1))
 
 
+def test_prepacked_matrices_give_the_views_numbers_bit_for_bit(llama, monkeypatch):
+    """Where oneDNN runs the products (CPU float32), the fused decoder keeps each layer's matrices (and the untied head)
+    in oneDNN's layout and multiplies several rows by them: the same logits, bit for bit, as a decoder without them
+    (`PACK_LIMIT_BYTES` 0), for decode steps of two rows and the packed prefill before them."""
+    from behemoth.inference import fast_decode
+
+    model = load_model(resolve_source(llama, []), init_runtime())
+    packed = local_runner(model, CachePolicy(block_size=4, max_blocks=16))
+    prompts = [[3, 14, 15, 92, 65, 35, 8], [9, 79, 32]]
+    a = decode_logits(packed, prompts, 6)
+    if not fast_decode.onednn_products(torch.zeros(1)):
+        pytest.skip("oneDNN does not run this process's products (not a CPU build with mkldnn, or float32 off)")
+    assert packed.fused.packed is not None and all(w.is_mkldnn for w in packed.fused.packed[packed.layers[0]][1:3])
+    monkeypatch.setattr(fast_decode, "PACK_LIMIT_BYTES", 0)
+    views = local_runner(load_model(resolve_source(llama, []), init_runtime()), CachePolicy(block_size=4, max_blocks=16))
+    b = decode_logits(views, prompts, 6)
+    assert views.fused.packed is None
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_greedy_generation_is_identical_and_other_models_keep_their_blocks(llama):
     gen, ref = load(llama), load(llama)
     ref.runner.fused = False
