@@ -6,21 +6,23 @@ arithmetic as `LlamaDecoderLayer` (RMSNorm, rotary embedding, grouped-query SDPA
 from one TorchScript function (`decode_layers`, compiled once, about a second) whose loop over layers runs in
 TorchScript's interpreter: per token, Python calls it once. The query/key/value projections and the gate/up
 projections are fused into one matrix each, and every weight is laid out [in, out] (one token's product runs about
-1.5x faster on CPU BLAS so); the model's own linear layers then view those matrices (no weight is duplicated: the
-model keeps working as before, its prefill included). A lone sequence's step reads its cached keys and values as a view
-of its consecutive slots (no gather, no mask); with `split` (`--split-products`) a batch-1 step runs each product as two
-halves of the input features on two threads (CPU BLAS runs a one-token product on one), the halves being views of the
-one [in, out] matrix. A packed step (`kv_cache.PackedRows`: chunked prefill's prompt chunk and the decodes in one row)
-runs the same function on its one row of T tokens under its mask, so a chunk that rides on the decodes costs what its
-arithmetic costs, not the layers' host work. A step that adds the same few tokens to every row (a speculative check of K + 1 tokens, a draft
-catching up: up to `runner.FUSED_MAX_NEW`, no row padded) takes the same call under a causal mask, its products by
-oneDNN's matmul on CPUs (`onednn_products`: MKL's product of a few tokens by the [in, out] layout costs up to 2.3x a
-one-token product, oneDNN's about 1.5x); so do a decode step of several rows and a packed step of `ONEDNN_PACKED_MIN`
-tokens or more (on this project's AMD CPU MKL runs float32 products at about 200 GFLOP/s on two threads, where oneDNN,
-built for AVX-512, reaches 440-460: a 32-row decode step of the 25M Llama took 22.7 ms instead of 30.5, a 32-prompt
-prefill 1.0 s instead of 1.6). Longer prefills, padded batches and every model that is not a plain Llama
-(biases, sliding windows, quantized or tensor-parallel layers, adapters, MoE) take the model's own blocks
-(`ModelRunner.hidden`).
+1.5x faster on CPU BLAS so); the model's own linear layers then view those matrices (the model keeps working as
+before, its prefill included). Where oneDNN runs the products, a second copy of each matrix in oneDNN's own layout
+serves steps of several tokens (`packed_layers`; only while the copies take at most `PACK_LIMIT_BYTES`). A lone
+sequence's step reads its cached keys and values as a view of its consecutive slots (no gather, no mask); with `split`
+(`--split-products`) a batch-1 step runs each product as two halves of the input features on two threads (CPU BLAS
+runs a one-token product on one), the halves being views of the one [in, out] matrix. A packed step
+(`kv_cache.PackedRows`: chunked prefill's prompt chunk and the decodes in one row) runs the same function on its one
+row of T tokens under its mask, so a chunk that rides on the decodes costs what its arithmetic costs, not the layers'
+host work. A step that adds the same few tokens to every row (a speculative check of K + 1 tokens, a draft catching
+up: up to `runner.FUSED_MAX_NEW`, no row padded) takes the same call under a causal mask, its products by oneDNN's
+matmul on CPUs (`onednn_products`: MKL's product of a few tokens by the [in, out] layout costs up to 2.3x a one-token
+product, oneDNN's about 1.5x); so do a decode step of several rows and a packed step (of any size with the prepacked
+copies, else of `ONEDNN_PACKED_MIN` tokens or more: `FusedDecoder.by_onednn`) (on this project's AMD CPU MKL runs
+float32 products at about 200 GFLOP/s on two threads, where oneDNN, built for AVX-512, reaches 440-460: a 32-row
+decode step of the 25M Llama took 22.7 ms instead of 30.5, a 32-prompt prefill 1.0 s instead of 1.6). Longer prefills,
+padded batches and every model that is not a plain Llama (biases, sliding windows, quantized or tensor-parallel
+layers, adapters, MoE) take the model's own blocks (`ModelRunner.hidden`).
 """
 
 from __future__ import annotations
