@@ -213,25 +213,25 @@ def packed_layers(weights: dict[int, list[torch.Tensor]]) -> dict[int, list[torc
     process's several-token products (`onednn_products`) and the copies take at most `PACK_LIMIT_BYTES` (they sit beside
     the [in, out] matrices, which the model's own layers and one-token steps read): None otherwise."""
     first = next(iter(weights.values()))[1]
-    matrices = sum(w[i].numel() * w[i].element_size() for w in weights.values() for i in (1, 2, 4, 5))
+    matrices = sum(w[i].numel() * w[i].element_size() for w in weights.values() for i in MATRICES)
     if not onednn_products(first) or matrices > PACK_LIMIT_BYTES:
         return None
-    return {layer: [prepack(w) if i in (1, 2, 4, 5) else w for i, w in enumerate(ws)] for layer, ws in weights.items()}
+    return {layer: [prepack(w) if i in MATRICES else w for i, w in enumerate(ws)] for layer, ws in weights.items()}
 
 
-def warm_products(layer: list[torch.Tensor], rows: int) -> None:
-    """Build oneDNN's kernels of one layer's prepacked products (every layer's have the same shapes; or of [one matrix],
-    the head's) for 1..`rows` rows,
-    once: each new row count's first product costs 0.3-0.4 ms more (measured here), which a chunked-prefill step of a
-    new size would otherwise pay in the middle of running streams. About 0.1 s for the 25M Llama."""
+def warm_products(matrices: list[torch.Tensor], rows: int) -> None:
+    """Build oneDNN's kernels of products by these prepacked matrices for 1..`rows` rows, once: each new row count's
+    first product costs 0.3-0.4 ms more (measured here), which a chunked-prefill step of a new size would otherwise pay
+    in the middle of running streams. One layer's matrices stand for all (the kernels depend on shapes, not values);
+    about 0.1 s for the 25M Llama."""
     with torch.no_grad():
-        for w in (layer[i] for i in (1, 2, 4, 5)) if len(layer) > 1 else layer:
+        for w in matrices:
             x = torch.zeros(rows, w.shape[1], dtype=torch.float32)
             for m in range(1, rows + 1):
                 _onednn_product(x[:m], w)
 
 
-ONEDNN_ONE_ROW = False  # a lone token's products by the prepacked matrices too (else the two batched halves by BLAS)
+MATRICES = (1, 2, 4, 5)  # the products' matrices in a layer's `layer_weights` (the others are norms)
 PACK_ROWS = 32  # the rows oneDNN's layout is chosen for (a full decode step of the default batch bound)
 PACK_LIMIT_BYTES = 2 << 30  # larger models keep one copy of their weights (their products read the [in, out] views)
 
@@ -275,10 +275,9 @@ def layer_weights(block: Any) -> list[torch.Tensor]:
 def halves(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     """A layer's `layer_weights` with each product's matrix as [2, in / 2, out] (views of its two halves of the input
     features, nothing copied): `_product`'s batched two-thread form. None where a product has an odd number of inputs."""
-    products = (1, 2, 4, 5)
-    if any(weights[i].shape[1] % 2 for i in products):
+    if any(weights[i].shape[1] % 2 for i in MATRICES):
         return None
-    return [w.t().view(2, w.shape[1] // 2, w.shape[0]) if i in products else w for i, w in enumerate(weights)]
+    return [w.t().view(2, w.shape[1] // 2, w.shape[0]) if i in MATRICES else w for i, w in enumerate(weights)]
 
 
 def contiguous_start(gather: torch.Tensor) -> int:
@@ -301,7 +300,7 @@ class FusedDecoder:
         self.weights = {i: layer_weights(blocks[i]) for i in layers}
         self.packed = packed_layers(self.weights)  # oneDNN's own layout of the products' matrices, where it is kept
         if self.packed is not None:
-            warm_products(self.packed[layers[0]], ONEDNN_PACKED_MIN)
+            warm_products([self.packed[layers[0]][i] for i in MATRICES], ONEDNN_PACKED_MIN)
         split_weights = {i: halves(w) for i, w in self.weights.items()}
         self.halves = None if any(w is None for w in split_weights.values()) else split_weights
         if head is not None and _plain_linear(head):
@@ -381,8 +380,8 @@ class FusedDecoder:
         tokens or more (each new row count builds a kernel the first time)."""
         if not onednn_products(h):
             return False
-        if tokens == 1:
-            return ONEDNN_ONE_ROW and self.packed is not None
+        if tokens == 1:  # a lone token keeps BLAS (its two batched halves): the prepacked product was no faster
+            return False
         return self.packed is not None or not packed or tokens >= ONEDNN_PACKED_MIN
 
     def layer_weights(self, layer: int, tokens: int, onednn: bool = False) -> list[torch.Tensor]:

@@ -98,9 +98,7 @@ class BlockAllocator:
 
     def slots(self, seq: Any, start: int, stop: int) -> torch.Tensor:
         """Flat slot indices of positions [start, stop) of `seq`."""
-        table = torch.tensor(self.tables[seq], dtype=torch.long)
-        pos = torch.arange(start, stop)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.slot_table([seq], stop)[0, start:]
 
     def slot_table(self, seqs: list[Any], length: int) -> torch.Tensor:
         """[len(seqs), length]: the flat slot of positions 0..length - 1 of each sequence, in one indexing (positions past a

@@ -119,12 +119,13 @@ def packed_step(decoder: FusedDecoder, h: torch.Tensor, ctx: dict, layers: Seque
     step = ctx["cache"]
     valid = step.valid
     cos, sin = ctx["position_embeddings"]  # [B, T, head_dim] of the padded positions: the real ones are picked
-    onednn = decoder.by_onednn(h, int(valid.sum()), True)
+    tokens = int(valid.sum())
+    onednn = decoder.by_onednn(h, tokens, True)
     out = scripted(prefill_layers)(
         h[valid],
         cos[valid].unsqueeze(1),
         sin[valid].unsqueeze(1),
-        [decoder.layer_weights(i, int(valid.sum()), onednn) for i in layers],
+        [decoder.layer_weights(i, tokens, onednn) for i in layers],
         [storage.keys[i] for i in layers],
         [storage.values[i] for i in layers],
         step.batch.slots,
