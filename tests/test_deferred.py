@@ -65,3 +65,38 @@ def test_without_a_queue_a_deferrable_layer_is_an_ordinary_linear():
     queue.defer(lambda: linear_weight_grads(deferrable.weight, None, x, torch.ones(4, 5), False))
     queue.run()
     assert deferrable.weight.grad is existing
+
+
+def test_deferrable_layers_multiply_with_the_library_training_chose(monkeypatch):
+    """Under train.gemm=onednn a deferrable linear runs its forward, input-gradient and deferred weight-gradient products
+    by oneDNN, as the routed linears of every other schedule do (a zero-bubble stage on BLAS ran 1.6x slower here), and
+    its gradients are the routed layer's."""
+    from behemoth.models import gemm
+
+    if not gemm.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    calls = []
+    real = gemm._dnn
+    monkeypatch.setattr(gemm, "_dnn", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(gemm._Choice, "mode", "onednn")
+    torch.manual_seed(2)
+    routed = nn.Sequential(nn.Linear(8, 16), nn.GELU(), Transposed(16, 4, bias=True))
+    split = copy.deepcopy(routed)
+    routed[0].__class__ = gemm.GemmLinear
+    routed[2].forward = lambda x: gemm.linear_transposed(x, routed[2].weight, routed[2].bias)
+    slot = make_deferrable(split, transposed={"2"})
+    x, probe = torch.randn(3, 5, 8), torch.randn(3, 5, 4)
+    leaf, split_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (routed(leaf) * probe).sum().backward()
+    calls.clear()
+    queue = slot.queue = WeightGradQueue()
+    out = split(split_leaf)
+    assert len(calls) == 2, "forward: one oneDNN product per linear"
+    (out * probe).sum().backward()
+    slot.queue = None
+    assert len(calls) == 2 + 2, "input pass: one oneDNN product per linear"
+    queue.run()
+    assert len(calls) == 2 + 2 + 2, "weight pass: one oneDNN product per linear"
+    torch.testing.assert_close(split_leaf.grad, leaf.grad, rtol=1e-6, atol=1e-6)
+    for (name, a), (_, b) in zip(routed.named_parameters(), split.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-6, msg=name)

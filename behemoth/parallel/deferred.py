@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from behemoth.models import gemm
 
 
 class WeightGradQueue:
@@ -45,7 +46,7 @@ class WeightGradQueue:
 def linear_weight_grads(weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor, g: torch.Tensor, transposed: bool) -> None:
     """Add a linear layer's weight and bias gradients, from its input and output gradient, into their `.grad`."""
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
-    accumulate(weight, (x2.t() @ g2) if transposed else (g2.t() @ x2))
+    accumulate(weight, gemm.mm(x2.t(), g2) if transposed else gemm.mm(g2.t(), x2))
     if bias is not None:
         accumulate(bias, g2.sum(0))
 
@@ -73,22 +74,20 @@ class _DeferrableLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.slot, ctx.transposed, ctx.params = slot, transposed, (weight, bias)  # the Parameter objects, whose .grad W adds to
-        if not transposed:
-            return F.linear(x, weight, bias)
-        y = torch.matmul(x, weight)
-        return y if bias is None else y + bias
+        # by the library train.gemm chose (models/gemm.py), as a plain linear's products are
+        return gemm.linear_transposed(x, weight, bias) if transposed else gemm.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
         x, weight = ctx.saved_tensors
         w = weight.to(g.dtype)
-        grad_x = (g @ w.t() if ctx.transposed else g @ w) if ctx.needs_input_grad[0] else None
+        grad_x = gemm.matmul(g, w.t() if ctx.transposed else w) if ctx.needs_input_grad[0] else None
         queue, (param, bias) = ctx.slot.queue, ctx.params
         if queue is not None:
             queue.defer(functools.partial(linear_weight_grads, param, bias, x, g, ctx.transposed))
             return grad_x, None, None, None, None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
-        grad_w = ((x2.t() @ g2) if ctx.transposed else (g2.t() @ x2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_w = (gemm.mm(x2.t(), g2) if ctx.transposed else gemm.mm(g2.t(), x2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
