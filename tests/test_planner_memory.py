@@ -39,7 +39,10 @@ GRID = {  # world: plans (each one run by every rank of that world, one after an
         ("parallel.pp=2", "parallel.schedule=dualpipev", "train.micro_batch=2"),
         ("parallel.pp=2", "parallel.schedule=1f1b-scp", "train.micro_batch=2"),
     ],
-    4: [("parallel.pp=2", "parallel.tp=2", "train.micro_batch=2", "parallel.zero_stage=1")],
+    4: [
+        ("parallel.pp=2", "parallel.tp=2", "train.micro_batch=2", "parallel.zero_stage=1"),
+        ("parallel.pp=4", "parallel.schedule=zb-h1", "train.micro_batch=4"),  # 2 micro-batches on 4 stages: never fills
+    ],
 }
 SLOW_GRID = {
     1: [("train.micro_batch=2",), ("model.tie_embeddings=true",)],

@@ -70,3 +70,18 @@ def test_search_over_the_v_and_shifted_schedules_finds_the_brute_force_optimum(m
     assert {c.layout.schedule for c in everything if c.layout.pp > 1} >= set(LISTED)
     found = search(Workload.of(cfg), cluster, 4, space, cfg=cfg, exact=0).ranked[0]
     assert found.step_seconds == pytest.approx(best.step_seconds, rel=1e-9), (found.layout.describe(), best.layout.describe())
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+def test_zero_bubble_counts_equal_its_action_lists(p):
+    """zb-h1's activations and deferred weight passes at each rank's peak, as the memory model counts them, are the
+    schedule's own (the most activations held, and of those points the most weight passes pending), with fewer
+    micro-batches than stages too: 2 on 4 stages peak at 2 held and none deferred, not the formula's 2 and 1."""
+    from behemoth.planner.footprint import pending_weight_passes, stash_units
+
+    for m in range(1, 2 * p + 2):
+        lay = Layout(pp=p, microbatches=m, schedule="zb-h1")
+        profile = stash_profile(build_schedule("zb-h1", p, m, 1))
+        for r in range(1, p):  # the first stage never splits its backward (its deferred bytes are its output's gradient)
+            held, pending, _ = max(profile[r])
+            assert (stash_units(lay, r), pending_weight_passes(lay, r)) == (held, pending), (p, m, r)

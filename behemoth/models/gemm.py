@@ -118,6 +118,18 @@ def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return mm(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
 
 
+def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, transposed: bool = False) -> torch.Tensor:
+    """x W^T + b (W [out, in]; x W + b for a weight stored [in, out] when `transposed`) for a 2-D x, outside autograd
+    (inside a Function's forward), by the library `linear` would choose: a new tensor, not a view (oneDNN returns a
+    view for an N-D x, which a Function may not return to a caller that modifies it in place: TP's all-reduce)."""
+    if takes_onednn(x, w):
+        return _dnn(x, w.t().contiguous() if transposed else w, b)
+    if not transposed:
+        return F.linear(x, w, b)
+    y = torch.matmul(x, w)
+    return y if b is None else y + b
+
+
 class _OnednnLinear(torch.autograd.Function):
     """x W^T + b for a 2-D x, forward and both backward products by oneDNN (W [out, in], or [in, out] when
     `transposed`). 2-D in and out: a view returned from a Function could not be modified in place (TP's all-reduce)."""

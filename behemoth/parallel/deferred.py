@@ -67,34 +67,35 @@ class DeferralSlot:
 
 
 class _DeferrableLinear(torch.autograd.Function):
-    """y = x W^T + b (or x W + b for a transposed weight); backward defers the weight and bias gradients when the
+    """y = x W^T + b (or x W + b for a transposed weight) for 2-D x; backward defers the weight and bias gradients when the
     slot holds a queue."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot, transposed: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.slot, ctx.transposed, ctx.params = slot, transposed, (weight, bias)  # the Parameter objects, whose .grad W adds to
-        # by the library train.gemm chose (models/gemm.py), as a plain linear's products are
-        return gemm.linear_transposed(x, weight, bias) if transposed else gemm.linear(x, weight, bias)
+        return gemm.product(x, weight, bias, transposed)  # by the library train.gemm chose, as a plain linear's
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):
         x, weight = ctx.saved_tensors
         w = weight.to(g.dtype)
-        grad_x = gemm.matmul(g, w.t() if ctx.transposed else w) if ctx.needs_input_grad[0] else None
+        grad_x = gemm.mm(g, w.t() if ctx.transposed else w) if ctx.needs_input_grad[0] else None
         queue, (param, bias) = ctx.slot.queue, ctx.params
         if queue is not None:
             queue.defer(functools.partial(linear_weight_grads, param, bias, x, g, ctx.transposed))
             return grad_x, None, None, None, None
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(g.dtype)
-        grad_w = (gemm.mm(x2.t(), g2) if ctx.transposed else gemm.mm(g2.t(), x2)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        x = x.to(g.dtype)
+        grad_w = (gemm.mm(x.t(), g) if ctx.transposed else gemm.mm(g.t(), x)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
 
 def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None, slot: DeferralSlot, transposed: bool = False) -> torch.Tensor:
-    """A linear layer whose weight gradient the slot's current pass may defer."""
-    return _DeferrableLinear.apply(x, weight, bias, slot, transposed)
+    """A linear layer whose weight gradient the slot's current pass may defer (its Function multiplies 2-D rows: its
+    output is then no view, and the view made here may be modified in place)."""
+    out = weight.shape[1] if transposed else weight.shape[0]
+    return _DeferrableLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, slot, transposed).view(*x.shape[:-1], out)
 
 
 def make_deferrable(model: nn.Module, transposed: Iterable[str] = ()) -> DeferralSlot:
