@@ -2,6 +2,7 @@
 
     python benchmarks/bench_offload.py --quick    # every section at toy sizes, a minute or two; writes nothing but scratch it removes
     python benchmarks/bench_offload.py            # hours: the numbers of benchmarks/README.md (run on a quiet machine)
+    python benchmarks/bench_offload.py --only int8   # one part: plain, fp32, int8, deepspeed, orders (repeatable)
 
 Sections (each measurement in a fresh process; one sequence of --seq tokens, float32, AdamW, two optimizer steps):
 
@@ -167,14 +168,18 @@ def bound(run: dict) -> tuple[float, float, float]:
     return io, compute, max(io, compute)
 
 
-def offload_table(plain: dict, runs: list[dict]) -> str:
+def offload_table(plain: dict | None, runs: list[dict]) -> str:
+    """The offloaded runs against plain PyTorch's ceiling (None: not measured this time, `--only`)."""
     rows = [
         "| system | parameters | x plain ceiling | peak RSS (GiB) | read / written per step (GiB) | step time (s) | bound (s): I/O, compute | step / bound | losses (step 1, 2, after) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    rows.append(
-        f"| plain PyTorch float32 AdamW (limit {plain['limit_gb']:g} GiB) | {plain['params'] / 1e9:.3f}B | 1.0 | {plain['peak_rss_gib']:.2f} | - | - | - | - | {plain.get('loss', float('nan')):.4f} |"
-    )
+    if plain is None:
+        plain = {"params": 0}
+    else:
+        rows.append(
+            f"| plain PyTorch float32 AdamW (limit {plain['limit_gb']:g} GiB) | {plain['params'] / 1e9:.3f}B | 1.0 | {plain['peak_rss_gib']:.2f} | - | - | - | - | {plain.get('loss', float('nan')):.4f} |"
+        )
     for run in runs:
         io, compute, b = bound(run)
         last = run["steps"][-1]
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ds-heads", type=int, default=16)
     p.add_argument("--nvme", action="store_true", help="also run DeepSpeed ZeRO-Infinity on NVMe (its async_io op needs libaio-dev)")
     p.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
+    p.add_argument("--only", action="append", choices=PARTS, help="run only these parts (repeatable; default: all)")
     a = settings(p.parse_args(argv))
     print(
         f"bench_offload{' --quick' if a.quick else ''}: scratch under {a.dir} ({shutil.disk_usage(a.dir).free / GiB:.1f} GiB free), "
@@ -343,20 +349,30 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     t0 = time.perf_counter()
-    section("1. plain PyTorch's ceiling", t0)
-    plain = plain_ceiling(a)
-    section("2. behemoth, disk offload", t0)
-    runs = [r for r in (offload_run(a, a.d_fp32, a.heads, 32, int(a.fp32_params)), offload_run(a, a.d_int8, a.heads, 8, int(a.int8_params))) if r]
-    print(offload_table(plain, runs))
-    if a.quick:
-        print("(quick: the scratch fits the page cache, so steps can beat a bound computed from the disk's raw rates)")
-    section("3. DeepSpeed", t0)
-    print(deepspeed_table(a))
-    section("4. bytes per step against micro-batches", t0)
-    print(orders_table(a))
+    parts = set(a.only or PARTS)
+    plain = None
+    if "plain" in parts:
+        section("1. plain PyTorch's ceiling", t0)
+        plain = plain_ceiling(a)
+    if parts & {"fp32", "int8"}:
+        section("2. behemoth, disk offload", t0)
+        sizes = [(a.d_fp32, 32, a.fp32_params)] * ("fp32" in parts) + [(a.d_int8, 8, a.int8_params)] * ("int8" in parts)
+        runs = [r for r in (offload_run(a, d, a.heads, bits, int(n)) for d, bits, n in sizes) if r]
+        print(offload_table(plain, runs))
+        if a.quick:
+            print("(quick: the scratch fits the page cache, so steps can beat a bound computed from the disk's raw rates)")
+    if "deepspeed" in parts:
+        section("3. DeepSpeed", t0)
+        print(deepspeed_table(a))
+    if "orders" in parts:
+        section("4. bytes per step against micro-batches", t0)
+        print(orders_table(a))
     section("done", t0)
     write_rows(a.json, ROWS)
     return 0
+
+
+PARTS = ("plain", "fp32", "int8", "deepspeed", "orders")
 
 
 def section(title: str, t0: float) -> None:

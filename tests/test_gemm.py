@@ -137,6 +137,7 @@ def _both(world: int, tmp_path, *overrides: str) -> tuple[dict[str, Any], dict[s
         pytest.param(("train.loss_chunk=0", "model.tie_embeddings=false"), id="gpt-plain-head"),
         pytest.param(tuple(LLAMA), id="hf-llama"),
         pytest.param(tuple(GPT2), id="hf-gpt2"),
+        pytest.param(("model=gpt-moe-tiny",), id="moe-dropless"),
     ],
 )
 def test_onednn_training_equals_blas(overrides, tmp_path):

@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from behemoth.errors import BehemothError
+from behemoth.models import gemm
 from behemoth.models.routing import Routing, RoutingPolicy, combine_rows, dispatch_plan, gather_rows, route
 
 
@@ -147,7 +148,7 @@ def expert_ffn(
     if counts and counts[0] > 0 and all(c == counts[0] for c in counts):  # capacity slots: one batched matmul
         batch = rows.view(len(counts), counts[0], -1)
         return torch.bmm(hidden(torch.bmm(batch, w_in.transpose(1, 2))), w_out.transpose(1, 2)).reshape(rows.shape[0], -1)
-    outs = [F.linear(hidden(F.linear(part, w_in[e])), w_out[e]) for e, part in enumerate(rows.split(counts))]
+    outs = [gemm.linear(hidden(gemm.linear(part, w_in[e])), w_out[e]) for e, part in enumerate(rows.split(counts))]  # train.gemm's library
     return torch.cat(outs) if outs else rows.new_zeros(0, w_out.shape[1])
 
 
