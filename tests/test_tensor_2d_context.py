@@ -11,7 +11,10 @@ import pytest
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 
-STEPS = ["train.steps=3", "train.eval_every=3", "checkpoint.every=3", "model.n_head=4"]
+# train.gemm=blas on both sides: with oneDNN's products (the default here) the single process and the grid sum in orders
+# that differ enough that, after Adam normalizes 3 steps of near-zero gradients, blocks.1.mlp.proj.weight lands at 1.02x
+# the weight tolerance (0.46x with the BLAS); oneDNN against the BLAS is tests/test_gemm.py's
+STEPS = ["train.steps=3", "train.eval_every=3", "checkpoint.every=3", "model.n_head=4", "train.gemm=blas"]
 GRID_CP = ["parallel.tp=4", "parallel.tp_mode=2d", "parallel.cp=2"]
 
 

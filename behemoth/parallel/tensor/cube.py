@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from behemoth.comm import CommMeter, all_gather, reduce_scatter
 from behemoth.errors import BehemothError
+from behemoth.models import gemm
 from behemoth.parallel.tensor.comm import TPComm
 
 AXES = ("t", "a", "b")
@@ -152,7 +153,7 @@ class _Cube(torch.autograd.Function):
         full_x, w_t = _gather_operands(x, weight.detach(), grid, o_axis)
         ctx.save_for_backward(*((x, weight.detach()) if grid.regather else (full_x, w_t)))
         ctx.spec, ctx.dtypes = spec, (x.dtype, weight.dtype)
-        return _scatter0(full_x @ w_t.to(full_x.dtype), grid.lines[i_axis], q, meter)
+        return _scatter0(gemm.matmul(full_x, w_t.to(full_x.dtype)), grid.lines[i_axis], q, meter)  # train.gemm's library
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -161,8 +162,8 @@ class _Cube(torch.autograd.Function):
         saved_x, saved_w = ctx.saved_tensors
         full_x, w_t = _gather_operands(saved_x, saved_w, grid, o_axis) if grid.regather else (saved_x, saved_w)
         full_grad = _gather0(grad, grid.lines[i_axis], q, meter)  # [tokens/q, out_O]
-        grad_x = _scatter0(full_grad @ w_t.t().to(full_grad.dtype), grid.lines[o_axis], q, meter)
-        grad_w = _scatter0(full_x.t().to(full_grad.dtype) @ full_grad, grid.lines["t"], q, meter)  # [in_I/q, out_O]
+        grad_x = _scatter0(gemm.matmul(full_grad, w_t.t().to(full_grad.dtype)), grid.lines[o_axis], q, meter)
+        grad_w = _scatter0(gemm.mm(full_x.t().to(full_grad.dtype), full_grad), grid.lines["t"], q, meter)  # [in_I/q, out_O]
         return grad_x.to(ctx.dtypes[0]), grad_w.t().to(ctx.dtypes[1]), None
 
 

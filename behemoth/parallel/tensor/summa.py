@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from behemoth.comm import CommMeter, all_gather, broadcast, reduce, reduce_scatter
 from behemoth.errors import BehemothError
+from behemoth.models import gemm
 from behemoth.parallel.chunked import Box, narrow_box
 from behemoth.parallel.tensor.comm import TPComm
 
@@ -175,7 +176,7 @@ class _Summa(torch.autograd.Function):
         for k in range(grid.q):
             a = _broadcast_block(x, k, grid.col == k, grid.row_group, grid.meter)
             w = _broadcast_block(weight.detach(), k, grid.row == k, grid.col_group, grid.meter)
-            part = a @ w.t().to(a.dtype)
+            part = gemm.matmul(a, w.t().to(a.dtype))  # by train.gemm's library
             out = part if out is None else out + part
         assert out is not None  # q >= 1 steps
         return out
@@ -188,12 +189,12 @@ class _Summa(torch.autograd.Function):
         grad_x = grad_w = None
         for k in range(grid.q):
             w = _broadcast_block(weight.detach(), k, grid.row == k, grid.col_group, grid.meter)
-            part_x = (grad @ w.to(grad.dtype)).contiguous()  # this rank's share of dX_ik
+            part_x = gemm.matmul(grad, w.to(grad.dtype)).contiguous()  # this rank's share of dX_ik
             reduce(part_x, k, grid.row_group, grid.meter)
             if grid.col == k:
                 grad_x = part_x.to(x.dtype)
             a = _broadcast_block(x, k, grid.col == k, grid.row_group, grid.meter)
-            part_w = (grad.t() @ a.to(grad.dtype)).contiguous()  # this rank's share of dW_kj
+            part_w = gemm.mm(grad.t(), a.to(grad.dtype)).contiguous()  # this rank's share of dW_kj
             reduce(part_w, k, grid.col_group, grid.meter)
             if grid.row == k:
                 grad_w = part_w.to(weight.dtype)

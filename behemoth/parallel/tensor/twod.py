@@ -34,6 +34,7 @@ from torch import nn
 
 from behemoth.comm import CommMeter, all_gather, all_reduce, reduce_flat, reduce_scatter
 from behemoth.errors import BehemothError
+from behemoth.models import gemm
 from behemoth.models.init import FULL_NAME
 from behemoth.parallel.chunked import checkpoint_views
 from behemoth.parallel.tensor.comm import reduce_from_tp
@@ -133,7 +134,7 @@ class TiedHead2D(nn.Module):
         self.weight, self.grid = embedding.weight, embedding.grid  # the same Parameter: tied as in one process
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = x @ gather_column(self.weight, self.grid).t().to(x.dtype)
+        partial = gemm.linear(x, gather_column(self.weight, self.grid).to(x.dtype))
         return _ScatterRow.apply(partial, self.grid)
 
 
