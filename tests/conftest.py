@@ -1,6 +1,10 @@
 import os
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Compiled code goes to the tests' cache, never the user's: set here, before the first rank starts the forkserver whose
+# environment every later rank inherits (a per-test monkeypatch reaches only ranks of a forkserver started after it)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "behemoth-test-cache", "inductor"))
 
 import pytest  # noqa: E402
 

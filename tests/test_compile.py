@@ -21,12 +21,6 @@ SMALL = ("model.n_layer=1", "train.seq_len=16", "train.steps=3", "train.global_b
 LOSS_RTOL, WEIGHT_RTOL = 1e-5, 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _inductor_cache(monkeypatch):
-    """Compiled code is cached where repeated test runs find it (the tests' corpus cache), not in the user's cache."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
-
-
 def _runs(tmp_path, *overrides: str, world: int = 1) -> tuple[dict, dict]:
     eager = run_ranks(world, train_body, tiny_config(tmp_path / "eager", *SMALL, *overrides))[0]
     compiled_cfg = tiny_config(tmp_path / "compiled", *SMALL, *overrides, "train.compile=true", "run.timeout_s=600")  # a rank may wait
