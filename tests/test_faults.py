@@ -102,7 +102,8 @@ def stop_self_or_fail(folder: str) -> None:
 
     marker = Path(folder) / "rank0.pid"
     if int(os.environ["RANK"]) == 0:
-        marker.write_text(str(os.getpid()))
+        marker.with_suffix(".tmp").write_text(str(os.getpid()))
+        marker.with_suffix(".tmp").replace(marker)  # whole or absent: rank 1 polls it (it once read an empty file)
         os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"rank 0: all_reduce #3 waited 10.0 s: rank 0 {SELF_PAUSED} for 9 s of the wait")
     deadline = time.monotonic() + 30
