@@ -8,11 +8,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from behemoth.models import gemm
 from behemoth.models.chunked_loss import AUTO_BYTES, HEAD_INPUT, HeadInput, VocabSplit, chunk_tokens, chunked_cross_entropy_sum
 from tests.common import assert_close_runs, tiny_config, train_body
 from tests.dist import run_ranks
 
 N, D, V = 45, 16, 67  # tokens, width, vocabulary (odd: chunks and tp shards are uneven)
+LIBRARIES = ["blas", "onednn"] if gemm.onednn_available() else ["blas"]  # the fused loss's logits: vocabulary- or token-major
+
+
+@pytest.fixture(params=LIBRARIES)
+def library(request):
+    """train.gemm for the test (the fused loss lays its logits out by it), restored after."""
+    before = gemm.gemm_mode()
+    gemm.set_gemm(request.param)
+    yield request.param
+    gemm.set_gemm(before)
 
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -46,7 +57,7 @@ def _grads(*ts: torch.Tensor | None) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("chunk", [0, 1, 7, N, 1000])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_equals_the_plain_loss_and_gradients(chunk, transposed):
+def test_equals_the_plain_loss_and_gradients(chunk, transposed, library):
     h, w, b, targets = _problem(0)
     ref = F.cross_entropy(F.linear(h, w, b), targets, reduction="sum", ignore_index=-100)
     (ref * 0.3).backward()  # the engine scales the summed loss: the incoming gradient is not 1
@@ -210,7 +221,7 @@ def _peak_bytes(chunk: int | None) -> int:
     return live.peak
 
 
-def test_peak_memory_falls_with_the_chunk():
+def test_peak_memory_falls_with_the_chunk(library):
     logits = 512 * 4096 * 4  # 8 MiB of float32 logits; the gradients of h and W are 1.1 MiB together
     plain, fused, big, small = _peak_bytes(None), _peak_bytes(0), _peak_bytes(256), _peak_bytes(32)
     assert plain >= 2 * logits, plain  # the logits and their gradient (softmax) at once

@@ -53,6 +53,35 @@ def test_onednn_linear_matches_float64(mode, transposed, bias):
         assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_compiled_linear_takes_onednn_and_matches_float64(mode, transposed, monkeypatch):
+    """Inside torch.compile `linear` is the custom operator: dynamo traces it whole (fullgraph), and its forward and both
+    backward products run by oneDNN, within float32 rounding of float64 (aot_eager: the graphs inductor would receive,
+    without its minutes of code generation; the inductor path runs in test_compile's slow tests)."""
+    g = torch.Generator().manual_seed(2)
+    x, grad = torch.randn(2, 24, 48, dtype=torch.float64, generator=g), torch.randn(2, 24, 40, dtype=torch.float64, generator=g)
+    w = torch.randn(*((48, 40) if transposed else (40, 48)), dtype=torch.float64, generator=g)
+    b = torch.randn(40, dtype=torch.float64, generator=g)
+    ours = gemm.linear_transposed if transposed else gemm.linear
+    leaves64, leaves32 = [t.clone().requires_grad_() for t in (x, w, b)], [t.float().requires_grad_() for t in (x, w, b)]
+    ((leaves64[0] @ leaves64[1] + leaves64[2]) if transposed else F.linear(*leaves64)).backward(grad)
+    calls = [0]
+    dnn = gemm._dnn
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        return dnn(*args)
+
+    monkeypatch.setattr(gemm, "_dnn", counted)
+    mode("onednn")
+    torch._dynamo.reset()
+    y32 = torch.compile(ours, backend="aot_eager", fullgraph=True)(*leaves32)
+    y32.backward(grad.float())
+    assert calls[0] == 3  # forward, input gradient, weight gradient
+    for got, ref in zip([t.grad for t in leaves32], [t.grad for t in leaves64]):
+        assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_mm_and_matmul_take_transposed_views(mode):
     mode("onednn")
     g = torch.Generator().manual_seed(1)

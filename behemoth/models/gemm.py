@@ -7,8 +7,10 @@
 On AMD CPUs torch's MKL runs a float32 product on its slow non-AVX-512 path: a 2048^3 product at ~200 GFLOP/s on two
 Zen 5 threads, where oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`) reaches ~450; both are exact to float32
 rounding, in a different summation order (docs/performance.md). `auto` times one representative product both ways at
-the process's thread count, once, and takes oneDNN where it is faster; only CPU float32 tensors outside autocast and
-torch.compile ever take it, so CUDA, bf16 and compiled regions run F.linear as before.
+the process's thread count, once, and takes oneDNN where it is faster; only CPU float32 tensors outside autocast ever
+take it, so CUDA and bf16 run F.linear as before. Inside torch.compile (train.compile's blocks) `linear` calls the
+same product as the custom operator `behemoth::onednn_linear`, which inductor keeps as an opaque call (its own lowering
+of oneDNN's linear wants frozen weights); the products inside other Functions (`mm`, `product`) stay eager-only.
 """
 
 from __future__ import annotations
@@ -79,13 +81,19 @@ def auto_prefers_onednn() -> bool:
     return dnn_s * PROBE_MARGIN < blas_s
 
 
-def takes_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear(x, w, ...)` runs by oneDNN: the mode says so, on CPU float32 tensors outside autocast/compile."""
+def takes_onednn(x: torch.Tensor, w: torch.Tensor, compiled: bool = False) -> bool:
+    """Whether a product of x and w runs by oneDNN: the mode says so, on CPU float32 tensors outside autocast, and
+    outside torch.compile unless the caller has a compiled path (`compiled`: `linear`'s custom operator)."""
     mode = _Choice.mode
     if mode == "blas" or x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
         return False
-    if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or x.numel() == 0:
+    if torch.is_autocast_enabled("cpu") or (torch.compiler.is_compiling() and not compiled) or x.numel() == 0:
         return False
+    return _library_chooses_onednn(mode)
+
+
+@torch.compiler.assume_constant_result  # traced code reads the choice as a constant: the timing never enters a graph
+def _library_chooses_onednn(mode: GemmMode) -> bool:
     return onednn_available() and (mode == "onednn" or auto_prefers_onednn())
 
 
@@ -154,19 +162,61 @@ class _OnednnLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+@torch.library.custom_op("behemoth::onednn_mm", mutates_args=())
+def _compiled_mm(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """a bt^T for 2-D operands (either may be a strided view) by oneDNN: a new tensor."""
+    return _dnn(a, bt)
+
+
+@_compiled_mm.register_fake
+def _(a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], bt.shape[0])
+
+
+@torch.library.custom_op("behemoth::onednn_linear", mutates_args=())
+def _compiled_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a 2-D x and W [out, in] by oneDNN, as one operator torch.compile keeps whole (its backward below)."""
+    return _dnn(x, w, b)
+
+
+@_compiled_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _compiled_linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, w, b = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = b is not None
+
+
+def _compiled_linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, w = ctx.saved_tensors  # the products of _OnednnLinear.backward, as operators
+    grad_b = grad.sum(0) if ctx.has_bias else None
+    return _compiled_mm(grad, w.t().contiguous()), _compiled_mm(grad.t(), x.t()), grad_b
+
+
+_compiled_linear.register_autograd(_compiled_linear_backward, setup_context=_compiled_linear_setup)
+
+
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     out = w.shape[1] if transposed else w.shape[0]
-    return _OnednnLinear.apply(x.reshape(-1, x.shape[-1]), w, b, transposed).view(*x.shape[:-1], out)
+    rows = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():  # the operator form; the transposed weight's copy is traced (and fused) outside it
+        y = _compiled_linear(rows, w.t().contiguous() if transposed else w, b)
+    else:
+        y = _OnednnLinear.apply(rows, w, b, transposed)
+    return y.view(*x.shape[:-1], out)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) (w [out, in]), by oneDNN where `takes_onednn`."""
-    return _onednn_linear(x, w, b, False) if takes_onednn(x, w) else F.linear(x, w, b)
+    """F.linear(x, w, b) (w [out, in]), by oneDNN where `takes_onednn` (compiled regions included)."""
+    return _onednn_linear(x, w, b, False) if takes_onednn(x, w, compiled=True) else F.linear(x, w, b)
 
 
 def linear_transposed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x W + b for a weight stored [in, out] (GPT-2's Conv1D), by oneDNN where `takes_onednn`."""
-    if takes_onednn(x, w):
+    """x W + b for a weight stored [in, out] (GPT-2's Conv1D), by oneDNN where `takes_onednn` (compiled regions too)."""
+    if takes_onednn(x, w, compiled=True):
         return _onednn_linear(x, w, b, True)
     y = torch.matmul(x, w)
     return y if b is None else y + b
