@@ -4,8 +4,12 @@ Same model (built and initialized by behemoth), same batches, same AdamW and cli
 sides; only the gradient synchronization (or the engine around the step) differs. Run:
 
     python benchmarks/bench_dp.py [--steps 20] [--models gpt-1m,gpt-6m] [--quick] [--json FILE] [--set train.gemm=blas]
+    python benchmarks/bench_dp.py --compile      # both sides compiled: train.compile=true against torch.compile(DDP(model))
 
 The peers multiply with torch's default BLAS; behemoth with train.gemm (default auto: oneDNN on CPUs where it is faster).
+With --compile each side takes its own compiled path: behemoth its regionally compiled blocks, the peer torch.compile of
+its whole model (wrapped in DDP first, so DDP's optimizer splits the graph at its buckets, as torch documents); the
+warm-up steps hold the compilation and are not timed.
 
 Prints a markdown table: tokens/s (median step), the ratio behemoth / peer, and each rank's peak
 resident memory (RSS, which includes ~300 MB of torch itself on every rank).
@@ -14,9 +18,11 @@ resident memory (RSS, which includes ~300 MB of torch itself on every rank).
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -32,7 +38,7 @@ def make_config(model: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     return load_config(None, MODELS[model] + ["run.progress=false", *extra]).model_dump(mode="json")
 
 
-def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int, cache: str = "") -> dict[str, Any]:
     """One rank of one variant: `behemoth` (Engine.train_step), `ddp`, or `plain` (single process)."""
     import torch.distributed as dist
 
@@ -42,6 +48,8 @@ def bench_rank(kind: str, cfg_dict: dict[str, Any], steps: int, warmup: int) -> 
     from behemoth.topology import init_runtime
 
     cfg = Config.model_validate(cfg_dict)
+    if cache:  # both sides' compiled code in the run's own folder (each rank compiles; none is read from earlier runs)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     rt = init_runtime()
     corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, cfg.data.cache_dir)
     layout = BatchLayout.resolve(cfg.train.global_batch, cfg.train.micro_batch, rt.world_size)
@@ -71,11 +79,13 @@ def peer_step(kind: str, cfg: Any, rt: Any):
     materialize(model, seed=cfg.train.seed, device=rt.device, init_spec=model.init_spec)
     opt = plain_adamw(model, cfg.train)
     net = torch.nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
+    if cfg.train.compile:  # the peer's own compiled path: the whole (DDP-wrapped) model
+        net = torch.compile(net)
 
     def step(batches, lr):
         opt.zero_grad(set_to_none=True)
         for i, (x, y) in enumerate(batches):
-            ctx = net.no_sync() if kind == "ddp" and i < len(batches) - 1 else torch.enable_grad()
+            ctx = ddp_module(net).no_sync() if kind == "ddp" and i < len(batches) - 1 else torch.enable_grad()
             with ctx:
                 loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) / len(batches)
                 loss.backward()
@@ -87,19 +97,26 @@ def peer_step(kind: str, cfg: Any, rt: Any):
     return step
 
 
-def run(model: str, steps: int, warmup: int, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def ddp_module(net: Any) -> Any:
+    """The DDP module inside a compiled wrapper (torch.compile returns an OptimizedModule around it)."""
+    return getattr(net, "_orig_mod", net)
+
+
+def run(model: str, steps: int, warmup: int, extra: tuple[str, ...] = (), compiled: bool = False) -> list[dict[str, Any]]:
     from behemoth.faults.ranks import run_ranks
 
-    cfg = make_config(model, extra)
+    cfg = make_config(model, extra + (("train.compile=true", "run.timeout_s=900") if compiled else ()))
     rows = []
     for ours, peer, world, threads in [("behemoth", "ddp", 2, 1), ("behemoth", "plain", 1, 2)]:
-        a = run_ranks(world, bench_rank, ours, cfg, steps, warmup, threads=threads, timeout=1800)
-        b = run_ranks(world, bench_rank, peer, cfg, steps, warmup, threads=threads, timeout=1800)
+        with tempfile.TemporaryDirectory() as cache:
+            a = run_ranks(world, bench_rank, ours, cfg, steps, warmup, cache if compiled else "", threads=threads, timeout=1800)
+        with tempfile.TemporaryDirectory() as cache:
+            b = run_ranks(world, bench_rank, peer, cfg, steps, warmup, cache if compiled else "", threads=threads, timeout=1800)
         rows.append(
             {
                 "model": model,
                 "procs": world,
-                "peer": "DDP" if peer == "ddp" else "plain PyTorch loop",
+                "peer": ("DDP" if peer == "ddp" else "plain PyTorch loop") + (", torch.compile" if compiled else ""),
                 "ours": a[0]["tokens_per_s"],
                 "theirs": b[0]["tokens_per_s"],
                 "mem_ours": max(r["rss_peak_mb"] for r in a),
@@ -117,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--models", default="gpt-1m,gpt-6m")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for both sides (e.g. train.gemm=blas)")
+    parser.add_argument("--compile", action="store_true", help="both sides compiled (train.compile=true; the peer torch.compile)")
     add_report_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
@@ -125,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     out = []
     for model in args.models.split(","):
-        for r in run(model, args.steps, args.warmup, tuple(args.set)):
+        for r in run(model, args.steps, args.warmup, tuple(args.set), args.compile):
             print(
                 f"| {r['model']} | {r['procs']} | {r['peer']} | {r['ours']:.0f} | {r['theirs']:.0f} | {r['ours'] / r['theirs']:.3f} "
                 f"| {r['mem_ours']:.0f} | {r['mem_theirs']:.0f} |",
