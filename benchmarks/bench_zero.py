@@ -2,6 +2,7 @@
 
     pip install -e .[bench]            # DeepSpeed, pinned so that torch stays 2.13.0
     python benchmarks/bench_zero.py    # 2 processes, float32, gpt-20m; writes its table into benchmarks/README.md
+    python benchmarks/bench_zero.py --compile --no-write   # every system on its compiled path (see below)
 
 Every system trains the same model (behemoth's GPT, initialized from the same (seed, name) values),
 on the same batch (`--batch` sequences of `--seq` tokens per step, split over the ranks, one
@@ -14,6 +15,11 @@ also reports the model-state bytes it counts. glibc keeps freed blocks of up to 
 a large block has been freed (its mmap threshold adapts), which makes the resident set of systems that
 allocate and free per-block buffers (ZeRO-3, FSDP2) say little about what they use; all systems
 therefore run with MALLOC_MMAP_THRESHOLD_=1 MiB (`--glibc-default` turns this off).
+
+With `--compile` every system takes its own compiled path: behemoth `train.compile=true` (each block compiled), DDP
+`torch.compile(DDP(model))` (DDP's optimizer splits the graph at its buckets), FSDP2 each block compiled before
+`fully_shard` (torchtitan's order), DeepSpeed `engine.compile()`; at least two warm-up steps hold the compilation, and
+the compiled code is kept in a folder of the run's own (removed at the end).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +115,7 @@ def behemoth_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
             f"train.seq_len={args['seq']}",
             f"train.seed={args['seed']}",
             f"parallel.zero_stage={stage}",
+            f"train.compile={str(args['compile']).lower()}",
         ],
     )
     engine = build_engine(cfg, init_runtime(timeout_s=600))
@@ -128,18 +136,22 @@ def torch_step(args: dict, kind: str) -> tuple[Callable[[], float], dict]:
     model = build_model(args["preset"], args["seed"])
     if kind == "torch-ddp":
         model = DistributedDataParallel(model)
+        net = torch.compile(model) if args["compile"] else model
     else:
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
+            if args["compile"]:
+                block.compile()  # in place (module.compile), before sharding, as torchtitan applies it
             fully_shard(block)
         fully_shard(model)
+        net = model
     opt = adamw(model.parameters(), args)
     x, y = local_batch(args, dist.get_rank(), dist.get_world_size(), 256)
 
     def step() -> float:
         opt.zero_grad(set_to_none=False)
-        loss = mean_loss(model, x, y)
+        loss = mean_loss(net, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -165,6 +177,8 @@ def deepspeed_step(args: dict, stage: int) -> tuple[Callable[[], float], dict]:
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters(), args), config=config)
+    if args["compile"]:
+        engine.compile()  # DeepSpeed's own compiled path (torch.compile of the wrapped module)
     x, y = local_batch(args, dist.get_rank(), dist.get_world_size(), 256)
 
     def step() -> float:
@@ -234,7 +248,7 @@ def table(results: dict[str, dict], args: dict) -> str:
     head = (
         f"{args['nproc']} processes x {args['threads']} thread(s), float32, {args['preset']}, batch {args['batch']} x {args['seq']} tokens "
         f"per step, median of {args['steps']} steps after {args['warmup']}, best of {args['rounds']} round(s) (tokens/s: fastest round; CPU: least)"
-        f"{'' if args['glibc_default'] else ', MALLOC_MMAP_THRESHOLD_=1 MiB'}\n\n"
+        f"{'' if args['glibc_default'] else ', MALLOC_MMAP_THRESHOLD_=1 MiB'}{', every system compiled' if args['compile'] else ''}\n\n"
     )
     rows = [
         "| system | tokens/s | CPU s per step (rank max) | peak RSS per rank (MiB) | RSS growth per rank (MiB) | model states counted (MiB) | first-step loss |",
@@ -302,10 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated systems")
     p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/README.md alone")
     p.add_argument("--glibc-default", action="store_true", help="keep glibc's adaptive mmap threshold (resident sets then include freed memory)")
+    p.add_argument("--compile", action="store_true", help="every system on its compiled path (behemoth train.compile, torch.compile, engine.compile)")
     add_report_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.steps, a.warmup, a.rounds, a.no_write = 2, 1, 1, True
+    if a.compile:
+        a.warmup = max(a.warmup, 2)
+        cache = tempfile.TemporaryDirectory()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name  # the workers start after this
     if not a.glibc_default:  # read by the worker processes, which start after this
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MiB)
     args = {**vars(a), "seed": 1234, "lr": 1e-3}
