@@ -6,8 +6,10 @@ chunked losses.
 
 Every side computes the summed token loss of h W^T over the same hidden states, weight and targets, and the gradients
 of h and W. Plain: F.linear then F.cross_entropy (the logits and their softmax whole). Fused: behemoth's
-LinearCrossEntropy (models/chunked_loss.py; the default below the chunking size: logits computed once,
-vocabulary-major, kept and turned into their gradient in place). Chunked: behemoth's ChunkedLinearCrossEntropy. Peak:
+LinearCrossEntropy (models/chunked_loss.py; the default below the chunking size: logits computed once, kept and
+turned into their gradient in place). behemoth's products take the library `--gemm` names (train.gemm; default auto,
+as training: oneDNN where it is faster, and then the fused logits are token-major); the plain side runs F.linear (torch's
+BLAS), as a plain loop does. Chunked: behemoth's ChunkedLinearCrossEntropy. Peak:
 bytes of tensor storages allocated while it runs (behemoth.profiler.measure.LiveBytes: what the allocator must find,
 inputs excluded), in a pass of its own; time: the median of --reps passes, CPU: process CPU seconds of the least-CPU
 pass. The token count is halved until the plain side's estimated peak fits --max-gib and the memory free now (the
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from behemoth.models.chunked_loss import HEAD_INPUT, HeadInput, chunk_tokens, chunked_cross_entropy_sum
+from behemoth.models.gemm import describe, set_gemm
 from behemoth.profiler.measure import LiveBytes
 
 GiB = 1 << 30
@@ -109,8 +112,10 @@ def main() -> None:
     ap.add_argument("--max-gib", type=float, default=3.0, help="memory this benchmark may use (a shared machine: keep it modest)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gemm", default="auto", choices=["auto", "blas", "onednn"], help="behemoth's product library (train.gemm)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    set_gemm(args.gemm)
     asked = args.batch * args.seq
     budget = int(min(args.max_gib * GiB, 0.5 * available_bytes()))
     tokens = fit_tokens(asked // (8 if args.quick else 1), args.vocab, args.d_model, budget)
@@ -129,6 +134,7 @@ def main() -> None:
     print(f"vocabulary {args.vocab}, d_model {args.d_model}, float32, {args.threads} threads, {tokens} tokens", end="")
     print(f" (asked {args.batch} x {args.seq} = {asked}; scaled to fit {budget / GiB:.1f} GiB)" if tokens != asked else "")
     print(f"plain logits alone at the asked size: {asked * args.vocab * 4 / GiB:.2f} GiB float32")
+    print(describe())
     print("liger-kernel: " + ("run" if liger is not None else "not installed (its fused kernel is Triton, for GPUs): not run"))
     rows = [(name, *measure(fn, h, w, targets, reps)) for name, fn in sides]
     base_peak, base_time, base_cpu = rows[0][1], rows[0][2], rows[0][3]

@@ -225,7 +225,9 @@ def test_peak_memory_falls_with_the_chunk(library):
     logits = 512 * 4096 * 4  # 8 MiB of float32 logits; the gradients of h and W are 1.1 MiB together
     plain, fused, big, small = _peak_bytes(None), _peak_bytes(0), _peak_bytes(256), _peak_bytes(32)
     assert plain >= 2 * logits, plain  # the logits and their gradient (softmax) at once
-    assert fused <= logits + 2 * (512 + 4096) * 64 * 4 + 64 * 1024, fused  # one logits buffer, kept and reused in place
+    # one logits buffer, kept and reused in place, and the gradients of h and W once each (by oneDNN too: its weight
+    # gradient, summed [d, vocab], is returned as a view, not copied while the logits live)
+    assert fused <= logits + (512 + 4096) * 64 * 4 + 64 * 1024, fused
     assert plain > fused > big > small, (plain, fused, big, small)
     assert small <= 4 * 32 * 4096 * 4 + 2 * (512 + 4096) * 64 * 4, small  # a few chunks' logits plus the gradients
 

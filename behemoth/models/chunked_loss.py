@@ -144,26 +144,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         head, split, (want_h, want_w, want_b) = ctx.head, ctx.split, ctx.needs_input_grad[:3]
         view = HeadInput(weight, bias, head.transposed, head.dtype, head.chunk)
         w = weight.to(head.dtype)
-        # by oneDNN the weight's gradient sums x^T g, [d, vocab] (its faster order, as the fused loss), else [vocab, d]
-        d_major = want_w and gemm.takes_onednn(h.to(head.dtype), w)
-        sums_shape = (weight.shape[-1], weight.shape[0]) if d_major and not head.transposed else weight.shape
         grad_h = torch.empty_like(h) if want_h else None
-        grad_w = torch.zeros(sums_shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         for at in range(0, h.shape[0], head.chunk):
             x = h[at : at + head.chunk]
             g = _softmax_minus_target(_logits(x, view), lse[at : at + head.chunk], targets[at : at + head.chunk], split).mul_(grad).to(head.dtype)
             if grad_h is not None:
                 grad_h[at : at + head.chunk] = gemm.mm(g, w.t() if head.transposed else w)
-            if grad_w is not None and d_major:
-                grad_w += gemm.mm(x.to(head.dtype).t(), g)  # oneDNN's product, then one add (it cannot accumulate)
-            elif grad_w is not None:
+            if grad_w is not None:  # in place, by the BLAS: oneDNN cannot accumulate, and chunks avoid weight-sized temporaries
                 _accumulate(grad_w, *((x.to(head.dtype).t(), g) if head.transposed else (g.t(), x.to(head.dtype))))
             if grad_b is not None:
                 grad_b += g.float().sum(0)
             del g  # before the next chunk's logits: one chunk's at a time
-        if grad_w is not None and d_major and not head.transposed:
-            grad_w = grad_w.t().contiguous()
         return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None
 
 
@@ -225,9 +218,9 @@ class LinearCrossEntropy(torch.autograd.Function):
         w, x = weight.to(head.dtype), h.to(head.dtype)
         grad_h = gemm.mm(g, w.t() if head.transposed else w) if want_h else None
         grad_w = None
-        if want_w and ctx.token_major:  # x^T g [d, vocab]: oneDNN's faster order for token-major logits (measured)
-            grad_w = gemm.mm(x.t(), g)
-            grad_w = grad_w if head.transposed else grad_w.t().contiguous()
+        if want_w and ctx.token_major:  # x^T g [d, vocab]: oneDNN's faster order for token-major logits (measured);
+            grad_w = gemm.mm(x.t(), g)  # returned as its transposed view: made contiguous (if at all) where it is
+            grad_w = grad_w if head.transposed else grad_w.t()  # accumulated, after the logits' buffer is freed
         elif want_w:
             grad_w = gemm.mm(g.t(), x)  # [vocab, d] from vocabulary-major storage
             grad_w = grad_w.t().contiguous() if head.transposed else grad_w
