@@ -97,7 +97,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     for name in FAMILIES:
         save_family(name, root / name)
-    short = ["train.steps=3", "train.eval_every=3"]
+    # on the BLAS, both sides: by oneDNN the fused loss's contiguous [tokens, vocab] reductions put Mistral's pp=2 curve
+    # at 1.37x the weight tolerance after Adam's 3 steps (0.5x vocabulary-major), with the same float64 error (oneDNN
+    # against the BLAS, the fused loss included, is tests/test_gemm.py's)
+    short = ["train.steps=3", "train.eval_every=3", "train.gemm=blas"]
     one = {name: tiny_config(root / name / "one", f"hf.weights={root / name}", *short) for name in FAMILIES}
     two = {name: tiny_config(root / name / "two", f"hf.weights={root / name}", *short, *layout) for name, (_, layout) in FAMILIES.items()}
     assert {name: c["hf"]["arch"] for name, c in one.items()} == {name: name for name in FAMILIES}  # found from config.json
