@@ -2,7 +2,7 @@
 composes with; compilation is reported apart from step time and cached between runs.
 
 Compiling takes tens of seconds per graph on 2 cores (46 s for the one-layer test from an empty cache in a fresh-clone
-CI run), so every compiled run is slow-marked and the default run holds only the refusals:
+CI run), so every compiled run is slow-marked and the default run holds only where the cache goes:
 `OMP_NUM_THREADS=1 python -m pytest -q -m slow tests/test_compile.py` runs the one-layer model of 16 tokens and every layout.
 """
 
@@ -93,3 +93,34 @@ def test_layouts_compile_cannot_serve_are_refused_before_launch(overrides, reaso
 
     found = [p.message for p in problems(load_config(None, [*overrides, "train.compile=true"]), 2) if p.option == "train.compile"]
     assert (found == []) if reason is None else (len(found) == 1 and reason in found[0] and "train.compile=false" in found[0]), found
+
+
+@pytest.mark.parametrize("user_setting", [None, "mine"])
+def test_compile_cache_is_behemoths_unless_the_user_chose_one(tmp_path, user_setting):
+    """Importing torch._dynamo writes torch's default (a temp folder) into TORCHINDUCTOR_CACHE_DIR; that is not the
+    user's choice, so the cache stays under BEHEMOTH_CACHE; a folder the user names wins."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"} | {"BEHEMOTH_CACHE": str(tmp_path / "cache")}
+    if user_setting:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / user_setting)
+    code = "import torch._dynamo\nfrom behemoth.parallel.compile import use_compile_cache\nprint(use_compile_cache())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    expected = tmp_path / user_setting if user_setting else tmp_path / "cache" / "inductor"
+    assert out.stdout.strip() == str(expected) and expected.is_dir(), out.stdout + out.stderr
+
+
+def test_launched_workers_do_not_take_torchs_default_cache_for_the_users(tmp_path, monkeypatch):
+    """The launcher gives workers their own TMPDIR, under which torch's default (inherited from the parent) no longer
+    looks like a default: it is dropped for the launch and restored after."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from behemoth.faults.elastic import local_launch_env
+    from behemoth.parallel.compile import compile_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.setenv("BEHEMOTH_CACHE", str(tmp_path))
+    with local_launch_env(1):
+        assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and compile_cache_dir() == tmp_path / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()

@@ -303,9 +303,15 @@ def run_agent(entrypoint: Callable[..., Any], args: tuple, *, nproc: int, handle
 @contextlib.contextmanager
 def local_launch_env(nproc: int) -> Iterator[str]:
     """For the duration of a local launch: a private temporary folder (the agent's logs and error files, the workers'
-    TMPDIR) removed afterwards, and gloo / NCCL bound to the loopback interface."""
+    TMPDIR) removed afterwards, and gloo / NCCL bound to the loopback interface. torch's own default inductor cache
+    folder, which importing torch._dynamo wrote into TORCHINDUCTOR_CACHE_DIR, is not passed on as if the user chose it
+    (the workers' different TMPDIR would hide where it came from): they cache under BEHEMOTH_CACHE."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     folder = tempfile.mkdtemp(prefix="behemoth-launch-")
     saved_env, saved_tempdir = dict(os.environ), tempfile.tempdir
+    if os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")) == os.path.abspath(default_cache_dir()):
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     loopback = loopback_interface()
     os.environ.update(TMPDIR=folder, BEHEMOTH_LAUNCHER="1", **({"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback} if loopback else {}))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

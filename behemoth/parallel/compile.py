@@ -39,10 +39,14 @@ COMPILED = "_behemoth_compiled"
 
 
 def compile_cache_dir() -> Path:
-    """Where inductor keeps compiled code between runs: TORCHINDUCTOR_CACHE_DIR, else BEHEMOTH_CACHE (or ~/.cache/behemoth)
-    / inductor."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    """Where inductor keeps compiled code between runs: TORCHINDUCTOR_CACHE_DIR as the user set it, else BEHEMOTH_CACHE
+    (or ~/.cache/behemoth) / inductor. Importing torch._dynamo writes torch's own default (a per-user folder of the
+    system temp dir, emptied on reboot) into the variable, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
     return Path(os.environ.get("BEHEMOTH_CACHE") or Path.home() / ".cache" / "behemoth").expanduser() / "inductor"
 
 
