@@ -255,8 +255,9 @@ def part_published(markdown: str | None = None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two models on 2 processes, a few plans each")
-    parser.add_argument("--procs", default=None, help="with --quick: process counts, e.g. 2,4 (default 2)")
+    parser.add_argument("--procs", default=None, help="process counts, e.g. 2,4 (default: 2 with --quick, else 2 and 4)")
     parser.add_argument("--part", choices=["a", "here", "b", "both", "published"], default="both", help="here: (a); published: (c)")
+    parser.add_argument("--models", default=None, help=f"with --part here: a comma list of {', '.join(MODELS)} (default all)")
     parser.add_argument("--markdown", metavar="FILE", help="with --part published: also write its table as Markdown")
     parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = parser.parse_args()
@@ -264,7 +265,12 @@ def main() -> None:
         part_published(args.markdown)
     if args.part in ("a", "here", "both"):
         procs = [int(p) for p in (args.procs or "2").split(",")]
-        plan = [(m, w, 6) for w in procs for m in ("gpt-1m", "gpt-6m")] if args.quick else [(m, w, 30) for m in MODELS for w in (2, 4)]
+        models = args.models.split(",") if args.models else list(MODELS)
+        unknown = [m for m in models if m not in MODELS]
+        if unknown:
+            parser.error(f"unknown model(s) {', '.join(unknown)}: pick from {', '.join(MODELS)}")
+        worlds = procs if args.procs else (2, 4)
+        plan = [(m, w, 6) for w in procs for m in ("gpt-1m", "gpt-6m")] if args.quick else [(m, w, 30) for m in models for w in worlds]
         cases = [measure_case(m, w, limit, steps=2 if args.quick else 3) for m, w, limit in plan]
         report_a(cases)
     if args.part in ("b", "both"):

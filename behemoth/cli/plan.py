@@ -176,6 +176,12 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
         + f"; {dev.comm_overlap:.0%} of data-parallel traffic hides behind backward, computation running "
         + f"{dev.overlap_slowdown:.0%} slower while it does ({overlap_source(cluster)})",
     ]
+    if cluster.core_sharing > 1.0:
+        lines.append(
+            f"  shared cores: {cluster.devices_per_node} processes on {host.cores} cores per node, each measured computing beside the "
+            f"others (a rank idle in a pipeline's bubble lends its share); a point-to-point message costs {host.wake_us:.0f} us more "
+            "while the others compute (the woken rank waits for a core" + (", measured by behemoth calibrate)" if host.wake_us else ": not measured)")
+        )
     lays = [c.layout for c in ranked]
     lines += grid_assumptions(lays)
     if any(lay.pp > 1 for lay in lays):
@@ -353,5 +359,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")
     if dev.adamw is not None:
         print(f"  AdamW step       {dev.adamw.fixed_us:8.1f} us + {dev.adamw.ns_per_element:.2f} ns per parameter element")
+    if spec.core_sharing > 1.0:
+        wake = spec.host.wake_us
+        print(
+            f"  {nproc} processes on {spec.host.cores} cores: a message waits {wake:.0f} us more for its rank to get a core while the others compute"
+        )
     print(f"  disk {spec.host.disk_bandwidth_gbs:.2f} GB/s; wrote {cached}" + (f" and {args.out}" if args.out else ""))
     return 0

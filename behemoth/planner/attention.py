@@ -104,14 +104,14 @@ def context_comm_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> t
     hides, eff = cluster.device.comm_overlap, cluster.device.block_efficiency
     steps = ring_step_seconds(work, lay, cluster)
     last = len(steps) - 1
-    slow = cluster.device.overlap_slowdown
+    slow, wake = cluster.device.overlap_slowdown, cluster.wake_seconds
 
     def exposed(comm: float, compute: float) -> float:  # what the step's kernel does not hide, and what hiding costs it
-        hidden = min(comm, hides * compute / eff)
-        return comm - hidden + slow * hidden
+        hidden = min(comm, hides * compute / eff)  # a hop the rank waits for wakes it (where ranks outnumber cores)
+        return comm - hidden + slow * hidden + (wake if comm > hidden else 0.0)
 
     forward = sum(exposed(kv, f) for i, (f, _) in enumerate(steps) if i < last)
-    backward = dkv + sum(exposed((kv if i < last else 0.0) + (dkv if i > 0 else 0.0), b) for i, (_, b) in enumerate(steps))
+    backward = dkv + wake + sum(exposed((kv if i < last else 0.0) + (dkv if i > 0 else 0.0), b) for i, (_, b) in enumerate(steps))
     return forward, backward
 
 

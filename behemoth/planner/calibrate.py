@@ -6,7 +6,8 @@ the matrix-multiply rate by size and dtype, each collective's time by message si
 reduce-scatter, all-to-all, p2p), fitted to latency + bytes / bus bandwidth in nccl-tests' convention, the memory
 bandwidth of a large copy, the cost of one tiny operator and of an AdamW step per parameter element, the share of an
 all-reduce that hides behind products and the share of their rate products lose while one runs beside them
-(`overlap_slowdown`); on rank 0 alone, the disk's write and read bandwidth (a scratch file in the cache directory,
+(`overlap_slowdown`), and where the processes outnumber the cores what a message waits for its rank to get a core
+(`wake_us`); on rank 0 alone, the disk's write and read bandwidth (a scratch file in the cache directory,
 removed afterwards, skipped when the disk lacks room).
 """
 
@@ -97,6 +98,43 @@ def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
         return
     for send in (rank == 0, rank != 0):
         batch_p2p([P2P(send, t, peer)], group)[0].wait()
+
+
+def wake_latency(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**16, seconds: float = 1.5, cores: int | None = None) -> float:
+    """Microseconds a blocking message between two CPU processes takes beyond its idle latency while the node's other
+    processes compute (the cost model's `HostSpec.wake_us`): where processes outnumber cores, the rank a message
+    wakes waits for a core another rank is multiplying on (a scheduler slice at worst, nothing when it preempts). Ranks
+    0 and 1 ping-pong `nbytes` for `seconds`, once with every other rank idle and once with every other rank multiplying
+    for as long; the difference of the mean one-way times, at least 0. 0 without more processes than cores (nothing to
+    wait for) or on a GPU."""
+    world = dist.get_world_size(group)
+    if device.type != "cpu" or world <= (cores or core_count()) or world < 3:
+        return 0.0
+    rank = dist.get_rank(group)
+    message = torch.ones(nbytes // 4)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+
+    def one_way(busy: bool) -> float:
+        barrier(group)
+        start, trips = time.perf_counter(), 0
+        message[0] = 0.0
+        while rank < 2 and message[0] == 0.0:  # rank 0 flags the last trip in the message itself: both stop after it
+            if rank == 0 and time.perf_counter() - start >= seconds:
+                message[0] = 1.0
+            ping_pong(message, rank, group)
+            trips += 1
+        while rank >= 2 and time.perf_counter() - start < seconds:
+            if busy:
+                a @ a
+            else:
+                time.sleep(0.01)
+        took = torch.tensor([(time.perf_counter() - start) / (2 * trips) if trips else 0.0])
+        all_reduce(took, group, op=dist.ReduceOp.MAX)  # rank 0's (and 1's) figure; the others report 0
+        return float(took.item())
+
+    ping_pong(message, rank, group)  # connect
+    idle, loaded = one_way(False), one_way(True)
+    return max(0.0, loaded - idle) * 1e6
 
 
 def fit_link(op: str, curve: list[tuple[float, float]], ranks: int) -> tuple[float, float]:
@@ -332,6 +370,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["overlap_slowdown"] = overlap_slowdown(device, group) if rt.world_size > 1 else 0.0
         out["op_overhead_us"] = op_overhead(device)
+        out["wake_us"] = wake_latency(device, group) if rt.world_size > 1 else 0.0
         out["adamw"] = adamw_rate(device, group)
         out["flash_efficiency"] = attention_efficiency(device, group, max(v for _, v in out["matmul"]["fp32"]))
         out["block_efficiency"] = block_efficiency(
@@ -383,6 +422,7 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         memory_bandwidth_gbs=m["memory_bandwidth_gbs"] * (world if m["device"] == "cpu" else 1),
         disk_bandwidth_gbs=m["disk_bandwidth_gbs"] or 0.1,
         cores=m.get("cores"),
+        wake_us=m.get("wake_us", 0.0),
     )
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
     measured.update({f"matmul_{k}_tflops_by_n": [tuple(p) for p in v] for k, v in m["matmul"].items()})

@@ -269,6 +269,12 @@ class HostSpec(Spec):
     memory_bandwidth_gbs: float = Field(..., gt=0, description="host memory bandwidth per node, GB/s")
     disk_bandwidth_gbs: float = Field(..., gt=0, description="local disk read/write bandwidth per node, GB/s")
     cores: int | None = Field(None, ge=1, description="CPU cores a node's CPU processes share (None: each device computes alone, a GPU)")
+    wake_us: float = Field(
+        0.0,
+        ge=0,
+        description="where a node's CPU processes outnumber its cores: what a blocking message takes beyond its latency while "
+        "the other processes compute (the woken rank waits for a core), measured by calibrate",
+    )
 
 
 class ClusterSpec(Spec):
@@ -318,6 +324,11 @@ class ClusterSpec(Spec):
         """Ranks per core on a node whose CPU processes outnumber its cores (1 when each has its own)."""
         cores = self.host.cores
         return self.devices_per_node / cores if cores and self.devices_per_node > cores else 1.0
+
+    @property
+    def wake_seconds(self) -> float:
+        """Seconds a rank woken by a point-to-point message waits for a core (0 when each rank has its own)."""
+        return self.host.wake_us * 1e-6 if self.core_sharing > 1.0 else 0.0
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -78,6 +78,7 @@ def block_costs(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         work.op_checkpointing,
         id(cluster.device),
         id(cluster.intra_node),
+        cluster.wake_seconds,  # ring hops a rank waits for on shared cores
     )
     found = _BLOCK_COSTS.get(key)
     if found is None or found[0] is not work.census or found[1] is not cluster.device or found[2] is not cluster.intra_node:

@@ -11,15 +11,18 @@ from behemoth.planner.layout import Layout, Workload
 def pipeline_message_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     """Seconds of one activation (or its gradient) between adjacent pipeline stages (0 without a pipeline): a sequence
     shard under SP (a 2-D grid rank's block: 1/tp too); under `p2p_split` (Megatron-LM's scatter/gather, Narayanan et
-    al. 2021 Section 4.1; DeepSpeed's partitioned pipeline activations) each tp rank's 1/tp and the all-gather that rebuilds it within the node."""
+    al. 2021 Section 4.1; DeepSpeed's partitioned pipeline activations) each tp rank's 1/tp and the all-gather that
+    rebuilds it within the node. Where ranks outnumber cores, the receiving rank's wait for a core
+    (`ClusterSpec.wake_seconds`) is part of every message."""
     if lay.pp == 1:
         return 0.0
     message = lay.tokens(work.seq_len) * work.census.shape.d_model * work.act_bytes
+    link, wake = cluster.link(lay.world), cluster.wake_seconds
     if lay.seq_split:  # a sequence shard (SP) or a 2-D rank's block: each tp rank sends its 1/tp to its peer
-        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2)
+        return link.seconds("p2p", message / lay.tp, 2) + wake
     if work.p2p_split and lay.tp > 1:
-        return cluster.link(lay.world).seconds("p2p", message / lay.tp, 2) + cluster.collective("all_gather", message, lay.tp)
-    return cluster.link(lay.world).seconds("p2p", message, 2)
+        return link.seconds("p2p", message / lay.tp, 2) + cluster.collective("all_gather", message, lay.tp) + wake
+    return link.seconds("p2p", message, 2) + wake
 
 
 P2P_INLINE = ("none", "batched", "separate")

@@ -10,7 +10,7 @@ ahead while they compute) is exposed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from behemoth.planner.cluster import ClusterSpec
 from behemoth.planner.comm import DataParallelTime, chimera_sync_seconds, data_parallel_time, depth_sync_seconds, expert_seconds
@@ -116,7 +116,7 @@ def offload_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements:
 def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...], *, exact: bool = False) -> StepTime:
     """Seconds of one training step of `lay` on `cluster`, by part."""
     costs = pass_costs(work, lay, cluster, bounds)
-    passes, bubble = shared_cores(cluster, *pipeline_seconds(lay, costs, exact=exact))
+    passes, bubble = shared_cores(cluster, lay, costs, exact=exact)
     share = work.share(lay)
     busiest = max(range(lay.pp), key=lambda r: rank_elements(share, lay, bounds, r))
     elements = rank_elements(share, lay, bounds, busiest)
@@ -148,17 +148,33 @@ def step_time(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[i
     )
 
 
-def shared_cores(cluster: ClusterSpec, passes: float, bubble: float) -> tuple[float, float]:
-    """(passes, bubble) when a node's ranks share fewer cores than there are ranks (CPU processes): the rates were
-    measured with every rank computing, so a rank idle in the pipeline's bubble lends its share to the busy ones. The
-    step is then the larger of the ranks' mean busy time and the critical path at the rate of a rank with its cores
-    to itself (`sharing` times faster)."""
+def shared_cores(cluster: ClusterSpec, lay: Layout, costs: PassCosts, *, exact: bool) -> tuple[float, float]:
+    """(passes, bubble) of the pipeline, also when a node's ranks share fewer cores than there are ranks (CPU
+    processes): the rates were measured with every rank computing, so a rank idle in the pipeline's bubble lends its
+    share to the busy ones. The step is then the larger of the ranks' mean busy time and the critical path with every
+    pass at the rate of a rank with its cores to itself (`sharing` times faster) and every message at its own latency
+    (a rank's wait for a core when a message wakes it, `ClusterSpec.wake_seconds`, included in it)."""
+    passes, bubble = pipeline_seconds(lay, costs, exact=exact)
     sharing = cluster.core_sharing
     if sharing <= 1.0 or bubble <= 0.0:
         return passes, bubble
     busy = passes - bubble
-    shared = max(busy, passes / sharing)
+    alone = replace(
+        costs,
+        forward=tuple(c / sharing for c in costs.forward),
+        backward=tuple(c / sharing for c in costs.backward),
+        weight=tuple(c / sharing for c in costs.weight),
+    )
+    shared = max(busy, pipeline_seconds(lay, alone, exact=exact)[0])
     return shared, shared - busy
+
+
+def shared_floor(cluster: ClusterSpec, passes: float, bubble: float) -> float:
+    """`shared_cores`'s bound from a step already priced at the shared rate: its messages scaled with it (a lower bound)."""
+    sharing = cluster.core_sharing
+    if sharing <= 1.0 or bubble <= 0.0:
+        return passes
+    return max(passes - bubble, passes / sharing)
 
 
 def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
@@ -180,5 +196,5 @@ def step_floor(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
         passes = closed_form_step(lay, [mean] * lay.pp, flat)[0]
     share = work.share(lay)
     elements = (work.census.shape.n_layer * share.block + share.embed + share.head) / lay.pp
-    passes = shared_cores(cluster, passes, passes - lay.microbatches * mean)[0] if lay.pp > 1 else passes
+    passes = shared_floor(cluster, passes, passes - lay.microbatches * mean) if lay.pp > 1 else passes
     return passes + data_parallel_time(work, lay, cluster, elements, mean, mean).exposed + optimizer_seconds(work, lay, cluster, elements)
