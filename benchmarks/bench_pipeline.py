@@ -10,6 +10,7 @@ simulator with every pass taking exactly its measured time. Run:
 
     python benchmarks/bench_pipeline.py [--steps 6] [--warmup 2] [--worlds 2,4] [--readme]
     python benchmarks/bench_pipeline.py --part v [--worlds 2]   # ZBV, DualPipeV, 1F1B-SCP vs 1F1B (+ recompute), vs torch's own
+    python benchmarks/bench_pipeline.py --part compiled          # GPipe and 1F1B with every block compiled on both sides
 
 With --readme the tables replace the pipeline section of benchmarks/README.md (`--part v`: its own section).
 """
@@ -49,8 +50,12 @@ def make_config(world: int, schedule: str) -> Any:
     """The benchmark's config; `1f1b+recompute`: 1F1B with every block checkpointed (torch.utils.checkpoint)."""
     from behemoth.config import load_config
 
-    name, _, extra = schedule.partition("+")
-    return load_config(None, MODEL + [f"parallel.pp={world}", f"parallel.schedule={name}"] + (["parallel.recompute=full"] if extra else []))
+    name, *extras = schedule.split("+")
+    unknown = set(extras) - {"recompute", "compile"}
+    if unknown:
+        raise ValueError(f"unknown schedule suffix {', '.join(sorted(unknown))} in {schedule!r}")
+    options = ["parallel.recompute=full"] * ("recompute" in extras) + ["train.compile=true"] * ("compile" in extras)
+    return load_config(None, MODEL + [f"parallel.pp={world}", f"parallel.schedule={name}", *options])
 
 
 def data(cfg: Any):
@@ -100,7 +105,8 @@ def p2p_latency(group, hidden_shape: tuple[int, ...], reps: int = 20) -> float:
 
 
 def behemoth_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, Any]:
-    """behemoth's Engine on `world` pipeline ranks: throughput, measured and simulated bubble, stash."""
+    """behemoth's Engine on `world` pipeline ranks: throughput, measured and simulated bubble, stash (`+compile`: each
+    block compiled, train.compile=true)."""
     from behemoth.engine import build_engine
     from behemoth.parallel.pipeline import closed_form_bubble, simulate
     from behemoth.parallel.pipeline.analysis.measure import gather_timelines, measured_bubble, measured_costs, replayed_bubble
@@ -149,7 +155,7 @@ def _clip_and_step(model, optimizer, group, max_norm: float) -> None:
 def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, Any]:
     """torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B, its ScheduleInterleaved1F1B with two stages per rank
     (rank r holds r and r + p, as behemoth's interleaved), or its ScheduleZBVZeroBubble / ScheduleDualPipeV with two
-    stages per rank in the same V, on the same stages of the same model."""
+    stages per rank in the same V, on the same stages of the same model (`+compile`: each block compiled in place)."""
     import torch
     from torch.distributed import pipelining as tp
 
@@ -160,9 +166,12 @@ def torch_rank(schedule: str, world: int, steps: int, warmup: int) -> dict[str, 
     from behemoth.topology import init_runtime
 
     cfg = make_config(world, schedule)
+    schedule = schedule.partition("+")[0]
     rt = init_runtime(**cfg.parallel.degrees())
     rank, group, tokens = rt.coordinate("pp"), rt.group("pp"), cfg.train.global_batch * cfg.seq_len
     lm = build_causal_lm(cfg.model)
+    for block in lm.module.blocks if cfg.train.compile else ():
+        block.compile()  # the peer's compiled path: each block in place, before the stages are built (torchtitan's order)
     model, stages = lm.module, 2 * world if schedule in ("zbv", "dualpipev", "interleaved") else world
     held = [rank] if stages == world else [rank, rank + world] if schedule == "interleaved" else [rank, stages - 1 - rank]
     parts = cut_model(model, held, resolve_stage_boundaries(cfg.parallel, lm, cfg.seq_len, 0), lm.layers)
@@ -314,16 +323,17 @@ def run(worlds: list[int], steps: int, warmup: int, rounds: int) -> tuple[list[d
     return throughput, bubbles
 
 
-def run_v(worlds: list[int], steps: int, warmup: int, rounds: int) -> dict[tuple[int, str, str], dict]:
-    """`--part v`: behemoth's V_PART and torch's TORCH_V, `rounds` times interleaved, each one's fastest run kept; a peer
-    that fails keeps its error's last line."""
+def run_v(worlds: list[int], steps: int, warmup: int, rounds: int, pairs: list[tuple[str, str]] | None = None) -> dict[tuple[int, str, str], dict]:
+    """`--part v`: behemoth's V_PART and torch's TORCH_V (or the (runtime, schedule) `pairs` given), `rounds` times
+    interleaved, each one's fastest run kept; a peer that fails keeps its error's last line."""
     from behemoth.faults.ranks import run_ranks
 
     bodies = {"behemoth": behemoth_rank, "torch": torch_rank}
     best: dict[tuple[int, str, str], dict] = {}
+    pairs = pairs or [("behemoth", s) for s in V_PART] + [("torch", s) for s in TORCH_V]
     for round_ in range(rounds):
         for world in worlds:
-            for runtime, schedule in [("behemoth", s) for s in V_PART] + [("torch", s) for s in TORCH_V]:
+            for runtime, schedule in pairs:
                 key = (world, runtime, schedule)
                 try:
                     got = run_ranks(world, bodies[runtime], schedule, world, steps, warmup, timeout=1800)
@@ -366,6 +376,35 @@ def format_v_table(best: dict[tuple[int, str, str], dict], worlds: list[int], co
                 f"| {w} | {s} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f} | {r['cpu_s']:.2f} "
                 f"| {r['bubble']:.3f} | {r['simulated']:.3f} "
                 f"| {r['closed_form']:.3f} | {stash} | {theirs} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+COMPILED = ["gpipe+compile", "1f1b+compile"]  # `--part compiled`: both runtimes' compiled paths
+C_BEGIN, C_END = "<!-- bench_pipeline_compiled: begin -->", "<!-- bench_pipeline_compiled: end -->"
+
+
+def format_compiled_table(best: dict[tuple[int, str, str], dict], worlds: list[int], command: str) -> str:
+    """`--part compiled`: behemoth with train.compile=true against torch.distributed.pipelining with each block compiled."""
+    lines = [
+        f"`{command}` — the same GPT and micro-batching as above, every block compiled on both sides (behemoth "
+        "`train.compile=true`; torch.distributed.pipelining's stages built from blocks `compile()`d in place); compilation "
+        "falls in the untimed warm-up steps. tok/s from the fastest step of all rounds; CPU s/step: the median step of the "
+        "least-work round, summed over ranks.",
+        "",
+        "| p | schedule | behemoth tok/s | torch tok/s | ratio | CPU s/step behemoth / torch | CPU ratio torch / behemoth |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for w in worlds:
+        for s in COMPILED:
+            ours, theirs = best.get((w, "behemoth", s), {}), best.get((w, "torch", s), {})
+            if "tokens_per_s" not in ours or "tokens_per_s" not in theirs:
+                lines.append(f"| {w} | {s} | {ours.get('error', '')} | {theirs.get('error', '')} | — | — | — |")
+                continue
+            lines.append(
+                f"| {w} | {s.partition('+')[0]} | {ours['tokens_per_s']:.0f} | {theirs['tokens_per_s']:.0f} "
+                f"| {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f} | {ours['cpu_s']:.2f} / {theirs['cpu_s']:.2f} "
+                f"| {theirs['cpu_s'] / ours['cpu_s']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -422,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every variant, interleaved; the fastest is kept")
     parser.add_argument("--readme", action="store_true", help="write the tables into benchmarks/README.md")
-    parser.add_argument("--part", choices=["all", "v"], default="all", help="v: ZBV, DualPipeV and 1F1B-SCP only")
+    parser.add_argument(
+        "--part", choices=["all", "v", "compiled"], default="all", help="v: ZBV, DualPipeV and 1F1B-SCP only; compiled: GPipe and 1F1B, both compiled"
+    )
     from ratios import add_report_args, command_line, write_rows
 
     add_report_args(parser)
@@ -438,6 +479,15 @@ def main(argv: list[str] | None = None) -> int:
         write_rows(args.json, v_ratio_rows(best))
         if args.readme:
             write_readme(text, (V_BEGIN, V_END), "Pipeline schedules: ZBV, DualPipeV, 1F1B-SCP (bench_pipeline.py --part v)")
+        return 0
+    if args.part == "compiled":
+        worlds = [int(w) for w in args.worlds.split(",")]
+        best = run_v(worlds, args.steps, args.warmup, args.rounds, [(r, s) for s in COMPILED for r in ("behemoth", "torch")])
+        text = format_compiled_table(best, worlds, command.strip())
+        print(text)
+        write_rows(args.json, v_ratio_rows(best))
+        if args.readme:
+            write_readme(text, (C_BEGIN, C_END), "Pipeline parallelism, both compiled (bench_pipeline.py --part compiled)")
         return 0
     throughput, bubbles = run([int(w) for w in args.worlds.split(",")], args.steps, args.warmup, args.rounds)
     text = format_tables(throughput, bubbles, command.strip())
