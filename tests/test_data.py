@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +16,8 @@ from behemoth.errors import BehemothError
 def test_default_corpus_is_the_stdlib(tmp_path):
     files = stdlib_sources()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+    root, skip = Path(sysconfig.get_paths()["stdlib"]), {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+    assert files == sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))  # the pruned walk lists the same
     corpus = prepare_corpus(None, 0.05, str(tmp_path))
     assert corpus.vocab_size <= 256
     n_train, n_val = len(corpus.train), len(corpus.val)

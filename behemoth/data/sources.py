@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +25,15 @@ Document = str | list[dict[str, Any]]
 
 
 def stdlib_sources() -> list[Path]:
-    """The running interpreter's standard-library sources (tests and site-packages left out)."""
+    """The running interpreter's standard-library sources (tests and site-packages left out). The walk prunes the
+    skipped folders instead of listing them (site-packages alone may hold many thousands of files)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    found: list[Path] = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in skip]
+        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    return sorted(found)
 
 
 def is_datasets_folder(p: Path) -> bool:
