@@ -29,7 +29,7 @@ from behemoth.models.gemm import route_linears, set_gemm
 from behemoth.offload import OffloadPolicy
 from behemoth.parallel.sync import adamw_kernel, adamw_settings  # noqa: F401 - here since the engine picked them
 from behemoth.parallelize import ParallelModel, parallelize
-from behemoth.topology import Runtime
+from behemoth.topology import Runtime, keep_freed_host_memory
 
 Batch = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -58,6 +58,8 @@ class Engine:
     def __init__(self, model: ParallelModel, train: TrainConfig, tokens_per_step: int) -> None:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
+        if train.host_memory == "keep":
+            keep_freed_host_memory()  # no page faults on the step's large tensors (topology.py)
         set_gemm(train.gemm)  # which library multiplies the CPU float32 linears (models/gemm.py), for every layer routed:
         route_linears(model.module)  # last, so LoRA, int8 bases and TP/ZeRO wrappers have already seen plain nn.Linear
         self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]

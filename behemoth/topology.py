@@ -8,8 +8,10 @@ on its own sub-mesh (`init_runtime(models=2)`: two independent jobs on the two h
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,24 @@ from behemoth.comm import all_reduce
 from behemoth.errors import BehemothError
 
 MESH_DIMS = ("pp", "dp", "cp", "ep", "tp")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_host_memory() -> bool:
+    """Have the C library keep the host memory a training process frees, for its next allocations, instead of
+    returning it to the OS: glibc serves blocks over its mmap threshold (32 MiB at most, 128 KiB at first) by mmap and
+    gives them back at free, and trims the heap's free top, so every step's large tensors (activations, logits chunks,
+    the vocabulary-sized gradients) were page-faulted and zero-filled again, page by page: 200-470 thousand faults and
+    0.4-3 s of system time per gpt2-124m step here (docs/performance.md). Large blocks then come from the heap, which is
+    never trimmed; the process's resident memory stays at its peak. True where the setting took (Linux with glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # another C library (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))  # -1: never trim (mallopt(3))
 
 
 @dataclass(frozen=True)
