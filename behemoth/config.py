@@ -89,11 +89,12 @@ class TrainConfig(Section):
         description="library of the CPU float32 linears in training: torch's BLAS (MKL), oneDNN, or auto (oneDNN where a product "
         "timed once per process at its thread count runs faster, compiled blocks included; CUDA and bf16 take F.linear; docs/performance.md)",
     )
-    host_memory: Literal["keep", "return"] = Field(
-        "keep",
+    host_memory: Literal["auto", "keep", "return"] = Field(
+        "auto",
         description="host memory a training process frees: keep it for its next allocations (glibc: large blocks from the "
         "never-trimmed heap, not mmap, so a step's large tensors are not page-faulted in again; resident memory stays at its "
-        "peak), or return it to the OS at once (the C library's default; docs/performance.md)",
+        "peak and fragments), return it to the OS at once (the C library's default), or auto: keep unless offload is on, "
+        "whose host memory the run budgets (docs/performance.md)",
     )
     loss_chunk: int = Field(
         -1,

@@ -33,8 +33,15 @@ def test_freed_host_memory_is_reused_by_the_next_step(setting):
     assert (kept and max(faults[-2:]) < 1_000) if setting == "keep" else min(faults[-2:]) > 10_000, out
 
 
-def test_training_keeps_host_memory_by_default_and_says_how_to_return_it():
-    assert load_config(None, []).train.host_memory == "keep"
-    assert load_config(None, ["train.host_memory=return"]).train.host_memory == "return"
+def test_training_keeps_host_memory_unless_it_offloads():
+    """auto keeps it, except where offload places states on host or disk or a memory budget is set (the run budgets its
+    host memory); keep and return are taken as given."""
+    from behemoth.engine import keeps_host_memory
+
+    assert load_config(None, []).train.host_memory == "auto" and keeps_host_memory(load_config(None, []))
+    assert not keeps_host_memory(load_config(None, ["offload.optimizer=cpu"]))
+    assert not keeps_host_memory(load_config(None, ["offload.max_memory_gb=1"]))
+    assert keeps_host_memory(load_config(None, ["offload.optimizer=cpu", "train.host_memory=keep"]))
+    assert not keeps_host_memory(load_config(None, ["train.host_memory=return"]))
     with pytest.raises(Exception, match="host_memory"):
         load_config(None, ["train.host_memory=sometimes"])
