@@ -19,18 +19,18 @@ def step():
     xs = [torch.ones(n * 2**20 // 4) for n in (40, 24, 64, 33)]  # a step's large tensors, written, then all freed
     del xs
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(kept, *[step() for _ in range(5)])
+print(kept, *[step() for _ in range(12)])
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 @pytest.mark.parametrize("setting", ["keep", "return"])
 def test_freed_host_memory_is_reused_by_the_next_step(setting):
-    """Kept: once warm, a step that writes 161 MiB of fresh tensors and frees them faults in no new pages; the C
-    library's default maps each afresh and faults in tens of thousands of pages every step."""
+    """Kept: once warm (the heap settles within 7 such steps), a step that writes 161 MiB of fresh tensors and frees them
+    faults in no new pages; the C library's default maps each afresh and faults in tens of thousands every step."""
     out = subprocess.run([sys.executable, "-c", FAULTS, setting], capture_output=True, text=True, timeout=120, check=True).stdout.split()
     kept, faults = out[0] == "True", [int(f) for f in out[1:]]
-    assert (kept and max(faults[-2:]) < 1_000) if setting == "keep" else min(faults[-2:]) > 10_000, out
+    assert (kept and max(faults[-4:]) < 1_000) if setting == "keep" else min(faults[-4:]) > 10_000, out
 
 
 def test_training_keeps_host_memory_unless_it_offloads():
