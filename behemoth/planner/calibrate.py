@@ -352,10 +352,11 @@ def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
 def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
     """One rank of the calibration (see the module docstring); rank 0 returns the measurements."""
     from behemoth.models.gemm import describe, set_gemm
-    from behemoth.topology import init_runtime
+    from behemoth.topology import init_runtime, keep_freed_host_memory
 
     rt = init_runtime(timeout_s=300.0)
     set_gemm("auto")  # what a training run multiplies with by default (train.gemm): products and blocks timed so
+    keep_freed_host_memory()  # and its host memory as a training run without offload keeps it (train.host_memory=auto)
     try:
         group, device = rt.world_group, rt.device
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
