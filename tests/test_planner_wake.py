@@ -9,10 +9,11 @@ import torch
 
 from behemoth.config import load_config
 from behemoth.planner.attention import context_comm_seconds
-from behemoth.planner.calibrate import spec_from, wake_latency
+from behemoth.planner.calibrate import spec_from
 from behemoth.planner.cost import price
 from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.messages import pipeline_message_seconds
+from behemoth.planner.pingpong import wake_latency
 from tests.dist import run_ranks
 
 WAKE_US = 500.0

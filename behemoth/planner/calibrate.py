@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import P2P, all_gather, all_reduce, all_to_all, barrier, batch_p2p, reduce_scatter
+from behemoth.comm import all_gather, all_reduce, all_to_all, barrier, reduce_scatter
 from behemoth.offload.calibrate import measure_disk
 from behemoth.planner.cluster import COLLECTIVES, AdamWRate, ClusterSpec, DeviceSpec, HostSpec, LinkSpec, bus_factor
+from behemoth.planner.pingpong import core_count, ping_pong, wake_latency
 
 MATMUL_SIZES = {"quick": (128, 256, 512, 1024), "full": (128, 256, 512, 1024, 2048, 4096)}
 MESSAGE_BYTES = {"quick": (2**12, 2**16, 2**20, 2**23), "full": (2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26)}
@@ -89,52 +90,6 @@ def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, grou
         seconds = timed(fn, 5, device, group)
         out.append((float(n * 4), seconds / 2 if op == "p2p" else seconds))
     return out
-
-
-def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
-    """Rank 0 sends to rank 1 and back; other ranks idle."""
-    peer = {0: 1, 1: 0}.get(rank)
-    if peer is None:
-        return
-    for send in (rank == 0, rank != 0):
-        batch_p2p([P2P(send, t, peer)], group)[0].wait()
-
-
-def wake_latency(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**16, seconds: float = 1.5, cores: int | None = None) -> float:
-    """Microseconds a blocking message between two CPU processes takes beyond its idle latency while the node's other
-    processes compute (the cost model's `HostSpec.wake_us`): where processes outnumber cores, the rank a message
-    wakes waits for a core another rank is multiplying on (a scheduler slice at worst, nothing when it preempts). Ranks
-    0 and 1 ping-pong `nbytes` for `seconds`, once with every other rank idle and once with every other rank multiplying
-    for as long; the difference of the mean one-way times, at least 0. 0 without more processes than cores (nothing to
-    wait for) or on a GPU."""
-    world = dist.get_world_size(group)
-    if device.type != "cpu" or world <= (cores or core_count()) or world < 3:
-        return 0.0
-    rank = dist.get_rank(group)
-    message = torch.ones(nbytes // 4)
-    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-
-    def one_way(busy: bool) -> float:
-        barrier(group)
-        start, trips = time.perf_counter(), 0
-        message[0] = 0.0
-        while rank < 2 and message[0] == 0.0:  # rank 0 flags the last trip in the message itself: both stop after it
-            if rank == 0 and time.perf_counter() - start >= seconds:
-                message[0] = 1.0
-            ping_pong(message, rank, group)
-            trips += 1
-        while rank >= 2 and time.perf_counter() - start < seconds:
-            if busy:
-                a @ a
-            else:
-                time.sleep(0.01)
-        took = torch.tensor([(time.perf_counter() - start) / (2 * trips) if trips else 0.0])
-        all_reduce(took, group, op=dist.ReduceOp.MAX)  # rank 0's (and 1's) figure; the others report 0
-        return float(took.item())
-
-    ping_pong(message, rank, group)  # connect
-    idle, loaded = one_way(False), one_way(True)
-    return max(0.0, loaded - idle) * 1e6
 
 
 def fit_link(op: str, curve: list[tuple[float, float]], ranks: int) -> tuple[float, float]:
@@ -329,14 +284,6 @@ def attention_efficiency(
     seconds = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 5, device, group)  # type: ignore[no-untyped-call]
     flops = 0.5 * 4.0 * heads * seq * seq * hd * 3.5
     return min(1.0, max(0.01, flops / seconds / (peak_tflops * 1e12)))
-
-
-def core_count() -> int:
-    """CPU cores this process may run on (the node's processes share them)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def disk_bandwidth(folder: Path, nbytes: int) -> float | None:
