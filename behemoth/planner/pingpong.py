@@ -29,13 +29,15 @@ def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
         batch_p2p([P2P(send, t, peer)], group)[0].wait()
 
 
-def wake_latency(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**16, seconds: float = 1.5, cores: int | None = None) -> float:
+def wake_latency(
+    device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**16, seconds: float = 0.6, cores: int | None = None, rounds: int = 3
+) -> float:
     """Microseconds a blocking message between two CPU processes takes beyond its idle latency while the node's other
     processes compute (the cost model's `HostSpec.wake_us`): where processes outnumber cores, the rank a message
     wakes waits for a core another rank is multiplying on (a scheduler slice at worst, nothing when it preempts). Ranks
-    0 and 1 ping-pong `nbytes` for `seconds`, once with every other rank idle and once with every other rank multiplying
-    for as long; the difference of the mean one-way times, at least 0. 0 without more processes than cores (nothing to
-    wait for) or on a GPU."""
+    0 and 1 ping-pong `nbytes` for `seconds`, with every other rank idle, then with every other rank multiplying for as
+    long, `rounds` times in alternation (the wait is bimodal and the load of a shared host drifts); the difference of
+    the mean one-way times, at least 0. 0 without more processes than cores (nothing to wait for) or on a GPU."""
     world = dist.get_world_size(group)
     if device.type != "cpu" or world <= (cores or core_count()) or world < 3:
         return 0.0
@@ -62,5 +64,8 @@ def wake_latency(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2
         return float(took.item())
 
     ping_pong(message, rank, group)  # connect
-    idle, loaded = one_way(False), one_way(True)
-    return max(0.0, loaded - idle) * 1e6
+    idle, loaded = [], []
+    for _ in range(rounds):
+        idle.append(one_way(False))
+        loaded.append(one_way(True))
+    return max(0.0, sum(loaded) / rounds - sum(idle) / rounds) * 1e6
