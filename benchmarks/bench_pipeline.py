@@ -471,23 +471,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.warmup, args.rounds, args.worlds = 2, 1, 1, "2"
     command = command_line("bench_pipeline.py", argv)
-    if args.part == "v":
+    if args.part in ("v", "compiled"):
         worlds = [int(w) for w in args.worlds.split(",")]
-        best = run_v(worlds, args.steps, args.warmup, args.rounds)
-        text = format_v_table(best, worlds, command.strip())
+        pairs = [(r, s) for s in COMPILED for r in ("behemoth", "torch")] if args.part == "compiled" else None
+        best = run_v(worlds, args.steps, args.warmup, args.rounds, pairs)
+        table = format_compiled_table if args.part == "compiled" else format_v_table
+        text = table(best, worlds, command.strip())
         print(text)
         write_rows(args.json, v_ratio_rows(best))
-        if args.readme:
-            write_readme(text, (V_BEGIN, V_END), "Pipeline schedules: ZBV, DualPipeV, 1F1B-SCP (bench_pipeline.py --part v)")
-        return 0
-    if args.part == "compiled":
-        worlds = [int(w) for w in args.worlds.split(",")]
-        best = run_v(worlds, args.steps, args.warmup, args.rounds, [(r, s) for s in COMPILED for r in ("behemoth", "torch")])
-        text = format_compiled_table(best, worlds, command.strip())
-        print(text)
-        write_rows(args.json, v_ratio_rows(best))
-        if args.readme:
+        if args.readme and args.part == "compiled":
             write_readme(text, (C_BEGIN, C_END), "Pipeline parallelism, both compiled (bench_pipeline.py --part compiled)")
+        elif args.readme:
+            write_readme(text, (V_BEGIN, V_END), "Pipeline schedules: ZBV, DualPipeV, 1F1B-SCP (bench_pipeline.py --part v)")
         return 0
     throughput, bubbles = run([int(w) for w in args.worlds.split(",")], args.steps, args.warmup, args.rounds)
     text = format_tables(throughput, bubbles, command.strip())

@@ -15,30 +15,14 @@ from behemoth.planner.layout import Layout, Workload
 from behemoth.planner.messages import pipeline_message_seconds
 from behemoth.planner.pingpong import wake_latency
 from tests.dist import run_ranks
+from tests.test_plan_cli import measured_here
 
 WAKE_US = 500.0
 
 
 def measured(world: int, cores: int, wake_us: float) -> dict:
     """Rank 0's measurements as `calibrate_worker` returns them for `world` CPU processes on `cores` cores."""
-    curve = [(2**12, 1e-4), (2**20, 1e-3), (2**23, 8e-3)]
-    return {
-        "world": world,
-        "device": "cpu",
-        "matmul": {"fp32": [(128, 0.02), (256, 0.03)]},
-        "collectives": {op: curve for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")},
-        "memory_bandwidth_gbs": 5.0,
-        "comm_overlap": 0.0,
-        "overlap_slowdown": 0.0,
-        "op_overhead_us": 10.0,
-        "flash_efficiency": 0.5,
-        "block_efficiency": 0.8,
-        "disk_bandwidth_gbs": 0.5,
-        "device_name": "CPU process",
-        "device_memory": None,
-        "cores": cores,
-        "wake_us": wake_us,
-    }
+    return measured_here(0.0) | {"world": world, "cores": cores, "wake_us": wake_us, "comm_overlap": 0.0}
 
 
 def work() -> Workload:
