@@ -25,6 +25,7 @@ import torch
 from behemoth.config import Config, TrainConfig
 from behemoth.metrics import synchronize
 from behemoth.models.causal_lm import build_causal_lm
+from behemoth.models.gemm import agree as agree_gemm
 from behemoth.models.gemm import route_linears, set_gemm
 from behemoth.offload import OffloadPolicy
 from behemoth.parallel.sync import adamw_kernel, adamw_settings  # noqa: F401 - here since the engine picked them
@@ -59,6 +60,8 @@ class Engine:
         self.model, self.train, self.tokens_per_step = model, train, tokens_per_step
         self.step_targets = tokens_per_step  # the loss's denominator this step: the global batch's counted targets
         set_gemm(train.gemm)  # which library multiplies the CPU float32 linears (models/gemm.py), for every layer routed:
+        if model.rt.device.type == "cpu":
+            agree_gemm(model.rt.world_group)  # auto: rank 0's measurement for every rank, so replicas round alike
         route_linears(model.module)  # last, so LoRA, int8 bases and TP/ZeRO wrappers have already seen plain nn.Linear
         self.optimizers = [sync.build_optimizer(adamw_settings(train, model.rt.device)) for sync in model.syncs]
         # the loss paths below take the head's input, logits in chunks (or fused whole where the weights stay resident)

@@ -120,6 +120,29 @@ def test_auto_measures_once(mode):
     assert ("oneDNN" if choice else "BLAS") in gemm.describe().split("(")[0]
 
 
+def _agreed_choice(prefers_onednn: list[bool]) -> list[bool]:
+    """On each rank: rig the probe to `prefers_onednn[rank]`, agree over the world, return what every product takes."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gemm.set_gemm("auto")
+    gemm.probe.cache_clear()
+    fast, slow = 1.0, 2.0 * gemm.PROBE_MARGIN
+    gemm.probe = lambda threads: (slow, fast) if prefers_onednn[rank] else (fast, slow)
+    own = gemm.takes_onednn(torch.zeros(2, 8), torch.zeros(4, 8))
+    gemm.agree(dist.group.WORLD)
+    return [own, gemm.takes_onednn(torch.zeros(2, 8), torch.zeros(4, 8))]
+
+
+@pytest.mark.parametrize("rank0", [True, False])
+def test_ranks_of_a_job_take_rank_0s_choice(rank0):
+    """auto measured apart on shared cores (rank 0 oneDNN, rank 1 the BLAS, or the reverse): after `agree` both multiply
+    by rank 0's choice, which only rank 0's measurement decides."""
+    got = run_ranks(2, _agreed_choice, [rank0, not rank0])
+    assert got[0] == [rank0, rank0]
+    assert got[1] == [not rank0, rank0]
+
+
 def test_route_linears_keeps_parameters_hooks_and_names():
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4, bias=False))
     names = list(model.state_dict())

@@ -20,6 +20,7 @@ import time
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,13 +33,14 @@ class _Choice:
     """The process's setting (`set_gemm`); a setting, like torch.backends' flags, not parallel state."""
 
     mode: GemmMode = "blas"
+    agreed: bool | None = None  # auto's choice taken from rank 0 (`agree`); None: this process's own measurement
 
 
 def set_gemm(mode: GemmMode) -> None:
     """Use `mode` for every `linear` from now on in this process (train.gemm)."""
     if mode not in ("auto", "blas", "onednn"):
         raise ValueError(f"train.gemm={mode!r}: expected auto, blas or onednn")
-    _Choice.mode = mode
+    _Choice.mode, _Choice.agreed = mode, None
 
 
 def gemm_mode() -> GemmMode:
@@ -73,8 +75,22 @@ def probe(threads: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
+def agree(group: dist.ProcessGroup) -> None:
+    """Under `auto`, every rank of `group` (a CPU job's gloo group, reached by all its ranks) takes rank 0's choice: ranks
+    that time the probe while sharing cores can measure apart, and replicated weights would then round apart."""
+    if _Choice.mode != "auto" or dist.get_world_size(group) == 1:
+        return
+    main = dist.get_rank(group) == 0  # rank 0 alone times the probe, while the others wait in the broadcast
+    choice = torch.tensor([int(main and onednn_available() and auto_prefers_onednn())], dtype=torch.uint8)
+    dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
+    _Choice.agreed = bool(choice.item())
+
+
 def auto_prefers_onednn() -> bool:
-    """`auto`'s choice for this process: oneDNN present and faster than the BLAS at the current thread count."""
+    """`auto`'s choice for this process: rank 0's where the job agreed (`agree`), else oneDNN present and faster than the
+    BLAS at the current thread count."""
+    if _Choice.agreed is not None:
+        return _Choice.agreed
     if not onednn_available():
         return False
     blas_s, dnn_s = probe(torch.get_num_threads())
