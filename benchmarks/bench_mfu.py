@@ -15,6 +15,10 @@ same moment of a shared machine. The peer runs torch's default BLAS, as a user's
 - MFU (wall): FLOPs over the fastest step, divided by the fastest peak timing of the run;
 - MFU (CPU): FLOPs per CPU second of the least-CPU step, divided by the peak matmul's FLOPs per CPU second (its
   least-CPU timing): the steadier of the two when other work loads the machine (both sides pay the same contention).
+
+`--separate` runs behemoth's engines in one child and the peer in another, one after the other, each timing the peak
+beside its own steps: the systems then share no allocator, caches or compiled-code state (the peer's 50,257-wide
+logits and graphs stay out of behemoth's process), at the price of not seeing the same moment of the machine.
 """
 
 from __future__ import annotations
@@ -120,10 +124,20 @@ def op_profile(fn: Step, top: int) -> list[tuple[str, float, int]]:
 
 
 def child(
-    model: str, batch: int, seq: int, compiled: bool, steps: int, warmup: int, adamw: str, extra: list[str], profile: int = 0, gemms: tuple = GEMMS
+    model: str,
+    batch: int,
+    seq: int,
+    compiled: bool,
+    steps: int,
+    warmup: int,
+    adamw: str,
+    extra: list[str],
+    profile: int = 0,
+    gemms: tuple = GEMMS,
+    peer: bool = True,
 ) -> None:
-    """One mode: every system, alternated step by step after a peak timing each way (then, with `profile`, one profiled
-    step of each); prints one JSON line."""
+    """One mode: every system (behemoth's engines by `gemms`, and the peer unless not `peer`), alternated step by step
+    after a peak timing each way (then, with `profile`, one profiled step of each); prints one JSON line."""
     import torch
 
     from behemoth.metrics import PEAK_SIZE, onednn_matmul
@@ -134,9 +148,11 @@ def child(
     libraries = ("blas", "onednn") if onednn_matmul(cpu_device) else ("blas",)
     with tempfile.TemporaryDirectory() as run_dir:
         systems: dict[str, Step] = {}
+        flops = None
         for gemm in gemms:
             systems[f"behemoth {gemm}"], flops = behemoth_step(model, batch, seq, compiled, f"{run_dir}/{gemm}", tokens, extra, gemm)
-        systems["peer"] = peer_step(model, compiled, tokens, adamw)
+        if peer:
+            systems["peer"] = peer_step(model, compiled, tokens, adamw)
         out: dict[str, Any] = {"flops": flops, "threads": torch.get_num_threads(), "systems": list(systems)}
         out |= {f"peak_{lib}_{clock}": [] for lib in libraries for clock in ("wall", "cpu")}
         for name, fn in systems.items():
@@ -160,7 +176,19 @@ def child(
 
 
 def run_mode(args: argparse.Namespace, compiled: bool, cache: str) -> dict[str, Any]:
-    call = (args.model, args.batch, args.seq, compiled, args.steps, args.warmup, args.peer_adamw, args.set, args.profile, tuple(args.gemm))
+    """One mode's result: every system in one child process, or (`--separate`) behemoth's engines in one and the peer in
+    another, run one after the other, their results merged."""
+    if not args.separate:
+        return run_child(args, compiled, cache, tuple(args.gemm), True)
+    ours, theirs = run_child(args, compiled, cache, tuple(args.gemm), False), run_child(args, compiled, cache, (), True)
+    merged = ours | {"systems": ours["systems"] + theirs["systems"], "peer": theirs["peer"]}
+    for key in (k for k in theirs if k.startswith("peak_")):  # each child's peak timings: the faster counts
+        merged[key] = ours.get(key, []) + theirs[key]
+    return merged
+
+
+def run_child(args: argparse.Namespace, compiled: bool, cache: str, gemms: tuple, peer: bool) -> dict[str, Any]:
+    call = (args.model, args.batch, args.seq, compiled, args.steps, args.warmup, args.peer_adamw, args.set, args.profile, gemms, peer)
     code = f"import bench_mfu as b; b.child{call!r}"
     env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
@@ -206,12 +234,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="then profile one step of each system: its N costliest operators")
     ap.add_argument("--gemm", nargs="+", default=list(GEMMS), choices=["auto", "blas", "onednn"], help="behemoth's engines, by train.gemm")
+    ap.add_argument(
+        "--separate",
+        action="store_true",
+        help="behemoth's engines and the peer each in a process of its own, one after the other (default: one process, alternated)",
+    )
     add_report_args(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.model, args.seq, args.steps, args.warmup = "gpt-20m", 128, 2, 1
     load = os.getloadavg()
-    print(f"{args.model}, {args.batch} x {args.seq} tokens, float32, {os.environ.get('OMP_NUM_THREADS', 'default')} threads, one process", *args.set)
+    print(
+        f"{args.model}, {args.batch} x {args.seq} tokens, float32, {os.environ.get('OMP_NUM_THREADS', 'default')} threads, "
+        + ("a process per system" if args.separate else "one process"),
+        *args.set,
+    )
     print(f"load average before: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("MFU against the faster peak (BLAS or oneDNN); speed-up = the peer's least CPU s per step / the system's\n")
     print("| mode | system | MFU (wall) | MFU (CPU) | fastest step s | least CPU s/step | tokens/s | speed-up vs peer (CPU s) |")
