@@ -183,6 +183,11 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
             "while the others compute (the woken rank waits for a core" + (", measured by behemoth calibrate)" if host.wake_us else ": not measured)")
         )
     lays = [c.layout for c in ranked]
+    if host.message_cpu_us and any(lay.pp > 1 for lay in lays):
+        lines.append(
+            f"  pipeline messages: each costs its sender and its receiver {host.message_cpu_us:.0f} us of CPU in line with their passes "
+            "(measured by behemoth calibrate between computations)"
+        )
     lines += grid_assumptions(lays)
     if any(lay.pp > 1 for lay in lays):
         simulated = sum(1 for c in ranked if c.time.simulated)
@@ -364,5 +369,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         print(
             f"  {nproc} processes on {spec.host.cores} cores: a message waits {wake:.0f} us more for its rank to get a core while the others compute"
         )
+    if spec.host.message_cpu_us:
+        print(f"  a point-to-point message costs its sender and its receiver {spec.host.message_cpu_us:.0f} us of CPU each between computations")
     print(f"  disk {spec.host.disk_bandwidth_gbs:.2f} GB/s; wrote {cached}" + (f" and {args.out}" if args.out else ""))
     return 0

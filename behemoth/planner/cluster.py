@@ -275,6 +275,12 @@ class HostSpec(Spec):
         description="where a node's CPU processes outnumber its cores: what a blocking message takes beyond its latency while "
         "the other processes compute (the woken rank waits for a core), measured by calibrate",
     )
+    message_cpu_us: float = Field(
+        0.0,
+        ge=0,
+        description="CPU processes: CPU a process spends per point-to-point message it sends or receives between "
+        "computations (its transport thread's work included), measured by calibrate; 0 where the device moves messages",
+    )
 
 
 class ClusterSpec(Spec):
@@ -329,6 +335,12 @@ class ClusterSpec(Spec):
     def wake_seconds(self) -> float:
         """Seconds a rank woken by a point-to-point message waits for a core (0 when each rank has its own)."""
         return self.host.wake_us * 1e-6 if self.core_sharing > 1.0 else 0.0
+
+    @property
+    def message_cpu_seconds(self) -> float:
+        """CPU seconds a rank spends on each pipeline message it sends or receives, in line with its passes (CPU processes,
+        as calibrated; 0 on GPUs, whose transfers run beside the host)."""
+        return self.host.message_cpu_us * 1e-6
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -1,9 +1,11 @@
-"""Point-to-point timings of `behemoth calibrate`: the ping-pong every p2p latency is measured by, and what a message
-waits for a core where the processes outnumber the cores (`HostSpec.wake_us`)."""
+"""Point-to-point timings of `behemoth calibrate`: the ping-pong every p2p latency is measured by, what a message
+waits for a core where the processes outnumber the cores (`HostSpec.wake_us`), and the CPU a process spends on a message
+it sends or receives between computations (`HostSpec.message_cpu_us`)."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -69,3 +71,39 @@ def wake_latency(
         idle.append(one_way(False))
         loaded.append(one_way(True))
     return max(0.0, sum(loaded) / rounds - sum(idle) / rounds) * 1e6
+
+
+def message_cpu(device: torch.device, group: dist.ProcessGroup, nbytes: int = 2**16, exchanges: int = 150, rounds: int = 3) -> float:
+    """Microseconds of CPU a CPU process spends per message it sends or receives when it computes between messages, as a
+    pipeline stage does (the cost model's `HostSpec.message_cpu_us`): ranks 0 and 1 each run `exchanges` times a fixed
+    block of products then one send and one receive of `nbytes` to each other, and the same products without the
+    messages; the difference of the process CPU time (every thread: gloo's transport thread included) over the messages'
+    ends, the median of `rounds` alternations, averaged over both ranks. A tight ping-pong costs a fraction of it (the
+    threads stay awake and the caches warm); between computations each message wakes the transport and the waiter
+    afresh. 0 on a GPU (the transport is the device's) or for one process."""
+    if device.type != "cpu" or dist.get_world_size(group) < 2:
+        return 0.0
+    rank = dist.get_rank(group)
+    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    peer = {0: 1, 1: 0}.get(rank)
+
+    def cpu_seconds(messages: bool) -> float:
+        barrier(group)
+        start = time.process_time()
+        for _ in range(exchanges if peer is not None else 0):
+            for _ in range(4):
+                a @ a
+            if messages and peer is not None:
+                for pending in batch_p2p([P2P(True, send, peer), P2P(False, recv, peer)], group):
+                    pending.wait()
+        return time.process_time() - start
+
+    cpu_seconds(True)  # connect and warm
+    per_end = []
+    for _ in range(rounds):
+        with_messages = cpu_seconds(True)
+        per_end.append(max(0.0, with_messages - cpu_seconds(False)) / (2 * exchanges))
+    mine = torch.tensor([statistics.median(per_end) if peer is not None else 0.0])
+    all_reduce(mine, group)  # ranks 0 and 1 measured; the others add 0
+    return float(mine.item()) / 2 * 1e6

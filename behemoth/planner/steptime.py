@@ -64,11 +64,18 @@ class StepTime:
 def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[int, ...]) -> PassCosts:
     """Per model stage: forward, input-gradient and weight-gradient seconds of one micro-batch (tp collectives in the
     first two; the embedding's and head's backward priced as their forward, once per gradient pass; a recomputing
-    stage runs its forward again before its input-gradient pass)."""
+    stage runs its forward again before its input-gradient pass; on CPU processes, the CPU its messages to and from
+    other ranks cost)."""
     c = block_costs(work, lay, cluster)
     head, embed = head_pass(work, lay, cluster), embed_pass(work, lay, cluster)
     stage_rank = {s: r for r in range(lay.pp) for s in lay.held_stages(r)}
     inline = pipeline_message_seconds(work, lay, cluster)
+
+    def message_ends(s: int) -> int:
+        """Messages a pass of stage s sends or receives (its input from the stage before, its output to the one after,
+        where that stage is on another rank): each costs the rank's CPU (`ClusterSpec.message_cpu_seconds`)."""
+        return sum(0 <= t < lay.stages and stage_rank[t] != stage_rank[s] for t in (s - 1, s + 1))
+
     fwd, bwd, wgt = [], [], []
     recompute = 0.0
     streamed = streamed_pipeline(lay)
@@ -78,7 +85,7 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
         again = n * (c.forward + c.comm) if stage_rank[s] in lay.recompute or streamed else n * c.selective
         twice = again if streamed and lay.schedule in SPLIT_SCHEDULES and s > 0 else 0.0  # a streamed W recomputes again
         recompute += again + twice
-        waits = inline_transfers(work, lay, s) * inline
+        waits = inline_transfers(work, lay, s) * inline + message_ends(s) * cluster.message_cpu_seconds
         fwd.append(n * (c.forward + c.comm) + ends + waits)
         bwd.append(n * (c.input_grad + c.comm) + ends + again + waits)
         wgt.append(n * c.weight_grad + ends + twice)
