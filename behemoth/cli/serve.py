@@ -44,36 +44,7 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     add_model_options(p)
     add_speculative_options(p)
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the source folder's name)")
-    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
-    p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; more get 429 (default 256)")
-    p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt a request may send (default: the context)")
-    p.add_argument("--max-streams", type=int, default=64, help="streamed responses open at once; one more gets 429 (default 64)")
-    p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
-    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
-    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body slower than this between pieces gets 408 (default 30)")
-    p.add_argument(
-        "--step-timeout-s",
-        type=float,
-        default=120.0,
-        help="with several processes: an engine step (its collectives with the other ranks) running longer fails the server: "
-        "/health 503, requests 503, exit non-zero (default 120)",
-    )
-    p.add_argument(
-        "--stream-idle-timeout-s",
-        type=float,
-        default=30.0,
-        help="a stream whose client takes none of its waiting bytes for this long is cancelled and its KV blocks freed (default 30)",
-    )
-    p.add_argument(
-        "--stream-max-unsent-kb",
-        type=int,
-        default=256,
-        help="a stream with more KiB written that its client has not taken is cancelled and its KV blocks freed (default 256)",
-    )
+    add_limit_options(p)
     p.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -118,6 +89,40 @@ def serve_parser() -> argparse.ArgumentParser:
         help="continuous (default): requests join and leave at every step; static: a batch runs until all of it ends",
     )
     return p
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """Where the server listens, what it calls the model, and the limits that keep a client from holding it."""
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the source folder's name)")
+    p.add_argument("--max-batch", type=int, default=32, help="requests decoded together at most (default 32)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; more get 429 (default 256)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="largest max_tokens a request may ask (default 1024)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt a request may send (default: the context)")
+    p.add_argument("--max-streams", type=int, default=64, help="streamed responses open at once; one more gets 429 (default 64)")
+    p.add_argument("--max-choices", type=int, default=16, help="generations one request may ask (n x best_of x prompts; default 16)")
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body in KiB; a larger one gets 413 (default 1024)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, help="a request body slower than this between pieces gets 408 (default 30)")
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=120.0,
+        help="with several processes: an engine step (its collectives with the other ranks) running longer fails the server: "
+        "/health 503, requests 503, exit non-zero (default 120)",
+    )
+    p.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=30.0,
+        help="a stream whose client takes none of its waiting bytes for this long is cancelled and its KV blocks freed (default 30)",
+    )
+    p.add_argument(
+        "--stream-max-unsent-kb",
+        type=int,
+        default=256,
+        help="a stream with more KiB written that its client has not taken is cancelled and its KV blocks freed (default 256)",
+    )
 
 
 def policy_of(args: argparse.Namespace, context: int) -> SchedulerPolicy:
