@@ -37,8 +37,9 @@ def work() -> Workload:
         (Layout(pp=4, micro_batch=2, microbatches=8, schedule="1f1b"), [1, 2, 2, 1]),  # the ends receive or send, the middle both
         (Layout(pp=2, micro_batch=2, microbatches=8, schedule="interleaved", chunks=2), [1, 2, 2, 1]),  # 0 1 0 1: every boundary crosses
         (Layout(pp=2, micro_batch=2, microbatches=8, schedule="zbv", chunks=2), [1, 1, 1, 1]),  # 0 1 1 0: stages 1 and 2 share rank 1
+        (Layout(pp=2, micro_batch=2, microbatches=8, schedule="chimera"), [1, 1]),  # each pipeline's two stages on two ranks
     ],
-    ids=["1f1b", "interleaved", "zbv"],
+    ids=["1f1b", "interleaved", "zbv", "chimera"],
 )
 def test_each_pass_pays_the_messages_it_sends_or_receives(lay, ends):
     w = work()

@@ -74,6 +74,8 @@ def pass_costs(work: Workload, lay: Layout, cluster: ClusterSpec, bounds: tuple[
     def message_ends(s: int) -> int:
         """Messages a pass of stage s sends or receives (its input from the stage before, its output to the one after,
         where that stage is on another rank): each costs the rank's CPU (`ClusterSpec.message_cpu_seconds`)."""
+        if lay.schedule == "chimera":  # each of its two pipelines holds its stages on p different ranks
+            return sum(0 <= t < lay.stages for t in (s - 1, s + 1))
         return sum(0 <= t < lay.stages and stage_rank[t] != stage_rank[s] for t in (s - 1, s + 1))
 
     fwd, bwd, wgt = [], [], []
