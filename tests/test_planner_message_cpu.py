@@ -86,3 +86,24 @@ def test_the_measurement_is_agreed_by_every_rank():
     measured."""
     got = run_ranks(3, measure_rank, timeout=120)
     assert len(set(got)) == 1 and math.isfinite(got[0]) and 0.0 <= got[0] < 1e5, got
+
+
+@pytest.mark.parametrize("zero, messages", [(0, 4), (3, 6 * (2 + 2 + 2))])  # one bucket's all-reduce; per block: two gathers, a scatter
+def test_data_parallel_collectives_pay_their_messages_cpu_which_nothing_hides(zero, messages):
+    """dp = 2 on the 6-block model, one micro-batch: a ring collective over 2 ranks sends and receives one message each
+    way per step (an all-reduce two): ZeRO-0's single bucket costs 4 message ends, ZeRO-3's 6 units 6 ends each, and the
+    charge is exposed whatever share of the traffic hides (here: all the compute could hide)."""
+    from behemoth.planner.comm import data_parallel_time
+
+    w = Workload.of(
+        load_config(None, ["model=gpt-1m", "model.n_layer=6", "model.d_model=256", "model.n_head=8", "train.global_batch=16", "train.seq_len=128"])
+    )
+    lay = Layout(dp=2, zero=zero, micro_batch=8, microbatches=1)
+    paid, free = (
+        c.model_copy(update={"device": c.device.model_copy(update={"comm_overlap": 1.0})}) for c in (cluster(2, MESSAGE_US), cluster(2, 0.0))
+    )
+    elements = 2e6  # 8 MB of float32 gradients: one all-reduce bucket
+    assert 4 * elements <= w.bucket_mb * 2**20
+    a, b = (data_parallel_time(w, lay, c, elements, forward=1.0, backward=2.0) for c in (paid, free))
+    assert a.cpu == pytest.approx(messages * MESSAGE_US * 1e-6) and b.cpu == 0.0
+    assert a.exposed - b.exposed == pytest.approx(a.cpu) and a.traffic == b.traffic

@@ -7,6 +7,7 @@ spans (`cluster.ClusterSpec.collective`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from behemoth.planner.cluster import ClusterSpec
@@ -69,6 +70,7 @@ class DataParallelTime:
     traffic: float
     exposed: float
     contention: float = 0.0
+    cpu: float = 0.0  # of `exposed`: the CPU its messages cost a CPU process between computations (`collective_cpu`)
 
 
 def behind(cluster: ClusterSpec, comm: float, compute: float, first: float) -> tuple[float, float]:
@@ -79,6 +81,16 @@ def behind(cluster: ClusterSpec, comm: float, compute: float, first: float) -> t
     hidden = min(max(comm - first, 0.0), dev.comm_overlap * compute)
     contention = dev.overlap_slowdown * hidden
     return comm - hidden + contention, contention
+
+
+RING_MESSAGES = {"all_reduce": 4, "all_gather": 2, "reduce_scatter": 2}  # a rank's sends + receives per (ranks - 1), by ring
+
+
+def collective_cpu(cluster: ClusterSpec, op: str, ranks: int, count: float = 1.0) -> float:
+    """CPU seconds `count` collectives `op` over `ranks` cost each rank in messages (CPU processes: each message it sends
+    or receives between computations costs `ClusterSpec.message_cpu_seconds`, which no overlap hides; a ring
+    all-gather or reduce-scatter sends and receives ranks - 1 each, an all-reduce twice as many; 0 on GPUs)."""
+    return count * RING_MESSAGES[op] * (ranks - 1) * cluster.message_cpu_seconds
 
 
 def bucket_seconds(cluster: ClusterSpec, op: str, nbytes: float, bucket: float, ranks: int, stride: int) -> tuple[float, float]:
@@ -108,13 +120,15 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     if lay.zero == 0:
         traffic, last = bucket_seconds(cluster, "all_reduce", g * elements, bucket, n, tp)
         exposed, contention = behind(cluster, traffic, backward, last)
-        return DataParallelTime(traffic, exposed, contention)
+        cpu = collective_cpu(cluster, "all_reduce", n, math.ceil(g * elements / bucket))
+        return DataParallelTime(traffic, exposed + cpu, contention, cpu)
     if lay.zero in (1, 2):
         scatter, last = bucket_seconds(cluster, "reduce_scatter", g * elements, bucket, n, tp)
         gather = cluster.collective("all_gather", p * elements, n, tp)
         syncs = m if lay.zero == 2 and lay.pp == 1 else 1
         exposed, contention = behind(cluster, scatter, backward, last)
-        return DataParallelTime(syncs * scatter + gather, syncs * exposed + gather, syncs * contention)
+        cpu = collective_cpu(cluster, "reduce_scatter", n, syncs * math.ceil(g * elements / bucket)) + collective_cpu(cluster, "all_gather", n)
+        return DataParallelTime(syncs * scatter + gather, syncs * exposed + gather + cpu, syncs * contention, cpu)
     units = max(1, work.census.shape.n_layer // lay.pp)
     gather = cluster.collective("all_gather", p * elements / units, n, tp)
     scatter = cluster.collective("reduce_scatter", g * elements / units, n, tp)
@@ -127,7 +141,9 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     exposed_f = gather + (units - 1) * f_rest
     exposed_b = (units - 1) * b_rest + max(scatter, b_rest)
     contention = (units - 1) * (f_slow + b_slow)
-    return DataParallelTime(m * units * (gather + again + scatter), m * (exposed_f + exposed_b), m * contention)
+    gathers = 2 if lay.regathers_units else 1
+    cpu = collective_cpu(cluster, "all_gather", n, m * units * gathers) + collective_cpu(cluster, "reduce_scatter", n, m * units)
+    return DataParallelTime(m * units * (gather + again + scatter), m * (exposed_f + exposed_b) + cpu, m * contention, cpu)
 
 
 def data_parallel_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, elements: float, backward: float, forward: float | None = None) -> float:
