@@ -338,8 +338,8 @@ class ClusterSpec(Spec):
 
     @property
     def message_cpu_seconds(self) -> float:
-        """CPU seconds a rank spends on each pipeline message it sends or receives, in line with its passes (CPU processes,
-        as calibrated; 0 on GPUs, whose transfers run beside the host)."""
+        """CPU seconds a rank spends on each message it sends or receives between computations, a pipeline's or a
+        collective's (CPU processes, as calibrated; 0 on GPUs, whose transfers run beside the host)."""
         return self.host.message_cpu_us * 1e-6
 
     def to_yaml(self) -> str:

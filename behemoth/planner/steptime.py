@@ -48,7 +48,7 @@ class StepTime:
     simulated: bool = False
     ep_comm: float = 0.0  # expert parallelism's all-to-alls (not overlapped)
     offload_io: float = 0.0  # seconds the offload tiers move bytes in a step, of which `offload` is exposed
-    dp_traffic: float = 0.0  # the data-parallel collectives' seconds on their link, of which `dp_comm` is exposed
+    dp_traffic: float = 0.0  # the data-parallel collectives' seconds on their link; `dp_comm` is what is exposed, plus their messages' CPU
     cp_comm: float = 0.0  # context parallelism's exposed ring hops or all-to-alls, inside the passes
     dp_contention: float = 0.0  # of `dp_comm`: what the computation loses while data-parallel traffic runs beside it
 
