@@ -3,8 +3,10 @@
 (a) Here: for three GPT models (about 1M, 6M and 20M parameters) on 2 and 4 local processes, every feasible plan of a
     bounded space (20-60 per case; --quick: fewer) runs a few steps; each plan's predicted step time and peak memory
     per rank stand beside the measured ones, with the Spearman rank correlation of the step times, the measured time
-    of the plan the planner chose against the best measured, and the planning time. The cluster is this machine as
-    `behemoth calibrate` measures it (run first, or the in-process probe is used).
+    of the plan the planner chose against the best measured, and the planning time. Then the chosen plan and the
+    sweep's three fastest are measured again in alternating rounds (--rounds, default 3) and the ratio that counts is
+    of their medians: one measurement per plan makes the sweep's fastest the luckiest of many draws. The cluster is
+    this machine as `behemoth calibrate` measures it (run first, or the in-process probe is used).
 (b) On paper: the GPT shapes of Megatron-LM's scaling table (Narayanan et al. 2021, Table 1: 1.7B to 1T parameters
     on 32 to 3,072 A100 GPUs, global batch 512-3,072, sequence 2,048) planned for the A100-80GB preset: the chosen
     plan, predicted memory per GPU, MFU and HFU, and the planning time, beside the layout and the hardware FLOP
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -39,6 +42,7 @@ from pathlib import Path
 from ratios import ratio, write_rows
 
 ROWS: list = []  # the chosen plans against the best measured, for `behemoth bench` (--json)
+FINALISTS = 3  # the sweep's fastest plans re-measured beside the chosen one (`confirm`)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,7 +93,7 @@ def candidate_plans(cfg, world: int, cluster, limit: int, seed: int = 0):
     return list(picked.values()), chosen, planning
 
 
-def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
+def measure_case(name: str, world: int, limit: int, steps: int, rounds: int = 0) -> dict:
     from behemoth.config import load_config
     from behemoth.faults.ranks import run_ranks
     from behemoth.planner.calibrate import local_cluster
@@ -103,16 +107,20 @@ def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
     plans, chosen, planning = candidate_plans(cfg, world, cluster, limit)
     work = Workload.of(cfg)
     rows = []
+
+    def measure(plan_cfg) -> tuple[float, float]:
+        ranks = run_ranks(world, measure_plan, plan_cfg.model_dump(mode="json"), steps, 1, timeout=600)
+        return max(r["step_time"] for r in ranks), max(r["peak"] for r in ranks)
+
     for cost in plans:
         lay = cost.layout.but(boundaries=cost.bounds)
         exact = price(work, lay, cluster, exact=True)
         plan_cfg = cfg.model_copy(update={"parallel": lay.to_plan(cfg.parallel)})
-        ranks = run_ranks(world, measure_plan, plan_cfg.model_dump(mode="json"), steps, 1, timeout=600)
-        measured_time = max(r["step_time"] for r in ranks)
-        measured_peak = max(r["peak"] for r in ranks)
+        measured_time, measured_peak = measure(plan_cfg)
         rows.append(
             {
                 "plan": lay.describe(),
+                "cfg": plan_cfg,
                 "pred_time": exact.step_seconds,
                 "time": measured_time,
                 "pred_mem": exact.peak_memory,
@@ -125,22 +133,58 @@ def measure_case(name: str, world: int, limit: int, steps: int) -> dict:
             f"   measured {measured_time * 1e3:8.1f} ms {measured_peak / 2**20:8.1f} MiB",
             flush=True,
         )
-    return {"model": name, "world": world, "rows": rows, "planning": planning, "params": work.census.psi}
+    finalists = confirm(rows, measure, rounds, name, world)
+    for r in rows:
+        del r["cfg"]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"model": name, "world": world, "rows": rows, "finalists": finalists, "planning": planning, "params": work.census.psi}
+
+
+def confirm(rows: list[dict], measure, rounds: int, name: str, world: int) -> list[dict]:
+    """Re-measure the chosen plan and the `FINALISTS` fastest of the sweep in `rounds` alternating rounds (each round
+    one measurement of each, the order rotated), and keep each one's median: the sweep measures each plan once, so
+    its fastest is the least of many noisy draws (biased low) and a drift of the machine's load between two plans'
+    turns reads as a difference between the plans. Alternating puts the finalists under the same conditions."""
+    if rounds <= 0:
+        return []
+    fastest = sorted(rows, key=lambda r: r["time"])[:FINALISTS]
+    finalists = fastest + [r for r in rows if r["chosen"] and r not in fastest]
+    times: dict[int, list[float]] = {i: [] for i in range(len(finalists))}
+    for k in range(rounds):
+        order = list(range(len(finalists)))
+        order = order[k % len(order) :] + order[: k % len(order)]
+        for i in order:
+            times[i].append(measure(finalists[i]["cfg"])[0])
+    out = []
+    for i, r in enumerate(finalists):
+        out.append({"plan": r["plan"], "chosen": r["chosen"], "sweep": r["time"], "times": times[i], "time": statistics.median(times[i])})
+        print(f"  {name} x{world}: confirm {r['plan']:48s} " + " ".join(f"{t * 1e3:7.1f}" for t in times[i]) + " ms", flush=True)
+    return out
 
 
 def report_a(cases: list[dict]) -> None:
     print("\n(a) predicted vs measured, per case (time: the slowest rank's median step; memory: the busiest rank's peak)")
-    print(f"{'model':<9}{'procs':>6}{'plans':>6}{'Spearman':>10}{'mem err':>9}{'chosen':>10}{'best':>10}{'chosen/best':>12}{'planning':>10}")
+    confirmed = any(c["finalists"] for c in cases)
+    head = f"{'model':<9}{'procs':>6}{'plans':>6}{'Spearman':>10}{'mem err':>9}{'chosen':>10}{'best':>10}{'chosen/best':>12}"
+    if confirmed:
+        head += f"{'confirmed':>11}{'best':>10}{'chosen/best':>12}"
+    print(head + f"{'planning':>10}")
     for c in cases:
         rows = c["rows"]
         rho = spearman([r["pred_time"] for r in rows], [r["time"] for r in rows])
         mem_err = statistics.median(abs(r["pred_mem"] / r["mem"] - 1) for r in rows)
         best = min(r["time"] for r in rows)
         chosen = next(r["time"] for r in rows if r["chosen"])
-        print(
-            f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms"
-            f"{chosen / best:>12.2f}{c['planning']:>9.2f}s"
+        line = (
+            f"{c['model']:<9}{c['world']:>6}{len(rows):>6}{rho:>10.2f}{mem_err:>9.1%}{chosen * 1e3:>8.1f}ms{best * 1e3:>8.1f}ms{chosen / best:>12.2f}"
         )
+        if c["finalists"]:  # the ratio that counts: the finalists' medians over alternating rounds
+            best = min(r["time"] for r in c["finalists"])
+            chosen = next(r["time"] for r in c["finalists"] if r["chosen"])
+            line += f"{chosen * 1e3:>9.1f}ms{best * 1e3:>8.1f}ms{chosen / best:>12.2f}"
+        elif confirmed:
+            line += f"{'':>33}"
+        print(line + f"{c['planning']:>9.2f}s")
         ROWS.append(
             ratio(
                 "planner",
@@ -151,6 +195,11 @@ def report_a(cases: list[dict]) -> None:
                 best,
                 higher_is_better=False,
             )
+        )
+    if confirmed:
+        print(
+            f"confirmed: the chosen plan and the sweep's {FINALISTS} fastest re-measured in alternating rounds, the median "
+            "of each (--rounds); the sweep's columns measure each plan once"
         )
 
 
@@ -258,6 +307,9 @@ def main() -> None:
     parser.add_argument("--procs", default=None, help="process counts, e.g. 2,4 (default: 2 with --quick, else 2 and 4)")
     parser.add_argument("--part", choices=["a", "here", "b", "both", "published"], default="both", help="here: (a); published: (c)")
     parser.add_argument("--models", default=None, help=f"with --part here: a comma list of {', '.join(MODELS)} (default all)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="with --part here: alternating rounds re-measuring the finalists (default 3; --quick: 0)"
+    )
     parser.add_argument("--markdown", metavar="FILE", help="with --part published: also write its table as Markdown")
     parser.add_argument("--json", metavar="FILE", help="also write the ratio rows to FILE (for `behemoth bench`)")
     args = parser.parse_args()
@@ -271,7 +323,8 @@ def main() -> None:
             parser.error(f"unknown model(s) {', '.join(unknown)}: pick from {', '.join(MODELS)}")
         worlds = procs if args.procs else (2, 4)
         plan = [(m, w, 6) for w in procs for m in ("gpt-1m", "gpt-6m")] if args.quick else [(m, w, 30) for m in models for w in worlds]
-        cases = [measure_case(m, w, limit, steps=2 if args.quick else 3) for m, w, limit in plan]
+        rounds = args.rounds if args.rounds is not None else (0 if args.quick else 3)
+        cases = [measure_case(m, w, limit, steps=2 if args.quick else 3, rounds=rounds) for m, w, limit in plan]
         report_a(cases)
     if args.part in ("b", "both"):
         part_b()
