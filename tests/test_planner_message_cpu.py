@@ -107,3 +107,45 @@ def test_data_parallel_collectives_pay_their_messages_cpu_which_nothing_hides(ze
     a, b = (data_parallel_time(w, lay, c, elements, forward=1.0, backward=2.0) for c in (paid, free))
     assert a.cpu == pytest.approx(messages * MESSAGE_US * 1e-6) and b.cpu == 0.0
     assert a.exposed - b.exposed == pytest.approx(a.cpu) and a.traffic == b.traffic
+
+
+@pytest.mark.parametrize(
+    "lay, forward, backward",
+    [
+        # 1-D tp = 2: two all-reduces a pass (attention's output, the MLP's), 4 message ends each (a ring's two steps
+        # each way); with sp an all-gather and a reduce-scatter in their place, 2 ends each
+        (Layout(tp=2, micro_batch=2, microbatches=8), 2 * 4, 2 * 4),
+        (Layout(tp=2, sp=True, micro_batch=2, microbatches=8), 2 * (2 + 2), 2 * (2 + 2)),
+        # the ring over cp = 2: forward one K/V hop (a send and a receive); backward the K/V hop, the gradient's hop
+        # and the gradient's return
+        (Layout(cp=2, cp_mode="ring", micro_batch=2, microbatches=8), 2, 3 * 2),
+        # Ulysses over cp = 4: four all-to-alls each way, each a send and a receive with 3 others
+        (Layout(cp=4, cp_mode="ulysses", micro_batch=2, microbatches=8), 4 * 2 * 3, 4 * 2 * 3),
+    ],
+    ids=["tp", "tp-sp", "cp-ring", "cp-ulysses"],
+)
+def test_in_line_collectives_of_a_block_pay_their_messages_cpu(lay, forward, backward):
+    """Tensor and context parallelism's collectives run in line with a block's passes: each of their messages costs
+    the rank `message_cpu_us` on top of the transfer, as a pipeline's do."""
+    from behemoth.planner.compute import price_block
+
+    w = work()
+    world = lay.tp * lay.cp
+    paid, free = price_block(w, lay, cluster(world, MESSAGE_US)), price_block(w, lay, cluster(world, 0.0))
+    per_pass = lambda c: (c.forward + c.comm, c.input_grad + c.comm)  # noqa: E731  (comm: each pass's tp collectives)
+    (pf, pb), (ff, fb) = per_pass(paid), per_pass(free)
+    assert pf - ff == pytest.approx(forward * MESSAGE_US * 1e-6)
+    assert pb - fb == pytest.approx(backward * MESSAGE_US * 1e-6)
+    assert paid.weight_grad == free.weight_grad
+
+
+def test_expert_all_to_alls_pay_their_messages_cpu():
+    """ep = 2: each MoE block's dispatch and combine, forward and backward, per micro-batch, a send and a receive."""
+    from behemoth.planner.comm import expert_seconds
+
+    w = Workload.of(load_config(None, ["model=gpt-moe-tiny", "train.global_batch=16", "train.seq_len=32"]))
+    lay = Layout(dp=2, ep=2, micro_batch=2, microbatches=4)
+    moe_blocks = sum(1 for e in w.census.shape.experts if e)
+    assert moe_blocks > 0
+    extra = expert_seconds(w, lay, cluster(2, MESSAGE_US)) - expert_seconds(w, lay, cluster(2, 0.0))
+    assert extra == pytest.approx(4 * 4 * moe_blocks * 2 * MESSAGE_US * 1e-6)

@@ -183,10 +183,19 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
             "while the others compute (the woken rank waits for a core" + (", measured by behemoth calibrate)" if host.wake_us else ": not measured)")
         )
     lays = [c.layout for c in ranked]
-    if host.message_cpu_us and any(lay.pp > 1 for lay in lays):
+    if host.message_cpu_us:
         lines.append(
-            f"  pipeline messages: each costs its sender and its receiver {host.message_cpu_us:.0f} us of CPU in line with their passes "
-            "(measured by behemoth calibrate between computations)"
+            f"  messages: each a pipeline stage, a collective or a context-parallel ring sends or receives costs the rank "
+            f"{host.message_cpu_us:.0f} us of CPU in line with its passes (measured by behemoth calibrate between computations)"
+        )
+    smaller = sorted(n for n in intra.group_ops if n < max(intra.group_ops, default=0))
+    if smaller:
+        latency = {n: intra.group_ops[n].get("all_reduce", (0.0, 0.0))[0] for n in smaller}
+        lines.append(
+            "  collectives of groups of " + ", ".join(map(str, smaller)) + " priced by their own measurement, all such groups at once "
+            "(all-reduce "
+            + ", ".join(f"{v:.0f} us" for v in latency.values())
+            + f" against the whole world's {intra.ops.get('all_reduce', (0.0, 0.0))[0]:.0f})"
         )
     lines += grid_assumptions(lays)
     if any(lay.pp > 1 for lay in lays):
@@ -362,6 +371,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     )
     for op, (latency, bandwidth) in link.ops.items():
         print(f"  {op:<15} latency {latency:8.1f} us   bus bandwidth {bandwidth:8.2f} GB/s")
+    for size, ops in sorted(link.group_ops.items()):
+        if size < nproc:  # groups smaller than the world, all running at once (a job's tp or dp groups)
+            each = ", ".join(f"{op} {latency:.0f} us {bandwidth:.2f} GB/s" for op, (latency, bandwidth) in ops.items())
+            print(f"  groups of {size} at once: {each}")
     if dev.adamw is not None:
         print(f"  AdamW step       {dev.adamw.fixed_us:8.1f} us + {dev.adamw.ns_per_element:.2f} ns per parameter element")
     if spec.core_sharing > 1.0:

@@ -100,6 +100,7 @@ def context_comm_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> t
     if lay.cp_mode == "ulysses":
         return ulysses_seconds(work, lay, cluster)
     hop = lambda nbytes: cluster.collective("p2p", nbytes, lay.cp, lay.tp)  # noqa: E731
+    ends = cluster.messages_cpu("p2p", lay.cp)  # a hop's send and receive, paid in line whatever the kernel hides
     kv, dkv = hop(kv_bytes(work, lay, work.act_bytes)), hop(kv_bytes(work, lay, 4))
     hides, eff = cluster.device.comm_overlap, cluster.device.block_efficiency
     steps = ring_step_seconds(work, lay, cluster)
@@ -110,8 +111,10 @@ def context_comm_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> t
         hidden = min(comm, hides * compute / eff)  # a hop the rank waits for wakes it (where ranks outnumber cores)
         return comm - hidden + slow * hidden + (wake if comm > hidden else 0.0)
 
-    forward = sum(exposed(kv, f) for i, (f, _) in enumerate(steps) if i < last)
-    backward = dkv + wake + sum(exposed((kv if i < last else 0.0) + (dkv if i > 0 else 0.0), b) for i, (_, b) in enumerate(steps))
+    forward = sum(exposed(kv, f) + ends for i, (f, _) in enumerate(steps) if i < last)
+    backward = dkv + wake + ends
+    for i, (_, b) in enumerate(steps):
+        backward += exposed((kv if i < last else 0.0) + (dkv if i > 0 else 0.0), b) + ends * ((i < last) + (i > 0))
     return forward, backward
 
 
@@ -120,7 +123,7 @@ def ulysses_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> tuple[
     shape = work.census.shape
     heads, kv_heads = shape.n_head / lay.tp, shape.kv_heads / lay.tp
     per_head = lay.tokens(work.seq_len) * shape.head_dim * work.act_bytes  # one head of this rank's tokens
-    a2a = lambda h: cluster.collective("all_to_all", per_head * h, lay.cp, lay.tp)  # noqa: E731
+    a2a = lambda h: cluster.collective("all_to_all", per_head * h, lay.cp, lay.tp) + cluster.messages_cpu("all_to_all", lay.cp)  # noqa: E731
     seconds = 2 * a2a(heads) + 2 * a2a(kv_heads if kv_heads % lay.cp == 0 else heads)  # q and the output; k and v
     return seconds, seconds
 

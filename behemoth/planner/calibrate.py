@@ -72,9 +72,12 @@ def matmul_curve(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...
     return out
 
 
-def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, group: dist.ProcessGroup) -> list[tuple[float, float]]:
+def collective_curve(
+    op: str, sizes: tuple[int, ...], device: torch.device, group: dist.ProcessGroup, start: dist.ProcessGroup | None = None
+) -> list[tuple[float, float]]:
     """(bytes, seconds) of one `op` of a float32 tensor of each size over `group` (p2p: rank 0 to rank 1 and back, halved),
-    issued through `behemoth.comm` as training issues them."""
+    issued through `behemoth.comm` as training issues them; every rank of `start` (default: `group`) begins each
+    timed run together."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out = []
     for nbytes in sizes:
@@ -88,8 +91,24 @@ def collective_curve(op: str, sizes: tuple[int, ...], device: torch.device, grou
             "all_to_all": lambda: all_to_all(torch.empty_like(full), full, group),
             "p2p": lambda: ping_pong(full, rank, group),
         }[op]
-        seconds = timed(fn, 5, device, group)
+        seconds = timed(fn, 5, device, start or group)
         out.append((float(n * 4), seconds / 2 if op == "p2p" else seconds))
+    return out
+
+
+def group_collectives(sizes: tuple[int, ...], device: torch.device, world: dist.ProcessGroup) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    """{group size: {op: `collective_curve`}} on the world cut into groups of consecutive ranks of each size (powers of
+    two from 2 below the world's size that divide it), every group running at once, as a job's tensor- or
+    data-parallel groups do: on shared cores a pair's all-reduce costs far less than the whole world's, which the
+    world's curve alone would charge it. This rank's group's curves."""
+    n, rank, out = dist.get_world_size(world), dist.get_rank(world), {}
+    size = 2
+    while size < n:
+        if n % size == 0:
+            groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # every rank creates every group
+            mine = groups[rank // size]
+            out[size] = {op: collective_curve(op, sizes, device, mine, world) for op in COLLECTIVES if op != "p2p"}
+        size *= 2
     return out
 
 
@@ -318,6 +337,7 @@ def calibrate_worker(mode: str, cache_dir: str) -> dict[str, Any]:
         if rt.world_size > 1:
             for op in COLLECTIVES:
                 out["collectives"][op] = collective_curve(op, MESSAGE_BYTES[mode], device, group)
+            out["group_collectives"] = group_collectives(MESSAGE_BYTES[mode], device, group)
         out["memory_bandwidth_gbs"] = memory_bandwidth(device, group)
         out["comm_overlap"] = comm_overlap(device, group) if rt.world_size > 1 else (0.9 if device.type == "cuda" else 0.0)
         out["overlap_slowdown"] = overlap_slowdown(device, group) if rt.world_size > 1 else 0.0
@@ -348,10 +368,12 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
     world = m["world"]
     memory = m["device_memory"] or host_memory_bytes() / world
     ops = {op: fit_link(op, curve, 2 if op == "p2p" else world) for op, curve in m["collectives"].items()}
+    groups = {int(n): {op: fit_link(op, curve, int(n)) for op, curve in by_op.items()} for n, by_op in m.get("group_collectives", {}).items()}
     link = LinkSpec(
         latency_us=statistics.median(o[0] for o in ops.values()) if ops else 1.0,
         bandwidth_gbs=statistics.median(o[1] for o in ops.values()) if ops else m["memory_bandwidth_gbs"],
         ops=ops,
+        group_ops=groups | {world: {op: v for op, v in ops.items() if op != "p2p"}} if groups else {},
     )
     peak = {dtype: max(v for _, v in curve) for dtype, curve in m["matmul"].items() if curve}
     device = DeviceSpec(
@@ -379,6 +401,8 @@ def spec_from(m: dict[str, Any], *, name: str = "local") -> ClusterSpec:
         message_cpu_us=m.get("message_cpu_us", 0.0),
     )
     measured = {f"{op}_seconds_by_bytes": [tuple(p) for p in curve] for op, curve in m["collectives"].items()}
+    for n, by_op in m.get("group_collectives", {}).items():
+        measured.update({f"{op}_seconds_by_bytes_groups_of_{n}": [tuple(p) for p in curve] for op, curve in by_op.items()})
     measured.update({f"matmul_{k}_tflops_by_n": [tuple(p) for p in v] for k, v in m["matmul"].items()})
     return ClusterSpec(
         name=name,

@@ -24,6 +24,10 @@ from behemoth.errors import BehemothError
 
 PRESET_DIR = Path(__file__).parent / "clusters"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+# Messages a rank sends plus receives in one collective, per other rank of the group (a ring's all-gather and
+# reduce-scatter n - 1 each way, an all-reduce twice that, a pairwise all-to-all one each way with every other rank);
+# a point-to-point step of a ring (context parallelism's hop, a SUMMA broadcast's step) one send and one receive.
+MESSAGE_ENDS = {"all_reduce": 4, "all_gather": 2, "reduce_scatter": 2, "all_to_all": 2}
 GB = 1e9
 
 
@@ -36,21 +40,36 @@ class LinkSpec(Spec):
     algorithm (a ring's n - 1 steps for all-gather, reduce-scatter and all-to-all; a tree's 2 log2 n for all-reduce);
     beta = bus bandwidth, reached in full only by large messages: each step's chunk (the tensor / n) moves at
     `bandwidth_gbs` x chunk / (chunk + `half_bytes`). Measured `ops` (from `behemoth calibrate`, at the ring size
-    it ran) replace the formula for their op."""
+    it ran) replace the formula for their op; `group_ops`, measured on smaller groups of the same machine running at
+    once (as a job's tensor- or data-parallel groups do), replace `ops` for groups nearer their size."""
 
     latency_us: float = Field(..., ge=0, description="fixed cost of one collective or transfer")
     bandwidth_gbs: float = Field(..., gt=0, description="bus bandwidth, GB/s per device (10^9 bytes)")
     hop_latency_us: float = Field(0.0, ge=0, description="latency each step of a ring or tree adds")
     half_bytes: float = Field(0.0, ge=0, description="chunk size (bytes per step) at which half the bus bandwidth is reached")
     ops: dict[str, tuple[float, float]] = Field(default_factory=dict, description="op -> (latency_us, bandwidth_gbs), measured")
+    group_ops: dict[int, dict[str, tuple[float, float]]] = Field(
+        default_factory=dict,
+        description="group size -> op -> (latency_us, bandwidth_gbs), measured on groups of that size running at once "
+        "(`behemoth calibrate` with 4 or more processes: pairs and the whole world)",
+    )
+
+    def measured(self, op: str, ranks: int) -> tuple[float, float] | None:
+        """(latency us, bus GB/s) of `op` measured on the group size nearest `ranks` (by factor; the larger on a tie),
+        else `ops`' (None where neither measured it)."""
+        sizes = [n for n, ops in self.group_ops.items() if op in ops]
+        if not sizes:
+            return self.ops.get(op)
+        return self.group_ops[min(sizes, key=lambda n: (abs(math.log2(n / max(ranks, 2))), -n))][op]
 
     def seconds(self, op: str, nbytes: float, ranks: int, rails: float = 1.0) -> float:
         """Time of one `op` of `nbytes` (the full tensor) over `ranks` devices on this link; `rails`: how many of these
         links each node's share of the group drives at once (a group with 8 devices per node crosses nodes on 8 NICs)."""
         if ranks <= 1 and op != "p2p":
             return 0.0
-        if op in self.ops:
-            latency, bandwidth = self.ops[op]
+        found = self.measured(op, ranks)
+        if found is not None:
+            latency, bandwidth = found
             return latency * 1e-6 + nbytes * bus_factor(op, ranks) / (bandwidth * GB)
         chunk = nbytes if op == "p2p" else nbytes / ranks
         efficiency = chunk / (chunk + self.half_bytes) if self.half_bytes else 1.0
@@ -341,6 +360,15 @@ class ClusterSpec(Spec):
         """CPU seconds a rank spends on each message it sends or receives between computations, a pipeline's or a
         collective's (CPU processes, as calibrated; 0 on GPUs, whose transfers run beside the host)."""
         return self.host.message_cpu_us * 1e-6
+
+    def messages_cpu(self, op: str, ranks: int, count: float = 1.0) -> float:
+        """CPU seconds `count` collectives `op` over `ranks` cost each rank in messages (`MESSAGE_ENDS` per other rank,
+        a ring step of `p2p` two, each `message_cpu_seconds`): in line with the computation that waits for them, and
+        not hidden by any overlap. 0 on GPUs and for a group of one."""
+        if ranks <= 1 or not self.host.message_cpu_us:
+            return 0.0
+        ends = 2 if op == "p2p" else MESSAGE_ENDS[op] * (ranks - 1)
+        return count * ends * self.message_cpu_seconds
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -29,7 +29,7 @@ def summa_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w
     link the grid spans, each step its own latency. Under 2.5-D each of the d grids runs it on its 1/d of the tokens
     (Tesseract: activation blocks x / (d q^2), the same weight blocks w / q^2)."""
     q = lay.grid
-    step = cluster.collective("p2p", (x / lay.depth + w) / q**2 * work.act_bytes, lay.tp)
+    step = cluster.collective("p2p", (x / lay.depth + w) / q**2 * work.act_bytes, lay.tp) + cluster.messages_cpu("p2p", q)
     return 3 * q * step
 
 
@@ -40,7 +40,7 @@ def cube_seconds(work: Workload, lay: Layout, cluster: ClusterSpec, x: float, w:
     q = lay.grid
 
     def line(op: str, whole: float) -> float:
-        return cluster.collective(op, whole / q**2 * work.act_bytes, q)
+        return cluster.collective(op, whole / q**2 * work.act_bytes, q) + cluster.messages_cpu(op, q)
 
     forward = line("all_gather", x) + line("all_gather", w) + line("reduce_scatter", y)
     return forward + line("all_gather", y) + line("reduce_scatter", x) + line("reduce_scatter", w)
@@ -70,7 +70,7 @@ class DataParallelTime:
     traffic: float
     exposed: float
     contention: float = 0.0
-    cpu: float = 0.0  # of `exposed`: the CPU its messages cost a CPU process between computations (`collective_cpu`)
+    cpu: float = 0.0  # of `exposed`: the CPU its messages cost a CPU process between computations (`ClusterSpec.messages_cpu`)
 
 
 def behind(cluster: ClusterSpec, comm: float, compute: float, first: float) -> tuple[float, float]:
@@ -81,16 +81,6 @@ def behind(cluster: ClusterSpec, comm: float, compute: float, first: float) -> t
     hidden = min(max(comm - first, 0.0), dev.comm_overlap * compute)
     contention = dev.overlap_slowdown * hidden
     return comm - hidden + contention, contention
-
-
-RING_MESSAGES = {"all_reduce": 4, "all_gather": 2, "reduce_scatter": 2}  # a rank's sends + receives per (ranks - 1), by ring
-
-
-def collective_cpu(cluster: ClusterSpec, op: str, ranks: int, count: float = 1.0) -> float:
-    """CPU seconds `count` collectives `op` over `ranks` cost each rank in messages (CPU processes: each message it sends
-    or receives between computations costs `ClusterSpec.message_cpu_seconds`, which no overlap hides; a ring
-    all-gather or reduce-scatter sends and receives ranks - 1 each, an all-reduce twice as many; 0 on GPUs)."""
-    return count * RING_MESSAGES[op] * (ranks - 1) * cluster.message_cpu_seconds
 
 
 def bucket_seconds(cluster: ClusterSpec, op: str, nbytes: float, bucket: float, ranks: int, stride: int) -> tuple[float, float]:
@@ -120,14 +110,14 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     if lay.zero == 0:
         traffic, last = bucket_seconds(cluster, "all_reduce", g * elements, bucket, n, tp)
         exposed, contention = behind(cluster, traffic, backward, last)
-        cpu = collective_cpu(cluster, "all_reduce", n, math.ceil(g * elements / bucket))
+        cpu = cluster.messages_cpu("all_reduce", n, math.ceil(g * elements / bucket))
         return DataParallelTime(traffic, exposed + cpu, contention, cpu)
     if lay.zero in (1, 2):
         scatter, last = bucket_seconds(cluster, "reduce_scatter", g * elements, bucket, n, tp)
         gather = cluster.collective("all_gather", p * elements, n, tp)
         syncs = m if lay.zero == 2 and lay.pp == 1 else 1
         exposed, contention = behind(cluster, scatter, backward, last)
-        cpu = collective_cpu(cluster, "reduce_scatter", n, syncs * math.ceil(g * elements / bucket)) + collective_cpu(cluster, "all_gather", n)
+        cpu = cluster.messages_cpu("reduce_scatter", n, syncs * math.ceil(g * elements / bucket)) + cluster.messages_cpu("all_gather", n)
         return DataParallelTime(syncs * scatter + gather, syncs * exposed + gather + cpu, syncs * contention, cpu)
     units = max(1, work.census.shape.n_layer // lay.pp)
     gather = cluster.collective("all_gather", p * elements / units, n, tp)
@@ -142,7 +132,7 @@ def data_parallel_time(work: Workload, lay: Layout, cluster: ClusterSpec, elemen
     exposed_b = (units - 1) * b_rest + max(scatter, b_rest)
     contention = (units - 1) * (f_slow + b_slow)
     gathers = 2 if lay.regathers_units else 1
-    cpu = collective_cpu(cluster, "all_gather", n, m * units * gathers) + collective_cpu(cluster, "reduce_scatter", n, m * units)
+    cpu = cluster.messages_cpu("all_gather", n, m * units * gathers) + cluster.messages_cpu("reduce_scatter", n, m * units)
     return DataParallelTime(m * units * (gather + again + scatter), m * (exposed_f + exposed_b) + cpu, m * contention, cpu)
 
 
@@ -166,4 +156,5 @@ def expert_seconds(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
         return 0.0
     moe_blocks = sum(1 for e in shape.experts if e) / lay.pp
     routed = lay.tokens(work.seq_len) * shape.d_model * work.routed_rows * work.act_bytes  # capacity-padded slots
-    return 4 * lay.microbatches * moe_blocks * cluster.collective("all_to_all", routed, lay.ep, lay.tp)
+    a2a = cluster.collective("all_to_all", routed, lay.ep, lay.tp) + cluster.messages_cpu("all_to_all", lay.ep)
+    return 4 * lay.microbatches * moe_blocks * a2a

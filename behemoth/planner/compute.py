@@ -108,8 +108,9 @@ def price_block(work: Workload, lay: Layout, cluster: ClusterSpec) -> BlockCosts
         comm = sum(grid_seconds(work, lay, cluster, b * m * k, b * k * n, b * m * n) for b, m, n, k in whole) / 2
     elif lay.sp:
         comm = cluster.collective("all_gather", hidden, lay.tp) + cluster.collective("reduce_scatter", hidden, lay.tp)
+        comm += cluster.messages_cpu("all_gather", lay.tp) + cluster.messages_cpu("reduce_scatter", lay.tp)
     else:
-        comm = cluster.collective("all_reduce", hidden, lay.tp)
+        comm = cluster.collective("all_reduce", hidden, lay.tp) + cluster.messages_cpu("all_reduce", lay.tp)
     return BlockCosts(
         dev.issued((forward + attn_f) / eff + elementwise, ops) + cp_f,
         dev.issued((input_grad + attn_b) / eff + elementwise_b, ops) + cp_b,
@@ -158,6 +159,7 @@ def head_pass(work: Workload, lay: Layout, cluster: ClusterSpec) -> float:
     logits = dev.gemm_seconds(work.compute_dtype, tokens, share.vocab, work.census.shape.d_model)
     softmax = 3 * share.vocab * tokens * 4 / (dev.memory_bandwidth_gbs * 1e9)
     comm = cluster.collective("all_reduce", 3 * tokens * 4, lay.tp)  # the vocabulary-parallel loss's three reductions
+    comm += cluster.messages_cpu("all_reduce", lay.tp, 3)
     if lay.gridded:  # the head is a grid (cube) product too (forward's share of its three passes)
         d, vocab = work.census.shape.d_model, share.vocab * lay.tp
         comm += grid_seconds(work, lay, cluster, tokens * d, d * vocab, tokens * vocab) / 3
