@@ -250,11 +250,13 @@ def block_efficiency(
     """The residual of the cost model on a real block (every rank at once): the seconds steptime prices for a GPT
     block's products and attention, over its measured time less what it prices apart (elementwise traffic at the
     memory bandwidth, a launch per operator). 1 when the model explains the block; below when the block is slower."""
+    from behemoth.models.gemm import route_linears
     from behemoth.models.gpt import Block, GPTConfig
 
     cfg = GPTConfig(n_layer=1, n_head=4, d_model=d, context=tokens, vocab_size=8)
     g = torch.Generator(device=device).manual_seed(0)
     block = Block(cfg).to(device)
+    route_linears(block)  # its products by the library training's engine and `matmul_curve` use (train.gemm)
     x = torch.randn(1, tokens, d, device=device, generator=g, requires_grad=True)
     seconds = timed(lambda: block(x).sum().backward(), 5, device, group)
     matrices, apart = priced_block(matmul, bandwidth, overhead_us, d, tokens, flash)
