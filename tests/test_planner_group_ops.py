@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from behemoth.planner.calibrate import group_collectives, spec_from
+from behemoth.planner.calibrate import spec_from
 from behemoth.planner.cluster import LinkSpec, load_cluster
 from behemoth.planner.compute import price_block
 from behemoth.planner.layout import Layout
+from behemoth.planner.pingpong import group_collectives
 from tests.dist import run_ranks
 from tests.test_plan_cli import measured_here
 from tests.test_planner_message_cpu import work

@@ -1,17 +1,20 @@
-"""Point-to-point timings of `behemoth calibrate`: the ping-pong every p2p latency is measured by, what a message
-waits for a core where the processes outnumber the cores (`HostSpec.wake_us`), and the CPU a process spends on a message
-it sends or receives between computations (`HostSpec.message_cpu_us`)."""
+"""The link timings of `behemoth calibrate`: each collective's curve by message size, on the whole world and on smaller
+groups running at once (`LinkSpec.ops`, `LinkSpec.group_ops`), the ping-pong every p2p latency is measured by, what a
+message waits for a core where the processes outnumber the cores (`HostSpec.wake_us`), and the CPU a process spends on
+a message it sends or receives between computations (`HostSpec.message_cpu_us`)."""
 
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from behemoth.comm import P2P, all_reduce, barrier, batch_p2p
+from behemoth.comm import P2P, all_gather, all_reduce, all_to_all, barrier, batch_p2p, reduce_scatter
+from behemoth.planner.cluster import COLLECTIVES, bus_factor
 
 
 def core_count() -> int:
@@ -20,6 +23,77 @@ def core_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def timed(fn: Any, reps: int, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """Median seconds of `fn()` over `reps` runs after one warm-up (every rank starts each run together)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if group is not None:
+            barrier(group)
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def collective_curve(
+    op: str, sizes: tuple[int, ...], device: torch.device, group: dist.ProcessGroup, start: dist.ProcessGroup | None = None
+) -> list[tuple[float, float]]:
+    """(bytes, seconds) of one `op` of a float32 tensor of each size over `group` (p2p: rank 0 to rank 1 and back, halved),
+    issued through `behemoth.comm` as training issues them; every rank of `start` (default: `group`) begins each
+    timed run together."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    out = []
+    for nbytes in sizes:
+        n = max(world, nbytes // 4 // world * world)
+        full = torch.ones(n, device=device)
+        shard = torch.ones(n // world, device=device)
+        fn = {
+            "all_reduce": lambda: all_reduce(full, group),
+            "all_gather": lambda: all_gather(full, shard, group),
+            "reduce_scatter": lambda: reduce_scatter(shard, full, group),
+            "all_to_all": lambda: all_to_all(torch.empty_like(full), full, group),
+            "p2p": lambda: ping_pong(full, rank, group),
+        }[op]
+        seconds = timed(fn, 5, device, start or group)
+        out.append((float(n * 4), seconds / 2 if op == "p2p" else seconds))
+    return out
+
+
+def group_collectives(sizes: tuple[int, ...], device: torch.device, world: dist.ProcessGroup) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    """{group size: {op: `collective_curve`}} on the world cut into groups of consecutive ranks of each size (powers of
+    two from 2 below the world's size that divide it), every group running at once, as a job's tensor- or
+    data-parallel groups do: on shared cores a pair's all-reduce costs far less than the whole world's, which the
+    world's curve alone would charge it. This rank's group's curves."""
+    n, rank, out = dist.get_world_size(world), dist.get_rank(world), {}
+    size = 2
+    while size < n:
+        if n % size == 0:
+            groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # every rank creates every group
+            mine = groups[rank // size]
+            out[size] = {op: collective_curve(op, sizes, device, mine, world) for op in COLLECTIVES if op != "p2p"}
+        size *= 2
+    return out
+
+
+def fit_link(op: str, curve: list[tuple[float, float]], ranks: int) -> tuple[float, float]:
+    """(latency us, bus bandwidth GB/s): the latency is the fastest small message, the bandwidth what the largest
+    message adds to it (robust to the noise of a shared machine, where a least-squares fit is not)."""
+    points = sorted(curve)
+    latency = min(s for _, s in points[:2])
+    nbytes, seconds = points[-1]
+    moved = nbytes * bus_factor(op, ranks)
+    bandwidth = moved / max(seconds - latency, seconds * 0.05)
+    return latency * 1e6, bandwidth / 1e9
 
 
 def ping_pong(t: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
