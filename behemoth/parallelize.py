@@ -263,6 +263,8 @@ def build_syncs(
         [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.expert_data_group(), experts.is_expert)] if split else [(rt.data_group(), None)]
     )
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
+    if plan.zero_stage == 0 or shards_nothing(plan, kinds, optimizer_tier):
+        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
     if plan.zero_stage == 0:
@@ -317,6 +319,18 @@ def inference_model(
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[], meter=meter)
     return ParallelModel(lm, rt, [], pipeline, tp, meter, experts)
+
+
+def shards_nothing(plan: ParallelPlan, kinds: list[tuple[dist.ProcessGroup, Any]], optimizer_tier: str) -> bool:
+    """Whether ZeRO-1/2 would shard over groups of one rank only, keeping float32 parameters on the device: then its
+    states are stage 0's, and stage 0 keeps them for less (no per-micro-batch gradient copies or one-rank
+    reduce-scatters: gpt-1m under pp = 2, 16 micro-batches, 94.5 ms a step against ZeRO-2's 122.5 here)."""
+    return (
+        plan.zero_stage in (1, 2)
+        and plan.param_dtype == "fp32"
+        and optimizer_tier == "device"
+        and all(dist.get_world_size(group) == 1 for group, _ in kinds)
+    )
 
 
 def parallelize(

@@ -111,3 +111,37 @@ def _unused_parameter_body(stage):
         loss.backward()
     zero.finish()
     return clip_grad_norm([(g, 1.0) for _, g in zero.grad_slices()], 0.0, group=dist.group.WORLD)
+
+
+def _sync_kinds(world_overrides: list[str]) -> list[str]:
+    from behemoth.config import Config, load_config
+    from behemoth.engine import build_engine
+    from behemoth.parallel.zero.runtime import ZeroSync
+    from behemoth.topology import init_runtime
+
+    cfg = Config.model_validate(load_config(None, ["model=gpt-tiny", "train.global_batch=8", "train.seq_len=32", *world_overrides]).model_dump())
+    rt = init_runtime(timeout_s=60.0, **cfg.parallel.degrees())
+    try:
+        engine = build_engine(cfg, rt)
+        kinds = ["ZeroSync" if isinstance(s, ZeroSync) else type(s).__name__ for s in engine.model.syncs]
+        engine.close()
+        return kinds
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize(
+    "world, options, kind",
+    [
+        (1, ["parallel.zero_stage=2"], "DataParallel"),  # one data rank: nothing to shard, stage 0's cheaper syncs
+        (2, ["parallel.zero_stage=1", "parallel.pp=2"], "DataParallel"),  # a pipeline over both ranks: dp = 1 again
+        (1, ["parallel.zero_stage=2", "parallel.param_dtype=bf16"], "ZeroSync"),  # bf16 weights need ZeRO's float32 masters
+        (2, ["parallel.zero_stage=2"], "ZeroSync"),  # two data ranks: sharded
+    ],
+)
+def test_zero_over_one_data_rank_runs_as_stage_0(world, options, kind):
+    """ZeRO-1/2 over a data-parallel group of one shards nothing; it runs as stage 0 (gpt-1m under pp = 2 with 16
+    micro-batches: 94.5 ms a step at stage 0 against 122.5 as ZeRO-2 over one rank, before). Its equality with the
+    single process is test_pipeline_exec's and test_zero_matches_single_process's."""
+    got = run_ranks(world, _sync_kinds, options)
+    assert all(kinds and set(kinds) == {kind} for kinds in got), got
