@@ -243,3 +243,15 @@ def test_onednn_lora_equals_blas(tmp_path):
     runs = [run_ranks(1, _lora_counting, lora_config(tmp_path / m, folder, f"train.gemm={m}"))[0] for m in ("blas", "onednn")]
     assert runs[0]["onednn_calls"] == 0 and runs[1]["onednn_calls"] > 0
     assert_close_runs(*runs)
+
+
+def test_the_library_choice_is_marked_as_torch_compilers_decorator_marks():
+    """gemm marks its choice constant for torch.compile without importing torch._dynamo at import; the mark must be the
+    public decorator's (a torch that marks otherwise fails here, not silently in a compiled graph)."""
+    from behemoth.models import gemm
+
+    def reference() -> bool:
+        return True
+
+    marked = torch.compiler.assume_constant_result(reference)
+    assert vars(marked) and vars(gemm._library_chooses_onednn) == vars(marked)
