@@ -387,9 +387,18 @@ def rank_memory(work: Workload, lay: Layout, bounds: tuple[int, ...], rank: int)
     return stage_memory(work, lay, rank, rank_blocks(lay, bounds, rank))
 
 
+def as_run(work: Workload, lay: Layout) -> Layout:
+    """`lay` as the engine runs it: ZeRO-1/2 over a data-parallel group of one rank, with float32 parameters and the
+    optimizer on the device, is stage 0 (`parallelize.shards_nothing`)."""
+    if lay.zero in (1, 2) and lay.shard_ranks == 1 and work.param_dtype == "fp32" and lay.offload.tier("optimizer") == "device":
+        return lay.but(zero=0)
+    return lay
+
+
 def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int, int]], recompute: bool | None = None) -> RankMemory:
     """`rank_memory` for a rank holding `stages`, (model stage, blocks) pairs, recomputing if `recompute` (default: if
     the layout says so): what the stage-boundary search asks."""
+    lay = as_run(work, lay)
     share = work.share(lay)
     first = any(s == 0 for s, _ in stages)
     last = any(s == lay.stages - 1 for s, _ in stages)

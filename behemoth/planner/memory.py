@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from behemoth.comm import plan_buckets
@@ -286,20 +286,24 @@ def estimate(
     part = rank_model(cfg, dims, pp_rank)
     lm = part.lm
     experts = ExpertSync(part.is_expert, dims.dp, rank // dims.ep) if part.is_expert is not None and dims.ep > 1 else None
+    runs_as = {s: 0 if s in (1, 2) and dims.data_ranks == 1 and plan.param_dtype == "fp32" else s for s in stages}  # shards_nothing
     return [
-        stage_estimate(
-            lm.module,
-            s,
-            dims.data_ranks,
-            param_dtype=plan.param_dtype if s else "fp32",
-            bucket_mb=plan.bucket_mb,
-            prefetch=plan.prefetch,
-            rank=rank,
-            layers=lm.layers,
-            tie_embeddings=lm.shape.tied,
-            stage_params=part.stage_params if s in (1, 2) else None,
-            experts=experts,
-            regathers=not (plan.tp_mode == "3d" and plan.tp > 1 and not plan.tp_regather),
+        replace(
+            stage_estimate(
+                lm.module,
+                runs_as[s],
+                dims.data_ranks,
+                param_dtype=plan.param_dtype if runs_as[s] else "fp32",
+                bucket_mb=plan.bucket_mb,
+                prefetch=plan.prefetch,
+                rank=rank,
+                layers=lm.layers,
+                tie_embeddings=lm.shape.tied,
+                stage_params=part.stage_params if runs_as[s] in (1, 2) else None,
+                experts=experts,
+                regathers=not (plan.tp_mode == "3d" and plan.tp > 1 and not plan.tp_regather),
+            ),
+            stage=s,
         )
         for s in stages
     ]
