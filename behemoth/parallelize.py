@@ -68,7 +68,7 @@ from behemoth.parallel.tensor.cube import cube_of
 from behemoth.parallel.tensor.subbatch import apply_subbatches
 from behemoth.parallel.tensor.threed import TensorParallel3D, apply_tensor_parallel_3d
 from behemoth.parallel.tensor.twod import TensorParallel2D, apply_tensor_parallel_2d, grid_of
-from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters
+from behemoth.parallel.zero import ExpertUnits, ZeroPolicy, apply_zero, shard_parameters, shards_nothing
 from behemoth.plan import ParallelPlan
 from behemoth.topology import MESH_DIMS, Runtime
 
@@ -263,7 +263,7 @@ def build_syncs(
         [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.expert_data_group(), experts.is_expert)] if split else [(rt.data_group(), None)]
     )
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
-    if plan.zero_stage == 0 or shards_nothing(plan, kinds, optimizer_tier):
+    if plan.zero_stage == 0 or shards_nothing(plan.zero_stage, plan.param_dtype, optimizer_tier, [g for g, _ in kinds]):
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
@@ -319,18 +319,6 @@ def inference_model(
     if pipeline is not None:
         pipeline.start(hidden_size=lm.shape.d_model, device=rt.device, on_grads=[], meter=meter)
     return ParallelModel(lm, rt, [], pipeline, tp, meter, experts)
-
-
-def shards_nothing(plan: ParallelPlan, kinds: list[tuple[dist.ProcessGroup, Any]], optimizer_tier: str) -> bool:
-    """Whether ZeRO-1/2 would shard over groups of one rank only, keeping float32 parameters on the device: then its
-    states are stage 0's, and stage 0 keeps them for less (no per-micro-batch gradient copies or one-rank
-    reduce-scatters: gpt-1m under pp = 2, 16 micro-batches, 94.5 ms a step against ZeRO-2's 122.5 here)."""
-    return (
-        plan.zero_stage in (1, 2)
-        and plan.param_dtype == "fp32"
-        and optimizer_tier == "device"
-        and all(dist.get_world_size(group) == 1 for group, _ in kinds)
-    )
 
 
 def parallelize(

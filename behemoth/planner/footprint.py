@@ -35,7 +35,7 @@ from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.planner.attention import context_backward_working, context_saved_elements
 from behemoth.planner.census import TPShare
-from behemoth.planner.layout import Layout, Workload
+from behemoth.planner.layout import Layout, Workload, as_run
 from behemoth.planner.memory import BYTES_PER_PARAM
 from behemoth.planner.moe_memory import moe_backward_working, moe_saved_elements
 from behemoth.planner.receives import kept_receives
@@ -385,14 +385,6 @@ def working_set(share: TPShare, lay: Layout, work: Workload, stages: list[tuple[
 def rank_memory(work: Workload, lay: Layout, bounds: tuple[int, ...], rank: int) -> RankMemory:
     """Every part of the memory pipeline rank `rank` needs under `lay` (any of its dp and tp ranks: they hold the same)."""
     return stage_memory(work, lay, rank, rank_blocks(lay, bounds, rank))
-
-
-def as_run(work: Workload, lay: Layout) -> Layout:
-    """`lay` as the engine runs it: ZeRO-1/2 over a data-parallel group of one rank, with float32 parameters and the
-    optimizer on the device, is stage 0 (`parallelize.shards_nothing`)."""
-    if lay.zero in (1, 2) and lay.shard_ranks == 1 and work.param_dtype == "fp32" and lay.offload.tier("optimizer") == "device":
-        return lay.but(zero=0)
-    return lay
 
 
 def stage_memory(work: Workload, lay: Layout, rank: int, stages: list[tuple[int, int]], recompute: bool | None = None) -> RankMemory:

@@ -344,3 +344,11 @@ class Layout:
 
     def but(self, **changes: Any) -> Layout:
         return replace(self, **changes)
+
+
+def as_run(work: Workload, lay: Layout) -> Layout:
+    """`lay` as the engine runs it: ZeRO-1/2 over a data-parallel group of one rank, with float32 parameters and the
+    optimizer on the device, is stage 0 (`zero.shards_nothing`)."""
+    if lay.zero in (1, 2) and lay.shard_ranks == 1 and work.param_dtype == "fp32" and lay.offload.tier("optimizer") == "device":
+        return lay.but(zero=0)
+    return lay

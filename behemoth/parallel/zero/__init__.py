@@ -20,6 +20,7 @@ from behemoth.parallel.zero.runtime import (
     apply_zero,
     comm_volume,
     held_bytes,
+    shards_nothing,
 )
 from behemoth.parallel.zero.units import ExpertUnits, LayerNames, UnitSpec, shard_parameters
 
@@ -37,4 +38,5 @@ __all__ = [
     "comm_volume",
     "held_bytes",
     "shard_parameters",
+    "shards_nothing",
 ]
