@@ -263,7 +263,7 @@ def build_syncs(
         [(rt.data_group(), lambda n: not experts.is_expert(n)), (rt.expert_data_group(), experts.is_expert)] if split else [(rt.data_group(), None)]
     )
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a LoRA base: no gradients, no optimizer state
-    if plan.zero_stage == 0 or shards_nothing(plan.zero_stage, plan.param_dtype, optimizer_tier, [g for g, _ in kinds]):
+    if plan.zero_stage == 0 or shards_nothing(plan.zero_stage, plan.param_dtype, optimizer_tier, max(dist.get_world_size(g) for g, _ in kinds)):
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]

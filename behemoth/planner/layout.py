@@ -16,6 +16,7 @@ from typing import Any
 
 from behemoth.offload.policy import OffloadPolicy
 from behemoth.parallel.pipeline.refusals import V_SCHEDULES  # two model chunks per rank in a V: stages r and 2p-1-r
+from behemoth.parallel.zero.runtime import shards_nothing
 from behemoth.parallel.zero.tiers import TIER_NAMES
 from behemoth.plan import ParallelPlan
 from behemoth.planner.census import ModelCensus, TPShare
@@ -349,6 +350,4 @@ class Layout:
 def as_run(work: Workload, lay: Layout) -> Layout:
     """`lay` as the engine runs it: ZeRO-1/2 over a data-parallel group of one rank, with float32 parameters and the
     optimizer on the device, is stage 0 (`zero.shards_nothing`)."""
-    if lay.zero in (1, 2) and lay.shard_ranks == 1 and work.param_dtype == "fp32" and lay.offload.tier("optimizer") == "device":
-        return lay.but(zero=0)
-    return lay
+    return lay.but(zero=0) if shards_nothing(lay.zero, work.param_dtype, lay.offload.tier("optimizer"), lay.shard_ranks) else lay

@@ -31,7 +31,7 @@ from behemoth.comm import plan_buckets
 from behemoth.errors import Problem
 from behemoth.models.layered import view_of
 from behemoth.parallel.zero.layout import FlatLayout
-from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT, plan_stage_buckets
+from behemoth.parallel.zero.runtime import MAX_BUCKETS_IN_FLIGHT, plan_stage_buckets, shards_nothing
 from behemoth.parallel.zero.units import ExpertUnits, LayerNames, UnitSpec, plan_units, split_expert_units
 from behemoth.planner.rank import rank_model
 
@@ -286,7 +286,7 @@ def estimate(
     part = rank_model(cfg, dims, pp_rank)
     lm = part.lm
     experts = ExpertSync(part.is_expert, dims.dp, rank // dims.ep) if part.is_expert is not None and dims.ep > 1 else None
-    runs_as = {s: 0 if s in (1, 2) and dims.data_ranks == 1 and plan.param_dtype == "fp32" else s for s in stages}  # shards_nothing
+    runs_as = {s: 0 if shards_nothing(s, plan.param_dtype, "device", dims.data_ranks) else s for s in stages}  # as the engine runs it
     return [
         replace(
             stage_estimate(

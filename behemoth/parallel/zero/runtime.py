@@ -345,9 +345,9 @@ def apply_zero(
     return cls(model, group, policy, stage_params=stage_params, meter=meter, select=select)
 
 
-def shards_nothing(stage: int, param_dtype: str, optimizer_tier: str, groups: list[dist.ProcessGroup]) -> bool:
-    """Whether ZeRO-1/2 would shard over groups of one rank only, float32 parameters and the optimizer on the device:
-    then its states are stage 0's, which keeps them for less (no per-micro-batch gradient copies or one-rank
-    reduce-scatters: gpt-1m under pp = 2, 16 micro-batches, 94.5 ms a step against ZeRO-2's 122.5 here), and
-    `parallelize` builds stage 0's sync instead (docs/performance.md)."""
-    return stage in (1, 2) and param_dtype == "fp32" and optimizer_tier == "device" and all(dist.get_world_size(g) == 1 for g in groups)
+def shards_nothing(stage: int, param_dtype: str, optimizer_tier: str, data_ranks: int) -> bool:
+    """Whether ZeRO-1/2 over `data_ranks` would shard nothing (one rank), with float32 parameters and the optimizer on
+    the device: then its states are stage 0's, which keeps them for less (no per-micro-batch gradient copies or
+    one-rank reduce-scatters: gpt-1m under pp = 2, 16 micro-batches, 94.5 ms a step against ZeRO-2's 122.5 here). The
+    engine builds stage 0's sync for it (`parallelize.build_syncs`) and the planner prices it so (docs/performance.md)."""
+    return stage in (1, 2) and param_dtype == "fp32" and optimizer_tier == "device" and data_ranks == 1
