@@ -85,3 +85,22 @@ def test_the_run_directory_keeps_the_tokenizer_it_trained_with(setup, tmp_path):
         tok = tokenizer_for(1000, home)
         assert tok is not None and tok.encode("alpha beta gamma") == expected
     assert tokenizer_home(load_config(None, [*opts, "data.tokenizer=bytes"]), bare) == str(bare)
+
+
+def test_an_exported_folder_carries_the_tokenizer_it_trained_with(setup, tmp_path):
+    """`behemoth export RUN --hf OUT` writes the run's tokenizer beside the weights: transformers loads OUT's tokenizer
+    to the ids and chat rendering of the folder the run trained with, so OUT serves and fine-tunes again on its own."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from behemoth.cli import main
+
+    opts, _ = setup
+    given = dict(o.split("=", 1) for o in opts)
+    trained, out = Path(given["data.path"]).parent / "ref", tmp_path / "exported"
+    assert main(["export", str(trained), "--hf", str(out)]) == 0
+    theirs, ours = (AutoTokenizer.from_pretrained(str(f), local_files_only=True) for f in (given["hf.weights"], out))
+    chat = _chats(2)[1]["messages"]
+    assert ours("alpha beta gamma")["input_ids"] == theirs("alpha beta gamma")["input_ids"]
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)

@@ -398,7 +398,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     use = "behemoth export {}"
     ckpt = resolve_checkpoint(args.path, use=use)
     saved = validate_checkpoint(ckpt, None, use=use).get("config", {})
-    from behemoth.cli.export import export_lora, is_lora_run, refuse_merge
+    from behemoth.cli.export import export_lora, export_tokenizer, is_lora_run, refuse_merge
 
     if is_lora_run(saved):  # adapters only: in PEFT's layout, or merged into the base (--merge)
         return export_lora(args, ckpt, saved)
@@ -408,7 +408,8 @@ def export_checkpoint(args: argparse.Namespace) -> int:
         from behemoth.faults.checkpoint import export_pretrained
 
         folder = export_pretrained(ckpt, Path(args.hf), build_causal_lm(model_cfg, hf_cfg).module)
-        print(f"behemoth: wrote {folder} (transformers save_pretrained layout) from {ckpt}")
+        tokenizer = export_tokenizer(saved, ckpt.parent.parent, folder)
+        print(f"behemoth: wrote {folder} (transformers save_pretrained layout{tokenizer}) from {ckpt}")
         return 0
     out = Path(args.out) if args.out else ckpt.parent.parent / "model.safetensors"
     export_safetensors(ckpt, out, build_causal_lm(model_cfg, hf_cfg).module)

@@ -31,6 +31,18 @@ def export_lora(args: argparse.Namespace, ckpt: Path, saved: dict[str, Any]) -> 
     return 0
 
 
+def export_tokenizer(saved: dict[str, Any], run_dir: Path, folder: Path) -> str:
+    """The tokenizer the run trained with (the run directory's copy, else the folder that encoded its corpus) written
+    into the exported folder, so that it loads and chats on its own; what the export line says of it."""
+    from behemoth.config import Config
+    from behemoth.data import copy_tokenizer
+    from behemoth.inference.loading import tokenizer_home
+
+    home = tokenizer_home(Config.model_validate(saved), run_dir)
+    copied = copy_tokenizer(home, folder)
+    return f", with the tokenizer from {home}" if copied else ", no tokenizer: the run trained on bytes"
+
+
 def refuse_merge(args: argparse.Namespace) -> None:
     if getattr(args, "merge", False):
         raise BehemothError(f"export --merge: {args.path} is not a LoRA run (finetune.lora.enabled=false): nothing to merge", "drop --merge")
