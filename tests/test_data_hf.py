@@ -179,3 +179,43 @@ def test_eval_prints_the_loss_transformers_computes(tokenizer_dir, tmp_path, cap
     with torch.no_grad():
         theirs = [float(model(ids[s : s + 17][None], labels=ids[s : s + 17][None]).loss) for s in starts]
     assert got["targets"] == 16 * len(starts) and abs(got["loss"] - np.mean(theirs)) <= 1e-5 * got["loss"]
+
+
+def test_eval_of_a_chat_corpus_reads_each_conversation_from_its_start(tokenizer_dir, tmp_path, capsys):
+    """Chats train on sequences that start at a conversation (data.packing=document), so `behemoth eval` scores them so:
+    its loss equals transformers' loss over each conversation read from its first token (one longer than the window in
+    windows of seq_len + 1 tokens; the split's last window starts early enough to fit), its assistant tokens only,
+    each counted once. Consecutive windows would cut answers off their questions: another loss."""
+    import shutil
+
+    import transformers
+
+    from behemoth.cli.eval import eval_main
+    from tests.offline_tokenizer import build_llama
+
+    folder = tmp_path / "llama"
+    shutil.copytree(tokenizer_dir, folder)
+    build_llama(folder, len(_hf(tokenizer_dir)))
+    path = _jsonl(tmp_path / "chats.jsonl", [{"messages": CHATS[i % 2]} for i in range(40)])
+    cache, seq_len = str(tmp_path / "cache"), 48
+    assert eval_main([str(folder), "--data", str(path), "--json", f"data.cache_dir={cache}", f"train.seq_len={seq_len}"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    c = prepare_corpus(str(path), 0.05, cache, tokenizer=str(folder))
+    model = transformers.LlamaForCausalLM.from_pretrained(str(folder)).eval()
+    total, count, longer = 0.0, 0, 0
+    for name in ("train", "val"):
+        split = c.split(name, documents=True)
+        tokens = torch.tensor(np.asarray(split.tokens, dtype=np.int64))
+        mask = torch.from_numpy(np.asarray(split.mask, dtype=bool))
+        for s, e in zip(split.starts, [*split.starts[1:], len(tokens)]):
+            longer += e - s > seq_len + 1
+            for o in range(s, e - 1, seq_len):
+                start, last = min(o, len(tokens) - seq_len - 1), min(o + seq_len, e - 1)
+                with torch.no_grad():
+                    logits = model(tokens[start : last + 1][None]).logits[0, o - start : -1]
+                ids, keep = tokens[o + 1 : last + 1], mask[o + 1 : last + 1]
+                total += float(torch.nn.functional.cross_entropy(logits[keep], ids[keep], reduction="sum"))
+                count += int(keep.sum())
+    assert longer > 0, "no conversation was longer than a window: the test would not read one in two"
+    assert got["targets"] == count > 0
+    assert abs(got["loss"] - total / count) <= 1e-5 * got["loss"]
