@@ -104,3 +104,28 @@ def test_an_exported_folder_carries_the_tokenizer_it_trained_with(setup, tmp_pat
     chat = _chats(2)[1]["messages"]
     assert ours("alpha beta gamma")["input_ids"] == theirs("alpha beta gamma")["input_ids"]
     assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+
+
+def test_generate_renders_a_chat_with_the_runs_template(setup, capsys):
+    """`behemoth generate RUN --chat TEXT --system TEXT` prompts with the ids the tokenizer's chat template gives the
+    conversation, the assistant's turn opened, and generates what those ids give as a prompt."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from behemoth.cli import main
+    from behemoth.inference import SamplingParams, load
+
+    opts, _ = setup
+    given = dict(o.split("=", 1) for o in opts)
+    trained = Path(given["data.path"]).parent / "ref"
+    messages = [{"role": "system", "content": "reply in greek letters"}, {"role": "user", "content": "alpha beta"}]
+    ids = AutoTokenizer.from_pretrained(given["hf.weights"], local_files_only=True).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    argv = ["generate", str(trained), "--chat", "alpha beta", "--system", "reply in greek letters", "--json", "--ignore-eos", "--max-tokens", "6"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["prompt_tokens"] == list(ids) and len(ids) > 2
+    assert got["tokens"] == load(str(trained)).generate([list(ids)], SamplingParams(max_tokens=6), ignore_eos=True)[0].tokens

@@ -290,6 +290,8 @@ def test_checkpoint_of_another_layout_loads_and_generates_alike(trained_run):
         (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not a comma-separated list of integers"),
         (["--prompt", "x", "--top-p", "2"], "--top-p: Input should be less than or equal to 1"),
         ([], "no prompt given"),
+        (["--chat", "hi"], "this model's tokenizer has no chat template"),
+        (["--prompt", "x", "--system", "be brief"], "--system without --chat"),
         (["--prompt", "x", "model.n_layer=3"], "saved from a different model (model.n_layer: checkpoint 2, config 3)"),
     ],
 )

@@ -15,6 +15,7 @@ EXAMPLES_GENERATE = """examples:
   behemoth generate runs/20261130-075637 --prompt "def main(" --max-tokens 64
   behemoth generate runs/X --prompt "import " --prompt "class " --temperature 0.8 --top-p 0.9 --seed 1
   behemoth generate path/to/save_pretrained_dir --prompt-ids 1,2,3 --json
+  behemoth generate runs/my-chat-finetune --chat "What is 12 plus 30?" --system "be brief"  # the chat template's rendering
   behemoth generate runs/X --nproc 2 --tp 2 --prompt "def "         # tensor-parallel: KV cache split by heads
   behemoth generate runs/X --nproc 2 --pp 2 --prompt "a" --prompt "b" # pipeline: micro-batches of requests
   behemoth generate moe_run --nproc 2 --ep 2 --prompt "def "         # expert-parallel: half of every MoE layer's experts each
@@ -164,6 +165,14 @@ def generate_parser() -> argparse.ArgumentParser:
     add_speculative_options(p)
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", action="append", default=[], metavar="I,J,K", help="a prompt as comma-separated token ids")
+    p.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a user message, rendered with the model's chat template and the assistant's turn opened (repeat for a batch)",
+    )
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before every --chat message")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; otherwise sample at this temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -216,12 +225,16 @@ def prompts_of(args: argparse.Namespace) -> list[Any]:
             prompts.append([int(t) for t in text.split(",") if t.strip()])
         except ValueError:
             raise BehemothError(f"--prompt-ids {text!r} is not a comma-separated list of integers", "write e.g. --prompt-ids 1,2,3") from None
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    if system and not args.chat:
+        raise BehemothError("--system without --chat: a system message belongs to a conversation", "add --chat TEXT")
+    prompts += [{"messages": [*system, {"role": "user", "content": text}]} for text in args.chat]
     if not prompts:
-        raise BehemothError("no prompt given", "pass --prompt TEXT or --prompt-ids 1,2,3")
+        raise BehemothError("no prompt given", "pass --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3")
     return prompts
 
 
-def worker(
+def generate_here(
     source: str,
     overrides: list[str],
     prompts: list[Any],
@@ -239,29 +252,34 @@ def worker(
     tp_mode: str = "1d",
     decode_lanes: bool = True,
 ) -> Any:
-    """One launched process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
+    """One process of a sharded (or offloaded: `offload` an OffloadPolicy) generation; `speculative`: (a draft
     folder or NgramDraft, tokens per step); `experts`: (ep, expert layout); `split_products`, `decode_lanes`: CachePolicy's;
     `tp_mode` 2d: the tp ranks as a grid."""
     from behemoth.inference.generate import CachePolicy, generate_on_ranks
 
+    return generate_on_ranks(
+        source,
+        overrides,
+        prompts,
+        params,
+        tp=tp,
+        pp=pp,
+        ep=experts[0],
+        expert_layout=experts[1],
+        cache=CachePolicy(block_size, memory_mb, split_products=split_products, decode_lanes=decode_lanes),
+        ignore_eos=ignore_eos,
+        quantize=quantize,
+        offload=offload,
+        draft=speculative[0],
+        draft_tokens=speculative[1],
+        tp_mode=tp_mode,
+    )
+
+
+def worker(*args: Any) -> Any:
+    """`generate_here` in a launched process: a refusal printed here too (the launcher reports only that it failed)."""
     try:
-        return generate_on_ranks(
-            source,
-            overrides,
-            prompts,
-            params,
-            tp=tp,
-            pp=pp,
-            ep=experts[0],
-            expert_layout=experts[1],
-            cache=CachePolicy(block_size, memory_mb, split_products=split_products, decode_lanes=decode_lanes),
-            ignore_eos=ignore_eos,
-            quantize=quantize,
-            offload=offload,
-            draft=speculative[0],
-            draft_tokens=speculative[1],
-            tp_mode=tp_mode,
-        )
+        return generate_here(*args)
     except BehemothError as err:
         print(f"{ERROR_PREFIX}{err}", file=sys.stderr, flush=True)
         raise
@@ -339,7 +357,7 @@ def run_generate(args: argparse.Namespace) -> int:
         call = (args.source, args.overrides, prompts, params, args.tp, args.pp, args.block_size, args.kv_cache_mb, args.ignore_eos, args.quantize)
         experts = (args.ep, args.expert_layout)
         rest = (offload, speculative, experts, args.split_products, args.tp_mode, not args.no_decode_lanes)
-        out = worker(*call, *rest) if nproc == 1 else launch(nproc, worker, *call, *rest)[0]
+        out = generate_here(*call, *rest) if nproc == 1 else launch(nproc, worker, *call, *rest)[0]
     return print_completions(out, args.json)
 
 

@@ -270,9 +270,11 @@ def offer(root: Path, use: str, *, besides: Path | None = None) -> str:
     return f"the newest intact checkpoint is {intact}: {use.format(intact)}"
 
 
-def resolve_checkpoint(path: str | Path, *, use: str = "--resume {}") -> Path:
+def resolve_checkpoint(
+    path: str | Path, *, use: str = "--resume {}", missing: str = "point --resume at a run directory that has saved a checkpoint"
+) -> Path:
     """A checkpoint folder from a run directory (its latest), a checkpoints/ folder or a step folder. `latest` must
-    name a step folder beside it."""
+    name a step folder beside it. `use` and `missing`: the fixes offered, in the words of the calling command."""
     p = Path(path)
     if (p / "meta.json").exists() or (p / ".metadata").exists() or STEP_NAME.fullmatch(p.name):
         if not p.is_dir():
@@ -283,7 +285,7 @@ def resolve_checkpoint(path: str | Path, *, use: str = "--resume {}") -> Path:
     if not pointer.is_file():
         if step_folders(root):
             raise BehemothError(f"{root} has checkpoints but no `latest` pointer", offer(root, use))
-        raise BehemothError(f"no checkpoint found at {path}", "point --resume at a run directory that has saved a checkpoint")
+        raise BehemothError(f"no checkpoint found at {path}", missing)
     name = pointer.read_text(errors="replace").strip()
     if not STEP_NAME.fullmatch(name) or not (root / name).is_dir():
         raise BehemothError(f"{pointer} names {name[:80]!r}, which is not a checkpoint folder beside it", offer(root, use))

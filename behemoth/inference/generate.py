@@ -416,7 +416,7 @@ def _generate_loaded(
     rt = model.rt
     sampling = [SamplingParams.model_validate(p) for p in params]
     vocab = model.lm.shape.vocab_size
-    tokenizer = tokenizer_for(vocab, source.folder) if any(isinstance(p, str) for p in prompts) else None
+    tokenizer = tokenizer_for(vocab, source.folder) if any(isinstance(p, (str, dict)) for p in prompts) else None
     lengths = [len(encode_prompt(p, tokenizer, vocab)) for p in prompts]  # on every rank: their caches must agree
     cache = cache.for_batch(lengths, [sp.max_tokens for sp in sampling])
     if rt.rank != 0:

@@ -55,7 +55,9 @@ def resolve_source(path: str | Path, overrides: list[str] = ()) -> Source:
         raise BehemothError(f"{path} does not exist", "pass a run directory, a checkpoint folder or a save_pretrained folder")
     if (p / "config.json").is_file() and not (p / "meta.json").exists() and not (p / "checkpoints").is_dir():
         return Source(load_config(None, [f"hf.weights={p}", *overrides]), None, str(p))
-    ckpt = resolve_checkpoint(p)
+    ckpt = resolve_checkpoint(
+        p, use="use {} instead", missing="pass a run directory that has saved a checkpoint, a checkpoint folder or a save_pretrained folder"
+    )
     verify_files(ckpt)
     saved = read_meta(ckpt).get("config")
     if not isinstance(saved, dict):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from behemoth.data import ByteTokenizer
 from behemoth.errors import BehemothError
@@ -90,8 +90,24 @@ def tokenizer_for(vocab_size: int, folder: str | None = None) -> Tokenizer | Non
     return ByteText(vocab_size) if vocab_size > ByteTokenizer.vocab_size else None
 
 
-def encode_prompt(prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
-    """Token ids of a prompt given as text or as ids, each id checked against the vocabulary."""
+def render_messages(messages: list[dict[str, str]], tokenizer: Tokenizer | None) -> list[int]:
+    """The ids of a conversation rendered by the tokenizer's chat template, the assistant's turn opened."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise BehemothError(
+            "this model's tokenizer has no chat template, so a conversation cannot be rendered",
+            "pass --prompt TEXT, or use a folder whose tokenizer_config.json (or chat_template.jinja) has one",
+        )
+    try:
+        return list(getattr(tokenizer, "render_chat")(messages))  # noqa: B009 (a template-bearing tokenizer)
+    except Exception as err:  # the template's own refusal (roles it does not know, an order it forbids)
+        raise BehemothError(f"the chat template refused the conversation ({err.__class__.__name__}: {str(err)[:160]})") from None
+
+
+def encode_prompt(prompt: str | list[int] | dict[str, Any], tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """Token ids of a prompt given as text, as ids or as a conversation ({"messages": [...]}, rendered by the chat
+    template), each id checked against the vocabulary."""
+    if isinstance(prompt, dict):
+        prompt = render_messages(prompt["messages"], tokenizer)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise BehemothError(
