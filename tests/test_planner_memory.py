@@ -7,6 +7,8 @@ are part of the measured peak, and their count must equal the one the planner re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from behemoth.config import Config
@@ -83,7 +85,10 @@ def kept_receive_bytes(work: Workload, lay: Layout, rank: int) -> float:
 
 def mismatches(world: int, plans: list[tuple[str, ...]], tmp_path, tolerance: float = TOLERANCE) -> list[str]:
     """Every (plan, rank) whose predicted peak is off the measured one by more than `tolerance` (5%; states and kept
-    receive buffers must match exactly)."""
+    receive buffers must match exactly). A streamed stage's deferred optimizer steps run on `offload.io_threads` threads
+    and the planner prices them all at once; whether two do overlap is the threads' timing (rank 0's peak moved 8-15%
+    between runs), so its measured peak must lie within `tolerance` of the band from one step at a time (the prediction
+    with io_threads=1) to all at once (the prediction). Every other plan's band is one point."""
     cfgs = [tiny_config(tmp_path / "run", *BASE, *plan) for plan in plans]
     ranks = run_ranks(world, measure_all, cfgs, timeout=300)
     cluster = load_cluster("a100-80gb")
@@ -92,15 +97,18 @@ def mismatches(world: int, plans: list[tuple[str, ...]], tmp_path, tolerance: fl
         cfg = Config.model_validate(cfgs[i])
         work, lay = Workload.of(cfg), Layout.of_config(cfg, world)
         cost = price(work, lay, cluster)
+        one_at_a_time = price(work, dataclasses.replace(lay, offload=dataclasses.replace(lay.offload, io_threads=1)), cluster)
         for got in (r[i] for r in ranks):
             predicted = cost.memory[got["coords"]["pp"]]
+            floor = one_at_a_time.memory[got["coords"]["pp"]].peak
             states = sum(got["states"][k] for k in ("params", "grads", "optimizer"))
             assert abs(predicted.states - states) <= 0.002 * states, f"{plan} rank {got['rank']}: states {predicted.states} vs {states}"
             kept = kept_receive_bytes(work, lay, got["coords"]["pp"])
             assert kept == got["kept_receives"], f"{plan} rank {got['rank']}: kept receive buffers {kept} vs {got['kept_receives']}"
-            error = predicted.peak / got["peak"] - 1
-            worst.append((abs(error), plan, got["rank"], predicted.peak, got["peak"]))
-    return [f"{' '.join(p) or 'dp'} rank {r}: predicted {a:.0f} vs measured {b} ({e:.1%})" for e, p, r, a, b in worst if e > tolerance]
+            error = max(floor / got["peak"] - 1, 1 - predicted.peak / got["peak"], 0.0)  # outside [floor, predicted]
+            band = f"{floor:.0f}-{predicted.peak:.0f}" if floor != predicted.peak else f"{predicted.peak:.0f}"
+            worst.append((error, plan, got["rank"], band, got["peak"]))
+    return [f"{' '.join(p) or 'dp'} rank {r}: predicted {a} vs measured {b} ({e:.1%})" for e, p, r, a, b in worst if e > tolerance]
 
 
 @pytest.mark.parametrize("world", sorted(GRID))

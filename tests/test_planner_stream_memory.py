@@ -1,4 +1,7 @@
-"""A streamed pipeline's predicted peak against the measured one, per rank, within 5% (planner/stream_memory.py).
+"""A streamed pipeline's predicted peak against the measured one, per rank, within 5% (planner/stream_memory.py); for a
+first stage, whose deferred optimizer steps run on two I/O threads that may or may not overlap (its measured peak moved
+8-15% from run to run), within 5% of the band between one step at a time and both at once, the planner's price
+(tests/test_planner_memory.mismatches).
 
 Each stage streams its own units from disk (on this CPU-only machine the host tier is the stored tensor itself, where a
 GPU's fetch copies it to the device as a disk fetch does here), and the measured peak counts every allocation, the I/O
@@ -32,7 +35,6 @@ SLOW_GRID = {
 }
 
 
-@pytest.mark.slow  # rank 0's peak depends on whether its two I/O threads' deferred steps overlap: 14.6% lower on a loaded CI
 @pytest.mark.parametrize("world", sorted(GRID))
 def test_a_streamed_pipelines_predicted_peak_matches_measured(world, tmp_path):
     assert mismatches(world, GRID[world], tmp_path) == []
