@@ -70,6 +70,18 @@ def test_text_folder_npy_and_bin(tmp_path):
     assert prepare_corpus(str(binf), 0.1, str(tmp_path / "cache")).vocab_size == 700
 
 
+def test_a_text_file_that_is_not_utf8_is_named_once(tmp_path, capsys):
+    """A Latin-1 file trains on U+FFFD where its accented letters were: preparing the corpus says so, naming the file,
+    how many byte sequences were replaced and where the first is; a UTF-8 file (one holding U+FFFD itself) says nothing."""
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "good.txt").write_text("déjà vu \ufffd " * 50)
+    (text / "latin1.txt").write_bytes("café crème brûlée ".encode("latin-1") * 50)
+    prepare_corpus(str(text), 0.1, str(tmp_path / "cache"))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "latin1.txt is not UTF-8 (200 invalid byte sequence(s), the first at byte 3)" in warnings[0]
+
+
 def _bad_corpus(root, kind):
     path = root / kind
     if kind == "empty_folder":
@@ -80,6 +92,8 @@ def _bad_corpus(root, kind):
         np.save(path, np.zeros((2, 2)))
     elif kind == "odd.bin":
         path.write_bytes(b"abc")
+    elif kind == "latin1.jsonl":
+        path.write_bytes('{"text": "ok"}\n{"text": "café"}\n'.encode("latin-1"))
     return path
 
 
@@ -91,6 +105,7 @@ def _bad_corpus(root, kind):
         ("empty.txt", "holds 0 tokens"),
         ("matrix.npy", "save a 1-D integer"),
         ("odd.bin", "odd number of bytes"),
+        ("latin1.jsonl", "line 2 is not UTF-8"),
     ],
 )
 def test_bad_corpora_are_refused(tmp_path, kind, message):

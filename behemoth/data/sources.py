@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,7 +105,25 @@ def documents(f: Path, field: str) -> Iterator[Document]:
     elif f.suffix == ".parquet":
         yield from _records_of(_parquet_rows(f), f, field)
     else:
-        yield f.read_bytes().decode("utf-8", errors="replace")
+        yield decode_text(f)
+
+
+def decode_text(f: Path) -> str:
+    """A text file as UTF-8; bytes that are not UTF-8 become U+FFFD, and the file is named once on stderr with how many
+    and where the first is (a Latin-1 or UTF-16 file would otherwise train on replacement characters unseen)."""
+    raw = f.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        text = raw.decode("utf-8", errors="replace")
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode())
+        print(
+            f"behemoth: warning: {f} is not UTF-8 ({bad} invalid byte sequence(s), the first at byte {err.start}): "
+            "they are read as U+FFFD; re-encode the file as UTF-8 (iconv -f latin1 -t utf-8) to keep them",
+            file=sys.stderr,
+            flush=True,
+        )
+        return text
 
 
 def has_records(files: list[Path]) -> bool:
@@ -112,8 +131,14 @@ def has_records(files: list[Path]) -> bool:
 
 
 def _jsonl_rows(f: Path) -> Iterator[Any]:
-    with f.open(encoding="utf-8") as lines:
-        for n, line in enumerate(lines, 1):
+    with f.open("rb") as lines:
+        for n, raw in enumerate(lines, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise BehemothError(
+                    f"{f} line {n} is not UTF-8 (byte {err.start} of the line)", "JSON Lines are UTF-8: re-encode the file (iconv -t utf-8)"
+                ) from None
             if line.strip():
                 try:
                     yield json.loads(line)
