@@ -412,6 +412,15 @@ def check_key(parts: list[str]) -> None:
             model = annotation
 
 
+def unknown_option(key: str) -> str:
+    """`unknown option KEY` and, where a real key is close, the suggestion `check_key` makes on the command line."""
+    try:
+        check_key(key.split("."))
+    except BehemothError as err:
+        return str(err)
+    return f"unknown option {key}"
+
+
 def describe_validation_error(err: ValidationError, raw: dict[str, Any]) -> str:
     """One line per bad value: `key=value: what is wrong`."""
     lines = []
@@ -419,7 +428,7 @@ def describe_validation_error(err: ValidationError, raw: dict[str, Any]) -> str:
         loc = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown option {loc}")
+            lines.append(unknown_option(loc))
         elif loc:
             lines.append(f"{loc}={e.get('input')!r}: {msg}")
         else:

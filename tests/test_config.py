@@ -46,6 +46,14 @@ def test_bad_options_are_one_clear_line(override, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_config_files_misspelled_key_gets_the_command_lines_suggestion(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  stpes: 10\n  lr: 0.01\nmodel:\n  preset: gpt-tiny\n")
+    with pytest.raises(BehemothError) as err:
+        load_config(path)
+    assert "unknown option train.stpes; did you mean train.steps?" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_parallel_dims_name_every_factor():
     with pytest.raises(BehemothError, match=r"pp=2 x dp=2 x ep=1 x tp=2 = 8, but the world size is 4"):
         ParallelDims(world_size=4, pp=2, dp=2, tp=2)
