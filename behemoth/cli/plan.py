@@ -140,8 +140,12 @@ def run_plan(args: argparse.Namespace) -> int:
     print(assumptions(result.ranked, work, cluster))
     print(
         f"planned in {time.perf_counter() - t0:.2f} s: {result.layouts} layouts, {result.priced} priced, "
-        f"{len(result.refused)} refused by problems(); every row's step time from "
-        f"{'the schedule simulator' if any(c.time.simulated for c in result.ranked) else 'one closed form'}"
+        f"{len(result.refused)} refused by problems(); "
+        + (
+            "every pipelined row's step time from the schedule simulator"
+            if any(c.time.simulated for c in result.ranked)
+            else "every row's step time from one closed form"
+        )
     )
     if args.out:
         Path(args.out).write_text(plan_yaml(cfg, result.ranked[0]))
@@ -198,9 +202,17 @@ def assumptions(ranked: list[PlanCost], work: Workload, cluster: ClusterSpec) ->
             + f" against the whole world's {intra.ops.get('all_reduce', (0.0, 0.0))[0]:.0f})"
         )
     lines += grid_assumptions(lays)
-    if any(lay.pp > 1 for lay in lays):
+    pipelined = sum(1 for lay in lays if lay.pp > 1)
+    if pipelined:
         simulated = sum(1 for c in ranked if c.time.simulated)
-        lines.append(f"  pipelines: {simulated} of the ranked step times from the schedule simulator, the rest from its closed form")
+        how = (
+            "by the schedule simulator"
+            if simulated == pipelined
+            else "by the simulator's closed form (a pipeline too long to simulate quickly)"
+            if not simulated
+            else f"{simulated} by the schedule simulator, the rest by its closed form"
+        )
+        lines.append(f"  pipelines: the {pipelined} pipelined rows' step times {how} (a row without a pipeline has no bubble to simulate)")
     if any(lay.ep > 1 for lay in lays):
         routing = f"capacity factor {work.capacity_factor} (padded slots)" if work.capacity_factor is not None else "dropless, balanced routing"
         lines.append(f"  experts: {work.routed_rows:g} rows per token each way in each all-to-all ({routing}), not overlapped with compute")
