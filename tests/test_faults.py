@@ -46,8 +46,11 @@ def test_a_killed_worker_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path)
         wait_for_step(proc, tmp_path / "run", step)
         addresses = listening_addresses([proc.pid, *descendants(proc.pid)])
         victim = random.choice(workers(proc.pid))
+        victim_cmdline = Path(f"/proc/{victim}/cmdline").read_bytes().replace(b"\0", b" ")[:300]
         os.kill(victim, signal.SIGKILL)
         _, err = proc.communicate(timeout=300)
+    if "restarting the workers (restart 1 of 3)" not in err:  # the whole log, shown under "Captured stderr" if it fails
+        print(f"killed pid {victim} at step {step}: {victim_cmdline!r}\n{err}", file=sys.stderr)
     assert proc.returncode == 0, err[-3000:]
     assert "restarting the workers (restart 1 of 3)" in err and "killed by signal SIGKILL" in err, (
         step,
