@@ -267,8 +267,6 @@ def build_syncs(
         return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     if frozen and plan.zero_stage in (1, 2):
         kinds = [(group, lambda n, s=select: n not in frozen and (s is None or s(n))) for group, select in kinds]
-    if plan.zero_stage == 0:
-        return [apply_data_parallel(model, group, DataParallelPolicy(plan.bucket_mb), select=select, meter=meter) for group, select in kinds]
     policy = ZeroPolicy(plan.zero_stage, plan.bucket_mb, plan.prefetch, plan.param_dtype, optimizer_tier)
     if plan.zero_stage == 3:  # a frozen base's units have no gradient: the adapters, whole, are all-reduced beside them
         adapters = [apply_data_parallel(model, kinds[0][0], DataParallelPolicy(plan.bucket_mb), meter=meter)] if frozen else []
